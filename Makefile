@@ -1,0 +1,41 @@
+# Set-up and everyday commands. `make build` and `make test` install on demand.
+PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install build test lint format regen bench clean
+
+install: $(STAMP)
+
+# The venv is rebuilt when pyproject.toml changes (stale) or when it is missing.
+$(STAMP): pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 not found (install it, e.g. 'pyenv install 3.12.1')" >&2; exit 2; }
+	@if [ ! -x $(PY) ] || ! $(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then \
+		rm -rf $(VENV); $(PYTHON312) -m venv $(VENV); fi
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+build: $(STAMP)
+	$(VENV)/bin/mkgen build kimi-k3 --topology 2x2x4
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check mkgen tests scripts
+	$(VENV)/bin/ruff format --check mkgen tests scripts
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix mkgen tests scripts
+	$(VENV)/bin/ruff format mkgen tests scripts
+
+regen: $(STAMP)
+	$(PY) -m mkgen.cli regen
+
+bench: $(STAMP)
+	$(PY) scripts/bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,549 @@
+"""The model spec language: what the network is, nothing about hardware.
+
+Every model is a ModelSpec: global dims, named attention and FFN kinds, a layer
+table that assigns one attention kind and one FFN kind to every layer, optional
+cross-block attention residual, and a weight format per weight family. All
+models are strict (unknown keys and wrong types are rejected) and frozen.
+docs/spec-reference.md documents every field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from mkgen.spec.quant import parse_format
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class StrictModel(BaseModel):
+    """Base: unknown keys rejected, no type coercion, immutable."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+# ---------------------------------------------------------------- positions
+
+
+class YarnScaling(StrictModel):
+    """YaRN context extension of RoPE (DeepSeek-V3 / Kimi K2 / gpt-oss)."""
+
+    type: Literal["yarn"] = "yarn"
+    factor: PositiveFloat
+    original_max_position: PositiveInt
+    beta_fast: PositiveFloat = 32.0
+    beta_slow: PositiveFloat = 1.0
+    # Attention-scale correction: DeepSeek multiplies the softmax scale by
+    # yarn_mscale(factor, mscale_all_dim)**2; cos/sin by the ratio of the two mscales.
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    # gpt-oss computes the correction ranges without flooring/ceiling them.
+    truncate: bool = True
+
+
+class Rope(StrictModel):
+    """Rotary position embedding; absent (null) on a layer kind means NoPE."""
+
+    theta: PositiveFloat
+    # Dims rotated per head (partial rotary); null rotates the whole rotary part.
+    rotary_dim: PositiveInt | None = None
+    # true: pairs are adjacent (x0,x1),(x2,x3)...; false: halves (x_i, x_{i+d/2}).
+    interleaved: bool = False
+    scaling: YarnScaling | None = None
+
+    @field_validator("rotary_dim")
+    @classmethod
+    def _even(cls, value: int | None) -> int | None:
+        if value is not None and value % 2:
+            raise ValueError(f"rotary_dim {value} must be even (dims rotate in pairs)")
+        return value
+
+
+# ---------------------------------------------------------------- attention kinds
+
+
+class GQAAttention(StrictModel):
+    """Grouped-query (or multi-head: num_kv_heads == num_heads) softmax attention."""
+
+    type: Literal["gqa"]
+    num_heads: PositiveInt
+    num_kv_heads: PositiveInt
+    head_dim: PositiveInt
+    rope: Rope | None = None
+    # rms: learned per-head-dim RMSNorm on q and k; rms_noparam: the same without weights.
+    qk_norm: Literal["none", "rms", "rms_noparam"] = "none"
+    # sigmoid: the q projection also yields a per-element gate on the attention output.
+    output_gate: Literal["none", "sigmoid"] = "none"
+    sliding_window: PositiveInt | None = None
+    # One learned logit per head that joins the softmax denominator (gpt-oss).
+    sinks: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    # null: head_dim ** -0.5.
+    softmax_scale: PositiveFloat | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> GQAAttention:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        if self.rope and self.rope.rotary_dim and self.rope.rotary_dim > self.head_dim:
+            raise ValueError(
+                f"rope.rotary_dim {self.rope.rotary_dim} exceeds head_dim {self.head_dim}"
+            )
+        return self
+
+    @property
+    def rotary_dim(self) -> int:
+        if self.rope is None:
+            return 0
+        return self.rope.rotary_dim or self.head_dim
+
+
+class MLAAttention(StrictModel):
+    """Multi-head latent attention (DeepSeek-V3, Kimi K2/K3): low-rank q and kv."""
+
+    type: Literal["mla"]
+    num_heads: PositiveInt
+    # null: q is projected directly from the hidden state.
+    q_lora_rank: PositiveInt | None
+    kv_lora_rank: PositiveInt
+    qk_nope_head_dim: PositiveInt
+    qk_rope_head_dim: PositiveInt
+    v_head_dim: PositiveInt
+    # null: NoPE (the rope part of q/k exists but no rotation is applied).
+    rope: Rope | None = None
+    output_gate: Literal["none", "sigmoid"] = "none"
+    # null: (qk_nope_head_dim + qk_rope_head_dim) ** -0.5 (times YaRN's mscale**2).
+    softmax_scale: PositiveFloat | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> MLAAttention:
+        if self.rope and self.rope.rotary_dim not in (None, self.qk_rope_head_dim):
+            raise ValueError(
+                f"rope.rotary_dim {self.rope.rotary_dim} must equal qk_rope_head_dim "
+                f"{self.qk_rope_head_dim} (or be omitted)"
+            )
+        return self
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+class KDAAttention(StrictModel):
+    """Kimi Delta Attention: gated delta-rule linear attention with a per-key-dim decay."""
+
+    type: Literal["kda"]
+    num_heads: PositiveInt
+    head_dim: PositiveInt
+    conv_width: PositiveInt
+    # Decay g = lower_bound * sigmoid(exp(A_log) * (raw + dt_bias)) when set (Kimi K3);
+    # null: g = -exp(A_log) * softplus(raw + dt_bias) (Kimi Linear).
+    gate_lower_bound: float | None = None
+    # The decay gate projection is low rank: hidden -> rank -> heads * head_dim.
+    decay_gate_rank: PositiveInt
+    # Output gate projection rank; null: full rank hidden -> heads * head_dim.
+    output_gate_rank: PositiveInt | None = None
+
+    @field_validator("gate_lower_bound")
+    @classmethod
+    def _negative(cls, value: float | None) -> float | None:
+        if value is not None and value >= 0:
+            raise ValueError(f"gate_lower_bound {value} must be negative (a log-decay bound)")
+        return value
+
+
+class GatedDeltaNetAttention(StrictModel):
+    """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.8)."""
+
+    type: Literal["gated_deltanet"]
+    num_key_heads: PositiveInt
+    num_value_heads: PositiveInt
+    key_head_dim: PositiveInt
+    value_head_dim: PositiveInt
+    conv_width: PositiveInt
+
+    @model_validator(mode="after")
+    def _check(self) -> GatedDeltaNetAttention:
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(
+                f"num_value_heads {self.num_value_heads} is not a multiple of num_key_heads "
+                f"{self.num_key_heads}"
+            )
+        return self
+
+
+AttentionKind = Annotated[
+    GQAAttention | MLAAttention | KDAAttention | GatedDeltaNetAttention,
+    Field(discriminator="type"),
+]
+
+
+# ---------------------------------------------------------------- FFN kinds
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "situ", "clamped_swiglu")
+
+
+class Activation(StrictModel):
+    """The activation of a gated MLP: out = act(gate, up) @ down.
+
+    silu/gelu/gelu_tanh: act(x) * up. situ (Kimi K3):
+    gate_cap*tanh(g/gate_cap)*sigmoid(g) * value_cap*tanh(v/value_cap).
+    clamped_swiglu (gpt-oss): g = min(g, limit), v = clip(v, -limit, limit),
+    g*sigmoid(alpha*g) * (v + 1).
+    """
+
+    kind: Literal["silu", "gelu", "gelu_tanh", "situ", "clamped_swiglu"]
+    alpha: PositiveFloat | None = None
+    limit: PositiveFloat | None = None
+    gate_cap: PositiveFloat | None = None
+    value_cap: PositiveFloat | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            if data not in ACTIVATIONS:
+                raise ValueError(
+                    f"unknown activation {data!r}; use one of {', '.join(ACTIVATIONS)}"
+                )
+            defaults = {
+                "clamped_swiglu": {"alpha": 1.702, "limit": 7.0},
+                "situ": {"gate_cap": 4.0, "value_cap": 25.0},
+            }
+            return {"kind": data, **defaults.get(data, {})}
+        return data
+
+    @model_validator(mode="after")
+    def _params(self) -> Activation:
+        needs = {"clamped_swiglu": ("alpha", "limit"), "situ": ("gate_cap", "value_cap")}
+        wanted = needs.get(self.kind, ())
+        for name in ("alpha", "limit", "gate_cap", "value_cap"):
+            value = getattr(self, name)
+            if name in wanted and value is None:
+                raise ValueError(f"activation {self.kind} needs {name}")
+            if name not in wanted and value is not None:
+                raise ValueError(f"activation {self.kind} takes no {name}")
+        return self
+
+
+class DenseFFN(StrictModel):
+    """A dense MLP: gated (act(x W_gate) * x W_up) W_down, or plain act(x W_up) W_down."""
+
+    type: Literal["dense"]
+    width: PositiveInt
+    activation: Activation
+    gated: bool = True
+    bias: bool = False
+
+
+class Router(StrictModel):
+    """How a token chooses its experts and weighs their outputs."""
+
+    score: Literal["softmax", "sigmoid"]
+    # A learned per-expert bias added to scores for choosing only, not for weighting.
+    selection_bias: bool = False
+    # A learned bias of the router's linear layer (enters the scores themselves).
+    bias: bool = False
+    # Divide the chosen weights by their sum.
+    renormalize: bool = True
+    routed_scaling: PositiveFloat = 1.0
+    # Grouped top-k: experts in n_group groups; keep the topk_group best groups
+    # (each scored by the sum of its two best experts), then top-k within them.
+    n_group: PositiveInt = 1
+    topk_group: PositiveInt = 1
+
+
+class SharedExperts(StrictModel):
+    """Experts every token uses, on the full hidden size."""
+
+    count: PositiveInt
+    # Combined intermediate width of all shared experts.
+    width: PositiveInt
+    # A sigmoid gate (hidden -> 1) on the shared output (Qwen3-Next).
+    gate: bool = False
+
+
+class LatentProjection(StrictModel):
+    """Routed experts work in a smaller space: hidden -> width (norm) -> experts -> hidden.
+
+    Kimi K3's latent MoE has a norm; Muse Spark's pre/post expert projections do not.
+    """
+
+    width: PositiveInt
+    norm: bool
+
+
+class MoEFFN(StrictModel):
+    """Mixture of experts: routed gated experts, optional shared experts and latent space."""
+
+    type: Literal["moe"]
+    num_experts: PositiveInt
+    top_k: PositiveInt
+    expert_width: PositiveInt
+    activation: Activation
+    router: Router
+    shared_experts: SharedExperts | None = None
+    latent: LatentProjection | None = None
+    # Per-expert biases on gate/up and down (gpt-oss).
+    expert_bias: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> MoEFFN:
+        r = self.router
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}")
+        if self.num_experts % r.n_group:
+            raise ValueError(
+                f"router.n_group {r.n_group} does not divide num_experts {self.num_experts}"
+            )
+        if r.topk_group > r.n_group:
+            raise ValueError(f"router.topk_group {r.topk_group} exceeds n_group {r.n_group}")
+        if r.n_group > 1 and self.top_k > r.topk_group * (self.num_experts // r.n_group):
+            raise ValueError(
+                f"top_k {self.top_k} exceeds the experts in topk_group {r.topk_group} groups"
+            )
+        return self
+
+
+FFNKind = Annotated[DenseFFN | MoEFFN, Field(discriminator="type")]
+
+
+# ---------------------------------------------------------------- layer table
+
+
+class LayerRule(StrictModel):
+    """Assigns a kind to a set of layers; exactly one selector is given.
+
+    every/offset: layers i with i % every == offset; indices: explicit 0-based list;
+    first: layers 0..first-1; last: the last `last` layers.
+    """
+
+    kind: str
+    every: PositiveInt | None = None
+    offset: NonNegativeInt = 0
+    indices: list[NonNegativeInt] | None = None
+    first: PositiveInt | None = None
+    last: PositiveInt | None = None
+
+    @model_validator(mode="after")
+    def _one_selector(self) -> LayerRule:
+        given = [n for n in ("every", "indices", "first", "last") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"rule for {self.kind!r} needs exactly one of every, indices, first, last "
+                f"(got {', '.join(given) or 'none'})"
+            )
+        if self.every is not None and self.offset >= self.every:
+            raise ValueError(f"offset {self.offset} must be smaller than every {self.every}")
+        if self.every is None and self.offset:
+            raise ValueError("offset goes with every")
+        return self
+
+    def selects(self, count: int) -> list[int]:
+        """The 0-based layers this rule selects in a model of `count` layers."""
+        if self.every is not None:
+            return list(range(self.offset, count, self.every))
+        if self.first is not None:
+            return list(range(min(self.first, count)))
+        if self.last is not None:
+            return list(range(max(0, count - self.last), count))
+        return sorted(set(self.indices or []))
+
+
+class LayerAssignment(StrictModel):
+    """One kind per layer: a default or a repeating pattern, then rules in order (later wins)."""
+
+    default: str | None = None
+    # Repeats from layer 0: pattern[i % len(pattern)].
+    pattern: list[str] | None = None
+    rules: list[LayerRule] = []
+
+    @model_validator(mode="after")
+    def _base(self) -> LayerAssignment:
+        if self.default is not None and self.pattern is not None:
+            raise ValueError("give either default or pattern, not both")
+        if self.pattern is not None and not self.pattern:
+            raise ValueError("pattern must not be empty")
+        return self
+
+    def kind_names(self) -> set[str]:
+        names = {r.kind for r in self.rules} | set(self.pattern or [])
+        return names | ({self.default} if self.default else set())
+
+    def expand(self, count: int, field: str) -> list[str]:
+        """The kind name of every layer; raises ValueError naming uncovered layers."""
+        if self.pattern:
+            table: list[str | None] = [self.pattern[i % len(self.pattern)] for i in range(count)]
+        else:
+            table = [self.default] * count
+        for n, rule in enumerate(self.rules):
+            if rule.indices is not None:
+                outside = [i for i in rule.indices if i >= count]
+                if outside:
+                    raise ValueError(
+                        f"{field}.rules[{n}]: indices {outside} are outside 0..{count - 1}"
+                    )
+            for i in rule.selects(count):
+                table[i] = rule.kind
+        missing = [i for i, kind in enumerate(table) if kind is None]
+        if missing:
+            shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+            raise ValueError(
+                f"{field}: layers {shown} have no kind; add a default, a pattern or a rule"
+            )
+        return [kind for kind in table if kind is not None]
+
+
+class Layers(StrictModel):
+    count: PositiveInt
+    attention: LayerAssignment
+    ffn: LayerAssignment
+
+
+class AttentionResidual(StrictModel):
+    """Kimi K3's cross-block residual: at the start of each block of `block_size` layers
+    the residual stream becomes a learned softmax mixture of the snapshots taken at the
+    starts of the current and up to `max_snapshots - 1` earlier blocks."""
+
+    block_size: PositiveInt
+    max_snapshots: Annotated[int, Field(ge=2)]
+
+
+# ---------------------------------------------------------------- dims, quantization
+
+WEIGHT_FAMILIES = (
+    "embedding",
+    "attention",
+    "mlp",
+    "shared_experts",
+    "projections",
+    "experts",
+    "router",
+    "lm_head",
+)
+# `dense` in a spec or on the command line sets every family of dense layer matmuls.
+DENSE_GROUP = ("attention", "mlp", "shared_experts", "projections")
+
+
+class Dims(StrictModel):
+    hidden: PositiveInt
+    vocab: PositiveInt
+    # Rows of the vocabulary that real tokens use (the rest is padding); null: all.
+    vocab_used: PositiveInt | None = None
+    norm_eps: PositiveFloat
+    # zero_centered: RMSNorm scales by (1 + w) (Qwen3-Next, Qwen3.8).
+    norm_style: Literal["plain", "zero_centered"] = "plain"
+    tie_embeddings: bool = False
+    # logits = softcap * tanh(logits * multiplier / softcap) when set.
+    logit_softcap: PositiveFloat | None = None
+    logit_multiplier: PositiveFloat = 1.0
+
+    @model_validator(mode="after")
+    def _check(self) -> Dims:
+        if self.vocab_used is not None and self.vocab_used > self.vocab:
+            raise ValueError(f"vocab_used {self.vocab_used} exceeds vocab {self.vocab}")
+        return self
+
+
+class Quantization(StrictModel):
+    """Storage format per weight family (see mkgen.spec.quant). Norms, biases, conv
+    taps and gate constants ("vectors") are always bf16."""
+
+    embedding: str = "bf16"
+    attention: str = "bf16"
+    mlp: str = "bf16"
+    shared_experts: str = "bf16"
+    projections: str = "bf16"
+    experts: str = "bf16"
+    router: str = "bf16"
+    lm_head: str = "bf16"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_dense(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "dense" in data:
+            data = dict(data)
+            dense = data.pop("dense")
+            for family in DENSE_GROUP:
+                data.setdefault(family, dense)
+        return data
+
+    @model_validator(mode="after")
+    def _formats(self) -> Quantization:
+        for family in WEIGHT_FAMILIES:
+            text = getattr(self, family)
+            canonical = str(parse_format(text, f"quantization.{family}"))
+            if canonical != text:
+                object.__setattr__(self, family, canonical)
+        return self
+
+
+# ---------------------------------------------------------------- the model
+
+
+class ModelSpec(StrictModel):
+    """A whole decoder-only model."""
+
+    name: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", max_length=64)]
+    description: str = ""
+    dims: Dims
+    attention_kinds: dict[str, AttentionKind]
+    ffn_kinds: dict[str, FFNKind]
+    layers: Layers
+    attention_residual: AttentionResidual | None = None
+    quantization: Quantization = Quantization()
+
+    @field_validator("attention_kinds", "ffn_kinds")
+    @classmethod
+    def _kind_names(cls, kinds: dict[str, Any]) -> dict[str, Any]:
+        if not kinds:
+            raise ValueError("define at least one kind")
+        for name in kinds:
+            if not name.isidentifier() or not name.isascii():
+                raise ValueError(f"kind name {name!r} must be an ASCII identifier")
+        return kinds
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
+        for section, kinds in (("attention", self.attention_kinds), ("ffn", self.ffn_kinds)):
+            assignment: LayerAssignment = getattr(self.layers, section)
+            unknown = sorted(assignment.kind_names() - set(kinds))
+            if unknown:
+                raise ValueError(
+                    f"layers.{section}: unknown kind {unknown[0]!r}; defined: {', '.join(kinds)}"
+                )
+            assignment.expand(self.layers.count, f"layers.{section}")
+        h = self.dims.hidden
+        for name, ffn in self.ffn_kinds.items():
+            if isinstance(ffn, MoEFFN) and ffn.latent and ffn.latent.width >= h:
+                raise ValueError(
+                    f"ffn_kinds.{name}.latent.width {ffn.latent.width} must be below hidden {h}"
+                )
+        return self
+
+    # Derived views (cheap; the table is recomputed on demand to keep the model frozen).
+
+    def attention_table(self) -> list[str]:
+        """Attention kind name of every layer."""
+        return self.layers.attention.expand(self.layers.count, "layers.attention")
+
+    def ffn_table(self) -> list[str]:
+        """FFN kind name of every layer."""
+        return self.layers.ffn.expand(self.layers.count, "layers.ffn")
+
+    def layer_table(self) -> list[tuple[str, str]]:
+        """(attention kind name, FFN kind name) of every layer."""
+        return list(zip(self.attention_table(), self.ffn_table(), strict=True))
+
+    def attention_of(self, layer: int) -> AttentionKind:
+        return self.attention_kinds[self.attention_table()[layer]]
+
+    def ffn_of(self, layer: int) -> FFNKind:
+        return self.ffn_kinds[self.ffn_table()[layer]]
