@@ -29,17 +29,22 @@ _SpecYamlLoader.add_implicit_resolver(
 
 def describe_validation_error(error: ValidationError, source: str) -> str:
     """One line naming the first invalid field by its path and what is wrong."""
-    first = error.errors()[0]
-    path = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-after"))
-    # Discriminated unions put the tag in the path; it does not help a reader.
-    path = re.sub(r"\.(gqa|mla|kda|gated_deltanet|dense|moe)(?=\.|$)", "", path)
+    errors = error.errors()
+    # A misspelt key also makes the right key "missing": name the misspelling first.
+    first = min(errors, key=lambda e: e["type"] != "extra_forbidden")
+    loc = [str(p) for p in first["loc"] if not str(p).startswith("function-")]
+    # Discriminated unions put the type tag after the kind's name; it does not help a reader.
+    if len(loc) > 2 and loc[0] in ("attention_kinds", "ffn_kinds"):
+        del loc[2]
+    path = ".".join(loc)
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         message = "unknown key (check the spelling; see docs/spec-reference.md)"
     elif first["type"] == "union_tag_invalid":
         message = message.replace("Input tag", "type")
     where = f"{source}: {path}" if path else source
-    return f"{where}: {message}"
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return f"{where}: {message}{more}"
 
 
 def spec_from_dict(data: Any, source: str = "spec") -> ModelSpec:

@@ -11,8 +11,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from mkgen.errors import SpecError
 from mkgen.spec.quant import parse_format
 
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -475,14 +483,14 @@ class Quantization(StrictModel):
                 data.setdefault(family, dense)
         return data
 
-    @model_validator(mode="after")
-    def _formats(self) -> Quantization:
-        for family in WEIGHT_FAMILIES:
-            text = getattr(self, family)
-            canonical = str(parse_format(text, f"quantization.{family}"))
-            if canonical != text:
-                object.__setattr__(self, family, canonical)
-        return self
+    @field_validator(*WEIGHT_FAMILIES)
+    @classmethod
+    def _format(cls, text: str, info: ValidationInfo) -> str:
+        try:
+            return str(parse_format(text, info.field_name or "format"))
+        except SpecError as error:
+            # pydantic adds the field's path; keep only what is wrong.
+            raise ValueError(str(error).partition(": ")[2]) from None
 
 
 # ---------------------------------------------------------------- the model

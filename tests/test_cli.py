@@ -1,0 +1,127 @@
+"""The command line: output, JSON shape, exit codes and errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "reference"
+
+
+def mkgen(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    """Run the CLI in a fresh process, as a user would."""
+    return subprocess.run(
+        [sys.executable, "-m", "mkgen.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=120,
+    )
+
+
+def assert_user_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    assert result.returncode == 2, result
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_list_names_specs_and_topologies() -> None:
+    result = mkgen("list")
+    assert result.returncode == 0, result.stderr
+    assert "kimi-k3" in result.stdout and "qwen3.8-27b" in result.stdout
+    assert "2x2x4" in result.stdout and "tpu7x" in result.stdout
+
+
+def test_show_human_output() -> None:
+    result = mkgen("show", "kimi-k3")
+    assert result.returncode == 0, result.stderr
+    assert "2.78 T total" in result.stdout
+    assert "mla (mla) x24" in result.stdout
+    assert "mxfp4" in result.stdout
+
+
+def test_show_json_has_the_documented_keys() -> None:
+    result = mkgen("show", "qwen3.8-27b", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    for key in ("name", "params_total", "params_active", "bytes_by_family", "cache_bytes_per_token"):
+        assert key in data
+    assert data["name"] == "qwen3.8-27b"
+    assert len(data["layers"]) == 64
+    assert data["layers"][3] == {
+        "index": 3,
+        "attention": "full",
+        "attention_type": "gqa",
+        "ffn": "mlp",
+        "ffn_type": "dense",
+    }
+    assert data["cache_bytes_per_token"] == 16 * 2 * 4 * 256 * 2
+
+
+def test_show_accepts_a_yaml_path(tmp_path: Path) -> None:
+    spec = tmp_path / "copy.yaml"
+    spec.write_text((REPO / "model_specs" / "muse-spark-1.2.yaml").read_text())
+    result = mkgen("show", str(spec), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["name"] == "muse-spark-1.2"
+
+
+def test_show_is_fast_and_does_not_import_jax() -> None:
+    code = (
+        "import sys, time; t = time.perf_counter();"
+        "from mkgen.cli import main;"
+        "import contextlib, io;"
+        "out = io.StringIO();"
+        "ctx = contextlib.redirect_stdout(out);"
+        "ctx.__enter__(); main(['show', 'kimi-k3']); ctx.__exit__(None, None, None);"
+        "print(time.perf_counter() - t, 'jax' in sys.modules)"
+    )
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    wall = time.perf_counter() - start
+    assert result.returncode == 0, result.stderr
+    _, jax_imported = result.stdout.split()
+    assert jax_imported == "False"
+    # The issue's bound is 2 s for the whole command; a generous margin for a loaded CI box.
+    assert wall < 4.0
+
+
+@pytest.mark.parametrize(
+    ("content", "fragments"),
+    [
+        ("name: x\ndims: [\n", ("malformed YAML",)),
+        ("name: tiny\nfoo: 1\n", ("foo: unknown key",)),
+        ("- a\n", ("expected a mapping",)),
+    ],
+    ids=["malformed", "unknown-key", "not-a-mapping"],
+)
+def test_bad_spec_file_is_exit_2_one_line(tmp_path: Path, content: str, fragments: tuple) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(content)
+    assert_user_error(mkgen("show", str(path)), "bad.yaml", *fragments)
+
+
+def test_unknown_spec_name_is_exit_2() -> None:
+    assert_user_error(mkgen("show", "no-such-model"), "unknown spec 'no-such-model'")
+
+
+def test_unknown_command_and_option_are_exit_2() -> None:
+    assert_user_error(mkgen("frobnicate"), "No such command")
+    assert_user_error(mkgen("show", "kimi-k3", "--colour"), "--colour")
+
+
+def test_build_says_it_is_not_implemented_yet() -> None:
+    result = mkgen("build", "kimi-k3", "--topology", "2x2x4")
+    assert result.returncode == 1
+    assert "not implemented yet" in result.stderr
