@@ -1,0 +1,840 @@
+"""Make tiny random Hugging Face `transformers` reference models in tests/fixtures/hf/.
+
+Each fixture is a tiny, randomly initialised (but seeded and deterministic) causal LM of one
+architecture, saved with its real HF config and safetensors weights, plus the logits and greedy
+continuation that `transformers` itself computes for a fixed 12-token prompt. Our plain-JAX
+reference model is checked against these files, so the comparison is against an implementation
+nobody in this project wrote. CI never runs this script (it needs torch): the outputs are
+committed files.
+
+Recreate the venv and run it (from the repository root; Python 3.11, CPU-only torch):
+
+    python3.11 -m venv .venv-fixtures
+    .venv-fixtures/bin/pip install torch==2.13.0   # the CPU wheel; install it first
+    .venv-fixtures/bin/pip install -r scripts/fixtures-requirements.txt
+    .venv-fixtures/bin/python scripts/make_hf_fixtures.py [--out tests/fixtures/hf] [--only NAME]
+
+No model hub is used: every model is built from a config with random init
+(`AutoModelForCausalLM.from_config`), then every parameter is re-drawn so activations are O(1)
+(HF's own init, std 0.02, would make every layer nearly the identity and hide bugs).
+
+Per architecture, `tests/fixtures/hf/<name>/` holds:
+  config.json         the HF config of the tiny model (`save_pretrained`)
+  model.safetensors   float32 weights in HF's checkpoint (hub) layout (`save_pretrained`)
+  expected.npz        prompt_ids int32[T], logits float32[T,V] (no-cache forward of the prompt),
+                      greedy_ids int32[N] (`generate(do_sample=False, use_cache=True)`),
+                      full_ids int32[T+N] and full_logits float32[T+N,V] (no-cache forward of
+                      prompt + greedy continuation); for full_ids also embeddings
+                      float32[T+N,H], layer_outputs float32[L,T+N,H] (residual stream after each
+                      decoder layer, before the final norm) and, per MoE layer i,
+                      topk_idx_layer{i} int32[T+N,k] / topk_w_layer{i} float32[T+N,k] (sorted by
+                      expert id; the weights are the final combine weights)
+  meta.json           versions, classes, seed search, derived RoPE/softmax constants,
+                      decode-vs-prefill checks, routing statistics, code-path notes
+  (plus a hand-written README.md in tests/fixtures/hf/)
+
+The seed of each model is the first one from SEED whose greedy steps and expert choices all have
+comfortable margins (MIN_GREEDY_MARGIN, MIN_ROUTER_MARGIN), so that an independent float32
+reimplementation cannot disagree on a token or an expert through rounding alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+SEED = 0
+VOCAB = 128
+HIDDEN = 64
+PROMPT_IDS = [3, 17, 42, 99, 5, 64, 127, 23, 88, 11, 70, 36]
+NEW_TOKENS = 8
+DECODE_TOL = 1e-4
+# Seeds are tried from SEED upwards until these margins hold, so that an independent float32
+# reimplementation cannot flip a greedy token or an expert choice on rounding alone.
+MIN_GREEDY_MARGIN = 1e-2
+MIN_ROUTER_MARGIN = 1e-3
+MAX_SEED_TRIES = 50
+# Prefix length for the "prefill some, then decode one token at a time" consistency check.
+SPLIT = 6
+
+# No BOS/EOS/PAD: generation must never stop early and no id falls outside the tiny vocab.
+COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": HIDDEN,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
+    "tie_word_embeddings": False,
+    "dtype": "float32",
+}
+
+# Kimi K2's YaRN settings (its config.json `rope_scaling`, with rope_theta 50000).
+KIMI_K2_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 50000.0,
+    "factor": 32.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 1.0,
+    "beta_slow": 1.0,
+}
+
+DEEPSEEK_COMMON = {
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 16,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 16,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "max_position_embeddings": 131072,
+    "num_nextn_predict_layers": 0,
+}
+
+# name -> (model_type, config kwargs, notes)
+ARCHS: dict[str, tuple[str, dict, list[str]]] = {
+    "qwen3": (
+        "qwen3",
+        {
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "intermediate_size": 96,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        ["GQA 4q/2kv heads, head_dim 32 (heads*head_dim=128 != hidden 64), q/k RMSNorm."],
+    ),
+    "qwen3_moe": (
+        "qwen3_moe",
+        {
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "intermediate_size": 64,
+            "moe_intermediate_size": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [0],
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        ["Layer 0 dense (mlp_only_layers=[0]); layers 1-2 MoE (8 experts, top-2)."],
+    ),
+    "mixtral": (
+        "mixtral",
+        {
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "intermediate_size": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        ["4 experts top-2, every layer MoE, sliding_window null."],
+    ),
+    "deepseek_v3": (
+        "deepseek_v3",
+        {**DEEPSEEK_COMMON, "q_lora_rank": 32, "rope_parameters": dict(KIMI_K2_YARN)},
+        [
+            "MLA with q_lora_rank 32, Kimi K2 YaRN (factor 32, mscale = mscale_all_dim = 1, "
+            "beta_fast = beta_slow = 1), rope_interleave true (default).",
+            "Layer 0 dense (first_k_dense_replace 1); layers 1-2 MoE: 8 routed experts in "
+            "2 groups, topk_group 1, top-2, sigmoid scores, non-zero e_score_correction_bias, "
+            "routed_scaling_factor 2.5, 1 shared expert.",
+        ],
+    ),
+    "deepseek_v3_noqlora": (
+        "deepseek_v3",
+        {
+            **DEEPSEEK_COMMON,
+            "q_lora_rank": None,
+            "rope_parameters": {**KIMI_K2_YARN, "mscale": 1.0, "mscale_all_dim": 0.5},
+        },
+        [
+            "As deepseek_v3 but q_lora_rank null (plain q_proj) and mscale 1.0 != "
+            "mscale_all_dim 0.5, so YaRN's cos/sin attention_factor is not 1 "
+            "(it is 1 for Kimi K2 / DeepSeek V3, where mscale == mscale_all_dim).",
+        ],
+    ),
+    "qwen3_next": (
+        "qwen3_next",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": [
+                "linear_attention",
+                "linear_attention",
+                "linear_attention",
+                "full_attention",
+            ],
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "intermediate_size": 64,
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000000.0,
+                "partial_rotary_factor": 0.25,
+            },
+        },
+        [
+            "Layers: 3 Gated DeltaNet (2 key heads, 4 value heads) + 1 gated full attention "
+            "(partial rotary 0.25 of head_dim 32 = 8 dims); every layer MoE (4 experts top-2) "
+            "with a sigmoid-gated shared expert.",
+        ],
+    ),
+    "gpt_oss": (
+        "gpt_oss",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": [
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            "sliding_window": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "intermediate_size": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "swiglu_limit": 1.0,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4096,
+            },
+        },
+        [
+            "Alternating sliding (window 4 < prompt 12) / full attention, sinks, qkvo biases, "
+            "router bias, YaRN as gpt-oss-20b (factor 32, truncate false).",
+            "swiglu_limit lowered from 7.0 to 1.0 so the clamps actually bite at O(1) "
+            "activations (the formula is unchanged).",
+        ],
+    ),
+    "kimi_linear": (
+        "kimi_linear",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": [
+                "linear_attention",
+                "linear_attention",
+                "linear_attention",
+                "full_attention",
+            ],
+            "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "q_lora_rank": None,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 16,
+            "v_head_dim": 16,
+            "intermediate_size": 64,
+            "moe_intermediate_size": 16,
+            "num_experts": 4,
+            "num_experts_per_token": 2,
+            "num_shared_experts": 1,
+            "num_expert_group": 1,
+            "topk_group": 1,
+            "moe_renormalize": True,
+            "routed_scaling_factor": 2.446,
+            "linear_num_heads": 4,
+            "linear_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "model_max_length": 4096,
+        },
+        [
+            "Layers: 3 KDA + 1 MLA (NoPE, q_lora_rank null); layer 0 dense MLP, layers 1-3 MoE "
+            "(4 experts, 1 group, top-2, sigmoid + non-zero e_score_correction_bias, "
+            "routed_scaling_factor 2.446, 1 shared expert).",
+        ],
+    ),
+}
+
+# Norm classes whose forward is x_hat * (1 + weight): re-drawn as 0.1*N(0,1) instead of 1 + that.
+ZERO_CENTRED_NORMS = {"Qwen3NextRMSNorm"}
+
+
+def _normal_(t: torch.Tensor, std: float, mean: float = 0.0) -> None:
+    with torch.no_grad():
+        t.copy_(torch.randn(t.shape, dtype=t.dtype) * std + mean)
+
+
+def _uniform_(t: torch.Tensor, low: float, high: float) -> None:
+    with torch.no_grad():
+        t.copy_(torch.rand(t.shape, dtype=t.dtype) * (high - low) + low)
+
+
+def redraw_parameters(model: nn.Module) -> list[str]:
+    """Re-draw every parameter (and the routing-bias buffer) so activations are O(1).
+
+    Raises if any parameter is not covered, so no HF-init (std 0.02) weight slips through.
+    Returns a human-readable list of the rules used.
+    """
+    done: set[str] = set()
+    rules: set[str] = set()
+
+    def mark(prefix: str, pname: str, rule: str) -> None:
+        done.add(f"{prefix}.{pname}" if prefix else pname)
+        rules.add(rule)
+
+    for mname, mod in model.named_modules():
+        cls = type(mod).__name__
+        own = dict(mod.named_parameters(recurse=False))
+        if not own and not hasattr(mod, "e_score_correction_bias"):
+            continue
+        if isinstance(mod, nn.Embedding):
+            _normal_(mod.weight, 1.0)
+            mark(mname, "weight", "embeddings: N(0,1)")
+        elif isinstance(mod, nn.Linear):
+            _normal_(mod.weight, 1.0 / math.sqrt(mod.in_features))
+            mark(mname, "weight", "linear weights: N(0, 1/sqrt(fan_in))")
+            if mod.bias is not None:
+                _normal_(mod.bias, 0.1)
+                mark(mname, "bias", "linear biases: N(0, 0.1)")
+        elif isinstance(mod, nn.Conv1d):
+            # depthwise [C, 1, K]: fan_in = K
+            _normal_(mod.weight, 1.0 / math.sqrt(mod.weight.shape[-1]))
+            mark(mname, "weight", "depthwise conv1d weights: N(0, 1/sqrt(kernel))")
+            if mod.bias is not None:
+                _normal_(mod.bias, 0.1)
+                mark(mname, "bias", "conv biases: N(0, 0.1)")
+        elif "RMSNorm" in cls:
+            w = mod.weight
+            if cls in ZERO_CENTRED_NORMS:
+                assert torch.all(w == 0), f"{mname}: expected HF init zeros for {cls}"
+                _normal_(w, 0.1)
+                mark(mname, "weight", "zero-centred (1+w) RMSNorm weights: 0.1*N(0,1)")
+            else:
+                assert torch.all(w == 1), f"{mname}: expected HF init ones for {cls}"
+                _normal_(w, 0.1, mean=1.0)
+                mark(mname, "weight", "RMSNorm weights: 1 + 0.1*N(0,1)")
+        elif cls.endswith("Experts"):
+            transposed = bool(getattr(mod, "is_transposed", False))
+            for pname, p in own.items():
+                if pname.endswith("_bias"):
+                    _normal_(p, 0.1)
+                    mark(mname, pname, "expert biases: N(0, 0.1)")
+                else:
+                    # [E, out, in] (F.linear layout) or, transposed, [E, in, out]
+                    fan_in = p.shape[1] if transposed else p.shape[2]
+                    _normal_(p, 1.0 / math.sqrt(fan_in))
+                    mark(mname, pname, "expert weights: N(0, 1/sqrt(fan_in))")
+        elif cls.endswith("Router"):
+            _normal_(mod.weight, 1.0 / math.sqrt(mod.weight.shape[1]))
+            mark(mname, "weight", "router weights: N(0, 1/sqrt(hidden))")
+            if "bias" in own:
+                _normal_(mod.bias, 0.5)
+                mark(mname, "bias", "router bias (gpt-oss): N(0, 0.5)")
+            if hasattr(mod, "e_score_correction_bias"):
+                _normal_(mod.e_score_correction_bias, 0.2)
+                rules.add("e_score_correction_bias (buffer): N(0, 0.2)")
+        elif cls == "GptOssAttention":
+            _normal_(mod.sinks, 0.5)
+            mark(mname, "sinks", "attention sinks: N(0, 0.5)")
+        elif cls == "Qwen3NextGatedDeltaNet":
+            # g = -exp(A_log) * softplus(a + dt_bias); A in [0.1, 2] (HF: [0.01, 16]) keeps most
+            # per-step decays exp(g) well away from 0, so the state matters over 12 tokens.
+            _uniform_(mod.A_log, 0.1, 2.0)
+            with torch.no_grad():
+                mod.A_log.log_()
+            _normal_(mod.dt_bias, 0.5)
+            mark(mname, "A_log", "A_log = log(U(0.1, 2))")
+            mark(mname, "dt_bias", "dt_bias: N(0, 0.5)")
+        elif cls == "KimiLinearForgetGate":
+            _uniform_(mod.A_log, 0.1, 2.0)
+            with torch.no_grad():
+                mod.A_log.log_()
+            _normal_(mod.dt_bias, 0.5)
+            mark(mname, "A_log", "A_log = log(U(0.1, 2))")
+            mark(mname, "dt_bias", "dt_bias: N(0, 0.5)")
+        else:
+            raise RuntimeError(f"no re-draw rule for {mname} ({cls}): {sorted(own)}")
+
+    missing = [n for n, _ in model.named_parameters() if n not in done]
+    if missing:
+        raise RuntimeError(f"parameters not re-drawn: {missing}")
+    return sorted(rules)
+
+
+class Capture:
+    """Forward hooks: embeddings, each decoder layer's output, and MoE top-k decisions."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.embeddings: torch.Tensor | None = None
+        self.layers: dict[int, torch.Tensor] = {}
+        self.topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.router_in: dict[int, torch.Tensor] = {}
+        self.routers: dict[int, nn.Module] = {}
+        self.handles = []
+        base = model.model
+        self.handles.append(base.embed_tokens.register_forward_hook(self._emb))
+        for i, layer in enumerate(base.layers):
+            self.handles.append(layer.register_forward_hook(self._layer(i)))
+            for sub in layer.modules():
+                if type(sub).__name__.endswith("Router"):
+                    self.routers[i] = sub
+                    self.handles.append(sub.register_forward_hook(self._router(i)))
+
+    def _emb(self, _m, _inp, out):
+        self.embeddings = out.detach().clone()
+
+    def _layer(self, i: int) -> Callable:
+        def hook(_m, _inp, out):
+            out = out[0] if isinstance(out, tuple) else out
+            self.layers[i] = out.detach().clone()
+
+        return hook
+
+    def _router(self, i: int) -> Callable:
+        def hook(_m, inp, out):
+            self.router_in[i] = inp[0].detach().clone()
+            _logits, weights, idx = out
+            self.topk[i] = (idx.detach().clone(), weights.detach().clone())
+
+        return hook
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class CallCounter:
+    """Count calls of module-level functions of a modeling module (to report code paths)."""
+
+    def __init__(self, module, names: list[str]) -> None:
+        self.module = module
+        self.counts = {n: 0 for n in names if hasattr(module, n)}
+        self.orig = {n: getattr(module, n) for n in self.counts}
+        for n, f in self.orig.items():
+            setattr(module, n, self._wrap(n, f))
+
+    def _wrap(self, name: str, fn: Callable) -> Callable:
+        def wrapped(*args, **kwargs):
+            self.counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    def snapshot_and_reset(self) -> dict[str, int]:
+        snap = dict(self.counts)
+        for n in self.counts:
+            self.counts[n] = 0
+        return snap
+
+    def restore(self) -> None:
+        for n, f in self.orig.items():
+            setattr(self.module, n, f)
+
+
+LINEAR_ATTN_FUNCS = [
+    "torch_chunk_gated_delta_rule",
+    "torch_recurrent_gated_delta_rule",
+    "chunk_kimi_delta_attention",
+    "recurrent_kimi_delta_attention",
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+]
+
+
+def set_seed(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+
+
+def versions() -> dict[str, str]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "safetensors": importlib.metadata.version("safetensors"),
+        "numpy": np.__version__,
+    }
+
+
+def optional_kernel_packages() -> dict[str, bool]:
+    """None of these may be installed: the torch reference code paths must run."""
+    found = {
+        name: importlib.util.find_spec(name) is not None
+        for name in ("fla", "causal_conv1d", "kernels", "flash_attn")
+    }
+    if any(found.values()):
+        raise RuntimeError(
+            f"optional kernel packages installed, torch paths not guaranteed: {found}"
+        )
+    return found
+
+
+# transformers' reverse key mapping for kimi_linear renames every `.mlp.` to `.block_sparse_moe.`,
+# dense layers included, but Moonshot's checkpoints keep dense layers under `.mlp.` (their
+# modeling_kimi.py: `self.mlp = KimiMLP(config)` below first_k_dense_replace). Restore that.
+KEY_FIXES: dict[str, tuple[str, str]] = {
+    "kimi_linear": (
+        r"^(model\.layers\.\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)$",
+        r"\1.mlp.\2",
+    ),
+}
+
+
+def fix_checkpoint_names(name: str, path: Path) -> dict[str, str]:
+    fix = KEY_FIXES.get(name)
+    if fix is None:
+        return {}
+    tensors = load_file(path)
+    renamed = {k: re.sub(fix[0], fix[1], k) for k in tensors}
+    renamed = {k: v for k, v in renamed.items() if k != v}
+    if renamed:
+        save_file({renamed.get(k, k): t for k, t in tensors.items()}, path, {"format": "pt"})
+    return renamed
+
+
+def make_model(name: str, seed: int) -> tuple[nn.Module, list[str]]:
+    model_type, kwargs, _ = ARCHS[name]
+    set_seed(seed)
+    config = AutoConfig.for_model(model_type, **COMMON, **kwargs)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", experts_implementation="eager", dtype=torch.float32
+    )
+    model.eval()
+    set_seed(seed)
+    rules = redraw_parameters(model)
+    model.to(torch.float32)
+    for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        setattr(model.generation_config, key, None)
+    return model, rules
+
+
+@torch.no_grad()
+def forward_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, use_cache=False).logits[0]
+
+
+@torch.no_grad()
+def cached_logits(model: nn.Module, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits of positions prefill-1.. from a cache: prefill `prefill` tokens, then one by one."""
+    out = model(input_ids=ids[:, :prefill], use_cache=True)
+    cache = out.past_key_values
+    rows = [out.logits[0, -1]]
+    for t in range(prefill, ids.shape[1]):
+        out = model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        rows.append(out.logits[0, -1])
+    return torch.stack(rows)
+
+
+@torch.no_grad()
+def greedy_no_cache(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    for _ in range(NEW_TOKENS):
+        nxt = forward_logits(model, ids)[-1].argmax().view(1, 1)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids
+
+
+@torch.no_grad()
+def router_margin(router: nn.Module, x: torch.Tensor) -> float:
+    """Smallest gap, over tokens, between the last chosen and the first rejected candidate.
+
+    For softmax/plain-logit routers that is the k-th minus (k+1)-th logit; for DeepSeek-style
+    routers it is the smaller of the group-selection gap and the expert gap inside the kept
+    groups (in sigmoid-score-plus-bias units). A tiny gap would make an independent
+    reimplementation's routing flip on float rounding, so seeds with tiny gaps are skipped.
+    """
+    x = x.reshape(-1, x.shape[-1]).float()
+    logits = F.linear(x, router.weight.float(), getattr(router, "bias", None))
+    k = router.top_k
+    if not hasattr(router, "e_score_correction_bias"):
+        srt = logits.sort(-1, descending=True).values
+        return float((srt[:, k - 1] - srt[:, k]).min())
+    s = logits.sigmoid() + router.e_score_correction_bias
+    n_exp, n_grp, k_grp = s.shape[-1], router.num_group, router.topk_group
+    gaps = []
+    grp = s.view(-1, n_grp, n_exp // n_grp).topk(2, dim=-1).values.sum(-1)
+    if k_grp < n_grp:
+        g_srt = grp.sort(-1, descending=True).values
+        gaps.append(g_srt[:, k_grp - 1] - g_srt[:, k_grp])
+    keep = torch.zeros_like(grp).scatter_(1, grp.topk(k_grp, dim=-1).indices, 1.0).bool()
+    keep = keep.unsqueeze(-1).expand(-1, n_grp, n_exp // n_grp).reshape(-1, n_exp)
+    if k < k_grp * (n_exp // n_grp):
+        e_srt = s.masked_fill(~keep, float("-inf")).sort(-1, descending=True).values
+        gaps.append(e_srt[:, k - 1] - e_srt[:, k])
+    return float(torch.stack(gaps).min()) if gaps else math.inf
+
+
+@torch.no_grad()
+def bias_effect(router: nn.Module, x: torch.Tensor) -> int:
+    """How many tokens pick a different expert set when e_score_correction_bias is zeroed."""
+    bias = router.e_score_correction_bias.clone()
+    idx_with = router(x)[2].sort(-1).values
+    router.e_score_correction_bias.zero_()
+    idx_without = router(x)[2].sort(-1).values
+    router.e_score_correction_bias.copy_(bias)
+    return int((idx_with != idx_without).any(-1).sum())
+
+
+def margins(model: nn.Module) -> tuple[dict, torch.Tensor, Capture]:
+    """Greedy and routing margins of a candidate model (no cache anywhere)."""
+    ids = torch.tensor([PROMPT_IDS], dtype=torch.long)
+    full_ids = greedy_no_cache(model, ids)
+    cap = Capture(model)
+    ref = forward_logits(model, full_ids)
+    cap.close()
+    steps = ref[len(PROMPT_IDS) - 1 : -1]
+    top2 = steps.topk(2, dim=-1).values
+    out = {"greedy_top1_top2": float((top2[:, 0] - top2[:, 1]).min())}
+    for i, router in sorted(cap.routers.items()):
+        out[f"router_layer{i}"] = router_margin(router, cap.router_in[i])
+    return out, full_ids, cap
+
+
+def derived_constants(model: nn.Module) -> dict:
+    """Numbers a reimplementation derives from the config: RoPE and softmax scales."""
+    out: dict = {}
+    rotary = getattr(model.model, "rotary_emb", None)
+    if rotary is not None:
+        out["rope_type"] = rotary.rope_type
+        out["rope_inv_freq"] = rotary.inv_freq.tolist()
+        out["rope_cos_sin_attention_scaling"] = float(rotary.attention_scaling)
+    scalings = {}
+    for i, layer in enumerate(model.model.layers):
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None and hasattr(attn, "scaling"):
+            scalings[f"layer{i}"] = float(attn.scaling)
+    out["attention_softmax_scaling"] = scalings
+    return out
+
+
+def build(name: str, out_root: Path) -> dict:
+    model_type, _, notes = ARCHS[name]
+    tried = {}
+    for seed in range(SEED, SEED + MAX_SEED_TRIES):
+        model, rules = make_model(name, seed)
+        marg, full_ids, cap = margins(model)
+        tried[seed] = marg
+        router_ok = all(v >= MIN_ROUTER_MARGIN for k, v in marg.items() if k != "greedy_top1_top2")
+        if marg["greedy_top1_top2"] >= MIN_GREEDY_MARGIN and router_ok:
+            break
+    else:
+        raise RuntimeError(f"{name}: no seed with large enough margins: {tried}")
+
+    modeling = sys.modules[type(model).__module__]
+    counter = CallCounter(modeling, LINEAR_ATTN_FUNCS)
+    ids = full_ids[:, : len(PROMPT_IDS)]
+    T = ids.shape[1]
+    checks: dict[str, float | bool] = {}
+    paths: dict[str, dict[str, int]] = {}
+
+    # 1. no-cache forwards: prompt alone, and prompt + greedy continuation (the reference)
+    logits = forward_logits(model, ids)
+    paths["forward_prompt_no_cache"] = counter.snapshot_and_reset()
+    ref = forward_logits(model, full_ids)
+    paths["forward_prompt_plus_continuation_no_cache"] = counter.snapshot_and_reset()
+
+    # 2. greedy generation with cache
+    with torch.no_grad():
+        gen = model.generate(
+            ids,
+            do_sample=False,
+            use_cache=True,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    paths["generate_use_cache"] = counter.snapshot_and_reset()
+    greedy = gen.sequences[0, T:]
+    gen_logits = torch.stack([s[0] for s in gen.logits])  # [N, V], from cached decode
+    checks["generate_ids_equal_no_cache_greedy"] = bool(torch.equal(gen.sequences, full_ids))
+    if not checks["generate_ids_equal_no_cache_greedy"]:
+        raise RuntimeError(f"{name}: cached generate disagrees with no-cache greedy")
+
+    # 3. decode-vs-prefill consistency inside transformers
+    step1 = cached_logits(model, full_ids, 1)  # one token at a time from an empty cache
+    paths["token_by_token_from_empty_cache"] = counter.snapshot_and_reset()
+    split = cached_logits(model, full_ids, SPLIT)
+    paths[f"prefill_{SPLIT}_then_token_by_token"] = counter.snapshot_and_reset()
+    counter.restore()
+    diffs = {
+        "prompt_forward_vs_reference_forward": (logits - ref[:T]),
+        "token_by_token_vs_reference_all_positions": (step1 - ref),
+        "token_by_token_vs_reference_last_prompt_position": (step1[T - 1] - ref[T - 1]),
+        f"prefill_{SPLIT}_then_decode_vs_reference": (split - ref[SPLIT - 1 :]),
+        "generate_step_logits_vs_reference": (gen_logits - ref[T - 1 : -1]),
+    }
+    for key, d in diffs.items():
+        checks[f"max_abs_{key}"] = float(d.abs().max())
+    checks[f"decode_consistent_within_{DECODE_TOL:g}"] = all(
+        float(d.abs().max()) <= DECODE_TOL for d in diffs.values()
+    )
+
+    # routing statistics over prompt + continuation
+    routing: dict[str, dict] = {}
+    arrays: dict[str, np.ndarray] = {}
+    for i, (idx, w) in sorted(cap.topk.items()):
+        order = idx.argsort(dim=-1)
+        idx_s = idx.gather(-1, order)
+        arrays[f"topk_idx_layer{i}"] = idx_s.to(torch.int32).numpy()
+        arrays[f"topk_w_layer{i}"] = w.float().gather(-1, order).numpy()
+        info = {
+            "tokens": int(idx_s.shape[0]),
+            "distinct_expert_sets": len({tuple(r) for r in idx_s.tolist()}),
+            "min_selection_margin": tried[seed][f"router_layer{i}"],
+        }
+        router = cap.routers[i]
+        if hasattr(router, "e_score_correction_bias"):
+            info["tokens_whose_choice_the_correction_bias_changes"] = bias_effect(
+                router, cap.router_in[i]
+            )
+        routing[f"layer{i}"] = info
+
+    # save
+    out = out_root / name
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    model.save_pretrained(out)
+    (out / "generation_config.json").unlink(missing_ok=True)
+    if sorted(p.name for p in out.iterdir()) != ["config.json", "model.safetensors"]:
+        raise RuntimeError(f"unexpected save_pretrained output: {sorted(out.iterdir())}")
+    json.loads((out / "config.json").read_text())
+    renamed = fix_checkpoint_names(name, out / "model.safetensors")
+    (out / "model.safetensors").chmod(0o644)
+
+    # reload from disk: the saved files alone must reproduce the reference logits
+    reloaded = AutoModelForCausalLM.from_pretrained(
+        out, attn_implementation="eager", experts_implementation="eager", dtype=torch.float32
+    )
+    reloaded.eval()
+    checks["max_abs_reloaded_checkpoint_vs_reference"] = float(
+        (forward_logits(reloaded, full_ids) - ref).abs().max()
+    )
+    if checks["max_abs_reloaded_checkpoint_vs_reference"] > 1e-6:
+        raise RuntimeError(f"{name}: reloaded checkpoint does not reproduce the logits")
+
+    np.savez_compressed(
+        out / "expected.npz",
+        prompt_ids=ids[0].to(torch.int32).numpy(),
+        logits=logits.numpy(),
+        greedy_ids=greedy.to(torch.int32).numpy(),
+        full_ids=full_ids[0].to(torch.int32).numpy(),
+        full_logits=ref.numpy(),
+        embeddings=cap.embeddings[0].numpy(),
+        layer_outputs=torch.stack([cap.layers[i][0] for i in sorted(cap.layers)]).numpy(),
+        **arrays,
+    )
+    with np.load(out / "expected.npz") as npz:
+        npz_index = {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in npz.items()}
+
+    meta = {
+        "name": name,
+        "model_type": model_type,
+        "model_class": type(model).__name__,
+        "config_class": type(model.config).__name__,
+        "modeling_source": f"transformers/models/{model_type}/modeling_{model_type}.py",
+        "versions": versions(),
+        "seed": seed,
+        "seed_search": {
+            "rule": f"first seed from {SEED} with greedy top1-top2 logit gap >= "
+            f"{MIN_GREEDY_MARGIN} at every greedy step and every MoE selection gap >= "
+            f"{MIN_ROUTER_MARGIN}",
+            "tried": tried,
+        },
+        "dtype": "float32",
+        "attn_implementation": model.config._attn_implementation,
+        "experts_implementation": model.config._experts_implementation,
+        "prompt_ids": PROMPT_IDS,
+        "greedy_ids": greedy.tolist(),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "layer_types": getattr(model.config, "layer_types", None),
+        "derived_constants": derived_constants(model),
+        "checks": checks,
+        "routing": routing,
+        "redraw_rules": rules,
+        "code_paths": {
+            "optional_kernel_packages_installed": optional_kernel_packages(),
+            "function_calls": {k: v for k, v in paths.items() if any(v.values())},
+        },
+        "notes": notes,
+        "checkpoint_keys_renamed_after_save_pretrained": renamed,
+        "expected_npz": npz_index,
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests/fixtures/hf"))
+    ap.add_argument("--only", action="append", choices=sorted(ARCHS), help="repeatable")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    transformers.utils.logging.disable_progress_bar()
+    out_root = Path(args.out)
+    out_root.mkdir(parents=True, exist_ok=True)
+    total = 0
+    for name in args.only or list(ARCHS):
+        meta = build(name, out_root)
+        size = sum(p.stat().st_size for p in (out_root / name).iterdir())
+        total += size
+        print(json.dumps({name: {"bytes": size, "seed": meta["seed"], **meta["checks"]}}))
+    print(f"total bytes: {total}")
+
+
+if __name__ == "__main__":
+    main()
