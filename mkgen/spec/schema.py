@@ -127,6 +127,9 @@ class MLAAttention(StrictModel):
     # null: NoPE (the rope part of q/k exists but no rotation is applied).
     rope: Rope | None = None
     output_gate: Literal["none", "sigmoid"] = "none"
+    # Epsilon of the q and kv latent RMSNorms; null: dims.norm_eps. DeepSeek-V3 and
+    # Kimi Linear fix it at 1e-6 whatever rms_norm_eps says.
+    latent_norm_eps: PositiveFloat | None = None
     # null: (qk_nope_head_dim + qk_rope_head_dim) ** -0.5 (times YaRN's mscale**2).
     softmax_scale: PositiveFloat | None = None
 
