@@ -1,0 +1,1 @@
+"""Proving a generated kernel without a TPU: interpret-mode numerics and TPU7x compiles."""
