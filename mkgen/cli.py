@@ -208,11 +208,9 @@ def show_command(spec_ref: str, as_json: bool, mini: bool, layers: bool) -> None
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 def import_hf_command(config: Path, output: Path | None, name: str | None, force: bool) -> None:
     """Map a Hugging Face config.json to a model spec (YAML on stdout or -o FILE)."""
-    from mkgen.spec.hf_import import import_hf_config
-    from mkgen.spec.loader import dump_spec_yaml
+    from mkgen.spec.hf_import import render_spec_yaml
 
-    spec = import_hf_config(config, name=name)
-    text = dump_spec_yaml(spec, header=f"# Imported by mkgen import-hf from {config.name}.\n")
+    text = render_spec_yaml(config, name)
     if output is None:
         click.echo(text, nl=False)
         return

@@ -1,0 +1,597 @@
+"""Hugging Face checkpoint tensors -> mkgen's weight inventory (numpy only, no jax).
+
+`load_hf_weights(spec, arch, tensors)` maps the tensors of a Hugging Face
+checkpoint (names and layouts as `save_pretrained` writes them, i.e. the hub
+layout) to the names and shapes of `mkgen.spec.weights.model_weights(spec)`:
+
+- nn.Linear weights [out, in] are transposed to [in, out] (``x @ W``); the
+  embedding stays [vocab, hidden]; norms, biases, sinks and gate constants keep
+  their vectors.
+- Per-expert tensors (``experts.{j}.gate_proj`` / ``w1``...) are stacked on a
+  leading expert axis. The fused layouts are read too: transformers 5's
+  ``experts.gate_up_proj`` [E, 2F, hidden] (gate rows first) with ``down_proj``
+  [E, hidden, F], and gpt-oss's ``gate_up_proj`` [E, hidden, 2F] (already
+  [in, out]; gate at even, up at odd columns) with ``down_proj`` [E, F, hidden]
+  and their ``_bias`` vectors.
+- Qwen3-Next: ``in_proj_qkvz`` and ``in_proj_ba`` are grouped per key head
+  (transformers' ``fix_query_key_value_ordering``): for each key head g, rows
+  [q (dk) | k (dk) | v (r*dv) | z (r*dv)] and [b (r) | a (r)], r = value heads per
+  key head. The depthwise ``conv1d.weight`` [2K+V, 1, W] splits into conv_q/k/v
+  [W, channels] (tap W-1 multiplies the newest token). The gated ``q_proj`` holds
+  per head [query (head_dim) | gate (head_dim)] rows, split into wq and wgate.
+- Kimi Linear: ``q_conv1d``/``k_conv1d``/``v_conv1d`` (or a fused ``conv1d``),
+  ``f_a_proj``/``f_b_proj`` -> wf_a/wf_b, ``g_a_proj``/``g_b_proj`` -> wg_a/wg_b,
+  ``b_proj`` -> wbeta, ``A_log`` [1, 1, H, 1] -> [H].
+- DeepSeek/Kimi MLA: ``kv_a_proj_with_mqa`` -> wkv_a, ``q_a_layernorm`` -> q_norm,
+  ``kv_a_layernorm`` -> kv_norm; the router's ``e_score_correction_bias`` ->
+  selection_bias. RoPE dims stay in the checkpoint's (interleaved) order.
+
+Norm weights are copied as stored: a zero-centred model's norms hold w of
+(1 + w); the gated output norms of Gated DeltaNet and KDA are plain-weight norms
+in every model. Every inventory tensor must come out with exactly its shape and
+every checkpoint tensor must be used, except the per-architecture ignore list
+(rotary inv_freq buffers; multi-token-prediction layers, which are not decoded).
+Quantized checkpoints (fp8 block scales, MXFP4 blocks, int4 packs) are refused:
+dequantize them first.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mkgen.errors import SpecError
+from mkgen.spec.hf_import import canonical_architecture, default_spec_name, import_hf_dict
+from mkgen.spec.loader import read_json
+from mkgen.spec.schema import (
+    DenseFFN,
+    GatedDeltaNetAttention,
+    GQAAttention,
+    KDAAttention,
+    MLAAttention,
+    ModelSpec,
+    MoEFFN,
+)
+from mkgen.spec.weights import model_weights
+
+# Tensors that hold no weights of the model, per architecture (regexes on the HF name).
+_IGNORE_ALL = (r"\.rotary_emb\.(inv_freq|original_inv_freq)$",)
+IGNORED: dict[str, tuple[str, ...]] = {
+    "DeepseekV3ForCausalLM": _IGNORE_ALL,
+    "Qwen3ForCausalLM": _IGNORE_ALL,
+    "Qwen3MoeForCausalLM": _IGNORE_ALL,
+    "MixtralForCausalLM": _IGNORE_ALL,
+    # Qwen3-Next checkpoints carry their MTP block under mtp.* (transformers skips it too).
+    "Qwen3NextForCausalLM": (*_IGNORE_ALL, r"^mtp\."),
+    "GptOssForCausalLM": _IGNORE_ALL,
+    "KimiLinearForCausalLM": _IGNORE_ALL,
+}
+# Names of the side tensors of quantized checkpoints.
+_QUANTIZED = re.compile(
+    r"(weight_scale_inv|weight_scale|input_scale|_blocks|_scales|qweight|qzeros|g_idx|"
+    r"weight_packed|weight_shape|weight_zero_point)$"
+)
+
+
+# ---------------------------------------------------------------- safetensors, lazily
+
+_DTYPES: dict[str, str] = {
+    "F64": "<f8",
+    "F32": "<f4",
+    "F16": "<f2",
+    "BF16": "<u2",  # widened to float32 on read
+    "I64": "<i8",
+    "I32": "<i4",
+    "I16": "<i2",
+    "I8": "i1",
+    "U64": "<u8",
+    "U32": "<u4",
+    "U16": "<u2",
+    "U8": "u1",
+    "BOOL": "?",
+    "F8_E4M3": "u1",  # raw codes: refused as quantized
+    "F8_E5M2": "u1",
+    "F8_E8M0": "u1",
+    "F4": "u1",
+}
+
+
+class SafetensorsCheckpoint(Mapping[str, np.ndarray]):
+    """Read-only mapping name -> array over one .safetensors file or a sharded set.
+
+    Tensors are read on access through a memory map (nothing is loaded up front).
+    BF16 tensors are widened to float32 (exactly); other dtypes come as stored.
+    """
+
+    def __init__(self, path: Path | str) -> None:
+        path = Path(path)
+        if path.is_dir():
+            index = path / "model.safetensors.index.json"
+            single = path / "model.safetensors"
+            path = index if index.exists() else single
+        if not path.exists():
+            raise SpecError(f"{path}: no such file (expected model.safetensors or its index)")
+        self.path = path
+        self._entries: dict[str, tuple[Path, str, tuple[int, ...], int, int]] = {}
+        if path.suffix == ".json":
+            index = read_json(path)
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict):
+                raise SpecError(f"{path}: weight_map: missing; not a safetensors index")
+            for file in sorted(set(weight_map.values())):
+                self._read_header(path.parent / file)
+            missing = sorted(set(weight_map) - set(self._entries))
+            if missing:
+                raise SpecError(f"{path}: weight_map: {missing[0]} is in no shard")
+        else:
+            self._read_header(path)
+
+    def _read_header(self, file: Path) -> None:
+        try:
+            with file.open("rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+        except (OSError, struct.error, ValueError) as error:
+            raise SpecError(f"{file}: not a readable safetensors file ({error})") from None
+        base = 8 + size
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = info["dtype"]
+            if dtype not in _DTYPES:
+                raise SpecError(f"{file}: {name}: unknown safetensors dtype {dtype}")
+            start, end = info["data_offsets"]
+            self._entries[name] = (file, dtype, tuple(info["shape"]), base + start, end - start)
+
+    def stored_dtype(self, name: str) -> str:
+        return self._entries[name][1]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entries[name][2]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        file, dtype, shape, offset, nbytes = self._entries[name]
+        np_dtype = np.dtype(_DTYPES[dtype])
+        if nbytes == 0:
+            array = np.zeros(shape, np_dtype)
+        else:
+            array = np.memmap(file, dtype=np_dtype, mode="r", offset=offset, shape=shape)
+        if dtype == "BF16":
+            return (np.asarray(array).astype(np.uint32) << 16).view(np.float32)
+        return np.asarray(array)
+
+    def __contains__(self, name: object) -> bool:  # without reading the tensor
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def read_safetensors(path: Path | str) -> SafetensorsCheckpoint:
+    """Open a checkpoint lazily: a .safetensors file, an index .json, or a directory."""
+    return SafetensorsCheckpoint(path)
+
+
+# ---------------------------------------------------------------- the mapping
+
+
+class _Source:
+    """The checkpoint's tensors; remembers which were used."""
+
+    def __init__(self, tensors: Mapping[str, np.ndarray], source: str) -> None:
+        self.tensors = tensors
+        self.source = source
+        self.used: set[str] = set()
+
+    def error(self, name: str, message: str) -> SpecError:
+        return SpecError(f"{self.source}: {name}: {message}")
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def first(self, *names: str) -> str:
+        """The first of these names the checkpoint has (errors name the first)."""
+        for name in names:
+            if name in self.tensors:
+                return name
+        also = f" (nor {', '.join(names[1:])})" if len(names) > 1 else ""
+        raise self.error(names[0], f"missing from the checkpoint{also}")
+
+    def take(self, *names: str) -> np.ndarray:
+        name = self.first(*names)
+        self.used.add(name)
+        array = np.asarray(self.tensors[name])
+        stored = getattr(self.tensors, "stored_dtype", lambda _n: None)(name)
+        if stored and stored not in ("F32", "F16", "F64", "BF16"):
+            raise self.error(
+                name,
+                f"stored as {stored}: a quantized or non-float tensor; mkgen loads float "
+                "checkpoints only (dequantize first)",
+            )
+        if array.dtype.kind != "f" and array.dtype.name != "bfloat16":
+            raise self.error(
+                name,
+                f"has dtype {array.dtype}: a quantized or non-float tensor; mkgen loads float "
+                "checkpoints only (dequantize first)",
+            )
+        return array
+
+    def linear(self, *names: str) -> np.ndarray:
+        """An nn.Linear weight [out, in] as [in, out]."""
+        array = self.take(*names)
+        if array.ndim != 2:
+            raise self.error(self.first(*names), f"expected a matrix, got shape {array.shape}")
+        return array.T
+
+
+class _Out:
+    """The inventory being filled: shapes are checked as tensors arrive."""
+
+    def __init__(self, spec: ModelSpec, source: str) -> None:
+        self.expected = {w.name: w.shape for w in model_weights(spec)}
+        self.source = source
+        self.values: dict[str, np.ndarray] = {}
+
+    def put(self, name: str, array: np.ndarray, hf: str) -> None:
+        if name not in self.expected:
+            raise SpecError(
+                f"{self.source}: {hf}: maps to {name}, which the spec does not have (the "
+                "config and the checkpoint disagree)"
+            )
+        want = self.expected[name]
+        if tuple(array.shape) != want:
+            raise SpecError(
+                f"{self.source}: {hf}: gives {name} of shape {tuple(array.shape)}, but the spec "
+                f"needs {want} (the config and the checkpoint disagree)"
+            )
+        self.values[name] = np.ascontiguousarray(array)
+
+
+def _split_rows(array: np.ndarray, sizes: Sequence[int], name: str, src: _Source) -> list:
+    if array.shape[0] != sum(sizes):
+        raise src.error(name, f"has {array.shape[0]} rows, expected {sum(sizes)} ({sizes})")
+    return np.split(array, np.cumsum(sizes)[:-1], axis=0)
+
+
+def _gqa(src: _Source, out: _Out, p: str, o: str, kind: GQAAttention, hidden: int) -> None:
+    h, d = kind.num_heads, kind.head_dim
+    q_name = src.first(p + "q_proj.weight")
+    q = src.take(q_name)
+    if kind.output_gate == "sigmoid":
+        # Qwen3-Next: per head, rows [query (head_dim) | gate (head_dim)].
+        if q.shape != (2 * h * d, hidden):
+            raise src.error(q_name, f"shape {q.shape}, expected {(2 * h * d, hidden)}")
+        per_head = q.reshape(h, 2, d, hidden)
+        out.put(o + "wq", per_head[:, 0].reshape(h * d, hidden).T, q_name)
+        out.put(o + "wgate", per_head[:, 1].reshape(h * d, hidden).T, q_name)
+    else:
+        out.put(o + "wq", q.T, q_name)
+    for hf, name in (("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo")):
+        out.put(o + name, src.linear(p + hf + ".weight"), p + hf + ".weight")
+    if kind.qkv_bias:
+        bq = src.take(p + "q_proj.bias")
+        if kind.output_gate == "sigmoid":
+            raise src.error(
+                p + "q_proj.bias",
+                "holds the output gate's bias too; mkgen's GQA has no tensor for it",
+            )
+        out.put(o + "bq", bq, p + "q_proj.bias")
+        out.put(o + "bk", src.take(p + "k_proj.bias"), p + "k_proj.bias")
+        out.put(o + "bv", src.take(p + "v_proj.bias"), p + "v_proj.bias")
+    if kind.o_bias:
+        out.put(o + "bo", src.take(p + "o_proj.bias"), p + "o_proj.bias")
+    if kind.qk_norm == "rms":
+        out.put(o + "q_norm", src.take(p + "q_norm.weight"), p + "q_norm.weight")
+        out.put(o + "k_norm", src.take(p + "k_norm.weight"), p + "k_norm.weight")
+    if kind.sinks:
+        out.put(o + "sinks", src.take(p + "sinks"), p + "sinks")
+
+
+def _mla(src: _Source, out: _Out, p: str, o: str, kind: MLAAttention) -> None:
+    pairs = [("kv_a_proj_with_mqa", "wkv_a"), ("kv_b_proj", "wkv_b"), ("o_proj", "wo")]
+    if kind.q_lora_rank:
+        pairs += [("q_a_proj", "wq_a"), ("q_b_proj", "wq_b")]
+        out.put(o + "q_norm", src.take(p + "q_a_layernorm.weight"), p + "q_a_layernorm.weight")
+    else:
+        pairs.append(("q_proj", "wq"))
+    for hf, name in pairs:
+        out.put(o + name, src.linear(p + hf + ".weight"), p + hf + ".weight")
+    out.put(o + "kv_norm", src.take(p + "kv_a_layernorm.weight"), p + "kv_a_layernorm.weight")
+    if kind.output_gate == "sigmoid":
+        raise src.error(p + "q_proj.weight", "an MLA output gate has no Hugging Face layout here")
+
+
+def _conv_taps(w: np.ndarray) -> np.ndarray:
+    """A depthwise Conv1d weight [channels, 1, W] as taps [W, channels]."""
+    return w.reshape(w.shape[0], w.shape[-1]).T
+
+
+def _kda(src: _Source, out: _Out, p: str, o: str, kind: KDAAttention) -> None:
+    d = kind.num_heads * kind.head_dim
+    for hf, name in (
+        ("q_proj", "wq"),
+        ("k_proj", "wk"),
+        ("v_proj", "wv"),
+        ("o_proj", "wo"),
+        ("b_proj", "wbeta"),
+    ):
+        out.put(o + name, src.linear(p + hf + ".weight"), p + hf + ".weight")
+    gate = (
+        (("g_a_proj", "wg_a"), ("g_b_proj", "wg_b"))
+        if kind.output_gate_rank
+        else (("g_proj", "wg"),)
+    )
+    for hf, name in gate:
+        out.put(o + name, src.linear(p + hf + ".weight"), p + hf + ".weight")
+    for hf, name in (("f_a_proj", "wf_a"), ("f_b_proj", "wf_b")):
+        names = (p + hf + ".weight", p + "forget_gate." + hf + ".weight")
+        out.put(o + name, src.linear(*names), src.first(*names))
+    for hf in ("A_log", "dt_bias"):
+        names = (p + hf, p + "forget_gate." + hf)
+        value = src.take(*names)
+        if hf == "A_log" and value.size == kind.num_heads:
+            value = value.reshape(kind.num_heads)  # Kimi stores [1, 1, H, 1]
+        out.put(o + hf, value, src.first(*names))
+    if src.has(p + "q_conv1d.weight"):
+        for c in "qkv":
+            name = f"{p}{c}_conv1d.weight"
+            out.put(f"{o}conv_{c}", _conv_taps(src.take(name)), name)
+    else:
+        name = src.first(p + "q_conv1d.weight", p + "conv1d.weight")
+        taps = _split_rows(src.take(name), [d, d, d], name, src)
+        for c, w in zip("qkv", taps, strict=True):
+            out.put(f"{o}conv_{c}", _conv_taps(w), name)
+    out.put(o + "o_norm", src.take(p + "o_norm.weight"), p + "o_norm.weight")
+
+
+def _gated_deltanet(
+    src: _Source, out: _Out, p: str, o: str, kind: GatedDeltaNetAttention, hidden: int
+) -> None:
+    hk, hv = kind.num_key_heads, kind.num_value_heads
+    dk, dv = kind.key_head_dim, kind.value_head_dim
+    r = hv // hk
+    name = p + "in_proj_qkvz.weight"
+    w = src.take(name)
+    group = 2 * dk + 2 * r * dv
+    if w.shape != (hk * group, hidden):
+        raise src.error(name, f"shape {w.shape}, expected {(hk * group, hidden)}")
+    w = w.reshape(hk, group, hidden)
+    parts = np.split(w, np.cumsum([dk, dk, r * dv]), axis=1)  # q, k, v, z per key head
+    for part, spec_name in zip(parts, ("wq", "wk", "wv", "wz"), strict=True):
+        out.put(o + spec_name, part.reshape(-1, hidden).T, name)
+    name = p + "in_proj_ba.weight"
+    w = src.take(name)
+    if w.shape != (hk * 2 * r, hidden):
+        raise src.error(name, f"shape {w.shape}, expected {(hk * 2 * r, hidden)}")
+    b, a = np.split(w.reshape(hk, 2 * r, hidden), 2, axis=1)
+    out.put(o + "wb", b.reshape(hv, hidden).T, name)
+    out.put(o + "wa", a.reshape(hv, hidden).T, name)
+    name = p + "conv1d.weight"
+    taps = _split_rows(src.take(name), [hk * dk, hk * dk, hv * dv], name, src)
+    for c, t in zip("qkv", taps, strict=True):
+        out.put(f"{o}conv_{c}", _conv_taps(t), name)
+    for hf, spec_name in (("A_log", "A_log"), ("dt_bias", "dt_bias"), ("norm.weight", "o_norm")):
+        out.put(o + spec_name, src.take(p + hf), p + hf)
+    out.put(o + "wo", src.linear(p + "out_proj.weight"), p + "out_proj.weight")
+
+
+def _dense(src: _Source, out: _Out, p: str, o: str, kind: DenseFFN) -> None:
+    names = (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down"))
+    for hf, name in names if kind.gated else names[1:]:
+        out.put(o + name, src.linear(p + hf + ".weight"), p + hf + ".weight")
+    if kind.bias:
+        for hf, name in (("gate_proj", "b_gate"), ("up_proj", "b_up"), ("down_proj", "b_down")):
+            if hf == "gate_proj" and not kind.gated:
+                continue
+            out.put(o + name, src.take(p + hf + ".bias"), p + hf + ".bias")
+
+
+def _experts(src: _Source, out: _Out, p: str, o: str, kind: MoEFFN, arch: str) -> None:
+    e, f = kind.num_experts, kind.expert_width
+    fused = p + "experts.gate_up_proj"
+    if src.has(fused):
+        gate_up = src.take(fused)
+        down_name = p + "experts.down_proj"
+        down = src.take(down_name)
+        if arch == "GptOssForCausalLM":
+            # [E, in, 2F] (x @ W layout), gate at even and up at odd columns; down [E, F, out].
+            out.put(o + "experts_gate", gate_up[:, :, 0::2], fused)
+            out.put(o + "experts_up", gate_up[:, :, 1::2], fused)
+            out.put(o + "experts_down", down, down_name)
+        else:
+            # transformers 5 runtime layout: [E, 2F, in] = [gate rows | up rows]; down [E, out, F].
+            if gate_up.ndim != 3 or gate_up.shape[1] != 2 * f:
+                raise src.error(fused, f"shape {gate_up.shape}, expected [{e}, {2 * f}, in]")
+            out.put(o + "experts_gate", gate_up[:, :f].transpose(0, 2, 1), fused)
+            out.put(o + "experts_up", gate_up[:, f:].transpose(0, 2, 1), fused)
+            out.put(o + "experts_down", down.transpose(0, 2, 1), down_name)
+        if kind.expert_bias:
+            name = fused + "_bias"
+            bias = src.take(name)
+            if arch == "GptOssForCausalLM":
+                out.put(o + "experts_b_gate", bias[:, 0::2], name)
+                out.put(o + "experts_b_up", bias[:, 1::2], name)
+            else:
+                out.put(o + "experts_b_gate", bias[:, :f], name)
+                out.put(o + "experts_b_up", bias[:, f:], name)
+            out.put(o + "experts_b_down", src.take(down_name + "_bias"), down_name + "_bias")
+        return
+    if kind.expert_bias:
+        raise src.error(fused, "missing: per-expert biases are only read from fused experts")
+    first = p + "experts.0."
+    names = (
+        ("w1", "w3", "w2")
+        if src.has(first + "w1.weight")
+        else ("gate_proj", "up_proj", "down_proj")
+    )
+    for hf, name in zip(names, ("experts_gate", "experts_up", "experts_down"), strict=True):
+        stack = [src.linear(f"{p}experts.{j}.{hf}.weight") for j in range(e)]
+        shapes = {a.shape for a in stack}
+        if len(shapes) > 1:
+            raise src.error(f"{p}experts.*.{hf}.weight", f"experts differ in shape: {shapes}")
+        out.put(o + name, np.stack(stack), f"{p}experts.{{0..{e - 1}}}.{hf}.weight")
+
+
+def _moe(src: _Source, out: _Out, p: str, o: str, kind: MoEFFN, arch: str) -> None:
+    if kind.latent:
+        raise src.error(p + "experts", "latent MoE projections have no Hugging Face layout here")
+    router = "router." if arch == "GptOssForCausalLM" else "gate."
+    out.put(o + "router", src.linear(p + router + "weight"), p + router + "weight")
+    if kind.router.bias:
+        out.put(o + "router_bias", src.take(p + router + "bias"), p + router + "bias")
+    if kind.router.selection_bias:
+        name = p + "gate.e_score_correction_bias"
+        out.put(o + "selection_bias", src.take(name), name)
+    _experts(src, out, p, o, kind, arch)
+    if kind.shared_experts:
+        sp = p + ("shared_expert." if kind.shared_experts.gate else "shared_experts.")
+        for hf, name in (
+            ("gate_proj", "shared_gate"),
+            ("up_proj", "shared_up"),
+            ("down_proj", "shared_down"),
+        ):
+            out.put(o + name, src.linear(sp + hf + ".weight"), sp + hf + ".weight")
+        if kind.shared_experts.gate:
+            name = p + "shared_expert_gate.weight"
+            out.put(o + "shared_gate_proj", src.linear(name), name)
+
+
+def _ffn_prefix(src: _Source, p: str, moe: bool) -> str:
+    """mlp. or block_sparse_moe. (Mixtral, Kimi Linear MoE layers), whichever is there."""
+    if moe:
+        for sub in ("mlp.", "block_sparse_moe."):
+            if any(src.has(p + sub + g) for g in ("gate.weight", "router.weight")):
+                return p + sub
+    return p + "mlp."
+
+
+def load_hf_weights(
+    spec: ModelSpec,
+    arch: str,
+    tensors: Mapping[str, np.ndarray],
+    *,
+    mtp_layers: int = 0,
+    source: str = "checkpoint",
+) -> dict[str, np.ndarray]:
+    """Map a checkpoint's tensors (HF names) to the spec's inventory (mkgen names).
+
+    arch: the architecture class or model_type (e.g. "Qwen3NextForCausalLM", "kimi_k2").
+    mtp_layers: DeepSeek-style multi-token-prediction layers stored after the last
+    decoder layer (``model.layers.{count}..``), skipped as the importer skips them.
+    Returns float arrays (BF16 widened to float32) in inventory order.
+    """
+    arch = canonical_architecture(arch, source)
+    src = _Source(tensors, source)
+    quantized = sorted(n for n in tensors if _QUANTIZED.search(n))
+    if quantized:
+        raise src.error(
+            quantized[0],
+            "a quantization side tensor: this is a quantized checkpoint; mkgen loads float "
+            "checkpoints only (dequantize first)",
+        )
+    out = _Out(spec, source)
+    hidden = spec.dims.hidden
+    out.put("embedding", src.take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+    for i, (attn_name, ffn_name) in enumerate(spec.layer_table()):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        out.put(
+            o + "attn_norm", src.take(p + "input_layernorm.weight"), p + "input_layernorm.weight"
+        )
+        out.put(
+            o + "ffn_norm",
+            src.take(p + "post_attention_layernorm.weight"),
+            p + "post_attention_layernorm.weight",
+        )
+        attn = spec.attention_kinds[attn_name]
+        if isinstance(attn, GQAAttention):
+            _gqa(src, out, p + "self_attn.", o + "attn.", attn, hidden)
+        elif isinstance(attn, MLAAttention):
+            _mla(src, out, p + "self_attn.", o + "attn.", attn)
+        elif isinstance(attn, KDAAttention):
+            _kda(src, out, p + "self_attn.", o + "attn.", attn)
+        else:
+            _gated_deltanet(src, out, p + "linear_attn.", o + "attn.", attn, hidden)
+        ffn = spec.ffn_kinds[ffn_name]
+        fp = _ffn_prefix(src, p, isinstance(ffn, MoEFFN))
+        if isinstance(ffn, MoEFFN):
+            _moe(src, out, fp, o + "ffn.", ffn, arch)
+        else:
+            _dense(src, out, fp, o + "ffn.", ffn)
+    if spec.attention_residual:
+        raise src.error("attn_res_logits", "the attention residual has no Hugging Face layout")
+    out.put("final_norm", src.take("model.norm.weight"), "model.norm.weight")
+    if not spec.dims.tie_embeddings:
+        out.put("lm_head", src.linear("lm_head.weight"), "lm_head.weight")
+    elif src.has("lm_head.weight"):
+        lm_head = src.take("lm_head.weight")
+        if not np.array_equal(lm_head, out.values["embedding"]):
+            raise src.error("lm_head.weight", "differs from the embedding but the spec ties them")
+    _check_complete(spec, src, out, arch, mtp_layers)
+    return {name: out.values[name] for name in out.expected}
+
+
+def _check_complete(spec: ModelSpec, src: _Source, out: _Out, arch: str, mtp: int) -> None:
+    missing = [name for name in out.expected if name not in out.values]
+    if missing:  # a gap in this module's mapping, not in the checkpoint
+        raise SpecError(f"{src.source}: {missing[0]}: no checkpoint tensor maps to it")
+    ignored = [re.compile(r) for r in IGNORED[arch]]
+    count = spec.layers.count
+    mtp_prefixes = tuple(f"model.layers.{i}." for i in range(count, count + mtp))
+    left = sorted(
+        name
+        for name in src.tensors
+        if name not in src.used
+        and not any(r.search(name) for r in ignored)
+        and not name.startswith(mtp_prefixes)
+    )
+    if left:
+        more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+        raise src.error(
+            left[0],
+            f"not used by the {arch} mapping{more}; the checkpoint has weights the spec does "
+            "not describe (a config/checkpoint mismatch or an unsupported feature)",
+        )
+
+
+def mtp_layer_count(config: Mapping[str, Any]) -> int:
+    """DeepSeek-style MTP layers a config declares (stored as extra model.layers.N)."""
+    value = config.get("num_nextn_predict_layers") or 0
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def load_hf_checkpoint(
+    directory: Path | str, name: str | None = None
+) -> tuple[ModelSpec, dict[str, np.ndarray]]:
+    """Import directory/config.json and map its safetensors weights: (spec, weights)."""
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    config = read_json(config_path)
+    spec_name = name or default_spec_name(directory)
+    spec = import_hf_dict(config, spec_name, str(config_path))
+    arch = canonical_architecture(
+        (config.get("architectures") or [config.get("model_type", "")])[0], str(config_path)
+    )
+    tensors = read_safetensors(directory)
+    weights = load_hf_weights(
+        spec, arch, tensors, mtp_layers=mtp_layer_count(config), source=str(tensors.path)
+    )
+    return spec, weights
+
+
+__all__: list[str] = [
+    "IGNORED",
+    "SafetensorsCheckpoint",
+    "load_hf_checkpoint",
+    "load_hf_weights",
+    "mtp_layer_count",
+    "read_safetensors",
+]
