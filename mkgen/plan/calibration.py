@@ -1,0 +1,159 @@
+"""The published measurements as data, and the cost model's error against each row.
+
+Source: shared/reference/measurements.md (Inferact tpu-megakernels, Muse Spark 1.2 on
+4 TPU7x chips = 8 TensorCores, context 4096, 16 steps per device call). One set of
+constants (CostConstants.from_chip) serves every row; nothing is fitted per row.
+
+The model is the spec as shipped (model_specs/muse-spark-1.2.yaml). One input
+follows the benchmark, as documented in docs/cost-model.md: its rows are identical,
+so only top_k = 8 distinct experts are read per layer at every batch
+(``distinct_experts_per_layer=8``).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from mkgen.hardware import MiB
+from mkgen.plan.cost import Estimate, estimate
+from mkgen.plan.options import BuildOptions
+from mkgen.spec.loader import load_spec
+from mkgen.spec.topology import parse_topology
+
+MODEL = "muse-spark-1.2"
+TOPOLOGY = "2x2x1"
+CONTEXT = 4096
+STEPS_PER_CALL = 16
+DISTINCT_EXPERTS = 8  # identical benchmark rows: top_k distinct experts at every batch
+
+# Weight configurations of measurements.md, as --quant overrides of the spec.
+CONFIGS: dict[str, tuple[str, ...]] = {
+    "int4 experts, bf16 dense": ("experts=int4:128",),
+    "nvfp4 experts, bf16 dense": ("experts=nvfp4",),
+    # The measured int8 configuration also stores the lm_head in int8 (musespark/REPORT.md:
+    # "int8 dense projections + lm_head", lm_head 400 -> 200 MiB).
+    "nvfp4 experts, int8 dense": ("experts=nvfp4", "dense=int8", "lm_head=int8"),
+}
+
+# ms per decode step, (configuration, batch) -> measured.
+MEASURED_MS: dict[tuple[str, int], float] = {
+    ("int4 experts, bf16 dense", 1): 3.59,
+    ("int4 experts, bf16 dense", 2): 3.71,
+    ("int4 experts, bf16 dense", 4): 3.91,
+    ("int4 experts, bf16 dense", 8): 4.29,
+    ("nvfp4 experts, bf16 dense", 1): 3.57,
+    ("nvfp4 experts, bf16 dense", 2): 4.07,
+    ("nvfp4 experts, bf16 dense", 4): 4.63,
+    ("nvfp4 experts, bf16 dense", 8): 4.86,
+    ("nvfp4 experts, int8 dense", 1): 3.26,
+    ("nvfp4 experts, int8 dense", 2): 3.66,
+    ("nvfp4 experts, int8 dense", 4): 4.25,
+    ("nvfp4 experts, int8 dense", 8): 4.46,
+}
+
+# Batch-1 breakdown (int4 experts, bf16 dense), microseconds.
+PUBLISHED_BREAKDOWN_US: dict[str, float] = {
+    "per_layer": 55.0,
+    "dense_stream_per_layer": 25.0,
+    "collectives_per_layer": 14.0,
+    "experts_per_layer": 9.0,
+    "attention_per_layer": 1.5,
+    "routing_per_layer": 0.7,
+    "fixed_per_step": 195.0,
+    "lm_head_per_step": 126.0,
+}
+PUBLISHED_DENSE_BYTES_PER_LAYER = 76 * MiB  # per core, bf16
+PUBLISHED_HBM_BYTES_PER_STEP = {"bf16 dense": 7.02e9, "int8 dense": 4.70e9}  # per core
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class CalibrationRow(_Frozen):
+    config: str
+    batch: int
+    measured_ms: float
+    predicted_ms: float
+
+    @property
+    def error(self) -> float:
+        """Relative error of the prediction (+: the model is slower than measured)."""
+        return self.predicted_ms / self.measured_ms - 1
+
+
+def options_for(config: str, batch: int) -> BuildOptions:
+    return BuildOptions.create(
+        batch=batch,
+        context=CONTEXT,
+        quant=list(CONFIGS[config]),
+        distinct_experts_per_layer=DISTINCT_EXPERTS,
+        steps_per_call=STEPS_PER_CALL,
+    )
+
+
+def predict(config: str, batch: int) -> Estimate:
+    return estimate(load_spec(MODEL), parse_topology(TOPOLOGY), options_for(config, batch))
+
+
+def calibrate() -> list[CalibrationRow]:
+    """Every measured row with the model's prediction."""
+    return [
+        CalibrationRow(
+            config=config,
+            batch=batch,
+            measured_ms=ms,
+            predicted_ms=predict(config, batch).step_ms,
+        )
+        for (config, batch), ms in MEASURED_MS.items()
+    ]
+
+
+def batch1_breakdown() -> dict[str, tuple[float, float]]:
+    """(published, predicted) microseconds of the batch-1 breakdown (int4, bf16 dense)."""
+    est = predict("int4 experts, bf16 dense", 1)
+    layers = sum(k.layers for k in est.by_layer_kind.values())
+    per_layer_us = sum(k.total_ms for k in est.by_layer_kind.values()) * 1e3 / layers
+    b = est.breakdown_ms
+    fixed_us = est.step_ms * 1e3 - per_layer_us * layers
+    return {
+        "per_layer": (PUBLISHED_BREAKDOWN_US["per_layer"], per_layer_us),
+        "dense_stream_per_layer": (
+            PUBLISHED_BREAKDOWN_US["dense_stream_per_layer"],
+            b["weights"] * 1e3 / layers,
+        ),
+        "collectives_per_layer": (
+            PUBLISHED_BREAKDOWN_US["collectives_per_layer"],
+            b["collectives"] * 1e3 / layers,
+        ),
+        "experts_per_layer": (
+            PUBLISHED_BREAKDOWN_US["experts_per_layer"],
+            b["experts"] * 1e3 / layers,
+        ),
+        "attention_per_layer": (
+            PUBLISHED_BREAKDOWN_US["attention_per_layer"],
+            b["kv_state"] * 1e3 / layers,
+        ),
+        "fixed_per_step": (PUBLISHED_BREAKDOWN_US["fixed_per_step"], fixed_us),
+        "lm_head_per_step": (PUBLISHED_BREAKDOWN_US["lm_head_per_step"], b["lm_head"] * 1e3),
+    }
+
+
+def format_table(rows: list[CalibrationRow]) -> str:
+    """Markdown table: configuration, batch, measured, predicted, error."""
+    lines = [
+        "| configuration | batch | measured ms | predicted ms | error |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.config} | {r.batch} | {r.measured_ms:.2f} | {r.predicted_ms:.2f} | "
+            f"{100 * r.error:+.1f} % |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover - a convenience for docs/cost-model.md
+    print(format_table(calibrate()))
+    for key, (pub, pred) in batch1_breakdown().items():
+        print(f"{key:<26} published {pub:7.1f} us  predicted {pred:7.1f} us")

@@ -1,0 +1,187 @@
+"""Build options: what a user asks of one build beyond the spec and the topology.
+
+Every field maps to a CLI flag of ``mkgen plan`` / ``mkgen build`` (STYLE habit 11:
+no environment knobs) and every error is a one-line SpecError naming the flag and
+its value. The options are frozen pydantic data so a saved plan records them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from mkgen.errors import SpecError
+from mkgen.spec.quant import parse_format
+from mkgen.spec.schema import DENSE_GROUP, WEIGHT_FAMILIES, ModelSpec, Quantization
+
+# Tuning choice, not a physical limit: the published benchmark runs 16 decode steps
+# per jitted device call, so the host dispatch is paid once per 16 steps.
+DEFAULT_STEPS_PER_CALL = 16
+DEFAULT_CONTEXT = 4096
+
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(b|kib|mib|gib|kb|mb|gb)?\s*$", re.I)
+_SIZE_UNITS = {
+    None: 1,
+    "b": 1,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+}
+
+
+def parse_size(text: str | int, option: str = "--vmem-budget") -> int:
+    """Bytes from ``58MiB``, ``48 MiB``, ``60000000`` or an int; errors name the option."""
+    if isinstance(text, bool):
+        raise SpecError(f"{option} {text!r}: expected a size such as 58MiB")
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SIZE_RE.match(str(text))
+        if not match:
+            raise SpecError(f"{option} {text!r}: expected a size such as 58MiB, 48MiB or 60000000")
+        unit = match.group(2).lower() if match.group(2) else None
+        value = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise SpecError(f"{option} {text!r}: must be positive")
+    return value
+
+
+def parse_quant_overrides(items: Iterable[str]) -> tuple[tuple[str, str], ...]:
+    """``["experts=int4:128", "dense=int8"]`` -> ((family, canonical format), ...).
+
+    ``dense`` expands to every family of DENSE_GROUP (schema.DENSE_GROUP); a later
+    item overrides an earlier one for the same family.
+    """
+    out: dict[str, str] = {}
+    valid = ", ".join((*WEIGHT_FAMILIES, "dense"))
+    for item in items:
+        if not isinstance(item, str) or "=" not in item:
+            raise SpecError(f"--quant {item!r}: write FAMILY=FORMAT, e.g. experts=int4:128")
+        family, _, text = item.partition("=")
+        family = family.strip()
+        if family not in (*WEIGHT_FAMILIES, "dense"):
+            raise SpecError(f"--quant {item}: unknown weight family {family!r}; use one of {valid}")
+        fmt = str(parse_format(text, f"--quant {family}"))
+        for name in DENSE_GROUP if family == "dense" else (family,):
+            out[name] = fmt
+    return tuple(sorted(out.items()))
+
+
+class BuildOptions(BaseModel):
+    """Everything about one build that is neither the spec nor the topology.
+
+    Build with ``BuildOptions.create(...)`` (or ``from_cli``) to get SpecErrors
+    rather than pydantic ValidationErrors.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    batch: int = 1  # independent sequences per step
+    rows: int = 1  # rows verified per sequence per step (1 + draft length)
+    acceptance: float = 1.0  # mean tokens accepted per step (1 <= A <= rows)
+    context: int = DEFAULT_CONTEXT  # tokens of context per sequence the caches hold
+    # (family, format) overrides of the spec's quantization, already parsed.
+    quant: tuple[tuple[str, str], ...] = ()
+    vmem_budget_bytes: int | None = None  # None: the chip's budget (58 MiB on TPU7x)
+    price_per_chip_hour_usd: float | None = None  # None: the catalog's estimate
+    # Calibration only: routed experts loaded per layer (the benchmark rows of
+    # measurements.md are identical, so only top_k distinct experts are read at any
+    # batch). None: the expectation under uniform routing.
+    distinct_experts_per_layer: int | None = None
+    steps_per_call: int = DEFAULT_STEPS_PER_CALL
+
+    @model_validator(mode="after")
+    def _check(self) -> BuildOptions:
+        for flag, value in (
+            ("--batch", self.batch),
+            ("--rows", self.rows),
+            ("--context", self.context),
+            ("--steps-per-call", self.steps_per_call),
+        ):
+            if value < 1:
+                raise SpecError(f"{flag} {value}: must be a positive integer")
+        if not 0 < self.acceptance <= self.rows:
+            raise SpecError(
+                f"--acceptance {self.acceptance:g}: mean tokens accepted per step must be in "
+                f"(0, rows={self.rows}]; raise --rows for speculative decoding"
+            )
+        if self.vmem_budget_bytes is not None and self.vmem_budget_bytes <= 0:
+            raise SpecError(f"--vmem-budget {self.vmem_budget_bytes}: must be positive")
+        if self.price_per_chip_hour_usd is not None and self.price_per_chip_hour_usd <= 0:
+            raise SpecError(
+                f"--price {self.price_per_chip_hour_usd:g}: chip-hour price must be positive"
+            )
+        if self.distinct_experts_per_layer is not None and self.distinct_experts_per_layer < 1:
+            raise SpecError(
+                f"--distinct-experts {self.distinct_experts_per_layer}: must be positive"
+            )
+        for family, fmt in self.quant:
+            if family not in WEIGHT_FAMILIES:
+                raise SpecError(f"--quant {family}={fmt}: unknown weight family {family!r}")
+            parse_format(fmt, f"--quant {family}")
+        return self
+
+    @classmethod
+    def create(cls, **fields: Any) -> BuildOptions:
+        """Validate ``fields``; a wrong type becomes a one-line SpecError naming the flag."""
+        if "quant" in fields and fields["quant"] is not None:
+            quant = fields["quant"]
+            if isinstance(quant, dict):
+                quant = [f"{k}={v}" for k, v in quant.items()]
+            if quant and isinstance(next(iter(quant)), str):
+                fields["quant"] = parse_quant_overrides(quant)
+            else:
+                fields["quant"] = tuple(tuple(pair) for pair in quant)
+        if fields.get("vmem_budget_bytes") is not None:
+            fields["vmem_budget_bytes"] = parse_size(fields["vmem_budget_bytes"])
+        if isinstance(fields.get("acceptance"), int) and not isinstance(
+            fields.get("acceptance"), bool
+        ):
+            fields["acceptance"] = float(fields["acceptance"])
+        if isinstance(fields.get("price_per_chip_hour_usd"), int):
+            fields["price_per_chip_hour_usd"] = float(fields["price_per_chip_hour_usd"])
+        fields = {k: v for k, v in fields.items() if v is not None or k in _NULLABLE}
+        try:
+            return cls(**fields)
+        except ValidationError as error:
+            first = error.errors()[0]
+            name = str(first["loc"][0]) if first["loc"] else "option"
+            flag = "--" + name.replace("_bytes", "").replace("_", "-")
+            if first["type"] == "extra_forbidden":
+                raise SpecError(f"{flag}: unknown build option") from None
+            value = first.get("input")
+            raise SpecError(f"{flag} {value!r}: {first['msg'].lower()}") from None
+
+    # --- derived ---
+    @property
+    def tokens(self) -> int:
+        """Token rows per step on every core: batch x rows."""
+        return self.batch * self.rows
+
+    def quantization(self, spec: ModelSpec) -> Quantization:
+        """The spec's quantization with the overrides applied."""
+        data = spec.quantization.model_dump()
+        data.update(dict(self.quant))
+        return Quantization.model_validate(data)
+
+    def apply(self, spec: ModelSpec) -> ModelSpec:
+        """The spec with the quantization overrides applied (a new frozen spec)."""
+        if not self.quant:
+            return spec
+        return spec.model_copy(update={"quantization": self.quantization(spec)})
+
+    def describe(self) -> str:
+        quant = ", ".join(f"{f}={v}" for f, v in self.quant) or "spec formats"
+        return (
+            f"batch {self.batch}, rows {self.rows}, acceptance {self.acceptance:g}, "
+            f"context {self.context}, quant: {quant}"
+        )
+
+
+_NULLABLE = ("vmem_budget_bytes", "price_per_chip_hour_usd", "distinct_experts_per_layer")

@@ -1,0 +1,1064 @@
+"""Sharding: how every weight tensor and cache splits over the topology's D cores.
+
+Tensor parallelism over all cores, as the hand-written kernels do. This module is
+the one place per-rank shapes are derived ("rank shapes", DESIGN.md): every tensor
+of the weight inventory (mkgen.spec.weights) gets a TensorShard saying its split
+axis, its parts, its per-rank shape before and after TPU tile padding, its layout
+and its HBM bytes per rank; every attention kind its cache; every layer kind the
+collectives it needs. Decisions (docs/cost-model.md has the reasoning):
+
+- attention heads split over D (q heads for GQA/MLA/KDA, value heads for Gated
+  DeltaNet); heads that do not divide D are an error (no zero-head padding: it
+  would change the checkpoint layout and stream dead weights);
+- GQA KV heads (and GDN key heads) split when D divides them, else each core holds
+  the KV heads its q heads need (replication counted in bytes);
+- low-rank "A" projections (MLA wq_a / wkv_a, KDA wf_a / wg_a) are replicated or
+  split along their output with one all-gather, whichever costs less per layer;
+- dense MLP and shared-expert width split; routed experts split by expert id over
+  G groups and by width over W = D / G (the candidates and their scores are kept);
+- latent MoE: latent_in output-split + all-gather; after the experts either a
+  reduce-scatter, an input-split latent_out and an all-reduce of hidden, or an
+  all-reduce of the latent, an output-split latent_out and an all-gather of
+  hidden, whichever is cheaper (the first when shared experts add partial sums);
+- vocabulary (embedding rows, lm_head columns) split; router, norms, biases that
+  are added after a reduction and small vectors replicated.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from mkgen.errors import SpecError
+from mkgen.hardware import vmem_tile
+from mkgen.plan.cost import (
+    WIRE_BYTES,
+    CostConstants,
+    level_peers,
+    matmul_cost,
+    pad_rows,
+    widest_level,
+)
+from mkgen.plan.options import BuildOptions
+from mkgen.spec.figures import CACHE_BYTES, STATE_BYTES
+from mkgen.spec.quant import parse_format
+from mkgen.spec.schema import (
+    DenseFFN,
+    GatedDeltaNetAttention,
+    GQAAttention,
+    KDAAttention,
+    MLAAttention,
+    ModelSpec,
+    MoEFFN,
+)
+from mkgen.spec.topology import Topology
+from mkgen.spec.weights import VECTORS, attention_weights, ffn_weights
+
+LANES = 128
+CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TensorShard(_Frozen):
+    """One tensor as every rank holds it."""
+
+    name: str  # inventory name, layer-relative ("attn.wq", "ffn.experts_up") in layer kinds
+    family: str  # weight family, or "vectors"
+    format: str  # storage format ("bf16" for vectors)
+    global_shape: tuple[int, ...]
+    split_axis: int | None  # axis split across ranks (None: replicated)
+    parts: int  # distinct pieces along split_axis (1: replicated)
+    expert_groups: int = 1  # routed experts: groups of experts along axis 0
+    rank_shape: tuple[int, ...]  # logical per-rank shape
+    # Per-rank shape as stored and DMA'd: tile padded, in `layout` order.
+    padded_shape: tuple[int, ...]
+    # "kn": [fan_in, fan_out] as the inventory; "nk": the two minor dims transposed
+    # (chosen when it pads less, e.g. [7168, 48] -> [48, 7168]); "vector".
+    layout: Literal["kn", "nk", "vector"]
+    copies: float  # ranks holding each global element (1: split, D: replicated)
+    rank_bytes: int  # HBM bytes per rank, padded, scales included
+    why: str = ""
+
+    @property
+    def replicated(self) -> bool:
+        return self.parts == 1 and self.expert_groups == 1
+
+    def describe(self) -> str:
+        split = (
+            "replicated"
+            if self.replicated
+            else f"axis {self.split_axis} / {self.parts}"
+            + (f", experts / {self.expert_groups}" if self.expert_groups > 1 else "")
+        )
+        return (
+            f"{self.name:<28} {self.format:<9} {str(list(self.global_shape)):<22} {split:<24} "
+            f"-> {list(self.padded_shape)} {self.layout} {self.rank_bytes / 2**20:9.2f} MiB"
+            + (f" (x{self.copies:g} copies)" if self.copies > 1 else "")
+        )
+
+
+class Collective(_Frozen):
+    """One collective of a layer kind (or of the step), with its cost at this build."""
+
+    name: str
+    op: CollectiveOp
+    after: str  # what produces its input
+    width: int  # elements per token row of the full (reduced / gathered) payload
+    rows: int  # token rows, padded to sublane blocks
+    payload_bytes: int  # full payload (rows x width x wire bytes)
+    algorithm: Literal["flat", "hierarchical"]
+    phases: int
+    level: str  # widest topology level crossed: core / chip / host
+    bytes_by_level: dict[str, int]  # bytes one device sends at each level
+    time_s: float
+
+    def describe(self) -> str:
+        sent = ", ".join(f"{k} {v / 1024:.1f} KiB" for k, v in self.bytes_by_level.items() if v)
+        return (
+            f"{self.name:<16} {self.op:<14} after {self.after:<18} [{self.rows}, {self.width}] "
+            f"{self.algorithm} {self.phases} phase(s) up to {self.level}: {sent}; "
+            f"{self.time_s * 1e6:.2f} us"
+        )
+
+
+def collective_cost(
+    c: CostConstants,
+    topo: Topology,
+    name: str,
+    op: CollectiveOp,
+    after: str,
+    width: int,
+    tokens: int,
+) -> Collective:
+    """The cheaper of a flat and a chip-hierarchical algorithm for this payload.
+
+    Flat: one latency-bound phase (catalog collective_phase_latency, which measures one
+    in-kernel collective: Muse Spark's four per layer cost ~14 us); an all-reduce moves
+    reduce-scatter + all-gather volume (2 x payload / D to every peer). Hierarchical
+    (all-reduce only, chips with two cores): sibling reduce-scatter, flat all-reduce of
+    the half across chips, sibling all-gather: three phases, half the cross-chip bytes.
+    """
+    rows = pad_rows(tokens)
+    payload = rows * width * WIRE_BYTES
+    d = topo.num_devices
+    peers = level_peers(topo)
+    level = widest_level(topo)
+    if d == 1:
+        return Collective(
+            name=name, op=op, after=after, width=width, rows=rows, payload_bytes=payload,
+            algorithm="flat", phases=0, level="core", bytes_by_level={}, time_s=0.0,
+        )  # fmt: skip
+    per_peer = payload / d * (2 if op == "all_reduce" else 1)
+    flat_bytes = {lv: int(per_peer * n) for lv, n in peers.items()}
+    flat = c.collective_phase_s + _wire_s(c, flat_bytes)
+    best = ("flat", 1, flat_bytes, flat)
+    if op == "all_reduce" and peers["core"] and (peers["chip"] or peers["host"]):
+        chips = d // (peers["core"] + 1)
+        half = payload / 2
+        sib = {"core": int(half), "chip": 0, "host": 0}
+        cross = {"core": 0, "chip": 0, "host": 0}
+        cross_per_peer = 2 * half / chips
+        for dev in range(1, d):
+            lv = topo.level_between(0, dev)
+            if lv != "core" and topo.devices[dev].core_on_chip == 0:
+                cross[lv] += int(cross_per_peer)
+        hier_bytes = {lv: sib[lv] * 2 + cross[lv] for lv in sib}
+        hier = 3 * c.collective_phase_s + 2 * _wire_s(c, sib) + _wire_s(c, cross)
+        if hier < flat:
+            best = ("hierarchical", 3, hier_bytes, hier)
+    algorithm, phases, sent, time_s = best
+    return Collective(
+        name=name,
+        op=op,
+        after=after,
+        width=width,
+        rows=rows,
+        payload_bytes=payload,
+        algorithm=algorithm,  # type: ignore[arg-type]
+        phases=phases,
+        level=level,
+        bytes_by_level=sent,
+        time_s=time_s,
+    )
+
+
+def _wire_s(c: CostConstants, sent: dict[str, int]) -> float:
+    """Bytes over the links: the sibling link and the cross-chip links work in parallel;
+    chip- and host-level traffic share the chip's links (the slowest of the two rates)."""
+    core = sent.get("core", 0) / c.ici_bandwidth.get("core", c.ici_bandwidth["chip"])
+    off = sent.get("chip", 0) + sent.get("host", 0)
+    off_bw = min(c.ici_bandwidth.get("chip", math.inf), c.ici_bandwidth.get("host", math.inf))
+    return max(core, off / off_bw if off else 0.0)
+
+
+class CacheShard(_Frozen):
+    """What one layer of an attention kind keeps per sequence on each rank."""
+
+    kind: Literal["kv", "mla_latent", "state"]
+    bytes_per_token: int  # per rank, grows with context (KV / latent)
+    fixed_bytes: int  # per rank per sequence (recurrent state f32 + conv taps bf16)
+    window: int | None
+    heads_per_rank: int  # KV heads (GQA), 1 latent (MLA), state heads (KDA/GDN)
+    copies: float  # ranks holding each cache element
+    why: str = ""
+
+
+class AttentionSharding(_Frozen):
+    kind: str
+    type: str
+    heads_per_rank: int  # query heads (value heads for Gated DeltaNet)
+    kv_heads_per_rank: int  # GQA KV / GDN key heads held per rank; MLA 0; KDA = heads
+    kv_copies: float  # copies of each KV (key) head across ranks
+    latent: Literal["split", "replicated", "none"]  # low-rank A projections
+    tensors: tuple[TensorShard, ...]
+    collectives: tuple[Collective, ...]
+    cache: CacheShard
+    why: str
+
+
+class ExpertCandidate(_Frozen):
+    """One way to split the routed experts: G groups by id x W parts by width."""
+
+    groups: int
+    width_parts: int
+    width_per_rank: int
+    experts_per_rank: int
+    lane_aligned: bool  # width per rank a multiple of 128 lanes
+    expected_max_experts: float  # experts read by the worst-loaded rank (expectation)
+    expected_rank_bytes: float  # its expert bytes per layer
+    worst_case_experts: int  # adversarial routing: all picks in one group
+    worst_case_rank_bytes: int
+    score_s: float  # expected worst-rank expert time per layer (DMA vs MXU, the larger)
+    chosen: bool = False
+    rejected: str = ""  # why not eligible ("" when eligible)
+
+
+class ExpertSplit(_Frozen):
+    groups: int
+    width_parts: int
+    experts_per_rank: int
+    width_per_rank: int
+    picks: int  # token rows x top_k
+    expected_distinct: float  # distinct experts read per layer (all ranks)
+    rows_per_expert: int  # token rows one loaded expert multiplies (MXU LHS)
+    expected_max_experts_per_rank: float  # worst-loaded rank, expectation
+    worst_case_experts_per_rank: int
+    slice_bytes: int  # HBM bytes of one expert's per-rank slice (all its matrices)
+    slice_dmas: int  # DMAs per expert slice (one per matrix)
+    candidates: tuple[ExpertCandidate, ...]
+    why: str
+
+
+class FFNSharding(_Frozen):
+    kind: str
+    type: str
+    tensors: tuple[TensorShard, ...]
+    collectives: tuple[Collective, ...]
+    experts: ExpertSplit | None
+    latent_design: Literal["rs_ar", "ar_ag", "none"]
+    why: str
+
+
+class ShardingPlan(_Frozen):
+    """Per-rank shapes of every tensor and cache, and the collectives of every layer kind."""
+
+    model: str
+    topology: str
+    devices: int
+    tokens: int  # token rows per step (batch x rows)
+    quantization: dict[str, str]
+    globals: tuple[TensorShard, ...]  # embedding, final_norm, lm_head, attn_res_logits
+    layer_vectors: tuple[TensorShard, ...]  # attn_norm, ffn_norm (every layer)
+    attention: dict[str, AttentionSharding]
+    ffn: dict[str, FFNSharding]
+    step_collectives: tuple[Collective, ...]  # embedding broadcast, sampling gather
+    layer_table: tuple[tuple[str, str], ...]
+
+    # --- look-ups ---
+    def shard_of(self, name: str) -> TensorShard:
+        """The shard of any inventory name, e.g. ``layers.7.attn.wq`` or ``lm_head``."""
+        for t in self.globals:
+            if t.name == name:
+                return t
+        parts = name.split(".")
+        if len(parts) >= 3 and parts[0] == "layers" and parts[1].isdigit():
+            layer = int(parts[1])
+            if not 0 <= layer < len(self.layer_table):
+                raise SpecError(f"tensor {name!r}: layer {layer} outside the model")
+            rel = ".".join(parts[2:])
+            attn, ffn = self.layer_table[layer]
+            pool = self.layer_vectors + self.attention[attn].tensors + self.ffn[ffn].tensors
+            for t in pool:
+                if t.name == rel:
+                    return t
+        raise SpecError(f"tensor {name!r}: not in the weight inventory of {self.model}")
+
+    def all_tensors(self) -> list[tuple[str, TensorShard]]:
+        """(inventory name, shard) of every tensor, in inventory order."""
+        out: list[tuple[str, TensorShard]] = [("embedding", self.globals[0])]
+        for i, (attn, ffn) in enumerate(self.layer_table):
+            vec = {t.name: t for t in self.layer_vectors}
+            out.append((f"layers.{i}.attn_norm", vec["attn_norm"]))
+            out += [(f"layers.{i}.{t.name}", t) for t in self.attention[attn].tensors]
+            out.append((f"layers.{i}.ffn_norm", vec["ffn_norm"]))
+            out += [(f"layers.{i}.{t.name}", t) for t in self.ffn[ffn].tensors]
+        out += [(t.name, t) for t in self.globals[1:]]
+        return out
+
+    def layer_counts(self) -> dict[tuple[str, str], int]:
+        counts: dict[tuple[str, str], int] = {}
+        for pair in self.layer_table:
+            counts[pair] = counts.get(pair, 0) + 1
+        return counts
+
+    def rank_bytes_by_family(self) -> dict[str, int]:
+        """HBM bytes per rank of every weight family (vectors included)."""
+        out: dict[str, int] = {}
+        for _, t in self.all_tensors():
+            out[t.family] = out.get(t.family, 0) + t.rank_bytes
+        return out
+
+    def describe(self) -> str:
+        """One line per tensor of each kind, then the collectives."""
+        lines = [f"sharding of {self.model} on {self.topology} ({self.devices} devices)"]
+        lines.append("globals:")
+        lines += ["  " + t.describe() for t in self.globals]
+        for name, a in self.attention.items():
+            lines.append(
+                f"attention {name} ({a.type}): {a.heads_per_rank} heads / "
+                f"{a.kv_heads_per_rank} kv heads per rank; latent {a.latent}; {a.why}"
+            )
+            lines += ["  " + t.describe() for t in a.tensors]
+            lines += ["  " + c.describe() for c in a.collectives]
+        for name, f in self.ffn.items():
+            lines.append(f"ffn {name} ({f.type}): {f.why}")
+            lines += ["  " + t.describe() for t in f.tensors]
+            lines += ["  " + c.describe() for c in f.collectives]
+        lines += ["step: " + c.describe() for c in self.step_collectives]
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- shards
+
+
+def _padded(shape: tuple[int, ...], bits: int) -> tuple[tuple[int, ...], str]:
+    """Tile-padded per-rank shape and the layout ("kn" or "nk") that pads less."""
+    sub, lanes = vmem_tile(bits)
+    if len(shape) < 2:
+        n = shape[0]
+        return (-(-n // lanes) * lanes,), "vector"
+    *lead, k, n = shape
+
+    def up(x: int, m: int) -> int:
+        return -(-x // m) * m
+
+    kn = (up(k, sub), up(n, lanes))
+    nk = (up(n, sub), up(k, lanes))
+    if nk[0] * nk[1] < kn[0] * kn[1]:
+        return (*lead, *nk), "nk"
+    return (*lead, *kn), "kn"
+
+
+def make_shard(
+    name: str,
+    shape: tuple[int, ...],
+    family: str,
+    fmt_text: str,
+    devices: int,
+    split_axis: int | None = None,
+    parts: int = 1,
+    expert_groups: int = 1,
+    why: str = "",
+    where: str = "",
+    rank_extent: int | None = None,
+) -> TensorShard:
+    """A TensorShard with its per-rank shape, padding, layout and bytes.
+
+    ``rank_extent`` overrides the per-rank size of the split axis (replicated KV heads:
+    a rank holds more than global / parts). Raises a SpecError naming ``where`` when a
+    split is uneven or breaks the format's quantization groups.
+    """
+    fmt_text = "bf16" if family == VECTORS else fmt_text
+    fmt = parse_format(fmt_text)
+    rank = list(shape)
+    if expert_groups > 1:
+        if shape[0] % expert_groups:
+            raise SpecError(
+                f"{where}{name}: {shape[0]} experts do not split into {expert_groups} groups"
+            )
+        rank[0] = shape[0] // expert_groups
+    if split_axis is not None:
+        axis = split_axis % len(shape)
+        if rank_extent is not None:
+            rank[axis] = rank_extent
+        else:
+            if shape[axis] % parts:
+                raise SpecError(
+                    f"{where}{name}: dimension {shape[axis]} does not split {parts} ways "
+                    f"({shape[axis]} % {parts} = {shape[axis] % parts}); use a topology whose "
+                    f"device count divides {shape[axis]}"
+                )
+            rank[axis] = shape[axis] // parts
+        # A split along the fan-in axis (or any axis of a 2-D block format) must keep
+        # whole quantization groups on one rank: the checkpoint's scales cannot straddle.
+        block = fmt.block
+        is_fan_in = len(shape) >= 2 and axis == len(shape) - 2 and family != "embedding"
+        is_fan_out = len(shape) >= 2 and axis == len(shape) - 1
+        breaks = block and family != VECTORS and (is_fan_in or (fmt.kind == "fp8" and is_fan_out))
+        if breaks and rank[axis] % block:
+            divisors = [g for g in (128, 64, 32, 16) if rank[axis] % g == 0]
+            hint = (
+                f"a group dividing {rank[axis]} (e.g. {fmt.kind}:{divisors[0]})"
+                if (divisors and fmt.kind in ("int4", "fp8"))
+                else "bf16 or int8"
+            )
+            raise SpecError(
+                f"{where}{name}: {shape[axis]} split {parts} ways is {rank[axis]} per device, "
+                f"not a multiple of the {fmt} group {block}; use {hint}"
+            )
+    rank_shape = tuple(rank)
+    bits = fmt.code_bits if family != VECTORS else 16
+    padded, layout = _padded(rank_shape, bits)
+    if family == VECTORS or len(rank_shape) < 2:
+        nbytes = 2 * math.prod(padded)
+    else:
+        lead = math.prod(rank_shape[:-2])
+        if layout == "nk":
+            fan_out_p, fan_in_p = padded[-2], padded[-1]
+        else:
+            fan_in_p, fan_out_p = padded[-2], padded[-1]
+        if family == "embedding":  # stored [vocab, hidden], quantized per vocabulary row
+            fan_in_p, fan_out_p = fan_out_p, fan_in_p
+        nbytes = lead * fmt.matrix_bytes(fan_in_p, fan_out_p)
+    copies = devices * math.prod(rank_shape) / math.prod(shape)
+    return TensorShard(
+        name=name,
+        family=family,
+        format=fmt_text,
+        global_shape=tuple(shape),
+        split_axis=None if split_axis is None else split_axis % len(shape),
+        parts=parts if split_axis is not None else 1,
+        expert_groups=expert_groups,
+        rank_shape=rank_shape,
+        padded_shape=padded,
+        layout=layout,  # type: ignore[arg-type]
+        copies=copies,
+        rank_bytes=nbytes,
+        why=why,
+    )
+
+
+# --------------------------------------------------------------------------- context
+
+
+class _Ctx:
+    """What every decision needs: spec, topology, options, constants, formats."""
+
+    def __init__(self, spec: ModelSpec, topo: Topology, options: BuildOptions) -> None:
+        self.spec = spec
+        self.topo = topo
+        self.options = options
+        self.d = topo.num_devices
+        self.c = CostConstants.from_chip(topo.chip_info, options)
+        self.quant = options.quantization(spec).model_dump()
+        self.tokens = options.tokens
+        self.h = spec.dims.hidden
+
+    def fmt(self, family: str) -> str:
+        return "bf16" if family == VECTORS else self.quant[family]
+
+    def shard(self, name: str, shape: tuple[int, ...], family: str, **kw) -> TensorShard:
+        return make_shard(name, shape, family, self.fmt(family), self.d, **kw)
+
+    def collective(self, name: str, op: CollectiveOp, after: str, width: int) -> Collective:
+        return collective_cost(self.c, self.topo, name, op, after, width, self.tokens)
+
+    def stream_s(self, nbytes: float) -> float:
+        return self.c.dma_s(nbytes)
+
+
+def _suggest_topologies(ctx: _Ctx, count: int) -> str:
+    chip = ctx.topo.chip_info
+    fits = [
+        f"{chip.name}:{'x'.join(map(str, s))} ({math.prod(s) * chip.devices_per_chip})"
+        for s in chip.slice_shapes
+        if count % (math.prod(s) * chip.devices_per_chip) == 0
+    ]
+    return ", ".join(fits) if fits else "none of the catalog's slices"
+
+
+def _heads_error(ctx: _Ctx, kind: str, what: str, count: int) -> SpecError:
+    return SpecError(
+        f"attention_kinds.{kind}: {count} {what} do not split over {ctx.d} devices of "
+        f"{ctx.topo.name} ({count} % {ctx.d} = {count % ctx.d}); heads are not padded or "
+        f"replicated, so use a topology whose device count divides {count}: "
+        f"{_suggest_topologies(ctx, count)}"
+    )
+
+
+def _group_map(ctx: _Ctx, units: int, per_unit_group: int) -> tuple[int, float]:
+    """Rank r holds units [r*u, (r+1)*u); each needs group unit // per_unit_group.
+
+    Returns (groups held per rank, copies of each group) for a uniform per-rank shape.
+    """
+    per_rank = units // ctx.d
+    held = 0
+    for r in range(ctx.d):
+        first, last = r * per_rank, (r + 1) * per_rank - 1
+        held = max(held, last // per_unit_group - first // per_unit_group + 1)
+    total_groups = units // per_unit_group
+    return held, ctx.d * held / total_groups
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _shard_attention(ctx: _Ctx, kind_name: str, a: object) -> AttentionSharding:
+    h, d = ctx.h, ctx.d
+    where = f"attention_kinds.{kind_name}: "
+    specs = attention_weights(a, h)
+    tensors: list[TensorShard] = []
+    collectives: list[Collective] = []
+    latent: Literal["split", "replicated", "none"] = "none"
+
+    def add(name: str, shape: tuple[int, ...], family: str, **kw) -> None:
+        tensors.append(ctx.shard(f"attn.{name}", shape, family, where=where, **kw))
+
+    if isinstance(a, GQAAttention):
+        if a.num_heads % d:
+            raise _heads_error(ctx, kind_name, "query heads", a.num_heads)
+        hpr = a.num_heads // d
+        group = a.num_heads // a.num_kv_heads
+        if a.num_kv_heads % d == 0:
+            kv_pr, kv_copies, kv_why = a.num_kv_heads // d, 1.0, "KV heads split"
+        else:
+            kv_pr, kv_copies = _group_map(ctx, a.num_heads, group)
+            kv_why = (
+                f"{a.num_kv_heads} KV heads < or not divisible by {d}: each rank holds "
+                f"the {kv_pr} its {hpr} q heads use (x{kv_copies:g} copies)"
+            )
+        for name, shape, family in specs:
+            if name in ("wq", "wgate"):
+                add(name, shape, family, split_axis=1, parts=d, why="q heads")
+            elif name in ("wk", "wv"):
+                if kv_copies == 1:
+                    add(name, shape, family, split_axis=1, parts=d, why="KV heads")
+                else:
+                    add(
+                        name, shape, family, split_axis=1, parts=a.num_kv_heads // kv_pr,
+                        rank_extent=kv_pr * a.head_dim, why=kv_why,
+                    )  # fmt: skip
+            elif name == "wo":
+                add(name, shape, family, split_axis=0, parts=d, why="input rows by q head")
+            elif name == "bq" or name == "sinks":
+                add(name, shape, family, split_axis=0, parts=d, why="per q head")
+            elif name in ("bk", "bv"):
+                if kv_copies == 1:
+                    add(name, shape, family, split_axis=0, parts=d, why="per KV head")
+                else:
+                    add(
+                        name, shape, family, split_axis=0, parts=a.num_kv_heads // kv_pr,
+                        rank_extent=kv_pr * a.head_dim, why=kv_why,
+                    )  # fmt: skip
+            else:  # bo (added once after the all-reduce), q_norm, k_norm
+                add(name, shape, family, why="replicated")
+        collectives.append(ctx.collective("attn_out", "all_reduce", "attn.wo", h))
+        cache = CacheShard(
+            kind="kv",
+            bytes_per_token=2 * kv_pr * a.head_dim * CACHE_BYTES,
+            fixed_bytes=0,
+            window=a.sliding_window,
+            heads_per_rank=kv_pr,
+            copies=kv_copies,
+            why=kv_why,
+        )
+        return AttentionSharding(
+            kind=kind_name, type=a.type, heads_per_rank=hpr, kv_heads_per_rank=kv_pr,
+            kv_copies=kv_copies, latent=latent, tensors=tuple(tensors),
+            collectives=tuple(collectives), cache=cache,
+            why=f"{hpr} q heads per rank; {kv_why}",
+        )  # fmt: skip
+
+    if isinstance(a, MLAAttention):
+        if a.num_heads % d:
+            raise _heads_error(ctx, kind_name, "heads", a.num_heads)
+        hpr = a.num_heads // d
+        a_names = [n for n, _, _ in specs if n in ("wq_a", "wkv_a")]
+        latent, why_latent = _latent_choice(ctx, specs, a_names, "mla_latent")
+        for name, shape, family in specs:
+            if name in a_names:
+                if latent == "split":
+                    add(name, shape, family, split_axis=1, parts=d, why=why_latent)
+                else:
+                    add(name, shape, family, why=why_latent)
+            elif name in ("wq", "wq_b", "wkv_b", "wgate"):
+                add(name, shape, family, split_axis=1, parts=d, why="heads")
+            elif name == "wo":
+                add(name, shape, family, split_axis=0, parts=d, why="input rows by head")
+            else:  # q_norm, kv_norm: applied to the full latent
+                add(name, shape, family, why="replicated (norm of the full latent)")
+        if latent == "split":
+            width = sum(shape[1] for n, shape, _ in specs if n in a_names)
+            collectives.append(ctx.collective("mla_latent", "all_gather", "attn.wq_a", width))
+        collectives.append(ctx.collective("attn_out", "all_reduce", "attn.wo", h))
+        per_token = (a.kv_lora_rank + a.qk_rope_head_dim) * CACHE_BYTES
+        cache = CacheShard(
+            kind="mla_latent", bytes_per_token=per_token, fixed_bytes=0, window=None,
+            heads_per_rank=1, copies=float(d),
+            why="every head reads the whole latent: the latent cache is replicated",
+        )  # fmt: skip
+        return AttentionSharding(
+            kind=kind_name, type=a.type, heads_per_rank=hpr, kv_heads_per_rank=0,
+            kv_copies=float(d), latent=latent, tensors=tuple(tensors),
+            collectives=tuple(collectives), cache=cache,
+            why=f"{hpr} heads per rank; latent projections {latent} ({why_latent})",
+        )  # fmt: skip
+
+    if isinstance(a, KDAAttention):
+        if a.num_heads % d:
+            raise _heads_error(ctx, kind_name, "heads", a.num_heads)
+        hpr = a.num_heads // d
+        a_names = [n for n, _, _ in specs if n in ("wf_a", "wg_a")]
+        latent, why_latent = _latent_choice(ctx, specs, a_names, "kda_gate_rank")
+        for name, shape, family in specs:
+            if name in a_names:
+                if latent == "split":
+                    add(name, shape, family, split_axis=1, parts=d, why=why_latent)
+                else:
+                    add(name, shape, family, why=why_latent)
+            elif (
+                name in ("wq", "wk", "wv", "wf_b", "wg_b", "wg", "wbeta", "conv_q", "conv_k")
+                or name == "conv_v"
+            ):
+                add(name, shape, family, split_axis=1, parts=d, why="heads")
+            elif name in ("A_log", "dt_bias"):
+                add(name, shape, family, split_axis=0, parts=d, why="heads")
+            elif name == "wo":
+                add(name, shape, family, split_axis=0, parts=d, why="input rows by head")
+            else:  # o_norm (per head dim)
+                add(name, shape, family, why="replicated")
+        if latent == "split":
+            width = sum(shape[1] for n, shape, _ in specs if n in a_names)
+            collectives.append(ctx.collective("kda_gate_rank", "all_gather", "attn.wf_a", width))
+        collectives.append(ctx.collective("attn_out", "all_reduce", "attn.wo", h))
+        dim = hpr * a.head_dim
+        cache = CacheShard(
+            kind="state",
+            bytes_per_token=0,
+            fixed_bytes=hpr * a.head_dim * a.head_dim * STATE_BYTES
+            + (a.conv_width - 1) * 3 * dim * CACHE_BYTES,
+            window=None,
+            heads_per_rank=hpr,
+            copies=1.0,
+            why="state heads split with the heads",
+        )
+        return AttentionSharding(
+            kind=kind_name, type=a.type, heads_per_rank=hpr, kv_heads_per_rank=hpr,
+            kv_copies=1.0, latent=latent, tensors=tuple(tensors),
+            collectives=tuple(collectives), cache=cache,
+            why=f"{hpr} heads per rank; low-rank gate projections {latent} ({why_latent})",
+        )  # fmt: skip
+
+    assert isinstance(a, GatedDeltaNetAttention)
+    if a.num_value_heads % d:
+        raise _heads_error(ctx, kind_name, "value heads", a.num_value_heads)
+    vpr = a.num_value_heads // d
+    ratio = a.num_value_heads // a.num_key_heads
+    if a.num_key_heads % d == 0:
+        kpr, k_copies, k_why = a.num_key_heads // d, 1.0, "key heads split"
+    else:
+        kpr, k_copies = _group_map(ctx, a.num_value_heads, ratio)
+        k_why = (
+            f"{a.num_key_heads} key heads over {d}: each rank holds the {kpr} its "
+            f"value heads use (x{k_copies:g} copies)"
+        )
+    for name, shape, family in specs:
+        if name in ("wq", "wk", "conv_q", "conv_k"):
+            if k_copies == 1:
+                add(name, shape, family, split_axis=1, parts=d, why="key heads")
+            else:
+                add(
+                    name, shape, family, split_axis=1, parts=a.num_key_heads // kpr,
+                    rank_extent=kpr * a.key_head_dim, why=k_why,
+                )  # fmt: skip
+        elif name in ("wv", "wz", "wb", "wa", "conv_v"):
+            add(name, shape, family, split_axis=1, parts=d, why="value heads")
+        elif name in ("A_log", "dt_bias"):
+            add(name, shape, family, split_axis=0, parts=d, why="value heads")
+        elif name == "wo":
+            add(name, shape, family, split_axis=0, parts=d, why="input rows by value head")
+        else:  # o_norm
+            add(name, shape, family, why="replicated")
+    collectives.append(ctx.collective("attn_out", "all_reduce", "attn.wo", h))
+    k_dim, v_dim = kpr * a.key_head_dim, vpr * a.value_head_dim
+    cache = CacheShard(
+        kind="state",
+        bytes_per_token=0,
+        fixed_bytes=vpr * a.key_head_dim * a.value_head_dim * STATE_BYTES
+        + (a.conv_width - 1) * (2 * k_dim + v_dim) * CACHE_BYTES,
+        window=None,
+        heads_per_rank=vpr,
+        copies=1.0,
+        why="state per value head, split with the value heads",
+    )
+    return AttentionSharding(
+        kind=kind_name, type=a.type, heads_per_rank=vpr, kv_heads_per_rank=kpr,
+        kv_copies=k_copies, latent=latent, tensors=tuple(tensors),
+        collectives=tuple(collectives), cache=cache,
+        why=f"{vpr} value heads per rank; {k_why}",
+    )  # fmt: skip
+
+
+def _latent_choice(
+    ctx: _Ctx, specs: list[tuple[str, tuple[int, ...], str]], names: list[str], what: str
+) -> tuple[Literal["split", "replicated", "none"], str]:
+    """Replicate low-rank A projections, or split them along the output + one all-gather.
+
+    Compares the extra bytes a replica streams per layer against the all-gather.
+    """
+    if not names:
+        return "none", ""
+    d = ctx.d
+    shapes = {n: s for n, s, _ in specs}
+    width = sum(shapes[n][1] for n in names)
+    if any(shapes[n][1] % d for n in names):
+        return "replicated", f"output width {width} does not split {d} ways"
+    full = sum(ctx.shard(f"attn.{n}", shapes[n], "attention").rank_bytes for n in names)
+    split = sum(
+        ctx.shard(f"attn.{n}", shapes[n], "attention", split_axis=1, parts=d).rank_bytes
+        for n in names
+    )
+    replicated_s = ctx.stream_s(full)
+    split_s = ctx.stream_s(split) + ctx.collective(what, "all_gather", "", width).time_s
+    if split_s < replicated_s:
+        return "split", (
+            f"split + all-gather {split_s * 1e6:.1f} us < replicated {replicated_s * 1e6:.1f} us "
+            "per layer"
+        )
+    return "replicated", (
+        f"replicated {replicated_s * 1e6:.1f} us <= split + all-gather {split_s * 1e6:.1f} us "
+        "per layer"
+    )
+
+
+# --------------------------------------------------------------------------- experts
+
+
+@cache
+def _log_comb(n: int, k: int) -> float:
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+
+def _pmf_binomial(n: int, p: float) -> list[float]:
+    if p <= 0:
+        return [1.0] + [0.0] * n
+    if p >= 1:
+        return [0.0] * n + [1.0]
+    lp, lq = math.log(p), math.log1p(-p)
+    return [math.exp(_log_comb(n, x) + x * lp + (n - x) * lq) for x in range(n + 1)]
+
+
+def _pmf_hypergeometric(total: int, group: int, draws: int) -> list[float]:
+    out = []
+    for x in range(group + 1):
+        if x > draws or draws - x > total - group:
+            out.append(0.0)
+            continue
+        out.append(
+            math.exp(
+                _log_comb(group, x) + _log_comb(total - group, draws - x)
+                - _log_comb(total, draws)
+            )
+        )  # fmt: skip
+    return out
+
+
+def expected_max(pmf: list[float], count: int) -> float:
+    """E[max of ``count`` independent draws] from a distribution on 0..n."""
+    cdf, acc = [], 0.0
+    for p in pmf:
+        acc += p
+        cdf.append(min(acc, 1.0))
+    return sum(1.0 - cdf[x - 1] ** count for x in range(1, len(pmf)))
+
+
+def _choose_expert_split(ctx: _Ctx, f: MoEFFN, d_in: int) -> ExpertSplit:
+    e, k, width = f.num_experts, f.top_k, f.expert_width
+    fmt_text = ctx.fmt("experts")
+    fmt = parse_format(fmt_text)
+    picks = ctx.tokens * k
+    forced = ctx.options.distinct_experts_per_layer
+    if forced is not None:
+        distinct = float(min(forced, e, picks))
+    else:
+        p = 1 - (1 - k / e) ** ctx.tokens
+        distinct = e * p
+    rows_per_expert = max(1, math.ceil(picks / max(distinct, 1.0)))
+    candidates: list[ExpertCandidate] = []
+    for g in range(1, ctx.d + 1):
+        if ctx.d % g:
+            continue
+        w = ctx.d // g
+        reasons = []
+        if e % g:
+            reasons.append(f"{e} experts % {g} groups != 0")
+        if width % w:
+            reasons.append(f"width {width} % {w} != 0")
+        wpr = width // w if width % w == 0 else 0
+        if wpr and fmt.block and wpr % fmt.block:
+            reasons.append(f"width {wpr} per rank not a multiple of the {fmt} group")
+        per_group = e // g if e % g == 0 else 0
+        if reasons:
+            candidates.append(
+                ExpertCandidate(
+                    groups=g, width_parts=w, width_per_rank=wpr, experts_per_rank=per_group,
+                    lane_aligned=False, expected_max_experts=0, expected_rank_bytes=0,
+                    worst_case_experts=0, worst_case_rank_bytes=0, score_s=math.inf,
+                    rejected="; ".join(reasons),
+                )
+            )  # fmt: skip
+            continue
+        # Expected distinct experts of the worst-loaded group (the step waits for it).
+        if forced is not None:
+            pmf = _pmf_hypergeometric(e, per_group, int(distinct))
+            worst = min(int(distinct), per_group)
+        else:
+            pmf = _pmf_binomial(per_group, distinct / e)
+            worst = min(picks, per_group)
+        exp_max = expected_max(pmf, g)
+        slice_bytes, slice_s = _expert_slice(ctx, f, d_in, wpr, fmt_text, rows_per_expert)
+        candidates.append(
+            ExpertCandidate(
+                groups=g,
+                width_parts=w,
+                width_per_rank=wpr,
+                experts_per_rank=per_group,
+                lane_aligned=wpr % LANES == 0,
+                expected_max_experts=exp_max,
+                expected_rank_bytes=exp_max * slice_bytes,
+                worst_case_experts=worst,
+                worst_case_rank_bytes=worst * slice_bytes,
+                score_s=exp_max * slice_s,
+            )
+        )
+    eligible = [c for c in candidates if not c.rejected]
+    if not eligible:
+        first = candidates[0].rejected if candidates else "no divisor"
+        raise SpecError(
+            f"experts ({e} experts of width {width}, {fmt_text}) cannot split over {ctx.d} "
+            f"devices of {ctx.topo.name}: {first}; try another topology or experts format"
+        )
+    aligned = [c for c in eligible if c.lane_aligned]
+    pool = aligned or eligible
+    # Ties (within 0.5 %) go to more groups: fewer, larger DMAs per expert slice.
+    low = min(c.score_s for c in pool)
+    best = max((c for c in pool if c.score_s <= low * 1.005), key=lambda c: c.groups)
+    marked = tuple(
+        c.model_copy(
+            update={
+                "chosen": c is best,
+                "rejected": c.rejected
+                or ("" if c.lane_aligned or not aligned else "width per rank not 128-lane aligned"),
+            }
+        )
+        for c in candidates
+    )
+    slice_bytes, _ = _expert_slice(ctx, f, d_in, best.width_per_rank, fmt_text, rows_per_expert)
+    runner = sorted((c for c in pool if c is not best), key=lambda c: c.score_s)
+    vs = (
+        f"; next best {runner[0].groups}x{runner[0].width_parts} at "
+        f"{runner[0].score_s * 1e6:.1f} us"
+        if runner
+        else ""
+    )
+    why = (
+        f"{best.groups} groups x {best.width_parts} width parts: worst-loaded rank reads "
+        f"{best.expected_max_experts:.1f} expert slices of width {best.width_per_rank} "
+        f"({best.score_s * 1e6:.1f} us per layer){vs}; collectives are the same for every split "
+        "(routing is replicated, one reduction per layer)"
+    )
+    return ExpertSplit(
+        groups=best.groups,
+        width_parts=best.width_parts,
+        experts_per_rank=best.experts_per_rank,
+        width_per_rank=best.width_per_rank,
+        picks=picks,
+        expected_distinct=distinct,
+        rows_per_expert=rows_per_expert,
+        expected_max_experts_per_rank=best.expected_max_experts,
+        worst_case_experts_per_rank=best.worst_case_experts,
+        slice_bytes=slice_bytes,
+        slice_dmas=3,
+        candidates=marked,
+        why=why,
+    )
+
+
+def _expert_slice(
+    ctx: _Ctx, f: MoEFFN, d_in: int, wpr: int, fmt_text: str, rows: int
+) -> tuple[int, float]:
+    """(HBM bytes, seconds) of one expert's per-rank slice: gate, up [d, w] and down [w, d]."""
+    fmt = parse_format(fmt_text)
+    nbytes = 2 * fmt.matrix_bytes(d_in, wpr) + fmt.matrix_bytes(wpr, d_in)
+    mxu = vpu = 0.0
+    for k_dim, n_dim in ((d_in, wpr), (d_in, wpr), (wpr, d_in)):
+        m, v = matmul_cost(ctx.c, fmt_text, k_dim, n_dim, rows)
+        mxu, vpu = mxu + m, vpu + v
+    return nbytes, max(ctx.c.dma_s(nbytes, 3), mxu, vpu)
+
+
+# --------------------------------------------------------------------------- FFN
+
+
+def _shard_ffn(ctx: _Ctx, kind_name: str, f: object) -> FFNSharding:
+    h, d = ctx.h, ctx.d
+    where = f"ffn_kinds.{kind_name}: "
+    tensors: list[TensorShard] = []
+    collectives: list[Collective] = []
+
+    def add(w, **kw) -> None:
+        tensors.append(ctx.shard(f"ffn.{w.name}", w.shape, w.family, where=where, **kw))
+
+    weights = ffn_weights(f, h)
+    if isinstance(f, DenseFFN):
+        for w in weights:
+            if w.name in ("w_gate", "w_up"):
+                add(w, split_axis=1, parts=d, why="width")
+            elif w.name == "w_down":
+                add(w, split_axis=0, parts=d, why="input rows by width")
+            elif w.name in ("b_gate", "b_up"):
+                add(w, split_axis=0, parts=d, why="width")
+            else:  # b_down: added once after the all-reduce
+                add(w, why="replicated (added after the all-reduce)")
+        collectives.append(ctx.collective("ffn_out", "all_reduce", "ffn.w_down", h))
+        return FFNSharding(
+            kind=kind_name, type=f.type, tensors=tuple(tensors), collectives=tuple(collectives),
+            experts=None, latent_design="none", why=f"width {f.width} split {d} ways",
+        )  # fmt: skip
+
+    assert isinstance(f, MoEFFN)
+    d_in = f.latent.width if f.latent else h
+    split = _choose_expert_split(ctx, f, d_in)
+    g, wparts = split.groups, split.width_parts
+    design: Literal["rs_ar", "ar_ag", "none"] = "none"
+    if f.latent:
+        rs_ar = ctx.collective("expert_out", "reduce_scatter", "ffn.experts_down", d_in).time_s
+        rs_ar += ctx.collective("ffn_out", "all_reduce", "ffn.latent_out", h).time_s
+        ar_ag = ctx.collective("expert_out", "all_reduce", "ffn.experts_down", d_in).time_s
+        ar_ag += ctx.collective("ffn_out", "all_gather", "ffn.latent_out", h).time_s
+        # Shared experts add partial sums of hidden: with ar_ag they would need their own
+        # all-reduce, so they force rs_ar.
+        design = "ar_ag" if ar_ag < rs_ar and not f.shared_experts else "rs_ar"
+    for w in weights:
+        n = w.name
+        if n in ("router", "router_bias", "selection_bias", "latent_norm", "shared_gate_proj"):
+            add(w, why="replicated (routing is computed redundantly on every rank)")
+        elif n == "latent_in":
+            add(w, split_axis=1, parts=d, why="output split + all-gather of the latent")
+        elif n == "latent_out":
+            if design == "ar_ag":
+                add(w, split_axis=1, parts=d, why="output split + all-gather of hidden")
+            else:
+                add(w, split_axis=0, parts=d, why="input rows (the reduce-scattered latent)")
+        elif n in ("experts_gate", "experts_up"):
+            add(w, split_axis=2, parts=wparts, expert_groups=g, why=split.why)
+        elif n == "experts_down":
+            add(w, split_axis=1, parts=wparts, expert_groups=g, why=split.why)
+        elif n in ("experts_b_gate", "experts_b_up"):
+            add(w, split_axis=1, parts=wparts, expert_groups=g, why="per expert width")
+        elif n == "experts_b_down":
+            add(w, expert_groups=g, why="per expert group, added by width part 0")
+        elif n in ("shared_gate", "shared_up"):
+            add(w, split_axis=1, parts=d, why="shared width")
+        elif n == "shared_down":
+            add(w, split_axis=0, parts=d, why="input rows by shared width")
+        else:  # pragma: no cover - the inventory has no other MoE tensors
+            raise SpecError(f"{where}tensor {n!r}: no sharding rule")
+    if f.latent:
+        collectives.append(ctx.collective("latent_in", "all_gather", "ffn.latent_in", d_in))
+        if design == "ar_ag":
+            collectives.append(ctx.collective("expert_out", "all_reduce", "ffn.experts_down", d_in))
+            collectives.append(ctx.collective("ffn_out", "all_gather", "ffn.latent_out", h))
+        else:
+            collectives.append(
+                ctx.collective("expert_out", "reduce_scatter", "ffn.experts_down", d_in)
+            )
+            collectives.append(ctx.collective("ffn_out", "all_reduce", "ffn.latent_out", h))
+    else:
+        collectives.append(ctx.collective("ffn_out", "all_reduce", "ffn.experts_down", h))
+    why = split.why + (f"; latent design {design}" if f.latent else "")
+    return FFNSharding(
+        kind=kind_name, type=f.type, tensors=tuple(tensors), collectives=tuple(collectives),
+        experts=split, latent_design=design, why=why,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- entry
+
+
+def plan_sharding(spec: ModelSpec, topo: Topology, options: BuildOptions) -> ShardingPlan:
+    """Per-rank shapes, caches and collectives of ``spec`` on ``topo``.
+
+    Raises a one-line SpecError with the numbers and a fix when a split is impossible.
+    """
+    ctx = _Ctx(spec, topo, options)
+    h, v, d = spec.dims.hidden, spec.dims.vocab, ctx.d
+    table = spec.layer_table()
+    used_attn = {a for a, _ in table}
+    used_ffn = {f for _, f in table}
+    attention = {
+        name: _shard_attention(ctx, name, kind)
+        for name, kind in spec.attention_kinds.items()
+        if name in used_attn
+    }
+    ffn = {name: _shard_ffn(ctx, name, kind) for name, kind in spec.ffn_kinds.items()
+           if name in used_ffn}  # fmt: skip
+    vocab_pr = -(-v // d)  # rows of the vocabulary per rank (the last rank's are padded)
+    glob = [
+        make_shard(
+            "embedding", (v, h), "embedding", ctx.fmt("embedding"), d, split_axis=0,
+            parts=d, rank_extent=vocab_pr, why="vocabulary rows",
+        ),
+    ]  # fmt: skip
+    if spec.attention_residual:
+        r = spec.attention_residual
+        blocks = math.ceil(spec.layers.count / r.block_size)
+        glob.append(ctx.shard("attn_res_logits", (blocks, r.max_snapshots), VECTORS,
+                              why="replicated"))  # fmt: skip
+    glob.append(ctx.shard("final_norm", (h,), VECTORS, why="replicated"))
+    if not spec.dims.tie_embeddings:
+        glob.append(
+            make_shard(
+                "lm_head", (h, v), "lm_head", ctx.fmt("lm_head"), d, split_axis=1, parts=d,
+                rank_extent=vocab_pr, why="vocabulary columns",
+            )
+        )  # fmt: skip
+    layer_vectors = (
+        ctx.shard("attn_norm", (h,), VECTORS, why="replicated"),
+        ctx.shard("ffn_norm", (h,), VECTORS, why="replicated"),
+    )
+    step = (
+        # The embedding row of each token lives on one rank: broadcast it to all.
+        ctx.collective("embedding", "all_reduce", "embedding", h),
+        # Greedy sampling: (max, argmax) per rank, gathered (two f32 words per row).
+        ctx.collective("sampling", "all_gather", "lm_head", 2 * d),
+    )
+    return ShardingPlan(
+        model=spec.name,
+        topology=topo.name,
+        devices=d,
+        tokens=ctx.tokens,
+        quantization=ctx.quant,
+        globals=tuple(glob),
+        layer_vectors=layer_vectors,
+        attention=attention,
+        ffn=ffn,
+        step_collectives=step,
+        layer_table=tuple(table),
+    )

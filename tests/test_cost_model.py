@@ -1,0 +1,162 @@
+"""The cost model against the published Muse Spark measurements, and its invariants."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from mkgen.hardware import MiB, get_chip
+from mkgen.plan import BuildOptions, plan_build, to_chrome_trace
+from mkgen.plan.calibration import (
+    MEASURED_MS,
+    PUBLISHED_DENSE_BYTES_PER_LAYER,
+    batch1_breakdown,
+    calibrate,
+    format_table,
+    options_for,
+)
+from mkgen.plan.cost import CostConstants, estimate, matmul_cost
+from mkgen.plan.sharding import plan_sharding
+from mkgen.spec.loader import load_spec
+from mkgen.spec.topology import parse_topology
+
+FAIL_ABOVE = 0.20  # the target is 15 %; the test fails above 20 %
+
+
+@pytest.fixture(scope="module")
+def table():
+    return calibrate()
+
+
+def test_calibration_covers_the_twelve_rows(table):
+    assert len(table) == 12 == len(MEASURED_MS)
+    assert {r.batch for r in table} == {1, 2, 4, 8}
+
+
+def test_calibration_rows_within_tolerance(table):
+    print("\n" + format_table(table))
+    worst = max(table, key=lambda r: abs(r.error))
+    assert abs(worst.error) <= FAIL_ABOVE, format_table(table)
+    # Reported so a regression shows before it fails: the target is 15 %.
+    assert all(abs(r.error) <= 0.15 for r in table), format_table(table)
+
+
+def test_calibration_orders_match_the_measurements(table):
+    by = {(r.config, r.batch): r.predicted_ms for r in table}
+    for config in {r.config for r in table}:
+        steps = [by[(config, b)] for b in (1, 2, 4, 8)]
+        assert steps == sorted(steps), config  # more rows never get faster
+    # int8 dense projections make the NVFP4 step faster at every batch.
+    for b in (1, 2, 4, 8):
+        assert by[("nvfp4 experts, int8 dense", b)] < by[("nvfp4 experts, bf16 dense", b)]
+
+
+def test_batch1_breakdown_close_to_the_published_one():
+    parts = batch1_breakdown()
+    for key, (published, predicted) in parts.items():
+        print(f"{key:<26} published {published:7.1f} us  predicted {predicted:7.1f} us")
+    assert parts["per_layer"][1] == pytest.approx(55.0, rel=0.15)
+    # The spec streams 56 of the measured kernel's 76 MiB per layer (see the bytes test
+    # below), so its dense stream is shorter by about that ratio.
+    assert parts["dense_stream_per_layer"][1] == pytest.approx(25.0 * 56 / 76, rel=0.15)
+    assert parts["collectives_per_layer"][1] == pytest.approx(14.0, rel=0.35)
+    assert parts["experts_per_layer"][1] == pytest.approx(9.0, rel=0.6)
+    assert parts["lm_head_per_step"][1] == pytest.approx(126.0, rel=0.15)
+    assert parts["fixed_per_step"][1] == pytest.approx(195.0, rel=0.3)
+
+
+def test_muse_spark_bytes_per_core_against_the_published_counts():
+    """What the spec streams per core, and the known gap to the measured kernel.
+
+    Per layer and core the spec's dense weights are q (16 heads x 64) and o (8192 x
+    1024 each), k and v (2 kv heads x 64), the pre/post expert projections split 8 ways
+    and the replicated router: 56 MiB in bf16. The measured kernel streams 76 MiB; the
+    gap (its attention output gate and an f32 router, which models.md does not list)
+    is the model's main blind spot, recorded in docs/cost-model.md.
+    """
+    topo = parse_topology("2x2x1")
+    spec = load_spec("muse-spark-1.2")
+    opts = options_for("int4 experts, bf16 dense", 1)
+    plan = plan_sharding(opts.apply(spec), topo, opts)
+    dense = sum(
+        t.rank_bytes
+        for t in plan.attention["local"].tensors + plan.ffn["moe"].tensors
+        if not t.name.startswith("ffn.experts") and t.family != "vectors"
+    )
+    attention = 2 * (8192 * 1024 * 2) + 2 * (8192 * 128 * 2)
+    projections = 2 * (8192 * 4096 * 2) // 8
+    router = 8192 * 256 * 2
+    assert dense == attention + projections + router
+    assert dense / MiB == pytest.approx(56, abs=0.1)
+    assert PUBLISHED_DENSE_BYTES_PER_LAYER - dense == pytest.approx(20 * MiB, abs=0.1 * MiB)
+    # Bytes per core per step: published 7.02 GB (bf16 dense), 4.70 GB (int8 dense);
+    # the spec reads 18 % less, all of it the missing dense bytes above.
+    for config, published in (
+        ("int4 experts, bf16 dense", 7.02e9),
+        ("nvfp4 experts, int8 dense", 4.70e9),
+    ):
+        est = estimate(spec, topo, options_for(config, 1))
+        assert est.hbm_bytes_per_device_per_step == pytest.approx(published, rel=0.20)
+
+
+def test_hbm_floor_and_throughput_figures():
+    spec = load_spec("kimi-k3")
+    topo = parse_topology("2x2x4")
+    e3 = estimate(spec, topo, BuildOptions.create(rows=8, acceptance=3))
+    e6 = estimate(spec, topo, BuildOptions.create(rows=8, acceptance=6))
+    assert e3.step_ms == pytest.approx(e6.step_ms)
+    assert e3.tokens_per_s_per_user == pytest.approx(3 / (e3.step_ms / 1e3))
+    assert e6.tokens_per_s_per_user == pytest.approx(2 * e3.tokens_per_s_per_user)
+    chips, price = 16, get_chip("tpu7x").price_per_chip_hour_usd
+    assert e3.tokens_per_dollar == pytest.approx(e3.tokens_per_s * 3600 / (chips * price))
+    bw = get_chip("tpu7x").cost_model_hbm_bandwidth
+    assert e3.hbm_floor_ms == pytest.approx(e3.hbm_bytes_per_device_per_step / bw * 1e3)
+    assert 0 < e3.floor_ratio < 1
+    e8 = estimate(spec, topo, BuildOptions.create(rows=8, batch=8, price_per_chip_hour_usd=2.0))
+    assert e8.tokens_per_s == pytest.approx(8 * e8.tokens_per_s_per_user)
+    assert e8.price_per_chip_hour_usd == 2.0
+    print(f"\nkimi-k3 2x2x4 rows 8: {e3.step_ms:.3f} ms/step, {e3.tokens_per_s_per_user:.0f} / "
+          f"{e6.tokens_per_s_per_user:.0f} tok/s per user at acceptance 3 / 6")  # fmt: skip
+
+
+def test_mxu_model_follows_the_catalog():
+    c = CostConstants.from_chip(get_chip("tpu7x"))
+    # A bf16 256x256 tile costs a full 256-row pass at the per-core bf16 peak (~29 ns).
+    assert c.tile_s("bf16", 0) == pytest.approx(2 * 256**3 / (2307e12 / 2))
+    assert c.tile_s("fp8", 0) == pytest.approx(c.tile_s("bf16", 0) / 2)
+    mxu, _ = matmul_cost(c, "bf16", 1024, 1024, 1)
+    assert mxu == pytest.approx(16 * c.tile_s("bf16", 8))
+    # nvfp4 scales every 16 inputs: the block-diagonal LHS grows with the rows.
+    small, _ = matmul_cost(c, "nvfp4", 4096, 1024, 1)
+    big, _ = matmul_cost(c, "nvfp4", 4096, 1024, 4)
+    assert big > small
+    assert c.dma_overhead_s == pytest.approx(2 * MiB * (1 / 3.0e12 - 1 / 3.2e12))
+
+
+def test_chrome_trace_has_one_track_per_engine():
+    plan = plan_build(
+        load_spec("qwen3.8-27b"), parse_topology("2x2x1"), BuildOptions.create(), trace=True
+    )
+    events = plan.estimate.events
+    assert {e.engine for e in events} == {"dma", "core", "ici"}
+    trace = to_chrome_trace(events)
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {"dma", "core", "ici"}
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == len(events)
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    json.dumps(trace)  # serialisable
+    # The saved plan does not carry the trace.
+    assert "events" not in plan.estimate.model_dump()
+
+
+def test_planning_kimi_k3_is_fast():
+    spec = load_spec("kimi-k3")
+    topo = parse_topology("2x2x4")
+    start = time.perf_counter()
+    plan = plan_build(spec, topo, BuildOptions.create(rows=8))
+    elapsed = time.perf_counter() - start
+    assert plan.memory.fits
+    assert elapsed < 1.0, f"planning took {elapsed:.2f} s"

@@ -1,0 +1,292 @@
+"""Sharding, HBM fit and build options: per-rank shapes of the showcase models, clear errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mkgen.errors import SpecError
+from mkgen.plan import BuildOptions, plan_build
+from mkgen.plan.memory import check_fit, plan_memory
+from mkgen.plan.options import parse_quant_overrides, parse_size
+from mkgen.plan.sharding import expected_max, plan_sharding
+from mkgen.spec.loader import load_spec
+from mkgen.spec.topology import parse_topology
+from mkgen.spec.weights import model_weights
+
+
+def _plan(model: str, topology: str, **options):
+    spec = load_spec(model)
+    opts = BuildOptions.create(**options)
+    return spec, plan_sharding(opts.apply(spec), parse_topology(topology), opts)
+
+
+def _rel(plan, kind: str, section: str = "attention"):
+    table = plan.attention if section == "attention" else plan.ffn
+    return {t.name.split(".", 1)[1]: t for t in table[kind].tensors}
+
+
+# --------------------------------------------------------------------------- Kimi K3
+
+
+def test_kimi_k3_heads_split_three_per_core():
+    _, plan = _plan("kimi-k3", "2x2x4", rows=8)
+    assert plan.devices == 32
+    assert plan.attention["mla"].heads_per_rank == 3
+    assert plan.attention["kda"].heads_per_rank == 3
+    kda = _rel(plan, "kda")
+    assert kda["wq"].rank_shape == (7168, 384)
+    assert kda["wo"].rank_shape == (384, 7168)
+    assert kda["conv_q"].rank_shape == (4, 384)
+    # The 128-rank decay-gate projection is cheaper to replicate than to gather.
+    assert kda["wf_a"].replicated and kda["wf_a"].copies == 32
+    # KDA state: 3 heads x 128 x 128 f32 + 3 conv taps of q, k, v in bf16, per sequence.
+    assert plan.attention["kda"].cache.fixed_bytes == 3 * 128 * 128 * 4 + 3 * 3 * 384 * 2
+
+
+def test_kimi_k3_mla_latent_projections_split_and_gathered():
+    _, plan = _plan("kimi-k3", "2x2x4", rows=8)
+    mla = plan.attention["mla"]
+    assert mla.latent == "split"
+    t = _rel(plan, "mla")
+    assert t["wq_a"].rank_shape == (7168, 48)
+    # [7168, 48] would pad 48 lanes to 128; the transposed layout pads nothing.
+    assert t["wq_a"].layout == "nk" and t["wq_a"].padded_shape == (48, 7168)
+    assert t["wq_b"].rank_shape == (1536, 3 * 192)
+    assert t["wkv_b"].rank_shape == (512, 3 * 256)
+    assert [c.name for c in mla.collectives] == ["mla_latent", "attn_out"]
+    assert mla.collectives[0].op == "all_gather" and mla.collectives[0].width == 1536 + 576
+    # Every head reads the whole latent: the MLA cache is replicated, bf16 per token.
+    assert mla.cache.kind == "mla_latent" and mla.cache.bytes_per_token == 576 * 2
+    assert mla.cache.copies == 32
+
+
+def test_kimi_k3_experts_split_and_candidates_recorded():
+    _, plan = _plan("kimi-k3", "2x2x4", rows=8)
+    moe = plan.ffn["moe"]
+    x = moe.experts
+    assert x.groups * x.width_parts == 32
+    assert (x.groups, x.width_parts) == (8, 4)  # the hand-written kernel's choice, here by score
+    assert x.experts_per_rank == 112 and x.width_per_rank == 768
+    t = _rel(plan, "moe", "ffn")
+    assert t["experts_gate"].rank_shape == (112, 3584, 768)
+    assert t["experts_up"].rank_shape == (112, 3584, 768)
+    assert t["experts_down"].rank_shape == (112, 768, 3584)
+    assert t["experts_gate"].format == "mxfp4"
+    assert t["router"].replicated
+    assert t["latent_in"].rank_shape == (7168, 112)
+    assert t["shared_gate"].rank_shape == (7168, 192)
+    by_split = {(c.groups, c.width_parts): c for c in x.candidates}
+    assert set(by_split) == {(1, 32), (2, 16), (4, 8), (8, 4), (16, 2), (32, 1)}
+    # Widths 96 and 192 are not lane aligned while aligned splits exist.
+    assert by_split[(1, 32)].rejected and by_split[(2, 16)].rejected
+    # 4x8 reads fewer expected bytes but its 384-wide slices fill 1.5 MXU tiles, and the
+    # mxfp4 expert phase is MXU-bound at 8 rows: 8x4 scores better.
+    assert by_split[(4, 8)].expected_rank_bytes < by_split[(8, 4)].expected_rank_bytes
+    assert by_split[(8, 4)].score_s < by_split[(4, 8)].score_s
+    assert by_split[(8, 4)].chosen and sum(c.chosen for c in x.candidates) == 1
+    # Worst case: every one of the 8 x 16 picks lands in one group of 112.
+    assert by_split[(8, 4)].worst_case_experts == 112
+    assert by_split[(4, 8)].worst_case_experts == 128
+    # Shared experts add partial sums, so the latent MoE reduce-scatters then all-reduces.
+    assert moe.latent_design == "rs_ar"
+    assert [c.op for c in moe.collectives] == ["all_gather", "reduce_scatter", "all_reduce"]
+
+
+def test_kimi_k3_vocabulary_split():
+    _, plan = _plan("kimi-k3", "2x2x4")
+    head = plan.shard_of("lm_head")
+    assert head.rank_shape == (7168, 163840 // 32)
+    assert plan.shard_of("embedding").rank_shape == (163840 // 32, 7168)
+    assert plan.shard_of("layers.0.ffn.w_gate").rank_shape == (7168, 1056)
+    assert plan.shard_of("layers.5.attn.wq").rank_shape == (7168, 384)
+    assert plan.shard_of("layers.7.attn.wq_b").rank_shape == (1536, 576)
+    with pytest.raises(SpecError, match="not in the weight inventory"):
+        plan.shard_of("layers.7.attn.nope")
+
+
+def test_collectives_cross_hosts_on_2x2x4():
+    _, plan = _plan("kimi-k3", "2x2x4")
+    ar = plan.attention["kda"].collectives[-1]
+    assert ar.op == "all_reduce" and ar.level == "host"
+    assert ar.bytes_by_level["host"] > ar.bytes_by_level["chip"] > ar.bytes_by_level["core"]
+    assert ar.phases == 1 and ar.time_s > 3.5e-6
+
+
+# --------------------------------------------------------------------------- Qwen, Muse
+
+
+def test_qwen_on_2x2x1_gqa_kv_replicated_and_gdn_split():
+    _, plan = _plan("qwen3.8-27b", "2x2x1")
+    full = plan.attention["full"]
+    assert full.heads_per_rank == 3
+    # 4 KV heads over 8 cores: each core holds the one KV head its 3 q heads use.
+    assert full.kv_heads_per_rank == 1 and full.kv_copies == 2
+    t = _rel(plan, "full")
+    assert t["wk"].rank_shape == (5120, 256) and t["wk"].copies == 2
+    assert t["wgate"].rank_shape == (5120, 768)
+    assert full.cache.bytes_per_token == 2 * 256 * 2
+    gdn = plan.attention["linear"]
+    assert (gdn.heads_per_rank, gdn.kv_heads_per_rank, gdn.kv_copies) == (6, 2, 1.0)
+    g = _rel(plan, "linear")
+    assert g["wq"].rank_shape == (5120, 256) and g["wv"].rank_shape == (5120, 768)
+    assert gdn.cache.fixed_bytes == 6 * 128 * 128 * 4 + 3 * (2 * 256 + 768) * 2
+    mlp = _rel(plan, "mlp", "ffn")
+    assert mlp["w_gate"].rank_shape == (5120, 2176) and mlp["w_down"].rank_shape == (2176, 5120)
+
+
+def test_muse_spark_on_2x2x1_matches_the_hand_written_layout():
+    _, plan = _plan("muse-spark-1.2", "2x2x1")
+    for kind in ("local", "global"):
+        a = plan.attention[kind]
+        assert (a.heads_per_rank, a.kv_heads_per_rank, a.kv_copies) == (16, 2, 1.0)
+    x = plan.ffn["moe"].experts
+    assert (x.groups, x.width_parts, x.width_per_rank) == (1, 8, 512)
+    t = _rel(plan, "moe", "ffn")
+    assert t["experts_gate"].rank_shape == (256, 4096, 512)
+    assert t["experts_down"].rank_shape == (256, 512, 4096)
+    # Without shared experts the measured kernel's design is cheaper: all-reduce of the
+    # latent, output-split post projection, all-gather of hidden.
+    assert plan.ffn["moe"].latent_design == "ar_ag"
+    assert t["latent_out"].rank_shape == (4096, 1024)
+
+
+def test_every_tensor_of_the_inventory_has_one_shard():
+    for model, topology in (("kimi-k3", "2x2x4"), ("muse-spark-1.2", "2x2x1")):
+        spec, plan = _plan(model, topology)
+        names = [w.name for w in model_weights(spec)]
+        sharded = plan.all_tensors()
+        assert [n for n, _ in sharded] == names
+        for (name, shard), w in zip(sharded, model_weights(spec), strict=True):
+            assert shard.global_shape == w.shape, name
+            # A split keeps the global bytes: per-rank elements x ranks / copies = global.
+            assert math.prod(shard.rank_shape) * plan.devices == pytest.approx(
+                w.numel * shard.copies
+            )
+
+
+@pytest.mark.parametrize(
+    ("model", "topology", "options"),
+    [
+        ("kimi-k3", "2x2x4", {"rows": 8}),
+        ("kimi-k3", "2x2x4", {}),
+        ("muse-spark-1.2", "2x2x1", {}),
+        ("muse-spark-1.2", "2x2x1", {"batch": 8}),
+        ("qwen3.8-27b", "2x2x1", {}),
+        ("qwen3.8-27b", "1x1x1", {"batch": 4}),
+    ],
+)
+def test_every_spec_plans_on_a_topology_that_fits(model, topology, options):
+    plan = plan_build(load_spec(model), parse_topology(topology), BuildOptions.create(**options))
+    assert plan.memory.fits
+    assert plan.estimate.step_ms > 0
+    assert sum(plan.estimate.breakdown_ms.values()) == pytest.approx(plan.estimate.step_ms)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_heads_that_cannot_split_are_a_clear_error():
+    with pytest.raises(SpecError) as info:
+        _plan("qwen3.8-27b", "2x2x4")
+    message = str(info.value)
+    assert "\n" not in message
+    assert "48 value heads do not split over 32 devices" in message
+    assert "tpu7x:2x2x1 (8)" in message
+
+
+def test_a_split_that_breaks_quantization_groups_is_an_error():
+    with pytest.raises(SpecError, match=r"1056 per device, not a multiple of the int4:128"):
+        _plan("kimi-k3", "2x2x4", quant=["mlp=int4:128"])
+    _plan("kimi-k3", "2x2x4", quant=["mlp=int4:32"])  # 1056 = 33 x 32 is fine
+
+
+def test_expected_max_of_groups():
+    assert expected_max([0.0, 1.0], 4) == pytest.approx(1.0)
+    assert expected_max([0.5, 0.5], 1) == pytest.approx(0.5)
+    assert expected_max([0.5, 0.5], 2) == pytest.approx(0.75)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _memory(model, topology, **options):
+    spec = load_spec(model)
+    opts = BuildOptions.create(**options)
+    spec = opts.apply(spec)
+    topo = parse_topology(topology)
+    return spec, topo, opts, plan_memory(spec, topo, opts, plan_sharding(spec, topo, opts))
+
+
+def test_kimi_k3_fits_only_with_quantized_experts():
+    spec, topo, opts, mem = _memory("kimi-k3", "2x2x4", rows=8)
+    assert mem.fits
+    assert 40e9 < mem.weights_by_family["experts"] < 50e9  # ~1.45 TB of mxfp4 over 32 cores
+    spec, topo, opts, mem = _memory("kimi-k3", "2x2x4", rows=8, quant=["experts=bf16"])
+    assert not mem.fits
+    with pytest.raises(SpecError) as info:
+        check_fit(spec, topo, opts, mem)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "needs 175.5 GB of HBM per device but 94.7 GB are usable: over by 80.8 GB" in message
+    assert "--quant experts=mxfp4" in message and "--quant experts=int4:128" in message
+
+
+def test_no_fit_suggests_a_larger_topology():
+    spec, topo, opts, mem = _memory("muse-spark-1.2", "1x1x1")
+    with pytest.raises(SpecError, match=r"over by .* topology tpu7x:2x2x1"):
+        check_fit(spec, topo, opts, mem)
+
+
+def test_caches_scale_with_context_batch_and_rows():
+    *_, small = _memory("muse-spark-1.2", "2x2x1", context=4096)
+    *_, big = _memory("muse-spark-1.2", "2x2x1", context=8192, batch=2)
+    # Global layers keep the whole context, sliding layers their 2048-token window.
+    per_token = 512  # 2 KV heads x 64 x (K, V) x bf16 per layer per rank
+    want = per_token * (16 * 4096 + 46 * 2048)
+    assert small.cache_by_kind["kv"] == want
+    assert big.cache_by_kind["kv"] == 2 * per_token * (16 * 8192 + 46 * 2048)
+    *_, q = _memory("qwen3.8-27b", "2x2x1", rows=4)
+    *_, q1 = _memory("qwen3.8-27b", "2x2x1")
+    assert q.cache_by_kind["state"] == 4 * q1.cache_by_kind["state"]  # per-row checkpoints
+
+
+# --------------------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"batch": 0}, "--batch 0: must be a positive integer"),
+        ({"rows": 2, "acceptance": 3.0}, "--acceptance 3: mean tokens accepted"),
+        ({"batch": "two"}, "--batch 'two'"),
+        ({"quant": ["experts=int5"]}, "--quant experts: unknown weight format 'int5'"),
+        ({"quant": ["expert=int4:128"]}, "unknown weight family 'expert'"),
+        ({"quant": ["experts"]}, "write FAMILY=FORMAT"),
+        ({"vmem_budget_bytes": "lots"}, "--vmem-budget 'lots'"),
+        ({"price_per_chip_hour_usd": -1.0}, "--price -1: chip-hour price must be positive"),
+    ],
+)
+def test_bad_options_are_one_line_errors(fields, message):
+    with pytest.raises(SpecError) as info:
+        BuildOptions.create(**fields)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_option_parsing():
+    assert parse_size("58MiB") == 58 * 2**20
+    assert parse_size("48 MiB") == 48 * 2**20
+    assert parse_size(1000) == 1000
+    assert dict(parse_quant_overrides(["dense=int8", "attention=bf16"])) == {
+        "attention": "bf16",
+        "mlp": "int8",
+        "projections": "int8",
+        "shared_experts": "int8",
+    }
+    opts = BuildOptions.create(batch=2, rows=8, acceptance=3, quant=["experts=int4:128"])
+    assert opts.tokens == 16
+    spec = opts.apply(load_spec("kimi-k3"))
+    assert spec.quantization.experts == "int4:128"
+    assert BuildOptions.create(vmem_budget_bytes="48MiB").vmem_budget_bytes == 48 * 2**20
