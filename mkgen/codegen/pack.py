@@ -1,0 +1,105 @@
+"""Per-core weight layouts: inventory tensors -> the arrays a generated kernel reads.
+
+numpy only. A layout (mkgen/plan/layout.py) says, for every segment of the
+weight stream and every vector row, which slice of which inventory tensor a
+core stores; this module cuts and places them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import ml_dtypes
+import numpy as np
+
+from mkgen.plan.layout import CHUNK, LANES, KernelLayout, Part, Segment
+
+BF16 = ml_dtypes.bfloat16
+
+
+def part_slice(part: Part, tensor: np.ndarray, rank: int) -> np.ndarray:
+    """The piece of `tensor` that `rank` stores."""
+    if part.axis is None:
+        return tensor
+    piece = rank // part.rank_divisor
+    index = [slice(None)] * tensor.ndim
+    index[part.axis] = slice(piece * part.size, (piece + 1) * part.size)
+    out = tensor[tuple(index)]
+    if out.shape[part.axis] != part.size:
+        raise ValueError(
+            f"{part.tensor}: rank {rank} piece is {out.shape}, expected size {part.size}"
+        )
+    return out
+
+
+def segment_matrix(
+    segment: Segment, tensors: Mapping[str, np.ndarray], prefix: str, rank: int
+) -> np.ndarray:
+    """The [fan_in, fan_out] matrix a rank stores for a segment (parts fused along N)."""
+    pieces = [part_slice(p, np.asarray(tensors[prefix + p.tensor]), rank) for p in segment.parts]
+    matrix = np.concatenate(pieces, axis=1) if len(pieces) > 1 else pieces[0]
+    if matrix.shape != (segment.fan_in, segment.fan_out):
+        raise ValueError(
+            f"{prefix}{segment.name}: {matrix.shape} != {(segment.fan_in, segment.fan_out)}"
+        )
+    return matrix
+
+
+def segment_banks(segment: Segment, matrix: np.ndarray, bank_rows: int) -> np.ndarray:
+    """Column-block-major chunks of a matrix, padded to whole banks."""
+    k_pad, n_pad = segment.k_chunks * CHUNK, segment.col_blocks * LANES
+    padded = np.zeros((k_pad, n_pad), np.float32)
+    padded[: matrix.shape[0], : matrix.shape[1]] = matrix
+    # [k_chunks, CHUNK, col_blocks, LANES] -> chunk (kc, cb) at position cb * k_chunks + kc
+    chunks = padded.reshape(segment.k_chunks, CHUNK, segment.col_blocks, LANES).transpose(
+        2, 0, 1, 3
+    )
+    rows = chunks.reshape(-1, LANES)
+    out = np.zeros((segment.banks * bank_rows, LANES), np.float32)
+    out[: rows.shape[0]] = rows
+    return out.reshape(segment.banks, bank_rows, LANES)
+
+
+def _place(stream: np.ndarray, layout: KernelLayout, first: int, segments, tensors, prefix, rank):
+    for segment in segments:
+        start = first + segment.bank_offset
+        matrix = segment_matrix(segment, tensors, prefix, rank)
+        stream[start : start + segment.banks] = segment_banks(segment, matrix, layout.bank_rows)
+
+
+def pack_stream(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int) -> np.ndarray:
+    """One core's weight stream [total_banks, bank_rows, LANES] in bf16."""
+    stream = np.zeros((layout.total_banks, layout.bank_rows, LANES), np.float32)
+    for layer, (a, f) in enumerate(zip(layout.attention_table, layout.ffn_table, strict=True)):
+        prefix = f"layers.{layer}."
+        _place(
+            stream,
+            layout,
+            layout.attention_banks[layer],
+            layout.attention[a].segments,
+            tensors,
+            prefix,
+            rank,
+        )
+        _place(
+            stream, layout, layout.ffn_banks[layer], layout.ffn[f].segments, tensors, prefix, rank
+        )
+    _place(stream, layout, layout.lm_head_bank, layout.tail_segments, tensors, "", rank)
+    return stream.astype(BF16)
+
+
+def pack_vectors(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int) -> np.ndarray:
+    """One core's per-layer vector slabs [layers, vector_rows, vector_width] in f32."""
+    slabs = np.zeros(
+        (len(layout.attention_table), layout.vector_rows, layout.vector_width), np.float32
+    )
+    for layer in range(len(layout.attention_table)):
+        prefix = f"layers.{layer}."
+        slabs[layer, 0, : layout.hidden] = tensors[prefix + "attn_norm"]
+        slabs[layer, 1, : layout.hidden] = tensors[prefix + "ffn_norm"]
+        rows = layout.attention[layout.attention_table[layer]].vectors
+        rows = rows + layout.ffn[layout.ffn_table[layer]].vectors
+        for row in rows:
+            value = part_slice(row.part, np.asarray(tensors[prefix + row.part.tensor]), rank)
+            slabs[layer, row.row, : row.length] = value.reshape(-1)
+    return slabs

@@ -1,0 +1,276 @@
+"""Interpret-mode numerics: a generated kernel against the reference model, on CPU.
+
+`verify_numerics` runs in a subprocess (`python -m mkgen.verify.numerics`) because
+the number of virtual CPU devices (`--xla_force_host_platform_device_count`) must be
+set before JAX is imported, and because an unbalanced semaphore hangs forever: the
+parent kills the child at the timeout.
+
+The child renders the kernel for the spec's mini twin on a mesh shaped like the
+topology, packs the reference's random weights (rounded to bf16, the kernel's
+storage) into the per-core layout, and runs decode steps in TPU interpret mode with
+race detection, uninitialised memory as NaN and the given DMA execution mode. Each
+step is held against the reference fed the same tokens:
+
+- logits: max |kernel - reference| <= LOGIT_ATOL + LOGIT_RTOL * max |reference|
+  (the kernel multiplies bf16 activations; the reference stays in f32);
+- greedy tokens: equal, unless the reference's top two logits are closer than the
+  logit tolerance (a near tie that bf16 rounding may flip);
+- caches: every key/value row the step wrote, within CACHE_RTOL of the reference's
+  largest entry (both store bf16);
+- finiteness: a NaN anywhere (uninitialised VMEM reads) fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mkgen.errors import MkgenError
+
+LOGIT_ATOL = 1e-2
+LOGIT_RTOL = 2e-2
+CACHE_RTOL = 2e-2
+INTERPRET_MODES = ("on_wait", "eager")
+
+
+@dataclass
+class StepCheck:
+    step: int
+    max_logit_diff: float
+    logit_tolerance: float
+    tokens_equal: int
+    tokens_near_tie: int
+    tokens_total: int
+    max_cache_diff: float
+    cache_tolerance: float
+    finite: bool
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return (
+            self.finite
+            and self.max_logit_diff <= self.logit_tolerance
+            and self.tokens_equal + self.tokens_near_tie == self.tokens_total
+            and self.max_cache_diff <= self.cache_tolerance
+        )
+
+    def failure(self) -> str | None:
+        if not self.finite:
+            return f"step {self.step}: non-finite logits or caches (uninitialised memory read?)"
+        if self.max_logit_diff > self.logit_tolerance:
+            return (
+                f"step {self.step}: logits differ by {self.max_logit_diff:.4g} "
+                f"(tolerance {self.logit_tolerance:.4g})"
+            )
+        if self.tokens_equal + self.tokens_near_tie != self.tokens_total:
+            wrong = self.tokens_total - self.tokens_equal - self.tokens_near_tie
+            return f"step {self.step}: {wrong} greedy token(s) differ"
+        if self.max_cache_diff > self.cache_tolerance:
+            return f"step {self.step}: cache rows differ by {self.max_cache_diff:.4g}"
+        return None
+
+
+@dataclass
+class NumericsReport:
+    spec: str
+    topology: str
+    devices: int
+    mode: str
+    batch: int
+    rows: int
+    steps: list[StepCheck] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and all(s.passed for s in self.steps)
+
+    def failure(self) -> str | None:
+        if self.error:
+            return self.error
+        return next((s.failure() for s in self.steps if not s.passed), None)
+
+
+# ---------------------------------------------------------------- the parent side
+
+
+def verify_numerics(
+    spec_ref: str,
+    topology: str,
+    *,
+    mode: str,
+    steps: int = 2,
+    batch: int = 1,
+    rows: int = 1,
+    context: int = 128,
+    seed: int = 0,
+    timeout: float = 900.0,
+) -> NumericsReport:
+    """Run the child process and return its report (a timeout is a failure, not a hang)."""
+    from mkgen.spec.topology import parse_topology
+
+    if mode not in INTERPRET_MODES:
+        raise MkgenError(f"unknown DMA execution mode {mode!r}; use one of {INTERPRET_MODES}")
+    devices = parse_topology(topology).num_devices
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "JAX_PLATFORMS": "cpu",
+    }
+    args = [
+        sys.executable, "-m", "mkgen.verify.numerics", spec_ref, topology, mode,
+        str(steps), str(batch), str(rows), str(context), str(seed),
+    ]  # fmt: skip
+    report = NumericsReport(spec_ref, topology, devices, mode, batch, rows)
+    try:
+        result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        report.error = f"timed out after {timeout:.0f} s (a semaphore never signalled: deadlock?)"
+        return report
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode or not lines:
+        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        report.error = f"the interpret-mode run failed: {tail}"
+        return report
+    data = json.loads(lines[-1])
+    report.steps = [StepCheck(**s) for s in data["steps"]]
+    return report
+
+
+# ---------------------------------------------------------------- the child side
+
+
+def _run_child(
+    spec_ref: str,
+    topology_text: str,
+    mode: str,
+    steps: int,
+    batch: int,
+    rows: int,
+    context: int,
+    seed: int,
+) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    import ml_dtypes
+    import numpy as np
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.sharding import Mesh
+
+    from mkgen.codegen import pack
+    from mkgen.codegen.build import load_module, render_kernel
+    from mkgen.plan.layout import build_layout
+    from mkgen.plan.options import BuildOptions
+    from mkgen.plan.sharding import plan_sharding
+    from mkgen.reference import model as reference
+    from mkgen.spec.loader import load_spec
+    from mkgen.spec.mini import mini_twin
+    from mkgen.spec.topology import parse_topology
+
+    topology = parse_topology(topology_text)
+    devices = topology.num_devices
+    spec = mini_twin(load_spec(spec_ref), devices)
+    options = BuildOptions.create(batch=batch, rows=rows, context=context)
+    sharding = plan_sharding(spec, topology, options)
+    layout = build_layout(spec, topology, sharding, options, ring_depth=3, bank_rows=512)
+    kernel = load_module(render_kernel(layout, "verify"), "megakernel_verify")
+    weights = {
+        k: np.asarray(v).astype(ml_dtypes.bfloat16).astype(np.float32)
+        for k, v in reference.init_weights(spec, seed).items()
+    }
+    stream = jnp.asarray(np.stack([pack.pack_stream(layout, weights, r) for r in range(devices)]))
+    vectors = jnp.asarray(np.stack([pack.pack_vectors(layout, weights, r) for r in range(devices)]))
+    caches = [jnp.zeros((devices, *shape), jnp.bfloat16) for shape in kernel.cache_shapes()]
+    mesh = Mesh(np.array(jax.devices()[:devices]), (kernel.AXIS,))
+    step_fn = kernel.make_decode_step(mesh)
+    tables = jnp.asarray(kernel.LAYER_TABLES, jnp.int32)
+    final_norm = jnp.asarray(weights["final_norm"])[None, :]
+    ref_cache = reference.init_cache(spec, batch, context, jnp.bfloat16)
+    params = pltpu.InterpretParams(
+        detect_races=True,
+        dma_execution_mode=mode,
+        vector_clock_size=max(4 * devices, 8),
+        uninitialized_memory="nan",
+    )
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, layout.vocab_used, size=(batch, rows)).astype(np.int32)
+    checks = []
+    for step in range(steps):
+        position = step * rows
+        x = np.zeros((layout.tokens_padded, layout.hidden), np.float32)
+        x[: layout.tokens] = weights["embedding"][tokens.reshape(-1)]
+        start = time.perf_counter()
+        with pltpu.force_tpu_interpret_mode(params):
+            out = step_fn(
+                tables, jnp.full((batch,), position, jnp.int32), jnp.asarray(x), final_norm,
+                stream, vectors, *caches,
+            )  # fmt: skip
+            out = jax.block_until_ready(out)
+        seconds = time.perf_counter() - start
+        kernel_tokens, kernel_logits, *caches = out
+        ref_logits, ref_cache = reference.forward(
+            spec, weights, jnp.asarray(tokens), ref_cache, position
+        )
+        ref_logits = np.asarray(ref_logits).reshape(layout.tokens, -1)
+        got = np.asarray(kernel_logits)[:, : spec.dims.vocab]
+        scale = float(np.abs(ref_logits).max())
+        tolerance = LOGIT_ATOL + LOGIT_RTOL * scale
+        ranked = np.sort(ref_logits[:, : layout.vocab_used], axis=1)
+        near_tie = (ranked[:, -1] - ranked[:, -2]) < tolerance
+        expected = ref_logits[:, : layout.vocab_used].argmax(axis=1)
+        equal = np.asarray(kernel_tokens) == expected
+        cache_diff, cache_scale = 0.0, 0.0
+        for a, (k_cache, v_cache) in zip(
+            layout.attention, zip(caches[::2], caches[1::2], strict=True), strict=True
+        ):
+            for slot, layer in enumerate(a.layers):
+                for which, mine in (("k", k_cache), ("v", v_cache)):
+                    theirs = np.asarray(ref_cache["layers"][layer][which], np.float32)
+                    new = theirs[:, position : position + rows]  # [B, R, KV, D]
+                    for rank in range(devices):
+                        heads = pack.Part(
+                            tensor="", axis=-2, size=a.kv_heads, rank_divisor=a.kv_rank_divisor
+                        )
+                        piece = pack.part_slice(heads, new, rank)
+                        ours = np.asarray(
+                            mine[rank, slot, :, :, position : position + rows], np.float32
+                        )
+                        cache_diff = max(
+                            cache_diff, float(np.abs(ours.transpose(0, 2, 1, 3) - piece).max())
+                        )
+                    cache_scale = max(cache_scale, float(np.abs(new).max()))
+        finite = bool(np.isfinite(got).all()) and all(
+            bool(jnp.isfinite(c.astype(jnp.float32)).all()) for c in caches
+        )
+        checks.append(
+            StepCheck(
+                step=step,
+                max_logit_diff=float(np.abs(got - ref_logits).max()),
+                logit_tolerance=tolerance,
+                tokens_equal=int(equal.sum()),
+                tokens_near_tie=int((~equal & near_tie).sum()),
+                tokens_total=int(equal.size),
+                max_cache_diff=cache_diff,
+                cache_tolerance=CACHE_RTOL * max(cache_scale, 1.0),
+                finite=finite,
+                seconds=seconds,
+            )
+        )
+        tokens = expected.reshape(batch, rows).astype(np.int32)
+    return {"steps": [asdict(c) for c in checks]}
+
+
+if __name__ == "__main__":
+    spec_arg, topo_arg, mode_arg, *numbers = sys.argv[1:]
+    steps_n, batch_n, rows_n, context_n, seed_n = map(int, numbers)
+    print(
+        json.dumps(
+            _run_child(spec_arg, topo_arg, mode_arg, steps_n, batch_n, rows_n, context_n, seed_n)
+        )
+    )
