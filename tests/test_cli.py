@@ -55,7 +55,13 @@ def test_show_json_has_the_documented_keys() -> None:
     result = mkgen("show", "qwen3.8-27b", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    for key in ("name", "params_total", "params_active", "bytes_by_family", "cache_bytes_per_token"):
+    for key in (
+        "name",
+        "params_total",
+        "params_active",
+        "bytes_by_family",
+        "cache_bytes_per_token",
+    ):
         assert key in data
     assert data["name"] == "qwen3.8-27b"
     assert len(data["layers"]) == 64

@@ -7,9 +7,8 @@ import pytest
 from jax.sharding import Mesh
 
 from mkgen.codegen.build import load_module, render_kernel
-from mkgen.plan.layout import build_layout
+from mkgen.plan.layout import plan_kernel
 from mkgen.plan.options import BuildOptions
-from mkgen.plan.sharding import plan_sharding
 from mkgen.spec.loader import load_spec
 from mkgen.spec.topology import parse_topology
 from mkgen.verify.tpu_compile import compile_for_tpu, compile_only_devices
@@ -19,10 +18,7 @@ MiB = 1024 * 1024
 
 def _layout(name: str, topology: str, **options):
     spec, topo = load_spec(name), parse_topology(topology)
-    opts = BuildOptions.create(**options)
-    return build_layout(
-        spec, topo, plan_sharding(spec, topo, opts), opts, ring_depth=12, bank_rows=4096
-    )
+    return plan_kernel(spec, topo, BuildOptions.create(**options))
 
 
 def test_rendering_is_deterministic() -> None:
@@ -39,6 +35,6 @@ def test_full_size_kernel_compiles_for_tpu7x(name: str, topology: str) -> None:
     kernel = load_module(render_kernel(layout, "test"), f"compile_{name.replace('-', '_')}")
     mesh = Mesh(np.array(compile_only_devices(parse_topology(topology))), (kernel.AXIS,))
     report = compile_for_tpu(kernel.make_decode_step(mesh), kernel.argument_shapes(mesh))
-    ring = layout.ring_depth * layout.bank_rows * 256 * 2
+    ring = layout.stream.ring_depth * layout.stream.bank_rows * 256 * 2
     assert ring < report.vmem_bytes < 64 * MiB
     assert report.seconds < 120

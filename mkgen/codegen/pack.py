@@ -12,7 +12,8 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
-from mkgen.plan.layout import CHUNK, LANES, KernelLayout, Part, Segment
+from mkgen.plan.layout import KernelLayout
+from mkgen.plan.stream import CHUNK, LANES, Part, Segment
 
 BF16 = ml_dtypes.bfloat16
 
@@ -64,27 +65,35 @@ def _place(stream: np.ndarray, layout: KernelLayout, first: int, segments, tenso
     for segment in segments:
         start = first + segment.bank_offset
         matrix = segment_matrix(segment, tensors, prefix, rank)
-        stream[start : start + segment.banks] = segment_banks(segment, matrix, layout.bank_rows)
+        stream[start : start + segment.banks] = segment_banks(
+            segment, matrix, layout.stream.bank_rows
+        )
 
 
 def pack_stream(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int) -> np.ndarray:
     """One core's weight stream [total_banks, bank_rows, LANES] in bf16."""
-    stream = np.zeros((layout.total_banks, layout.bank_rows, LANES), np.float32)
+    stream = np.zeros((layout.stream.total_banks, layout.stream.bank_rows, LANES), np.float32)
     for layer, (a, f) in enumerate(zip(layout.attention_table, layout.ffn_table, strict=True)):
         prefix = f"layers.{layer}."
         _place(
             stream,
             layout,
-            layout.attention_banks[layer],
+            layout.stream.attention_banks[layer],
             layout.attention[a].segments,
             tensors,
             prefix,
             rank,
         )
         _place(
-            stream, layout, layout.ffn_banks[layer], layout.ffn[f].segments, tensors, prefix, rank
+            stream,
+            layout,
+            layout.stream.ffn_banks[layer],
+            layout.ffn[f].segments,
+            tensors,
+            prefix,
+            rank,
         )
-    _place(stream, layout, layout.lm_head_bank, layout.tail_segments, tensors, "", rank)
+    _place(stream, layout, layout.stream.lm_head_bank, layout.stream.tail, tensors, "", rank)
     return stream.astype(BF16)
 
 

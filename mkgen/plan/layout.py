@@ -1,80 +1,31 @@
-"""The per-core memory layout a generated kernel reads: weight stream, vectors, caches.
+"""The per-core layout a generated kernel reads: stream segments, vectors, caches, tables.
 
 Everything here is plain data (pydantic) that code generation renders and the
-generated runner uses to pack weights; no template computes a shape.
-
-Weight stream. Every dense matrix a core reads in a step is a *segment* of one
-HBM array of uniform banks ``[n_banks, BANK_ROWS, LANES]`` in execution order:
-layer 0's attention segments, layer 0's FFN segments, layer 1's, ..., the
-lm_head. A segment holds a per-rank matrix ``[K, N]`` (several inventory tensors
-fused along N where they share an input, e.g. q|k|v) padded to
-``[k_chunks * CHUNK, col_blocks * LANES]`` and stored column-block-major: the
-CHUNK-row chunks of column block 0, then of block 1, ... Each segment starts on
-a bank boundary. The kernel keeps a ring of ``ring_depth`` banks in VMEM and,
-after consuming bank g, starts the DMA of bank g + ring_depth, wherever it
-lies: the stream crosses layer boundaries and runs into the lm_head.
+generated runner uses to pack weights; no template computes a shape. The weight
+stream itself is planned in mkgen/plan/stream.py.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
-
 from mkgen.plan.options import BuildOptions
-from mkgen.plan.sharding import ShardingPlan, TensorShard
+from mkgen.plan.sharding import ShardingPlan
+from mkgen.plan.stream import (
+    CHUNK,
+    Part,
+    PlanModel,
+    Segment,
+    StreamPlan,
+    cdiv,
+    part_of,
+    round_up,
+)
 from mkgen.spec.schema import DenseFFN, GQAAttention, ModelSpec
 from mkgen.spec.topology import Topology
 
-LANES = 256  # column block width: TPU7x's MXU is 256 wide
-CHUNK = 256  # rows of one matmul step within a bank
 SUBLANES_F32 = 8
 CACHE_ALIGN = 16  # bf16 rows of an HBM array are tiled by 16
-
-
-class PlanModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def round_up(a: int, b: int) -> int:
-    return cdiv(a, b) * b
-
-
-class Part(PlanModel):
-    """A slice of one inventory tensor that a core stores.
-
-    The tensor (named relative to its layer, e.g. ``attn.wq``) is cut along
-    ``axis`` (-1: fan_out / columns, -2: fan_in / rows, None: the whole tensor)
-    into pieces of ``size``; rank r takes piece ``r // rank_divisor`` (a divisor
-    above 1 replicates a piece over consecutive ranks, as for KV heads shared by
-    several cores).
-    """
-
-    tensor: str
-    axis: Literal[-1, -2] | None
-    size: int
-    rank_divisor: int = 1
-
-
-class Segment(PlanModel):
-    """One per-rank matrix (or fused group) in the weight stream."""
-
-    name: str
-    parts: list[Part]  # fused along N in this order (one part when split by rows)
-    fan_in: int
-    fan_out: int
-    k_chunks: int
-    col_blocks: int
-    bank_offset: int  # first bank, relative to the start of its layer (or of the tail)
-    banks: int
-
-    @property
-    def chunks(self) -> int:
-        return self.k_chunks * self.col_blocks
 
 
 class VectorRow(PlanModel):
@@ -155,19 +106,13 @@ class KernelLayout(PlanModel):
     zero_centered: bool
     logit_multiplier: float
     logit_softcap: float | None
-    bank_rows: int
-    ring_depth: int
+    stream: StreamPlan
     attention: list[GQALayout]
     ffn: list[DenseLayout]
     attention_table: list[int]  # kind index of every layer
     ffn_table: list[int]
     attention_slot: list[int]  # position of every layer among layers of its kind
     ffn_slot: list[int]
-    attention_banks: list[int]  # first stream bank of each layer's attention segments
-    ffn_banks: list[int]  # first stream bank of each layer's FFN segments
-    lm_head_bank: int  # first bank of the tail (lm_head)
-    tail_segments: list[Segment]  # lm_head
-    total_banks: int
     vector_rows: int
     vector_width: int
     final_norm: Part
@@ -178,53 +123,10 @@ class KernelLayout(PlanModel):
 # ---------------------------------------------------------------- building a layout
 
 
-def _segment(
-    name: str, parts: list[Part], fan_in: int, fan_out: int, offset: int, bank_rows: int
-) -> Segment:
-    k_chunks = cdiv(fan_in, CHUNK)
-    col_blocks = cdiv(fan_out, LANES)
-    banks = cdiv(k_chunks * col_blocks, bank_rows // CHUNK)
-    return Segment(
-        name=name,
-        parts=parts,
-        fan_in=fan_in,
-        fan_out=fan_out,
-        k_chunks=k_chunks,
-        col_blocks=col_blocks,
-        bank_offset=offset,
-        banks=banks,
-    )
-
-
-class _Rows:
-    """Hands out consecutive rows of a vector slab."""
-
-    def __init__(self, first: int) -> None:
-        self.next = first
-
-    def take(self, name: str, part: Part, length: int) -> VectorRow:
-        row = VectorRow(name=name, row=self.next, part=part, length=length)
-        self.next += 1
-        return row
-
-
 def _unsupported(what: str) -> None:
     from mkgen.errors import SpecError
 
     raise SpecError(f"{what} is not supported by the code generator yet")
-
-
-def part_of(shard: TensorShard, devices: int) -> Part:
-    """A core's piece of a tensor, as the sharding plan split it."""
-    if shard.split_axis is None:
-        return Part(tensor=shard.name, axis=None, size=shard.global_shape[-1])
-    axis = shard.split_axis - len(shard.global_shape)
-    return Part(
-        tensor=shard.name,
-        axis=axis,
-        size=shard.global_shape[shard.split_axis] // shard.parts,
-        rank_divisor=devices // shard.parts,
-    )
 
 
 def _rope_layout(rope: object, rotary_dim: int) -> Rope:
@@ -239,30 +141,17 @@ def _rope_layout(rope: object, rotary_dim: int) -> Rope:
     )
 
 
-def _gqa_layout(name, index, layers, kind, shard, devices, hidden, context, bank_rows) -> GQALayout:
+def _gqa_layout(name, index, layers, kind, shard, segments, devices, context) -> GQALayout:
     parts = {t.name: part_of(t, devices) for t in shard.tensors}
     heads, kv_heads = shard.heads_per_rank, shard.kv_heads_per_rank
     d = kind.head_dim
     q_cols, kv_cols = heads * d, kv_heads * d
-    fused = ["attn.wq", "attn.wk", "attn.wv"] + (
-        ["attn.wgate"] if kind.output_gate == "sigmoid" else []
-    )
-    qkv_parts = [parts[n] for n in fused]
-    qkv = _segment("qkv", qkv_parts, hidden, sum(p.size for p in qkv_parts), 0, bank_rows)
-    o = _segment("o", [parts["attn.wo"]], q_cols, hidden, qkv.banks, bank_rows)
-    rows = _Rows(2)  # rows 0 and 1 hold the layer's attn_norm and ffn_norm
+    names = ("q_norm", "k_norm", "bq", "bk", "bv", "bo", "sinks")
+    present = [n for n in names if f"attn.{n}" in parts]
+    # Rows 0 and 1 of a layer's slab hold its attn_norm and ffn_norm.
     vectors = [
-        rows.take(n.removeprefix("attn."), parts[n], parts[n].size)
-        for n in (
-            "attn.q_norm",
-            "attn.k_norm",
-            "attn.bq",
-            "attn.bk",
-            "attn.bv",
-            "attn.bo",
-            "attn.sinks",
-        )
-        if n in parts
+        VectorRow(name=n, row=2 + i, part=parts[f"attn.{n}"], length=parts[f"attn.{n}"].size)
+        for i, n in enumerate(present)
     ]
     kv_tile = min(context, 128)
     if context % kv_tile:
@@ -288,21 +177,17 @@ def _gqa_layout(name, index, layers, kind, shard, devices, hidden, context, bank
         window=kind.sliding_window,
         softmax_scale=kind.softmax_scale or d**-0.5,
         rope=_rope_layout(kind.rope, kind.rotary_dim) if kind.rope else None,
-        segments=[qkv, o],
+        segments=segments,
         vectors=vectors,
         kv_tile=kv_tile,
     )
 
 
-def _dense_layout(name, index, layers, kind, shard, devices, hidden, bank_rows) -> DenseLayout:
+def _dense_layout(name, index, layers, kind, shard, segments, devices) -> DenseLayout:
     if kind.bias or not kind.gated:
         _unsupported(f"ffn_kinds.{name}: a dense MLP with bias or without a gate")
     parts = {t.name: part_of(t, devices) for t in shard.tensors}
     width = parts["ffn.w_gate"].size
-    gate_up = _segment(
-        "gate_up", [parts["ffn.w_gate"], parts["ffn.w_up"]], hidden, 2 * width, 0, bank_rows
-    )
-    down = _segment("down", [parts["ffn.w_down"]], width, hidden, gate_up.banks, bank_rows)
     act = kind.activation
     return DenseLayout(
         name=name,
@@ -315,7 +200,7 @@ def _dense_layout(name, index, layers, kind, shard, devices, hidden, bank_rows) 
             k: v for k, v in act.model_dump().items() if k != "kind" and v is not None
         },
         bias=kind.bias,
-        segments=[gate_up, down],
+        segments=segments,
         vectors=[],
     )
 
@@ -324,10 +209,8 @@ def build_layout(
     spec: ModelSpec,
     topology: Topology,
     sharding: ShardingPlan,
+    stream: StreamPlan,
     options: BuildOptions,
-    *,
-    ring_depth: int,
-    bank_rows: int,
 ) -> KernelLayout:
     """The kernel layout of `spec` on `topology`, per-rank pieces as `sharding` decided."""
     devices = topology.num_devices
@@ -352,11 +235,10 @@ def build_layout(
                 members(attn_table, i),
                 kind,
                 sharding.attention[name],
+                stream.attention[name].segments,
                 devices,
-                hidden,
                 options.context,
-                bank_rows,
-            )  # fmt: skip
+            )
         )
     ffn = []
     for i, name in enumerate(ffn_names):
@@ -365,7 +247,13 @@ def build_layout(
             _unsupported(f"ffn_kinds.{name} ({kind.type})")
         ffn.append(
             _dense_layout(
-                name, i, members(ffn_table, i), kind, sharding.ffn[name], devices, hidden, bank_rows
+                name,
+                i,
+                members(ffn_table, i),
+                kind,
+                sharding.ffn[name],
+                stream.ffn[name].segments,
+                devices,
             )
         )
     if spec.dims.tie_embeddings:
@@ -373,18 +261,9 @@ def build_layout(
     if spec.attention_residual:
         _unsupported("the attention residual")
 
-    # Stream order: each layer's attention segments, then its FFN segments.
-    attention_banks, ffn_banks, bank = [], [], 0
-    for a_index, f_index in zip(attn_table, ffn_table, strict=True):
-        attention_banks.append(bank)
-        bank += sum(s.banks for s in attention[a_index].segments)
-        ffn_banks.append(bank)
-        bank += sum(s.banks for s in ffn[f_index].segments)
     globals_ = {t.name: part_of(t, devices) for t in sharding.globals}
-    lm_part = globals_["lm_head"]
-    lm_head = _segment("lm_head", [lm_part], hidden, lm_part.size, 0, bank_rows)
     segments = [s for a in attention for s in a.segments] + [s for f in ffn for s in f.segments]
-    segments.append(lm_head)
+    segments += stream.tail
     tokens = options.batch * options.rows
     return KernelLayout(
         model=spec.name,
@@ -400,24 +279,18 @@ def build_layout(
         hidden_chunks=cdiv(hidden, CHUNK),
         vocab=spec.dims.vocab,
         vocab_used=spec.dims.vocab_used or spec.dims.vocab,
-        vocab_per_core=lm_part.size,
+        vocab_per_core=stream.tail[0].fan_out,
         norm_eps=spec.dims.norm_eps,
         zero_centered=spec.dims.norm_style == "zero_centered",
         logit_multiplier=spec.dims.logit_multiplier,
         logit_softcap=spec.dims.logit_softcap,
-        bank_rows=bank_rows,
-        ring_depth=ring_depth,
+        stream=stream,
         attention=attention,
         ffn=ffn,
         attention_table=attn_table,
         ffn_table=ffn_table,
         attention_slot=[attention[k].layers.index(i) for i, k in enumerate(attn_table)],
         ffn_slot=[ffn[k].layers.index(i) for i, k in enumerate(ffn_table)],
-        attention_banks=attention_banks,
-        ffn_banks=ffn_banks,
-        lm_head_bank=bank,
-        tail_segments=[lm_head],
-        total_banks=bank + lm_head.banks,
         vector_rows=2 + max(len(a.vectors) for a in attention),
         vector_width=round_up(
             max([hidden] + [v.length for a in attention for v in a.vectors]), 128
@@ -426,3 +299,26 @@ def build_layout(
         max_k_chunks=max(s.k_chunks for s in segments),
         max_col_blocks=max(s.col_blocks for s in segments),
     )
+
+
+FULL_BANK_ROWS = 4096  # 2 MiB bf16 banks, as the hand-written kernels use
+RING_VMEM_BYTES = 24 * 1024 * 1024  # VMEM set aside for banks in flight (~12 x 2 MiB)
+
+
+def plan_kernel(
+    spec: ModelSpec,
+    topology: Topology,
+    options: BuildOptions,
+    *,
+    bank_rows: int = FULL_BANK_ROWS,
+    ring_depth: int | None = None,
+) -> KernelLayout:
+    """Shard, plan the weight stream and lay out the kernel for one build."""
+    from mkgen.plan.sharding import plan_sharding
+    from mkgen.plan.stream import choose_ring, plan_stream
+
+    spec = options.apply(spec)
+    sharding = plan_sharding(spec, topology, options)
+    depth = ring_depth or choose_ring(bank_rows, RING_VMEM_BYTES)
+    stream = plan_stream(spec, sharding, bank_rows=bank_rows, ring_depth=depth)
+    return build_layout(spec, topology, sharding, stream, options)

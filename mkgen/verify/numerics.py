@@ -36,6 +36,10 @@ LOGIT_ATOL = 1e-2
 LOGIT_RTOL = 2e-2
 CACHE_RTOL = 2e-2
 INTERPRET_MODES = ("on_wait", "eager")
+# Mini twins use small banks and a shallow ring so that a few layers already wrap the
+# ring several times and segments span several banks.
+MINI_BANK_ROWS = 512
+MINI_RING_DEPTH = 3
 
 
 @dataclass
@@ -165,9 +169,8 @@ def _run_child(
 
     from mkgen.codegen import pack
     from mkgen.codegen.build import load_module, render_kernel
-    from mkgen.plan.layout import build_layout
+    from mkgen.plan.layout import plan_kernel
     from mkgen.plan.options import BuildOptions
-    from mkgen.plan.sharding import plan_sharding
     from mkgen.reference import model as reference
     from mkgen.spec.loader import load_spec
     from mkgen.spec.mini import mini_twin
@@ -177,8 +180,9 @@ def _run_child(
     devices = topology.num_devices
     spec = mini_twin(load_spec(spec_ref), devices)
     options = BuildOptions.create(batch=batch, rows=rows, context=context)
-    sharding = plan_sharding(spec, topology, options)
-    layout = build_layout(spec, topology, sharding, options, ring_depth=3, bank_rows=512)
+    layout = plan_kernel(
+        spec, topology, options, bank_rows=MINI_BANK_ROWS, ring_depth=MINI_RING_DEPTH
+    )
     kernel = load_module(render_kernel(layout, "verify"), "megakernel_verify")
     weights = {
         k: np.asarray(v).astype(ml_dtypes.bfloat16).astype(np.float32)

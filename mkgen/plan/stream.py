@@ -1,0 +1,240 @@
+"""The weight stream: every dense matrix a core reads in a step, in execution order.
+
+Each core streams one HBM array of uniform banks ``[n_banks, bank_rows, LANES]``:
+layer 0's attention segments, layer 0's FFN segments, layer 1's, ..., then the
+lm_head. A *segment* is a per-rank matrix ``[K, N]`` (tensors that read the same
+input fused along N, e.g. q|k|v) padded to ``[k_chunks * CHUNK, col_blocks * LANES]``
+and stored column-block-major (the CHUNK-row chunks of column block 0, then of
+block 1, ...). Each segment starts on a bank boundary. The kernel keeps a ring of
+``ring_depth`` banks in VMEM and, after consuming bank g, starts the DMA of bank
+g + ring_depth wherever it lies, so the stream crosses layer boundaries and runs
+into the lm_head. Routed experts are not in the stream (they are fetched into
+expert slots once routing has chosen them).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from mkgen.errors import SpecError
+from mkgen.plan.sharding import ShardingPlan, TensorShard
+
+LANES = 256  # column block width: TPU7x's MXU is 256 wide
+CHUNK = 256  # rows of one matmul step inside a bank
+BF16_BYTES = 2
+
+# Tensors fused into one segment read the same input; the order is the kernel's.
+FUSED_SEGMENTS: dict[str, list[tuple[str, list[str]]]] = {
+    "gqa": [("qkv", ["attn.wq", "attn.wk", "attn.wv", "attn.wgate"]), ("o", ["attn.wo"])],
+    "mla": [
+        ("down", ["attn.wq_a", "attn.wq", "attn.wkv_a", "attn.wgate"]),
+        ("q_b", ["attn.wq_b"]),
+        ("kv_b", ["attn.wkv_b"]),
+        ("o", ["attn.wo"]),
+    ],
+    "kda": [
+        (
+            "in",
+            ["attn.wq", "attn.wk", "attn.wv", "attn.wf_a", "attn.wbeta", "attn.wg", "attn.wg_a"],
+        ),
+        ("f_b", ["attn.wf_b"]),
+        ("g_b", ["attn.wg_b"]),
+        ("o", ["attn.wo"]),
+    ],
+    "gated_deltanet": [
+        ("in", ["attn.wq", "attn.wk", "attn.wv", "attn.wz", "attn.wb", "attn.wa"]),
+        ("o", ["attn.wo"]),
+    ],
+    "dense": [("gate_up", ["ffn.w_gate", "ffn.w_up"]), ("down", ["ffn.w_down"])],
+    "moe": [
+        (
+            "in",
+            [
+                "ffn.router",
+                "ffn.latent_in",
+                "ffn.shared_gate",
+                "ffn.shared_up",
+                "ffn.shared_gate_proj",
+            ],
+        ),
+        ("latent_out", ["ffn.latent_out"]),
+        ("shared_down", ["ffn.shared_down"]),
+    ],
+}
+
+
+class PlanModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+    return cdiv(a, b) * b
+
+
+class Part(PlanModel):
+    """A slice of one inventory tensor that a core stores.
+
+    The tensor (named relative to its layer, e.g. ``attn.wq``) is cut along ``axis``
+    (-1: fan_out / columns, -2: fan_in / rows, None: the whole tensor) into pieces of
+    ``size``; rank r takes piece ``r // rank_divisor`` (a divisor above 1 replicates a
+    piece over consecutive ranks, as for kv heads shared by several cores).
+    """
+
+    tensor: str
+    axis: int | None
+    size: int
+    rank_divisor: int = 1
+
+
+def part_of(shard: TensorShard, devices: int) -> Part:
+    """A core's piece of a tensor, as the sharding plan split it."""
+    if shard.split_axis is None:
+        return Part(tensor=shard.name, axis=None, size=shard.global_shape[-1])
+    return Part(
+        tensor=shard.name,
+        axis=shard.split_axis - len(shard.global_shape),
+        size=shard.global_shape[shard.split_axis] // shard.parts,
+        rank_divisor=devices // shard.parts,
+    )
+
+
+class Segment(PlanModel):
+    """One per-rank matrix (or fused group) in the weight stream."""
+
+    name: str
+    parts: list[Part]  # fused along N in this order
+    fan_in: int
+    fan_out: int
+    k_chunks: int
+    col_blocks: int
+    bank_offset: int  # first bank, relative to the start of its kind's segments
+    banks: int
+    bytes: int  # HBM bytes streamed (padded banks)
+
+    @property
+    def chunks(self) -> int:
+        return self.k_chunks * self.col_blocks
+
+
+class KindStream(PlanModel):
+    kind: str
+    type: str
+    segments: list[Segment]
+    banks: int
+
+    def segment(self, name: str) -> Segment:
+        return next(s for s in self.segments if s.name == name)
+
+
+class StreamPlan(PlanModel):
+    bank_rows: int
+    bank_bytes: int
+    ring_depth: int
+    attention: dict[str, KindStream]
+    ffn: dict[str, KindStream]
+    tail: list[Segment]  # lm_head
+    attention_banks: list[int]  # first bank of each layer's attention segments
+    ffn_banks: list[int]  # first bank of each layer's FFN segments
+    lm_head_bank: int
+    total_banks: int
+
+    @property
+    def bytes_per_step(self) -> int:
+        return self.total_banks * self.bank_bytes
+
+
+def make_segment(
+    name: str, parts: list[Part], fan_in: int, fan_out: int, offset: int, bank_rows: int
+) -> Segment:
+    k_chunks, col_blocks = cdiv(fan_in, CHUNK), cdiv(fan_out, LANES)
+    banks = cdiv(k_chunks * col_blocks, bank_rows // CHUNK)
+    return Segment(
+        name=name,
+        parts=parts,
+        fan_in=fan_in,
+        fan_out=fan_out,
+        k_chunks=k_chunks,
+        col_blocks=col_blocks,
+        bank_offset=offset,
+        banks=banks,
+        bytes=banks * bank_rows * LANES * BF16_BYTES,
+    )
+
+
+def _kind_stream(
+    kind: str, type_: str, shards: tuple[TensorShard, ...], devices: int, bank_rows: int
+) -> KindStream:
+    by_name = {s.name: s for s in shards}
+    segments: list[Segment] = []
+    offset = 0
+    for name, members in FUSED_SEGMENTS[type_]:
+        present = [by_name[m] for m in members if m in by_name]
+        if not present:
+            continue
+        parts = [part_of(s, devices) for s in present]
+        if parts[0].axis == -2:
+            # A row-split matrix (wo, w_down, ...) is a segment of its own: [K / parts, N].
+            (shard,) = present
+            fan_in, fan_out = shard.global_shape[0] // shard.parts, shard.global_shape[1]
+        else:
+            fan_in, fan_out = present[0].global_shape[0], sum(p.size for p in parts)
+            if any(s.global_shape[0] != fan_in for s in present):
+                raise AssertionError(f"{kind}.{name}: fused tensors disagree on fan-in")
+        segment = make_segment(name, parts, fan_in, fan_out, offset, bank_rows)
+        segments.append(segment)
+        offset += segment.banks
+    return KindStream(kind=kind, type=type_, segments=segments, banks=offset)
+
+
+def choose_ring(bank_rows: int, vmem_for_ring: int) -> int:
+    """Banks in flight: as many as fit the VMEM set aside for the ring, 2 to 16.
+
+    The hand-written Kimi K3 kernel kept 12 banks of 2 MiB (about 24 MiB) in flight;
+    more depth buys nothing once the DMA engine is never idle."""
+    depth = vmem_for_ring // (bank_rows * LANES * BF16_BYTES)
+    if depth < 2:
+        raise SpecError(
+            f"the VMEM budget leaves {vmem_for_ring} bytes for the weight ring, less than two "
+            f"{bank_rows * LANES * BF16_BYTES}-byte banks; raise --vmem-budget or lower the bank size"
+        )
+    return min(depth, 16)
+
+
+def plan_stream(spec, sharding: ShardingPlan, *, bank_rows: int, ring_depth: int) -> StreamPlan:
+    """The weight stream of `spec` as `sharding` split it."""
+    devices = sharding.devices
+    attention = {
+        name: _kind_stream(name, spec.attention_kinds[name].type, s.tensors, devices, bank_rows)
+        for name, s in sharding.attention.items()
+    }
+    ffn = {
+        name: _kind_stream(name, spec.ffn_kinds[name].type, s.tensors, devices, bank_rows)
+        for name, s in sharding.ffn.items()
+    }
+    attention_banks, ffn_banks, bank = [], [], 0
+    for attn_name, ffn_name in spec.layer_table():
+        attention_banks.append(bank)
+        bank += attention[attn_name].banks
+        ffn_banks.append(bank)
+        bank += ffn[ffn_name].banks
+    lm_shard = next((t for t in sharding.globals if t.name == "lm_head"), None)
+    if lm_shard is None:
+        raise SpecError("tied embeddings are not supported by the weight stream yet")
+    lm_part = part_of(lm_shard, devices)
+    lm_head = make_segment("lm_head", [lm_part], spec.dims.hidden, lm_part.size, 0, bank_rows)
+    return StreamPlan(
+        bank_rows=bank_rows,
+        bank_bytes=bank_rows * LANES * BF16_BYTES,
+        ring_depth=ring_depth,
+        attention=attention,
+        ffn=ffn,
+        tail=[lm_head],
+        attention_banks=attention_banks,
+        ffn_banks=ffn_banks,
+        lm_head_bank=bank,
+        total_banks=bank + lm_head.banks,
+    )
