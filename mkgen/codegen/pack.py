@@ -46,16 +46,18 @@ def segment_matrix(
     return matrix
 
 
-def segment_banks(segment: Segment, matrix: np.ndarray, bank_rows: int) -> np.ndarray:
-    """Column-block-major chunks of a matrix, padded to whole banks."""
-    k_pad, n_pad = segment.k_chunks * CHUNK, segment.col_blocks * LANES
-    padded = np.zeros((k_pad, n_pad), np.float32)
+def chunked(matrix: np.ndarray, k_chunks: int, col_blocks: int) -> np.ndarray:
+    """[K, N] -> [k_chunks * col_blocks, CHUNK, LANES]: chunk (kc, cb) at cb * k_chunks + kc,
+    the order in which the kernel's matmuls consume them (zero padded)."""
+    padded = np.zeros((k_chunks * CHUNK, col_blocks * LANES), np.float32)
     padded[: matrix.shape[0], : matrix.shape[1]] = matrix
-    # [k_chunks, CHUNK, col_blocks, LANES] -> chunk (kc, cb) at position cb * k_chunks + kc
-    chunks = padded.reshape(segment.k_chunks, CHUNK, segment.col_blocks, LANES).transpose(
-        2, 0, 1, 3
-    )
-    rows = chunks.reshape(-1, LANES)
+    blocks = padded.reshape(k_chunks, CHUNK, col_blocks, LANES).transpose(2, 0, 1, 3)
+    return blocks.reshape(-1, CHUNK, LANES)
+
+
+def segment_banks(segment: Segment, matrix: np.ndarray, bank_rows: int) -> np.ndarray:
+    """A segment's chunks, padded to whole banks [banks, bank_rows, LANES]."""
+    rows = chunked(matrix, segment.k_chunks, segment.col_blocks).reshape(-1, LANES)
     out = np.zeros((segment.banks * bank_rows, LANES), np.float32)
     out[: rows.shape[0]] = rows
     return out.reshape(segment.banks, bank_rows, LANES)
@@ -112,3 +114,35 @@ def pack_vectors(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: 
             value = part_slice(row.part, np.asarray(tensors[prefix + row.part.tensor]), rank)
             slabs[layer, row.row, : row.length] = value.reshape(-1)
     return slabs
+
+
+def pack_experts(
+    layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int
+) -> list[np.ndarray]:
+    """Per MoE kind, one core's routed-expert slices [layers, experts_per_rank, chunks, CHUNK, LANES].
+
+    Rank r holds experts [g * E_r, (g + 1) * E_r) of group g = r // width_parts, and of
+    each the columns of width part r % width_parts (mkgen/plan/layout.py MoELayout)."""
+    out = []
+    for f in layout.ffn:
+        if f.type != "moe":
+            continue
+        e = f.experts
+        group, part = rank // f.width_parts, rank % f.width_parts
+        ids = range(group * f.experts_per_rank, (group + 1) * f.experts_per_rank)
+        cols = slice(part * e.width, (part + 1) * e.width)
+        slab = np.zeros((len(f.layers), f.experts_per_rank, e.chunks, CHUNK, LANES), np.float32)
+        for slot, layer in enumerate(f.layers):
+            prefix = f"layers.{layer}.ffn."
+            gate, up = tensors[prefix + "experts_gate"], tensors[prefix + "experts_up"]
+            down = tensors[prefix + "experts_down"]
+            for local, expert in enumerate(ids):
+                gate_up = np.concatenate([gate[expert][:, cols], up[expert][:, cols]], axis=1)
+                slab[slot, local] = np.concatenate(
+                    [
+                        chunked(gate_up, e.gate_up_k_chunks, e.gate_up_col_blocks),
+                        chunked(down[expert][cols, :], e.down_k_chunks, e.down_col_blocks),
+                    ]
+                )
+        out.append(slab.astype(BF16))
+    return out

@@ -13,6 +13,7 @@ from mkgen.plan.options import BuildOptions
 from mkgen.plan.sharding import ShardingPlan
 from mkgen.plan.stream import (
     CHUNK,
+    LANES,
     Part,
     PlanModel,
     Segment,
@@ -21,7 +22,7 @@ from mkgen.plan.stream import (
     part_of,
     round_up,
 )
-from mkgen.spec.schema import DenseFFN, GQAAttention, ModelSpec
+from mkgen.spec.schema import GQAAttention, ModelSpec, MoEFFN
 from mkgen.spec.topology import Topology
 
 SUBLANES_F32 = 8
@@ -85,6 +86,63 @@ class DenseLayout(PlanModel):
     vectors: list[VectorRow]
 
 
+class Columns(PlanModel):
+    """Where one tensor's output lies in a fused segment's columns."""
+
+    start: int
+    size: int
+
+
+class ExpertChunks(PlanModel):
+    """One routed expert's per-rank slice, as chunks in an expert slot.
+
+    gate|up ([d, 2 * width] column-block-major) then down ([width, d]); a whole
+    slice is one DMA into one slot."""
+
+    d: int  # the dimension experts read and write (latent width or hidden)
+    width: int  # intermediate columns per rank
+    gate_up_k_chunks: int
+    gate_up_col_blocks: int
+    down_k_chunks: int
+    down_col_blocks: int
+    chunks: int
+
+
+class MoELayout(PlanModel):
+    type: Literal["moe"] = "moe"
+    name: str
+    index: int
+    layers: list[int]
+    num_experts: int
+    top_k: int
+    # Experts split by id over `groups` groups of `width_parts` consecutive cores; rank r
+    # holds experts [g * experts_per_rank, (g + 1) * experts_per_rank) of group
+    # g = r // width_parts, width part r % width_parts of each.
+    groups: int
+    width_parts: int
+    experts_per_rank: int
+    experts: ExpertChunks
+    expert_slots: int  # slices in flight: issued as soon as routing names them
+    activation: str
+    activation_params: dict[str, float]
+    score: Literal["softmax", "sigmoid"]
+    router_bias: bool
+    selection_bias: bool
+    renormalize: bool
+    routed_scaling: float
+    n_group: int
+    topk_group: int
+    latent_width: int  # 0: experts read the hidden state
+    latent_norm: bool
+    latent_design: Literal["rs_ar", "ar_ag", "none"]
+    latent_per_rank: int
+    shared_width: int  # shared-expert columns per rank (0: none)
+    shared_gate: bool
+    columns: dict[str, Columns]  # outputs of the "in" segment: router, latent_in, shared_*
+    segments: list[Segment]  # in, latent_out, shared_down
+    vectors: list[VectorRow]
+
+
 class KernelLayout(PlanModel):
     """Everything the megakernel template and the packer need for one build."""
 
@@ -108,13 +166,14 @@ class KernelLayout(PlanModel):
     logit_softcap: float | None
     stream: StreamPlan
     attention: list[GQALayout]
-    ffn: list[DenseLayout]
+    ffn: list[DenseLayout | MoELayout]
     attention_table: list[int]  # kind index of every layer
     ffn_table: list[int]
     attention_slot: list[int]  # position of every layer among layers of its kind
     ffn_slot: list[int]
     vector_rows: int
     vector_width: int
+    collective_buffers: int  # the most collectives one layer runs (each has its own buffer)
     final_norm: Part
     max_k_chunks: int
     max_col_blocks: int
@@ -205,6 +264,76 @@ def _dense_layout(name, index, layers, kind, shard, segments, devices) -> DenseL
     )
 
 
+EXPERT_SLOTS = 4  # measurements.md: 4 expert slots was the best of 3..8
+
+
+def _moe_layout(name, index, layers, kind, shard, segments, devices, first_row) -> MoELayout:
+    if kind.expert_bias:
+        _unsupported(f"ffn_kinds.{name}: expert biases")
+    if kind.activation.kind == "gelu":
+        _unsupported(f"ffn_kinds.{name}: exact gelu (use gelu_tanh)")
+    if shard.latent_design == "rs_ar":
+        _unsupported(f"ffn_kinds.{name}: a latent MoE combined by reduce-scatter")
+    parts = {t.name: part_of(t, devices) for t in shard.tensors}
+    split = shard.experts
+    gate = next(t for t in shard.tensors if t.name == "ffn.experts_gate")
+    d = gate.global_shape[1]
+    width = split.width_per_rank
+    chunks = ExpertChunks(
+        d=d,
+        width=width,
+        gate_up_k_chunks=cdiv(d, CHUNK),
+        gate_up_col_blocks=cdiv(2 * width, LANES),
+        down_k_chunks=cdiv(width, CHUNK),
+        down_col_blocks=cdiv(d, LANES),
+        chunks=cdiv(d, CHUNK) * cdiv(2 * width, LANES) + cdiv(width, CHUNK) * cdiv(d, LANES),
+    )
+    in_segment = next(s for s in segments if s.name == "in")
+    columns, start = {}, 0
+    for part in in_segment.parts:
+        columns[part.tensor.removeprefix("ffn.")] = Columns(start=start, size=part.size)
+        start += part.size
+    names = [n for n in ("router_bias", "selection_bias", "latent_norm") if f"ffn.{n}" in parts]
+    vectors = [
+        VectorRow(name=n, row=first_row + i, part=parts[f"ffn.{n}"], length=parts[f"ffn.{n}"].size)
+        for i, n in enumerate(names)
+    ]
+    act = kind.activation
+    r = kind.router
+    return MoELayout(
+        name=name,
+        index=index,
+        layers=layers,
+        num_experts=kind.num_experts,
+        top_k=kind.top_k,
+        groups=split.groups,
+        width_parts=split.width_parts,
+        experts_per_rank=split.experts_per_rank,
+        experts=chunks,
+        expert_slots=min(EXPERT_SLOTS, split.experts_per_rank),
+        activation=act.kind,
+        activation_params={
+            k: v for k, v in act.model_dump().items() if k != "kind" and v is not None
+        },
+        score=r.score,
+        router_bias=r.bias,
+        selection_bias=r.selection_bias,
+        renormalize=r.renormalize,
+        routed_scaling=r.routed_scaling,
+        n_group=r.n_group,
+        topk_group=r.topk_group,
+        latent_width=kind.latent.width if kind.latent else 0,
+        latent_norm=bool(kind.latent and kind.latent.norm),
+        latent_design=shard.latent_design,
+        latent_per_rank=columns["latent_in"].size if "latent_in" in columns else 0,
+        shared_width=columns["shared_gate"].size if "shared_gate" in columns else 0,
+        shared_gate="shared_gate_proj" in columns,
+        columns=columns,
+        segments=segments,
+        vectors=vectors,
+    )
+
+
 def build_layout(
     spec: ModelSpec,
     topology: Topology,
@@ -240,11 +369,24 @@ def build_layout(
                 options.context,
             )
         )
-    ffn = []
+    ffn: list[DenseLayout | MoELayout] = []
+    first_ffn_row = 2 + max(len(a.vectors) for a in attention)
     for i, name in enumerate(ffn_names):
         kind = spec.ffn_kinds[name]
-        if not isinstance(kind, DenseFFN):
-            _unsupported(f"ffn_kinds.{name} ({kind.type})")
+        if isinstance(kind, MoEFFN):
+            ffn.append(
+                _moe_layout(
+                    name,
+                    i,
+                    members(ffn_table, i),
+                    kind,
+                    sharding.ffn[name],
+                    stream.ffn[name].segments,
+                    devices,
+                    first_ffn_row,
+                )  # fmt: skip
+            )
+            continue
         ffn.append(
             _dense_layout(
                 name,
@@ -291,9 +433,14 @@ def build_layout(
         ffn_table=ffn_table,
         attention_slot=[attention[k].layers.index(i) for i, k in enumerate(attn_table)],
         ffn_slot=[ffn[k].layers.index(i) for i, k in enumerate(ffn_table)],
-        vector_rows=2 + max(len(a.vectors) for a in attention),
+        vector_rows=first_ffn_row + max(len(f.vectors) for f in ffn),
         vector_width=round_up(
-            max([hidden] + [v.length for a in attention for v in a.vectors]), 128
+            max([hidden] + [v.length for k in [*attention, *ffn] for v in k.vectors]), 128
+        ),
+        # Each collective of a layer has its own buffer: attention and FFN, plus the
+        # latent MoE's gather and combine.
+        collective_buffers=max(
+            [2] + [4 for f in ffn if f.type == "moe" and f.latent_design != "none"]
         ),
         final_norm=globals_["final_norm"],
         max_k_chunks=max(s.k_chunks for s in segments),

@@ -190,6 +190,10 @@ def _run_child(
     }
     stream = jnp.asarray(np.stack([pack.pack_stream(layout, weights, r) for r in range(devices)]))
     vectors = jnp.asarray(np.stack([pack.pack_vectors(layout, weights, r) for r in range(devices)]))
+    per_rank = [pack.pack_experts(layout, weights, r) for r in range(devices)]
+    experts = [
+        jnp.asarray(np.stack([p[i] for p in per_rank])) for i in range(len(kernel.expert_shapes()))
+    ]
     caches = [jnp.zeros((devices, *shape), jnp.bfloat16) for shape in kernel.cache_shapes()]
     mesh = Mesh(np.array(jax.devices()[:devices]), (kernel.AXIS,))
     step_fn = kernel.make_decode_step(mesh)
@@ -213,7 +217,7 @@ def _run_child(
         with pltpu.force_tpu_interpret_mode(params):
             out = step_fn(
                 tables, jnp.full((batch,), position, jnp.int32), jnp.asarray(x), final_norm,
-                stream, vectors, *caches,
+                stream, vectors, *experts, *caches,
             )  # fmt: skip
             out = jax.block_until_ready(out)
         seconds = time.perf_counter() - start
