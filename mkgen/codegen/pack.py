@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
+from mkgen.codegen.quantize import pack_int4_chunks
 from mkgen.plan.layout import KernelLayout
 from mkgen.plan.stream import CHUNK, LANES, Part, Segment
 
@@ -116,13 +117,22 @@ def pack_vectors(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: 
     return slabs
 
 
+def _pieces(chunks: np.ndarray, pieces: int, piece_chunks: int) -> np.ndarray:
+    """Chunks [n, ...] zero padded to [pieces * piece_chunks, ...]."""
+    out = np.zeros((pieces * piece_chunks, *chunks.shape[1:]), chunks.dtype)
+    out[: len(chunks)] = chunks
+    return out
+
+
 def pack_experts(
     layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int
 ) -> list[np.ndarray]:
-    """Per MoE kind, one core's routed-expert slices [layers, experts_per_rank, chunks, CHUNK, LANES].
+    """One core's routed-expert arrays, in the order of the kernel's expert_shapes().
 
-    Rank r holds experts [g * E_r, (g + 1) * E_r) of group g = r // width_parts, and of
-    each the columns of width part r % width_parts (mkgen/plan/layout.py MoELayout)."""
+    Per MoE kind: bf16 [layers, experts_per_rank, pieces, piece rows, LANES], or for int4
+    codes [..., pieces, piece rows / 2, LANES] int8 and scales [..., pieces, scale rows,
+    LANES] bf16. Rank r holds experts [g * E_r, (g + 1) * E_r) of group g = r //
+    width_parts and of each the columns of width part r % width_parts (MoELayout)."""
     out = []
     for f in layout.ffn:
         if f.type != "moe":
@@ -131,18 +141,29 @@ def pack_experts(
         group, part = rank // f.width_parts, rank % f.width_parts
         ids = range(group * f.experts_per_rank, (group + 1) * f.experts_per_rank)
         cols = slice(part * e.width, (part + 1) * e.width)
-        slab = np.zeros((len(f.layers), f.experts_per_rank, e.chunks, CHUNK, LANES), np.float32)
-        for slot, layer in enumerate(f.layers):
+        pieces = []
+        for layer in f.layers:
             prefix = f"layers.{layer}.ffn."
             gate, up = tensors[prefix + "experts_gate"], tensors[prefix + "experts_up"]
             down = tensors[prefix + "experts_down"]
-            for local, expert in enumerate(ids):
+            for expert in ids:
                 gate_up = np.concatenate([gate[expert][:, cols], up[expert][:, cols]], axis=1)
-                slab[slot, local] = np.concatenate(
-                    [
-                        chunked(gate_up, e.gate_up_k_chunks, e.gate_up_col_blocks),
-                        chunked(down[expert][cols, :], e.down_k_chunks, e.down_col_blocks),
-                    ]
+                gate_up = chunked(gate_up, e.gate_up_k_chunks, e.gate_up_col_blocks)
+                down_chunks = chunked(down[expert][cols, :], e.down_k_chunks, e.down_col_blocks)
+                pieces.append(
+                    np.concatenate(
+                        [
+                            _pieces(gate_up, e.gate_up_pieces, e.piece_chunks),
+                            _pieces(down_chunks, e.down_pieces, e.piece_chunks),
+                        ]
+                    )
                 )
-        out.append(slab.astype(BF16))
+        chunks = np.stack(pieces)  # [layers * experts, pieces * piece_chunks, CHUNK, LANES]
+        lead = (len(f.layers), f.experts_per_rank, e.pieces)
+        if e.format == "bf16":
+            out.append(chunks.reshape(*lead, e.code_rows, LANES).astype(BF16))
+        else:
+            codes, scales = pack_int4_chunks(chunks.reshape(-1, CHUNK, LANES), e.group)
+            out.append(codes.reshape(*lead, e.code_rows, LANES))
+            out.append(scales.reshape(*lead, e.scale_rows, LANES).astype(BF16))
     return out

@@ -94,18 +94,36 @@ class Columns(PlanModel):
 
 
 class ExpertChunks(PlanModel):
-    """One routed expert's per-rank slice, as chunks in an expert slot.
+    """One routed expert's per-rank slice, in pieces that stream through expert slots.
 
-    gate|up ([d, 2 * width] column-block-major) then down ([width, d]); a whole
-    slice is one DMA into one slot."""
+    gate|up ([d, 2 * width] column-block-major), padded to whole pieces, then down
+    ([width, d]); each piece of `piece_chunks` chunks is one DMA (two for int4:
+    codes and scales)."""
 
     d: int  # the dimension experts read and write (latent width or hidden)
     width: int  # intermediate columns per rank
+    format: Literal["bf16", "int4"]
+    group: int  # int4: input rows per scale
     gate_up_k_chunks: int
     gate_up_col_blocks: int
     down_k_chunks: int
     down_col_blocks: int
-    chunks: int
+    piece_chunks: int
+    gate_up_pieces: int
+    down_pieces: int
+
+    @property
+    def pieces(self) -> int:
+        return self.gate_up_pieces + self.down_pieces
+
+    @property
+    def code_rows(self) -> int:
+        """Rows of one piece's codes (int4 packs two rows per byte)."""
+        return self.piece_chunks * (CHUNK // 2 if self.format == "int4" else CHUNK)
+
+    @property
+    def scale_rows(self) -> int:
+        return self.piece_chunks * CHUNK // self.group if self.format == "int4" else 0
 
 
 class MoELayout(PlanModel):
@@ -122,7 +140,7 @@ class MoELayout(PlanModel):
     width_parts: int
     experts_per_rank: int
     experts: ExpertChunks
-    expert_slots: int  # slices in flight: issued as soon as routing names them
+    expert_slots: int  # expert pieces in flight: issued as soon as routing names them
     activation: str
     activation_params: dict[str, float]
     score: Literal["softmax", "sigmoid"]
@@ -265,9 +283,41 @@ def _dense_layout(name, index, layers, kind, shard, segments, devices) -> DenseL
 
 
 EXPERT_SLOTS = 4  # measurements.md: 4 expert slots was the best of 3..8
+MAX_PIECE_CHUNKS = 16  # 2 MiB bf16 pieces, the size of a weight-stream bank
 
 
-def _moe_layout(name, index, layers, kind, shard, segments, devices, first_row) -> MoELayout:
+def _piece_chunks(gate_up: int, down: int, largest: int) -> int:
+    """Chunks per expert piece: the largest size up to `largest` that pads the least."""
+
+    def waste(n: int) -> int:
+        return cdiv(gate_up, n) * n - gate_up + cdiv(down, n) * n - down
+
+    return min(range(1, largest + 1), key=lambda n: (waste(n), -n))
+
+
+def _expert_format(text: str, name: str, width: int) -> tuple[str, int]:
+    from mkgen.spec.quant import parse_format
+
+    fmt = parse_format(text)
+    if fmt.kind == "bf16":
+        return "bf16", CHUNK
+    if fmt.kind != "int4" or (CHUNK // 2) % fmt.group:
+        _unsupported(
+            f"ffn_kinds.{name}: routed experts in {text} (bf16 and int4:G with G | 128 are)"
+        )
+    if width % fmt.group:
+        from mkgen.errors import SpecError
+
+        raise SpecError(
+            f"ffn_kinds.{name}: the {width} expert columns per core are not whole int4 groups of "
+            f"{fmt.group}; choose a topology or group size that divides them"
+        )
+    return "int4", fmt.group
+
+
+def _moe_layout(
+    name, index, layers, kind, shard, segments, devices, first_row, expert_format, max_piece_chunks
+) -> MoELayout:
     if kind.expert_bias:
         _unsupported(f"ffn_kinds.{name}: expert biases")
     if kind.activation.kind == "gelu":
@@ -279,14 +329,22 @@ def _moe_layout(name, index, layers, kind, shard, segments, devices, first_row) 
     gate = next(t for t in shard.tensors if t.name == "ffn.experts_gate")
     d = gate.global_shape[1]
     width = split.width_per_rank
+    fmt, group = _expert_format(expert_format, name, width)
+    gate_up = cdiv(d, CHUNK) * cdiv(2 * width, LANES)
+    down = cdiv(width, CHUNK) * cdiv(d, LANES)
+    piece = _piece_chunks(gate_up, down, max_piece_chunks)
     chunks = ExpertChunks(
         d=d,
         width=width,
+        format=fmt,
+        group=group,
         gate_up_k_chunks=cdiv(d, CHUNK),
         gate_up_col_blocks=cdiv(2 * width, LANES),
         down_k_chunks=cdiv(width, CHUNK),
         down_col_blocks=cdiv(d, LANES),
-        chunks=cdiv(d, CHUNK) * cdiv(2 * width, LANES) + cdiv(width, CHUNK) * cdiv(d, LANES),
+        piece_chunks=piece,
+        gate_up_pieces=cdiv(gate_up, piece),
+        down_pieces=cdiv(down, piece),
     )
     in_segment = next(s for s in segments if s.name == "in")
     columns, start = {}, 0
@@ -310,7 +368,7 @@ def _moe_layout(name, index, layers, kind, shard, segments, devices, first_row) 
         width_parts=split.width_parts,
         experts_per_rank=split.experts_per_rank,
         experts=chunks,
-        expert_slots=min(EXPERT_SLOTS, split.experts_per_rank),
+        expert_slots=EXPERT_SLOTS,
         activation=act.kind,
         activation_params={
             k: v for k, v in act.model_dump().items() if k != "kind" and v is not None
@@ -340,6 +398,8 @@ def build_layout(
     sharding: ShardingPlan,
     stream: StreamPlan,
     options: BuildOptions,
+    *,
+    max_piece_chunks: int = MAX_PIECE_CHUNKS,
 ) -> KernelLayout:
     """The kernel layout of `spec` on `topology`, per-rank pieces as `sharding` decided."""
     devices = topology.num_devices
@@ -384,7 +444,9 @@ def build_layout(
                     stream.ffn[name].segments,
                     devices,
                     first_ffn_row,
-                )  # fmt: skip
+                    spec.quantization.experts,
+                    max_piece_chunks,
+                )
             )
             continue
         ffn.append(
@@ -459,6 +521,7 @@ def plan_kernel(
     *,
     bank_rows: int = FULL_BANK_ROWS,
     ring_depth: int | None = None,
+    max_piece_chunks: int = MAX_PIECE_CHUNKS,
 ) -> KernelLayout:
     """Shard, plan the weight stream and lay out the kernel for one build."""
     from mkgen.plan.sharding import plan_sharding
@@ -468,4 +531,6 @@ def plan_kernel(
     sharding = plan_sharding(spec, topology, options)
     depth = ring_depth or choose_ring(bank_rows, RING_VMEM_BYTES)
     stream = plan_stream(spec, sharding, bank_rows=bank_rows, ring_depth=depth)
-    return build_layout(spec, topology, sharding, stream, options)
+    return build_layout(
+        spec, topology, sharding, stream, options, max_piece_chunks=max_piece_chunks
+    )

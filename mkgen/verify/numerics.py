@@ -40,6 +40,7 @@ INTERPRET_MODES = ("on_wait", "eager")
 # ring several times and segments span several banks.
 MINI_BANK_ROWS = 512
 MINI_RING_DEPTH = 3
+MINI_PIECE_CHUNKS = 1  # expert slices in several pieces, the slots wrapping within a layer
 
 
 @dataclass
@@ -169,6 +170,7 @@ def _run_child(
 
     from mkgen.codegen import pack
     from mkgen.codegen.build import load_module, render_kernel
+    from mkgen.codegen.quantize import fake_quantize
     from mkgen.plan.layout import plan_kernel
     from mkgen.plan.options import BuildOptions
     from mkgen.reference import model as reference
@@ -181,13 +183,19 @@ def _run_child(
     spec = mini_twin(load_spec(spec_ref), devices)
     options = BuildOptions.create(batch=batch, rows=rows, context=context)
     layout = plan_kernel(
-        spec, topology, options, bank_rows=MINI_BANK_ROWS, ring_depth=MINI_RING_DEPTH
+        spec,
+        topology,
+        options,
+        bank_rows=MINI_BANK_ROWS,
+        ring_depth=MINI_RING_DEPTH,
+        max_piece_chunks=MINI_PIECE_CHUNKS,
     )
     kernel = load_module(render_kernel(layout, "verify"), "megakernel_verify")
     weights = {
         k: np.asarray(v).astype(ml_dtypes.bfloat16).astype(np.float32)
         for k, v in reference.init_weights(spec, seed).items()
     }
+    weights = fake_quantize(spec, weights)  # the reference reads what the kernel stores
     stream = jnp.asarray(np.stack([pack.pack_stream(layout, weights, r) for r in range(devices)]))
     vectors = jnp.asarray(np.stack([pack.pack_vectors(layout, weights, r) for r in range(devices)]))
     per_rank = [pack.pack_experts(layout, weights, r) for r in range(devices)]
