@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -116,8 +117,12 @@ def verify_numerics(
     context: int = 128,
     seed: int = 0,
     timeout: float = 900.0,
+    mutations: list[tuple[str, str]] | None = None,
 ) -> NumericsReport:
-    """Run the child process and return its report (a timeout is a failure, not a hang)."""
+    """Run the child process and return its report (a timeout is a failure, not a hang).
+
+    `mutations` (tests only) are (old, new) text replacements applied to the rendered
+    kernel, to prove that a broken schedule is caught."""
     from mkgen.spec.topology import parse_topology
 
     if mode not in INTERPRET_MODES:
@@ -131,6 +136,7 @@ def verify_numerics(
     args = [
         sys.executable, "-m", "mkgen.verify.numerics", spec_ref, topology, mode,
         str(steps), str(batch), str(rows), str(context), str(seed),
+        json.dumps(mutations or []),
     ]  # fmt: skip
     report = NumericsReport(spec_ref, topology, devices, mode, batch, rows)
     try:
@@ -144,11 +150,30 @@ def verify_numerics(
         report.error = f"the interpret-mode run failed: {tail}"
         return report
     data = json.loads(lines[-1])
+    if "error" in data:
+        report.error = f"the interpret-mode run failed: {data['error']}"
+        return report
     report.steps = [StepCheck(**s) for s in data["steps"]]
     return report
 
 
 # ---------------------------------------------------------------- the child side
+
+_RACE_ACCESS = re.compile(r"(read|write) of \('(\w+)'.*?:(\d+):\d+ \(([^)]*)\)")
+
+
+def describe_failure(error: BaseException) -> str:
+    """One line for an interpret-mode failure; a race names both accesses and their code."""
+    text = str(error)
+    if "RACE DETECTED" in text:
+        block = text[text.index("RACE DETECTED") :]
+        accesses = [
+            f"{kind} of {space} at line {line} ({where})"
+            for kind, space, line, where in _RACE_ACCESS.findall(block)[:2]
+        ]
+        return "race detected: " + " vs ".join(accesses)
+    lines = text.strip().splitlines() or [""]
+    return f"{type(error).__name__}: {lines[0]}"
 
 
 def _run_child(
@@ -160,6 +185,7 @@ def _run_child(
     rows: int,
     context: int,
     seed: int,
+    mutations: list[tuple[str, str]],
 ) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
@@ -190,7 +216,12 @@ def _run_child(
         ring_depth=MINI_RING_DEPTH,
         max_piece_chunks=MINI_PIECE_CHUNKS,
     )
-    kernel = load_module(render_kernel(layout, "verify"), "megakernel_verify")
+    source = render_kernel(layout, "verify")
+    for old, new in mutations:
+        if old not in source:
+            raise ValueError(f"mutation target not in the kernel: {old!r}")
+        source = source.replace(old, new)
+    kernel = load_module(source, "megakernel_verify")
     weights = {
         k: np.asarray(v).astype(ml_dtypes.bfloat16).astype(np.float32)
         for k, v in reference.init_weights(spec, seed).items()
@@ -283,10 +314,13 @@ def _run_child(
 
 
 if __name__ == "__main__":
-    spec_arg, topo_arg, mode_arg, *numbers = sys.argv[1:]
+    spec_arg, topo_arg, mode_arg, *numbers, mutations_arg = sys.argv[1:]
     steps_n, batch_n, rows_n, context_n, seed_n = map(int, numbers)
-    print(
-        json.dumps(
-            _run_child(spec_arg, topo_arg, mode_arg, steps_n, batch_n, rows_n, context_n, seed_n)
-        )
-    )
+    try:
+        result = _run_child(
+            spec_arg, topo_arg, mode_arg, steps_n, batch_n, rows_n, context_n, seed_n,
+            [tuple(m) for m in json.loads(mutations_arg)],
+        )  # fmt: skip
+    except Exception as error:  # reported to the parent as one line: race, NaN, lowering...
+        result = {"error": describe_failure(error)}
+    print(json.dumps(result))
