@@ -29,10 +29,21 @@ def test_rendering_is_deterministic() -> None:
     compile(first, "megakernel.py", "exec")  # it parses
 
 
-@pytest.mark.parametrize(("name", "topology"), [("qwen3-32b", "2x2x1")])
+FULL_SIZE = [
+    ("qwen3-32b", "2x2x1"),
+    ("qwen3-30b-a3b", "2x2x1"),
+    ("mixtral-8x7b", "2x2x1"),
+    ("muse-spark-1.2", "2x2x1"),  # int4:128 experts, as its spec stores them
+    ("qwen3-30b-a3b", "1x1x1"),
+    ("qwen3-30b-a3b", "2x2x2"),
+]
+
+
+@pytest.mark.parametrize(("name", "topology"), FULL_SIZE, ids=[f"{n}-{t}" for n, t in FULL_SIZE])
 def test_full_size_kernel_compiles_for_tpu7x(name: str, topology: str) -> None:
     layout = _layout(name, topology, context=4096)
-    kernel = load_module(render_kernel(layout, "test"), f"compile_{name.replace('-', '_')}")
+    module = f"compile_{name}_{topology}".replace("-", "_").replace(".", "_")
+    kernel = load_module(render_kernel(layout, "test"), module)
     mesh = Mesh(np.array(compile_only_devices(parse_topology(topology))), (kernel.AXIS,))
     report = compile_for_tpu(kernel.make_decode_step(mesh), kernel.argument_shapes(mesh))
     ring = layout.stream.ring_depth * layout.stream.bank_rows * 256 * 2

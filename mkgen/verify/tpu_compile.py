@@ -48,6 +48,10 @@ def quiet_stderr() -> Iterator[list[str]]:
 
 def compile_only_devices(topology: Topology) -> list[Any]:
     """The slice's TPU devices as libtpu describes them (no TPU needed), in device order."""
+    # Compile-only devices touch no chip, so several processes (a test and the CLI it
+    # runs, parallel builds) may load libtpu at once; without this libtpu refuses the
+    # second load through its lockfile. The runner on a real TPU host never sets it.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     with quiet_stderr():
