@@ -34,6 +34,7 @@ FULL_SIZE = [
     ("qwen3-30b-a3b", "2x2x1"),
     ("mixtral-8x7b", "2x2x1"),
     ("muse-spark-1.2", "2x2x1"),  # int4:128 experts, as its spec stores them
+    ("qwen3.8-27b", "2x2x1"),  # Gated DeltaNet + gated GQA
     ("qwen3-30b-a3b", "1x1x1"),
     ("qwen3-30b-a3b", "2x2x2"),
 ]

@@ -29,6 +29,7 @@ CASES = [
     ("qwen3-30b-a3b", "on_wait"),
     ("mixtral-8x7b", "eager"),
     ("muse-spark-1.2", "on_wait"),
+    ("qwen3.8-27b", "eager"),  # Gated DeltaNet: conv tail and f32 state in place
 ]
 
 

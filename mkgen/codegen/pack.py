@@ -113,7 +113,9 @@ def pack_vectors(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: 
         rows = rows + layout.ffn[layout.ffn_table[layer]].vectors
         for row in rows:
             value = part_slice(row.part, np.asarray(tensors[prefix + row.part.tensor]), rank)
-            slabs[layer, row.row, : row.length] = value.reshape(-1)
+            slabs[layer, row.row : row.row + row.rows, : row.length] = value.reshape(
+                row.rows, row.length
+            )
     return slabs
 
 

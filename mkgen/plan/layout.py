@@ -22,7 +22,7 @@ from mkgen.plan.stream import (
     part_of,
     round_up,
 )
-from mkgen.spec.schema import GQAAttention, ModelSpec, MoEFFN
+from mkgen.spec.schema import GatedDeltaNetAttention, GQAAttention, ModelSpec, MoEFFN
 from mkgen.spec.topology import Topology
 
 SUBLANES_F32 = 8
@@ -30,12 +30,29 @@ CACHE_ALIGN = 16  # bf16 rows of an HBM array are tiled by 16
 
 
 class VectorRow(PlanModel):
-    """A small per-layer vector (norm weight, bias, sinks) in the layer's vector slab."""
+    """A small per-layer tensor (norm weight, bias, sinks, conv taps) in the layer's
+    vector slab: `rows` rows from `row` on, `length` values each."""
 
     name: str
     row: int
     part: Part
     length: int
+    rows: int = 1
+
+
+class CacheArray(PlanModel):
+    """One per-core cache array of an attention kind, updated in place by the kernel."""
+
+    name: str  # k, v (GQA); conv, state (Gated DeltaNet)
+    shape: list[int]  # per core: [layers of the kind, batch, ...]
+    dtype: Literal["bfloat16", "float32"]
+
+
+class Columns(PlanModel):
+    """Where one tensor's output lies in a fused segment's columns."""
+
+    start: int
+    size: int
 
 
 class Rope(PlanModel):
@@ -70,6 +87,28 @@ class GQALayout(PlanModel):
     segments: list[Segment]  # qkv (q | k | v | gate), o
     vectors: list[VectorRow]
     kv_tile: int  # cache tokens per streamed tile
+    caches: list[CacheArray]
+
+
+class DeltaNetLayout(PlanModel):
+    """Gated DeltaNet: value heads split over cores, each core with the key heads they read."""
+
+    type: Literal["gated_deltanet"] = "gated_deltanet"
+    name: str
+    index: int
+    layers: list[int]
+    key_heads: int  # per core
+    value_heads: int  # per core
+    group: int  # value heads per key head
+    key_dim: int
+    value_dim: int
+    conv_width: int
+    channels: int  # conv channels per core: q | k | v
+    columns: dict[str, Columns]  # outputs of the "in" segment: wq, wk, wv, wz, wb, wa
+    segments: list[Segment]  # in, o
+    vectors: list[VectorRow]
+    caches: list[CacheArray]  # conv tail (bf16), recurrent state (f32)
+    rope: None = None  # no positions: the recurrence carries order
 
 
 class DenseLayout(PlanModel):
@@ -84,13 +123,6 @@ class DenseLayout(PlanModel):
     bias: bool
     segments: list[Segment]  # gate_up (gate | up), down
     vectors: list[VectorRow]
-
-
-class Columns(PlanModel):
-    """Where one tensor's output lies in a fused segment's columns."""
-
-    start: int
-    size: int
 
 
 class ExpertChunks(PlanModel):
@@ -183,7 +215,7 @@ class KernelLayout(PlanModel):
     logit_multiplier: float
     logit_softcap: float | None
     stream: StreamPlan
-    attention: list[GQALayout]
+    attention: list[GQALayout | DeltaNetLayout]
     ffn: list[DenseLayout | MoELayout]
     attention_table: list[int]  # kind index of every layer
     ffn_table: list[int]
@@ -218,7 +250,7 @@ def _rope_layout(rope: object, rotary_dim: int) -> Rope:
     )
 
 
-def _gqa_layout(name, index, layers, kind, shard, segments, devices, context) -> GQALayout:
+def _gqa_layout(name, index, layers, kind, shard, segments, devices, context, batch) -> GQALayout:
     parts = {t.name: part_of(t, devices) for t in shard.tensors}
     heads, kv_heads = shard.heads_per_rank, shard.kv_heads_per_rank
     d = kind.head_dim
@@ -257,6 +289,61 @@ def _gqa_layout(name, index, layers, kind, shard, segments, devices, context) ->
         segments=segments,
         vectors=vectors,
         kv_tile=kv_tile,
+        caches=[
+            CacheArray(name=n, shape=[len(layers), batch, kv_heads, context, d], dtype="bfloat16")
+            for n in ("k", "v")
+        ],
+    )
+
+
+def _deltanet_layout(name, index, layers, kind, shard, segments, devices, batch) -> DeltaNetLayout:
+    parts = {t.name: part_of(t, devices) for t in shard.tensors}
+    in_segment = next(s for s in segments if s.name == "in")
+    columns, start = {}, 0
+    for part in in_segment.parts:
+        columns[part.tensor.removeprefix("attn.")] = Columns(start=start, size=part.size)
+        start += part.size
+    key_heads = shard.kv_heads_per_rank
+    value_heads = shard.heads_per_rank
+    width = kind.conv_width
+    vectors, row = [], 2  # rows 0 and 1 hold the layer's attn_norm and ffn_norm
+    for n in ("conv_q", "conv_k", "conv_v"):
+        vectors.append(
+            VectorRow(
+                name=n, row=row, part=parts[f"attn.{n}"], length=parts[f"attn.{n}"].size, rows=width
+            )
+        )
+        row += width
+    for n in ("A_log", "dt_bias", "o_norm"):
+        vectors.append(
+            VectorRow(name=n, row=row, part=parts[f"attn.{n}"], length=parts[f"attn.{n}"].size)
+        )
+        row += 1
+    channels = sum(parts[f"attn.{n}"].size for n in ("conv_q", "conv_k", "conv_v"))
+    return DeltaNetLayout(
+        name=name,
+        index=index,
+        layers=layers,
+        key_heads=key_heads,
+        value_heads=value_heads,
+        group=value_heads // key_heads,
+        key_dim=kind.key_head_dim,
+        value_dim=kind.value_head_dim,
+        conv_width=width,
+        channels=channels,
+        columns=columns,
+        segments=segments,
+        vectors=vectors,
+        caches=[
+            CacheArray(
+                name="conv", shape=[len(layers), batch, width - 1, channels], dtype="bfloat16"
+            ),
+            CacheArray(
+                name="state",
+                shape=[len(layers), batch, value_heads, kind.key_head_dim, kind.value_head_dim],
+                dtype="float32",
+            ),
+        ],
     )
 
 
@@ -415,22 +502,39 @@ def build_layout(
     attention = []
     for i, name in enumerate(attention_names):
         kind = spec.attention_kinds[name]
-        if not isinstance(kind, GQAAttention):
-            _unsupported(f"attention_kinds.{name} ({kind.type})")
-        attention.append(
-            _gqa_layout(
-                name,
-                i,
-                members(attn_table, i),
-                kind,
-                sharding.attention[name],
-                stream.attention[name].segments,
-                devices,
-                options.context,
+        layers = members(attn_table, i)
+        segments = stream.attention[name].segments
+        if isinstance(kind, GQAAttention):
+            attention.append(
+                _gqa_layout(
+                    name,
+                    i,
+                    layers,
+                    kind,
+                    sharding.attention[name],
+                    segments,
+                    devices,
+                    options.context,
+                    options.batch,
+                )  # fmt: skip
             )
-        )
+        elif isinstance(kind, GatedDeltaNetAttention):
+            attention.append(
+                _deltanet_layout(
+                    name,
+                    i,
+                    layers,
+                    kind,
+                    sharding.attention[name],
+                    segments,
+                    devices,
+                    options.batch,
+                )
+            )
+        else:
+            _unsupported(f"attention_kinds.{name} ({kind.type})")
     ffn: list[DenseLayout | MoELayout] = []
-    first_ffn_row = 2 + max(len(a.vectors) for a in attention)
+    first_ffn_row = 2 + max(sum(v.rows for v in a.vectors) for a in attention)
     for i, name in enumerate(ffn_names):
         kind = spec.ffn_kinds[name]
         if isinstance(kind, MoEFFN):
@@ -495,7 +599,7 @@ def build_layout(
         ffn_table=ffn_table,
         attention_slot=[attention[k].layers.index(i) for i, k in enumerate(attn_table)],
         ffn_slot=[ffn[k].layers.index(i) for i, k in enumerate(ffn_table)],
-        vector_rows=first_ffn_row + max(len(f.vectors) for f in ffn),
+        vector_rows=first_ffn_row + max(sum(v.rows for v in f.vectors) for f in ffn),
         vector_width=round_up(
             max([hidden] + [v.length for k in [*attention, *ffn] for v in k.vectors]), 128
         ),

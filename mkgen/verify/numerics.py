@@ -233,7 +233,7 @@ def _run_child(
     experts = [
         jnp.asarray(np.stack([p[i] for p in per_rank])) for i in range(len(kernel.expert_shapes()))
     ]
-    caches = [jnp.zeros((devices, *shape), jnp.bfloat16) for shape in kernel.cache_shapes()]
+    caches = [jnp.zeros((devices, *shape), dtype) for shape, dtype in kernel.cache_shapes()]
     mesh = Mesh(np.array(jax.devices()[:devices]), (kernel.AXIS,))
     step_fn = kernel.make_decode_step(mesh)
     tables = jnp.asarray(kernel.LAYER_TABLES, jnp.int32)
@@ -272,26 +272,7 @@ def _run_child(
         near_tie = (ranked[:, -1] - ranked[:, -2]) < tolerance
         expected = ref_logits[:, : layout.vocab_used].argmax(axis=1)
         equal = np.asarray(kernel_tokens) == expected
-        cache_diff, cache_scale = 0.0, 0.0
-        for a, (k_cache, v_cache) in zip(
-            layout.attention, zip(caches[::2], caches[1::2], strict=True), strict=True
-        ):
-            for slot, layer in enumerate(a.layers):
-                for which, mine in (("k", k_cache), ("v", v_cache)):
-                    theirs = np.asarray(ref_cache["layers"][layer][which], np.float32)
-                    new = theirs[:, position : position + rows]  # [B, R, KV, D]
-                    for rank in range(devices):
-                        heads = pack.Part(
-                            tensor="", axis=-2, size=a.kv_heads, rank_divisor=a.kv_rank_divisor
-                        )
-                        piece = pack.part_slice(heads, new, rank)
-                        ours = np.asarray(
-                            mine[rank, slot, :, :, position : position + rows], np.float32
-                        )
-                        cache_diff = max(
-                            cache_diff, float(np.abs(ours.transpose(0, 2, 1, 3) - piece).max())
-                        )
-                    cache_scale = max(cache_scale, float(np.abs(new).max()))
+        cache_diff, cache_scale = _compare_caches(layout, caches, ref_cache, position, rows)
         finite = bool(np.isfinite(got).all()) and all(
             bool(jnp.isfinite(c.astype(jnp.float32)).all()) for c in caches
         )
@@ -311,6 +292,48 @@ def _run_child(
         )
         tokens = expected.reshape(batch, rows).astype(np.int32)
     return {"steps": [asdict(c) for c in checks]}
+
+
+def _compare_caches(layout: Any, caches: list[Any], ref_cache: Any, position: int, rows: int):
+    """(max difference, largest reference value) over what this step wrote: the new KV
+    rows of GQA layers and the whole f32 state of Gated DeltaNet layers, core by core."""
+    import numpy as np
+
+    from mkgen.codegen import pack
+
+    arrays = iter(caches)
+    diff, scale = 0.0, 0.0
+    for a in layout.attention:
+        mine = {c.name: np.asarray(next(arrays), np.float32) for c in a.caches}
+        for slot, layer in enumerate(a.layers):
+            theirs = ref_cache["layers"][layer]
+            if a.type == "gqa":
+                heads = pack.Part(
+                    tensor="", axis=-2, size=a.kv_heads, rank_divisor=a.kv_rank_divisor
+                )
+                pairs = [
+                    (
+                        mine[n][rank, slot, :, :, position : position + rows].transpose(0, 2, 1, 3),
+                        pack.part_slice(
+                            heads,
+                            np.asarray(theirs[n], np.float32)[:, position : position + rows],
+                            rank,
+                        ),
+                    )
+                    for n in ("k", "v")
+                    for rank in range(mine[n].shape[0])
+                ]
+            else:
+                heads = pack.Part(tensor="", axis=-3, size=a.value_heads)
+                state = np.asarray(theirs["state"], np.float32)
+                pairs = [
+                    (mine["state"][rank, slot], pack.part_slice(heads, state, rank))
+                    for rank in range(mine["state"].shape[0])
+                ]
+            for ours, ref in pairs:
+                diff = max(diff, float(np.abs(ours - ref).max()))
+                scale = max(scale, float(np.abs(ref).max()))
+    return diff, scale
 
 
 if __name__ == "__main__":
