@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from jax.sharding import Mesh
@@ -40,10 +42,26 @@ FULL_SIZE = [
 ]
 
 
+SPECS = Path(__file__).parent / "specs"
+
+
 @pytest.mark.parametrize(("name", "topology"), FULL_SIZE, ids=[f"{n}-{t}" for n, t in FULL_SIZE])
 def test_full_size_kernel_compiles_for_tpu7x(name: str, topology: str) -> None:
-    layout = _layout(name, topology, context=4096)
-    module = f"compile_{name}_{topology}".replace("-", "_").replace(".", "_")
+    _compile(_layout(name, topology, context=4096), topology)
+
+
+@pytest.mark.parametrize(
+    ("name", "topology"),
+    [("qwen3-32b", "2x2x1"), (str(SPECS / "kda-k3-sizes.yaml"), "2x2x4")],
+    ids=["qwen3-32b-2x2x1", "kda-k3-sizes-2x2x4"],
+)
+def test_verification_rows_compile(name: str, topology: str) -> None:
+    """8 rows per step (1 anchor + 7 drafts): the token rows fill the sublanes exactly."""
+    _compile(_layout(name, topology, context=4096, rows=8), topology)
+
+
+def _compile(layout, topology: str) -> None:
+    module = f"compile_{layout.model}_{topology}_{layout.rows}".replace("-", "_").replace(".", "_")
     kernel = load_module(render_kernel(layout, "test"), module)
     mesh = Mesh(np.array(compile_only_devices(parse_topology(topology))), (kernel.AXIS,))
     report = compile_for_tpu(kernel.make_decode_step(mesh), kernel.argument_shapes(mesh))

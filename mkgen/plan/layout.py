@@ -22,7 +22,13 @@ from mkgen.plan.stream import (
     part_of,
     round_up,
 )
-from mkgen.spec.schema import GatedDeltaNetAttention, GQAAttention, ModelSpec, MoEFFN
+from mkgen.spec.schema import (
+    GatedDeltaNetAttention,
+    GQAAttention,
+    KDAAttention,
+    ModelSpec,
+    MoEFFN,
+)
 from mkgen.spec.topology import Topology
 
 SUBLANES_F32 = 8
@@ -90,22 +96,28 @@ class GQALayout(PlanModel):
     caches: list[CacheArray]
 
 
-class DeltaNetLayout(PlanModel):
-    """Gated DeltaNet: value heads split over cores, each core with the key heads they read."""
+class RecurrentLayout(PlanModel):
+    """Delta-rule linear attention (Gated DeltaNet, KDA): heads split over cores.
 
-    type: Literal["gated_deltanet"] = "gated_deltanet"
+    Gated DeltaNet: value heads split, each core with the key heads they read; one
+    scalar decay per head; output gated by silu(z). KDA: as many key as value heads;
+    a per-key-dim decay from a low-rank projection; output gated by a sigmoid gate."""
+
+    type: Literal["gated_deltanet", "kda"]
     name: str
     index: int
     layers: list[int]
     key_heads: int  # per core
-    value_heads: int  # per core
-    group: int  # value heads per key head
+    value_heads: int  # per core; value head j reads key head j // group
+    group: int
     key_dim: int
     value_dim: int
     conv_width: int
     channels: int  # conv channels per core: q | k | v
-    columns: dict[str, Columns]  # outputs of the "in" segment: wq, wk, wv, wz, wb, wa
-    segments: list[Segment]  # in, o
+    gate_lower_bound: float | None = None  # KDA: decay bound (None: softplus form)
+    output_gate_rank: int | None = None  # KDA: low-rank output gate (None: full rank)
+    columns: dict[str, Columns]  # outputs of the "in" segment
+    segments: list[Segment]  # in, (f_b, g_b for KDA), o
     vectors: list[VectorRow]
     caches: list[CacheArray]  # conv tail (bf16), recurrent state (f32)
     rope: None = None  # no positions: the recurrence carries order
@@ -215,7 +227,7 @@ class KernelLayout(PlanModel):
     logit_multiplier: float
     logit_softcap: float | None
     stream: StreamPlan
-    attention: list[GQALayout | DeltaNetLayout]
+    attention: list[GQALayout | RecurrentLayout]
     ffn: list[DenseLayout | MoELayout]
     attention_table: list[int]  # kind index of every layer
     ffn_table: list[int]
@@ -296,39 +308,49 @@ def _gqa_layout(name, index, layers, kind, shard, segments, devices, context, ba
     )
 
 
-def _deltanet_layout(name, index, layers, kind, shard, segments, devices, batch) -> DeltaNetLayout:
+def _recurrent_layout(
+    name, index, layers, kind, shard, segments, devices, batch
+) -> RecurrentLayout:
     parts = {t.name: part_of(t, devices) for t in shard.tensors}
     in_segment = next(s for s in segments if s.name == "in")
     columns, start = {}, 0
     for part in in_segment.parts:
         columns[part.tensor.removeprefix("attn.")] = Columns(start=start, size=part.size)
         start += part.size
-    key_heads = shard.kv_heads_per_rank
-    value_heads = shard.heads_per_rank
     width = kind.conv_width
     vectors, row = [], 2  # rows 0 and 1 hold the layer's attn_norm and ffn_norm
     for n in ("conv_q", "conv_k", "conv_v"):
-        vectors.append(
-            VectorRow(
-                name=n, row=row, part=parts[f"attn.{n}"], length=parts[f"attn.{n}"].size, rows=width
-            )
-        )
+        size = parts[f"attn.{n}"].size
+        vectors.append(VectorRow(name=n, row=row, part=parts[f"attn.{n}"], length=size, rows=width))
         row += width
     for n in ("A_log", "dt_bias", "o_norm"):
-        vectors.append(
-            VectorRow(name=n, row=row, part=parts[f"attn.{n}"], length=parts[f"attn.{n}"].size)
-        )
+        size = parts[f"attn.{n}"].size
+        vectors.append(VectorRow(name=n, row=row, part=parts[f"attn.{n}"], length=size))
         row += 1
     channels = sum(parts[f"attn.{n}"].size for n in ("conv_q", "conv_k", "conv_v"))
-    return DeltaNetLayout(
+    if kind.type == "kda":
+        heads = shard.heads_per_rank
+        dims = dict(
+            key_heads=heads,
+            value_heads=heads,
+            group=1,
+            key_dim=kind.head_dim,
+            value_dim=kind.head_dim,
+        )
+        extra = dict(gate_lower_bound=kind.gate_lower_bound, output_gate_rank=kind.output_gate_rank)
+    else:
+        key_heads, value_heads = shard.kv_heads_per_rank, shard.heads_per_rank
+        dims = dict(
+            key_heads=key_heads, value_heads=value_heads, group=value_heads // key_heads,
+            key_dim=kind.key_head_dim, value_dim=kind.value_head_dim,
+        )  # fmt: skip
+        extra = {}
+    state = [len(layers), batch, dims["value_heads"], dims["key_dim"], dims["value_dim"]]
+    return RecurrentLayout(
+        type=kind.type,
         name=name,
         index=index,
         layers=layers,
-        key_heads=key_heads,
-        value_heads=value_heads,
-        group=value_heads // key_heads,
-        key_dim=kind.key_head_dim,
-        value_dim=kind.value_head_dim,
         conv_width=width,
         channels=channels,
         columns=columns,
@@ -338,12 +360,10 @@ def _deltanet_layout(name, index, layers, kind, shard, segments, devices, batch)
             CacheArray(
                 name="conv", shape=[len(layers), batch, width - 1, channels], dtype="bfloat16"
             ),
-            CacheArray(
-                name="state",
-                shape=[len(layers), batch, value_heads, kind.key_head_dim, kind.value_head_dim],
-                dtype="float32",
-            ),
+            CacheArray(name="state", shape=state, dtype="float32"),
         ],
+        **dims,
+        **extra,
     )
 
 
@@ -518,9 +538,9 @@ def build_layout(
                     options.batch,
                 )  # fmt: skip
             )
-        elif isinstance(kind, GatedDeltaNetAttention):
+        elif isinstance(kind, GatedDeltaNetAttention | KDAAttention):
             attention.append(
-                _deltanet_layout(
+                _recurrent_layout(
                     name,
                     i,
                     layers,

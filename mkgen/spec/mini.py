@@ -104,7 +104,7 @@ def _mini_attention(kind: Any, shards: int) -> dict[str, Any]:
     return data
 
 
-def _mini_ffn(kind: Any) -> dict[str, Any]:
+def _mini_ffn(kind: Any, shards: int) -> dict[str, Any]:
     data = kind.model_dump(mode="json")
     if isinstance(kind, DenseFFN):
         data["width"] = min(kind.width, MINI_FFN_WIDTH)
@@ -117,7 +117,9 @@ def _mini_ffn(kind: Any) -> dict[str, Any]:
         router["topk_group"] = max(1, min(kind.router.topk_group, router["n_group"] // 2))
     per_group = experts // router["n_group"]
     top_k = min(kind.top_k, 2, router["topk_group"] * per_group)
-    data |= {"num_experts": experts, "top_k": top_k, "expert_width": MINI_EXPERT_WIDTH}
+    # On many cores the experts also split by width: keep whole quantization blocks per core.
+    width = MINI_EXPERT_WIDTH * max(1, shards // experts)
+    data |= {"num_experts": experts, "top_k": top_k, "expert_width": width}
     if kind.shared_experts:
         data["shared_experts"]["width"] = MINI_EXPERT_WIDTH * kind.shared_experts.count
     if kind.latent:
@@ -205,7 +207,7 @@ def mini_twin(spec: ModelSpec, shards: int = 1) -> ModelSpec:
     data["attention_kinds"] = {
         name: _mini_attention(kind, shards) for name, kind in spec.attention_kinds.items()
     }
-    data["ffn_kinds"] = {name: _mini_ffn(kind) for name, kind in spec.ffn_kinds.items()}
+    data["ffn_kinds"] = {name: _mini_ffn(kind, shards) for name, kind in spec.ffn_kinds.items()}
     data["layers"] = {
         "count": count,
         "attention": _restricted(spec.layers.attention, count),
