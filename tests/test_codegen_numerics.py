@@ -37,7 +37,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("spec", "mode"), CASES, ids=[f"{Path(s).stem}-{m}" for s, m in CASES])
+@pytest.mark.parametrize(
+    ("spec", "mode"),
+    CASES,
+    ids=[f"{Path(s).stem if s.endswith('.yaml') else s}-{m}" for s, m in CASES],
+)
 def test_mini_twin_matches_the_reference(spec: str, mode: str) -> None:
     _check(verify_numerics(spec, "2x2x1", mode=mode, steps=2, timeout=TIMEOUT))
 
