@@ -99,3 +99,15 @@ def test_missing_wait_is_caught() -> None:
     )
     assert not report.passed
     assert report.failure()
+
+
+def test_first_diverging_layer_is_named() -> None:
+    """A wrong softmax scale in the GQA kind only (layer 3 of kda-hybrid: KDA, KDA, KDA, GQA)."""
+    spec = str(Path(__file__).parent / "specs" / "kda-hybrid.yaml")
+    mutations = [("s = s * FULL_SCALE", "s = s * FULL_SCALE * 2.0")]
+    # Two steps: with a single key (position 0) the softmax ignores its scale.
+    report = verify_numerics(
+        spec, "2x2x1", mode="on_wait", steps=2, timeout=TIMEOUT, mutations=mutations
+    )
+    assert not report.passed
+    assert "layer 3 diverges first" in (report.failure() or ""), report.failure()

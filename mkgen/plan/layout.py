@@ -236,6 +236,7 @@ class KernelLayout(PlanModel):
     vector_rows: int
     vector_width: int
     collective_buffers: int  # the most collectives one layer runs (each has its own buffer)
+    trace_residuals: bool = False  # verification builds return the stream after each layer
     final_norm: Part
     max_k_chunks: int
     max_col_blocks: int
@@ -646,6 +647,7 @@ def plan_kernel(
     bank_rows: int = FULL_BANK_ROWS,
     ring_depth: int | None = None,
     max_piece_chunks: int = MAX_PIECE_CHUNKS,
+    trace_residuals: bool = False,
 ) -> KernelLayout:
     """Shard, plan the weight stream and lay out the kernel for one build."""
     from mkgen.plan.sharding import plan_sharding
@@ -655,6 +657,7 @@ def plan_kernel(
     sharding = plan_sharding(spec, topology, options)
     depth = ring_depth or choose_ring(bank_rows, RING_VMEM_BYTES)
     stream = plan_stream(spec, sharding, bank_rows=bank_rows, ring_depth=depth)
-    return build_layout(
+    layout = build_layout(
         spec, topology, sharding, stream, options, max_piece_chunks=max_piece_chunks
     )
+    return layout.model_copy(update={"trace_residuals": trace_residuals})

@@ -15,8 +15,10 @@ step is held against the reference fed the same tokens:
   (the kernel multiplies bf16 activations; the reference stays in f32);
 - greedy tokens: equal, unless the reference's top two logits are closer than the
   logit tolerance (a near tie that bf16 rounding may flip);
-- caches: every key/value row the step wrote, within CACHE_RTOL of the reference's
-  largest entry (both store bf16);
+- caches: every key/value row the step wrote (and every recurrent state), within
+  CACHE_RTOL of the reference's largest entry (both store bf16);
+- the residual stream after every layer, within RESIDUAL_RTOL of its largest value:
+  the first layer beyond it is named (the kernel's verification build returns it);
 - finiteness: a NaN anywhere (uninitialised VMEM reads) fails.
 """
 
@@ -36,6 +38,7 @@ from mkgen.errors import MkgenError
 LOGIT_ATOL = 1e-2
 LOGIT_RTOL = 2e-2
 CACHE_RTOL = 2e-2
+RESIDUAL_RTOL = 2e-2
 INTERPRET_MODES = ("on_wait", "eager")
 # Mini twins use small banks and a shallow ring so that a few layers already wrap the
 # ring several times and segments span several banks.
@@ -54,6 +57,9 @@ class StepCheck:
     tokens_total: int
     max_cache_diff: float
     cache_tolerance: float
+    max_residual_diff: float
+    residual_tolerance: float
+    first_diverging_layer: int | None  # the first layer whose residual stream is off
     finite: bool
     seconds: float
 
@@ -64,11 +70,18 @@ class StepCheck:
             and self.max_logit_diff <= self.logit_tolerance
             and self.tokens_equal + self.tokens_near_tie == self.tokens_total
             and self.max_cache_diff <= self.cache_tolerance
+            and self.first_diverging_layer is None
         )
 
     def failure(self) -> str | None:
         if not self.finite:
             return f"step {self.step}: non-finite logits or caches (uninitialised memory read?)"
+        if self.first_diverging_layer is not None:
+            return (
+                f"step {self.step}: layer {self.first_diverging_layer} diverges first: its "
+                f"residual stream differs by {self.max_residual_diff:.4g} "
+                f"(tolerance {self.residual_tolerance:.4g})"
+            )
         if self.max_logit_diff > self.logit_tolerance:
             return (
                 f"step {self.step}: logits differ by {self.max_logit_diff:.4g} "
@@ -215,6 +228,7 @@ def _run_child(
         bank_rows=MINI_BANK_ROWS,
         ring_depth=MINI_RING_DEPTH,
         max_piece_chunks=MINI_PIECE_CHUNKS,
+        trace_residuals=True,
     )
     source = render_kernel(layout, "verify")
     for old, new in mutations:
@@ -260,9 +274,13 @@ def _run_child(
             )  # fmt: skip
             out = jax.block_until_ready(out)
         seconds = time.perf_counter() - start
-        kernel_tokens, kernel_logits, *caches = out
-        ref_logits, ref_cache = reference.forward(
+        kernel_tokens, kernel_logits, residuals, *caches = out
+        ref_logits, ref_cache, ref_residuals = reference.forward_traced(
             spec, weights, jnp.asarray(tokens), ref_cache, position
+        )
+        layer_diff, layer_tolerance, first_layer = _compare_residuals(
+            np.asarray(residuals),
+            np.asarray(ref_residuals).reshape(len(residuals), layout.tokens, -1),
         )
         ref_logits = np.asarray(ref_logits).reshape(layout.tokens, -1)
         got = np.asarray(kernel_logits)[:, : spec.dims.vocab]
@@ -286,12 +304,26 @@ def _run_child(
                 tokens_total=int(equal.size),
                 max_cache_diff=cache_diff,
                 cache_tolerance=CACHE_RTOL * max(cache_scale, 1.0),
+                max_residual_diff=layer_diff,
+                residual_tolerance=layer_tolerance,
+                first_diverging_layer=first_layer,
                 finite=finite,
                 seconds=seconds,
             )
         )
         tokens = expected.reshape(batch, rows).astype(np.int32)
     return {"steps": [asdict(c) for c in checks]}
+
+
+def _compare_residuals(ours: Any, theirs: Any) -> tuple[float, float, int | None]:
+    """(largest difference, its tolerance, the first layer beyond its own tolerance)."""
+    import numpy as np
+
+    diffs = np.abs(ours - theirs).reshape(len(ours), -1).max(axis=1)
+    limits = RESIDUAL_RTOL * np.maximum(np.abs(theirs).reshape(len(theirs), -1).max(axis=1), 1.0)
+    bad = np.nonzero(diffs > limits)[0]
+    worst = int(np.argmax(diffs / limits))
+    return float(diffs[worst]), float(limits[worst]), int(bad[0]) if len(bad) else None
 
 
 def _compare_caches(layout: Any, caches: list[Any], ref_cache: Any, position: int, rows: int):
