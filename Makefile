@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install build test lint format regen bench clean
+.PHONY: install build test lint format regen regen-measure bench clean
 
 install: $(STAMP)
 
@@ -31,8 +31,13 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix mkgen tests scripts
 	$(VENV)/bin/ruff format mkgen tests scripts
 
+# Rebuild the checked-in builds listed in generated/BUILDS (byte-identical when nothing
+# changed); regen-measure also compiles and verifies each and records it in REPORT.md.
 regen: $(STAMP)
 	$(PY) -m mkgen.cli regen
+
+regen-measure: $(STAMP)
+	$(PY) -m mkgen.cli regen --measure
 
 bench: $(STAMP)
 	$(PY) scripts/bench.py

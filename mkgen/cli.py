@@ -218,16 +218,431 @@ def import_hf_command(config: Path, output: Path | None, name: str | None, force
     click.echo(f"wrote {output}")
 
 
-@cli.command("build", context_settings={"ignore_unknown_options": True})
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def build_command(args: tuple[str, ...]) -> None:
-    """Generate the megakernel build (code generation is not implemented yet)."""
+@cli.command("plan")
+@click.argument("spec_ref", metavar="SPEC")
+@click.option("--topology", required=True, help="CHIP:SHAPE or SHAPE, e.g. 2x2x4.")
+@click.option("--batch", type=int, default=1, show_default=True, help="Sequences per step.")
+@click.option("--rows", type=int, default=1, show_default=True, help="Rows per sequence.")
+@click.option("--acceptance", type=float, default=None, help="Mean accepted tokens per step.")
+@click.option("--context", type=int, default=None, help="Cache tokens per sequence [4096].")
+@click.option("--quant", multiple=True, metavar="FAMILY=FORMAT", help="Weight format override.")
+@click.option("--vmem-budget", "vmem_budget", metavar="SIZE", help="Explicit VMEM, e.g. 48MiB.")
+@click.option("--price", type=float, default=None, help="USD per chip-hour.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--trace", type=click.Path(path_type=Path), help="Write a Perfetto trace here.")
+def plan_command(spec_ref: str, topology: str, as_json: bool, trace: Path | None,
+                 **fields: Any) -> None:  # fmt: skip
+    """Plan SPEC on a topology: sharding, HBM and VMEM, schedule checks, predicted step."""
+    from mkgen.plan import plan_build, to_chrome_trace
+    from mkgen.plan.report import plan_text
+
+    spec, topo, options = _plan_inputs(spec_ref, topology, **fields)
+    plan = plan_build(spec, topo, options, trace=trace is not None)
+    if trace is not None:
+        write_atomic(trace, json.dumps(to_chrome_trace(plan.estimate.events)), force=True)
+    if as_json:
+        click.echo(plan.to_json())
+        return
+    click.echo(plan_text(plan))
+    if trace is not None:
+        click.echo(f"\nwrote {trace} (open it in ui.perfetto.dev)")
+
+
+@cli.command("estimate")
+@click.argument("spec_ref", metavar="SPEC")
+@click.option("--topology", required=True, help="CHIP:SHAPE or SHAPE, e.g. 2x2x4.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="Directory for CSV + SVG.")
+@click.option("--batches", default="1,2,4,8,16,32,64", show_default=True, help="Batch sizes.")
+@click.option("--acceptance", type=float, default=None, help="Accepted tokens (capped at rows).")
+@click.option("--context", type=int, default=None, help="Cache tokens per sequence [4096].")
+@click.option("--quant", multiple=True, metavar="FAMILY=FORMAT", help="Weight format override.")
+@click.option("--price", type=float, default=None, help="USD per chip-hour.")
+def estimate_command(spec_ref: str, topology: str, output: Path | None, batches: str,
+                     **fields: Any) -> None:  # fmt: skip
+    """Sweep batch x rows 1/4/8: the table, a CSV and the TCO curve (tokens per $ vs tok/s/user)."""
+    from mkgen.plan.report import sweep, sweep_csv, sweep_svg, sweep_table
+
+    try:
+        sizes = tuple(int(b) for b in batches.split(","))
+    except ValueError:
+        raise MkgenError(f"--batches {batches!r}: write sizes like 1,2,4,8") from None
+    if not sizes or min(sizes) < 1:
+        raise MkgenError(f"--batches {batches!r}: sizes must be positive integers")
+    # Validated against the largest row count; the sweep caps it at each point's rows.
+    spec, topo, options = _plan_inputs(spec_ref, topology, rows=8, **fields)
+    rows = sweep(spec, topo, options, batches=sizes)
+    click.echo(f"{spec.name} on {topo.name}, context {options.context}")
+    click.echo(sweep_table(rows))
+    name = f"{spec.name}-{topo.shape_name}-estimate"
+    directory = output or Path(".")
+    title = f"{spec.name} on {topo.name}: tokens per dollar vs tokens/s per user"
+    for suffix, text in ((".csv", sweep_csv(rows)), (".svg", sweep_svg(rows, title))):
+        path = directory / f"{name}{suffix}"
+        write_atomic(path, text, force=True)
+        click.echo(f"wrote {path}")
+
+
+def _plan_inputs(spec_ref: str, topology: str, **fields: Any) -> tuple[Any, Any, Any]:
+    """Spec, topology and BuildOptions from CLI values (errors name the flag)."""
+    from mkgen.plan.options import BuildOptions
+    from mkgen.spec.loader import load_spec
+    from mkgen.spec.topology import parse_topology
+
+    fields["quant"] = list(fields.get("quant") or ()) or None
+    if "vmem_budget" in fields:
+        fields["vmem_budget_bytes"] = fields.pop("vmem_budget")
+    if "price" in fields:
+        fields["price_per_chip_hour_usd"] = fields.pop("price")
+    options = BuildOptions.create(**fields)
+    return load_spec(spec_ref), parse_topology(topology), options
+
+
+def _prepare_jax() -> None:
+    """JAX on the CPU unless told otherwise (libtpu only serves compile-only devices here);
+    libtpu's start-up noise on stderr is swallowed."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from mkgen.verify.tpu_compile import quiet_stderr
+
+    with quiet_stderr():
+        import jax  # noqa: F401
+
+
+def _kernel_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """--topology and the build options shared by `build` and `compile`."""
+    for decorator in reversed(
+        [
+            click.option("--topology", required=True, help="CHIP:SHAPE or SHAPE, e.g. 2x2x1."),
+            click.option("--batch", type=int, default=1, show_default=True, help="Sequences."),
+            click.option(
+                "--rows", type=int, default=1, show_default=True, help="Rows per sequence."
+            ),
+            click.option(
+                "--context", type=int, default=None, help="Cache tokens per sequence [4096]."
+            ),
+            click.option(
+                "--acceptance", type=float, default=None, help="Mean accepted tokens per step."
+            ),
+            click.option(
+                "--quant", multiple=True, metavar="FAMILY=FORMAT", help="Weight format override."
+            ),
+        ]
+    ):
+        command = decorator(command)
+    return command
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the working directory when it is below it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _build_dir_for(spec: Any, topo: Any, options: Any, output: Path | None) -> Path:
+    """The build directory a --update-report writes to; it must hold this very build."""
+    from mkgen.codegen.package import default_build_dir, load_build_inputs
+
+    directory = output or default_build_dir(spec.name, topo)
+    built_spec, built_topo, built_options, data = load_build_inputs(directory)
+    if (
+        built_spec.model_dump(mode="json") != options.apply(spec).model_dump(mode="json")
+        or built_topo.name != topo.name
+        or built_options != options
+    ):
+        raise MkgenError(
+            f"{_shown(directory)} was built from other inputs ({data['build']['rebuild']}); "
+            "pass the same options or rebuild it"
+        )
+    return directory
+
+
+@cli.command("build")
+@click.argument("spec_ref", metavar="SPEC")
+@_kernel_options
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    help="Build directory (default: generated/<spec>-<shape>/ in the checkout).",
+)
+@click.option("--force", is_flag=True, help="Replace a build that has local edits.")
+def build_command(
+    spec_ref: str,
+    topology: str,
+    batch: int,
+    rows: int,
+    context: int | None,
+    acceptance: float | None,
+    quant: tuple[str, ...],
+    output: Path | None,
+    force: bool,
+) -> None:
+    """Generate the megakernel build of SPEC: megakernel.py, runner.py, plan.json,
+    REPORT.md and mini/ (the mini twin's build), written atomically. Same inputs give
+    identical bytes; compile and verify results are added by `mkgen compile/verify
+    --update-report`."""
+    import time
+
+    from mkgen.codegen.package import make_build
+
+    _prepare_jax()
+    spec, topo, options = _plan_inputs(
+        spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,
+        quant=quant,
+    )  # fmt: skip
+    start = time.perf_counter()
+    result = make_build(spec, topo, options, output=output, force=force)
+    seconds = time.perf_counter() - start
+    r, where = result.rendered, _shown(result.directory)
+    L, est = r.layout, r.plan.estimate
+    if not result.written:
+        click.echo(f"{where}/ is up to date (same inputs, identical files); nothing written")
+        return
     click.echo(
-        "mkgen build: not implemented yet: code generation lands with the planner and "
-        "codegen issues; today mkgen can list, show and import specs.",
-        err=True,
+        f"wrote {where}/ in {seconds:.1f} s: {spec.name} on {topo.name} ({topo.num_devices} "
+        f"cores), batch {options.batch} x rows {options.rows}, context {options.context}"
     )
-    sys.exit(1)
+    kernel_lines = r.files["megakernel.py"].count("\n")
+    click.echo(
+        f"  megakernel.py  {kernel_lines:>5} lines  one pallas_call per step, "
+        f"{len(L.attention_table)} layers in a runtime loop, {L.stream.total_banks} banks of "
+        f"{L.stream.bank_bytes / 2**20:.2f} MiB per core, ring depth {L.stream.ring_depth}"
+    )
+    click.echo(
+        f"  runner.py      {r.files['runner.py'].count(chr(10)):>5} lines  "
+        f"python {where}/runner.py --help"
+    )
+    click.echo(f"  plan.json      {r.files['plan.json'].count(chr(10)):>5} lines")
+    click.echo(
+        f"  REPORT.md      {r.files['REPORT.md'].count(chr(10)):>5} lines  predicted "
+        f"{est.step_ms:.3f} ms/step, {est.tokens_per_s_per_user:.1f} tokens/s per user, "
+        f"{100 * est.floor_ratio:.0f} % of the HBM floor"
+    )
+    mini = json.loads(r.files["mini/plan.json"])["kernel"]
+    click.echo(
+        f"  mini/          {mini['model']}: {len(mini['attention_table'])} layers, hidden "
+        f"{mini['hidden']}, banks of {mini['stream']['bank_rows']} rows, ring depth "
+        f"{mini['stream']['ring_depth']}"
+    )
+    click.echo(f"  inputs sha256 {r.inputs_sha256}")
+    flags = " ".join(["--topology", topology])
+    click.echo(
+        f"next: mkgen verify {spec_ref} {flags}; mkgen compile {spec_ref} {flags}; "
+        f"mkgen inspect {where}"
+    )
+
+
+@cli.command("verify")
+@click.argument("spec_ref", metavar="SPEC")
+@click.option("--topology", required=True, help="CHIP:SHAPE or SHAPE, e.g. 2x2x1.")
+@click.option("--steps", type=int, default=2, show_default=True, help="Decode steps per mode.")
+@click.option("--batch", type=int, default=1, show_default=True)
+@click.option("--rows", type=int, default=1, show_default=True)
+@click.option("--context", type=int, default=128, show_default=True, help="Mini cache tokens.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--mode",
+    type=click.Choice(["on_wait", "eager", "both"]),
+    default="both",
+    show_default=True,
+    help="DMA execution mode of TPU interpret mode.",
+)
+@click.option(
+    "--timeout", type=float, default=900.0, show_default=True, help="Seconds per mode (deadlock)."
+)
+@click.option("--update-report", is_flag=True, help="Record the results in the build's REPORT.md.")
+@click.option(
+    "-o", "--output", type=click.Path(path_type=Path), help="The build for --update-report."
+)
+def verify_command(
+    spec_ref: str,
+    topology: str,
+    steps: int,
+    batch: int,
+    rows: int,
+    context: int,
+    seed: int,
+    mode: str,
+    timeout: float,
+    update_report: bool,
+    output: Path | None,
+) -> None:
+    """Run SPEC's mini twin on TOPOLOGY's mesh in TPU interpret mode (virtual CPU devices,
+    race detection, uninitialised memory as NaN) against the reference model, in each DMA
+    execution mode. Exit 0 if every check passes, 1 naming the first failure."""
+    from mkgen.codegen.package import mini_kernel_args
+    from mkgen.plan.layout import plan_kernel
+    from mkgen.plan.options import BuildOptions
+    from mkgen.spec.mini import mini_twin
+    from mkgen.verify import checks
+
+    spec, topo, _ = _plan_inputs(spec_ref, topology)
+    if steps < 1 or timeout <= 0:
+        raise MkgenError(f"--steps {steps} / --timeout {timeout:g}: must be positive")
+    options = BuildOptions.create(batch=batch, rows=rows, context=context)
+    plan_kernel(spec, topo, BuildOptions.create())  # unsupported kinds: exit 2 here, not later
+    mini = mini_twin(spec, topo.num_devices)
+    plan_kernel(mini, topo, options, **mini_kernel_args())
+    directory = None
+    if update_report:
+        from mkgen.codegen.package import default_build_dir, load_build_inputs
+
+        directory = output or default_build_dir(spec.name, topo)
+        built = load_build_inputs(directory)[2]
+        if (built.batch, built.rows) != (batch, rows):
+            raise MkgenError(
+                f"{_shown(directory)} is built for batch {built.batch} x rows {built.rows}; "
+                f"verify with --batch {built.batch} --rows {built.rows}"
+            )
+    _verify_and_print(
+        spec_ref, spec, topo, checks.modes_of(mode), directory, steps=steps, batch=batch,
+        rows=rows, context=context, seed=seed, timeout=timeout,
+    )  # fmt: skip
+
+
+def _verify_and_print(
+    spec_ref: str,
+    spec: Any,
+    topo: Any,
+    modes: tuple[str, ...],
+    directory: Path | None,
+    **run: Any,
+) -> None:
+    """Run verify mode by mode, print a table each, record, exit 1 on a failure."""
+    from mkgen.spec.mini import mini_twin
+    from mkgen.verify import checks
+
+    click.echo(
+        f"verify {mini_twin(spec, topo.num_devices).name} (mini twin of {spec.name}) on "
+        f"{topo.name}: {topo.num_devices} virtual CPU devices, batch {run['batch']} x rows "
+        f"{run['rows']}, context {run['context']}, {run['steps']} step(s), seed {run['seed']}"
+    )
+    click.echo(
+        f"TPU interpret mode: detect_races, vector_clock_size {max(4 * topo.num_devices, 8)}, "
+        f"uninitialised memory NaN; timeout {run['timeout']:g} s per mode"
+    )
+    click.echo(f"tolerances: {checks.TOLERANCES}")
+    click.echo(f"({checks.NOT_YET})")
+    reports = []
+    for mode in modes:
+        reports += checks.run_verify(spec_ref, topo.name, modes=(mode,), **run)
+        for line in checks.verify_lines(reports[-1]):
+            click.echo(line)
+    if directory is not None:
+        from mkgen.codegen.package import record_measurement
+
+        record = checks.verify_record(reports, **{k: v for k, v in run.items() if k != "timeout"})
+        record_measurement(directory, "verify", record)
+        click.echo(f"recorded in {_shown(directory)}/REPORT.md")
+    failure = checks.first_failure(reports)
+    if failure:
+        click.echo(f"verify: FAILED: {failure}")
+        sys.exit(1)
+    click.echo(f"verify: passed ({len(modes)} mode(s) x {run['steps']} step(s))")
+
+
+@cli.command("compile")
+@click.argument("spec_ref", metavar="SPEC")
+@_kernel_options
+@click.option("--update-report", is_flag=True, help="Record the results in the build's REPORT.md.")
+@click.option(
+    "-o", "--output", type=click.Path(path_type=Path), help="The build for --update-report."
+)
+def compile_command(
+    spec_ref: str,
+    topology: str,
+    batch: int,
+    rows: int,
+    context: int | None,
+    acceptance: float | None,
+    quant: tuple[str, ...],
+    update_report: bool,
+    output: Path | None,
+) -> None:
+    """Compile SPEC's full-size kernel for TOPOLOGY's compile-only TPU7x devices
+    (libtpu, shape-only arguments): compile seconds and the VMEM Mosaic uses beside the
+    plan's figure. Exit 1 with Mosaic's message when it does not compile."""
+    _prepare_jax()
+    spec, topo, options = _plan_inputs(
+        spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,
+        quant=quant,
+    )  # fmt: skip
+    directory = _build_dir_for(spec, topo, options, output) if update_report else None
+    _compile_and_print(spec, topo, options, directory)
+
+
+def _compile_and_print(spec: Any, topo: Any, options: Any, directory: Path | None) -> None:
+    """Compile, print, record; exit 1 when Mosaic refuses or the plan's VMEM is too low."""
+    from mkgen.verify import checks
+    from mkgen.verify.tpu_compile import CompileError
+
+    click.echo(
+        f"compile {spec.name} on {topo.name} (compile-only {topo.compile_only_name}, "
+        f"libtpu {checks._version('libtpu')}): batch {options.batch} x rows {options.rows}, "
+        f"context {options.context}"
+    )
+    try:
+        outcome = checks.compile_full_size(spec, topo, options, "mkgen compile")
+    except CompileError as error:
+        click.echo(f"mkgen: compile failed: {error}", err=True)
+        sys.exit(1)
+    for line in outcome.lines():
+        click.echo(line)
+    if directory is not None:
+        from mkgen.codegen.package import record_measurement
+
+        record_measurement(directory, "compile", outcome.record())
+        click.echo(f"  recorded in {_shown(directory)}/REPORT.md")
+    if outcome.plan_below_mosaic:
+        sys.exit(1)
+
+
+@cli.command("inspect")
+@click.argument("build", metavar="BUILD")
+@click.option("--layer", type=int, help="Show one layer's schedule next to its code.")
+def inspect_command(build: str, layer: int | None) -> None:
+    """Outline a generated kernel (BUILD: a build directory or a name in generated/):
+    each phase of each layer kind with its lines in megakernel.py, the DMAs in flight
+    and the VMEM map."""
+    from mkgen.verify.inspect import layer_view, outline
+
+    _prepare_jax()
+    click.echo(outline(build) if layer is None else layer_view(build, layer))
+
+
+@cli.command("regen")
+@click.option(
+    "--measure",
+    is_flag=True,
+    help="Also compile and verify each build and record the results in its REPORT.md.",
+)
+def regen_command(measure: bool) -> None:
+    """Rebuild every checked-in build listed in generated/BUILDS (with --force)."""
+    from mkgen.codegen.package import (
+        BUILD_LIST,
+        MINI_CONTEXT,
+        default_build_dir,
+        entry_inputs,
+        make_build,
+        read_build_list,
+    )
+
+    _prepare_jax()
+    for entry in read_build_list(BUILD_LIST):
+        spec, topo, options = entry_inputs(entry)
+        directory = default_build_dir(spec.name, topo)
+        result = make_build(spec, topo, options, output=directory, force=True)
+        state = "rewritten" if result.written else "unchanged"
+        click.echo(f"{_shown(directory)}: {state} (mkgen build {entry.line})")
+        if measure:
+            from mkgen.verify import checks
+
+            _compile_and_print(spec, topo, options, directory)
+            _verify_and_print(
+                entry.spec, spec, topo, checks.modes_of("both"), directory, steps=2,
+                batch=options.batch, rows=options.rows, context=MINI_CONTEXT, seed=0, timeout=900.0,
+            )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

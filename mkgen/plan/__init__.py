@@ -1,42 +1,113 @@
-"""The planner (pure Python, no JAX): options, sharding, HBM fit and the cost model.
+"""The planner (pure Python, no JAX): everything about a build decided before any code.
 
-``plan_build`` runs the stages that exist today in order; the dataflow graph, the
-schedule and the VMEM plan build on the same plain pydantic data later.
+``plan_build`` runs the stages in order (docs/planner.md):
+
+1. options: the quantization overrides applied to the spec;
+2. sharding: per-rank shapes of every tensor and cache, collectives per layer kind;
+3. memory: HBM per device against the usable HBM (SpecError if it does not fit);
+4. stream: the per-core weight stream of uniform banks;
+5. VMEM: every buffer, padded as Mosaic pads it; ring depth and expert slots chosen
+   under the budget (SpecError if it does not fit);
+6. schedule and graph: the step's program with every DMA's issue point, slot,
+   semaphore and wait point, its dataflow graph and the checks (a failed check raises
+   before anything is generated);
+7. estimate: the cost model's step time and its breakdown.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+import json
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from mkgen.plan.cost import CostConstants, Estimate, TraceEvent, estimate, to_chrome_trace
+from mkgen.plan.graph import GraphSummary, ScheduleCheckError
 from mkgen.plan.memory import MemoryPlan, check_fit, plan_memory
 from mkgen.plan.options import BuildOptions
+from mkgen.plan.schedule import ScheduleSummary
 from mkgen.plan.sharding import ShardingPlan, TensorShard, plan_sharding
+from mkgen.plan.stream import StreamPlan
+from mkgen.plan.vmem import VmemPlan
 from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology
 
+if TYPE_CHECKING:
+    from mkgen.plan.graph import StepGraph
+
 
 class BuildPlan(BaseModel):
-    """What the planner knows about one build so far."""
+    """What the planner knows about one build: plain data that code generation reads."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     options: BuildOptions
+    chips: int
     sharding: ShardingPlan
     memory: MemoryPlan
+    stream: StreamPlan
+    vmem: VmemPlan
+    schedule: ScheduleSummary
+    graph: GraphSummary
     estimate: Estimate
+    _step: Any = PrivateAttr(default=None)
+
+    @property
+    def step_graph(self) -> StepGraph:
+        """The full dataflow graph and schedule of the step (not saved with the plan)."""
+        return self._step
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data (``mkgen plan --json``)."""
+        from mkgen.plan.report import plan_dict
+
+        return plan_dict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
 
 
 def plan_build(
-    spec: ModelSpec, topo: Topology, options: BuildOptions, trace: bool = False
+    spec: ModelSpec,
+    topo: Topology,
+    options: BuildOptions,
+    trace: bool = False,
+    enforce: bool = True,
 ) -> BuildPlan:
-    """Shard, check the HBM fit (SpecError if it does not fit) and estimate one step."""
+    """Plan one build. Raises a one-line SpecError when it does not fit in HBM or VMEM,
+    and (``enforce``) a ScheduleCheckError when a schedule check fails."""
+    from mkgen.plan.graph import analyse
+    from mkgen.plan.layout import FULL_BANK_ROWS
+    from mkgen.plan.schedule import build_schedule
+    from mkgen.plan.stream import plan_stream
+    from mkgen.plan.vmem import plan_vmem
+
     spec = options.apply(spec)
     sharding = plan_sharding(spec, topo, options)
     memory = plan_memory(spec, topo, options, sharding)
     check_fit(spec, topo, options, memory)
+    # The ring depth does not change the stream's layout: plan it, then size the ring.
+    stream = plan_stream(spec, sharding, bank_rows=FULL_BANK_ROWS, ring_depth=2)
+    vmem = plan_vmem(spec, topo, options, sharding, stream)
+    stream = stream.model_copy(update={"ring_depth": vmem.ring_depth})
+    schedule = build_schedule(spec, sharding, stream, vmem, options)
+    step = analyse(schedule, vmem)
+    if enforce:
+        step.enforce()
     est = estimate(spec, topo, options, sharding, trace=trace)
-    return BuildPlan(options=options, sharding=sharding, memory=memory, estimate=est)
+    plan = BuildPlan(
+        options=options,
+        chips=topo.num_chips,
+        sharding=sharding,
+        memory=memory,
+        stream=stream,
+        vmem=vmem,
+        schedule=schedule.summary(),
+        graph=step.summary(),
+        estimate=est,
+    )
+    plan._step = step
+    return plan
 
 
 __all__ = [
@@ -44,10 +115,15 @@ __all__ = [
     "BuildPlan",
     "CostConstants",
     "Estimate",
+    "GraphSummary",
     "MemoryPlan",
+    "ScheduleCheckError",
+    "ScheduleSummary",
     "ShardingPlan",
+    "StreamPlan",
     "TensorShard",
     "TraceEvent",
+    "VmemPlan",
     "check_fit",
     "estimate",
     "plan_build",

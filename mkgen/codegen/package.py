@@ -1,0 +1,826 @@
+"""A generated build directory: rendered in memory, written atomically, guarded by a manifest.
+
+``mkgen build SPEC --topology T`` writes ``generated/<spec>-<shape>/``::
+
+    megakernel.py         the decode megakernel (templates/megakernel.py.j2)
+    runner.py             prefill in XLA + greedy decode through the kernel (runner.py.j2)
+    plan.json             spec, options, kernel layout, sharding, HBM fit, cost estimate
+    REPORT.md             the same for people (REPORT.md.j2)
+    mini/                 the same four files for the spec's mini twin on the same mesh
+    measurements.json     only after `mkgen compile/verify --update-report` (see below)
+    .mkgen-manifest.json  sha256 of every file above
+
+Decisions:
+
+- Deterministic: every file is a pure function of the inputs (the spec after quant
+  overrides, the topology, the options, the weight-bank plan, the template bytes
+  and the mkgen version), hashed into ``inputs_sha256`` in every header. JSON is
+  written with sorted keys; nothing records a time or a path.
+- Atomic: the files are rendered and checked in a temp directory beside the target,
+  which then replaces the target by rename (the old build is moved aside first and
+  restored if the rename fails); no half-written build is ever left.
+- Local edits are kept: an existing build whose files differ from its manifest (or
+  that gained files) is only replaced with ``force``.
+- Measurements are separate: compile seconds and interpret-mode results vary run to
+  run, so ``mkgen build`` never measures. ``mkgen compile --update-report`` and
+  ``mkgen verify --update-report`` store their results in ``measurements.json`` keyed
+  by the build's ``inputs_sha256`` and re-render REPORT.md with them; a rebuild keeps
+  them while the inputs are unchanged and drops them (stale) otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import tempfile
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mkgen import __version__
+from mkgen.codegen.build import (
+    identifier,
+    render_header,
+    render_kernel,
+    render_text,
+    safe_text,
+)
+from mkgen.codegen.render import TEMPLATES, render
+from mkgen.errors import MkgenError, SpecError
+from mkgen.plan.layout import KernelLayout, plan_kernel
+from mkgen.plan.options import BuildOptions
+from mkgen.spec.schema import ModelSpec
+from mkgen.spec.topology import Topology, parse_topology
+
+REPO = Path(__file__).resolve().parents[2]
+GENERATED = REPO / "generated"
+BUILD_LIST = GENERATED / "BUILDS"  # the checked-in builds, one `mkgen build` line each
+MANIFEST = ".mkgen-manifest.json"
+MEASUREMENTS = "measurements.json"
+MINI_DIR = "mini"
+PLAN_FORMAT = 1
+TEMPLATE_FILES = ("megakernel.py.j2", "runner.py.j2", "REPORT.md.j2")
+# The mini twin's cache length: verify_numerics' default, one 128-token KV tile, and room
+# for a short prompt plus a few decode steps in the mini runner.
+MINI_CONTEXT = 128
+# Attention types whose cache is a recurrent state (not rows indexed by position): the
+# runner cannot verify draft rows over them until it can roll a state back.
+RECURRENT = ("gated_deltanet", "kda")
+_MODEL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
+_IGNORED = ("__pycache__",)  # Python may cache bytecode beside megakernel.py
+
+
+def mini_kernel_args() -> dict[str, int]:
+    """plan_kernel's arguments for a mini twin: the small banks, shallow ring and small
+    expert pieces `mkgen verify` renders with (mkgen/verify/numerics.py), so that
+    mini/megakernel.py is the kernel verify proves (verify's copy may also return the
+    residual stream after every layer, for its per-layer check)."""
+    from mkgen.verify.numerics import MINI_BANK_ROWS, MINI_PIECE_CHUNKS, MINI_RING_DEPTH
+
+    return {
+        "bank_rows": MINI_BANK_ROWS,
+        "ring_depth": MINI_RING_DEPTH,
+        "max_piece_chunks": MINI_PIECE_CHUNKS,
+    }
+
+
+# ---------------------------------------------------------------- names and inputs
+
+
+def build_name(spec_name: str, topology: Topology) -> str:
+    """`qwen3-32b-2x2x1` (TPU7x, the default chip) or `qwen3-32b-v6e-2x2` (other chips)."""
+    from mkgen.hardware import DEFAULT_CHIP
+
+    if topology.chip == DEFAULT_CHIP:
+        return f"{spec_name}-{topology.shape_name}"
+    return f"{spec_name}-{topology.chip}-{topology.shape_name}"
+
+
+def default_build_dir(spec_name: str, topology: Topology) -> Path:
+    return GENERATED / build_name(spec_name, topology)
+
+
+def cli_flags(topology: Topology, options: BuildOptions) -> list[str]:
+    """The `mkgen build` flags that reproduce `topology` and `options` (defaults left out)."""
+    from mkgen.hardware import DEFAULT_CHIP
+
+    topo = topology.shape_name if topology.chip == DEFAULT_CHIP else topology.name
+    flags = ["--topology", topo]
+    default = BuildOptions()
+    for name in ("batch", "rows", "context"):
+        if getattr(options, name) != getattr(default, name):
+            flags += [f"--{name}", str(getattr(options, name))]
+    if options.acceptance != default.acceptance:
+        flags += ["--acceptance", f"{options.acceptance:g}"]
+    for family, fmt in options.quant:
+        flags += ["--quant", f"{family}={fmt}"]
+    return flags
+
+
+def rebuild_command(spec_name: str, topology: Topology, options: BuildOptions) -> str:
+    return shlex.join(["mkgen", "build", spec_name, *cli_flags(topology, options), "--force"])
+
+
+def _canonical(data: Any) -> str:
+    """Compact JSON that keeps key order: the order of a spec's kinds is meaningful (it
+    numbers them in the kernel's layer tables), so it must change the hash."""
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=True)
+
+
+def inputs_digest(
+    spec: ModelSpec, topology: Topology, options: BuildOptions, kernel_args: Mapping[str, Any]
+) -> str:
+    """sha256 of everything a build is rendered from (`spec` with its overrides applied)."""
+    templates = {
+        name: hashlib.sha256((TEMPLATES / name).read_bytes()).hexdigest() for name in TEMPLATE_FILES
+    }
+    data = {
+        "mkgen": __version__,
+        "spec": spec.model_dump(mode="json"),
+        "topology": topology.name,
+        "options": options.model_dump(mode="json"),
+        "kernel_args": dict(kernel_args),
+        "templates": templates,
+    }
+    return hashlib.sha256(_canonical(data).encode()).hexdigest()
+
+
+def sorted_keys(data: Any) -> Any:
+    """`data` with every dict's keys sorted (for data whose dict order means nothing)."""
+    if isinstance(data, dict):
+        return {key: sorted_keys(data[key]) for key in sorted(data)}
+    if isinstance(data, list | tuple):
+        return [sorted_keys(value) for value in data]
+    return data
+
+
+def dump_json(data: Any, *, sort: bool = True) -> str:
+    """Deterministic JSON for files: sorted keys (unless `sort` is off because the caller
+    fixed the order), ASCII, one trailing newline."""
+    return json.dumps(data, sort_keys=sort, indent=1, ensure_ascii=True) + "\n"
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# ---------------------------------------------------------------- checks before rendering
+
+
+def check_renderable(spec: ModelSpec) -> None:
+    """Spec strings that become code are plain names (the schema checks them too)."""
+    if not _MODEL_NAME.fullmatch(spec.name):
+        raise SpecError(f"name {spec.name!r}: must match {_MODEL_NAME.pattern}")
+    for section in (spec.attention_kinds, spec.ffn_kinds):
+        for name in section:
+            try:
+                identifier(name)
+            except MkgenError as error:
+                raise SpecError(f"kind name {name!r}: {error}") from None
+
+
+# ---------------------------------------------------------------- rendering
+
+
+@dataclass(frozen=True)
+class RenderedBuild:
+    """The files of one build, by path relative to the build directory."""
+
+    name: str
+    inputs_sha256: str
+    files: dict[str, str]
+    layout: KernelLayout
+    plan: Any  # mkgen.plan.BuildPlan
+
+    def step_ms(self) -> float:
+        return float(self.plan.estimate.step_ms)
+
+
+def plan_json(plan: Any) -> Any:
+    """The BuildPlan as JSON data (its own to_dict when it has one)."""
+    to_dict = getattr(plan, "to_dict", None)
+    if callable(to_dict):
+        return to_dict()
+    return plan.model_dump(mode="json")
+
+
+def render_build(
+    spec: ModelSpec,
+    topology: Topology,
+    options: BuildOptions,
+    *,
+    kernel_args: Mapping[str, Any] | None = None,
+    measurements: Mapping[str, Any] | None = None,
+    with_mini: bool = True,
+    is_mini: bool = False,
+    parent: str | None = None,
+) -> RenderedBuild:
+    """Every file of a build, in memory. Raises SpecError before anything is rendered
+    when the spec or one of its kinds is not supported by the code generator.
+
+    `kernel_args` go to plan_kernel (bank_rows, ring_depth, ...); the mini twin uses
+    mini_kernel_args()."""
+    from mkgen.plan import estimate, plan_build
+    from mkgen.spec.mini import mini_twin
+
+    check_renderable(spec)
+    spec = options.apply(spec)
+    layout = plan_kernel(spec, topology, options, **(kernel_args or {}))
+    plan = plan_build(spec, topology, options)
+    bank_rows, depth = layout.stream.bank_rows, layout.stream.ring_depth
+    # Recorded with the ring depth resolved, so a saved build re-renders identically.
+    kernel_args = {**(kernel_args or {}), "bank_rows": bank_rows, "ring_depth": depth}
+    digest = inputs_digest(spec, topology, options, kernel_args)
+    name = build_name(spec.name, topology)
+    rebuild = parent or rebuild_command(spec.name, topology, options)
+    header = render_header(
+        spec_name=spec.name,
+        topology=topology.name,
+        version=__version__,
+        inputs_sha256=digest,
+        description=spec.description,
+        options=f"{options.describe()}; weight banks of {bank_rows} rows, ring depth {depth}",
+        rebuild=rebuild,
+    )
+    acceptance = []  # the cost model at every whole acceptance length 1..rows
+    for accepted in range(1, options.rows + 1) if options.rows > 1 else ():
+        fields = options.model_dump() | {"acceptance": float(accepted)}
+        at = BuildOptions.create(**fields)
+        acceptance.append(estimate(spec, topology, at, plan.sharding))
+    kernel_source = render_kernel(layout, header)
+    plan_data = {
+        "build": {
+            "format": PLAN_FORMAT,
+            "name": name,
+            "mini": is_mini,
+            "mkgen_version": __version__,
+            "inputs_sha256": digest,
+            "rebuild": rebuild,
+        },
+        "spec": spec.model_dump(mode="json"),
+        "topology": topology.name,
+        "options": options.model_dump(mode="json"),
+        "kernel_args": kernel_args,
+        "kernel": layout.model_dump(mode="json"),
+        "plan": sorted_keys(plan_json(plan)),
+        "estimates_by_acceptance": sorted_keys([e.model_dump(mode="json") for e in acceptance]),
+    }
+    valid = {}
+    if measurements and measurements.get("inputs_sha256") == digest:
+        valid = {k: v for k, v in measurements.items() if k != "inputs_sha256"}
+    files = {
+        "megakernel.py": kernel_source,
+        "runner.py": render(
+            "runner.py.j2",
+            header=header,
+            build_name=safe_text(name),
+            spec_name=safe_text(spec.name),
+            topology=safe_text(topology.name),
+            devices=topology.num_devices,
+            batch=options.batch,
+            rows=options.rows,
+            context=options.context,
+            vocab_used=layout.vocab_used,
+            default_steps=min(8, options.context // 4),
+            recurrent_kinds=repr([a.name for a in layout.attention if a.type in RECURRENT]),
+        ),
+        # Not key-sorted: "spec" and "kernel" keep their order (kind order numbers the kinds
+        # in the kernel, and a saved build must re-render identically); the planner's data
+        # is key-sorted above.
+        "plan.json": dump_json(plan_data, sort=False),
+    }
+    mini = None
+    if with_mini:
+        mini_options = BuildOptions.create(
+            batch=options.batch, rows=options.rows, context=MINI_CONTEXT, quant=options.quant
+        )
+        mini = render_build(
+            mini_twin(spec, topology.num_devices),
+            topology,
+            mini_options,
+            kernel_args=mini_kernel_args(),
+            with_mini=False,
+            is_mini=True,
+            parent=f"part of `{rebuild}`",
+        )
+        files.update({f"{MINI_DIR}/{path}": text for path, text in mini.files.items()})
+    from mkgen.verify.inspect import vmem_map
+
+    files["REPORT.md"] = render_text(
+        "REPORT.md.j2",
+        **report_context(
+            spec=spec,
+            topology=topology,
+            options=options,
+            layout=layout,
+            plan=plan,
+            acceptance=acceptance,
+            vmem=vmem_map(kernel_source),
+            header=header,
+            name=name,
+            digest=digest,
+            measurements=valid,
+            mini=mini,
+            is_mini=is_mini,
+            rebuild=rebuild,
+        ),
+    )
+    if valid:
+        files[MEASUREMENTS] = dump_json({"inputs_sha256": digest, **valid})
+    return RenderedBuild(name=name, inputs_sha256=digest, files=files, layout=layout, plan=plan)
+
+
+# ---------------------------------------------------------------- the report's data
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.3f} GB"
+
+
+def _ranges(values: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out: list[str] = []
+    for v in values:
+        if out and out[-1].split("-")[-1] == str(v - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{v}"
+        else:
+            out.append(str(v))
+    return ", ".join(out)
+
+
+def report_context(
+    *,
+    spec: ModelSpec,
+    topology: Topology,
+    options: BuildOptions,
+    layout: KernelLayout,
+    plan: Any,
+    acceptance: list[Any],
+    vmem: Any,
+    header: str,
+    name: str,
+    digest: str,
+    measurements: Mapping[str, Any],
+    mini: RenderedBuild | None,
+    is_mini: bool,
+    rebuild: str,
+) -> dict[str, Any]:
+    """Everything REPORT.md.j2 places, already formatted (the template decides nothing)."""
+    from mkgen.spec.figures import params_active, params_total
+
+    est, mem, sharding = plan.estimate, plan.memory, plan.sharding
+    quant = sharding.quantization
+    tensor_rows = []
+    for title, tensors in [("global", sharding.globals), ("every layer", sharding.layer_vectors)]:
+        tensor_rows += [(title, t) for t in tensors]
+    for kind, s in sharding.attention.items():
+        tensor_rows += [(f"attention {kind} ({s.type})", t) for t in s.tensors]
+    for kind, s in sharding.ffn.items():
+        tensor_rows += [(f"ffn {kind} ({s.type})", t) for t in s.tensors]
+    tensors = [
+        {
+            "group": group,
+            "name": t.name,
+            "format": t.format,
+            "global": "x".join(map(str, t.global_shape)),
+            "split": "replicated"
+            if t.split_axis is None or t.parts == 1
+            else f"axis {t.split_axis} / {t.parts}",
+            "rank": "x".join(map(str, t.rank_shape)),
+            "bytes": _mib(t.rank_bytes),
+        }
+        for group, t in tensor_rows
+    ]
+    collectives = []
+    for where, items in (
+        *((f"attention {k}", s.collectives) for k, s in sharding.attention.items()),
+        *((f"ffn {k}", s.collectives) for k, s in sharding.ffn.items()),
+        ("step", sharding.step_collectives),
+    ):
+        for c in items:
+            collectives.append(
+                {
+                    "where": where,
+                    "name": c.name,
+                    "op": c.op,
+                    "payload": f"{c.payload_bytes:,} B",
+                    "algorithm": f"{c.algorithm}, {c.phases} phase(s), up to {c.level}",
+                    "us": f"{c.time_s * 1e6:.2f}",
+                }
+            )
+    hbm = []
+    for title, table in (
+        ("weights", mem.weights_by_family),
+        ("caches", mem.cache_by_kind),
+        ("workspace", mem.workspace_by_use),
+    ):
+        for key, value in sorted(table.items(), key=lambda kv: (-kv[1], kv[0])):
+            if value:
+                hbm.append({"use": f"{title}: {key}", "bytes": _gb(value)})
+    stream = layout.stream
+    stream_rows = []
+    for section, kinds, members in (
+        ("attention", stream.attention, layout.attention),
+        ("ffn", stream.ffn, layout.ffn),
+    ):
+        for k in members:
+            ks = kinds[k.name]
+            for seg in ks.segments:
+                stream_rows.append(
+                    {
+                        "where": f"{section} {k.name} (x{len(k.layers)} layers)",
+                        "segment": seg.name,
+                        "shape": f"{seg.fan_in} x {seg.fan_out}",
+                        "banks": seg.banks,
+                        "bytes": _mib(seg.bytes),
+                    }
+                )
+    for seg in stream.tail:
+        stream_rows.append(
+            {
+                "where": "lm_head (once)",
+                "segment": seg.name,
+                "shape": f"{seg.fan_in} x {seg.fan_out}",
+                "banks": seg.banks,
+                "bytes": _mib(seg.bytes),
+            }
+        )
+    by_acceptance = [
+        {
+            "acceptance": f"{e.acceptance:g}",
+            "step_ms": f"{e.step_ms:.3f}",
+            "per_user": f"{e.tokens_per_s_per_user:,.1f}",
+            "aggregate": f"{e.tokens_per_s:,.1f}",
+        }
+        for e in acceptance
+    ]
+    kinds = [
+        {
+            "what": f"attention {a.name} ({a.type if hasattr(a, 'type') else 'gqa'})",
+            "layers": _ranges(a.layers),
+            "count": len(a.layers),
+        }
+        for a in layout.attention
+    ] + [
+        {"what": f"ffn {f.name} ({f.type})", "layers": _ranges(f.layers), "count": len(f.layers)}
+        for f in layout.ffn
+    ]
+    return {
+        "header_lines": header.splitlines(),
+        "name": name,
+        "is_mini": is_mini,
+        "spec": spec,
+        "description": spec.description,
+        "topology": topology,
+        "topology_text": topology.describe().splitlines()[0],
+        "options": options.describe(),
+        "rebuild": rebuild,
+        "digest": digest,
+        "version": __version__,
+        "params_total": f"{params_total(spec) / 1e9:,.2f} B",
+        "params_active": f"{params_active(spec) / 1e9:,.2f} B",
+        "quant": sorted((f, q) for f, q in quant.items() if mem.weights_by_family.get(f)),
+        "kinds": kinds,
+        "tensors": tensors,
+        "collectives": collectives,
+        "hbm": hbm,
+        "hbm_total": _gb(mem.total_bytes),
+        "hbm_usable": _gb(mem.usable_bytes),
+        "hbm_headroom": _gb(mem.usable_bytes - mem.total_bytes),
+        "vmem": vmem,
+        "vmem_plan": _vmem_plan(plan),
+        "ring_bytes": _mib(stream.ring_depth * stream.bank_bytes),
+        "stream": stream,
+        "bank_bytes": _mib(stream.bank_bytes),
+        "stream_bytes": _mib(stream.bytes_per_step),
+        "stream_rows": stream_rows,
+        "estimate": est,
+        "breakdown": [
+            {"what": k, "ms": f"{v:.3f}", "share": f"{100 * v / est.step_ms:.1f} %"}
+            for k, v in est.breakdown_ms.items()
+        ],
+        "by_kind": [
+            {
+                "kind": k,
+                "layers": v.layers,
+                "us": f"{v.per_layer_us:.1f}",
+                "ms": f"{v.total_ms:.3f}",
+            }
+            for k, v in est.by_layer_kind.items()
+        ],
+        "by_acceptance": by_acceptance,
+        "measured_compile": measurements.get("compile"),
+        "measured_verify": measurements.get("verify"),
+        "verify_runs": _verify_rows(measurements.get("verify")),
+        "mini": mini,
+        "mini_name": mini.layout.model if mini else None,
+        "devices": topology.num_devices,
+    }
+
+
+def _worst(steps: list[dict[str, Any]], value: str, tolerance: str) -> str:
+    if not steps:
+        return "-"
+    worst = max(steps, key=lambda s: s[value] / max(s[tolerance], 1e-30))
+    return f"{worst[value]:.4g} / {worst[tolerance]:.4g}"
+
+
+def _verify_rows(verify: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """One row per DMA mode of a recorded `mkgen verify` (worst step of each check)."""
+    rows = []
+    for run in (verify or {}).get("runs", []):
+        steps = run["steps"]
+        agree = sum(s["tokens_equal"] + s["tokens_near_tie"] for s in steps)
+        rows.append(
+            {
+                "mode": run["mode"],
+                "passed": run["passed"],
+                "failure": run.get("failure") or "",
+                "steps": len(steps),
+                "logit": _worst(steps, "max_logit_diff", "logit_tolerance"),
+                "greedy": f"{agree}/{sum(s['tokens_total'] for s in steps)}",
+                "cache": _worst(steps, "max_cache_diff", "cache_tolerance"),
+                "residual": _worst(steps, "max_residual_diff", "residual_tolerance")
+                if steps and "max_residual_diff" in steps[0]
+                else "-",
+                "seconds": f"{sum(s['seconds'] for s in steps):.1f}",
+            }
+        )
+    return rows
+
+
+def _vmem_plan(plan: Any) -> dict[str, Any] | None:
+    """The plan's VMEM plan (mkgen/plan/vmem.py), formatted; None before the planner had one."""
+    vm = getattr(plan, "vmem", None)
+    if vm is None:
+        return None
+    return {
+        "buffers": [
+            {
+                "name": b.name,
+                "category": b.category,
+                "role": b.role,
+                "shape": "x".join(map(str, b.shape)),
+                "dtype": b.dtype,
+                "bytes": _mib(b.bytes),
+                "why": b.why,
+            }
+            for b in sorted(vm.buffers, key=lambda b: (-b.bytes, b.name))
+        ],
+        "explicit": _mib(vm.explicit_bytes),
+        "internal": _mib(vm.internal_bytes),
+        "total": _mib(vm.total_bytes),
+        "total_bytes": vm.total_bytes,
+        "budget": _mib(vm.budget_bytes),
+        "limit": _mib(vm.limit_bytes),
+        "ring_depth": vm.ring_depth,
+        "expert_slots": vm.expert_slots,
+        "why": vm.why,
+    }
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _build_files(directory: Path) -> list[str]:
+    """Relative paths of the files in a build directory (bytecode caches ignored)."""
+    out = []
+    for path in sorted(directory.rglob("*")):
+        rel = path.relative_to(directory)
+        if any(part in _IGNORED for part in rel.parts) or path.is_dir():
+            continue
+        out.append(rel.as_posix())
+    return out
+
+
+def local_edits(directory: Path) -> str | None:
+    """Why `directory` is not exactly the build mkgen wrote there, or None if it is."""
+    if not directory.exists():
+        return None
+    if not directory.is_dir():
+        return f"{directory} is not a directory"
+    manifest_path = directory / MANIFEST
+    if not manifest_path.exists():
+        if not _build_files(directory):
+            return None
+        return f"{directory} holds files mkgen did not write (no {MANIFEST})"
+    try:
+        manifest = json.loads(manifest_path.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"{manifest_path} is damaged"
+    for rel, digest in sorted(manifest.items()):
+        path = directory / rel
+        if not path.exists():
+            return f"{path} was deleted since mkgen wrote it"
+        if sha256_bytes(path.read_bytes()) != digest:
+            return f"{path} was edited since mkgen wrote it"
+    for rel in _build_files(directory):
+        if rel != MANIFEST and rel not in manifest:
+            return f"{directory / rel} was added since mkgen wrote the build"
+    return None
+
+
+def read_measurements(directory: Path) -> dict[str, Any] | None:
+    """measurements.json of an unedited build (None if absent or edited)."""
+    path = directory / MEASUREMENTS
+    if not path.exists() or local_edits(directory) is not None:
+        return None
+    return json.loads(path.read_text())
+
+
+def _write_tree(root: Path, files: Mapping[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", encoding="utf-8", newline="\n") as handle:
+            handle.write(text)
+
+
+def write_build(files: Mapping[str, str], target: Path, *, force: bool) -> bool:
+    """Write `files` (relative path -> text) as the build directory `target`, atomically.
+
+    Returns False when the directory already holds exactly these files (nothing is
+    written). Raises MkgenError, with nothing changed, when the existing directory has
+    local edits and `force` is not set."""
+    target = Path(os.path.abspath(target))
+    manifest = {
+        "files": {rel: sha256_bytes(text.encode()) for rel, text in sorted(files.items())},
+        "generator": f"mkgen {__version__}",
+    }
+    manifest_text = dump_json(manifest)
+    edits = local_edits(target)
+    if edits and not force:
+        raise MkgenError(f"{edits}; pass --force to overwrite the build")
+    current = target / MANIFEST
+    if not edits and current.exists() and current.read_text() == manifest_text:
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        os.chmod(staging, 0o755)
+        _write_tree(staging, {**files, MANIFEST: manifest_text})
+        for rel, text in files.items():  # read back before anything is replaced
+            if sha256_bytes((staging / rel).read_bytes()) != manifest["files"][rel]:
+                raise MkgenError(f"{rel}: written bytes differ from the rendered text")
+            if rel.endswith(".py"):
+                compile(text, rel, "exec")
+        if target.exists():
+            edits = local_edits(target)  # edited while we rendered?
+            if edits and not force:
+                raise MkgenError(f"{edits} during the build; pass --force to overwrite the build")
+            old = target.parent / f".{target.name}.{uuid.uuid4().hex}.old"
+            os.rename(target, old)
+            try:
+                os.rename(staging, target)
+            except BaseException:
+                os.rename(old, target)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return True
+
+
+# ---------------------------------------------------------------- one build, end to end
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    directory: Path
+    rendered: RenderedBuild
+    written: bool  # False: the directory already held exactly these files
+
+
+def make_build(
+    spec: ModelSpec,
+    topology: Topology,
+    options: BuildOptions,
+    *,
+    output: Path | None = None,
+    force: bool = False,
+    measurements: Mapping[str, Any] | None = None,
+) -> BuildResult:
+    """Render and write one build (default directory: generated/<spec>-<shape>/).
+
+    Measurements already in an unedited target directory are kept while its inputs
+    are unchanged."""
+    target = output or default_build_dir(spec.name, topology)
+    edits = local_edits(target)
+    if edits and not force:  # fail before any rendering work
+        raise MkgenError(f"{edits}; pass --force to overwrite the build")
+    if measurements is None:
+        measurements = read_measurements(target)
+    rendered = render_build(spec, topology, options, measurements=measurements)
+    written = write_build(rendered.files, target, force=force)
+    return BuildResult(directory=target, rendered=rendered, written=written)
+
+
+def load_build_inputs(directory: Path) -> tuple[ModelSpec, Topology, BuildOptions, dict]:
+    """The spec, topology and options a build was made from (from its plan.json)."""
+    path = directory / "plan.json"
+    if not path.exists():
+        raise MkgenError(f"{directory} is not a mkgen build (no plan.json)")
+    data = json.loads(path.read_text())
+    if data.get("build", {}).get("format") != PLAN_FORMAT:
+        raise MkgenError(f"{path}: plan format {data.get('build', {}).get('format')!r} unknown")
+    spec = ModelSpec.model_validate(data["spec"])
+    options = BuildOptions.create(**data["options"])
+    return spec, parse_topology(data["topology"]), options, data
+
+
+def record_measurement(directory: Path, key: str, result: Mapping[str, Any]) -> Path:
+    """Store one measurement (`compile` or `verify`) in a build and re-render its REPORT.md.
+
+    The build must be unedited and current (its inputs hash equal to what mkgen renders
+    from the same inputs today)."""
+    directory = Path(directory)
+    edits = local_edits(directory)
+    if edits:
+        raise MkgenError(f"{edits}; rebuild with --force first")
+    spec, topology, options, data = load_build_inputs(directory)
+    digest = inputs_digest(spec, topology, options, data["kernel_args"])
+    if digest != data["build"]["inputs_sha256"]:
+        raise MkgenError(
+            f"{directory} was built from other templates or another mkgen; "
+            f"run `{data['build']['rebuild']}` first"
+        )
+    measurements = read_measurements(directory) or {}
+    if measurements.get("inputs_sha256") != digest:
+        measurements = {}
+    measurements = {**measurements, "inputs_sha256": digest, key: dict(result)}
+    rendered = render_build(
+        spec, topology, options, kernel_args=data["kernel_args"], measurements=measurements
+    )
+    write_build(rendered.files, directory, force=True)
+    return directory
+
+
+# ---------------------------------------------------------------- the checked-in builds
+
+
+@dataclass(frozen=True)
+class BuildEntry:
+    """One line of generated/BUILDS: the arguments of `mkgen build`."""
+
+    line: str
+    spec: str
+    topology: str
+    options: dict[str, Any]
+
+
+def _entry_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="generated/BUILDS", add_help=False, exit_on_error=False)
+    parser.add_argument("spec")
+    parser.add_argument("--topology", required=True)
+    for flag in ("--batch", "--rows", "--context"):
+        parser.add_argument(flag, type=int)
+    parser.add_argument("--acceptance", type=float)
+    parser.add_argument("--quant", action="append")
+    return parser
+
+
+def read_build_list(path: Path = BUILD_LIST) -> list[BuildEntry]:
+    """The checked-in builds: `SPEC --topology T [options]` per line, # comments."""
+    entries = []
+    for number, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            args = _entry_parser().parse_args(shlex.split(line))
+        except (argparse.ArgumentError, SystemExit) as error:
+            raise MkgenError(f"{path}:{number}: {line!r}: {error}") from None
+        options = {k: v for k, v in vars(args).items() if k not in ("spec", "topology")}
+        entries.append(
+            BuildEntry(
+                line=line,
+                spec=args.spec,
+                topology=args.topology,
+                options={k: v for k, v in options.items() if v is not None},
+            )
+        )
+    return entries
+
+
+def entry_inputs(entry: BuildEntry) -> tuple[ModelSpec, Topology, BuildOptions]:
+    from mkgen.spec.loader import load_spec
+
+    return (
+        load_spec(entry.spec),
+        parse_topology(entry.topology),
+        BuildOptions.create(**entry.options),
+    )

@@ -1,0 +1,923 @@
+"""The schedule: one decode step as the linear program every core runs.
+
+Every core runs the same program over its own shard (SPMD), so one linear order
+describes them all. It is a list of events over nodes:
+
+- ``START d`` / ``WAIT d`` of a DMA node ``d`` (a weight bank, a layer's vector slab,
+  a cache block or KV tile, recurrent states, expert ids, an expert piece, a
+  collective): its issue point and its wait point; the node carries its destination
+  resource and slot, its semaphores, its bytes and how many DMAs it groups (a cache
+  block of 2 x B x G copies, a collective's D - 1 sends and receives, an int4 piece's
+  codes and scales), each DMA with its own semaphore;
+- ``RUN c`` of a compute node (a matmul on one bank or piece, a norm, a KV tile of
+  attention, routing, a sequence's delta rule, a collective's sum), with its flops.
+
+Every node lists what it reads: ``(producer, resource, slot)``, the resource ``None``
+for values. The policies are the kernel's (templates/megakernel.py.j2: GQA, Gated
+DeltaNet, KDA, dense, MoE) and, for what it does not render yet (MLA), the ones its
+design implies (docs/planner.md):
+
+- ring: banks 0..depth-1 start with the kernel; bank g lives in slot g % depth and is
+  waited just before its chunks are used; after its last use bank g + depth starts into
+  the same slot, whatever layer (or the lm_head) it belongs to;
+- vector slabs: slab l in slot l % 2, waited at the top of layer l, slab l + 1 started
+  right after;
+- KV tiles: per (sequence, kv head) pair, tiles double buffered (tile t in buffer
+  t % 2; t + 1 started once t is waited); the new rows are written back first (block
+  read, merge, block write, each waited) so the tiles read them;
+- recurrent state (Gated DeltaNet, KDA): the conv tails and states of every sequence
+  read at once after the input projection, the rows run in order, all written back;
+- experts: after routing the ids go to SMEM and the core lists its chosen experts; their
+  slices stream as pieces through S slots: piece q in slot q % S, the first S started at
+  once, piece q + S right after piece q is used, across expert boundaries;
+- collectives: the k-th collective of a layer lands in gather buffer k (attention 0, the
+  FFN's 1..3), remote DMAs to the D - 1 peers, their sum (or concatenation).
+
+Runtime loops whose iterations use the same buffers are not unrolled in full: a loop
+whose body starts and waits all its own DMAs (the (sequence, kv head) pairs of
+attention) is kept once with ``repeat`` = its trip count; a double-buffered loop (KV
+tiles) keeps four iterations, the third standing for the steady state (``repeat`` =
+n - 3); the expert loop keeps whole periods of its slot pattern (expert_iterations).
+The buffer pattern of every iteration is still checked, bytes are counted per step,
+and the node count barely grows with batch or context. Banks and vector slabs are
+never folded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from pydantic import BaseModel, ConfigDict
+
+from mkgen.plan.options import BuildOptions
+from mkgen.plan.sharding import Collective, ShardingPlan
+from mkgen.plan.stream import CHUNK, LANES, Segment, StreamPlan
+from mkgen.plan.vmem import VmemPlan, q_rows, recurrent_dims
+from mkgen.spec.schema import (
+    DenseFFN,
+    GQAAttention,
+    MLAAttention,
+    ModelSpec,
+    MoEFFN,
+)
+
+START, WAIT, RUN = 0, 1, 2
+EVENT_NAMES = ("start", "wait", "run")
+INIT = -1  # the content a buffer slot holds when the step begins (caches, inputs)
+UNROLL = 4  # iterations kept of a double-buffered runtime loop
+
+Read = tuple[int, str | None, int]  # (producer node, resource or None for a value, slot)
+
+
+class Node:
+    """One DMA (group) or compute op of the step."""
+
+    __slots__ = (
+        "id",
+        "op",
+        "cat",
+        "name",
+        "layer",
+        "resource",
+        "slot",
+        "sems",
+        "count",
+        "nbytes",
+        "flops",
+        "repeat",
+        "reads",
+        "key",
+    )
+
+    def __init__(
+        self,
+        id: int,
+        op: str,
+        cat: str,
+        name: str,
+        layer: int,
+        resource: str | None = None,
+        slot: int = 0,
+        sems: tuple[str, ...] = (),
+        count: int = 1,
+        nbytes: int = 0,
+        flops: int = 0,
+        repeat: int = 1,
+        reads: tuple[Read, ...] = (),
+        key: tuple | None = None,
+    ) -> None:
+        self.id = id
+        self.op = op  # "dma" or "compute"
+        self.cat = cat
+        self.name = name
+        self.layer = layer  # -1: before the layers; L: after them
+        # DMA: its destination; compute: the VMEM slot it writes (None: values only).
+        self.resource = resource
+        self.slot = slot
+        self.sems = sems
+        self.count = count  # DMAs this node groups (each with its own semaphore)
+        self.nbytes = nbytes  # bytes moved by the whole group, once
+        self.flops = flops
+        self.repeat = repeat  # times the node runs per step (folded runtime loops)
+        self.reads = reads
+        self.key = key  # weights: ("bank", g), ("vector", l), ("expert", l, i)
+
+    @property
+    def is_dma(self) -> bool:
+        return self.op == "dma"
+
+    def copy(self) -> Node:
+        return Node(*(getattr(self, s) for s in self.__slots__))
+
+    def describe(self) -> str:
+        where = f"{self.resource}[{self.slot}]" if self.resource else "-"
+        sems = ""
+        if self.sems:
+            sems = self.sems[0] + (f"+{len(self.sems) - 1}" if len(self.sems) > 1 else "")
+        reads = ",".join(str(p) for p, _, _ in self.reads)
+        size = f"{self.nbytes}B x{self.count}" if self.is_dma else f"{self.flops} flop"
+        rep = f" rep {self.repeat}" if self.repeat != 1 else ""
+        return (
+            f"{self.id:>6} {self.op:<7} {self.cat:<11} {self.name:<44} {where:<22} "
+            f"{sems:<24} {size}{rep} <- [{reads}]"
+        )
+
+
+class ScheduleSummary(BaseModel):
+    """What the schedule amounts to per core per step."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    events: int
+    nodes: int
+    dma_nodes: int
+    compute_nodes: int
+    dmas_per_step: int  # DMAs issued per step (groups and folded loops expanded)
+    dmas_by_category: dict[str, int]
+    bytes_by_category: dict[str, int]  # HBM / ICI bytes moved per step
+    flops_per_step: int
+    ring_depth: int
+    bank_bytes: int
+    banks: int
+    expert_slots: int
+    max_dmas_in_flight: int
+    max_bytes_in_flight: int
+
+    def describe(self) -> str:
+        moved = ", ".join(
+            f"{k} {self.dmas_by_category[k]} DMAs / {v / 2**20:.1f} MiB"
+            for k, v in self.bytes_by_category.items()
+        )
+        slots = f", {self.expert_slots} expert slots" if self.expert_slots else ""
+        return (
+            f"schedule: {self.events} events over {self.nodes} nodes; ring {self.ring_depth} x "
+            f"{self.bank_bytes / 2**20:.1f} MiB, {self.banks} banks per step{slots}; "
+            f"{self.dmas_per_step} DMAs per step ({moved}); at most {self.max_dmas_in_flight} "
+            f"DMAs / {self.max_bytes_in_flight / 2**20:.1f} MiB in flight"
+        )
+
+
+class Schedule:
+    """The step's nodes and the linear order of their events (shared by every core)."""
+
+    def __init__(
+        self,
+        nodes: list[Node],
+        events: list[tuple[int, int]],
+        *,
+        resources: dict[str, int],
+        ring_depth: int,
+        total_banks: int,
+        bank_bytes: int,
+        expert_slots: int,
+        layers: int,
+        experts_per_layer: dict[int, tuple[int, int]],
+        stream_bytes: int,
+    ) -> None:
+        self.nodes = nodes
+        self.events = events
+        self.resources = resources  # VMEM resource -> slots (from the VMEM plan)
+        self.ring_depth = ring_depth
+        self.total_banks = total_banks
+        self.bank_bytes = bank_bytes
+        self.expert_slots = expert_slots
+        self.layers = layers
+        # MoE layer -> (expert slices it fetches, pieces per slice)
+        self.experts_per_layer = experts_per_layer
+        self.stream_bytes = stream_bytes
+
+    def copy(self) -> Schedule:
+        """A deep copy (tests break copies to prove the checks fail)."""
+        return Schedule(
+            [n.copy() for n in self.nodes],
+            list(self.events),
+            resources=dict(self.resources),
+            ring_depth=self.ring_depth,
+            total_banks=self.total_banks,
+            bank_bytes=self.bank_bytes,
+            expert_slots=self.expert_slots,
+            layers=self.layers,
+            experts_per_layer=dict(self.experts_per_layer),
+            stream_bytes=self.stream_bytes,
+        )
+
+    def find(self, name: str) -> Node:
+        """The first node whose name is ``name`` (tests and debugging)."""
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+    def positions(self) -> tuple[list[int], list[int]]:
+        """(issue or run position, wait position) of every node; -1 where absent."""
+        first = [-1] * len(self.nodes)
+        wait = [-1] * len(self.nodes)
+        for i, (op, n) in enumerate(self.events):
+            if op == WAIT:
+                wait[n] = i
+            elif first[n] < 0:
+                first[n] = i
+        return first, wait
+
+    def summary(self) -> ScheduleSummary:
+        dmas: dict[str, int] = {}
+        moved: dict[str, int] = {}
+        flops = 0
+        n_dma = 0
+        for n in self.nodes:
+            if n.is_dma:
+                n_dma += 1
+                dmas[n.cat] = dmas.get(n.cat, 0) + n.count * n.repeat
+                moved[n.cat] = moved.get(n.cat, 0) + n.nbytes * n.repeat
+            else:
+                flops += n.flops * n.repeat
+        in_flight = in_bytes = peak = peak_bytes = 0
+        nodes = self.nodes
+        for op, i in self.events:
+            if op == START:
+                in_flight += nodes[i].count
+                in_bytes += nodes[i].nbytes
+                peak, peak_bytes = max(peak, in_flight), max(peak_bytes, in_bytes)
+            elif op == WAIT:
+                in_flight -= nodes[i].count
+                in_bytes -= nodes[i].nbytes
+        return ScheduleSummary(
+            events=len(self.events),
+            nodes=len(self.nodes),
+            dma_nodes=n_dma,
+            compute_nodes=len(self.nodes) - n_dma,
+            dmas_per_step=sum(dmas.values()),
+            dmas_by_category=dmas,
+            bytes_by_category=moved,
+            flops_per_step=flops,
+            ring_depth=self.ring_depth,
+            bank_bytes=self.bank_bytes,
+            banks=self.total_banks,
+            expert_slots=self.expert_slots,
+            max_dmas_in_flight=peak,
+            max_bytes_in_flight=peak_bytes,
+        )
+
+    def dma_table(self) -> list[dict]:
+        """Every DMA with its issue point, slot, semaphores and wait point (plan.json)."""
+        first, wait = self.positions()
+        return [
+            {
+                "id": n.id,
+                "name": n.name,
+                "category": n.cat,
+                "layer": n.layer,
+                "issue": first[n.id],
+                "wait": wait[n.id],
+                "resource": n.resource,
+                "slot": n.slot,
+                "semaphores": list(n.sems),
+                "dmas": n.count,
+                "bytes": n.nbytes,
+                "repeat": n.repeat,
+            }
+            for n in self.nodes
+            if n.is_dma
+        ]
+
+    def describe(self, limit: int | None = None) -> str:
+        """One line per event: position, start/wait/run and the node."""
+        lines = []
+        for i, (op, n) in enumerate(self.events[:limit]):
+            lines.append(f"{i:>7} {EVENT_NAMES[op]:<5} {self.nodes[n].describe()}")
+        if limit is not None and len(self.events) > limit:
+            lines.append(f"... {len(self.events) - limit} more events")
+        return "\n".join(lines)
+
+
+# =========================================================================== building
+
+
+def _sent_bytes(c: Collective) -> int:
+    return sum(c.bytes_by_level.values())
+
+
+def kv_tiles(context: int, tile: int, window: int | None, rows: int) -> int:
+    """Tiles one (sequence, kv head) reads in the worst case (a full cache)."""
+    full = -(-context // tile)
+    if window is None:
+        return full
+    return min(full, -(-(window + rows - 1) // tile) + 1)
+
+
+class _Builder:
+    """Emits the step's program: prologue, every layer, the lm_head and sampling."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        sharding: ShardingPlan,
+        stream: StreamPlan,
+        vmem: VmemPlan,
+        options: BuildOptions,
+    ) -> None:
+        self.spec = spec
+        self.sh = sharding
+        self.stream = stream
+        self.vmem = vmem
+        self.dims = vmem.dims
+        self.o = options
+        self.nodes: list[Node] = []
+        self.events: list[tuple[int, int]] = []
+        self.repeat = 1
+        self.depth = stream.ring_depth
+        self.total = stream.total_banks
+        self.d = sharding.devices
+        self.t = options.tokens
+        self.layer_collectives = 0  # collectives of this layer so far: picks the buffer
+        self.res = INIT  # the node that last wrote the residual stream
+        self.experts_per_layer: dict[int, tuple[int, int]] = {}
+        # Semaphore names of a DMA group, built once per array shape and shared.
+        self.sem_cache: dict[tuple[str, tuple[int, ...]], tuple[str, ...]] = {}
+        d = self.d
+        self.coll_sems = [
+            tuple(f"send_sems[{w},{k}]" for k in range(1, d))
+            + tuple(f"recv_sems[{w},{k}]" for k in range(1, d))
+            for w in range(vmem.dims.collective_buffers)
+        ]
+        self.greedy_sems = tuple(f"greedy_sems[0,{k}]" for k in range(1, d)) + tuple(
+            f"greedy_sems[1,{k}]" for k in range(1, d)
+        )
+        self.banks = self._bank_nodes()
+        seen: dict[str, int] = {}
+        self.cache_slots = []
+        for attn, _ in sharding.layer_table:
+            self.cache_slots.append(seen.get(attn, 0))
+            seen[attn] = seen.get(attn, 0) + 1
+
+    # --- primitives ---
+    def dma(self, cat: str, name: str, layer: int, resource: str | None, slot: int,
+            sems: tuple[str, ...], nbytes: int, count: int = 1, reads: tuple = (),
+            key: tuple | None = None, repeat: int | None = None) -> int:  # fmt: skip
+        """A DMA node (not started): positional construction, ~30k of them per step."""
+        n = len(self.nodes)
+        self.nodes.append(
+            Node(
+                n,
+                "dma",
+                cat,
+                name,
+                layer,
+                resource,
+                slot,
+                sems,
+                count,
+                nbytes,
+                0,
+                self.repeat if repeat is None else repeat,
+                reads,
+                key,
+            )  # fmt: skip
+        )
+        return n
+
+    def start(self, n: int) -> None:
+        self.events.append((START, n))
+
+    def wait(self, n: int) -> None:
+        self.events.append((WAIT, n))
+
+    def run(self, cat: str, name: str, layer: int, flops: int = 0, reads: tuple = (),
+            writes: tuple[str, int] | None = None) -> int:  # fmt: skip
+        res, slot = writes if writes else (None, 0)
+        n = len(self.nodes)
+        self.nodes.append(
+            Node(
+                n,
+                "compute",
+                cat,
+                name,
+                layer,
+                res,
+                slot,
+                (),
+                1,
+                0,
+                flops,
+                self.repeat,
+                tuple(reads),
+                None,
+            )  # fmt: skip
+        )
+        self.events.append((RUN, n))
+        return n
+
+    def folded(self, count: int, body: Callable[[], None]) -> None:
+        """A runtime loop whose body starts and waits its own DMAs: kept once, x count."""
+        outer = self.repeat
+        self.repeat = outer * count
+        body()
+        self.repeat = outer
+
+    def loop(self, n: int, body: Callable[[int, bool, Callable[[int], int]], None]) -> None:
+        """A double-buffered runtime loop of ``n`` iterations (see the module docstring).
+
+        ``body(i, last, rep)``: iteration i of the kept ones; ``rep(j)`` is the repeat of
+        kept iteration j (for DMAs issued one iteration ahead).
+        """
+        reps = [1] * n if n <= UNROLL else [1, 1, n - 3, 1]
+        outer = self.repeat
+
+        def rep(j: int) -> int:
+            return outer * reps[j]
+
+        for i in range(len(reps)):
+            self.repeat = rep(i)
+            body(i, i == len(reps) - 1, rep)
+        self.repeat = outer
+
+    # --- the weight ring ---
+    def _bank_nodes(self) -> list[int]:
+        owner = [""] * self.total
+        table = self.sh.layer_table
+        for layer, (attn, ffn) in enumerate(table):
+            for first, kind in (
+                (self.stream.attention_banks[layer], self.stream.attention[attn]),
+                (self.stream.ffn_banks[layer], self.stream.ffn[ffn]),
+            ):
+                for seg in kind.segments:
+                    for j in range(seg.banks):
+                        owner[first + seg.bank_offset + j] = f"L{layer} {kind.kind}.{seg.name}"
+        for seg in self.stream.tail:
+            for j in range(seg.banks):
+                owner[self.stream.lm_head_bank + seg.bank_offset + j] = seg.name
+        sems = [(f"ring_sems[{s}]",) for s in range(self.depth)]
+        ids = []
+        for g in range(self.total):
+            ids.append(
+                self.dma(
+                    "bank",
+                    f"bank {g} ({owner[g]})",
+                    -1,
+                    "ring",
+                    g % self.depth,
+                    sems[g % self.depth],
+                    self.stream.bank_bytes,
+                    key=("bank", g),
+                )  # fmt: skip
+            )
+        return ids
+
+    def release(self, g: int) -> None:
+        """Bank g is used up: start bank g + depth into its slot."""
+        if g + self.depth < self.total:
+            self.start(self.banks[g + self.depth])
+
+    def segment(self, layer: int, label: str, seg: Segment, first: int, x: int,
+                hold: bool = False) -> tuple[int, list[int]]:  # fmt: skip
+        """x @ a stream segment, bank by bank; returns (last op, the segment's banks)."""
+        per_bank = max(1, (self.stream.bank_rows // CHUNK))
+        chunks = seg.k_chunks * seg.col_blocks
+        prev = x
+        banks = []
+        for j in range(seg.banks):
+            g = first + seg.bank_offset + j
+            used = min(per_bank, chunks - j * per_bank)
+            self.wait(self.banks[g])
+            prev = self.run(
+                "matmul", f"L{layer} {label}.{seg.name} bank {g}", layer,
+                2 * self.t * used * CHUNK * LANES,
+                ((self.banks[g], "ring", g % self.depth), (prev, None, 0)),
+            )  # fmt: skip
+            banks.append(g)
+            if not hold:
+                self.release(g)
+        return prev, banks
+
+    # --- collectives ---
+    def collective(self, layer: int, c: Collective | None, src: int) -> int:
+        """Partial -> gather buffer, remote DMAs to every peer, the sum (in device order)."""
+        if c is None or self.d == 1:
+            return src
+        # Each collective of a layer has its own buffer: a peer cannot still be reading it
+        # when it is written again a layer later (it needed this core's contributions to
+        # the collectives in between first).
+        w = self.layer_collectives
+        self.layer_collectives += 1
+        width = c.width * c.rows
+        p = self.run("collective", f"L{layer} {c.name}: rows -> gather[{w}]", layer, 0,
+                     ((src, None, 0),), writes=("gather", w))  # fmt: skip
+        x = self.dma("collective", f"L{layer} {c.op} {c.name}", layer, "gather", w,
+                     self.coll_sems[w], _sent_bytes(c), count=2 * (self.d - 1),
+                     reads=((p, "gather", w),))  # fmt: skip
+        self.start(x)
+        self.wait(x)
+        what = "concatenate" if c.op == "all_gather" else "sum"
+        return self.run("collective", f"L{layer} {c.name}: {what}", layer, self.d * width,
+                        ((x, "gather", w),))  # fmt: skip
+
+    def vec(self, layer: int, name: str, x: int, flops: int, extra: tuple = ()) -> int:
+        return self.run("vector", f"L{layer} {name}", layer, flops,
+                        ((x, None, 0), *extra))  # fmt: skip
+
+    # --- the step ---
+    def build(self) -> Schedule:
+        dims, layers = self.dims, len(self.sh.layer_table)
+        self.run("sync", "barrier: every core inside the kernel", -1)
+        for g in range(min(self.depth, self.total)):
+            self.start(self.banks[g])
+        slab = dims.vector_rows * dims.vector_width * 4
+        vec = [
+            self.dma(
+                "vector",
+                f"vectors of layer {layer}",
+                layer,
+                "vectors",
+                layer % 2,
+                (f"vec_sems[{layer % 2}]",),
+                slab,
+                key=("vector", layer),
+            )  # fmt: skip
+            for layer in range(layers)
+        ]
+        self.start(vec[0])
+        self.res = self.run("vector", "x rows -> residual", -1, 0, ((INIT, "x_vmem", 0),))
+        for layer, (attn, ffn) in enumerate(self.sh.layer_table):
+            self.layer_collectives = 0
+            self.wait(vec[layer])
+            if layer + 1 < layers:
+                self.start(vec[layer + 1])
+            v = self.run("vector", f"L{layer} load vectors", layer, 0,
+                         ((vec[layer], "vectors", layer % 2),))  # fmt: skip
+            r = self.spec.attention_residual
+            if r is not None and layer % r.block_size == 0:
+                self.res = self.vec(layer, "attention-residual snapshot", self.res,
+                                    self.t * dims.hidden * r.max_snapshots * 2)  # fmt: skip
+            out = self.attention(layer, attn, v)
+            self.res = self.vec(layer, "residual += attention", self.res, self.t * dims.hidden,
+                                ((out, None, 0),))  # fmt: skip
+            out = self.ffn(layer, ffn, v)
+            self.res = self.vec(layer, "residual += ffn", self.res, self.t * dims.hidden,
+                                ((out, None, 0),))  # fmt: skip
+        self.epilogue(layers)
+        resources = dict(self.vmem.resources)
+        return Schedule(
+            self.nodes,
+            self.events,
+            resources=resources,
+            ring_depth=self.depth,
+            total_banks=self.total,
+            bank_bytes=self.stream.bank_bytes,
+            expert_slots=self.vmem.expert_slots,
+            layers=layers,
+            experts_per_layer=self.experts_per_layer,
+            stream_bytes=self.stream.bytes_per_step,
+        )
+
+    def epilogue(self, layers: int) -> None:
+        h = self.dims.hidden
+        x = self.vec(layers, "final norm", self.res, 5 * self.t * h,
+                     ((INIT, "final_norm_vmem", 0),))  # fmt: skip
+        for seg in self.stream.tail:
+            x, _ = self.segment(layers, "", seg, self.stream.lm_head_bank, x)
+        vpc = self.dims.vocab_per_core
+        g = self.run("vector", "soft-cap, argmax of the shard -> greedy", layers, 4 * self.t * vpc,
+                     ((x, None, 0),), writes=("greedy", 0))  # fmt: skip
+        if self.d > 1:
+            coll = next(c for c in self.sh.step_collectives if c.name == "sampling")
+            x = self.dma("collective", "all_gather sampling", layers, "greedy", 0,
+                         self.greedy_sems, _sent_bytes(coll), count=2 * (self.d - 1),
+                         reads=((g, "greedy", 0),))  # fmt: skip
+            self.start(x)
+            self.wait(x)
+            g = x
+        self.run("vector", "token: best shard in device order", layers, 2 * self.d * self.t,
+                 ((g, "greedy", 0),))  # fmt: skip
+
+    # --- attention kinds ---
+    def attention(self, layer: int, name: str, v: int) -> int:
+        kind = self.spec.attention_kinds[name]
+        a = self.sh.attention[name]
+        ks = self.stream.attention[name]
+        segs = {s.name: s for s in ks.segments}
+        first = self.stream.attention_banks[layer]
+        h = self.dims.hidden
+        colls = {c.name: c for c in a.collectives}
+        x = self.vec(layer, f"{name}: attn_norm", self.res, 5 * self.t * h, ((v, None, 0),))
+        lbl = name
+        if isinstance(kind, GQAAttention):
+            y, _ = self.segment(layer, lbl, segs["qkv"], first, x)
+            y = self.vec(layer, f"{name}: q/k norm, rope, new rows", y, 8 * self.t * h,
+                         ((v, None, 0),))  # fmt: skip
+            wrote = self._gqa_cache(layer, name, kind, a, y)
+            o = self._gqa_attend(layer, name, kind, a, y, wrote)
+            gate = ", output gate" if kind.output_gate != "none" else ""
+            o = self.vec(layer, f"{name}: heads -> rows{gate}", o,
+                         self.t * a.heads_per_rank * kind.head_dim, ((y, None, 0),))  # fmt: skip
+            y, _ = self.segment(layer, lbl, segs["o"], first, o)
+            return self.collective(layer, colls.get("attn_out"), y)
+        if isinstance(kind, MLAAttention):
+            y, _ = self.segment(layer, lbl, segs["down"], first, x)
+            y = self.collective(layer, colls.get("mla_latent"), y)
+            y = self.vec(layer, f"{name}: latent norms", y, 5 * self.t * (
+                (kind.q_lora_rank or 0) + kind.kv_lora_rank), ((v, None, 0),))  # fmt: skip
+            if "q_b" in segs:
+                y, _ = self.segment(layer, lbl, segs["q_b"], first, y)
+            y, held = self.segment(layer, lbl, segs["kv_b"], first, y, hold=True)
+            wrote = self._mla_cache(layer, name, kind, y)
+            o = self._mla_attend(layer, name, kind, a, y, wrote)
+            # The value up-projection reads kv_b again: its banks are released after it.
+            reads = [(self.banks[g], "ring", g % self.depth) for g in held]
+            o = self.run("matmul", f"L{layer} {name}: latent -> values (kv_b again)", layer,
+                         2 * self.t * a.heads_per_rank * kind.kv_lora_rank * kind.v_head_dim,
+                         ((o, None, 0), *reads))  # fmt: skip
+            for g in held:
+                self.release(g)
+            y, _ = self.segment(layer, lbl, segs["o"], first, o)
+            return self.collective(layer, colls.get("attn_out"), y)
+        # KDA and Gated DeltaNet: the recurrent state replaces the cache.
+        order = [s.name for s in ks.segments]
+        y, _ = self.segment(layer, lbl, segs[order[0]], first, x)
+        if "kda_gate_rank" in colls:
+            y = self.collective(layer, colls["kda_gate_rank"], y)
+        for sname in order[1:-1]:  # KDA: the decay / output gate up-projections
+            y, _ = self.segment(layer, lbl, segs[sname], first, y)
+        y = self.vec(layer, f"{name}: conv, gates", y, 8 * self.t * h, ((v, None, 0),))
+        o = self._recurrent(layer, name, kind, a, y)
+        o = self.vec(layer, f"{name}: output norm, gate", o, 6 * self.t * h, ((v, None, 0),))
+        y, _ = self.segment(layer, lbl, segs[order[-1]], first, o)
+        return self.collective(layer, colls.get("attn_out"), y)
+
+    def _cache_slot(self, layer: int, name: str) -> int:
+        """The layer's position among the layers of its attention kind (its cache slot)."""
+        return self.cache_slots[layer]
+
+    def _block_sems(self, name: str, shape: tuple[int, ...]) -> tuple[str, ...]:
+        key = (name, shape)
+        cache = self.sem_cache
+        if key not in cache:
+            idx = [()]
+            for n in shape:
+                idx = [(*i, j) for i in idx for j in range(n)]
+            cache[key] = tuple(f"{name}[{','.join(map(str, i))}]" for i in idx)
+        return cache[key]
+
+    def _write_block(self, layer: int, name: str, sems: tuple[str, ...], nbytes: int,
+                     new_rows: int) -> int:  # fmt: skip
+        """Read the tile-aligned block around the new rows, merge them, write it back."""
+        cslot = self._cache_slot(layer, name)
+        hbm = f"hbm:{name}.cache"
+        rd = self.dma("cache_read", f"L{layer} {name}: cache block read", layer, f"{name}.block",
+                      0, sems, nbytes, count=len(sems), reads=((INIT, hbm, cslot),))  # fmt: skip
+        self.start(rd)
+        self.wait(rd)
+        m = self.run("vector", f"L{layer} {name}: merge new rows into the block", layer,
+                     nbytes // 2, ((rd, f"{name}.block", 0), (new_rows, None, 0)),
+                     writes=(f"{name}.block", 0))  # fmt: skip
+        wr = self.dma("cache_write", f"L{layer} {name}: cache block write", layer, hbm, cslot,
+                      sems, nbytes, count=len(sems), reads=((m, f"{name}.block", 0),))  # fmt: skip
+        self.start(wr)
+        self.wait(wr)
+        return wr
+
+    def _gqa_cache(self, layer, name, kind: GQAAttention, a, y: int) -> int:
+        b, g, d = self.dims.batch, a.kv_heads_per_rank, kind.head_dim
+        sems = self._block_sems(f"{name}_write_sems", (2, b, g))
+        nbytes = 2 * b * g * self.dims.cache_block * d * 2
+        return self._write_block(layer, name, sems, nbytes, y)
+
+    def _mla_cache(self, layer, name, kind: MLAAttention, y: int) -> int:
+        b = self.dims.batch
+        lat = kind.kv_lora_rank + kind.qk_rope_head_dim
+        sems = self._block_sems(f"{name}_write_sems", (b,))
+        return self._write_block(layer, name, sems, b * self.dims.cache_block * lat * 2, y)
+
+    def _tiles(self, layer: int, name: str, wrote: int, q: int, n: int, tile_bytes: int,
+               sems: list[tuple[str, ...]], flops: int) -> int:  # fmt: skip
+        """One pair's KV tiles through two buffers under an online softmax."""
+        res, hbm = f"{name}.tiles", f"hbm:{name}.cache"
+        cslot = self._cache_slot(layer, name)
+        tiles: dict[int, int] = {}
+        state = {"prev": q}
+
+        def tile(i: int, rep: int) -> int:
+            return self.dma("kv_tile", f"L{layer} {name}: kv tile {i}", layer, res, i % 2,
+                            sems[i % 2], tile_bytes, count=len(sems[i % 2]),
+                            reads=((wrote, hbm, cslot),), repeat=rep)  # fmt: skip
+
+        tiles[0] = tile(0, self.repeat)
+        self.start(tiles[0])
+
+        def body(i: int, last: bool, rep: Callable[[int], int]) -> None:
+            self.wait(tiles[i])
+            if not last:
+                tiles[i + 1] = tile(i + 1, rep(i + 1))
+                self.start(tiles[i + 1])
+            state["prev"] = self.run(
+                "attention", f"L{layer} {name}: scores, online softmax, tile {i}", layer, flops,
+                ((tiles[i], res, i % 2), (state["prev"], None, 0)),
+            )  # fmt: skip
+
+        self.loop(n, body)
+        return state["prev"]
+
+    def _gqa_attend(self, layer, name, kind: GQAAttention, a, y: int, wrote: int) -> int:
+        dims = self.dims
+        g = a.kv_heads_per_rank
+        n = kv_tiles(dims.context, dims.kv_tile, kind.sliding_window, dims.rows)
+        qr = q_rows(a.heads_per_rank // g, dims.rows)
+        sems = [(f"{name}_tile_sems[0,{buf}]", f"{name}_tile_sems[1,{buf}]") for buf in range(2)]
+        flops = 4 * qr * dims.kv_tile * kind.head_dim
+        out = {}
+
+        def pair() -> None:
+            out["o"] = self._tiles(layer, name, wrote, y, n, 2 * dims.kv_tile * kind.head_dim * 2,
+                                   sems, flops)  # fmt: skip
+
+        self.folded(dims.batch * g, pair)  # for each (sequence, kv head)
+        return out["o"]
+
+    def _mla_attend(self, layer, name, kind: MLAAttention, a, y: int, wrote: int) -> int:
+        dims = self.dims
+        lat = kind.kv_lora_rank + kind.qk_rope_head_dim
+        n = kv_tiles(dims.context, dims.kv_tile, None, dims.rows)
+        qr = q_rows(a.heads_per_rank, dims.rows)
+        sems = [(f"{name}_tile_sems[{buf}]",) for buf in range(2)]
+        flops = 2 * qr * dims.kv_tile * (lat + kind.kv_lora_rank)
+        out = {}
+
+        def sequence() -> None:
+            out["o"] = self._tiles(layer, name, wrote, y, n, dims.kv_tile * lat * 2, sems, flops)
+
+        self.folded(dims.batch, sequence)
+        return out["o"]
+
+    def _recurrent(self, layer: int, name: str, kind, a, y: int) -> int:
+        """Conv tail and state of every sequence in, the rows in order, all written back
+        (the template's Gated DeltaNet; KDA the same way)."""
+        b = self.dims.batch
+        heads, dk, dv, _ = recurrent_dims(kind, a)
+        res = f"{name}.state"
+        sems = self._block_sems(f"{name}_cache_sems", (2, b))
+        nbytes = b * a.cache.fixed_bytes
+        rd = self.dma("state_read", f"L{layer} {name}: conv tails and states in", layer, res,
+                      0, sems, nbytes, count=len(sems))  # fmt: skip
+        self.start(rd)
+        self.wait(rd)
+        prev = rd
+        for seq in range(b):  # each sequence updates its own part of the buffers
+            prev = self.run(
+                "recurrent", f"L{layer} {name}: conv, delta rule, sequence {seq}", layer,
+                8 * self.o.rows * heads * dk * dv, ((prev, res, 0), (y, None, 0)),
+                writes=(res, 0),
+            )  # fmt: skip
+        wr = self.dma("state_write", f"L{layer} {name}: conv tails and states out", layer, None,
+                      0, sems, nbytes, count=len(sems), reads=((prev, res, 0),))  # fmt: skip
+        self.start(wr)
+        self.wait(wr)
+        return prev
+
+    # --- FFN kinds ---
+    def ffn(self, layer: int, name: str, v: int) -> int:
+        kind = self.spec.ffn_kinds[name]
+        f = self.sh.ffn[name]
+        ks = self.stream.ffn[name]
+        segs = {s.name: s for s in ks.segments}
+        first = self.stream.ffn_banks[layer]
+        h = self.dims.hidden
+        colls = {c.name: c for c in f.collectives}
+        x = self.vec(layer, f"{name}: ffn_norm", self.res, 5 * self.t * h, ((v, None, 0),))
+        if isinstance(kind, DenseFFN):
+            y, _ = self.segment(layer, name, segs["gate_up"], first, x)
+            y = self.vec(layer, f"{name}: activation", y, 8 * self.t * segs["gate_up"].fan_out)
+            y, _ = self.segment(layer, name, segs["down"], first, y)
+            return self.collective(layer, colls.get("ffn_out"), y)
+        assert isinstance(kind, MoEFFN)
+        y, _ = self.segment(layer, name, segs["in"], first, x)
+        route = self.run("routing", f"L{layer} {name}: router scores, top-{kind.top_k}", layer,
+                         4 * self.t * kind.num_experts * kind.top_k, ((y, None, 0), (v, None, 0)))  # fmt: skip
+        lat = x
+        if kind.latent:
+            lat = self.collective(layer, colls.get("latent_in"), y)
+            lat = self.vec(layer, f"{name}: latent norm", lat, 5 * self.t * kind.latent.width,
+                           ((v, None, 0),))  # fmt: skip
+        out = self._experts(layer, name, kind, f, route, lat)
+        shared = None
+        if kind.shared_experts:
+            width = next(t.rank_shape[-1] for t in f.tensors if t.name == "ffn.shared_up")
+            shared = self.vec(layer, f"{name}: shared activation", y, 8 * self.t * width)
+        if kind.latent:
+            out = self.collective(layer, colls.get("expert_out"), out)
+            out, _ = self.segment(layer, name, segs["latent_out"], first, out)
+        if "shared_down" in segs:
+            s, _ = self.segment(layer, name, segs["shared_down"], first, shared)
+            out = self.vec(layer, f"{name}: experts + shared experts", out, self.t * h,
+                           ((s, None, 0),))  # fmt: skip
+        return self.collective(layer, colls.get("ffn_out"), out)
+
+    def _experts(self, layer: int, name: str, kind: MoEFFN, f, route: int, x: int) -> int:
+        """Expert ids to SMEM, the list of this core's chosen experts, then their pieces
+        through the slots: piece q (of expert q // P) in slot q % S, the first S issued at
+        once, piece q + S right after piece q is used (the template's expert ring)."""
+        split = f.experts
+        e = self.vmem.experts[name]
+        n = max(1, min(split.experts_per_rank, math.ceil(split.expected_max_experts_per_rank)))
+        pieces = e.pieces
+        self.experts_per_layer[layer] = (n, pieces)
+        slots = self.vmem.expert_slots
+        res = f"{name}.experts"
+        ids = self.dma("ids", f"L{layer} {name}: expert ids -> SMEM", layer, f"smem:{name}.ids",
+                       0, (f"{name}_ids_sem",), self.dims.tokens_padded * 128 * 4,
+                       reads=((route, None, 0),))  # fmt: skip
+        self.start(ids)
+        self.wait(ids)
+        listing = self.run("scalar", f"L{layer} {name}: list this core's chosen experts", layer,
+                           self.t * kind.top_k, ((ids, f"smem:{name}.ids", 0),))  # fmt: skip
+        kept = expert_iterations(n, pieces, slots)
+        units = len(kept) * pieces  # over the kept iterations (see expert_iterations)
+        sems = [tuple(f"{name}_slot_sems[{k},{s}]" for k in range(e.arrays)) for s in range(slots)]
+        nodes: dict[int, int] = {}
+        outer = self.repeat
+
+        def fetch(q: int) -> None:
+            if q >= units:
+                return
+            (i, rep), p = kept[q // pieces], q % pieces
+            nodes[q] = self.dma("expert", f"L{layer} {name}: expert {i} piece {p}", layer, res,
+                                q % slots, sems[q % slots], e.piece_bytes, count=e.arrays,
+                                reads=((listing, None, 0),), key=("expert", layer, i, p),
+                                repeat=outer * rep)  # fmt: skip
+            self.start(nodes[q])
+
+        for q in range(slots):
+            fetch(q)
+        flops = 2 * split.rows_per_expert * e.piece_chunks * CHUNK * LANES
+        acc = x
+        for k, (i, rep) in enumerate(kept):
+            self.repeat = outer * rep
+            prev = x
+            for p in range(pieces):
+                q = k * pieces + p
+                self.wait(nodes[q])
+                part = "gate/up" if p < e.gate_up_pieces else "down"
+                prev = self.run(
+                    "expert_mm", f"L{layer} {name}: expert {i} {part} piece {p}", layer, flops,
+                    ((nodes[q], res, q % slots), (prev, None, 0), (route, None, 0)),
+                )  # fmt: skip
+                fetch(q + slots)
+                if p == e.gate_up_pieces - 1:
+                    prev = self.vec(layer, f"{name}: expert {i} activation", prev,
+                                    8 * self.t * e.width)  # fmt: skip
+            acc = self.vec(layer, f"{name}: += weight x expert {i}", acc, 2 * self.t * e.d,
+                           ((prev, None, 0),))  # fmt: skip
+        self.repeat = outer
+        return acc
+
+
+def expert_iterations(n: int, pieces: int, slots: int) -> list[tuple[int, int]]:
+    """(expert index, repeat) of the expert loop's iterations the schedule keeps.
+
+    Piece q of the loop lives in slot q % slots, so iteration i meets the slots in phase
+    i x pieces mod slots, which repeats every ``period`` iterations. Kept: the first
+    period (the ring fills), one period standing for the steady state (repeat = the
+    middle periods), and the last iterations where prefetching stops (the ring drains).
+    Consecutive kept iterations stay in phase, so every slot pattern is checked.
+    """
+    period = slots // math.gcd(pieces, slots)
+    drain = max(period, -(-slots // pieces))
+    if n <= 2 * period + drain:
+        return [(i, 1) for i in range(n)]
+    tail = drain + (n - period - drain) % period
+    middle = n - period - tail  # a whole number of periods, at least one
+    kept = [(i, 1) for i in range(period)]
+    kept += [(i, middle // period) for i in range(period, 2 * period)]
+    kept += [(i, 1) for i in range(n - tail, n)]
+    return kept
+
+
+def build_schedule(
+    spec: ModelSpec,
+    sharding: ShardingPlan,
+    stream: StreamPlan,
+    vmem: VmemPlan,
+    options: BuildOptions,
+) -> Schedule:
+    """The step's program for ``spec`` as sharded, streamed and allocated (spec with the
+    options' quantization already applied)."""
+    return _Builder(spec, sharding, stream, vmem, options).build()

@@ -1,0 +1,739 @@
+"""The VMEM plan: every buffer one core keeps in VMEM, padded as Mosaic pads it.
+
+For the kinds the code generator renders (GQA, Gated DeltaNet and KDA attention, dense
+and MoE FFNs with bf16 or int4 experts) the scratch list is exactly ``_scratch_shapes()`` of
+``templates/megakernel.py.j2``, in the same order (SMEM arrays and semaphores
+included), followed by the kernel's VMEM-resident inputs and outputs (embedded
+rows, final norm, RoPE tables, logits, tokens). For the other kinds the plan lists
+the buffers the kernel design implies (docs/planner.md):
+
+- MoE with experts in formats the template does not read yet (mxfp4, nvfp4, int8,
+  fp8): the same piece slots, codes and scales in their own dtypes;
+- MLA: a double-buffered latent tile, the latent block rewritten around new rows,
+  the latent q and output;
+- the attention residual's snapshots.
+
+Mosaic pads the two minor dims of every buffer to its native tile ((8,128) 32-bit,
+(16,128) bf16, (32,128) 8-bit; ``mkgen.hardware.vmem_padded_bytes``). Large values
+live in Mosaic's own scratch, which the plan estimates (category ``internal``) so
+that the planned figure is not below what the compiled kernel really uses
+(tests/test_plan_graph.py holds it against a real TPU7x compile).
+
+The explicit buffers must fit the budget (BuildOptions.vmem_budget_bytes or the
+chip's default, 58 of TPU7x's 64 MiB); the estimate of Mosaic's scratch must fit
+in the rest of the limit. The ring depth and the expert slot count are chosen here,
+under the budget.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from mkgen.errors import SpecError
+from mkgen.hardware import MiB, vmem_padded_bytes
+from mkgen.plan.options import BuildOptions
+from mkgen.plan.sharding import ShardingPlan, TensorShard
+from mkgen.plan.stream import CHUNK, LANES, StreamPlan, cdiv, choose_ring, round_up
+from mkgen.spec.quant import parse_format
+from mkgen.spec.schema import (
+    GatedDeltaNetAttention,
+    GQAAttention,
+    KDAAttention,
+    MLAAttention,
+    ModelSpec,
+    MoEFFN,
+)
+from mkgen.spec.topology import Topology
+
+# Tuning choice (measurements.md): 3/4/5/6/8 expert slots measured 668/653/685/690/824 us
+# over 8 Muse Spark layers; 4 was best, so 4 is the most the plan asks for.
+MAX_EXPERT_SLOTS = 4
+# Tuning choice (mkgen.plan.layout): expert pieces of at most 16 chunks, 2 MiB in bf16,
+# the size of a weight-stream bank.
+MAX_PIECE_CHUNKS = 16
+# Tuning choice: the ring is worth more than a fourth expert slot only while it is
+# shallow; below half the design depth (12 x 2 MiB) slots give way first.
+RING_COMFORT_FRACTION = 0.5
+SUBLANES_F32 = 8
+CACHE_ALIGN = 16  # bf16 HBM rows are tiled by 16: cache blocks start on a multiple
+KV_TILE_MAX = 128  # cache tokens per streamed tile (the template's choice)
+GREEDY_LANES = 128  # (max, argmax) per row, padded to one lane row
+
+Category = Literal[
+    "ring",
+    "expert_slots",
+    "collectives",
+    "attention",
+    "vectors",
+    "logits",
+    "activations",
+    "internal",
+]
+CATEGORIES: tuple[str, ...] = (
+    "ring",
+    "expert_slots",
+    "collectives",
+    "attention",
+    "vectors",
+    "logits",
+    "activations",
+    "internal",
+)
+DTYPE_BITS = {"f32": 32, "int32": 32, "bf16": 16, "int8": 8, "uint8": 8}
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class VmemBuffer(_Frozen):
+    """One VMEM array of the kernel."""
+
+    name: str  # the kernel's ref name (memory-space suffix included)
+    category: str
+    role: Literal["scratch", "input", "output", "internal"]
+    shape: tuple[int, ...]
+    dtype: str  # f32, bf16, int32, int8, uint8
+    bytes: int  # after Mosaic's tile padding
+    # The schedule resource this buffer backs ("" when the schedule does not track it);
+    # its leading dim is the resource's slot count.
+    resource: str = ""
+    why: str = ""
+
+    def describe(self) -> str:
+        return (
+            f"{self.name:<34} {self.category:<12} {self.role:<8} {str(list(self.shape)):<26} "
+            f"{self.dtype:<5} {self.bytes / MiB:9.3f} MiB" + (f"  {self.why}" if self.why else "")
+        )
+
+
+class SemaphoreArray(_Frozen):
+    """DMA semaphores of the kernel (semaphore memory, not VMEM)."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+class SmemArray(_Frozen):
+    """A scalar-memory scratch array of the kernel (expert ids and lists)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class ExpertPieces(_Frozen):
+    """One routed expert's per-rank slice as it streams: pieces of ``piece_chunks`` CHUNK x
+    LANES chunks, gate|up ([d, 2 x width], column-block-major) then down ([width, d]),
+    each piece one DMA per array (codes, and scales for scaled formats) into a slot."""
+
+    d: int  # the dimension experts read and write (latent width or hidden)
+    width: int  # intermediate columns per rank
+    format: str  # the experts' storage format
+    code_dtype: str  # bf16 or int8 (4-bit codes two to a byte)
+    code_rows: int  # rows of one piece's codes
+    scale_dtype: str  # "" without scales
+    scale_rows: int
+    scale_cols: int
+    gate_up_k_chunks: int
+    gate_up_col_blocks: int
+    down_k_chunks: int
+    down_col_blocks: int
+    piece_chunks: int
+    gate_up_pieces: int
+    down_pieces: int
+
+    @property
+    def pieces(self) -> int:
+        return self.gate_up_pieces + self.down_pieces
+
+    @property
+    def arrays(self) -> int:
+        """DMAs per piece: codes, and scales when the format has them."""
+        return 2 if self.scale_dtype else 1
+
+    @property
+    def piece_bytes(self) -> int:
+        """HBM bytes of one piece (codes and scales)."""
+        code = self.code_rows * LANES * (2 if self.code_dtype == "bf16" else 1)
+        scale = self.scale_rows * self.scale_cols * (DTYPE_BITS.get(self.scale_dtype, 0) // 8)
+        return code + scale
+
+
+class KernelDims(_Frozen):
+    """The kernel constants every VMEM buffer and the schedule derive from."""
+
+    devices: int
+    batch: int
+    rows: int
+    tokens: int
+    tokens_padded: int  # token rows rounded up to 8 f32 sublanes
+    hidden: int
+    context: int
+    kv_tile: int  # cache tokens per streamed tile
+    cache_block: int  # cache rows rewritten around a step's new entries
+    max_k_chunks: int  # largest stream segment fan-in, in CHUNK rows
+    max_col_blocks: int  # largest stream segment fan-out, in LANES columns
+    vector_rows: int  # rows of one layer's vector slab
+    vector_width: int
+    vocab_per_core: int
+    bank_rows: int
+    bank_bytes: int
+    layers: int
+    # Each collective of a layer has its own gather buffer (the kernel's rule): the most
+    # collectives one layer runs, at least 2.
+    collective_buffers: int
+
+
+class VmemPlan(_Frozen):
+    """Every VMEM buffer of one core, the chosen ring depth and expert slots, the budget."""
+
+    dims: KernelDims
+    buffers: tuple[VmemBuffer, ...]
+    semaphores: tuple[SemaphoreArray, ...]
+    smem: tuple[SmemArray, ...]
+    experts: dict[str, ExpertPieces]  # MoE kind -> how its experts stream
+    resources: dict[str, int]  # schedule resource -> slots
+    # Scratch buffers, SMEM arrays and semaphore arrays in the pallas_call's order (for the
+    # kinds the template renders: exactly its _scratch_shapes()).
+    scratch_order: tuple[str, ...]
+    ring_depth: int
+    expert_slots: int  # 0 without routed experts
+    expert_slot_bytes: int  # one slot of every MoE kind together
+    budget_bytes: int
+    limit_bytes: int
+    explicit_bytes: int  # scratch + VMEM-resident inputs and outputs
+    internal_bytes: int  # estimate of Mosaic's own scratch for large values
+    why: str
+
+    @property
+    def total_bytes(self) -> int:
+        """What Mosaic should report for the kernel: explicit + its own scratch."""
+        return self.explicit_bytes + self.internal_bytes
+
+    @property
+    def by_category(self) -> dict[str, int]:
+        out = dict.fromkeys(CATEGORIES, 0)
+        for b in self.buffers:
+            out[b.category] += b.bytes
+        return out
+
+    @property
+    def within_budget(self) -> bool:
+        return self.explicit_bytes <= self.budget_bytes and self.total_bytes <= self.limit_bytes
+
+    def scratch_shapes(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """(name, shape, dtype) of the call's scratch in order; dtype "dma_sem" for
+        semaphores, "smem:<dtype>" for SMEM arrays."""
+        buffers = {b.name: b for b in self.buffers}
+        sems = {s.name: s for s in self.semaphores}
+        smem = {s.name: s for s in self.smem}
+        out = []
+        for name in self.scratch_order:
+            if name in buffers:
+                out.append((name, buffers[name].shape, buffers[name].dtype))
+            elif name in smem:
+                out.append((name, smem[name].shape, f"smem:{smem[name].dtype}"))
+            else:
+                out.append((name, sems[name].shape, "dma_sem"))
+        return out
+
+    def buffer(self, name: str) -> VmemBuffer:
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        raise KeyError(name)
+
+    def describe(self) -> str:
+        lines = [
+            f"VMEM per core: {self.total_bytes / MiB:.2f} MiB ({self.explicit_bytes / MiB:.2f} "
+            f"explicit, budget {self.budget_bytes / MiB:.1f}; {self.internal_bytes / MiB:.2f} "
+            f"Mosaic scratch (estimate), limit {self.limit_bytes / MiB:.1f}); {self.why}"
+        ]
+        for cat, nbytes in self.by_category.items():
+            if nbytes:
+                lines.append(f"  {cat:<13} {nbytes / MiB:9.3f} MiB")
+        lines += ["  " + b.describe() for b in self.buffers]
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- dims
+
+
+def _vector_rows(shards: tuple[TensorShard, ...], gqa: bool) -> tuple[int, list[int]]:
+    """(rows in the layer's vector slab, lengths) of one kind's small vectors.
+
+    GQA keeps exactly the rows the template reads (q_norm, k_norm, biases, sinks); other
+    kinds one row per vector-family tensor row (a conv kernel [width, dim] takes width rows).
+    """
+    rows, lengths = 0, []
+    for t in shards:
+        if t.family != "vectors":
+            continue
+        name = t.name.split(".", 1)[1]
+        if gqa and name not in ("q_norm", "k_norm", "bq", "bk", "bv", "bo", "sinks"):
+            continue
+        rows += math.prod(t.rank_shape[:-1]) if len(t.rank_shape) > 1 else 1
+        lengths.append(t.rank_shape[-1])
+    return rows, lengths
+
+
+def kernel_dims(
+    spec: ModelSpec, sharding: ShardingPlan, stream: StreamPlan, options: BuildOptions
+) -> KernelDims:
+    """The kernel's constants, derived as mkgen.plan.layout derives them."""
+    h = spec.dims.hidden
+    segments = [s for k in stream.attention.values() for s in k.segments]
+    segments += [s for k in stream.ffn.values() for s in k.segments] + list(stream.tail)
+    attn_rows, lengths = 0, []
+    for name, a in sharding.attention.items():
+        r, ls = _vector_rows(a.tensors, isinstance(spec.attention_kinds[name], GQAAttention))
+        attn_rows, lengths = max(attn_rows, r), lengths + ls
+    ffn_rows = 0
+    for f in sharding.ffn.values():
+        r, ls = _vector_rows(f.tensors, False)
+        ffn_rows, lengths = max(ffn_rows, r), lengths + ls
+    per_layer = max(
+        len(sharding.attention[a].collectives) + len(sharding.ffn[f].collectives)
+        for a, f in set(sharding.layer_table)
+    )
+    tokens = options.tokens
+    return KernelDims(
+        devices=sharding.devices,
+        batch=options.batch,
+        rows=options.rows,
+        tokens=tokens,
+        tokens_padded=round_up(tokens, SUBLANES_F32),
+        hidden=h,
+        context=options.context,
+        kv_tile=min(options.context, KV_TILE_MAX),
+        cache_block=round_up(options.rows + CACHE_ALIGN - 1, CACHE_ALIGN),
+        max_k_chunks=max(s.k_chunks for s in segments),
+        max_col_blocks=max(s.col_blocks for s in segments),
+        vector_rows=2 + attn_rows + ffn_rows,  # rows 0 and 1: attn_norm, ffn_norm
+        vector_width=round_up(max([h, *lengths]), 128),
+        vocab_per_core=stream.tail[0].fan_out,
+        bank_rows=stream.bank_rows,
+        bank_bytes=stream.bank_bytes,
+        layers=len(sharding.layer_table),
+        collective_buffers=max(2, per_layer),
+    )
+
+
+def q_rows(heads: int, rows: int) -> int:
+    """Query rows of one kv head (or latent) in the attention scratch: padded to 8."""
+    return round_up(heads * rows, SUBLANES_F32)
+
+
+def piece_chunks(gate_up: int, down: int, largest: int = MAX_PIECE_CHUNKS) -> int:
+    """Chunks per expert piece: the largest size up to ``largest`` that pads the least
+    (mkgen.plan.layout's rule; tests compare the rendered kernels)."""
+
+    def waste(n: int) -> int:
+        return cdiv(gate_up, n) * n - gate_up + cdiv(down, n) * n - down
+
+    return min(range(1, largest + 1), key=lambda n: (waste(n), -n))
+
+
+def expert_pieces(fmt_text: str, d: int, width: int) -> ExpertPieces:
+    """How one expert slice of ``fmt_text`` streams in pieces (bf16 and int4:G as the
+    template reads them; the other formats as their design implies)."""
+    fmt = parse_format(fmt_text)
+    gate_up = cdiv(d, CHUNK) * cdiv(2 * width, LANES)
+    down = cdiv(width, CHUNK) * cdiv(d, LANES)
+    piece = piece_chunks(gate_up, down)
+    rows = piece * CHUNK
+    code_dtype, code_rows, scale_dtype, scale_rows, scale_cols = "int8", rows, "", 0, LANES
+    if fmt.kind == "bf16":
+        code_dtype = "bf16"
+    elif fmt.code_bits == 4:
+        code_rows = rows // 2  # two codes a byte: rows r and r + CHUNK / 2 of a chunk
+        scale_dtype = "bf16" if fmt.kind == "int4" else "uint8"  # e8m0 / e4m3 scale bytes
+        scale_rows = rows // fmt.block
+    elif fmt.kind == "int8":
+        scale_dtype, scale_rows = "f32", piece  # per-column scales, one row per chunk
+    else:  # fp8:B, B x B blocks
+        scale_dtype, scale_rows, scale_cols = "f32", rows // fmt.block, LANES // fmt.block
+    return ExpertPieces(
+        d=d,
+        width=width,
+        format=fmt_text,
+        code_dtype=code_dtype,
+        code_rows=code_rows,
+        scale_dtype=scale_dtype,
+        scale_rows=scale_rows,
+        scale_cols=scale_cols,
+        gate_up_k_chunks=cdiv(d, CHUNK),
+        gate_up_col_blocks=cdiv(2 * width, LANES),
+        down_k_chunks=cdiv(width, CHUNK),
+        down_col_blocks=cdiv(d, LANES),
+        piece_chunks=piece,
+        gate_up_pieces=cdiv(gate_up, piece),
+        down_pieces=cdiv(down, piece),
+    )
+
+
+# --------------------------------------------------------------------------- buffers
+
+
+class _List:
+    def __init__(self) -> None:
+        self.buffers: list[VmemBuffer] = []
+        self.semaphores: list[SemaphoreArray] = []
+        self.smem: list[SmemArray] = []
+        self.resources: dict[str, int] = {}
+        self.order: list[str] = []  # scratch, SMEM and semaphores, in the call's order
+        self.experts: dict[str, ExpertPieces] = {}
+
+    def add(
+        self,
+        name: str,
+        category: str,
+        shape: tuple[int, ...],
+        dtype: str,
+        role: str = "scratch",
+        resource: str = "",
+        why: str = "",
+        slots: int = 1,
+    ) -> None:
+        nbytes = vmem_padded_bytes(tuple(shape), DTYPE_BITS[dtype])
+        if role != "scratch" and len(shape) == 2 and shape[0] == 1:
+            # XLA lays one-row operands out with (1, 128) tiles (T(1,128) in the HLO).
+            nbytes = round_up(shape[1], 128) * DTYPE_BITS[dtype] // 8
+        if resource:
+            self.resources[resource] = slots
+        if role == "scratch":
+            self.order.append(name)
+        self.buffers.append(
+            VmemBuffer(
+                name=name,
+                category=category,
+                role=role,
+                shape=tuple(shape),
+                dtype=dtype,
+                bytes=nbytes,
+                resource=resource,
+                why=why,
+            )  # fmt: skip
+        )
+
+    def sems(self, name: str, shape: tuple[int, ...]) -> None:
+        self.semaphores.append(SemaphoreArray(name=name, shape=tuple(shape)))
+        self.order.append(name)
+
+    def scalar(self, name: str, shape: tuple[int, ...], dtype: str = "int32") -> None:
+        self.smem.append(SmemArray(name=name, shape=tuple(shape), dtype=dtype))
+        self.order.append(name)
+
+
+def _gqa_buffers(out: _List, name: str, kind: GQAAttention, a, dims: KernelDims) -> None:
+    """Exactly the per-kind scratch of the template (same order, same shapes)."""
+    b, r = dims.batch, dims.rows
+    kvh, d = a.kv_heads_per_rank, kind.head_dim
+    qr = q_rows(a.heads_per_rank // kvh, r)
+    out.add(f"{name}_kv_new_vmem", "attention", (2, b, kvh, r, d), "bf16",
+            why="the step's new keys and values")  # fmt: skip
+    out.add(f"{name}_q_vmem", "attention", (b, kvh, qr, d), "f32", why="q rows per kv head")
+    out.add(f"{name}_o_vmem", "attention", (b, kvh, qr, d), "f32", why="attention outputs")
+    out.add(f"{name}_tiles_vmem", "attention", (2, 2, dims.kv_tile, d), "bf16",
+            resource=f"{name}.tiles", slots=2, why="k and v tiles, double buffered")  # fmt: skip
+    out.sems(f"{name}_tile_sems", (2, 2))
+    out.sems(f"{name}_write_sems", (2, b, kvh))
+    out.add(f"{name}_block_vmem", "attention", (2, b, kvh, dims.cache_block, d), "bf16",
+            resource=f"{name}.block", why="cache rows rewritten around the new entries")  # fmt: skip
+    if kind.sinks:
+        out.add(f"{name}_sinks_vmem", "attention", (kvh, qr, 128), "f32", why="sink logits")
+
+
+def _mla_buffers(out: _List, name: str, kind: MLAAttention, a, dims: KernelDims) -> None:
+    b, r = dims.batch, dims.rows
+    lat = kind.kv_lora_rank + kind.qk_rope_head_dim
+    qr = q_rows(a.heads_per_rank, r)
+    out.add(f"{name}_kv_new_vmem", "attention", (b, r, lat), "bf16", why="new latent rows")
+    out.add(f"{name}_q_vmem", "attention", (b, qr, lat), "f32",
+            why="q absorbed into the latent space (heads x rows)")  # fmt: skip
+    out.add(f"{name}_o_vmem", "attention", (b, qr, kind.kv_lora_rank), "f32",
+            why="latent attention outputs")  # fmt: skip
+    out.add(f"{name}_tiles_vmem", "attention", (2, dims.kv_tile, lat), "bf16",
+            resource=f"{name}.tiles", slots=2,
+            why="latent tiles (keys and values), double buffered")  # fmt: skip
+    out.sems(f"{name}_tile_sems", (2,))
+    out.sems(f"{name}_write_sems", (b,))
+    out.add(f"{name}_block_vmem", "attention", (b, dims.cache_block, lat), "bf16",
+            resource=f"{name}.block", why="latent cache rows rewritten around the new entries")  # fmt: skip
+
+
+def recurrent_dims(kind: object, a) -> tuple[int, int, int, int]:
+    """(state heads, key dim, value dim, conv channels) per rank of a KDA / GDN layer."""
+    if isinstance(kind, KDAAttention):
+        h = a.heads_per_rank
+        return h, kind.head_dim, kind.head_dim, 3 * h * kind.head_dim
+    assert isinstance(kind, GatedDeltaNetAttention)
+    v, k = a.heads_per_rank, a.kv_heads_per_rank
+    conv = 2 * k * kind.key_head_dim + v * kind.value_head_dim
+    return v, kind.key_head_dim, kind.value_head_dim, conv
+
+
+def _recurrent_buffers(out: _List, name: str, kind: object, a, dims: KernelDims) -> None:
+    """Gated DeltaNet exactly as the template keeps it (KDA the same way): the conv tail
+    and state of every sequence, read at the top of the layer, written back at its end."""
+    heads, dk, dv, conv = recurrent_dims(kind, a)
+    b = dims.batch
+    out.add(f"{name}_conv_vmem", "attention", (b, kind.conv_width - 1, conv), "bf16",
+            resource=f"{name}.state", why="conv tail of every sequence")  # fmt: skip
+    out.add(f"{name}_state_vmem", "attention", (b, heads, dk, dv), "f32",
+            resource=f"{name}.state", why="recurrent state of every sequence")  # fmt: skip
+    out.sems(f"{name}_cache_sems", (2, b))
+
+
+def _moe_buffers(
+    out: _List, name: str, kind: MoEFFN, f, dims: KernelDims, slots: int, fmt: str
+) -> int:
+    """The template's MoE scratch (expert ids, piece slots, expert matmul staging);
+    returns the bytes of one slot."""
+    tp = dims.tokens_padded
+    gate = next(t for t in f.tensors if t.name == "ffn.experts_gate")
+    e = expert_pieces(fmt, gate.global_shape[1], f.experts.width_per_rank)
+    out.experts[name] = e
+    out.add(f"{name}_ids_vmem", "activations", (tp, 128), "int32", why="chosen experts")
+    out.scalar(f"{name}_ids_smem", (tp, 128))
+    out.sems(f"{name}_ids_sem", ())
+    out.scalar(f"{name}_seen_smem", (kind.num_experts,))
+    out.scalar(f"{name}_chosen_smem", (dims.tokens * kind.top_k,))
+    res, why = f"{name}.experts", f"{slots} expert piece slot(s), {fmt}"
+    if e.code_dtype == "bf16":
+        out.add(f"{name}_slots_vmem", "expert_slots", (slots, e.code_rows, LANES), "bf16",
+                resource=res, slots=slots, why=why)  # fmt: skip
+    else:
+        out.add(f"{name}_code_slots_vmem", "expert_slots", (slots, e.code_rows, LANES),
+                e.code_dtype, resource=res, slots=slots, why=why)  # fmt: skip
+        out.add(f"{name}_scale_slots_vmem", "expert_slots", (slots, e.scale_rows, e.scale_cols),
+                e.scale_dtype, resource=res, slots=slots, why=why)  # fmt: skip
+    out.sems(f"{name}_slot_sems", (2, slots))
+    out.add(f"{name}_in_vmem", "activations", (e.gate_up_k_chunks, tp, CHUNK), "bf16",
+            why="expert input, chunked")  # fmt: skip
+    out.add(f"{name}_mid_vmem", "activations", (e.down_k_chunks, tp, CHUNK), "bf16",
+            why="expert activation, chunked")  # fmt: skip
+    out.add(f"{name}_acc_vmem", "activations",
+            (max(e.gate_up_col_blocks, e.down_col_blocks), tp, LANES), "f32",
+            why="expert matmul output blocks")  # fmt: skip
+    one = vmem_padded_bytes((e.code_rows, LANES), DTYPE_BITS[e.code_dtype])
+    if e.scale_dtype:
+        one += vmem_padded_bytes((e.scale_rows, e.scale_cols), DTYPE_BITS[e.scale_dtype])
+    return one
+
+
+def _base(out: _List, dims: KernelDims, depth: int) -> None:
+    """The template's kind-independent scratch, in its order."""
+    tp, h, d, cb = dims.tokens_padded, dims.hidden, dims.devices, dims.collective_buffers
+    out.add("ring_vmem", "ring", (depth, dims.bank_rows, LANES), "bf16", resource="ring",
+            slots=depth, why=f"{depth} weight banks in flight")  # fmt: skip
+    out.sems("ring_sems", (depth,))
+    out.add("xk_vmem", "activations", (dims.max_k_chunks, tp, CHUNK), "bf16",
+            why="a matmul's input, chunked")  # fmt: skip
+    out.add("acc_vmem", "activations", (dims.max_col_blocks, tp, LANES), "f32",
+            why="a matmul's output, by column block")  # fmt: skip
+    out.add("vec_vmem", "vectors", (2, dims.vector_rows, dims.vector_width), "f32",
+            resource="vectors", slots=2, why="this layer's and the next layer's vectors")  # fmt: skip
+    out.sems("vec_sems", (2,))
+    out.add("x_res_vmem", "activations", (tp, h), "f32", why="the residual stream")
+    out.add("gather_vmem", "collectives", (cb, d, tp, h), "f32", resource="gather",
+            slots=cb, why="remote-DMA landing slots per source, one buffer per collective "
+            "of a layer")  # fmt: skip
+    out.sems("send_sems", (cb, d))
+    out.sems("recv_sems", (cb, d))
+    out.add("greedy_vmem", "logits", (d, tp, GREEDY_LANES), "f32", resource="greedy",
+            why="(max, argmax) of every vocabulary shard")  # fmt: skip
+    out.sems("greedy_sems", (2, d))
+
+
+def _buffers(
+    spec: ModelSpec,
+    sharding: ShardingPlan,
+    dims: KernelDims,
+    depth: int,
+    slots: int,
+) -> tuple[_List, int]:
+    out = _List()
+    _base(out, dims, depth)
+    for name, a in sharding.attention.items():  # used kinds, in spec order
+        kind = spec.attention_kinds[name]
+        if isinstance(kind, GQAAttention):
+            _gqa_buffers(out, name, kind, a, dims)
+        elif isinstance(kind, MLAAttention):
+            _mla_buffers(out, name, kind, a, dims)
+        else:
+            _recurrent_buffers(out, name, kind, a, dims)
+    slot_bytes = 0
+    for name, f in sharding.ffn.items():
+        kind = spec.ffn_kinds[name]
+        if isinstance(kind, MoEFFN) and f.experts is not None:
+            fmt = sharding.quantization["experts"]
+            slot_bytes += _moe_buffers(out, name, kind, f, dims, max(slots, 1), fmt)
+    tp, h = dims.tokens_padded, dims.hidden
+    if spec.attention_residual:
+        r = spec.attention_residual
+        out.add("attn_res_vmem", "activations", (r.max_snapshots, tp, h), "f32",
+                why="attention-residual snapshots")  # fmt: skip
+        blocks = math.ceil(spec.layers.count / r.block_size)
+        out.add("attn_res_logits_vmem", "vectors", (blocks, r.max_snapshots), "f32", "input")
+    # VMEM-resident inputs and outputs of the pallas_call (in call order).
+    out.add("x_vmem", "activations", (tp, h), "f32", "input", why="embedded input rows")
+    out.add("final_norm_vmem", "vectors", (1, h), "f32", "input")
+    for name in sharding.attention:
+        kind = spec.attention_kinds[name]
+        rot = _rotary_dim(kind)
+        if rot:
+            out.add(f"{name}_cos_vmem", "attention", (tp, rot // 2), "f32", "input")
+            out.add(f"{name}_sin_vmem", "attention", (tp, rot // 2), "f32", "input")
+    out.add("logits_vmem", "logits", (tp, dims.vocab_per_core), "f32", "output")
+    out.add("tokens_vmem", "logits", (tp, GREEDY_LANES), "int32", "output")
+    # Mosaic keeps large values (a matmul's concatenated output, the residual rows and
+    # their normed copy) in its own scratch: an estimate, checked against compiles.
+    widest = max(dims.max_col_blocks * LANES, h)
+    out.add("mosaic_values", "internal", (2, tp, widest), "f32", "internal",
+            why="estimate: two live matmul outputs")  # fmt: skip
+    states = [
+        recurrent_dims(spec.attention_kinds[n], a)
+        for n, a in sharding.attention.items()
+        if isinstance(spec.attention_kinds[n], KDAAttention | GatedDeltaNetAttention)
+    ]
+    if states:  # the delta rule keeps one sequence's head states as values
+        heads, dk, dv, _ = max(states, key=lambda x: x[0] * x[1] * x[2])
+        out.add("mosaic_states", "internal", (heads, dk, dv), "f32", "internal",
+                why="estimate: one sequence's recurrent states")  # fmt: skip
+    out.add("mosaic_hidden", "internal", (2, tp, h), "f32", "internal",
+            why="estimate: residual and normed rows")  # fmt: skip
+    return out, slot_bytes
+
+
+def _rotary_dim(kind: object) -> int:
+    if isinstance(kind, GQAAttention):
+        return kind.rotary_dim
+    if isinstance(kind, MLAAttention) and kind.rope is not None:
+        return kind.qk_rope_head_dim
+    return 0
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def _mib(n: float) -> str:
+    return f"{n / MiB:.1f} MiB"
+
+
+def _largest(buffers: list[VmemBuffer], n: int = 3) -> str:
+    top = sorted(buffers, key=lambda b: -b.bytes)[:n]
+    return ", ".join(f"{b.name} {list(b.shape)} {_mib(b.bytes)}" for b in top)
+
+
+def plan_vmem(
+    spec: ModelSpec,
+    topo: Topology,
+    options: BuildOptions,
+    sharding: ShardingPlan,
+    stream: StreamPlan,
+    *,
+    ring_target_bytes: int | None = None,
+) -> VmemPlan:
+    """Every VMEM buffer, with the ring depth and expert slots chosen under the budget.
+
+    Raises a one-line SpecError with the numbers when the fixed buffers exceed the budget,
+    when the budget cannot hold one weight bank, or when it cannot hold two banks and
+    one expert slot.
+    """
+    from mkgen.plan.layout import RING_VMEM_BYTES
+
+    chip = topo.chip_info
+    limit = chip.vmem_limit_bytes
+    budget = options.vmem_budget_bytes or chip.vmem_budget_bytes
+    if budget > limit:
+        raise SpecError(
+            f"--vmem-budget {_mib(budget)}: exceeds {chip.name}'s VMEM limit of {_mib(limit)} "
+            "(the budget is the explicit VMEM the plan may allocate)"
+        )
+    target = ring_target_bytes or RING_VMEM_BYTES
+    dims = kernel_dims(spec, sharding, stream, options)
+    bank = dims.bank_bytes
+    # Everything but the ring and the expert slots is fixed by the build.
+    probe, slot_bytes = _buffers(spec, sharding, dims, 1, 1)
+    variable = {"ring", "expert_slots"}
+    fixed_list = [b for b in probe.buffers if b.category not in variable and b.role != "internal"]
+    fixed = sum(b.bytes for b in fixed_list)
+    internal = sum(b.bytes for b in probe.buffers if b.role == "internal")
+    # The chip's budget leaves the rest of the limit to Mosaic's own scratch; when the
+    # estimate of that scratch needs more, the explicit buffers give way.
+    usable = min(budget, limit - internal)
+    where = f"{spec.name} on {topo.name} (batch {options.batch} x rows {options.rows})"
+    if fixed > usable:
+        scratch = f" and {_mib(internal)} of Mosaic scratch" if usable < budget else ""
+        raise SpecError(
+            f"VMEM: {where} needs {_mib(fixed)} per core before the weight ring and expert "
+            f"slots{scratch}, over the {_mib(usable)} it may use (largest: "
+            f"{_largest(fixed_list)}); lower --batch or --rows (token rows size the collective "
+            "and attention buffers)"
+        )
+    left = usable - fixed
+    if left < bank:
+        raise SpecError(
+            f"--vmem-budget {_mib(budget)} is too small for one {_mib(bank)} weight bank: the "
+            f"other buffers take {_mib(fixed)}, leaving {_mib(left)}; the ring needs at least "
+            f"two banks ({_mib(fixed + 2 * bank + slot_bytes)}"
+            + (" with one expert slot)" if slot_bytes else ")")
+        )
+    slots = 0
+    if slot_bytes:
+        if left < 2 * bank + slot_bytes:
+            raise SpecError(
+                f"VMEM: {where} leaves {_mib(left)} of the {_mib(usable)} it may use for the weight "
+                f"ring and expert slots, less than two {_mib(bank)} banks and one "
+                f"{_mib(slot_bytes)} expert slot; raise --vmem-budget or lower --batch/--rows"
+            )
+        # The ring keeps half its design depth (or all but one slot's worth, if less);
+        # the expert slots take the rest, up to MAX_EXPERT_SLOTS.
+        comfort = max(2 * bank, int(target * RING_COMFORT_FRACTION) // bank * bank)
+        ring_floor = min(comfort, left - slot_bytes)
+        slots = max(1, min(MAX_EXPERT_SLOTS, (left - ring_floor) // slot_bytes))
+    if left - slots * slot_bytes < 2 * bank:
+        raise SpecError(
+            f"--vmem-budget {_mib(budget)} leaves {_mib(left - slots * slot_bytes)} for the "
+            f"weight ring, less than two {_mib(bank)} banks; raise --vmem-budget"
+        )
+    depth = choose_ring(dims.bank_rows, min(target, left - slots * slot_bytes))
+    out, _ = _buffers(spec, sharding, dims, depth, slots)
+    explicit = sum(b.bytes for b in out.buffers if b.role != "internal")
+    internal = sum(b.bytes for b in out.buffers if b.role == "internal")
+    if explicit + internal > limit:
+        raise SpecError(
+            f"VMEM: {where} needs {_mib(explicit)} explicit + {_mib(internal)} of Mosaic scratch "
+            f"(estimate) per core, over the {_mib(limit)} limit; lower --vmem-budget, --batch "
+            "or --rows"
+        )
+    resources = dict(out.resources)
+    why = f"ring {depth} x {_mib(bank)}" + (
+        f", {slots} expert piece slot(s) of {_mib(slot_bytes)}" if slots else ""
+    )
+    return VmemPlan(
+        dims=dims,
+        buffers=tuple(out.buffers),
+        semaphores=tuple(out.semaphores),
+        smem=tuple(out.smem),
+        experts=dict(out.experts),
+        resources=resources,
+        scratch_order=tuple(out.order),
+        ring_depth=depth,
+        expert_slots=slots,
+        expert_slot_bytes=slot_bytes,
+        budget_bytes=budget,
+        limit_bytes=limit,
+        explicit_bytes=explicit,
+        internal_bytes=internal,
+        why=why,
+    )

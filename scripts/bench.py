@@ -1,0 +1,153 @@
+"""How long mkgen takes, measured as a user runs it (`make bench`).
+
+Each benchmark is a function returning ``Row``s; ``BENCHMARKS`` lists them in the order
+the table prints. Every command runs in a fresh subprocess (imports included, as a user
+pays them), several times; the table shows the median and the spread.
+
+To add a benchmark (build, compile, verify, ...): write a function like
+``plan_benchmarks`` that calls ``time_command`` for each case, and append it to
+``BENCHMARKS``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RUNS = 5
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str  # what was timed, e.g. the command line
+    median_s: float
+    min_s: float
+    max_s: float
+    runs: int
+    target_s: float | None = None  # the issue's target, when it sets one
+
+    @property
+    def verdict(self) -> str:
+        if self.target_s is None:
+            return ""
+        return "ok" if self.median_s <= self.target_s else "OVER TARGET"
+
+
+def time_command(
+    args: Sequence[str], runs: int = RUNS, target_s: float | None = None, name: str = ""
+) -> Row:
+    """Run ``mkgen ARGS`` ``runs`` times in fresh processes; fails loudly if it fails."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        result = subprocess.run(
+            [sys.executable, "-m", "mkgen.cli", *args],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=env,
+            check=False,
+        )
+        times.append(time.perf_counter() - start)
+        if result.returncode != 0:
+            raise SystemExit(f"bench: mkgen {' '.join(args)} failed:\n{result.stderr}")
+    return Row(
+        name=name or "mkgen " + " ".join(args),
+        median_s=statistics.median(times),
+        min_s=min(times),
+        max_s=max(times),
+        runs=runs,
+        target_s=target_s,
+    )
+
+
+# --------------------------------------------------------------------------- benchmarks
+
+
+def plan_benchmarks() -> list[Row]:
+    """Issue 3: `mkgen plan kimi-k3 --topology 2x2x4` under 3 s."""
+    return [
+        time_command(["plan", "kimi-k3", "--topology", "2x2x4"], target_s=3.0),
+        time_command(["plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--json"]),
+    ]
+
+
+def _checked_in_builds() -> list[list[str]]:
+    """`SPEC --topology T [options]` of every checked-in build (generated/BUILDS)."""
+    import shlex
+
+    from mkgen.codegen.package import read_build_list
+
+    return [shlex.split(entry.line) for entry in read_build_list()]
+
+
+def build_benchmarks() -> list[Row]:
+    """Issue 4: `mkgen build` of every checked-in build (rendered into a temp directory)."""
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mkgen-bench-") as tmp:
+        for args in _checked_in_builds():
+            out = str(Path(tmp) / args[0])
+            rows.append(
+                time_command(
+                    ["build", *args, "-o", out, "--force"],
+                    runs=3,
+                    name=f"mkgen build {' '.join(args)}",
+                )
+            )
+    return rows
+
+
+def compile_benchmarks() -> list[Row]:
+    """Issue 4: full-size TPU7x compile of every checked-in build, under 30 s each (the
+    command's wall time: imports, rendering and libtpu start-up included)."""
+    return [
+        time_command(["compile", *args], runs=3, target_s=30.0) for args in _checked_in_builds()
+    ]
+
+
+def verify_benchmarks() -> list[Row]:
+    """Issue 4: interpret-mode verify of every checked-in build's mini twin (one step, both
+    DMA modes; one run each, they are slow)."""
+    return [
+        time_command(["verify", *args, "--steps", "1"], runs=1) for args in _checked_in_builds()
+    ]
+
+
+# Build, compile and verify timings go here (one function each), in pipeline order.
+BENCHMARKS: list[Callable[[], list[Row]]] = [
+    plan_benchmarks,
+    build_benchmarks,
+    compile_benchmarks,
+    verify_benchmarks,
+]
+
+
+def format_table(rows: list[Row]) -> str:
+    width = max(len(r.name) for r in rows)
+    lines = [f"{'command':<{width}}  {'median s':>8}  {'min s':>6}  {'max s':>6}  runs  target"]
+    for r in rows:
+        target = f"{r.target_s:g} s {r.verdict}" if r.target_s is not None else ""
+        lines.append(
+            f"{r.name:<{width}}  {r.median_s:>8.2f}  {r.min_s:>6.2f}  {r.max_s:>6.2f}  "
+            f"{r.runs:>4}  {target}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    rows = [row for bench in BENCHMARKS for row in bench()]
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""The generated build: atomic, deterministic, guarded against lost edits, injection-safe,
+and its runner generates the reference model's greedy tokens in interpret mode."""
+
+from __future__ import annotations
+
+import ast
+import io
+import json
+import os
+import subprocess
+import sys
+import tokenize
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mkgen import __version__
+from mkgen.codegen import package
+from mkgen.codegen.build import identifier, safe_text
+from mkgen.codegen.package import (
+    MANIFEST,
+    entry_inputs,
+    inputs_digest,
+    make_build,
+    read_build_list,
+    read_measurements,
+    render_build,
+    write_build,
+)
+from mkgen.errors import MkgenError
+from mkgen.plan.options import BuildOptions
+from mkgen.spec.loader import load_spec
+from mkgen.spec.topology import parse_topology
+
+REPO = Path(__file__).resolve().parents[1]
+FILES = {"megakernel.py", "runner.py", "plan.json", "REPORT.md"}
+
+
+def _inputs(name: str = "qwen3-32b", topology: str = "2x2x1", **options):
+    return load_spec(name), parse_topology(topology), BuildOptions.create(**options)
+
+
+def _tree(directory: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(directory).as_posix(): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+
+
+@pytest.fixture(scope="module")
+def build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One qwen3-32b 2x2x1 build that the read-only tests share."""
+    directory = tmp_path_factory.mktemp("builds") / "qwen3-32b-2x2x1"
+    make_build(*_inputs(), output=directory)
+    return directory
+
+
+def test_build_has_every_file_and_a_manifest_of_them(build_dir: Path) -> None:
+    files = set(_tree(build_dir))
+    assert FILES | {f"mini/{f}" for f in FILES} | {MANIFEST} == files
+    manifest = json.loads((build_dir / MANIFEST).read_text())["files"]
+    assert set(manifest) == files - {MANIFEST}
+    plan = json.loads((build_dir / "plan.json").read_text())
+    assert plan["kernel"]["model"] == "qwen3-32b"
+    mini = json.loads((build_dir / "mini" / "plan.json").read_text())
+    assert mini["kernel"]["model"] == "qwen3-32b-mini"
+    # The mini kernel is the one `mkgen verify` proves: the same small banks and ring.
+    from mkgen.verify.numerics import MINI_BANK_ROWS, MINI_RING_DEPTH
+
+    assert mini["kernel"]["stream"]["bank_rows"] == MINI_BANK_ROWS
+    assert mini["kernel"]["stream"]["ring_depth"] == MINI_RING_DEPTH
+
+
+def test_same_inputs_give_identical_bytes(build_dir: Path, tmp_path: Path) -> None:
+    again = tmp_path / "again"
+    make_build(*_inputs(), output=again)
+    assert _tree(again) == _tree(build_dir)
+    other = render_build(*_inputs(context=2048), with_mini=False).files
+    assert other["megakernel.py"] != _tree(build_dir)["megakernel.py"].decode()
+
+
+def test_every_file_names_its_inputs(build_dir: Path) -> None:
+    spec, topo, options = _inputs()
+    plan = json.loads((build_dir / "plan.json").read_text())
+    digest = inputs_digest(options.apply(spec), topo, options, plan["kernel_args"])
+    assert plan["build"]["inputs_sha256"] == digest
+    kernel = (build_dir / "megakernel.py").read_text()
+    header = ast.get_docstring(ast.parse(kernel)) or ""
+    for fragment in (
+        "qwen3-32b",
+        "tpu7x:2x2x1",
+        f"mkgen {__version__}",
+        f"Inputs sha256: {digest}",
+        "DO NOT EDIT",
+        "mkgen build qwen3-32b --topology 2x2x1 --force",
+    ):
+        assert fragment in header
+        assert fragment in (build_dir / "runner.py").read_text()
+        assert fragment in (build_dir / "REPORT.md").read_text()
+    mini_kernel = (build_dir / "mini" / "megakernel.py").read_text()
+    assert "qwen3-32b-mini" in mini_kernel and digest not in mini_kernel
+
+
+def test_inputs_hash_covers_the_templates(tmp_path: Path, monkeypatch) -> None:
+    spec, topo, options = _inputs()
+    args = {"bank_rows": 4096, "ring_depth": 12}
+    before = inputs_digest(spec, topo, options, args)
+    for name in package.TEMPLATE_FILES:
+        (tmp_path / name).write_bytes((package.TEMPLATES / name).read_bytes())
+    monkeypatch.setattr(package, "TEMPLATES", tmp_path)
+    assert inputs_digest(spec, topo, options, args) == before
+    with open(tmp_path / "runner.py.j2", "a") as handle:
+        handle.write("\n")
+    assert inputs_digest(spec, topo, options, args) != before
+
+
+COMPILE_RECORD = {  # what `mkgen compile --update-report` records (checks.CompileOutcome)
+    "build": "qwen3-32b-2x2x1",
+    "topology": "tpu7x:2x2x1",
+    "seconds": 2.5,
+    "vmem_bytes": 31_187_968,
+    "plan_vmem_bytes": None,
+    "scratch_padded_bytes": 29_245_440,
+    "jax": "x",
+    "libtpu": "y",
+}
+
+
+def test_kind_order_is_an_input(tmp_path: Path) -> None:
+    """The order of a spec's kinds numbers them in the kernel: it changes the hash, and a
+    saved build (plan.json) re-renders byte for byte (muse-spark lists local before global)."""
+    spec, topo, options = _inputs("muse-spark-1.2")
+    args = {"bank_rows": 4096, "ring_depth": 12}
+    flipped = spec.model_copy(
+        update={"attention_kinds": dict(reversed(spec.attention_kinds.items()))}
+    )
+    assert inputs_digest(spec, topo, options, args) != inputs_digest(flipped, topo, options, args)
+    target = tmp_path / "build"
+    make_build(spec, topo, options, output=target)
+    before = _tree(target)
+    loaded = package.load_build_inputs(target)[0]
+    assert list(loaded.attention_kinds) == list(spec.attention_kinds) == ["local", "global"]
+    package.record_measurement(target, "compile", COMPILE_RECORD)
+    after = _tree(target)
+    assert {k for k in after if after[k] != before.get(k)} == {
+        "REPORT.md", package.MEASUREMENTS, MANIFEST,
+    }  # fmt: skip
+
+
+def test_a_failure_mid_render_leaves_no_directory(tmp_path: Path, monkeypatch) -> None:
+    files = render_build(*_inputs(), with_mini=False).files
+    target = tmp_path / "out" / "build"
+    real = package._write_tree
+
+    def half_then_fail(root: Path, tree: dict[str, str]) -> None:
+        real(root, dict(list(tree.items())[:2]))
+        raise OSError("disk full")
+
+    monkeypatch.setattr(package, "_write_tree", half_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        write_build(files, target, force=False)
+    assert not target.exists()
+    assert list(target.parent.iterdir()) == []  # no temp directory left beside it
+
+
+def test_a_failure_keeps_the_previous_build(build_dir: Path, tmp_path: Path) -> None:
+    target = tmp_path / "build"
+    files = render_build(*_inputs(), with_mini=False).files
+    write_build(files, target, force=False)
+    before = _tree(target)
+    broken = {**files, "runner.py": "def broken(:\n"}  # a check before the swap fails
+    with pytest.raises(SyntaxError):
+        write_build(broken, target, force=True)
+    assert _tree(target) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["build"]
+
+
+def test_local_edits_are_refused_without_force(tmp_path: Path) -> None:
+    target = tmp_path / "build"
+    files = render_build(*_inputs(), with_mini=False).files
+    assert write_build(files, target, force=False)
+    assert not write_build(files, target, force=False)  # unchanged: nothing to do
+    (target / "__pycache__").mkdir()  # bytecode caches do not count as edits
+    (target / "__pycache__" / "megakernel.cpython-312.pyc").write_bytes(b"\0")
+    assert not write_build(files, target, force=False)
+    runner = target / "runner.py"
+    runner.write_text(runner.read_text() + "# my tweak\n")
+    with pytest.raises(MkgenError, match=r"runner\.py was edited .*pass --force"):
+        write_build(files, target, force=False)
+    assert runner.read_text().endswith("# my tweak\n")
+    assert write_build(files, target, force=True)
+    assert runner.read_text() == files["runner.py"]
+    (target / "notes.txt").write_text("mine")
+    with pytest.raises(MkgenError, match=r"notes\.txt was added"):
+        make_build(*_inputs(), output=target)
+    (target / "notes.txt").unlink()
+    (target / "plan.json").unlink()
+    with pytest.raises(MkgenError, match=r"plan\.json was deleted"):
+        write_build(files, target, force=False)
+
+
+def test_a_directory_that_is_not_a_build_is_not_replaced(tmp_path: Path) -> None:
+    target = tmp_path / "precious"
+    target.mkdir()
+    (target / "thesis.tex").write_text("years of work")
+    files = render_build(*_inputs(), with_mini=False).files
+    with pytest.raises(MkgenError, match="mkgen did not write"):
+        write_build(files, target, force=False)
+    assert (target / "thesis.tex").exists()
+
+
+HOSTILE = (
+    'x"""\nimport os; os.system("PWNED")  # \\\n\'\'\'\r\n-->\n<script>PWNED()</script> '
+    "\\N{BULLET} \u2028 {{ L.model }} {% raw %} ${PWNED}"
+)
+
+
+def test_spec_text_lands_only_inside_strings_and_comments() -> None:
+    spec, topo, options = _inputs()
+    spec = spec.model_copy(update={"description": HOSTILE})
+    files = render_build(spec, topo, options, with_mini=False).files
+    for name in ("megakernel.py", "runner.py"):
+        source = files[name]
+        tree = ast.parse(source)
+        assert "PWNED" in (ast.get_docstring(tree) or "")  # the text is there, quoted
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if "PWNED" in tok.string:
+                assert tok.type in (tokenize.STRING, tokenize.COMMENT), (name, tok)
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "system"]
+        assert not calls, name
+    report = files["REPORT.md"]
+    assert report.count("-->") == 1 and "<script>" not in report
+    for name in ("megakernel.py", "runner.py"):  # template syntax in a value stays text
+        assert "{{ L.model }} {% raw %}" in (ast.get_docstring(ast.parse(files[name])) or "")
+    assert json.loads(files["plan.json"])["spec"]["description"] == HOSTILE
+    assert ast.literal_eval(safe_text(HOSTILE)) == HOSTILE
+    for bad in ("os.system('x')", "a-b", "naïve", "x\n"):
+        with pytest.raises(MkgenError):
+            identifier(bad)
+    assert identifier("global") == "global"  # muse-spark's kind: always affixed
+    with pytest.raises(MkgenError):
+        identifier("global", bare=True)
+
+
+def test_checked_in_builds_regenerate_byte_for_byte(tmp_path: Path) -> None:
+    entries = read_build_list()
+    assert [e.spec for e in entries][:1] == ["qwen3-32b"]
+    for entry in entries:
+        spec, topo, options = entry_inputs(entry)
+        checked_in = package.default_build_dir(spec.name, topo)
+        assert checked_in.is_dir(), f"{checked_in} missing: run `make regen`"
+        fresh = tmp_path / checked_in.name
+        make_build(spec, topo, options, output=fresh, measurements=read_measurements(checked_in))
+        ours, theirs = _tree(fresh), _tree(checked_in)
+        assert set(ours) == set(theirs), f"{checked_in}: run `make regen`"
+        stale = [name for name in ours if ours[name] != theirs[name]]
+        assert not stale, f"{checked_in}: {stale} differ from a fresh build; run `make regen`"
+
+
+def test_measurements_survive_a_rebuild_only_while_inputs_match(tmp_path: Path) -> None:
+    target = tmp_path / "build"
+    make_build(*_inputs(), output=target)
+    package.record_measurement(target, "compile", COMPILE_RECORD)
+    assert "| compile time | 2.5 s |" in (target / "REPORT.md").read_text()
+    assert not make_build(*_inputs(), output=target).written  # kept, nothing to rewrite
+    make_build(*_inputs(context=2048), output=target)  # other inputs: stale, dropped
+    assert not (target / package.MEASUREMENTS).exists()
+    assert "Not measured in this build" in (target / "REPORT.md").read_text()
+
+
+def test_runner_refuses_draft_rows_over_recurrent_state(tmp_path: Path) -> None:
+    make_build(*_inputs("qwen3.8-27b", rows=2), output=tmp_path / "b")
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "b" / "mini" / "runner.py"), "--random-weights", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "cannot be rolled back yet" in result.stderr and "--rows 1" in result.stderr
+
+
+def test_runner_help_says_where_weights_come_from(build_dir: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(build_dir / "runner.py"), "--help"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert "--interpret" in text and "--random-weights SEED" in text
+    assert "issue 6" in text and "converted Hugging Face checkpoints" in text
+
+
+# Runs a build's runner with its drafter replaced by an oracle that proposes the reference's
+# own continuation, so that every draft is accepted (argv: runner, expected JSON, args...).
+ORACLE = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("runner", sys.argv[1])
+runner = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(runner)
+prompts, expected = json.loads(sys.argv[2])
+
+def drafts(history, count):
+    b = next(i for i, p in enumerate(prompts) if history[: len(p)] == p)
+    future = expected[b][len(history) - len(prompts[b]) :][:count]
+    return future + [history[-1]] * (count - len(future))
+
+runner.drafts = drafts
+runner.main(sys.argv[3:])
+"""
+
+
+def _reference_tokens(runner: Path, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    from mkgen.codegen.quantize import fake_quantize
+    from mkgen.reference import model as reference
+    from mkgen.spec.schema import ModelSpec
+
+    spec = ModelSpec.model_validate(json.loads((runner.parent / "plan.json").read_text())["spec"])
+    weights = {
+        k: np.asarray(v).astype(ml_dtypes.bfloat16).astype(np.float32)
+        for k, v in reference.init_weights(spec, 0).items()
+    }
+    weights = fake_quantize(spec, weights)  # what the kernel stores
+    return reference.generate(spec, weights, np.array(prompts), steps).tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("spec", "batch", "rows", "oracle"),
+    [
+        ("qwen3-32b", 1, 1, False),
+        ("qwen3-32b", 2, 3, True),
+        ("qwen3.8-27b", 1, 1, False),  # Gated DeltaNet: the prompt goes through the kernel
+    ],
+)
+def test_runner_matches_the_reference_in_interpret_mode(
+    build_dir: Path, tmp_path: Path, spec: str, batch: int, rows: int, oracle: bool
+) -> None:
+    """The mini build's runner (8 virtual CPU devices, TPU interpret mode): prefill (in XLA
+    for GQA), greedy decode through the megakernel (verifying drafts when rows > 1: prompt
+    lookup, or an oracle whose drafts are all right); the tokens equal reference.generate's."""
+    if (spec, batch, rows) != ("qwen3-32b", 1, 1):
+        build_dir = tmp_path / "build"
+        make_build(*_inputs(spec, batch=batch, rows=rows), output=build_dir)
+    prompts, steps = [[5, 6, 7, 5], [9, 9, 9, 9]][:batch], 5
+    if spec == "qwen3.8-27b":  # every prompt token is a kernel call: keep it short
+        prompts, steps = [[5, 6]], 1
+    runner = build_dir / "mini" / "runner.py"
+    expected = _reference_tokens(runner, prompts, steps)
+    ids = [arg for p in prompts for arg in ("--prompt-ids", ",".join(map(str, p)))]
+    args = ["--interpret", "--random-weights", "0", "--json", "--steps", str(steps), *ids]
+    command = [sys.executable, str(runner), *args]
+    if oracle:
+        command = [
+            sys.executable,
+            "-c",
+            ORACLE,
+            str(runner),
+            json.dumps([prompts, expected]),
+            *args,
+        ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, cwd=build_dir,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["tokens"] == expected
+    assert ("acceptance_length" in out) == (rows > 1)
+    if oracle:
+        assert out["acceptance_length"] > 2.0  # rows of 3: nearly every draft accepted
+    assert package.local_edits(build_dir) is None  # running it left the build as written

@@ -1,0 +1,204 @@
+"""`mkgen plan` and `mkgen estimate` as a user runs them: output, files, errors, speed."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def mkgen(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    """Run the CLI in a fresh process, as a user would."""
+    return subprocess.run(
+        [sys.executable, "-m", "mkgen.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=300,
+    )
+
+
+def assert_user_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    assert result.returncode == 2, result
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def kimi_json() -> dict:
+    result = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_plan_json_has_the_issue_keys(kimi_json) -> None:
+    data = kimi_json
+    assert (data["model"], data["topology"], data["devices"]) == ("kimi-k3", "tpu7x:2x2x4", 32)
+    assert (data["batch"], data["rows"], data["context"]) == (1, 8, 4096)
+    memory = data["memory"]
+    for key in (
+        "hbm_bytes_per_device",
+        "hbm_usable_bytes_per_device",
+        "vmem_bytes",
+        "vmem_budget_bytes",
+        "vmem_limit_bytes",
+    ):
+        assert isinstance(memory[key], int), key
+    assert set(memory["vmem_by_category"]) >= {"ring", "expert_slots", "collectives"}
+    assert isinstance(data["graph"]["nodes"], int) and isinstance(data["graph"]["edges"], int)
+    est = data["estimate"]
+    for key in ("step_ms", "hbm_floor_ms", "tokens_per_s_per_user", "tokens_per_s"):
+        assert isinstance(est[key], float) and est[key] > 0, key
+    assert isinstance(est["hbm_bytes_per_device_per_step"], int)
+    assert est["tokens_per_dollar"] > 0
+    assert sum(est["breakdown_ms"].values()) == pytest.approx(est["step_ms"])
+
+
+def test_kimi_k3_fits_with_every_check_true(kimi_json) -> None:
+    memory, graph = kimi_json["memory"], kimi_json["graph"]
+    assert memory["hbm_bytes_per_device"] <= memory["hbm_usable_bytes_per_device"]
+    assert memory["vmem_bytes"] <= memory["vmem_budget_bytes"]
+    assert memory["vmem_total_bytes"] <= memory["vmem_limit_bytes"]
+    assert kimi_json["fits"] is True
+    assert len(graph["checks"]) >= 6
+    assert all(graph["checks"].values()), graph["failures"]
+
+
+def test_plan_prints_every_section_and_writes_a_trace(tmp_path) -> None:
+    trace = tmp_path / "trace.json"
+    result = mkgen("plan", "qwen3.8-27b", "--topology", "2x2x1", "--trace", str(trace))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for section in (
+        "qwen3.8-27b on tpu7x:2x2x1: 8 devices",
+        "Sharding over 8 devices",
+        "HBM per device",
+        "VMEM per core",
+        "ring_vmem",
+        "schedule:",
+        "checks: acyclic ok",
+        "Estimate: step",
+        f"wrote {trace}",
+    ):
+        assert section in out, section
+    data = json.loads(trace.read_text())
+    tracks = {e["args"]["name"] for e in data["traceEvents"] if e["name"] == "thread_name"}
+    assert tracks == {"dma", "core", "ici"}
+
+
+def test_plan_options_reach_the_plan() -> None:
+    result = mkgen(
+        "plan", "muse-spark-1.2", "--topology", "2x2x1", "--batch", "2", "--context", "8192",
+        "--quant", "experts=nvfp4", "--vmem-budget", "40MiB", "--price", "2.5", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert (data["batch"], data["context"]) == (2, 8192)
+    assert data["quantization"]["experts"] == "nvfp4"
+    assert data["memory"]["vmem_budget_bytes"] == 40 * 2**20
+    assert data["memory"]["vmem_bytes"] <= 40 * 2**20
+    assert data["estimate"]["price_per_chip_hour_usd"] == 2.5
+
+
+def test_estimate_writes_the_table_csv_and_svg(tmp_path) -> None:
+    result = mkgen("estimate", "qwen3-32b", "--topology", "2x2x1", "-o", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "tok/s/user" in result.stdout
+    rows = list(csv.DictReader((tmp_path / "qwen3-32b-2x2x1-estimate.csv").open()))
+    assert len(rows) == 7 * 3  # batch 1..64 (powers of two) x rows 1/4/8
+    assert {int(r["rows"]) for r in rows} == {1, 4, 8}
+    assert [int(r["batch"]) for r in rows[:7]] == [1, 2, 4, 8, 16, 32, 64]
+    assert all(float(r["tokens_per_dollar"]) > 0 for r in rows)
+    svg = (tmp_path / "qwen3-32b-2x2x1-estimate.svg").read_text()
+    root = ET.fromstring(svg)
+    assert root.tag.endswith("svg")
+    assert svg.count("<polyline") == 3
+    assert "tokens per dollar" in svg and "tokens/s per user" in svg
+
+
+def test_estimate_output_is_deterministic() -> None:
+    from mkgen.plan.options import BuildOptions
+    from mkgen.plan.report import sweep, sweep_csv, sweep_svg
+    from mkgen.spec.loader import load_spec
+    from mkgen.spec.topology import parse_topology
+
+    spec, topo = load_spec("qwen3-30b-a3b"), parse_topology("2x2x1")
+    options = BuildOptions.create(rows=8, acceptance=3)
+    first = sweep(spec, topo, options, batches=(1, 8))
+    second = sweep(spec, topo, options, batches=(1, 8))
+    assert sweep_csv(first) == sweep_csv(second)
+    assert sweep_svg(first, "t") == sweep_svg(second, "t")
+    # Acceptance is capped at each point's rows.
+    assert {r.acceptance for r in first if r.rows == 1} == {1.0}
+    assert {r.acceptance for r in first if r.rows == 8} == {3.0}
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_a_spec_that_does_not_fit_is_one_line() -> None:
+    result = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--quant", "experts=bf16")
+    assert_user_error(result, "kimi-k3 on tpu7x:2x2x4 needs", "GB of HBM per device", "over by")
+
+
+def test_heads_that_cannot_split_are_one_line() -> None:
+    result = mkgen("plan", "qwen3.8-27b", "--topology", "2x2x4")
+    assert_user_error(result, "48 value heads do not split over 32 devices")
+
+
+def test_a_vmem_budget_too_small_for_one_bank_is_one_line() -> None:
+    result = mkgen("plan", "qwen3-32b", "--topology", "2x2x1", "--vmem-budget", "6MiB")
+    assert_user_error(result, "--vmem-budget 6.0 MiB is too small for one 2.0 MiB weight bank")
+
+
+def test_a_plan_over_the_vmem_budget_is_one_line() -> None:
+    result = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--batch", "4")
+    assert_user_error(result, "VMEM:", "over the 58.0 MiB", "gather_vmem")
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (("--rows", "0"), "--rows 0: must be a positive integer"),
+        (("--batch", "-1"), "--batch -1: must be a positive integer"),
+        (("--vmem-budget", "lots"), "--vmem-budget 'lots'"),
+        (("--acceptance", "3"), "--acceptance 3"),
+        (("--quant", "experts=fp5"), "unknown weight format"),
+        (("--price", "0"), "--price 0"),
+        (("--rows", "many"), "'many' is not a valid integer"),
+    ],
+)
+def test_bad_option_values_are_one_line(args, fragment) -> None:
+    result = mkgen("plan", "qwen3-32b", "--topology", "2x2x1", *args)
+    assert_user_error(result, fragment)
+
+
+def test_estimate_bad_batches_is_one_line() -> None:
+    result = mkgen("estimate", "qwen3-32b", "--topology", "2x2x1", "--batches", "1,x")
+    assert_user_error(result, "--batches '1,x'")
+
+
+# --------------------------------------------------------------------------- speed
+
+
+def test_planning_kimi_k3_from_the_command_line_is_fast() -> None:
+    start = time.perf_counter()
+    result = mkgen("plan", "kimi-k3", "--topology", "2x2x4")
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 0, result.stderr
+    print(f"\nmkgen plan kimi-k3 --topology 2x2x4: {elapsed:.2f} s wall")
+    # The target is 3 s on an idle machine (`make bench` reports it); CI machines are noisy.
+    assert elapsed < 6.0
