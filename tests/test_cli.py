@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -83,7 +82,7 @@ def test_show_accepts_a_yaml_path(tmp_path: Path) -> None:
     assert json.loads(result.stdout)["name"] == "muse-spark-1.2"
 
 
-def test_show_is_fast_and_does_not_import_jax() -> None:
+def test_show_does_not_import_jax() -> None:
     code = (
         "import sys, time; t = time.perf_counter();"
         "from mkgen.cli import main;"
@@ -93,14 +92,11 @@ def test_show_is_fast_and_does_not_import_jax() -> None:
         "ctx.__enter__(); main(['show', 'kimi-k3']); ctx.__exit__(None, None, None);"
         "print(time.perf_counter() - t, 'jax' in sys.modules)"
     )
-    start = time.perf_counter()
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
-    wall = time.perf_counter() - start
     assert result.returncode == 0, result.stderr
     _, jax_imported = result.stdout.split()
+    # What keeps `show` fast (under 2 s; `make bench` times it): JAX is never imported.
     assert jax_imported == "False"
-    # The bound is 2 s for the whole command; a generous margin for a loaded CI box.
-    assert wall < 4.0
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -152,11 +151,7 @@ def test_chrome_trace_has_one_track_per_engine():
     assert "events" not in plan.estimate.model_dump()
 
 
-def test_planning_kimi_k3_is_fast():
-    spec = load_spec("kimi-k3")
-    topo = parse_topology("2x2x4")
-    start = time.perf_counter()
-    plan = plan_build(spec, topo, BuildOptions.create(rows=8))
-    elapsed = time.perf_counter() - start
+def test_planning_kimi_k3_fits():
+    # Its time is a benchmark (`make bench`), not a test: timings here are noisy.
+    plan = plan_build(load_spec("kimi-k3"), parse_topology("2x2x4"), BuildOptions.create(rows=8))
     assert plan.memory.fits
-    assert elapsed < 1.0, f"planning took {elapsed:.2f} s"
