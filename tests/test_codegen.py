@@ -67,4 +67,3 @@ def _compile(layout, topology: str) -> None:
     report = compile_for_tpu(kernel.make_decode_step(mesh), kernel.argument_shapes(mesh))
     ring = layout.stream.ring_depth * layout.stream.bank_rows * 256 * 2
     assert ring < report.vmem_bytes < 64 * MiB
-    assert report.seconds < 120
