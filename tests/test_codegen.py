@@ -39,13 +39,16 @@ FULL_SIZE = [
     ("qwen3.8-27b", "2x2x1"),  # Gated DeltaNet + gated GQA
     ("qwen3-30b-a3b", "1x1x1"),
     ("qwen3-30b-a3b", "2x2x2"),
+    (str(Path(__file__).parent / "specs" / "mla-hybrid.yaml"), "2x2x1"),  # both MLA forms
 ]
 
 
 SPECS = Path(__file__).parent / "specs"
 
 
-@pytest.mark.parametrize(("name", "topology"), FULL_SIZE, ids=[f"{n}-{t}" for n, t in FULL_SIZE])
+@pytest.mark.parametrize(
+    ("name", "topology"), FULL_SIZE, ids=[f"{Path(n).stem}-{t}" for n, t in FULL_SIZE]
+)
 def test_full_size_kernel_compiles_for_tpu7x(name: str, topology: str) -> None:
     _compile(_layout(name, topology, context=4096), topology)
 

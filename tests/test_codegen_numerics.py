@@ -34,6 +34,7 @@ CASES = [
     ("muse-spark-1.2", "on_wait"),
     ("qwen3.8-27b", "eager"),  # Gated DeltaNet: conv tail and f32 state in place
     (str(Path(__file__).parent / "specs" / "kda-hybrid.yaml"), "on_wait"),  # both KDA forms
+    (str(Path(__file__).parent / "specs" / "mla-hybrid.yaml"), "eager"),  # both MLA forms
 ]
 
 
@@ -52,6 +53,16 @@ def test_batch_and_verification_rows(spec: str, mode: str) -> None:
     # 2 sequences x 4 rows: causal masking among a step's rows and cache writes that
     # straddle the aligned blocks (Muse Spark's run also covers the eager DMA mode).
     _check(verify_numerics(spec, "2x2x1", mode=mode, steps=2, batch=2, rows=4, timeout=TIMEOUT))
+
+
+@pytest.mark.slow
+def test_mla_heads_stacked_with_batch_and_rows() -> None:
+    # One chip (2 cores): 2 q heads per core share the latent cache, so the absorbed
+    # projections run with stacked heads; 2 sequences x 3 rows.
+    spec = str(Path(__file__).parent / "specs" / "mla-hybrid.yaml")
+    _check(
+        verify_numerics(spec, "1x1x1", mode="on_wait", steps=2, batch=2, rows=3, timeout=TIMEOUT)
+    )
 
 
 @pytest.mark.slow

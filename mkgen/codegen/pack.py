@@ -14,13 +14,32 @@ import numpy as np
 
 from mkgen.codegen.quantize import pack_int4_chunks
 from mkgen.plan.layout import KernelLayout
-from mkgen.plan.stream import CHUNK, LANES, Part, Segment
+from mkgen.plan.stream import CHUNK, LANES, Part, Segment, TensorView
 
 BF16 = ml_dtypes.bfloat16
 
 
+def viewed(tensor: np.ndarray, view: TensorView) -> np.ndarray:
+    """`tensor` [K, heads * stride] seen through `view` (mkgen/plan/stream.py)."""
+    k, n = tensor.shape
+    heads = n // view.stride
+    kept = tensor.reshape(k, heads, view.stride)[:, :, view.start : view.start + view.size]
+    if view.rotary:
+        offset, dims = view.rotary
+        rot = kept[:, :, offset : offset + dims]
+        kept = np.concatenate(
+            [kept[:, :, :offset], rot[:, :, 0::2], rot[:, :, 1::2], kept[:, :, offset + dims :]],
+            axis=2,
+        )
+    if view.transpose:
+        return kept.transpose(1, 2, 0).reshape(heads * view.size, k)
+    return kept.reshape(k, heads * view.size)
+
+
 def part_slice(part: Part, tensor: np.ndarray, rank: int) -> np.ndarray:
-    """The piece of `tensor` that `rank` stores."""
+    """The piece of `tensor` (seen through the part's view) that `rank` stores."""
+    if part.view is not None:
+        tensor = viewed(tensor, part.view)
     if part.axis is None:
         return tensor
     piece = rank // part.rank_divisor

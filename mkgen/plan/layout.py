@@ -26,6 +26,7 @@ from mkgen.spec.schema import (
     GatedDeltaNetAttention,
     GQAAttention,
     KDAAttention,
+    MLAAttention,
     ModelSpec,
     MoEFFN,
 )
@@ -79,7 +80,9 @@ class GQALayout(PlanModel):
     kv_heads: int  # kv heads on each core (replicated when fewer than cores)
     kv_rank_divisor: int  # consecutive cores sharing one kv head (1: not replicated)
     group: int  # q heads per kv head
-    head_dim: int
+    head_dim: int  # key width of a cache row
+    value_dim: int
+    values_in_keys: bool = False  # False: separate k and v caches
     q_cols: int
     kv_cols: int
     gate: bool
@@ -94,6 +97,43 @@ class GQALayout(PlanModel):
     vectors: list[VectorRow]
     kv_tile: int  # cache tokens per streamed tile
     caches: list[CacheArray]
+
+
+class MLALayout(PlanModel):
+    """Multi-head latent attention, absorbed: q heads split over cores, each core keeps the
+    whole latent cache (every head reads it) as one key row [latent | rotated k_rope].
+
+    A head's nope query is turned into latent space by wkv_b's key half (segment uk) and
+    its attention output back into values by the value half (uv); the cached latent is
+    both key (with k_rope) and value, so attention is GQA with one kv head of width
+    `head_dim` whose values are its first `value_dim` columns."""
+
+    type: Literal["mla"] = "mla"
+    name: str
+    index: int
+    layers: list[int]
+    heads: int  # q heads per core
+    kv_heads: Literal[1] = 1  # the latent, shared by every head
+    group: int  # q heads reading the latent: all of them
+    q_lora_rank: int  # 0: q straight from the hidden state (segment down)
+    kv_lora_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    head_dim: int  # cache row: kv_lora_rank + rope_dim
+    value_dim: int  # kv_lora_rank: values are the cached latent
+    values_in_keys: Literal[True] = True
+    gate: bool
+    latent_eps: float  # eps of the q and kv latent norms
+    softmax_scale: float
+    window: None = None
+    sinks: Literal[False] = False
+    rope: Rope | None  # rope columns are stored de-interleaved (TensorView.rotary)
+    columns: dict[str, Columns]  # outputs of the down segment: wq_a | wq, wkv_a, wgate
+    segments: list[Segment]  # down, (q_b), uk, uv, o
+    vectors: list[VectorRow]  # q_norm, kv_norm
+    kv_tile: int
+    caches: list[CacheArray]  # latent: [layers, batch, 1, context, head_dim] bf16
 
 
 class RecurrentLayout(PlanModel):
@@ -227,7 +267,7 @@ class KernelLayout(PlanModel):
     logit_multiplier: float
     logit_softcap: float | None
     stream: StreamPlan
-    attention: list[GQALayout | RecurrentLayout]
+    attention: list[GQALayout | MLALayout | RecurrentLayout]
     ffn: list[DenseLayout | MoELayout]
     attention_table: list[int]  # kind index of every layer
     ffn_table: list[int]
@@ -275,11 +315,7 @@ def _gqa_layout(name, index, layers, kind, shard, segments, devices, context, ba
         VectorRow(name=n, row=2 + i, part=parts[f"attn.{n}"], length=parts[f"attn.{n}"].size)
         for i, n in enumerate(present)
     ]
-    kv_tile = min(context, 128)
-    if context % kv_tile:
-        from mkgen.errors import SpecError
-
-        raise SpecError(f"--context {context} must be a multiple of the {kv_tile}-token KV tile")
+    kv_tile = _kv_tile(context)
     return GQALayout(
         name=name,
         index=index,
@@ -289,6 +325,7 @@ def _gqa_layout(name, index, layers, kind, shard, segments, devices, context, ba
         kv_rank_divisor=parts["attn.wk"].rank_divisor,
         group=heads // kv_heads,  # q heads per kv head on a core
         head_dim=d,
+        value_dim=d,
         q_cols=q_cols,
         kv_cols=kv_cols,
         gate=kind.output_gate == "sigmoid",
@@ -309,15 +346,78 @@ def _gqa_layout(name, index, layers, kind, shard, segments, devices, context, ba
     )
 
 
+def _kv_tile(context: int) -> int:
+    kv_tile = min(context, 128)
+    if context % kv_tile:
+        from mkgen.errors import SpecError
+
+        raise SpecError(f"--context {context} must be a multiple of the {kv_tile}-token KV tile")
+    return kv_tile
+
+
+def _segment_columns(segment: Segment, prefix: str) -> dict[str, Columns]:
+    """Where each fused tensor's output lies in a segment's columns."""
+    columns, start = {}, 0
+    for part in segment.parts:
+        columns[part.tensor.removeprefix(prefix)] = Columns(start=start, size=part.size)
+        start += part.size
+    return columns
+
+
+def _mla_layout(
+    name, index, layers, kind, shard, segments, devices, context, batch, norm_eps
+) -> MLALayout:
+    from mkgen.spec.rope import mla_softmax_scale
+
+    if shard.latent == "split":
+        _unsupported(f"attention_kinds.{name}: MLA latent projections split over cores")
+    parts = {t.name: part_of(t, devices) for t in shard.tensors}
+    present = [n for n in ("q_norm", "kv_norm") if f"attn.{n}" in parts]
+    vectors = [
+        VectorRow(name=n, row=2 + i, part=parts[f"attn.{n}"], length=parts[f"attn.{n}"].size)
+        for i, n in enumerate(present)
+    ]
+    width = kind.kv_lora_rank + kind.qk_rope_head_dim
+    return MLALayout(
+        name=name,
+        index=index,
+        layers=layers,
+        heads=shard.heads_per_rank,
+        group=shard.heads_per_rank,
+        q_lora_rank=kind.q_lora_rank or 0,
+        kv_lora_rank=kind.kv_lora_rank,
+        nope_dim=kind.qk_nope_head_dim,
+        rope_dim=kind.qk_rope_head_dim,
+        v_dim=kind.v_head_dim,
+        head_dim=width,
+        value_dim=kind.kv_lora_rank,
+        gate=kind.output_gate == "sigmoid",
+        latent_eps=kind.latent_norm_eps if kind.latent_norm_eps is not None else norm_eps,
+        softmax_scale=mla_softmax_scale(kind),
+        rope=_rope_layout(kind.rope, kind.qk_rope_head_dim).model_copy(
+            update={"interleaved": False}  # the views store rotary pairs as halves
+        )
+        if kind.rope
+        else None,
+        columns=_segment_columns(next(s for s in segments if s.name == "down"), "attn."),
+        segments=segments,
+        vectors=vectors,
+        kv_tile=_kv_tile(context),
+        caches=[
+            CacheArray(
+                name="latent", shape=[len(layers), batch, 1, context, width], dtype="bfloat16"
+            )
+        ],
+    )
+
+
 def _recurrent_layout(
     name, index, layers, kind, shard, segments, devices, batch
 ) -> RecurrentLayout:
+    if shard.latent == "split":
+        _unsupported(f"attention_kinds.{name}: low-rank gate projections split over cores")
     parts = {t.name: part_of(t, devices) for t in shard.tensors}
-    in_segment = next(s for s in segments if s.name == "in")
-    columns, start = {}, 0
-    for part in in_segment.parts:
-        columns[part.tensor.removeprefix("attn.")] = Columns(start=start, size=part.size)
-        start += part.size
+    columns = _segment_columns(next(s for s in segments if s.name == "in"), "attn.")
     width = kind.conv_width
     vectors, row = [], 2  # rows 0 and 1 hold the layer's attn_norm and ffn_norm
     for n in ("conv_q", "conv_k", "conv_v"):
@@ -454,11 +554,7 @@ def _moe_layout(
         gate_up_pieces=cdiv(gate_up, piece),
         down_pieces=cdiv(down, piece),
     )
-    in_segment = next(s for s in segments if s.name == "in")
-    columns, start = {}, 0
-    for part in in_segment.parts:
-        columns[part.tensor.removeprefix("ffn.")] = Columns(start=start, size=part.size)
-        start += part.size
+    columns = _segment_columns(next(s for s in segments if s.name == "in"), "ffn.")
     names = [n for n in ("router_bias", "selection_bias", "latent_norm") if f"ffn.{n}" in parts]
     vectors = [
         VectorRow(name=n, row=first_row + i, part=parts[f"ffn.{n}"], length=parts[f"ffn.{n}"].size)
@@ -537,6 +633,21 @@ def build_layout(
                     devices,
                     options.context,
                     options.batch,
+                )  # fmt: skip
+            )
+        elif isinstance(kind, MLAAttention):
+            attention.append(
+                _mla_layout(
+                    name,
+                    i,
+                    layers,
+                    kind,
+                    sharding.attention[name],
+                    segments,
+                    devices,
+                    options.context,
+                    options.batch,
+                    spec.dims.norm_eps,
                 )  # fmt: skip
             )
         elif isinstance(kind, GatedDeltaNetAttention | KDAAttention):

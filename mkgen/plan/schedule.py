@@ -489,8 +489,9 @@ class _Builder:
         if g + self.depth < self.total:
             self.start(self.banks[g + self.depth])
 
-    def segment(self, layer: int, label: str, seg: Segment, first: int, x: int,
-                hold: bool = False) -> tuple[int, list[int]]:  # fmt: skip
+    def segment(
+        self, layer: int, label: str, seg: Segment, first: int, x: int
+    ) -> tuple[int, list[int]]:
         """x @ a stream segment, bank by bank; returns (last op, the segment's banks)."""
         per_bank = max(1, (self.stream.bank_rows // CHUNK))
         chunks = seg.k_chunks * seg.col_blocks
@@ -506,8 +507,7 @@ class _Builder:
                 ((self.banks[g], "ring", g % self.depth), (prev, None, 0)),
             )  # fmt: skip
             banks.append(g)
-            if not hold:
-                self.release(g)
+            self.release(g)
         return prev, banks
 
     # --- collectives ---
@@ -639,16 +639,11 @@ class _Builder:
                 (kind.q_lora_rank or 0) + kind.kv_lora_rank), ((v, None, 0),))  # fmt: skip
             if "q_b" in segs:
                 y, _ = self.segment(layer, lbl, segs["q_b"], first, y)
-            y, held = self.segment(layer, lbl, segs["kv_b"], first, y, hold=True)
+            # Absorbed: q_nope -> latent space (uk), attention, latent -> values (uv).
+            y, _ = self.segment(layer, lbl, segs["uk"], first, y)
             wrote = self._mla_cache(layer, name, kind, y)
             o = self._mla_attend(layer, name, kind, a, y, wrote)
-            # The value up-projection reads kv_b again: its banks are released after it.
-            reads = [(self.banks[g], "ring", g % self.depth) for g in held]
-            o = self.run("matmul", f"L{layer} {name}: latent -> values (kv_b again)", layer,
-                         2 * self.t * a.heads_per_rank * kind.kv_lora_rank * kind.v_head_dim,
-                         ((o, None, 0), *reads))  # fmt: skip
-            for g in held:
-                self.release(g)
+            o, _ = self.segment(layer, lbl, segs["uv"], first, o)
             y, _ = self.segment(layer, lbl, segs["o"], first, o)
             return self.collective(layer, colls.get("attn_out"), y)
         # KDA and Gated DeltaNet: the recurrent state replaces the cache.
@@ -696,17 +691,20 @@ class _Builder:
         self.wait(wr)
         return wr
 
-    def _gqa_cache(self, layer, name, kind: GQAAttention, a, y: int) -> int:
-        b, g, d = self.dims.batch, a.kv_heads_per_rank, kind.head_dim
-        sems = self._block_sems(f"{name}_write_sems", (2, b, g))
-        nbytes = 2 * b * g * self.dims.cache_block * d * 2
+    def _cache_write(self, layer, name, caches: int, kv_heads: int, width: int, y: int) -> int:
+        """The aligned cache blocks around the new rows: `caches` arrays (GQA k and v, the
+        MLA latent row) of `kv_heads` heads, rows `width` wide."""
+        b = self.dims.batch
+        sems = self._block_sems(f"{name}_write_sems", (caches, b, kv_heads))
+        nbytes = caches * b * kv_heads * self.dims.cache_block * width * 2
         return self._write_block(layer, name, sems, nbytes, y)
 
+    def _gqa_cache(self, layer, name, kind: GQAAttention, a, y: int) -> int:
+        return self._cache_write(layer, name, 2, a.kv_heads_per_rank, kind.head_dim, y)
+
     def _mla_cache(self, layer, name, kind: MLAAttention, y: int) -> int:
-        b = self.dims.batch
-        lat = kind.kv_lora_rank + kind.qk_rope_head_dim
-        sems = self._block_sems(f"{name}_write_sems", (b,))
-        return self._write_block(layer, name, sems, b * self.dims.cache_block * lat * 2, y)
+        width = kind.kv_lora_rank + kind.qk_rope_head_dim
+        return self._cache_write(layer, name, 1, 1, width, y)
 
     def _tiles(self, layer: int, name: str, wrote: int, q: int, n: int, tile_bytes: int,
                sems: list[tuple[str, ...]], flops: int) -> int:  # fmt: skip
@@ -758,7 +756,7 @@ class _Builder:
         lat = kind.kv_lora_rank + kind.qk_rope_head_dim
         n = kv_tiles(dims.context, dims.kv_tile, None, dims.rows)
         qr = q_rows(a.heads_per_rank, dims.rows)
-        sems = [(f"{name}_tile_sems[{buf}]",) for buf in range(2)]
+        sems = [(f"{name}_tile_sems[0,{buf}]",) for buf in range(2)]
         flops = 2 * qr * dims.kv_tile * (lat + kind.kv_lora_rank)
         out = {}
 

@@ -715,6 +715,9 @@ def _shard_attention(ctx: _Ctx, kind_name: str, a: object) -> AttentionSharding:
     )  # fmt: skip
 
 
+LATENT_PIECE_ALIGN = 128  # lanes of a VMEM tile
+
+
 def _latent_choice(
     ctx: _Ctx, specs: list[tuple[str, tuple[int, ...], str]], names: list[str], what: str
 ) -> tuple[Literal["split", "replicated", "none"], str]:
@@ -729,11 +732,21 @@ def _latent_choice(
     width = sum(shapes[n][1] for n in names)
     if any(shapes[n][1] % d for n in names):
         return "replicated", f"output width {width} does not split {d} ways"
+    if any(shapes[n][1] // d % LATENT_PIECE_ALIGN for n in names):
+        # The kernel reassembles the gathered pieces side by side: Mosaic joins them
+        # along lanes only at whole 128-lane tiles.
+        return "replicated", (
+            f"per-rank pieces of {[shapes[n][1] // d for n in names]} columns are not whole "
+            f"{LATENT_PIECE_ALIGN}-lane tiles"
+        )
     full = sum(ctx.shard(f"attn.{n}", shapes[n], "attention").rank_bytes for n in names)
-    split = sum(
-        ctx.shard(f"attn.{n}", shapes[n], "attention", split_axis=1, parts=d).rank_bytes
-        for n in names
-    )
+    try:
+        split = sum(
+            ctx.shard(f"attn.{n}", shapes[n], "attention", split_axis=1, parts=d).rank_bytes
+            for n in names
+        )
+    except SpecError as why:  # e.g. block-scaled formats whose blocks a split would cut
+        return "replicated", f"a split is not possible ({why})"
     replicated_s = ctx.stream_s(full)
     split_s = ctx.stream_s(split) + ctx.collective(what, "all_gather", "", width).time_s
     if split_s < replicated_s:

@@ -26,10 +26,13 @@ BF16_BYTES = 2
 # Tensors fused into one segment read the same input; the order is the kernel's.
 FUSED_SEGMENTS: dict[str, list[tuple[str, list[str]]]] = {
     "gqa": [("qkv", ["attn.wq", "attn.wk", "attn.wv", "attn.wgate"]), ("o", ["attn.wo"])],
+    # MLA runs absorbed: wkv_b streams twice as views, its key half transposed (uk: q_nope
+    # -> latent) and its value half (uv: latent -> values); see mla_views.
     "mla": [
         ("down", ["attn.wq_a", "attn.wq", "attn.wkv_a", "attn.wgate"]),
         ("q_b", ["attn.wq_b"]),
-        ("kv_b", ["attn.wkv_b"]),
+        ("uk", ["attn.wkv_b"]),
+        ("uv", ["attn.wkv_b"]),
         ("o", ["attn.wo"]),
     ],
     "kda": [
@@ -75,31 +78,81 @@ def round_up(a: int, b: int) -> int:
     return cdiv(a, b) * b
 
 
+class TensorView(PlanModel):
+    """A view of a head-major matrix [K, heads * stride], taken before a rank's slice.
+
+    Of each head's ``stride`` columns keep ``[start, start + size)``; ``rotary`` (offset,
+    dims) reorders those kept columns from interleaved pairs (x0, x1), (x2, x3), ... to
+    halves (evens, then odds), so the kernel rotates halves and q.k is unchanged;
+    ``transpose`` stacks each head's kept block transposed, giving [heads * size, K].
+    """
+
+    stride: int
+    start: int = 0
+    size: int
+    rotary: tuple[int, int] | None = None
+    transpose: bool = False
+
+    def shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """The viewed shape of a [K, heads * stride] tensor."""
+        k, n = shape
+        kept = n // self.stride * self.size
+        return (kept, k) if self.transpose else (k, kept)
+
+
 class Part(PlanModel):
     """A slice of one inventory tensor that a core stores.
 
-    The tensor (named relative to its layer, e.g. ``attn.wq``) is cut along ``axis``
-    (-1: fan_out / columns, -2: fan_in / rows, None: the whole tensor) into pieces of
-    ``size``; rank r takes piece ``r // rank_divisor`` (a divisor above 1 replicates a
-    piece over consecutive ranks, as for kv heads shared by several cores).
+    The tensor (named relative to its layer, e.g. ``attn.wq``), seen through ``view`` if
+    one is set, is cut along ``axis`` (-1: fan_out / columns, -2: fan_in / rows, None: the
+    whole tensor) into pieces of ``size``; rank r takes piece ``r // rank_divisor`` (a
+    divisor above 1 replicates a piece over consecutive ranks, as for kv heads shared by
+    several cores).
     """
 
     tensor: str
     axis: int | None
     size: int
     rank_divisor: int = 1
+    view: TensorView | None = None
 
 
-def part_of(shard: TensorShard, devices: int) -> Part:
-    """A core's piece of a tensor, as the sharding plan split it."""
+def part_of(shard: TensorShard, devices: int, view: TensorView | None = None) -> Part:
+    """A core's piece of a tensor (seen through `view`), as the sharding plan split it.
+
+    A view keeps the split: a head split stays a head split, a transposed view cuts rows."""
+    shape = view.shape(shard.global_shape) if view else shard.global_shape
     if shard.split_axis is None:
-        return Part(tensor=shard.name, axis=None, size=shard.global_shape[-1])
+        return Part(tensor=shard.name, axis=None, size=shape[-1], view=view)
+    axis = shard.split_axis - len(shard.global_shape)
+    if view and view.transpose:
+        axis = -3 - axis  # rows and columns swap
     return Part(
         tensor=shard.name,
-        axis=shard.split_axis - len(shard.global_shape),
-        size=shard.global_shape[shard.split_axis] // shard.parts,
+        axis=axis,
+        size=shape[axis] // shard.parts,
         rank_divisor=devices // shard.parts,
+        view=view,
     )
+
+
+def mla_views(kind) -> dict[tuple[str, str], TensorView]:
+    """Views of MLA tensors by (segment, tensor): wkv_b's key and value halves, and the
+    interleaved rotary columns of q and k_rope reordered to halves."""
+    nope, rope_d, vd = kind.qk_nope_head_dim, kind.qk_rope_head_dim, kind.v_head_dim
+    views = {
+        ("uk", "attn.wkv_b"): TensorView(stride=nope + vd, size=nope, transpose=True),
+        ("uv", "attn.wkv_b"): TensorView(stride=nope + vd, start=nope, size=vd),
+    }
+    if kind.rope is not None and kind.rope.interleaved:
+        q = TensorView(stride=nope + rope_d, size=nope + rope_d, rotary=(nope, rope_d))
+        kv = kind.kv_lora_rank + rope_d
+        views[("q_b", "attn.wq_b")] = q
+        views[("down", "attn.wq")] = q
+        views[("down", "attn.wkv_a")] = TensorView(
+            stride=kv, size=kv, rotary=(kind.kv_lora_rank, rope_d)
+        )
+    return views
 
 
 class Segment(PlanModel):
@@ -166,28 +219,32 @@ def make_segment(
 
 
 def _kind_stream(
-    kind: str, type_: str, shards: tuple[TensorShard, ...], devices: int, bank_rows: int
+    kind: str, spec_kind, shards: tuple[TensorShard, ...], devices: int, bank_rows: int
 ) -> KindStream:
     by_name = {s.name: s for s in shards}
+    views = mla_views(spec_kind) if spec_kind.type == "mla" else {}
     segments: list[Segment] = []
     offset = 0
-    for name, members in FUSED_SEGMENTS[type_]:
+    for name, members in FUSED_SEGMENTS[spec_kind.type]:
         present = [by_name[m] for m in members if m in by_name]
         if not present:
             continue
-        parts = [part_of(s, devices) for s in present]
+        parts = [part_of(s, devices, views.get((name, s.name))) for s in present]
+        shapes = [p.view.shape(s.global_shape) if p.view else s.global_shape
+                  for p, s in zip(parts, present, strict=True)]  # fmt: skip
         if parts[0].axis == -2:
             # A row-split matrix (wo, w_down, ...) is a segment of its own: [K / parts, N].
-            (shard,) = present
-            fan_in, fan_out = shard.global_shape[0] // shard.parts, shard.global_shape[1]
+            if len(present) != 1:
+                raise AssertionError(f"{kind}.{name}: a row-split matrix fused with others")
+            fan_in, fan_out = parts[0].size, shapes[0][1]
         else:
-            fan_in, fan_out = present[0].global_shape[0], sum(p.size for p in parts)
-            if any(s.global_shape[0] != fan_in for s in present):
+            fan_in, fan_out = shapes[0][0], sum(p.size for p in parts)
+            if any(s[0] != fan_in for s in shapes):
                 raise AssertionError(f"{kind}.{name}: fused tensors disagree on fan-in")
         segment = make_segment(name, parts, fan_in, fan_out, offset, bank_rows)
         segments.append(segment)
         offset += segment.banks
-    return KindStream(kind=kind, type=type_, segments=segments, banks=offset)
+    return KindStream(kind=kind, type=spec_kind.type, segments=segments, banks=offset)
 
 
 def choose_ring(bank_rows: int, vmem_for_ring: int) -> int:
@@ -208,11 +265,11 @@ def plan_stream(spec, sharding: ShardingPlan, *, bank_rows: int, ring_depth: int
     """The weight stream of `spec` as `sharding` split it."""
     devices = sharding.devices
     attention = {
-        name: _kind_stream(name, spec.attention_kinds[name].type, s.tensors, devices, bank_rows)
+        name: _kind_stream(name, spec.attention_kinds[name], s.tensors, devices, bank_rows)
         for name, s in sharding.attention.items()
     }
     ffn = {
-        name: _kind_stream(name, spec.ffn_kinds[name].type, s.tensors, devices, bank_rows)
+        name: _kind_stream(name, spec.ffn_kinds[name], s.tensors, devices, bank_rows)
         for name, s in sharding.ffn.items()
     }
     attention_banks, ffn_banks, bank = [], [], 0

@@ -1,6 +1,6 @@
 """The VMEM plan: every buffer one core keeps in VMEM, padded as Mosaic pads it.
 
-For the kinds the code generator renders (GQA, Gated DeltaNet and KDA attention, dense
+For the kinds the code generator renders (GQA, MLA, Gated DeltaNet and KDA attention, dense
 and MoE FFNs with bf16 or int4 experts) the scratch list is exactly ``_scratch_shapes()`` of
 ``templates/megakernel.py.j2``, in the same order (SMEM arrays and semaphores
 included), followed by the kernel's VMEM-resident inputs and outputs (embedded
@@ -9,8 +9,6 @@ the buffers the kernel design implies (docs/planner.md):
 
 - MoE with experts in formats the template does not read yet (mxfp4, nvfp4, int8,
   fp8): the same piece slots, codes and scales in their own dtypes;
-- MLA: a double-buffered latent tile, the latent block rewritten around new rows,
-  the latent q and output;
 - the attention residual's snapshots.
 
 Mosaic pads the two minor dims of every buffer to its native tile ((8,128) 32-bit,
@@ -433,41 +431,54 @@ class _List:
         self.order.append(name)
 
 
-def _gqa_buffers(out: _List, name: str, kind: GQAAttention, a, dims: KernelDims) -> None:
-    """Exactly the per-kind scratch of the template (same order, same shapes)."""
+def _cached_attention_buffers(
+    out: _List,
+    name: str,
+    dims: KernelDims,
+    kvh: int,
+    qr: int,
+    widths: tuple[int, int, int],
+    sinks: bool = False,
+) -> None:
+    """Exactly the template's scratch of a kind with a KV cache (same order, same shapes).
+
+    widths: cache arrays (k and v: 2; the MLA latent row: 1), key width, value width."""
     b, r = dims.batch, dims.rows
-    kvh, d = a.kv_heads_per_rank, kind.head_dim
-    qr = q_rows(a.heads_per_rank // kvh, r)
-    out.add(f"{name}_kv_new_vmem", "attention", (2, b, kvh, r, d), "bf16",
-            why="the step's new keys and values")  # fmt: skip
+    caches, d, dv = widths
+    out.add(f"{name}_kv_new_vmem", "attention", (caches, b, kvh, r, d), "bf16",
+            why="the step's new cache rows")  # fmt: skip
     out.add(f"{name}_q_vmem", "attention", (b, kvh, qr, d), "f32", why="q rows per kv head")
-    out.add(f"{name}_o_vmem", "attention", (b, kvh, qr, d), "f32", why="attention outputs")
-    out.add(f"{name}_tiles_vmem", "attention", (2, 2, dims.kv_tile, d), "bf16",
-            resource=f"{name}.tiles", slots=2, why="k and v tiles, double buffered")  # fmt: skip
-    out.sems(f"{name}_tile_sems", (2, 2))
-    out.sems(f"{name}_write_sems", (2, b, kvh))
-    out.add(f"{name}_block_vmem", "attention", (2, b, kvh, dims.cache_block, d), "bf16",
+    out.add(f"{name}_o_vmem", "attention", (b, kvh, qr, dv), "f32", why="attention outputs")
+    out.add(f"{name}_tiles_vmem", "attention", (caches, 2, dims.kv_tile, d), "bf16",
+            resource=f"{name}.tiles", slots=2, why="cache tiles, double buffered")  # fmt: skip
+    out.sems(f"{name}_tile_sems", (caches, 2))
+    out.sems(f"{name}_write_sems", (caches, b, kvh))
+    out.add(f"{name}_block_vmem", "attention", (caches, b, kvh, dims.cache_block, d), "bf16",
             resource=f"{name}.block", why="cache rows rewritten around the new entries")  # fmt: skip
-    if kind.sinks:
+    if sinks:
         out.add(f"{name}_sinks_vmem", "attention", (kvh, qr, 128), "f32", why="sink logits")
 
 
-def _mla_buffers(out: _List, name: str, kind: MLAAttention, a, dims: KernelDims) -> None:
-    b, r = dims.batch, dims.rows
-    lat = kind.kv_lora_rank + kind.qk_rope_head_dim
-    qr = q_rows(a.heads_per_rank, r)
-    out.add(f"{name}_kv_new_vmem", "attention", (b, r, lat), "bf16", why="new latent rows")
-    out.add(f"{name}_q_vmem", "attention", (b, qr, lat), "f32",
-            why="q absorbed into the latent space (heads x rows)")  # fmt: skip
-    out.add(f"{name}_o_vmem", "attention", (b, qr, kind.kv_lora_rank), "f32",
-            why="latent attention outputs")  # fmt: skip
-    out.add(f"{name}_tiles_vmem", "attention", (2, dims.kv_tile, lat), "bf16",
-            resource=f"{name}.tiles", slots=2,
-            why="latent tiles (keys and values), double buffered")  # fmt: skip
-    out.sems(f"{name}_tile_sems", (2,))
-    out.sems(f"{name}_write_sems", (b,))
-    out.add(f"{name}_block_vmem", "attention", (b, dims.cache_block, lat), "bf16",
-            resource=f"{name}.block", why="latent cache rows rewritten around the new entries")  # fmt: skip
+def _gqa_buffers(out: _List, name: str, kind: GQAAttention, a, dims: KernelDims) -> None:
+    kvh, d = a.kv_heads_per_rank, kind.head_dim
+    qr = q_rows(a.heads_per_rank // kvh, dims.rows)
+    _cached_attention_buffers(out, name, dims, kvh, qr, (2, d, d), kind.sinks)
+
+
+def _mla_buffers(
+    out: _List, name: str, kind: MLAAttention, a, dims: KernelDims, stream: StreamPlan
+) -> None:
+    heads = a.heads_per_rank
+    row = kind.kv_lora_rank + kind.qk_rope_head_dim
+    qr = q_rows(heads, dims.rows)
+    _cached_attention_buffers(out, name, dims, 1, qr, (1, row, kind.kv_lora_rank))
+    uk, uv = stream.attention[name].segment("uk"), stream.attention[name].segment("uv")
+    stacked = heads * dims.tokens_padded
+    out.add(f"{name}_xk_heads_vmem", "attention", (max(uk.k_chunks, uv.k_chunks), stacked, CHUNK),
+            "bf16", why="uk / uv inputs, one row block per head")  # fmt: skip
+    out.add(f"{name}_acc_heads_vmem", "attention",
+            (max(uk.col_blocks, uv.col_blocks), stacked, LANES), "f32",
+            why="uk / uv outputs, one row block per head")  # fmt: skip
 
 
 def recurrent_dims(kind: object, a) -> tuple[int, int, int, int]:
@@ -557,6 +568,7 @@ def _base(out: _List, dims: KernelDims, depth: int) -> None:
 def _buffers(
     spec: ModelSpec,
     sharding: ShardingPlan,
+    stream: StreamPlan,
     dims: KernelDims,
     depth: int,
     slots: int,
@@ -568,7 +580,7 @@ def _buffers(
         if isinstance(kind, GQAAttention):
             _gqa_buffers(out, name, kind, a, dims)
         elif isinstance(kind, MLAAttention):
-            _mla_buffers(out, name, kind, a, dims)
+            _mla_buffers(out, name, kind, a, dims, stream)
         else:
             _recurrent_buffers(out, name, kind, a, dims)
     slot_bytes = 0
@@ -663,7 +675,7 @@ def plan_vmem(
     dims = kernel_dims(spec, sharding, stream, options)
     bank = dims.bank_bytes
     # Everything but the ring and the expert slots is fixed by the build.
-    probe, slot_bytes = _buffers(spec, sharding, dims, 1, 1)
+    probe, slot_bytes = _buffers(spec, sharding, stream, dims, 1, 1)
     variable = {"ring", "expert_slots"}
     fixed_list = [b for b in probe.buffers if b.category not in variable and b.role != "internal"]
     fixed = sum(b.bytes for b in fixed_list)
@@ -707,7 +719,7 @@ def plan_vmem(
             f"weight ring, less than two {_mib(bank)} banks; raise --vmem-budget"
         )
     depth = choose_ring(dims.bank_rows, min(target, left - slots * slot_bytes))
-    out, _ = _buffers(spec, sharding, dims, depth, slots)
+    out, _ = _buffers(spec, sharding, stream, dims, depth, slots)
     explicit = sum(b.bytes for b in out.buffers if b.role != "internal")
     internal = sum(b.bytes for b in out.buffers if b.role == "internal")
     if explicit + internal > limit:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from mkgen.reference.layers import apply_rope, einsum, mm, rms_norm
-from mkgen.spec.rope import yarn_get_mscale
+from mkgen.spec.rope import mla_softmax_scale
 from mkgen.spec.schema import Dims, GQAAttention, MLAAttention
 
 Cache = dict[str, jax.Array]
@@ -131,19 +131,6 @@ def init_mla_cache(kind: MLAAttention, batch: int, max_len: int, dtype: jnp.dtyp
         "latent": jnp.zeros((batch, max_len, kind.kv_lora_rank), dtype),
         "k_rope": jnp.zeros((batch, max_len, kind.qk_rope_head_dim), dtype),
     }
-
-
-def mla_softmax_scale(kind: MLAAttention) -> float:
-    """qk_head_dim ** -0.5, times yarn mscale(factor, mscale_all_dim)**2 when YaRN sets
-    mscale_all_dim (transformers yarn_apply_mscale); an explicit softmax_scale wins."""
-    if kind.softmax_scale is not None:
-        return kind.softmax_scale
-    scale = kind.qk_head_dim**-0.5
-    scaling = kind.rope.scaling if kind.rope else None
-    if scaling is not None and scaling.mscale_all_dim:
-        m = yarn_get_mscale(scaling.factor, scaling.mscale_all_dim)
-        scale *= m * m
-    return scale
 
 
 def mla_attention(

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from mkgen.spec.schema import Rope
+from mkgen.spec.schema import MLAAttention, Rope
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -59,3 +59,16 @@ def rope_frequencies(rope: Rope, rotary_dim: int) -> tuple[np.ndarray, float]:
     inv_freq_interp = (1.0 / (np.float32(y.factor) * pos_freqs)).astype(np.float32)
     inv_freq = inv_freq_interp * (1 - extrapolation_weight) + inv_freq * extrapolation_weight
     return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def mla_softmax_scale(kind: MLAAttention) -> float:
+    """qk_head_dim ** -0.5, times yarn mscale(factor, mscale_all_dim)**2 when YaRN sets
+    mscale_all_dim (transformers yarn_apply_mscale); an explicit softmax_scale wins."""
+    if kind.softmax_scale is not None:
+        return kind.softmax_scale
+    scale = kind.qk_head_dim**-0.5
+    scaling = kind.rope.scaling if kind.rope else None
+    if scaling is not None and scaling.mscale_all_dim:
+        m = yarn_get_mscale(scaling.factor, scaling.mscale_all_dim)
+        scale *= m * m
+    return scale

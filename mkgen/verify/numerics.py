@@ -328,7 +328,8 @@ def _compare_residuals(ours: Any, theirs: Any) -> tuple[float, float, int | None
 
 def _compare_caches(layout: Any, caches: list[Any], ref_cache: Any, position: int, rows: int):
     """(max difference, largest reference value) over what this step wrote: the new KV
-    rows of GQA layers and the whole f32 state of Gated DeltaNet layers, core by core."""
+    rows of GQA layers, the new [latent | k_rope] rows of MLA layers (every core holds
+    them all) and the whole f32 state of Gated DeltaNet and KDA layers, core by core."""
     import numpy as np
 
     from mkgen.codegen import pack
@@ -354,6 +355,25 @@ def _compare_caches(layout: Any, caches: list[Any], ref_cache: Any, position: in
                     )
                     for n in ("k", "v")
                     for rank in range(mine[n].shape[0])
+                ]
+            elif a.type == "mla":
+                k_rope = np.asarray(theirs["k_rope"], np.float32)[:, position : position + rows]
+                if a.rope is not None:  # the kernel stores rotary pairs as halves
+                    view = pack.TensorView(
+                        stride=a.rope_dim, size=a.rope_dim, rotary=(0, a.rope_dim)
+                    )
+                    k_rope = pack.viewed(k_rope.reshape(-1, a.rope_dim), view).reshape(k_rope.shape)
+                ref = np.concatenate(
+                    [
+                        np.asarray(theirs["latent"], np.float32)[:, position : position + rows],
+                        k_rope,
+                    ],
+                    axis=-1,
+                )
+                latent = mine["latent"]
+                pairs = [
+                    (latent[rank, slot, :, 0, position : position + rows], ref)
+                    for rank in range(latent.shape[0])
                 ]
             else:
                 heads = pack.Part(tensor="", axis=-3, size=a.value_heads)
