@@ -135,6 +135,12 @@ def pack_vectors(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: 
             slabs[layer, row.row : row.row + row.rows, : row.length] = value.reshape(
                 row.rows, row.length
             )
+    residual = layout.attention_residual
+    if residual:  # each block's mixing logits ride with its first layer
+        logits = np.asarray(tensors["attn_res_logits"])
+        for block in range(logits.shape[0]):
+            first = block * residual.block_size
+            slabs[first, residual.logits_row, : residual.max_snapshots] = logits[block]
     return slabs
 
 

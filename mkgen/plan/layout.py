@@ -245,6 +245,16 @@ class MoELayout(PlanModel):
     vectors: list[VectorRow]
 
 
+class AttentionResidualLayout(PlanModel):
+    """Kimi K3's cross-block residual (mkgen/reference/model.py): snapshots of the stream
+    at block starts, mixed by a softmax of the block's logits, which the first layer of
+    each block carries in its vector slab."""
+
+    block_size: int
+    max_snapshots: int
+    logits_row: int  # row of the block's first layer's slab holding its logits
+
+
 class KernelLayout(PlanModel):
     """Everything the megakernel template and the packer need for one build."""
 
@@ -276,6 +286,7 @@ class KernelLayout(PlanModel):
     vector_rows: int
     vector_width: int
     collective_buffers: int  # the most collectives one layer runs (each has its own buffer)
+    attention_residual: AttentionResidualLayout | None
     trace_residuals: bool = False  # verification builds return the stream after each layer
     final_norm: Part
     max_k_chunks: int
@@ -698,8 +709,13 @@ def build_layout(
         )
     if spec.dims.tie_embeddings:
         _unsupported("tied embeddings")
+    ffn_rows_end = first_ffn_row + max(sum(v.rows for v in f.vectors) for f in ffn)
+    residual = None
     if spec.attention_residual:
-        _unsupported("the attention residual")
+        r = spec.attention_residual
+        residual = AttentionResidualLayout(
+            block_size=r.block_size, max_snapshots=r.max_snapshots, logits_row=ffn_rows_end
+        )
 
     globals_ = {t.name: part_of(t, devices) for t in sharding.globals}
     segments = [s for a in attention for s in a.segments] + [s for f in ffn for s in f.segments]
@@ -731,7 +747,7 @@ def build_layout(
         ffn_table=ffn_table,
         attention_slot=[attention[k].layers.index(i) for i, k in enumerate(attn_table)],
         ffn_slot=[ffn[k].layers.index(i) for i, k in enumerate(ffn_table)],
-        vector_rows=first_ffn_row + max(sum(v.rows for v in f.vectors) for f in ffn),
+        vector_rows=ffn_rows_end + (1 if residual else 0),
         vector_width=round_up(
             max([hidden] + [v.length for k in [*attention, *ffn] for v in k.vectors]), 128
         ),
@@ -740,6 +756,7 @@ def build_layout(
         collective_buffers=max(
             [2] + [4 for f in ffn if f.type == "moe" and f.latent_design != "none"]
         ),
+        attention_residual=residual,
         final_norm=globals_["final_norm"],
         max_k_chunks=max(s.k_chunks for s in segments),
         max_col_blocks=max(s.col_blocks for s in segments),

@@ -9,7 +9,6 @@ the buffers the kernel design implies (docs/planner.md):
 
 - MoE with experts in formats the template does not read yet (mxfp4, nvfp4, int8,
   fp8): the same piece slots, codes and scales in their own dtypes;
-- the attention residual's snapshots.
 
 Mosaic pads the two minor dims of every buffer to its native tile ((8,128) 32-bit,
 (16,128) bf16, (32,128) 8-bit; ``mkgen.hardware.vmem_padded_bytes``). Large values
@@ -315,7 +314,8 @@ def kernel_dims(
         cache_block=round_up(options.rows + CACHE_ALIGN - 1, CACHE_ALIGN),
         max_k_chunks=max(s.k_chunks for s in segments),
         max_col_blocks=max(s.col_blocks for s in segments),
-        vector_rows=2 + attn_rows + ffn_rows,  # rows 0 and 1: attn_norm, ffn_norm
+        # rows 0 and 1: attn_norm, ffn_norm; the last: a block's attention-residual logits
+        vector_rows=2 + attn_rows + ffn_rows + (1 if spec.attention_residual else 0),
         vector_width=round_up(max([h, *lengths]), 128),
         vocab_per_core=stream.tail[0].fan_out,
         bank_rows=stream.bank_rows,
@@ -592,10 +592,8 @@ def _buffers(
     tp, h = dims.tokens_padded, dims.hidden
     if spec.attention_residual:
         r = spec.attention_residual
-        out.add("attn_res_vmem", "activations", (r.max_snapshots, tp, h), "f32",
+        out.add("snapshots_vmem", "activations", (r.max_snapshots, tp, h), "f32",
                 why="attention-residual snapshots")  # fmt: skip
-        blocks = math.ceil(spec.layers.count / r.block_size)
-        out.add("attn_res_logits_vmem", "vectors", (blocks, r.max_snapshots), "f32", "input")
     # VMEM-resident inputs and outputs of the pallas_call (in call order).
     out.add("x_vmem", "activations", (tp, h), "f32", "input", why="embedded input rows")
     out.add("final_norm_vmem", "vectors", (1, h), "f32", "input")
