@@ -89,9 +89,11 @@ def test_kimi_k3_plan_has_ring_slots_tiles_and_states() -> None:
     s = plan.schedule
     assert plan.vmem.expert_slots == 4  # measurements.md: 4 was best
     # Five collectives a layer (MLA latent gather, attention out; latent MoE gather,
-    # reduce-scatter, all-reduce), each with its own [32, 8, 7168] f32 buffer: 35 MiB.
+    # reduce-scatter, all-reduce), each with its own buffer of 2 + 2 + 2 + 4 stage slots
+    # (not 32): about 10 MiB where a flat exchange needed 35 MiB.
     assert plan.vmem.dims.collective_buffers == 5
-    assert plan.vmem.by_category["collectives"] == 35 * MiB
+    assert plan.vmem.dims.collectives.slots == 10
+    assert plan.vmem.by_category["collectives"] < 11 * MiB
     assert 6 <= plan.vmem.ring_depth <= 12
     assert {
         "bank",
@@ -342,10 +344,10 @@ def test_node_copy_is_deep_enough(small) -> None:
 
 def test_vmem_over_budget_is_a_one_line_error_with_numbers() -> None:
     with pytest.raises(SpecError) as info:
-        _plan("kimi-k3", "2x2x4", rows=8, batch=4)
+        _plan("kimi-k3", "2x2x4", rows=8, batch=8)
     message = str(info.value)
     assert "\n" not in message
-    assert "MiB" in message and "gather_vmem" in message and "--batch" in message
+    assert "MiB" in message and "collective3_vmem" in message and "--batch" in message
 
 
 def test_a_budget_too_small_for_one_bank_is_its_own_error() -> None:
