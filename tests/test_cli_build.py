@@ -191,6 +191,7 @@ def test_verify_failure_exits_1_naming_the_mode_step_and_check(monkeypatch) -> N
             "max_residual_diff": 0.001,
             "residual_tolerance": 0.02,
             "first_diverging_layer": None,
+            "cores_identical": True,
         }
         fields = {k: v for k, v in fields.items() if k in StepCheck.__dataclass_fields__}
         report.steps = [

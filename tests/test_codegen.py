@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import Mesh
 
 from mkgen.codegen.build import load_module, render_kernel
+from mkgen.plan.collectives import arrange_devices
 from mkgen.plan.layout import plan_kernel
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.loader import load_spec
@@ -53,6 +54,15 @@ def test_full_size_kernel_compiles_for_tpu7x(name: str, topology: str) -> None:
     _compile(_layout(name, topology, context=4096), topology)
 
 
+@pytest.mark.parametrize("topology", ["2x2x2", "2x2x4"])
+def test_reduce_scatter_latent_moe_compiles_for_tpu7x(topology: str) -> None:
+    """rs_ar on two and four hosts: staged reduce-scatter pieces of 16 f32 lanes still
+    move as whole 128-lane rows, as Mosaic's DMA requires."""
+    layout = _layout(str(SPECS / "latent-moe-shared.yaml"), topology, context=4096)
+    assert next(f for f in layout.ffn if f.type == "moe").latent_design == "rs_ar"
+    _compile(layout, topology)
+
+
 @pytest.mark.parametrize(
     ("name", "topology"),
     [("qwen3-32b", "2x2x1"), (str(SPECS / "kda-k3-sizes.yaml"), "2x2x4")],
@@ -66,7 +76,9 @@ def test_verification_rows_compile(name: str, topology: str) -> None:
 def _compile(layout, topology: str) -> None:
     module = f"compile_{layout.model}_{topology}_{layout.rows}".replace("-", "_").replace(".", "_")
     kernel = load_module(render_kernel(layout, "test"), module)
-    mesh = Mesh(np.array(compile_only_devices(parse_topology(topology))), (kernel.AXIS,))
+    topo = parse_topology(topology)
+    devices = arrange_devices(compile_only_devices(topo), topo, layout.collectives.mesh_order)
+    mesh = Mesh(np.array(devices), (kernel.AXIS,))
     report = compile_for_tpu(kernel.make_decode_step(mesh), kernel.argument_shapes(mesh))
     ring = layout.stream.ring_depth * layout.stream.bank_rows * 256 * 2
     assert ring < report.vmem_bytes < 64 * MiB

@@ -14,6 +14,7 @@ import pytest
 from mkgen.verify.numerics import NumericsReport, verify_numerics
 
 TIMEOUT = 600
+TIMEOUT_16 = 420  # the 16-device case (about 1 min measured on 2 shared cores)
 
 
 def _check(report: NumericsReport) -> None:
@@ -35,6 +36,9 @@ CASES = [
     ("qwen3.8-27b", "eager"),  # Gated DeltaNet: conv tail and f32 state in place
     (str(Path(__file__).parent / "specs" / "kda-hybrid.yaml"), "on_wait"),  # both KDA forms
     (str(Path(__file__).parent / "specs" / "mla-hybrid.yaml"), "eager"),  # both MLA forms
+    # Latent MoE with shared experts: reduce-scatter of the latent, one all-reduce (rs_ar);
+    # Muse Spark above covers the other design (all-reduce of the latent, all-gather).
+    (str(Path(__file__).parent / "specs" / "latent-moe-shared.yaml"), "on_wait"),
 ]
 
 
@@ -77,6 +81,15 @@ def test_sliding_window_is_exceeded() -> None:
 @pytest.mark.parametrize("topology", ["v6e:1x1", "1x1x1"])
 def test_single_core_and_single_chip(topology: str) -> None:
     _check(verify_numerics("qwen3-30b-a3b", topology, mode="on_wait", steps=2, timeout=TIMEOUT))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_16)
+def test_two_hosts_16_cores() -> None:
+    """2x2x2: four collective stages (sibling core, x, y, across the two hosts) and the
+    rs_ar latent MoE on 16 virtual devices; one step keeps it near a minute on 2 cores."""
+    spec = str(Path(__file__).parent / "specs" / "latent-moe-shared.yaml")
+    _check(verify_numerics(spec, "2x2x2", mode="on_wait", steps=1, timeout=TIMEOUT_16))
 
 
 # ---------------------------------------------------------------- broken kernels are caught

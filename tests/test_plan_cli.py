@@ -164,8 +164,8 @@ def test_a_vmem_budget_too_small_for_one_bank_is_one_line() -> None:
 
 
 def test_a_plan_over_the_vmem_budget_is_one_line() -> None:
-    result = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--batch", "4")
-    assert_user_error(result, "VMEM:", "over the 58.0 MiB", "gather_vmem")
+    result = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--batch", "8")
+    assert_user_error(result, "VMEM:", "MiB it may use", "collective3_vmem")
 
 
 @pytest.mark.parametrize(

@@ -89,10 +89,12 @@ def test_kimi_k3_plan_has_ring_slots_tiles_and_states() -> None:
     s = plan.schedule
     assert plan.vmem.expert_slots == 4  # measurements.md: 4 was best
     # Four collectives a layer (attention out; latent MoE gather, reduce-scatter,
-    # all-reduce), each with its own [32, 8, 7168] f32 buffer: 28 MiB. The MLA latent
-    # projections are replicated: their 48-column pieces are not whole lane tiles.
+    # all-reduce; the MLA latent projections are replicated: their 48-column pieces are
+    # not whole lane tiles), each with its own buffer of 2 + 2 + 2 + 4 stage slots (not
+    # 32): under 9 MiB where a flat exchange needed 28 MiB.
     assert plan.vmem.dims.collective_buffers == 4
-    assert plan.vmem.by_category["collectives"] == 28 * MiB
+    assert plan.vmem.dims.collectives.slots == 10
+    assert plan.vmem.by_category["collectives"] < 9 * MiB
     assert 6 <= plan.vmem.ring_depth <= 12
     assert {
         "bank",
@@ -343,10 +345,10 @@ def test_node_copy_is_deep_enough(small) -> None:
 
 def test_vmem_over_budget_is_a_one_line_error_with_numbers() -> None:
     with pytest.raises(SpecError) as info:
-        _plan("kimi-k3", "2x2x4", rows=8, batch=4)
+        _plan("kimi-k3", "2x2x4", rows=8, batch=8)
     message = str(info.value)
     assert "\n" not in message
-    assert "MiB" in message and "gather_vmem" in message and "--batch" in message
+    assert "MiB" in message and "collective3_vmem" in message and "--batch" in message
 
 
 def test_a_budget_too_small_for_one_bank_is_its_own_error() -> None:

@@ -111,7 +111,12 @@ def test_collectives_cross_hosts_on_2x2x4():
     ar = plan.attention["kda"].collectives[-1]
     assert ar.op == "all_reduce" and ar.level == "host"
     assert ar.bytes_by_level["host"] > ar.bytes_by_level["chip"] > ar.bytes_by_level["core"]
-    assert ar.phases == 1 and ar.time_s > 3.5e-6
+    # Staged: sibling core, x, y inside a host (one latency-bound phase), then the four
+    # hosts (one more); each stage sends the running sum to the other members.
+    assert ar.algorithm == "staged" and ar.phases == 2 and ar.time_s > 2 * 3.5e-6
+    assert ar.bytes_by_level == {
+        "core": ar.payload_bytes, "chip": 2 * ar.payload_bytes, "host": 3 * ar.payload_bytes
+    }  # fmt: skip
 
 
 # --------------------------------------------------------------------------- Qwen, Muse

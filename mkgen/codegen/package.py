@@ -494,6 +494,7 @@ def report_context(
         "kinds": kinds,
         "tensors": tensors,
         "collectives": collectives,
+        "collective_stages": plan.vmem.dims.collectives.describe(),
         "hbm": hbm,
         "hbm_total": _gb(mem.total_bytes),
         "hbm_usable": _gb(mem.usable_bytes),

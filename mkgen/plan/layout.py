@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from mkgen.plan.collectives import CollectivePlan, layer_uses, plan_collectives
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.sharding import ShardingPlan
 from mkgen.plan.stream import (
@@ -285,7 +286,7 @@ class KernelLayout(PlanModel):
     ffn_slot: list[int]
     vector_rows: int
     vector_width: int
-    collective_buffers: int  # the most collectives one layer runs (each has its own buffer)
+    collectives: CollectivePlan  # stages over the topology, landing buffers, mesh order
     attention_residual: AttentionResidualLayout | None
     trace_residuals: bool = False  # verification builds return the stream after each layer
     final_norm: Part
@@ -541,8 +542,8 @@ def _moe_layout(
         _unsupported(f"ffn_kinds.{name}: expert biases")
     if kind.activation.kind == "gelu":
         _unsupported(f"ffn_kinds.{name}: exact gelu (use gelu_tanh)")
-    if shard.latent_design == "rs_ar":
-        _unsupported(f"ffn_kinds.{name}: a latent MoE combined by reduce-scatter")
+    if shard.latent_design == "ar_ag" and kind.shared_experts:
+        _unsupported(f"ffn_kinds.{name}: shared experts beside a latent MoE combined by all-gather")
     parts = {t.name: part_of(t, devices) for t in shard.tensors}
     split = shard.experts
     gate = next(t for t in shard.tensors if t.name == "ffn.experts_gate")
@@ -751,11 +752,7 @@ def build_layout(
         vector_width=round_up(
             max([hidden] + [v.length for k in [*attention, *ffn] for v in k.vectors]), 128
         ),
-        # Each collective of a layer has its own buffer: attention and FFN, plus the
-        # latent MoE's gather and combine.
-        collective_buffers=max(
-            [2] + [4 for f in ffn if f.type == "moe" and f.latent_design != "none"]
-        ),
+        collectives=plan_collectives(topology, layer_uses(sharding)),
         attention_residual=residual,
         final_norm=globals_["final_norm"],
         max_k_chunks=max(s.k_chunks for s in segments),

@@ -75,6 +75,7 @@ def plan_dict(plan: BuildPlan) -> dict[str, Any]:
             "smem": {s.name: list(s.shape) for s in vm.smem},
         },
         "sharding": _sharding_dict(plan),
+        "collectives": plan.vmem.dims.collectives.model_dump(),
         "stream": {
             "bank_rows": plan.stream.bank_rows,
             "bank_bytes": plan.stream.bank_bytes,
@@ -257,6 +258,7 @@ def plan_text(plan: BuildPlan) -> str:
         [
             head,
             sharding_table(plan),
+            plan.vmem.dims.collectives.describe(),
             plan.memory.describe(),
             vmem_table(plan),
             schedule_text(plan),

@@ -31,7 +31,8 @@ design implies (docs/planner.md):
   slices stream as pieces through S slots: piece q in slot q % S, the first S started at
   once, piece q + S right after piece q is used, across expert boundaries;
 - collectives: the k-th collective of a layer lands in gather buffer k (attention 0, the
-  FFN's 1..3), remote DMAs to the D - 1 peers, their sum (or concatenation).
+  FFN's 1..3); its stages (mkgen.plan.collectives) send sum(size - 1) remote DMAs to the
+  members of the core's groups, each with its own semaphore, then sum (or concatenate).
 
 Runtime loops whose iterations use the same buffers are not unrolled in full: a loop
 whose body starts and waits all its own DMAs (the (sequence, kv head) pairs of
@@ -355,14 +356,19 @@ class _Builder:
         self.experts_per_layer: dict[int, tuple[int, int]] = {}
         # Semaphore names of a DMA group, built once per array shape and shared.
         self.sem_cache: dict[tuple[str, tuple[int, ...]], tuple[str, ...]] = {}
-        d = self.d
+        # Core 0's view (position 0 in every group): a stage sends to members 1.. and
+        # receives from them, each copy on its own slot's semaphore.
+        stages = vmem.dims.collectives.stages
+        self.coll_copies = sum(s.size - 1 for s in stages)
+        self.coll_slots = sum(s.size for s in stages)
+        peers = [s.offset + m for s in stages for m in range(1, s.size)]
         self.coll_sems = [
-            tuple(f"send_sems[{w},{k}]" for k in range(1, d))
-            + tuple(f"recv_sems[{w},{k}]" for k in range(1, d))
+            tuple(f"send_sems[{w},{k}]" for k in peers)
+            + tuple(f"recv_sems[{w},{k}]" for k in peers)
             for w in range(vmem.dims.collective_buffers)
         ]
-        self.greedy_sems = tuple(f"greedy_sems[0,{k}]" for k in range(1, d)) + tuple(
-            f"greedy_sems[1,{k}]" for k in range(1, d)
+        self.greedy_sems = tuple(f"greedy_sems[0,{k}]" for k in peers) + tuple(
+            f"greedy_sems[1,{k}]" for k in peers
         )
         self.banks = self._bank_nodes()
         seen: dict[str, int] = {}
@@ -524,13 +530,13 @@ class _Builder:
         p = self.run("collective", f"L{layer} {c.name}: rows -> gather[{w}]", layer, 0,
                      ((src, None, 0),), writes=("gather", w))  # fmt: skip
         x = self.dma("collective", f"L{layer} {c.op} {c.name}", layer, "gather", w,
-                     self.coll_sems[w], _sent_bytes(c), count=2 * (self.d - 1),
+                     self.coll_sems[w], _sent_bytes(c), count=2 * self.coll_copies,
                      reads=((p, "gather", w),))  # fmt: skip
         self.start(x)
         self.wait(x)
         what = "concatenate" if c.op == "all_gather" else "sum"
-        return self.run("collective", f"L{layer} {c.name}: {what}", layer, self.d * width,
-                        ((x, "gather", w),))  # fmt: skip
+        return self.run("collective", f"L{layer} {c.name}: {what}", layer,
+                        self.coll_slots * width, ((x, "gather", w),))  # fmt: skip
 
     def vec(self, layer: int, name: str, x: int, flops: int, extra: tuple = ()) -> int:
         return self.run("vector", f"L{layer} {name}", layer, flops,
@@ -602,12 +608,13 @@ class _Builder:
         if self.d > 1:
             coll = next(c for c in self.sh.step_collectives if c.name == "sampling")
             x = self.dma("collective", "all_gather sampling", layers, "greedy", 0,
-                         self.greedy_sems, _sent_bytes(coll), count=2 * (self.d - 1),
+                         self.greedy_sems, _sent_bytes(coll), count=2 * self.coll_copies,
                          reads=((g, "greedy", 0),))  # fmt: skip
             self.start(x)
             self.wait(x)
             g = x
-        self.run("vector", "token: best shard in device order", layers, 2 * self.d * self.t,
+        self.run("vector", "token: best of each stage group in member order", layers,
+                 2 * self.coll_slots * self.t,
                  ((g, "greedy", 0),))  # fmt: skip
 
     # --- attention kinds ---

@@ -37,7 +37,6 @@ from mkgen.hardware import vmem_tile
 from mkgen.plan.cost import (
     WIRE_BYTES,
     CostConstants,
-    level_peers,
     matmul_cost,
     pad_rows,
     widest_level,
@@ -112,7 +111,7 @@ class Collective(_Frozen):
     width: int  # elements per token row of the full (reduced / gathered) payload
     rows: int  # token rows, padded to sublane blocks
     payload_bytes: int  # full payload (rows x width x wire bytes)
-    algorithm: Literal["flat", "hierarchical"]
+    algorithm: Literal["flat", "staged"]  # staged: one exchange per topology level
     phases: int
     level: str  # widest topology level crossed: core / chip / host
     bytes_by_level: dict[str, int]  # bytes one device sends at each level
@@ -136,43 +135,43 @@ def collective_cost(
     width: int,
     tokens: int,
 ) -> Collective:
-    """The cheaper of a flat and a chip-hierarchical algorithm for this payload.
+    """The kernel's staged algorithm (mkgen.plan.collectives) for this payload.
 
-    Flat: one latency-bound phase (catalog collective_phase_latency, which measures one
-    in-kernel collective: Muse Spark's four per layer cost ~14 us); an all-reduce moves
-    reduce-scatter + all-gather volume (2 x payload / D to every peer). Hierarchical
-    (all-reduce only, chips with two cores): sibling reduce-scatter, flat all-reduce of
-    the half across chips, sibling all-gather: three phases, half the cross-chip bytes.
+    Stages run one after the other, sibling core first (a reduce-scatter in reverse).
+    Latency: the stages inside one host together cost one latency-bound phase (catalog
+    collective_phase_latency, measured for one in-kernel collective over the 8 cores
+    of a host: Muse Spark's four per layer cost ~14 us); each stage across hosts adds
+    one more phase (not measured: the same latency assumed). Bytes: a stage's member
+    sends the running payload to each other member of its group (an all-reduce the
+    whole running sum, an all-gather the pieces gathered so far, a reduce-scatter one
+    part of the running vector), over the link of the stage's level.
     """
+    from mkgen.plan.collectives import plan_stages
+
     rows = pad_rows(tokens)
     payload = rows * width * WIRE_BYTES
     d = topo.num_devices
-    peers = level_peers(topo)
     level = widest_level(topo)
+    stages = plan_stages(topo)
     if d == 1:
         return Collective(
             name=name, op=op, after=after, width=width, rows=rows, payload_bytes=payload,
             algorithm="flat", phases=0, level="core", bytes_by_level={}, time_s=0.0,
         )  # fmt: skip
-    per_peer = payload / d * (2 if op == "all_reduce" else 1)
-    flat_bytes = {lv: int(per_peer * n) for lv, n in peers.items()}
-    flat = c.collective_phase_s + _wire_s(c, flat_bytes)
-    best = ("flat", 1, flat_bytes, flat)
-    if op == "all_reduce" and peers["core"] and (peers["chip"] or peers["host"]):
-        chips = d // (peers["core"] + 1)
-        half = payload / 2
-        sib = {"core": int(half), "chip": 0, "host": 0}
-        cross = {"core": 0, "chip": 0, "host": 0}
-        cross_per_peer = 2 * half / chips
-        for dev in range(1, d):
-            lv = topo.level_between(0, dev)
-            if lv != "core" and topo.devices[dev].core_on_chip == 0:
-                cross[lv] += int(cross_per_peer)
-        hier_bytes = {lv: sib[lv] * 2 + cross[lv] for lv in sib}
-        hier = 3 * c.collective_phase_s + 2 * _wire_s(c, sib) + _wire_s(c, cross)
-        if hier < flat:
-            best = ("hierarchical", 3, hier_bytes, hier)
-    algorithm, phases, sent, time_s = best
+    sent = {"core": 0, "chip": 0, "host": 0}
+    wire = 0.0
+    running = payload / d if op == "all_gather" else payload
+    order = reversed(stages) if op == "reduce_scatter" else stages
+    for st in order:
+        if op == "reduce_scatter":
+            running /= st.size
+        nbytes = running * (st.size - 1)
+        sent[st.level] += int(nbytes)
+        wire += _wire_s(c, {st.level: nbytes})
+        if op == "all_gather":
+            running *= st.size
+    host_stages = sum(1 for st in stages if st.level == "host")
+    phases = (1 if len(stages) > host_stages else 0) + host_stages
     return Collective(
         name=name,
         op=op,
@@ -180,11 +179,11 @@ def collective_cost(
         width=width,
         rows=rows,
         payload_bytes=payload,
-        algorithm=algorithm,  # type: ignore[arg-type]
+        algorithm="staged" if len(stages) > 1 else "flat",
         phases=phases,
         level=level,
         bytes_by_level=sent,
-        time_s=time_s,
+        time_s=phases * c.collective_phase_s + wire,
     )
 
 

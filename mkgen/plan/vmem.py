@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict
 
 from mkgen.errors import SpecError
 from mkgen.hardware import MiB, vmem_padded_bytes
+from mkgen.plan.collectives import CollectivePlan, layer_uses, plan_collectives
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.sharding import ShardingPlan, TensorShard
 from mkgen.plan.stream import CHUNK, LANES, StreamPlan, cdiv, choose_ring, round_up
@@ -43,7 +44,7 @@ from mkgen.spec.schema import (
     ModelSpec,
     MoEFFN,
 )
-from mkgen.spec.topology import Topology
+from mkgen.spec.topology import Topology, parse_topology
 
 # Tuning choice (measurements.md): 3/4/5/6/8 expert slots measured 668/653/685/690/824 us
 # over 8 Muse Spark layers; 4 was best, so 4 is the most the plan asks for.
@@ -184,9 +185,10 @@ class KernelDims(_Frozen):
     bank_rows: int
     bank_bytes: int
     layers: int
-    # Each collective of a layer has its own gather buffer (the kernel's rule): the most
-    # collectives one layer runs, at least 2.
+    # Each collective of a layer has its own landing buffer (the kernel's rule): the most
+    # collectives one layer runs, at least 2; rows per stage slot (mkgen.plan.collectives).
     collective_buffers: int
+    collectives: CollectivePlan
 
 
 class VmemPlan(_Frozen):
@@ -297,10 +299,7 @@ def kernel_dims(
     for f in sharding.ffn.values():
         r, ls = _vector_rows(f.tensors, False)
         ffn_rows, lengths = max(ffn_rows, r), lengths + ls
-    per_layer = max(
-        len(sharding.attention[a].collectives) + len(sharding.ffn[f].collectives)
-        for a, f in set(sharding.layer_table)
-    )
+    collectives = plan_collectives(parse_topology(sharding.topology), layer_uses(sharding))
     tokens = options.tokens
     return KernelDims(
         devices=sharding.devices,
@@ -321,7 +320,8 @@ def kernel_dims(
         bank_rows=stream.bank_rows,
         bank_bytes=stream.bank_bytes,
         layers=len(sharding.layer_table),
-        collective_buffers=max(2, per_layer),
+        collective_buffers=len(collectives.buffers),
+        collectives=collectives,
     )
 
 
@@ -543,7 +543,8 @@ def _moe_buffers(
 
 def _base(out: _List, dims: KernelDims, depth: int) -> None:
     """The template's kind-independent scratch, in its order."""
-    tp, h, d, cb = dims.tokens_padded, dims.hidden, dims.devices, dims.collective_buffers
+    tp, h, cb = dims.tokens_padded, dims.hidden, dims.collective_buffers
+    coll = dims.collectives
     out.add("ring_vmem", "ring", (depth, dims.bank_rows, LANES), "bf16", resource="ring",
             slots=depth, why=f"{depth} weight banks in flight")  # fmt: skip
     out.sems("ring_sems", (depth,))
@@ -555,14 +556,18 @@ def _base(out: _List, dims: KernelDims, depth: int) -> None:
             resource="vectors", slots=2, why="this layer's and the next layer's vectors")  # fmt: skip
     out.sems("vec_sems", (2,))
     out.add("x_res_vmem", "activations", (tp, h), "f32", why="the residual stream")
-    out.add("gather_vmem", "collectives", (cb, d, tp, h), "f32", resource="gather",
-            slots=cb, why="remote-DMA landing slots per source, one buffer per collective "
-            "of a layer")  # fmt: skip
-    out.sems("send_sems", (cb, d))
-    out.sems("recv_sems", (cb, d))
-    out.add("greedy_vmem", "logits", (d, tp, GREEDY_LANES), "f32", resource="greedy",
-            why="(max, argmax) of every vocabulary shard")  # fmt: skip
-    out.sems("greedy_sems", (2, d))
+    # One landing buffer per collective of a layer (the schedule's resource "gather",
+    # slot k), each with a slot per stage member (sum of the group sizes, not D).
+    for b in coll.buffers:
+        out.add(f"collective{b.index}_vmem", "collectives", (coll.slots + b.send_rows, tp, b.width),
+                "f32", why=f"landing slots of every stage for {', '.join(b.uses) or 'nothing'}"
+                + (f", {b.send_rows} reduce-scatter staging rows" if b.send_rows else ""))  # fmt: skip
+    out.resources["gather"] = cb
+    out.sems("send_sems", (cb, coll.slots))
+    out.sems("recv_sems", (cb, coll.slots))
+    out.add("greedy_vmem", "logits", (coll.slots, tp, GREEDY_LANES), "f32", resource="greedy",
+            why="(max, argmax) of the stage members' vocabulary shards")  # fmt: skip
+    out.sems("greedy_sems", (2, coll.slots))
 
 
 def _buffers(

@@ -101,6 +101,7 @@ def compile_full_size(
     from mkgen.codegen.build import load_module, render_kernel
     from mkgen.codegen.package import build_name
     from mkgen.plan import plan_build
+    from mkgen.plan.collectives import arrange_devices
     from mkgen.plan.layout import plan_kernel
     from mkgen.verify.inspect import vmem_map
     from mkgen.verify.tpu_compile import compile_for_tpu, compile_only_devices
@@ -112,6 +113,7 @@ def compile_full_size(
     name = build_name(spec.name, topology)
     kernel = load_module(source, f"mkgen_compile_{name.replace('-', '_').replace('.', '_')}")
     devices = compile_only_devices(topology)
+    devices = arrange_devices(devices, topology, layout.collectives.mesh_order)
     mesh = Mesh(np.array(devices), (kernel.AXIS,))
     report = compile_for_tpu(kernel.make_decode_step(mesh), kernel.argument_shapes(mesh))
     scratch = vmem_map(source)

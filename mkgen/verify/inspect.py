@@ -346,13 +346,15 @@ def _describe_dmas(build: Build, kind: _Kind | None, phase: Phase, helper: Funct
         ]
     elif phase.marker == "collective":
         op = str(phase.detail)
-        peers = L.devices - 1
+        coll = L.collectives
+        peers = coll.copies
         phase.label = f"{op.replace('_', '-')} across {L.devices} cores"
-        payload = L.tokens_padded * L.hidden * 4
+        stages = " then ".join(f"{s.axis} x{s.size}" for s in coll.stages)
         phase.dmas = (
             [
-                f"{peers} remote DMAs out and {peers} in ([{L.tokens_padded}, {L.hidden}] f32, "
-                f"{payload:,} B each), one semaphore per copy, summed in device order"
+                f"{peers} remote DMAs out and {peers} in over {len(coll.stages)} stage(s) "
+                f"({stages}), at most [{L.tokens_padded}, {max(b.width for b in coll.buffers)}] "
+                "f32 each, one semaphore per copy, combined in member order"
             ]
             if peers
             else ["none (one core)"]
@@ -471,9 +473,10 @@ _STRUCTURE = {
     "(kinds chosen by pl.when on the SMEM layer tables), the lm_head",
     "Stream.prime": "start the first RING_DEPTH bank DMAs of the step",
     "Ring.prime": "start the first DMAs of a ring (weight banks or expert pieces)",
-    "Collectives.all_reduce": "remote DMA of this core's partial sum to every peer; sum in "
-    "device order",
-    "Collectives.all_gather": "remote DMA of this core's piece to every peer",
+    "Collectives.all_reduce": "staged: the running sum to the members of each stage group; "
+    "summed in member order",
+    "Collectives.all_gather": "staged: the pieces gathered so far to each stage group",
+    "Collectives.reduce_scatter": "staged in reverse: part j of the running sum to member j",
 }
 
 

@@ -19,7 +19,10 @@ step is held against the reference fed the same tokens:
   CACHE_RTOL of the reference's largest entry (both store bf16);
 - the residual stream after every layer, within RESIDUAL_RTOL of its largest value:
   the first layer beyond it is named (the kernel's verification build returns it);
-- finiteness: a NaN anywhere (uninitialised VMEM reads) fails.
+- finiteness: a NaN anywhere (uninitialised VMEM reads) fails;
+- every core's greedy tokens and residual stream after every layer are identical bit
+  for bit (the staged collectives combine in member order; the verification build
+  returns them per core).
 """
 
 from __future__ import annotations
@@ -61,12 +64,14 @@ class StepCheck:
     residual_tolerance: float
     first_diverging_layer: int | None  # the first layer whose residual stream is off
     finite: bool
+    cores_identical: bool  # every core's tokens and residual stream equal bit for bit
     seconds: float
 
     @property
     def passed(self) -> bool:
         return (
             self.finite
+            and self.cores_identical
             and self.max_logit_diff <= self.logit_tolerance
             and self.tokens_equal + self.tokens_near_tie == self.tokens_total
             and self.max_cache_diff <= self.cache_tolerance
@@ -76,6 +81,8 @@ class StepCheck:
     def failure(self) -> str | None:
         if not self.finite:
             return f"step {self.step}: non-finite logits or caches (uninitialised memory read?)"
+        if not self.cores_identical:
+            return f"step {self.step}: the cores' residual streams or tokens differ bit for bit"
         if self.first_diverging_layer is not None:
             return (
                 f"step {self.step}: layer {self.first_diverging_layer} diverges first: its "
@@ -210,6 +217,7 @@ def _run_child(
     from mkgen.codegen import pack
     from mkgen.codegen.build import load_module, render_kernel
     from mkgen.codegen.quantize import fake_quantize
+    from mkgen.plan.collectives import arrange_devices
     from mkgen.plan.layout import plan_kernel
     from mkgen.plan.options import BuildOptions
     from mkgen.reference import model as reference
@@ -248,7 +256,8 @@ def _run_child(
         jnp.asarray(np.stack([p[i] for p in per_rank])) for i in range(len(kernel.expert_shapes()))
     ]
     caches = [jnp.zeros((devices, *shape), dtype) for shape, dtype in kernel.cache_shapes()]
-    mesh = Mesh(np.array(jax.devices()[:devices]), (kernel.AXIS,))
+    order = layout.collectives.mesh_order  # stage 1 of the collectives is sibling cores
+    mesh = Mesh(np.array(arrange_devices(jax.devices(), topology, order)), (kernel.AXIS,))
     step_fn = kernel.make_decode_step(mesh)
     tables = jnp.asarray(kernel.LAYER_TABLES, jnp.int32)
     final_norm = jnp.asarray(weights["final_norm"])[None, :]
@@ -274,7 +283,15 @@ def _run_child(
             )  # fmt: skip
             out = jax.block_until_ready(out)
         seconds = time.perf_counter() - start
-        kernel_tokens, kernel_logits, residuals, *caches = out
+        core_tokens, kernel_logits, core_residuals, *caches = out
+        # Every core's greedy tokens and residual stream after every layer, bit for bit.
+        core_tokens, core_residuals = np.asarray(core_tokens), np.asarray(core_residuals)
+        identical = all(
+            np.array_equal(core_tokens[0], core_tokens[r])
+            and np.array_equal(core_residuals[0], core_residuals[r], equal_nan=True)
+            for r in range(1, devices)
+        )
+        kernel_tokens, residuals = core_tokens[0], core_residuals[0]
         ref_logits, ref_cache, ref_residuals = reference.forward_traced(
             spec, weights, jnp.asarray(tokens), ref_cache, position
         )
@@ -308,6 +325,7 @@ def _run_child(
                 residual_tolerance=layer_tolerance,
                 first_diverging_layer=first_layer,
                 finite=finite,
+                cores_identical=identical,
                 seconds=seconds,
             )
         )
