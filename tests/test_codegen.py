@@ -73,6 +73,16 @@ def test_verification_rows_compile(name: str, topology: str) -> None:
     _compile(_layout(name, topology, context=4096, rows=8), topology)
 
 
+# Weight formats (tests/specs/formats-*.yaml): mxfp4 experts; fp8:128 attention, MLP,
+# shared and routed experts; int8 dense weights.
+FORMAT_SPECS = ["formats-mxfp4", "formats-fp8", "formats-int8"]
+
+
+@pytest.mark.parametrize("name", FORMAT_SPECS)
+def test_weight_formats_compile_for_tpu7x(name: str) -> None:
+    _compile(_layout(str(SPECS / f"{name}.yaml"), "2x2x1", context=4096), "2x2x1")
+
+
 def _compile(layout, topology: str) -> None:
     module = f"compile_{layout.model}_{topology}_{layout.rows}".replace("-", "_").replace(".", "_")
     kernel = load_module(render_kernel(layout, "test"), module)

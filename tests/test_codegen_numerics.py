@@ -39,6 +39,11 @@ CASES = [
     # Latent MoE with shared experts: reduce-scatter of the latent, one all-reduce (rs_ar);
     # Muse Spark above covers the other design (all-reduce of the latent, all-gather).
     (str(Path(__file__).parent / "specs" / "latent-moe-shared.yaml"), "on_wait"),
+    # Weight formats: mxfp4 experts; fp8 (mini: fp8:32) everywhere but router and lm_head;
+    # int8 dense weights.
+    (str(Path(__file__).parent / "specs" / "formats-mxfp4.yaml"), "on_wait"),
+    (str(Path(__file__).parent / "specs" / "formats-fp8.yaml"), "eager"),
+    (str(Path(__file__).parent / "specs" / "formats-int8.yaml"), "on_wait"),
 ]
 
 
@@ -135,3 +140,26 @@ def test_first_diverging_layer_is_named() -> None:
     )
     assert not report.passed
     assert "layer 3 diverges first" in (report.failure() or ""), report.failure()
+
+
+@pytest.mark.parametrize(
+    ("spec", "old", "new"),
+    [
+        # The int8 column scales of every weight-stream chunk, 1.5 x too large.
+        (
+            "formats-int8",
+            "preferred_element_type=jnp.float32) * scale\n",
+            "preferred_element_type=jnp.float32) * scale * 1.5\n",
+        ),
+        # mxfp4 E8M0 scales one binade too high (2^(byte - 126)).
+        ("formats-mxfp4", "(biased << 23", "((biased + 1) << 23"),
+    ],
+    ids=["int8-stream-scale", "mxfp4-expert-scale"],
+)
+def test_a_wrong_scale_is_caught(spec: str, old: str, new: str) -> None:
+    path = str(Path(__file__).parent / "specs" / f"{spec}.yaml")
+    report = verify_numerics(
+        path, "2x2x1", mode="on_wait", steps=1, timeout=TIMEOUT, mutations=[(old, new)]
+    )
+    assert not report.passed
+    assert "layer 0 diverges first" in (report.failure() or ""), report.failure()

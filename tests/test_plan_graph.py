@@ -393,9 +393,21 @@ RENDERED = [
     ("mixtral-8x7b", "2x2x1", {}),
     ("tests/specs/kda-hybrid.yaml", "2x2x1", {}),
     ("tests/specs/kda-k3-sizes.yaml", "2x2x4", {"rows": 8}),
+    ("tests/specs/formats-mxfp4.yaml", "2x2x1", {}),
+    ("tests/specs/formats-fp8.yaml", "2x2x1", {}),
 ]
-COMPILED = [case for case in RENDERED if case[0] != "tests/specs/kda-hybrid.yaml"]
-_DTYPES = {"bfloat16": "bf16", "float32": "f32", "int32": "int32", "int8": "int8"}
+COMPILED = [
+    case
+    for case in RENDERED
+    if not case[0].startswith(("tests/specs/kda-hybrid", "tests/specs/formats"))
+]
+_DTYPES = {
+    "bfloat16": "bf16",
+    "float32": "f32",
+    "int32": "int32",
+    "int8": "int8",
+    "float8_e4m3fn": "fp8",
+}
 REPO = Path(__file__).resolve().parents[1]
 
 

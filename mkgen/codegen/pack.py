@@ -12,9 +12,17 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
-from mkgen.codegen.quantize import pack_int4_chunks
+from mkgen.codegen.quantize import (
+    as_bf16_rows,
+    fp8_quantize,
+    int8_quantize,
+    pack_fp8_chunks,
+    pack_int4_chunks,
+    pack_mxfp4_chunks,
+)
 from mkgen.plan.layout import KernelLayout
 from mkgen.plan.stream import CHUNK, LANES, Part, Segment, TensorView
+from mkgen.spec.quant import parse_format
 
 BF16 = ml_dtypes.bfloat16
 
@@ -75,12 +83,50 @@ def chunked(matrix: np.ndarray, k_chunks: int, col_blocks: int) -> np.ndarray:
     return blocks.reshape(-1, CHUNK, LANES)
 
 
+def _chunk_scales(segment: Segment, matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(codes [chunks, CHUNK, LANES], scales f32 [chunks, scale rows / 2, LANES]) of a
+    quantized segment, chunks in stream order. int8: the column scales over the whole
+    fan-in, repeated for every chunk of a column block; fp8:B: the B x B blocks of the
+    segment (whole blocks of its tensors: the layout checks), each scale repeated over
+    its B columns."""
+    fmt = parse_format(segment.format)
+    k, cb = segment.k_chunks, segment.col_blocks
+    padded = np.zeros((k * CHUNK, cb * LANES), np.float32)
+    padded[: matrix.shape[0], : matrix.shape[1]] = matrix
+    if fmt.kind == "int8":
+        codes, scales = int8_quantize(padded)  # scales [1, N]
+        rows = np.broadcast_to(scales.reshape(cb, 1, 1, LANES), (cb, k, 1, LANES))
+    else:
+        codes, scales = fp8_quantize(padded, fmt.group)  # [K / B, N / B]
+        per = CHUNK // fmt.group
+        full = np.repeat(scales, fmt.group, axis=1)  # [K / B, N]
+        rows = full.reshape(k, per, cb, LANES).transpose(2, 0, 1, 3)
+    code_chunks = codes.reshape(k, CHUNK, cb, LANES).transpose(2, 0, 1, 3)
+    return code_chunks.reshape(-1, CHUNK, LANES), np.ascontiguousarray(rows).reshape(
+        k * cb, -1, LANES
+    ).astype(np.float32)
+
+
 def segment_banks(segment: Segment, matrix: np.ndarray, bank_rows: int) -> np.ndarray:
-    """A segment's chunks, padded to whole banks [banks, bank_rows, LANES]."""
-    rows = chunked(matrix, segment.k_chunks, segment.col_blocks).reshape(-1, LANES)
-    out = np.zeros((segment.banks * bank_rows, LANES), np.float32)
-    out[: rows.shape[0]] = rows
-    return out.reshape(segment.banks, bank_rows, LANES)
+    """A segment's chunks, padded to whole banks [banks, bank_rows, LANES] of bf16 bits
+    (uint16): bf16 chunks as they are; a quantized chunk's code bytes as bf16 rows, and
+    after the bank's chunks (Segment.scale_row) their scales."""
+    out = np.zeros((segment.banks, bank_rows, LANES), np.uint16)
+    if segment.format == "bf16":
+        rows = chunked(matrix, segment.k_chunks, segment.col_blocks).reshape(-1, LANES)
+        flat = out.reshape(-1, LANES)
+        flat[: rows.shape[0]] = rows.astype(BF16).view(np.uint16)
+        return out
+    codes, scales = _chunk_scales(segment, matrix)
+    code_rows = as_bf16_rows(codes).view(np.uint16)  # [chunks, code_rows, LANES]
+    scale_rows = as_bf16_rows(scales).view(np.uint16)  # [chunks, scale_rows, LANES]
+    per = segment.chunks_per_bank
+    for c in range(len(codes)):
+        bank, j = divmod(c, per)
+        out[bank, j * segment.code_rows : (j + 1) * segment.code_rows] = code_rows[c]
+        at = segment.scale_row + j * segment.scale_rows
+        out[bank, at : at + segment.scale_rows] = scale_rows[c]
+    return out
 
 
 def _place(stream: np.ndarray, layout: KernelLayout, first: int, segments, tensors, prefix, rank):
@@ -93,8 +139,9 @@ def _place(stream: np.ndarray, layout: KernelLayout, first: int, segments, tenso
 
 
 def pack_stream(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int) -> np.ndarray:
-    """One core's weight stream [total_banks, bank_rows, LANES] in bf16."""
-    stream = np.zeros((layout.stream.total_banks, layout.stream.bank_rows, LANES), np.float32)
+    """One core's weight stream [total_banks, bank_rows, LANES] in bf16 (quantized
+    segments: their bytes viewed as bf16)."""
+    stream = np.zeros((layout.stream.total_banks, layout.stream.bank_rows, LANES), np.uint16)
     for layer, (a, f) in enumerate(zip(layout.attention_table, layout.ffn_table, strict=True)):
         prefix = f"layers.{layer}."
         _place(
@@ -116,7 +163,7 @@ def pack_stream(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: i
             rank,
         )
     _place(stream, layout, layout.stream.lm_head_bank, layout.stream.tail, tensors, "", rank)
-    return stream.astype(BF16)
+    return stream.view(BF16)
 
 
 def pack_vectors(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int) -> np.ndarray:
@@ -156,9 +203,10 @@ def pack_experts(
 ) -> list[np.ndarray]:
     """One core's routed-expert arrays, in the order of the kernel's expert_shapes().
 
-    Per MoE kind: bf16 [layers, experts_per_rank, pieces, piece rows, LANES], or for int4
-    codes [..., pieces, piece rows / 2, LANES] int8 and scales [..., pieces, scale rows,
-    LANES] bf16. Rank r holds experts [g * E_r, (g + 1) * E_r) of group g = r //
+    Per MoE kind: bf16 [layers, experts_per_rank, pieces, piece rows, LANES], or codes
+    [..., pieces, code rows, LANES] and scales [..., pieces, scale rows, LANES] as
+    ExpertChunks describes them (int4 / mxfp4: nibbles two rows a byte, bf16 / E8M0
+    scales; fp8: e4m3 codes, f32 block scales). Rank r holds experts [g * E_r, (g + 1) * E_r) of group g = r //
     width_parts and of each the columns of width part r % width_parts (MoELayout)."""
     out = []
     for f in layout.ffn:
@@ -187,10 +235,19 @@ def pack_experts(
                 )
         chunks = np.stack(pieces)  # [layers * experts, pieces * piece_chunks, CHUNK, LANES]
         lead = (len(f.layers), f.experts_per_rank, e.pieces)
-        if e.format == "bf16":
+        flat = chunks.reshape(-1, CHUNK, LANES)
+        if e.kind == "bf16":
             out.append(chunks.reshape(*lead, e.code_rows, LANES).astype(BF16))
+            continue
+        if e.kind == "int4":
+            codes, scales = pack_int4_chunks(flat, e.group)
+            scales = scales.astype(BF16)
+        elif e.kind == "mxfp4":
+            codes, scales = pack_mxfp4_chunks(flat)
+        elif e.kind == "fp8":
+            codes, scales = pack_fp8_chunks(flat, e.group)
         else:
-            codes, scales = pack_int4_chunks(chunks.reshape(-1, CHUNK, LANES), e.group)
-            out.append(codes.reshape(*lead, e.code_rows, LANES))
-            out.append(scales.reshape(*lead, e.scale_rows, LANES).astype(BF16))
+            raise NotImplementedError(f"packing {e.format} experts")
+        out.append(codes.reshape(*lead, e.code_rows, LANES))
+        out.append(scales.reshape(*lead, e.scale_rows, LANES))
     return out

@@ -178,17 +178,35 @@ class DenseLayout(PlanModel):
     vectors: list[VectorRow]
 
 
+# Expert array dtypes (the VMEM plan's names) -> jnp names for the template.
+JNP_DTYPES = {"bf16": "bfloat16", "f32": "float32", "int8": "int8", "fp8": "float8_e4m3fn"}
+
+
 class ExpertChunks(PlanModel):
     """One routed expert's per-rank slice, in pieces that stream through expert slots.
 
     gate|up ([d, 2 * width] column-block-major), padded to whole pieces, then down
-    ([width, d]); each piece of `piece_chunks` chunks is one DMA (two for int4:
-    codes and scales)."""
+    ([width, d]); each piece of `piece_chunks` CHUNK x LANES chunks is one DMA per array
+    (codes, and scales for scaled formats). The single source of the pieces' shapes
+    for the template, the packer and the VMEM plan (mkgen.plan.vmem).
+
+    Per format, a chunk's codes / scales (rows x LANES):
+    bf16 CHUNK bf16 / -; int4:G CHUNK / 2 int8 (two codes a byte: rows r and
+    r + CHUNK / 2) / CHUNK / G bf16; mxfp4 CHUNK / 2 int8 (e2m1, packed as int4) /
+    CHUNK / 32 E8M0 bytes (int8); fp8:B CHUNK e4m3 / CHUNK / B f32 (each block's scale
+    repeated over its B columns); planned only (not generated): int8 CHUNK int8 / 1 f32
+    row, nvfp4 CHUNK / 2 int8 / CHUNK / 16 e4m3 bytes."""
 
     d: int  # the dimension experts read and write (latent width or hidden)
     width: int  # intermediate columns per rank
-    format: Literal["bf16", "int4"]
-    group: int  # int4: input rows per scale
+    format: str  # the storage format as the spec writes it
+    kind: str  # bf16, int4, mxfp4, fp8, int8, nvfp4
+    group: int  # input rows per scale (0: no scales)
+    code_dtype: str  # bf16, int8 or fp8 (VMEM plan names)
+    code_rows: int  # rows of one piece's codes
+    scale_dtype: str  # "" without scales
+    scale_rows: int  # rows of one piece's scales
+    scale_cols: int
     gate_up_k_chunks: int
     gate_up_col_blocks: int
     down_k_chunks: int
@@ -202,13 +220,76 @@ class ExpertChunks(PlanModel):
         return self.gate_up_pieces + self.down_pieces
 
     @property
-    def code_rows(self) -> int:
-        """Rows of one piece's codes (int4 packs two rows per byte)."""
-        return self.piece_chunks * (CHUNK // 2 if self.format == "int4" else CHUNK)
+    def arrays(self) -> int:
+        """DMAs per piece: codes, and scales when the format has them."""
+        return 2 if self.scale_dtype else 1
 
     @property
-    def scale_rows(self) -> int:
-        return self.piece_chunks * CHUNK // self.group if self.format == "int4" else 0
+    def piece_bytes(self) -> int:
+        """HBM bytes of one piece (codes and scales)."""
+        bits = {"bf16": 16, "f32": 32, "int8": 8, "fp8": 8}
+        code = self.code_rows * LANES * bits[self.code_dtype] // 8
+        return code + self.scale_rows * self.scale_cols * bits.get(self.scale_dtype, 0) // 8
+
+    @property
+    def code_jnp(self) -> str:
+        return JNP_DTYPES[self.code_dtype]
+
+    @property
+    def scale_jnp(self) -> str:
+        return JNP_DTYPES.get(self.scale_dtype, "")
+
+
+def piece_chunks(gate_up: int, down: int, largest: int) -> int:
+    """Chunks per expert piece: the largest size up to `largest` that pads the least."""
+
+    def waste(n: int) -> int:
+        return cdiv(gate_up, n) * n - gate_up + cdiv(down, n) * n - down
+
+    return min(range(1, largest + 1), key=lambda n: (waste(n), -n))
+
+
+def expert_chunks(fmt_text: str, d: int, width: int, max_piece_chunks: int) -> ExpertChunks:
+    """How one expert slice in `fmt_text` streams in pieces (every format: the ones the
+    template does not read yet as their design implies; `_moe_layout` rejects them)."""
+    from mkgen.spec.quant import parse_format
+
+    fmt = parse_format(fmt_text)
+    gate_up = cdiv(d, CHUNK) * cdiv(2 * width, LANES)
+    down = cdiv(width, CHUNK) * cdiv(d, LANES)
+    piece = piece_chunks(gate_up, down, max_piece_chunks)
+    rows = piece * CHUNK
+    group = fmt.block or 0
+    code_dtype, code_rows, scale_dtype, scale_rows = "int8", rows, "", 0
+    if fmt.kind == "bf16":
+        code_dtype = "bf16"
+    elif fmt.code_bits == 4:
+        code_rows = rows // 2  # two codes a byte: rows r and r + CHUNK / 2 of a chunk
+        scale_dtype = "bf16" if fmt.kind == "int4" else "int8"  # E8M0 / e4m3 scale bytes
+        scale_rows = rows // group
+    elif fmt.kind == "int8":
+        scale_dtype, scale_rows = "f32", piece  # per-column scales, one row per chunk
+    else:  # fp8:B, B x B blocks, each scale repeated over its B columns
+        code_dtype, scale_dtype, scale_rows = "fp8", "f32", rows // group
+    return ExpertChunks(
+        d=d,
+        width=width,
+        format=fmt_text,
+        kind=fmt.kind,
+        group=group,
+        code_dtype=code_dtype,
+        code_rows=code_rows,
+        scale_dtype=scale_dtype,
+        scale_rows=scale_rows,
+        scale_cols=LANES if scale_dtype else 0,
+        gate_up_k_chunks=cdiv(d, CHUNK),
+        gate_up_col_blocks=cdiv(2 * width, LANES),
+        down_k_chunks=cdiv(width, CHUNK),
+        down_col_blocks=cdiv(d, LANES),
+        piece_chunks=piece,
+        gate_up_pieces=cdiv(gate_up, piece),
+        down_pieces=cdiv(down, piece),
+    )
 
 
 class MoELayout(PlanModel):
@@ -367,12 +448,14 @@ def _kv_tile(context: int) -> int:
     return kv_tile
 
 
-def _segment_columns(segment: Segment, prefix: str) -> dict[str, Columns]:
-    """Where each fused tensor's output lies in a segment's columns."""
+def _segment_columns(segments: list[Segment], name: str, prefix: str) -> dict[str, Columns]:
+    """Where each fused tensor's output lies in the columns of segment `name` (and of its
+    format splits name.1, ..., whose outputs the kernel places side by side)."""
     columns, start = {}, 0
-    for part in segment.parts:
-        columns[part.tensor.removeprefix(prefix)] = Columns(start=start, size=part.size)
-        start += part.size
+    for segment in (s for s in segments if s.name.split(".")[0] == name):
+        for part in segment.parts:
+            columns[part.tensor.removeprefix(prefix)] = Columns(start=start, size=part.size)
+            start += part.size
     return columns
 
 
@@ -411,7 +494,7 @@ def _mla_layout(
         )
         if kind.rope
         else None,
-        columns=_segment_columns(next(s for s in segments if s.name == "down"), "attn."),
+        columns=_segment_columns(segments, "down", "attn."),
         segments=segments,
         vectors=vectors,
         kv_tile=_kv_tile(context),
@@ -429,7 +512,7 @@ def _recurrent_layout(
     if shard.latent == "split":
         _unsupported(f"attention_kinds.{name}: low-rank gate projections split over cores")
     parts = {t.name: part_of(t, devices) for t in shard.tensors}
-    columns = _segment_columns(next(s for s in segments if s.name == "in"), "attn.")
+    columns = _segment_columns(segments, "in", "attn.")
     width = kind.conv_width
     vectors, row = [], 2  # rows 0 and 1 hold the layer's attn_norm and ffn_norm
     for n in ("conv_q", "conv_k", "conv_v"):
@@ -506,33 +589,65 @@ EXPERT_SLOTS = 4  # measurements.md: 4 expert slots was the best of 3..8
 MAX_PIECE_CHUNKS = 16  # 2 MiB bf16 pieces, the size of a weight-stream bank
 
 
-def _piece_chunks(gate_up: int, down: int, largest: int) -> int:
-    """Chunks per expert piece: the largest size up to `largest` that pads the least."""
-
-    def waste(n: int) -> int:
-        return cdiv(gate_up, n) * n - gate_up + cdiv(down, n) * n - down
-
-    return min(range(1, largest + 1), key=lambda n: (waste(n), -n))
+# Routed-expert formats the template reads, with the groups it can unpack.
+GENERATED_EXPERT_FORMATS = ("bf16", "int4", "mxfp4", "fp8")
+# Dense (weight-stream) formats the template reads.
+GENERATED_STREAM_FORMATS = ("bf16", "int8", "fp8")
 
 
-def _expert_format(text: str, name: str, width: int) -> tuple[str, int]:
+def _check_expert_format(text: str, name: str, width: int) -> None:
     from mkgen.spec.quant import parse_format
 
     fmt = parse_format(text)
-    if fmt.kind == "bf16":
-        return "bf16", CHUNK
-    if fmt.kind != "int4" or (CHUNK // 2) % fmt.group:
+    if (
+        fmt.kind not in GENERATED_EXPERT_FORMATS
+        or (fmt.kind == "int4" and (CHUNK // 2) % fmt.group)
+        or (fmt.kind == "fp8" and CHUNK % fmt.group)
+    ):
         _unsupported(
-            f"ffn_kinds.{name}: routed experts in {text} (bf16 and int4:G with G | 128 are)"
+            f"ffn_kinds.{name}: routed experts in {text} (bf16, int4:G with G | 128, mxfp4 "
+            "and fp8:B with B | 256 are)"
         )
-    if width % fmt.group:
+    if fmt.block and width % fmt.block:
         from mkgen.errors import SpecError
 
         raise SpecError(
-            f"ffn_kinds.{name}: the {width} expert columns per core are not whole int4 groups of "
-            f"{fmt.group}; choose a topology or group size that divides them"
+            f"ffn_kinds.{name}: the {width} expert columns per core are not whole {fmt} groups "
+            f"of {fmt.block}; choose a topology or format whose group divides them"
         )
-    return "int4", fmt.group
+
+
+def _check_stream_formats(where: str, segments: list[Segment], fused: bool = True) -> None:
+    """Every segment in a format the template reads, its fp8 blocks whole in each part."""
+    from mkgen.spec.quant import parse_format
+
+    for seg in segments:
+        fmt = parse_format(seg.format)
+        if fmt.kind not in GENERATED_STREAM_FORMATS or (fmt.kind == "fp8" and CHUNK % fmt.group):
+            tensors = ", ".join(p.tensor for p in seg.parts)
+            _unsupported(
+                f"{where}: dense weights ({tensors}) in {seg.format} (bf16, int8 and fp8:B "
+                "with B | 256 are)"
+            )
+        if fmt.kind == "fp8" and any(p.size % fmt.group for p in seg.parts[:-1]):
+            _unsupported(f"{where}.{seg.name}: fp8 blocks of {fmt.group} straddling fused tensors")
+        if not fused and "." in seg.name:
+            _unsupported(f"{where}: fused tensors of {seg.name.split('.')[0]} in different formats")
+
+
+def _check_formats(spec: ModelSpec, stream: StreamPlan) -> None:
+    """Weight formats the template does not read are an error, never a bf16 fallback.
+    (MoE kinds check their experts and their "in" group, which may mix formats.)"""
+    from mkgen.spec.quant import parse_format
+
+    if parse_format(spec.quantization.embedding).kind != "bf16":
+        _unsupported(f"an embedding in {spec.quantization.embedding}")
+    for name, kind in stream.attention.items():
+        _check_stream_formats(f"attention_kinds.{name}", kind.segments, fused=False)
+    for name, kind in stream.ffn.items():
+        if kind.type != "moe":
+            _check_stream_formats(f"ffn_kinds.{name}", kind.segments, fused=False)
+    _check_stream_formats("lm_head", stream.tail)
 
 
 def _moe_layout(
@@ -549,24 +664,10 @@ def _moe_layout(
     gate = next(t for t in shard.tensors if t.name == "ffn.experts_gate")
     d = gate.global_shape[1]
     width = split.width_per_rank
-    fmt, group = _expert_format(expert_format, name, width)
-    gate_up = cdiv(d, CHUNK) * cdiv(2 * width, LANES)
-    down = cdiv(width, CHUNK) * cdiv(d, LANES)
-    piece = _piece_chunks(gate_up, down, max_piece_chunks)
-    chunks = ExpertChunks(
-        d=d,
-        width=width,
-        format=fmt,
-        group=group,
-        gate_up_k_chunks=cdiv(d, CHUNK),
-        gate_up_col_blocks=cdiv(2 * width, LANES),
-        down_k_chunks=cdiv(width, CHUNK),
-        down_col_blocks=cdiv(d, LANES),
-        piece_chunks=piece,
-        gate_up_pieces=cdiv(gate_up, piece),
-        down_pieces=cdiv(down, piece),
-    )
-    columns = _segment_columns(next(s for s in segments if s.name == "in"), "ffn.")
+    _check_expert_format(expert_format, name, width)
+    _check_stream_formats(f"ffn_kinds.{name}", segments)
+    chunks = expert_chunks(expert_format, d, width, max_piece_chunks)
+    columns = _segment_columns(segments, "in", "ffn.")
     names = [n for n in ("router_bias", "selection_bias", "latent_norm") if f"ffn.{n}" in parts]
     vectors = [
         VectorRow(name=n, row=first_row + i, part=parts[f"ffn.{n}"], length=parts[f"ffn.{n}"].size)
@@ -618,6 +719,7 @@ def build_layout(
     max_piece_chunks: int = MAX_PIECE_CHUNKS,
 ) -> KernelLayout:
     """The kernel layout of `spec` on `topology`, per-rank pieces as `sharding` decided."""
+    _check_formats(spec, stream)
     devices = topology.num_devices
     hidden = spec.dims.hidden
     attention_names = list(spec.attention_kinds)

@@ -499,7 +499,7 @@ class _Builder:
         self, layer: int, label: str, seg: Segment, first: int, x: int
     ) -> tuple[int, list[int]]:
         """x @ a stream segment, bank by bank; returns (last op, the segment's banks)."""
-        per_bank = max(1, (self.stream.bank_rows // CHUNK))
+        per_bank = seg.chunks_per_bank  # more chunks a bank in 8-bit formats
         chunks = seg.k_chunks * seg.col_blocks
         prev = x
         banks = []
@@ -814,7 +814,9 @@ class _Builder:
             y, _ = self.segment(layer, name, segs["down"], first, y)
             return self.collective(layer, colls.get("ffn_out"), y)
         assert isinstance(kind, MoEFFN)
-        y, _ = self.segment(layer, name, segs["in"], first, x)
+        y = x
+        for seg in ks.group("in"):  # one segment per format of the fused "in" tensors
+            y, _ = self.segment(layer, name, seg, first, y)
         route = self.run("routing", f"L{layer} {name}: router scores, top-{kind.top_k}", layer,
                          4 * self.t * kind.num_experts * kind.top_k, ((y, None, 0), (v, None, 0)))  # fmt: skip
         lat = x

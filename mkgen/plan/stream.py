@@ -10,6 +10,12 @@ block 1, ...). Each segment starts on a bank boundary. The kernel keeps a ring o
 g + ring_depth wherever it lies, so the stream crosses layer boundaries and runs
 into the lm_head. Routed experts are not in the stream (they are fetched into
 expert slots once routing has chosen them).
+
+Segments keep their weights' format in the same bf16 byte stream. A bf16 chunk is
+CHUNK rows of a bank; a quantized chunk is its codes' bytes viewed as bf16 rows (8-bit
+codes: CHUNK / 2 rows) and each bank of a quantized segment ends with the scales of
+its chunks (``Segment.scale_row``), so a bank holds more chunks and the stream counts
+the real bytes. Tensors in different formats are never fused into one segment.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ from pydantic import BaseModel, ConfigDict
 
 from mkgen.errors import SpecError
 from mkgen.plan.sharding import ShardingPlan, TensorShard
+from mkgen.spec.quant import parse_format
 
 LANES = 256  # column block width: TPU7x's MXU is 256 wide
 CHUNK = 256  # rows of one matmul step inside a bank
 BF16_BYTES = 2
+BF16_TILE_ROWS = 16  # bf16 VMEM tiles are (16, 128): a bank's scale region starts on one
 
 # Tensors fused into one segment read the same input; the order is the kernel's.
 FUSED_SEGMENTS: dict[str, list[tuple[str, list[str]]]] = {
@@ -156,7 +164,13 @@ def mla_views(kind) -> dict[tuple[str, str], TensorView]:
 
 
 class Segment(PlanModel):
-    """One per-rank matrix (or fused group) in the weight stream."""
+    """One per-rank matrix (or fused group) in the weight stream.
+
+    A bank of the segment holds ``chunks_per_bank`` chunks: their codes, ``code_rows``
+    bf16 rows each, from row 0; then (quantized formats) from ``scale_row`` on the
+    scales of those chunks, ``scale_rows`` bf16 rows a chunk (int8: the chunk's column
+    scales as one f32 row; fp8:B: CHUNK / B f32 rows, each block's scale repeated over
+    its B columns)."""
 
     name: str
     parts: list[Part]  # fused along N in this order
@@ -167,6 +181,11 @@ class Segment(PlanModel):
     bank_offset: int  # first bank, relative to the start of its kind's segments
     banks: int
     bytes: int  # HBM bytes streamed (padded banks)
+    format: str = "bf16"  # the parts' storage format (one format a segment)
+    chunks_per_bank: int = 16
+    code_rows: int = CHUNK  # bf16 rows of one chunk's codes
+    scale_rows: int = 0  # bf16 rows of one chunk's scales
+    scale_row: int = 0  # first row of a bank's scale region
 
     @property
     def chunks(self) -> int:
@@ -181,6 +200,10 @@ class KindStream(PlanModel):
 
     def segment(self, name: str) -> Segment:
         return next(s for s in self.segments if s.name == name)
+
+    def group(self, name: str) -> list[Segment]:
+        """The segments of a fused group (one, or one per format: name, name.1, ...)."""
+        return [s for s in self.segments if s.name == name or s.name.startswith(name + ".")]
 
 
 class StreamPlan(PlanModel):
@@ -200,11 +223,42 @@ class StreamPlan(PlanModel):
         return self.total_banks * self.bank_bytes
 
 
+def chunk_rows(fmt_text: str) -> tuple[int, int]:
+    """(code rows, scale rows) of one CHUNK x LANES chunk in bf16 rows of a bank.
+
+    Codes: CHUNK x code bits / 16 rows. Scales, as the format stores them: int8 one f32
+    per column; fp8:B one f32 per B x B block, repeated over its B columns; int4:G one
+    bf16 per G rows and column; mxfp4 / nvfp4 one byte per 32 / 16 rows and column."""
+    fmt = parse_format(fmt_text)
+    codes = CHUNK * fmt.code_bits // 16
+    scales = {
+        "bf16": 0,
+        "int8": 2,
+        "fp8": 2 * CHUNK // (fmt.group or 1),
+        "int4": CHUNK // (fmt.group or 1),
+    }.get(fmt.kind, CHUNK // (fmt.block or 1) // 2)
+    return codes, max(scales, 1) if fmt.kind != "bf16" else 0
+
+
 def make_segment(
-    name: str, parts: list[Part], fan_in: int, fan_out: int, offset: int, bank_rows: int
+    name: str,
+    parts: list[Part],
+    fan_in: int,
+    fan_out: int,
+    offset: int,
+    bank_rows: int,
+    fmt: str = "bf16",
 ) -> Segment:
     k_chunks, col_blocks = cdiv(fan_in, CHUNK), cdiv(fan_out, LANES)
-    banks = cdiv(k_chunks * col_blocks, bank_rows // CHUNK)
+    code_rows, scale_rows = chunk_rows(fmt)
+    per_bank = bank_rows // code_rows
+    while per_bank and per_bank * code_rows + round_up(per_bank * scale_rows, BF16_TILE_ROWS) > (
+        bank_rows
+    ):
+        per_bank -= 1
+    if per_bank == 0:
+        raise SpecError(f"{name}: a {bank_rows}-row bank cannot hold one {fmt} chunk")
+    banks = cdiv(k_chunks * col_blocks, per_bank)
     return Segment(
         name=name,
         parts=parts,
@@ -215,7 +269,23 @@ def make_segment(
         bank_offset=offset,
         banks=banks,
         bytes=banks * bank_rows * LANES * BF16_BYTES,
+        format=fmt,
+        chunks_per_bank=per_bank,
+        code_rows=code_rows,
+        scale_rows=scale_rows,
+        scale_row=per_bank * code_rows if scale_rows else 0,
     )
+
+
+def _format_runs(present: list[TensorShard]) -> list[list[TensorShard]]:
+    """Consecutive fused tensors grouped by format: different formats never share a segment."""
+    runs: list[list[TensorShard]] = []
+    for shard in present:
+        if runs and runs[-1][-1].format == shard.format:
+            runs[-1].append(shard)
+        else:
+            runs.append([shard])
+    return runs
 
 
 def _kind_stream(
@@ -227,23 +297,26 @@ def _kind_stream(
     offset = 0
     for name, members in FUSED_SEGMENTS[spec_kind.type]:
         present = [by_name[m] for m in members if m in by_name]
-        if not present:
-            continue
-        parts = [part_of(s, devices, views.get((name, s.name))) for s in present]
-        shapes = [p.view.shape(s.global_shape) if p.view else s.global_shape
-                  for p, s in zip(parts, present, strict=True)]  # fmt: skip
-        if parts[0].axis == -2:
-            # A row-split matrix (wo, w_down, ...) is a segment of its own: [K / parts, N].
-            if len(present) != 1:
-                raise AssertionError(f"{kind}.{name}: a row-split matrix fused with others")
-            fan_in, fan_out = parts[0].size, shapes[0][1]
-        else:
-            fan_in, fan_out = shapes[0][0], sum(p.size for p in parts)
-            if any(s[0] != fan_in for s in shapes):
-                raise AssertionError(f"{kind}.{name}: fused tensors disagree on fan-in")
-        segment = make_segment(name, parts, fan_in, fan_out, offset, bank_rows)
-        segments.append(segment)
-        offset += segment.banks
+        views = mla_views(spec_kind) if spec_kind.type == "mla" else {}
+        # A fused group whose tensors differ in format splits into segments "in",
+        # "in.1", ... that read the same input (their outputs side by side).
+        for i, run in enumerate(_format_runs(present)):
+            parts = [part_of(s, devices, views.get((name, s.name))) for s in run]
+            shapes = [p.view.shape(s.global_shape) if p.view else s.global_shape
+                      for p, s in zip(parts, run, strict=True)]  # fmt: skip
+            if parts[0].axis == -2:
+                # A row-split matrix (wo, w_down, ...) is a segment of its own: [K / parts, N].
+                if len(run) != 1:
+                    raise AssertionError(f"{kind}.{name}: a row-split matrix fused with others")
+                fan_in, fan_out = parts[0].size, shapes[0][1]
+            else:
+                fan_in, fan_out = shapes[0][0], sum(p.size for p in parts)
+                if any(s[0] != fan_in for s in shapes):
+                    raise AssertionError(f"{kind}.{name}: fused tensors disagree on fan-in")
+            label = name if i == 0 else f"{name}.{i}"
+            segment = make_segment(label, parts, fan_in, fan_out, offset, bank_rows, run[0].format)
+            segments.append(segment)
+            offset += segment.banks
     return KindStream(kind=kind, type=spec_kind.type, segments=segments, banks=offset)
 
 
@@ -282,7 +355,9 @@ def plan_stream(spec, sharding: ShardingPlan, *, bank_rows: int, ring_depth: int
     if lm_shard is None:
         raise SpecError("tied embeddings are not supported by the weight stream yet")
     lm_part = part_of(lm_shard, devices)
-    lm_head = make_segment("lm_head", [lm_part], spec.dims.hidden, lm_part.size, 0, bank_rows)
+    lm_head = make_segment(
+        "lm_head", [lm_part], spec.dims.hidden, lm_part.size, 0, bank_rows, lm_shard.format
+    )
     return StreamPlan(
         bank_rows=bank_rows,
         bank_bytes=bank_rows * LANES * BF16_BYTES,

@@ -1,14 +1,15 @@
 """The VMEM plan: every buffer one core keeps in VMEM, padded as Mosaic pads it.
 
 For the kinds the code generator renders (GQA, MLA, Gated DeltaNet and KDA attention, dense
-and MoE FFNs with bf16 or int4 experts) the scratch list is exactly ``_scratch_shapes()`` of
+and MoE FFNs with bf16, int4, mxfp4 or fp8 experts) the scratch list is exactly ``_scratch_shapes()`` of
 ``templates/megakernel.py.j2``, in the same order (SMEM arrays and semaphores
 included), followed by the kernel's VMEM-resident inputs and outputs (embedded
 rows, final norm, RoPE tables, logits, tokens). For the other kinds the plan lists
 the buffers the kernel design implies (docs/planner.md):
 
-- MoE with experts in formats the template does not read yet (mxfp4, nvfp4, int8,
-  fp8): the same piece slots, codes and scales in their own dtypes;
+- MoE with experts in formats the template does not read yet (nvfp4, int8): the
+  same piece slots, codes and scales in their own dtypes (mkgen.plan.layout's
+  ExpertChunks, the single source of the pieces' shapes).
 
 Mosaic pads the two minor dims of every buffer to its native tile ((8,128) 32-bit,
 (16,128) bf16, (32,128) 8-bit; ``mkgen.hardware.vmem_padded_bytes``). Large values
@@ -32,10 +33,10 @@ from pydantic import BaseModel, ConfigDict
 from mkgen.errors import SpecError
 from mkgen.hardware import MiB, vmem_padded_bytes
 from mkgen.plan.collectives import CollectivePlan, layer_uses, plan_collectives
+from mkgen.plan.layout import MAX_PIECE_CHUNKS, ExpertChunks, expert_chunks
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.sharding import ShardingPlan, TensorShard
-from mkgen.plan.stream import CHUNK, LANES, StreamPlan, cdiv, choose_ring, round_up
-from mkgen.spec.quant import parse_format
+from mkgen.plan.stream import CHUNK, LANES, StreamPlan, choose_ring, round_up
 from mkgen.spec.schema import (
     GatedDeltaNetAttention,
     GQAAttention,
@@ -49,9 +50,6 @@ from mkgen.spec.topology import Topology, parse_topology
 # Tuning choice (measurements.md): 3/4/5/6/8 expert slots measured 668/653/685/690/824 us
 # over 8 Muse Spark layers; 4 was best, so 4 is the most the plan asks for.
 MAX_EXPERT_SLOTS = 4
-# Tuning choice (mkgen.plan.layout): expert pieces of at most 16 chunks, 2 MiB in bf16,
-# the size of a weight-stream bank.
-MAX_PIECE_CHUNKS = 16
 # Tuning choice: the ring is worth more than a fourth expert slot only while it is
 # shallow; below half the design depth (12 x 2 MiB) slots give way first.
 RING_COMFORT_FRACTION = 0.5
@@ -80,7 +78,7 @@ CATEGORIES: tuple[str, ...] = (
     "activations",
     "internal",
 )
-DTYPE_BITS = {"f32": 32, "int32": 32, "bf16": 16, "int8": 8, "uint8": 8}
+DTYPE_BITS = {"f32": 32, "int32": 32, "bf16": 16, "int8": 8, "fp8": 8}
 
 
 class _Frozen(BaseModel):
@@ -94,7 +92,7 @@ class VmemBuffer(_Frozen):
     category: str
     role: Literal["scratch", "input", "output", "internal"]
     shape: tuple[int, ...]
-    dtype: str  # f32, bf16, int32, int8, uint8
+    dtype: str  # f32, bf16, int32, int8, fp8 (e4m3)
     bytes: int  # after Mosaic's tile padding
     # The schedule resource this buffer backs ("" when the schedule does not track it);
     # its leading dim is the resource's slot count.
@@ -125,44 +123,6 @@ class SmemArray(_Frozen):
     name: str
     shape: tuple[int, ...]
     dtype: str
-
-
-class ExpertPieces(_Frozen):
-    """One routed expert's per-rank slice as it streams: pieces of ``piece_chunks`` CHUNK x
-    LANES chunks, gate|up ([d, 2 x width], column-block-major) then down ([width, d]),
-    each piece one DMA per array (codes, and scales for scaled formats) into a slot."""
-
-    d: int  # the dimension experts read and write (latent width or hidden)
-    width: int  # intermediate columns per rank
-    format: str  # the experts' storage format
-    code_dtype: str  # bf16 or int8 (4-bit codes two to a byte)
-    code_rows: int  # rows of one piece's codes
-    scale_dtype: str  # "" without scales
-    scale_rows: int
-    scale_cols: int
-    gate_up_k_chunks: int
-    gate_up_col_blocks: int
-    down_k_chunks: int
-    down_col_blocks: int
-    piece_chunks: int
-    gate_up_pieces: int
-    down_pieces: int
-
-    @property
-    def pieces(self) -> int:
-        return self.gate_up_pieces + self.down_pieces
-
-    @property
-    def arrays(self) -> int:
-        """DMAs per piece: codes, and scales when the format has them."""
-        return 2 if self.scale_dtype else 1
-
-    @property
-    def piece_bytes(self) -> int:
-        """HBM bytes of one piece (codes and scales)."""
-        code = self.code_rows * LANES * (2 if self.code_dtype == "bf16" else 1)
-        scale = self.scale_rows * self.scale_cols * (DTYPE_BITS.get(self.scale_dtype, 0) // 8)
-        return code + scale
 
 
 class KernelDims(_Frozen):
@@ -198,7 +158,7 @@ class VmemPlan(_Frozen):
     buffers: tuple[VmemBuffer, ...]
     semaphores: tuple[SemaphoreArray, ...]
     smem: tuple[SmemArray, ...]
-    experts: dict[str, ExpertPieces]  # MoE kind -> how its experts stream
+    experts: dict[str, ExpertChunks]  # MoE kind -> how its experts stream
     resources: dict[str, int]  # schedule resource -> slots
     # Scratch buffers, SMEM arrays and semaphore arrays in the pallas_call's order (for the
     # kinds the template renders: exactly its _scratch_shapes()).
@@ -330,54 +290,6 @@ def q_rows(heads: int, rows: int) -> int:
     return round_up(heads * rows, SUBLANES_F32)
 
 
-def piece_chunks(gate_up: int, down: int, largest: int = MAX_PIECE_CHUNKS) -> int:
-    """Chunks per expert piece: the largest size up to ``largest`` that pads the least
-    (mkgen.plan.layout's rule; tests compare the rendered kernels)."""
-
-    def waste(n: int) -> int:
-        return cdiv(gate_up, n) * n - gate_up + cdiv(down, n) * n - down
-
-    return min(range(1, largest + 1), key=lambda n: (waste(n), -n))
-
-
-def expert_pieces(fmt_text: str, d: int, width: int) -> ExpertPieces:
-    """How one expert slice of ``fmt_text`` streams in pieces (bf16 and int4:G as the
-    template reads them; the other formats as their design implies)."""
-    fmt = parse_format(fmt_text)
-    gate_up = cdiv(d, CHUNK) * cdiv(2 * width, LANES)
-    down = cdiv(width, CHUNK) * cdiv(d, LANES)
-    piece = piece_chunks(gate_up, down)
-    rows = piece * CHUNK
-    code_dtype, code_rows, scale_dtype, scale_rows, scale_cols = "int8", rows, "", 0, LANES
-    if fmt.kind == "bf16":
-        code_dtype = "bf16"
-    elif fmt.code_bits == 4:
-        code_rows = rows // 2  # two codes a byte: rows r and r + CHUNK / 2 of a chunk
-        scale_dtype = "bf16" if fmt.kind == "int4" else "uint8"  # e8m0 / e4m3 scale bytes
-        scale_rows = rows // fmt.block
-    elif fmt.kind == "int8":
-        scale_dtype, scale_rows = "f32", piece  # per-column scales, one row per chunk
-    else:  # fp8:B, B x B blocks
-        scale_dtype, scale_rows, scale_cols = "f32", rows // fmt.block, LANES // fmt.block
-    return ExpertPieces(
-        d=d,
-        width=width,
-        format=fmt_text,
-        code_dtype=code_dtype,
-        code_rows=code_rows,
-        scale_dtype=scale_dtype,
-        scale_rows=scale_rows,
-        scale_cols=scale_cols,
-        gate_up_k_chunks=cdiv(d, CHUNK),
-        gate_up_col_blocks=cdiv(2 * width, LANES),
-        down_k_chunks=cdiv(width, CHUNK),
-        down_col_blocks=cdiv(d, LANES),
-        piece_chunks=piece,
-        gate_up_pieces=cdiv(gate_up, piece),
-        down_pieces=cdiv(down, piece),
-    )
-
-
 # --------------------------------------------------------------------------- buffers
 
 
@@ -388,7 +300,7 @@ class _List:
         self.smem: list[SmemArray] = []
         self.resources: dict[str, int] = {}
         self.order: list[str] = []  # scratch, SMEM and semaphores, in the call's order
-        self.experts: dict[str, ExpertPieces] = {}
+        self.experts: dict[str, ExpertChunks] = {}
 
     def add(
         self,
@@ -511,7 +423,7 @@ def _moe_buffers(
     returns the bytes of one slot."""
     tp = dims.tokens_padded
     gate = next(t for t in f.tensors if t.name == "ffn.experts_gate")
-    e = expert_pieces(fmt, gate.global_shape[1], f.experts.width_per_rank)
+    e = expert_chunks(fmt, gate.global_shape[1], f.experts.width_per_rank, MAX_PIECE_CHUNKS)
     out.experts[name] = e
     out.add(f"{name}_ids_vmem", "activations", (tp, 128), "int32", why="chosen experts")
     out.scalar(f"{name}_ids_smem", (tp, 128))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from mkgen.spec.quant import parse_format
 from mkgen.spec.schema import (
     DenseFFN,
     GatedDeltaNetAttention,
@@ -104,7 +105,7 @@ def _mini_attention(kind: Any, shards: int) -> dict[str, Any]:
     return data
 
 
-def _mini_ffn(kind: Any, shards: int) -> dict[str, Any]:
+def _mini_ffn(kind: Any, shards: int, shared_block: int = 0) -> dict[str, Any]:
     data = kind.model_dump(mode="json")
     if isinstance(kind, DenseFFN):
         data["width"] = min(kind.width, MINI_FFN_WIDTH)
@@ -121,7 +122,10 @@ def _mini_ffn(kind: Any, shards: int) -> dict[str, Any]:
     width = MINI_EXPERT_WIDTH * max(1, shards // experts)
     data |= {"num_experts": experts, "top_k": top_k, "expert_width": width}
     if kind.shared_experts:
-        data["shared_experts"]["width"] = MINI_EXPERT_WIDTH * kind.shared_experts.count
+        shared = MINI_EXPERT_WIDTH * kind.shared_experts.count
+        if shared_block:  # split over every core: whole quantization blocks on each
+            shared = -(-shared // (shared_block * shards)) * shared_block * shards
+        data["shared_experts"]["width"] = shared
     if kind.latent:
         data["latent"]["width"] = MINI_LATENT
     return data
@@ -207,7 +211,10 @@ def mini_twin(spec: ModelSpec, shards: int = 1) -> ModelSpec:
     data["attention_kinds"] = {
         name: _mini_attention(kind, shards) for name, kind in spec.attention_kinds.items()
     }
-    data["ffn_kinds"] = {name: _mini_ffn(kind, shards) for name, kind in spec.ffn_kinds.items()}
+    shared_block = parse_format(_mini_format(spec.quantization.shared_experts)).block or 0
+    data["ffn_kinds"] = {
+        name: _mini_ffn(kind, shards, shared_block) for name, kind in spec.ffn_kinds.items()
+    }
     data["layers"] = {
         "count": count,
         "attention": _restricted(spec.layers.attention, count),
