@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 build: $(STAMP)
-	$(VENV)/bin/mkgen build kimi-k3 --topology 2x2x4
+	$(VENV)/bin/mkgen build kimi-k3 --topology 2x2x4 --rows 8
 
 test: $(STAMP)
 	$(PY) -m pytest -q

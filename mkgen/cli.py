@@ -426,9 +426,14 @@ def build_command(
         f"{mini['stream']['ring_depth']}"
     )
     click.echo(f"  inputs sha256 {r.inputs_sha256}")
-    flags = " ".join(["--topology", topology])
+    # verify runs the twin (its own context and formats); compile the build as built.
+    shape = f"--topology {topology}" + "".join(
+        f" --{name} {value}" for name, value in (("batch", batch), ("rows", rows)) if value != 1
+    )
+    exact = shape + (f" --context {context}" if context else "")
+    exact += "".join(f" --quant {item}" for item in quant)
     click.echo(
-        f"next: mkgen verify {spec_ref} {flags}; mkgen compile {spec_ref} {flags}; "
+        f"next: mkgen verify {spec_ref} {shape}; mkgen compile {spec_ref} {exact}; "
         f"mkgen inspect {where}"
     )
 

@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import Mesh
 
 from mkgen.codegen.build import load_module, render_kernel
+from mkgen.plan import plan_build
 from mkgen.plan.collectives import arrange_devices
 from mkgen.plan.layout import plan_kernel
 from mkgen.plan.options import BuildOptions
@@ -32,63 +33,62 @@ def test_rendering_is_deterministic() -> None:
     compile(first, "megakernel.py", "exec")  # it parses
 
 
+SPECS = Path(__file__).parent / "specs"
+K2_BLOCKS = (
+    "mlp=fp8:64",
+    "shared_experts=fp8:64",
+)  # fp8:128 re-blocked (lossless) to split 32 ways
+
+# (spec, topology, options): every model and layer kind the generator renders, at full size.
 FULL_SIZE = [
-    ("qwen3-32b", "2x2x1"),
-    ("qwen3-30b-a3b", "2x2x1"),
-    ("mixtral-8x7b", "2x2x1"),
-    ("muse-spark-1.2", "2x2x1"),  # int4:128 experts, as its spec stores them
-    ("qwen3.8-27b", "2x2x1"),  # Gated DeltaNet + gated GQA
-    ("qwen3-30b-a3b", "1x1x1"),
-    ("qwen3-30b-a3b", "2x2x2"),
-    (str(Path(__file__).parent / "specs" / "mla-hybrid.yaml"), "2x2x1"),  # both MLA forms
+    ("qwen3-32b", "2x2x1", {}),
+    ("qwen3-30b-a3b", "2x2x1", {}),
+    ("mixtral-8x7b", "2x2x1", {}),
+    ("muse-spark-1.2", "2x2x1", {}),  # int4:128 experts, as its spec stores them
+    ("qwen3.8-27b", "2x2x1", {}),  # Gated DeltaNet + gated GQA
+    ("qwen3-30b-a3b", "1x1x1", {}),
+    ("qwen3-30b-a3b", "2x2x2", {}),
+    (str(SPECS / "mla-hybrid.yaml"), "2x2x1", {}),  # both MLA forms, attention residual
+    (str(SPECS / "formats-int8.yaml"), "2x2x1", {}),  # int8 dense weights
+    # rs_ar on two hosts: staged reduce-scatter pieces of 16 f32 lanes still move as
+    # whole 128-lane rows, as Mosaic's DMA requires.
+    (str(SPECS / "latent-moe-shared.yaml"), "2x2x2", {}),
+    # 8 rows per step (1 anchor + 7 drafts): the token rows fill the sublanes exactly.
+    ("qwen3-32b", "2x2x1", {"rows": 8}),
+    # Kimi K3 as the hand-written kernel runs it: KDA + MLA, latent MoE of mxfp4 experts
+    # combined by reduce-scatter, the attention residual, 32 cores on 4 hosts.
+    ("kimi-k3", "2x2x4", {"rows": 8}),
+    ("kimi-k2", "2x2x4", {"quant": K2_BLOCKS}),  # MLA with YaRN, fp8 everywhere
 ]
 
 
-SPECS = Path(__file__).parent / "specs"
+def _id(case) -> str:
+    name, topology, options = case
+    return "-".join(
+        [Path(name).stem, topology, *(f"{k}{v}" for k, v in options.items() if k == "rows")]
+    )
 
 
 @pytest.mark.parametrize(
-    ("name", "topology"), FULL_SIZE, ids=[f"{Path(n).stem}-{t}" for n, t in FULL_SIZE]
+    ("name", "topology", "options"), FULL_SIZE, ids=[_id(c) for c in FULL_SIZE]
 )
-def test_full_size_kernel_compiles_for_tpu7x(name: str, topology: str) -> None:
-    _compile(_layout(name, topology, context=4096), topology)
-
-
-@pytest.mark.parametrize("topology", ["2x2x2", "2x2x4"])
-def test_reduce_scatter_latent_moe_compiles_for_tpu7x(topology: str) -> None:
-    """rs_ar on two and four hosts: staged reduce-scatter pieces of 16 f32 lanes still
-    move as whole 128-lane rows, as Mosaic's DMA requires."""
-    layout = _layout(str(SPECS / "latent-moe-shared.yaml"), topology, context=4096)
-    assert next(f for f in layout.ffn if f.type == "moe").latent_design == "rs_ar"
-    _compile(layout, topology)
-
-
-@pytest.mark.parametrize(
-    ("name", "topology"),
-    [("qwen3-32b", "2x2x1"), (str(SPECS / "kda-k3-sizes.yaml"), "2x2x4")],
-    ids=["qwen3-32b-2x2x1", "kda-k3-sizes-2x2x4"],
-)
-def test_verification_rows_compile(name: str, topology: str) -> None:
-    """8 rows per step (1 anchor + 7 drafts): the token rows fill the sublanes exactly."""
-    _compile(_layout(name, topology, context=4096, rows=8), topology)
-
-
-# Weight formats (tests/specs/formats-*.yaml): mxfp4 experts; fp8:128 attention, MLP,
-# shared and routed experts; int8 dense weights.
-FORMAT_SPECS = ["formats-mxfp4", "formats-fp8", "formats-int8"]
-
-
-@pytest.mark.parametrize("name", FORMAT_SPECS)
-def test_weight_formats_compile_for_tpu7x(name: str) -> None:
-    _compile(_layout(str(SPECS / f"{name}.yaml"), "2x2x1", context=4096), "2x2x1")
-
-
-def _compile(layout, topology: str) -> None:
+def test_full_size_kernel_compiles_for_tpu7x(name: str, topology: str, options: dict) -> None:
+    """Mosaic compiles the kernel, and the VMEM plan is an honest upper bound of its use."""
+    spec, topo = load_spec(name), parse_topology(topology)
+    opts = BuildOptions.create(context=4096, **options)
+    layout = plan_kernel(spec, topo, opts)
+    vmem = plan_build(spec, topo, opts).vmem
     module = f"compile_{layout.model}_{topology}_{layout.rows}".replace("-", "_").replace(".", "_")
     kernel = load_module(render_kernel(layout, "test"), module)
-    topo = parse_topology(topology)
     devices = arrange_devices(compile_only_devices(topo), topo, layout.collectives.mesh_order)
     mesh = Mesh(np.array(devices), (kernel.AXIS,))
     report = compile_for_tpu(kernel.make_decode_step(mesh), kernel.argument_shapes(mesh))
-    ring = layout.stream.ring_depth * layout.stream.bank_rows * 256 * 2
-    assert ring < report.vmem_bytes < 64 * MiB
+    print(
+        f"\n{layout.model} {topology} {options}: compiled in {report.seconds:.1f} s; VMEM plan "
+        f"{vmem.total_bytes / MiB:.2f} MiB ({vmem.explicit_bytes / MiB:.2f} explicit), Mosaic "
+        f"{report.vmem_bytes / MiB:.2f} MiB"
+    )
+    # With the estimate of Mosaic's own scratch the plan is not below what Mosaic uses, and
+    # not far above (the explicit buffers are the kernel's scratch list: test_plan_graph).
+    assert report.vmem_bytes <= vmem.total_bytes <= 1.25 * report.vmem_bytes
+    assert report.vmem_bytes < 64 * MiB

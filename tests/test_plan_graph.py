@@ -383,23 +383,22 @@ def test_expert_slots_hold_pieces_of_the_packed_slice() -> None:
 
 # --------------------------------------------------------------------------- against Mosaic
 
-# Every spec the code generator renders today, at the size it ships, and the KDA test
-# specs (Kimi K3-sized KDA layers on 2x2x4 with 8 rows).
+# Every spec the code generator renders today, at the size it ships, and the test specs.
+# (Mosaic's real VMEM use is held against the plan where each compiles: tests/test_codegen.py.)
 RENDERED = [
     ("qwen3-32b", "2x2x1", {}),
     ("qwen3.8-27b", "2x2x1", {}),
     ("qwen3-30b-a3b", "2x2x1", {}),
     ("muse-spark-1.2", "2x2x1", {}),
     ("mixtral-8x7b", "2x2x1", {}),
+    ("kimi-k3", "2x2x4", {"rows": 8}),
+    ("kimi-k2", "2x2x4", {"quant": ("mlp=fp8:64", "shared_experts=fp8:64")}),
     ("tests/specs/kda-hybrid.yaml", "2x2x1", {}),
-    ("tests/specs/kda-k3-sizes.yaml", "2x2x4", {"rows": 8}),
+    ("tests/specs/mla-hybrid.yaml", "1x1x1", {"batch": 2, "rows": 3}),
+    ("tests/specs/latent-moe-shared.yaml", "2x2x2", {}),
     ("tests/specs/formats-mxfp4.yaml", "2x2x1", {}),
     ("tests/specs/formats-fp8.yaml", "2x2x1", {}),
-]
-COMPILED = [
-    case
-    for case in RENDERED
-    if not case[0].startswith(("tests/specs/kda-hybrid", "tests/specs/formats"))
+    ("tests/specs/formats-int8.yaml", "2x2x1", {}),
 ]
 _DTYPES = {
     "bfloat16": "bf16",
@@ -435,25 +434,3 @@ def test_vmem_plan_lists_exactly_the_kernels_scratch(model, topology, options) -
         kernel_list.append((tuple(s.shape), dtype))
     plan_list = [(shape, dtype) for _, shape, dtype in plan.vmem.scratch_shapes()]
     assert plan_list == kernel_list
-
-
-@pytest.mark.parametrize(("model", "topology", "options"), COMPILED)
-def test_vmem_plan_is_not_below_what_mosaic_uses(model, topology, options) -> None:
-    import numpy as np
-    from jax.sharding import Mesh
-
-    from mkgen.verify.tpu_compile import compile_for_tpu, compile_only_devices
-
-    plan, _, kernel = _kernel(model, topology, options)
-    mesh = Mesh(np.array(compile_only_devices(parse_topology(topology))), (kernel.AXIS,))
-    report = compile_for_tpu(kernel.make_decode_step(mesh), kernel.argument_shapes(mesh))
-    planned = plan.vmem.total_bytes
-    print(
-        f"\n{plan.sharding.model} {topology} {options}: plan {planned} B ({planned / MiB:.2f} MiB: "
-        f"{plan.vmem.explicit_bytes / MiB:.2f} explicit + {plan.vmem.internal_bytes / MiB:.2f} "
-        f"Mosaic scratch estimate), Mosaic {report.vmem_bytes} B "
-        f"({report.vmem_bytes / MiB:.2f} MiB), plan / Mosaic = {planned / report.vmem_bytes:.3f}"
-    )
-    assert report.vmem_bytes <= planned <= 1.25 * report.vmem_bytes
-    # The explicit buffers alone are what the kernel allocates: not above Mosaic's figure.
-    assert plan.vmem.explicit_bytes <= report.vmem_bytes

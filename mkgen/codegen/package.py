@@ -298,11 +298,12 @@ def render_build(
     }
     mini = None
     if with_mini:
+        # The twin of the spec as built (overrides applied), with the twin's own formats.
         mini_options = BuildOptions.create(
-            batch=options.batch, rows=options.rows, context=MINI_CONTEXT, quant=options.quant
+            batch=options.batch, rows=options.rows, context=MINI_CONTEXT
         )
         mini = render_build(
-            mini_twin(spec, topology.num_devices),
+            mini_twin(options.apply(spec), topology.num_devices),
             topology,
             mini_options,
             kernel_args=mini_kernel_args(),

@@ -38,7 +38,10 @@ MINI_LATENT = 128
 MINI_RANK = 64
 MINI_GATE_RANK = 16
 MINI_WINDOW = 8
-MINI_GROUP = 32  # largest quantization group or block in a twin
+MINI_GROUP = 32  # largest quantization group in a twin
+# fp8 blocks cut the columns too: they must divide a twin's per-core head slices (an MLA
+# head of 32 nope + 16 rope dims is 48 columns).
+MINI_FP8_BLOCK = 16
 
 
 def _heads(count: int, shards: int, multiple_of: int = 1) -> int:
@@ -192,7 +195,8 @@ def _mini_layer_count(spec: ModelSpec) -> int:
 
 def _mini_format(text: str) -> str:
     kind, _, group = text.partition(":")
-    return f"{kind}:{min(int(group), MINI_GROUP)}" if group else text
+    largest = MINI_FP8_BLOCK if kind == "fp8" else MINI_GROUP
+    return f"{kind}:{min(int(group), largest)}" if group else text
 
 
 def mini_twin(spec: ModelSpec, shards: int = 1) -> ModelSpec:
