@@ -447,6 +447,12 @@ def build_command(
 @click.option("--context", type=int, default=128, show_default=True, help="Mini cache tokens.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
+    "--quant",
+    multiple=True,
+    metavar="FAMILY=FORMAT",
+    help="The build's weight format overrides (the twin keeps its own block sizes).",
+)
+@click.option(
     "--mode",
     type=click.Choice(["on_wait", "eager", "both"]),
     default="both",
@@ -468,6 +474,7 @@ def verify_command(
     rows: int,
     context: int,
     seed: int,
+    quant: tuple[str, ...],
     mode: str,
     timeout: float,
     update_report: bool,
@@ -482,11 +489,12 @@ def verify_command(
     from mkgen.spec.mini import mini_twin
     from mkgen.verify import checks
 
-    spec, topo, _ = _plan_inputs(spec_ref, topology)
+    spec, topo, built = _plan_inputs(spec_ref, topology, quant=quant)
     if steps < 1 or timeout <= 0:
         raise MkgenError(f"--steps {steps} / --timeout {timeout:g}: must be positive")
     options = BuildOptions.create(batch=batch, rows=rows, context=context)
-    plan_kernel(spec, topo, BuildOptions.create())  # unsupported kinds: exit 2 here, not later
+    plan_kernel(spec, topo, built)  # unsupported kinds or formats: exit 2 here, not later
+    spec = built.apply(spec)
     mini = mini_twin(spec, topo.num_devices)
     plan_kernel(mini, topo, options, **mini_kernel_args())
     directory = None
@@ -502,7 +510,7 @@ def verify_command(
             )
     _verify_and_print(
         spec_ref, spec, topo, checks.modes_of(mode), directory, steps=steps, batch=batch,
-        rows=rows, context=context, seed=seed, timeout=timeout,
+        rows=rows, context=context, seed=seed, timeout=timeout, quant=quant,
     )  # fmt: skip
 
 
@@ -645,8 +653,9 @@ def regen_command(measure: bool) -> None:
 
             _compile_and_print(spec, topo, options, directory)
             _verify_and_print(
-                entry.spec, spec, topo, checks.modes_of("both"), directory, steps=2,
-                batch=options.batch, rows=options.rows, context=MINI_CONTEXT, seed=0, timeout=900.0,
+                entry.spec, options.apply(spec), topo, checks.modes_of("both"), directory,
+                steps=2, batch=options.batch, rows=options.rows, context=MINI_CONTEXT, seed=0,
+                timeout=900.0, quant=tuple(f"{f}={v}" for f, v in options.quant),
             )  # fmt: skip
 
 

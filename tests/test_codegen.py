@@ -92,3 +92,16 @@ def test_full_size_kernel_compiles_for_tpu7x(name: str, topology: str, options: 
     # not far above (the explicit buffers are the kernel's scratch list: test_plan_graph).
     assert report.vmem_bytes <= vmem.total_bytes <= 1.25 * report.vmem_bytes
     assert report.vmem_bytes < 64 * MiB
+
+
+def test_single_core_kernel_compiles() -> None:
+    """One core (v6e:1x1; a TPU7x chip is always two devices): no collectives, no barrier
+    semaphore, the whole vocabulary in one lm_head shard. The plan stays an upper bound of
+    Mosaic's VMEM (its estimate of Mosaic's own scratch is loose for a 152k-wide shard)."""
+    spec, topo = load_spec("qwen3-30b-a3b"), parse_topology("v6e:1x1")
+    opts = BuildOptions.create(context=4096, quant=("experts=int4:128",))  # 61.7 GB in bf16
+    layout = plan_kernel(spec, topo, opts)
+    kernel = load_module(render_kernel(layout, "test"), "compile_single_core")
+    mesh = Mesh(np.array(compile_only_devices(topo)), (kernel.AXIS,))
+    report = compile_for_tpu(kernel.make_decode_step(mesh), kernel.argument_shapes(mesh))
+    assert 0 < report.vmem_bytes <= plan_build(spec, topo, opts).vmem.total_bytes

@@ -174,6 +174,7 @@ def run_verify(
     context: int,
     seed: int,
     timeout: float,
+    quant: tuple[str, ...] = (),
 ) -> list[NumericsReport]:
     return [
         verify_numerics(
@@ -186,6 +187,7 @@ def run_verify(
             context=context,
             seed=seed,
             timeout=timeout,
+            quant=quant,
         )  # fmt: skip
         for mode in modes
     ]
@@ -231,7 +233,14 @@ def first_failure(reports: list[NumericsReport]) -> str | None:
 
 
 def verify_record(
-    reports: list[NumericsReport], *, steps: int, batch: int, rows: int, context: int, seed: int
+    reports: list[NumericsReport],
+    *,
+    steps: int,
+    batch: int,
+    rows: int,
+    context: int,
+    seed: int,
+    quant: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     return {
         "steps_requested": steps,
@@ -239,6 +248,7 @@ def verify_record(
         "rows": rows,
         "context": context,
         "seed": seed,
+        "quant": list(quant),
         "runs": [
             {
                 "mode": r.mode,

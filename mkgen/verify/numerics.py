@@ -137,9 +137,13 @@ def verify_numerics(
     context: int = 128,
     seed: int = 0,
     timeout: float = 900.0,
+    quant: tuple[str, ...] = (),
     mutations: list[tuple[str, str]] | None = None,
 ) -> NumericsReport:
     """Run the child process and return its report (a timeout is a failure, not a hang).
+
+    `quant` (FAMILY=FORMAT) are the build's format overrides: the twin is made from the
+    spec as built, with its own (smaller) blocks.
 
     `mutations` (tests only) are (old, new) text replacements applied to the rendered
     kernel, to prove that a broken schedule is caught."""
@@ -156,7 +160,7 @@ def verify_numerics(
     args = [
         sys.executable, "-m", "mkgen.verify.numerics", spec_ref, topology, mode,
         str(steps), str(batch), str(rows), str(context), str(seed),
-        json.dumps(mutations or []),
+        json.dumps(list(quant)), json.dumps(mutations or []),
     ]  # fmt: skip
     report = NumericsReport(spec_ref, topology, devices, mode, batch, rows)
     try:
@@ -205,6 +209,7 @@ def _run_child(
     rows: int,
     context: int,
     seed: int,
+    quant: list[str],
     mutations: list[tuple[str, str]],
 ) -> dict[str, Any]:
     import jax
@@ -227,7 +232,8 @@ def _run_child(
 
     topology = parse_topology(topology_text)
     devices = topology.num_devices
-    spec = mini_twin(load_spec(spec_ref), devices)
+    built = BuildOptions.create(quant=quant).apply(load_spec(spec_ref))
+    spec = mini_twin(built, devices)
     options = BuildOptions.create(batch=batch, rows=rows, context=context)
     layout = plan_kernel(
         spec,
@@ -407,12 +413,12 @@ def _compare_caches(layout: Any, caches: list[Any], ref_cache: Any, position: in
 
 
 if __name__ == "__main__":
-    spec_arg, topo_arg, mode_arg, *numbers, mutations_arg = sys.argv[1:]
+    spec_arg, topo_arg, mode_arg, *numbers, quant_arg, mutations_arg = sys.argv[1:]
     steps_n, batch_n, rows_n, context_n, seed_n = map(int, numbers)
     try:
         result = _run_child(
             spec_arg, topo_arg, mode_arg, steps_n, batch_n, rows_n, context_n, seed_n,
-            [tuple(m) for m in json.loads(mutations_arg)],
+            json.loads(quant_arg), [tuple(m) for m in json.loads(mutations_arg)],
         )  # fmt: skip
     except Exception as error:  # reported to the parent as one line: race, NaN, lowering...
         result = {"error": describe_failure(error)}
