@@ -121,19 +121,3 @@ def test_unknown_spec_name_is_exit_2() -> None:
 def test_unknown_command_and_option_are_exit_2() -> None:
     assert_user_error(mkgen("frobnicate"), "No such command")
     assert_user_error(mkgen("show", "kimi-k3", "--colour"), "--colour")
-
-
-def test_build_of_an_unsupported_feature_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
-    import yaml
-
-    spec = yaml.safe_load((REPO / "model_specs" / "qwen3-32b.yaml").read_text())
-    spec["name"] = "qwen3-32b-tied"
-    spec["dims"]["tie_embeddings"] = True
-    spec_path = tmp_path / "spec" / "qwen3-32b-tied.yaml"
-    spec_path.parent.mkdir()
-    spec_path.write_text(yaml.safe_dump(spec))
-    out = tmp_path / "build"
-    result = mkgen("build", str(spec_path), "--topology", "2x2x1", "-o", str(out))
-    assert_user_error(result, "tied embeddings", "not supported by the")
-    assert not out.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["spec"]
