@@ -579,6 +579,19 @@ class HFMapping:
             _dense(src, out, fp, o + "ffn.", ffn)
         return self._taken()
 
+    def skip_globals(self) -> None:
+        """Count the globals as taken without reading them (a resumed conversion that
+        verified what an earlier run wrote from them)."""
+        self.produced.update(n for n in self.out.expected if not n.startswith("layers."))
+        names = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+        self.src.used.update(n for n in names if self.src.has(n))
+
+    def skip_layer(self, i: int) -> None:
+        """Count layer i as taken without reading it (see skip_globals)."""
+        self.produced.update(n for n in self.out.expected if n.startswith(f"layers.{i}."))
+        prefix = f"model.layers.{i}."
+        self.src.used.update(n for n in self.src.tensors if n.startswith(prefix))
+
     def check_complete(self) -> None:
         _check_complete(self.spec, self.src, self.produced, self.out, self.arch, self.mtp_layers)
 
