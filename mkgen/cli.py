@@ -719,6 +719,30 @@ def convert_command(
     )
 
 
+@cli.command(
+    "run",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.argument("build", metavar="BUILD")
+@click.argument("runner_args", nargs=-1, type=click.UNPROCESSED)
+def run_command(build: str, runner_args: tuple[str, ...]) -> None:
+    """Run a build's runner.py (BUILD: a build directory or a name in generated/) with the
+    arguments that follow, e.g. `mkgen run BUILD --weights W --prompt-ids 1,2 --json`;
+    `mkgen run BUILD --help` lists them."""
+    import subprocess
+
+    from mkgen.codegen.package import GENERATED
+
+    directory = Path(build)
+    if not (directory / "runner.py").exists():
+        directory = GENERATED / build
+    if not (directory / "runner.py").exists():
+        raise MkgenError(f"{build}: no runner.py there nor in generated/{build}")
+    status = subprocess.call([sys.executable, str(directory / "runner.py"), *runner_args])
+    sys.exit(status)
+
+
 @cli.command("inspect")
 @click.argument("build", metavar="BUILD")
 @click.option("--layer", type=int, help="Show one layer's schedule next to its code.")
