@@ -113,7 +113,7 @@ def test_speculation_returns_the_plain_greedy_tokens(tmp_path: Path) -> None:
     base = ["--weights", str(weights), *_ids(PROMPT), "--json"]
     out = _tokens(_run(build, *base, "--steps", "8"))
     assert out["tokens"] == [expected]
-    assert out["acceptance_length"] > 1.2  # measured 1.6: 8 tokens in 5 generating calls
+    assert out["acceptance_length"] > 1.2  # measured 1.33: 8 tokens in 6 generating calls
     sampled = _tokens(
         _run(build, *base, "--steps", "8", "--temperature", "1.0", "--top-k", "1", "--seed", "3",
              "--stop-ids", "127", "--bench", "--warmup", "1")
