@@ -611,6 +611,146 @@ def _compile_and_print(spec: Any, topo: Any, options: Any, directory: Path | Non
         sys.exit(1)
 
 
+@cli.command("convert")
+@click.argument("spec_ref", metavar="[SPEC]", required=False)
+@click.option(
+    "--checkpoint",
+    type=click.Path(path_type=Path),
+    help="Hugging Face checkpoint directory (config.json, safetensors shards and index).",
+)
+@click.option(
+    "--random-weights", type=int, metavar="SEED", help="The reference's random weights instead."
+)
+@click.option(
+    "--build",
+    "build_dir",
+    type=click.Path(path_type=Path),
+    help="Convert for this build directory (its spec, topology, options and banks).",
+)
+@click.option("--topology", help="CHIP:SHAPE or SHAPE, e.g. 2x2x4 (without --build).")
+@click.option("--batch", type=int, default=1, show_default=True, help="Sequences.")
+@click.option("--rows", type=int, default=1, show_default=True, help="Rows per sequence.")
+@click.option("--context", type=int, default=None, help="Cache tokens per sequence [4096].")
+@click.option("--quant", multiple=True, metavar="FAMILY=FORMAT", help="Weight format override.")
+@click.option(
+    "-o", "--output", type=click.Path(path_type=Path), required=True, help="Weights directory."
+)
+@click.option("--force", is_flag=True, help="Replace a conversion made from other inputs.")
+def convert_command(
+    spec_ref: str | None,
+    checkpoint: Path | None,
+    random_weights: int | None,
+    build_dir: Path | None,
+    topology: str | None,
+    batch: int,
+    rows: int,
+    context: int | None,
+    quant: tuple[str, ...],
+    output: Path,
+    force: bool,
+) -> None:
+    """Pack a checkpoint into every core's weight arrays for a build: per core its stream
+    banks, vector slabs and expert arrays layer by layer, in the build's formats, plus a
+    layout.json the runner checks (runner.py --weights OUTPUT). SPEC defaults to the
+    checkpoint's config.json. Bounded memory (one layer at a time), atomic per file,
+    resumable: run it again after an interruption."""
+    from mkgen.codegen import convert
+    from mkgen.plan.layout import KernelLayout, plan_kernel
+    from mkgen.spec.hf_import import default_spec_name, import_hf_config
+
+    if (checkpoint is None) == (random_weights is None):
+        raise MkgenError("give one of --checkpoint DIR and --random-weights SEED")
+    if build_dir is not None:
+        from mkgen.codegen.package import load_build_inputs
+
+        if spec_ref or topology or quant:
+            raise MkgenError("--build takes spec, topology and formats from the build")
+        spec, topo, options, data = load_build_inputs(build_dir)
+        layout = KernelLayout.model_validate(data["kernel"])
+        kernel_args = data["kernel_args"]
+    else:
+        if not topology:
+            raise MkgenError("give --topology (or --build BUILD)")
+        if spec_ref is None and checkpoint is None:
+            raise MkgenError("give SPEC (or --checkpoint DIR, whose config.json is the spec)")
+        from mkgen.plan.options import BuildOptions
+        from mkgen.spec.loader import load_spec
+        from mkgen.spec.topology import parse_topology
+
+        topo = parse_topology(topology)
+        options = BuildOptions.create(
+            batch=batch, rows=rows, context=context, quant=list(quant) or None
+        )
+        if spec_ref is None:
+            assert checkpoint is not None
+            name = default_spec_name(Path(checkpoint))
+            spec = import_hf_config(Path(checkpoint) / "config.json", name)
+        else:
+            spec = load_spec(spec_ref)
+        spec = options.apply(spec)
+        layout = plan_kernel(spec, topo, options)
+        kernel_args = {"bank_rows": layout.stream.bank_rows, "ring_depth": layout.stream.ring_depth}
+    identity = convert.build_identity(spec, topo.name, options.model_dump(mode="json"), kernel_args)
+    if checkpoint is not None:
+        source, fingerprint = convert.checkpoint_source(spec, Path(checkpoint))
+        identity["checkpoint"] = fingerprint
+    else:
+        from mkgen.codegen.quantize import fake_quantize
+        from mkgen.reference.model import init_weights
+
+        _prepare_jax()
+        import ml_dtypes
+        import numpy as np
+
+        weights = {
+            name: np.asarray(value).astype(ml_dtypes.bfloat16).astype(np.float32)
+            for name, value in init_weights(spec, random_weights).items()
+        }
+        source = convert.InventorySource(fake_quantize(spec, weights))
+        identity["random_weights"] = random_weights
+
+    def progress(line: str) -> None:
+        click.echo(line, err=True)
+
+    result = convert.convert(
+        spec, layout, source, output, identity=identity, force=force, progress=progress
+    )
+    if result.skipped == ["all"]:
+        click.echo(f"{_shown(output)}/ is up to date ({result.files} files verified)")
+        return
+    resumed = (
+        f"; resumed: {len(result.skipped)} unit(s) verified and kept" if result.skipped else ""
+    )
+    click.echo(
+        f"wrote {_shown(output)}/ in {result.seconds:.1f} s: {spec.name} for {topo.name} "
+        f"({layout.devices} cores), {result.files} files, {result.bytes / 2**20:,.1f} MiB{resumed}"
+    )
+
+
+@cli.command(
+    "run",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.argument("build", metavar="BUILD")
+@click.argument("runner_args", nargs=-1, type=click.UNPROCESSED)
+def run_command(build: str, runner_args: tuple[str, ...]) -> None:
+    """Run a build's runner.py (BUILD: a build directory or a name in generated/) with the
+    arguments that follow, e.g. `mkgen run BUILD --weights W --prompt-ids 1,2 --json`;
+    `mkgen run BUILD --help` lists them."""
+    import subprocess
+
+    from mkgen.codegen.package import GENERATED
+
+    directory = Path(build)
+    if not (directory / "runner.py").exists():
+        directory = GENERATED / build
+    if not (directory / "runner.py").exists():
+        raise MkgenError(f"{build}: no runner.py there nor in generated/{build}")
+    status = subprocess.call([sys.executable, str(directory / "runner.py"), *runner_args])
+    sys.exit(status)
+
+
 @cli.command("inspect")
 @click.argument("build", metavar="BUILD")
 @click.option("--layer", type=int, help="Show one layer's schedule next to its code.")

@@ -289,7 +289,7 @@ def test_runner_help_says_where_weights_come_from(build_dir: Path) -> None:
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
     assert "--interpret" in text and "--random-weights SEED" in text
-    assert "issue 6" in text and "converted Hugging Face checkpoints" in text
+    assert "--weights DIR" in text and "mkgen convert" in text
 
 
 # Runs a build's runner with its drafter replaced by an oracle that proposes the reference's
@@ -301,7 +301,7 @@ runner = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(runner)
 prompts, expected = json.loads(sys.argv[2])
 
-def drafts(history, count):
+def drafts(history, count, ngram=3):
     b = next(i for i, p in enumerate(prompts) if history[: len(p)] == p)
     future = expected[b][len(history) - len(prompts[b]) :][:count]
     return future + [history[-1]] * (count - len(future))

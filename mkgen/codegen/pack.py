@@ -129,66 +129,83 @@ def segment_banks(segment: Segment, matrix: np.ndarray, bank_rows: int) -> np.nd
     return out
 
 
-def _place(stream: np.ndarray, layout: KernelLayout, first: int, segments, tensors, prefix, rank):
+def layer_bank_range(layout: KernelLayout, layer: int) -> tuple[int, int]:
+    """[first, end) banks of the stream that hold layer `layer` (attention, then FFN
+    segments); layer -1 is the tail (the lm_head). Every layer's banks are contiguous and in
+    layer order, so a stream is the concatenation of its layers' ranges and the tail's."""
+    s = layout.stream
+    count = len(layout.attention_table)
+    if layer < 0:
+        return s.lm_head_bank, s.total_banks
+    end = s.attention_banks[layer + 1] if layer + 1 < count else s.lm_head_bank
+    return s.attention_banks[layer], end
+
+
+def _place(out: np.ndarray, layout: KernelLayout, first: int, segments, tensors, prefix, rank):
+    """Write `segments` into `out`, their first bank at out[first] (`first` relative to
+    out's bank 0)."""
     for segment in segments:
         start = first + segment.bank_offset
+        if start < 0 or start + segment.banks > len(out):
+            raise ValueError(f"{prefix}{segment.name}: banks outside the layer's range")
         matrix = segment_matrix(segment, tensors, prefix, rank)
-        stream[start : start + segment.banks] = segment_banks(
-            segment, matrix, layout.stream.bank_rows
-        )
+        out[start : start + segment.banks] = segment_banks(segment, matrix, layout.stream.bank_rows)
+
+
+def pack_stream_layer(
+    layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int, layer: int
+) -> np.ndarray:
+    """One core's banks of one layer (layer -1: the lm_head tail) [banks, bank_rows, LANES]
+    in bf16, as they sit in its stream (layer_bank_range). Reads only that layer's tensors
+    (or the lm_head's)."""
+    first, end = layer_bank_range(layout, layer)
+    out = np.zeros((end - first, layout.stream.bank_rows, LANES), np.uint16)
+    if layer < 0:
+        _place(out, layout, 0, layout.stream.tail, tensors, "", rank)
+        return out.view(BF16)
+    s, prefix = layout.stream, f"layers.{layer}."
+    attention = layout.attention[layout.attention_table[layer]]
+    ffn = layout.ffn[layout.ffn_table[layer]]
+    _place(out, layout, s.attention_banks[layer] - first, attention.segments, tensors, prefix, rank)
+    _place(out, layout, s.ffn_banks[layer] - first, ffn.segments, tensors, prefix, rank)
+    return out.view(BF16)
 
 
 def pack_stream(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int) -> np.ndarray:
     """One core's weight stream [total_banks, bank_rows, LANES] in bf16 (quantized
-    segments: their bytes viewed as bf16)."""
-    stream = np.zeros((layout.stream.total_banks, layout.stream.bank_rows, LANES), np.uint16)
-    for layer, (a, f) in enumerate(zip(layout.attention_table, layout.ffn_table, strict=True)):
-        prefix = f"layers.{layer}."
-        _place(
-            stream,
-            layout,
-            layout.stream.attention_banks[layer],
-            layout.attention[a].segments,
-            tensors,
-            prefix,
-            rank,
-        )
-        _place(
-            stream,
-            layout,
-            layout.stream.ffn_banks[layer],
-            layout.ffn[f].segments,
-            tensors,
-            prefix,
-            rank,
-        )
-    _place(stream, layout, layout.stream.lm_head_bank, layout.stream.tail, tensors, "", rank)
-    return stream.view(BF16)
+    segments: their bytes viewed as bf16): its layers' banks, then the lm_head's."""
+    layers = range(len(layout.attention_table))
+    return np.concatenate(
+        [pack_stream_layer(layout, tensors, rank, layer) for layer in [*layers, -1]]
+    )
+
+
+def pack_vectors_layer(
+    layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int, layer: int
+) -> np.ndarray:
+    """One core's vector slab of one layer [vector_rows, vector_width] f32: the norms, the
+    kinds' vector rows and, on the first layer of an attention-residual block, the
+    block's mixing logits."""
+    slab = np.zeros((layout.vector_rows, layout.vector_width), np.float32)
+    prefix = f"layers.{layer}."
+    slab[0, : layout.hidden] = tensors[prefix + "attn_norm"]
+    slab[1, : layout.hidden] = tensors[prefix + "ffn_norm"]
+    rows = layout.attention[layout.attention_table[layer]].vectors
+    rows = rows + layout.ffn[layout.ffn_table[layer]].vectors
+    for row in rows:
+        value = part_slice(row.part, np.asarray(tensors[prefix + row.part.tensor]), rank)
+        slab[row.row : row.row + row.rows, : row.length] = value.reshape(row.rows, row.length)
+    residual = layout.attention_residual
+    if residual and layer % residual.block_size == 0:  # the block's logits ride with it
+        logits = np.asarray(tensors["attn_res_logits"])
+        slab[residual.logits_row, : residual.max_snapshots] = logits[layer // residual.block_size]
+    return slab
 
 
 def pack_vectors(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int) -> np.ndarray:
     """One core's per-layer vector slabs [layers, vector_rows, vector_width] in f32."""
-    slabs = np.zeros(
-        (len(layout.attention_table), layout.vector_rows, layout.vector_width), np.float32
-    )
-    for layer in range(len(layout.attention_table)):
-        prefix = f"layers.{layer}."
-        slabs[layer, 0, : layout.hidden] = tensors[prefix + "attn_norm"]
-        slabs[layer, 1, : layout.hidden] = tensors[prefix + "ffn_norm"]
-        rows = layout.attention[layout.attention_table[layer]].vectors
-        rows = rows + layout.ffn[layout.ffn_table[layer]].vectors
-        for row in rows:
-            value = part_slice(row.part, np.asarray(tensors[prefix + row.part.tensor]), rank)
-            slabs[layer, row.row : row.row + row.rows, : row.length] = value.reshape(
-                row.rows, row.length
-            )
-    residual = layout.attention_residual
-    if residual:  # each block's mixing logits ride with its first layer
-        logits = np.asarray(tensors["attn_res_logits"])
-        for block in range(logits.shape[0]):
-            first = block * residual.block_size
-            slabs[first, residual.logits_row, : residual.max_snapshots] = logits[block]
-    return slabs
+    layers = range(len(layout.attention_table))
+    return np.stack([pack_vectors_layer(layout, tensors, rank, layer) for layer in layers])
 
 
 def _pieces(chunks: np.ndarray, pieces: int, piece_chunks: int) -> np.ndarray:
@@ -198,56 +215,74 @@ def _pieces(chunks: np.ndarray, pieces: int, piece_chunks: int) -> np.ndarray:
     return out
 
 
+def expert_arrays(layout: KernelLayout) -> list[tuple[int, int]]:
+    """(FFN kind index, array of the kind) of each routed-expert array, in the order of the
+    kernel's expert_shapes(): per MoE kind its bf16 weights, or its codes and scales."""
+    out = []
+    for index, f in enumerate(layout.ffn):
+        if f.type == "moe":
+            out += [(index, j) for j in range(1 if f.experts.kind == "bf16" else 2)]
+    return out
+
+
+def pack_experts_layer(
+    layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int, layer: int
+) -> list[np.ndarray]:
+    """One core's routed experts of one layer: [] for a dense layer, else the arrays of its
+    MoE kind (expert_arrays), each [experts_per_rank, pieces, rows, LANES]: bf16, or codes
+    and scales as ExpertChunks describes them (int4 / mxfp4: nibbles two rows a byte, bf16
+    / E8M0 scales; fp8: e4m3 codes, f32 block scales). Rank r holds experts [g * E_r,
+    (g + 1) * E_r) of group g = r // width_parts and of each the columns of width part
+    r % width_parts (MoELayout). Every chunk is quantized on its own, so packing a layer at
+    a time gives the same bytes as packing the kind at once."""
+    f = layout.ffn[layout.ffn_table[layer]]
+    if f.type != "moe":
+        return []
+    e = f.experts
+    group, part = rank // f.width_parts, rank % f.width_parts
+    ids = range(group * f.experts_per_rank, (group + 1) * f.experts_per_rank)
+    cols = slice(part * e.width, (part + 1) * e.width)
+    prefix = f"layers.{layer}.ffn."
+    gate, up = tensors[prefix + "experts_gate"], tensors[prefix + "experts_up"]
+    down = tensors[prefix + "experts_down"]
+    pieces = []
+    for expert in ids:
+        gate_up = np.concatenate([gate[expert][:, cols], up[expert][:, cols]], axis=1)
+        gate_up = chunked(gate_up, e.gate_up_k_chunks, e.gate_up_col_blocks)
+        down_chunks = chunked(down[expert][cols, :], e.down_k_chunks, e.down_col_blocks)
+        pieces.append(
+            np.concatenate(
+                [
+                    _pieces(gate_up, e.gate_up_pieces, e.piece_chunks),
+                    _pieces(down_chunks, e.down_pieces, e.piece_chunks),
+                ]
+            )
+        )
+    chunks = np.stack(pieces)  # [experts, pieces * piece_chunks, CHUNK, LANES]
+    lead = (f.experts_per_rank, e.pieces)
+    flat = chunks.reshape(-1, CHUNK, LANES)
+    if e.kind == "bf16":
+        return [chunks.reshape(*lead, e.code_rows, LANES).astype(BF16)]
+    if e.kind == "int4":
+        codes, scales = pack_int4_chunks(flat, e.group)
+        scales = scales.astype(BF16)
+    elif e.kind == "mxfp4":
+        codes, scales = pack_mxfp4_chunks(flat)
+    elif e.kind == "fp8":
+        codes, scales = pack_fp8_chunks(flat, e.group)
+    else:
+        raise NotImplementedError(f"packing {e.format} experts")
+    return [codes.reshape(*lead, e.code_rows, LANES), scales.reshape(*lead, e.scale_rows, LANES)]
+
+
 def pack_experts(
     layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int
 ) -> list[np.ndarray]:
-    """One core's routed-expert arrays, in the order of the kernel's expert_shapes().
-
-    Per MoE kind: bf16 [layers, experts_per_rank, pieces, piece rows, LANES], or codes
-    [..., pieces, code rows, LANES] and scales [..., pieces, scale rows, LANES] as
-    ExpertChunks describes them (int4 / mxfp4: nibbles two rows a byte, bf16 / E8M0
-    scales; fp8: e4m3 codes, f32 block scales). Rank r holds experts [g * E_r, (g + 1) * E_r) of group g = r //
-    width_parts and of each the columns of width part r % width_parts (MoELayout)."""
+    """One core's routed-expert arrays, in the order of the kernel's expert_shapes(): per
+    MoE kind, its layers' pack_experts_layer arrays stacked [layers of the kind, ...]."""
     out = []
     for f in layout.ffn:
-        if f.type != "moe":
-            continue
-        e = f.experts
-        group, part = rank // f.width_parts, rank % f.width_parts
-        ids = range(group * f.experts_per_rank, (group + 1) * f.experts_per_rank)
-        cols = slice(part * e.width, (part + 1) * e.width)
-        pieces = []
-        for layer in f.layers:
-            prefix = f"layers.{layer}.ffn."
-            gate, up = tensors[prefix + "experts_gate"], tensors[prefix + "experts_up"]
-            down = tensors[prefix + "experts_down"]
-            for expert in ids:
-                gate_up = np.concatenate([gate[expert][:, cols], up[expert][:, cols]], axis=1)
-                gate_up = chunked(gate_up, e.gate_up_k_chunks, e.gate_up_col_blocks)
-                down_chunks = chunked(down[expert][cols, :], e.down_k_chunks, e.down_col_blocks)
-                pieces.append(
-                    np.concatenate(
-                        [
-                            _pieces(gate_up, e.gate_up_pieces, e.piece_chunks),
-                            _pieces(down_chunks, e.down_pieces, e.piece_chunks),
-                        ]
-                    )
-                )
-        chunks = np.stack(pieces)  # [layers * experts, pieces * piece_chunks, CHUNK, LANES]
-        lead = (len(f.layers), f.experts_per_rank, e.pieces)
-        flat = chunks.reshape(-1, CHUNK, LANES)
-        if e.kind == "bf16":
-            out.append(chunks.reshape(*lead, e.code_rows, LANES).astype(BF16))
-            continue
-        if e.kind == "int4":
-            codes, scales = pack_int4_chunks(flat, e.group)
-            scales = scales.astype(BF16)
-        elif e.kind == "mxfp4":
-            codes, scales = pack_mxfp4_chunks(flat)
-        elif e.kind == "fp8":
-            codes, scales = pack_fp8_chunks(flat, e.group)
-        else:
-            raise NotImplementedError(f"packing {e.format} experts")
-        out.append(codes.reshape(*lead, e.code_rows, LANES))
-        out.append(scales.reshape(*lead, e.scale_rows, LANES))
+        if f.type == "moe":
+            per_layer = [pack_experts_layer(layout, tensors, rank, n) for n in f.layers]
+            out += [np.stack(arrays) for arrays in zip(*per_layer, strict=True)]
     return out

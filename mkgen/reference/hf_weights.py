@@ -38,6 +38,7 @@ dequantize them first.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from collections.abc import Iterator, Mapping, Sequence
@@ -140,14 +141,31 @@ class SafetensorsCheckpoint(Mapping[str, np.ndarray]):
         except (OSError, struct.error, ValueError) as error:
             raise SpecError(f"{file}: not a readable safetensors file ({error})") from None
         base = 8 + size
+        length = file.stat().st_size
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            dtype = info["dtype"]
+            try:
+                dtype, shape = info["dtype"], tuple(int(n) for n in info["shape"])
+                start, end = (int(n) for n in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise SpecError(f"{file}: {name}: malformed safetensors header entry") from None
             if dtype not in _DTYPES:
                 raise SpecError(f"{file}: {name}: unknown safetensors dtype {dtype}")
-            start, end = info["data_offsets"]
-            self._entries[name] = (file, dtype, tuple(info["shape"]), base + start, end - start)
+            want = math.prod(shape) * np.dtype(_DTYPES[dtype]).itemsize
+            if dtype == "F4":  # two codes a byte
+                want = -(-math.prod(shape) // 2)
+            if end - start != want or start < 0:
+                raise SpecError(
+                    f"{file}: {name}: header says {end - start} bytes for {dtype} {list(shape)} "
+                    f"({want} expected): a corrupt file"
+                )
+            if base + end > length:
+                raise SpecError(
+                    f"{file}: truncated: {name} ends at byte {base + end}, the file has "
+                    f"{length} (an interrupted download?)"
+                )
+            self._entries[name] = (file, dtype, shape, base + start, end - start)
 
     def stored_dtype(self, name: str) -> str:
         return self._entries[name][1]
@@ -474,6 +492,110 @@ def _ffn_prefix(src: _Source, p: str, moe: bool) -> str:
     return p + "mlp."
 
 
+class HFMapping:
+    """The mapping of one checkpoint onto the inventory, a layer at a time.
+
+    `globals()` gives the embedding, final norm and lm_head, `layer(i)` the tensors of
+    decoder layer i (mkgen names), reading only that layer's checkpoint tensors; once
+    every part was taken, `check_complete()` holds the checkpoint to the spec (nothing
+    missing, nothing unused). `load_hf_weights` takes every part at once; the converter
+    (mkgen/codegen/convert.py) takes them one layer at a time, so that at most one layer
+    of the checkpoint is in memory."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        arch: str,
+        tensors: Mapping[str, np.ndarray],
+        *,
+        mtp_layers: int = 0,
+        source: str = "checkpoint",
+    ) -> None:
+        self.spec, self.mtp_layers = spec, mtp_layers
+        self.arch = canonical_architecture(arch, source)
+        self.src = _Source(tensors, source)
+        quantized = sorted(n for n in tensors if _QUANTIZED.search(n))
+        if quantized:
+            raise self.src.error(
+                quantized[0],
+                "a quantization side tensor: this is a quantized checkpoint; mkgen loads float "
+                "checkpoints only (dequantize first)",
+            )
+        if spec.attention_residual:
+            raise self.src.error(
+                "attn_res_logits", "the attention residual has no Hugging Face layout"
+            )
+        self.out = _Out(spec, source)
+        self.produced: set[str] = set()
+
+    def _taken(self) -> dict[str, np.ndarray]:
+        values, self.out.values = self.out.values, {}
+        self.produced.update(values)
+        return values
+
+    def globals(self) -> dict[str, np.ndarray]:
+        """embedding, final_norm and (untied) lm_head."""
+        src, out = self.src, self.out
+        embedding = src.take("model.embed_tokens.weight")
+        out.put("embedding", embedding, "model.embed_tokens.weight")
+        out.put("final_norm", src.take("model.norm.weight"), "model.norm.weight")
+        if not self.spec.dims.tie_embeddings:
+            out.put("lm_head", src.linear("lm_head.weight"), "lm_head.weight")
+        elif src.has("lm_head.weight"):
+            lm_head = src.take("lm_head.weight")
+            if not np.array_equal(lm_head, embedding):
+                raise src.error(
+                    "lm_head.weight", "differs from the embedding but the spec ties them"
+                )
+        return self._taken()
+
+    def layer(self, i: int) -> dict[str, np.ndarray]:
+        """Decoder layer i's inventory tensors (names layers.{i}.*)."""
+        src, out, spec = self.src, self.out, self.spec
+        attn_name, ffn_name = spec.layer_table()[i]
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        out.put(
+            o + "attn_norm", src.take(p + "input_layernorm.weight"), p + "input_layernorm.weight"
+        )
+        out.put(
+            o + "ffn_norm",
+            src.take(p + "post_attention_layernorm.weight"),
+            p + "post_attention_layernorm.weight",
+        )
+        attn = spec.attention_kinds[attn_name]
+        if isinstance(attn, GQAAttention):
+            _gqa(src, out, p + "self_attn.", o + "attn.", attn, spec.dims.hidden)
+        elif isinstance(attn, MLAAttention):
+            _mla(src, out, p + "self_attn.", o + "attn.", attn)
+        elif isinstance(attn, KDAAttention):
+            _kda(src, out, p + "self_attn.", o + "attn.", attn)
+        else:
+            _gated_deltanet(src, out, p + "linear_attn.", o + "attn.", attn, spec.dims.hidden)
+        ffn = spec.ffn_kinds[ffn_name]
+        fp = _ffn_prefix(src, p, isinstance(ffn, MoEFFN))
+        if isinstance(ffn, MoEFFN):
+            _moe(src, out, fp, o + "ffn.", ffn, self.arch)
+        else:
+            _dense(src, out, fp, o + "ffn.", ffn)
+        return self._taken()
+
+    def skip_globals(self) -> None:
+        """Count the globals as taken without reading them (a resumed conversion that
+        verified what an earlier run wrote from them)."""
+        self.produced.update(n for n in self.out.expected if not n.startswith("layers."))
+        names = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+        self.src.used.update(n for n in names if self.src.has(n))
+
+    def skip_layer(self, i: int) -> None:
+        """Count layer i as taken without reading it (see skip_globals)."""
+        self.produced.update(n for n in self.out.expected if n.startswith(f"layers.{i}."))
+        prefix = f"model.layers.{i}."
+        self.src.used.update(n for n in self.src.tensors if n.startswith(prefix))
+
+    def check_complete(self) -> None:
+        _check_complete(self.spec, self.src, self.produced, self.out, self.arch, self.mtp_layers)
+
+
 def load_hf_weights(
     spec: ModelSpec,
     arch: str,
@@ -489,58 +611,18 @@ def load_hf_weights(
     decoder layer (``model.layers.{count}..``), skipped as the importer skips them.
     Returns float arrays (BF16 widened to float32) in inventory order.
     """
-    arch = canonical_architecture(arch, source)
-    src = _Source(tensors, source)
-    quantized = sorted(n for n in tensors if _QUANTIZED.search(n))
-    if quantized:
-        raise src.error(
-            quantized[0],
-            "a quantization side tensor: this is a quantized checkpoint; mkgen loads float "
-            "checkpoints only (dequantize first)",
-        )
-    out = _Out(spec, source)
-    hidden = spec.dims.hidden
-    out.put("embedding", src.take("model.embed_tokens.weight"), "model.embed_tokens.weight")
-    for i, (attn_name, ffn_name) in enumerate(spec.layer_table()):
-        p, o = f"model.layers.{i}.", f"layers.{i}."
-        out.put(
-            o + "attn_norm", src.take(p + "input_layernorm.weight"), p + "input_layernorm.weight"
-        )
-        out.put(
-            o + "ffn_norm",
-            src.take(p + "post_attention_layernorm.weight"),
-            p + "post_attention_layernorm.weight",
-        )
-        attn = spec.attention_kinds[attn_name]
-        if isinstance(attn, GQAAttention):
-            _gqa(src, out, p + "self_attn.", o + "attn.", attn, hidden)
-        elif isinstance(attn, MLAAttention):
-            _mla(src, out, p + "self_attn.", o + "attn.", attn)
-        elif isinstance(attn, KDAAttention):
-            _kda(src, out, p + "self_attn.", o + "attn.", attn)
-        else:
-            _gated_deltanet(src, out, p + "linear_attn.", o + "attn.", attn, hidden)
-        ffn = spec.ffn_kinds[ffn_name]
-        fp = _ffn_prefix(src, p, isinstance(ffn, MoEFFN))
-        if isinstance(ffn, MoEFFN):
-            _moe(src, out, fp, o + "ffn.", ffn, arch)
-        else:
-            _dense(src, out, fp, o + "ffn.", ffn)
-    if spec.attention_residual:
-        raise src.error("attn_res_logits", "the attention residual has no Hugging Face layout")
-    out.put("final_norm", src.take("model.norm.weight"), "model.norm.weight")
-    if not spec.dims.tie_embeddings:
-        out.put("lm_head", src.linear("lm_head.weight"), "lm_head.weight")
-    elif src.has("lm_head.weight"):
-        lm_head = src.take("lm_head.weight")
-        if not np.array_equal(lm_head, out.values["embedding"]):
-            raise src.error("lm_head.weight", "differs from the embedding but the spec ties them")
-    _check_complete(spec, src, out, arch, mtp_layers)
-    return {name: out.values[name] for name in out.expected}
+    mapping = HFMapping(spec, arch, tensors, mtp_layers=mtp_layers, source=source)
+    values = mapping.globals()
+    for i in range(spec.layers.count):
+        values.update(mapping.layer(i))
+    mapping.check_complete()
+    return {name: values[name] for name in mapping.out.expected}
 
 
-def _check_complete(spec: ModelSpec, src: _Source, out: _Out, arch: str, mtp: int) -> None:
-    missing = [name for name in out.expected if name not in out.values]
+def _check_complete(
+    spec: ModelSpec, src: _Source, produced: set[str], out: _Out, arch: str, mtp: int
+) -> None:
+    missing = [name for name in out.expected if name not in produced]
     if missing:  # a gap in this module's mapping, not in the checkpoint
         raise SpecError(f"{src.source}: {missing[0]}: no checkpoint tensor maps to it")
     ignored = [re.compile(r) for r in IGNORED[arch]]
@@ -589,6 +671,7 @@ def load_hf_checkpoint(
 
 __all__: list[str] = [
     "IGNORED",
+    "HFMapping",
     "SafetensorsCheckpoint",
     "load_hf_checkpoint",
     "load_hf_weights",

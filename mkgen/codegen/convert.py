@@ -1,0 +1,488 @@
+"""Converted weights: a checkpoint packed into every core's arrays, on disk, once.
+
+``mkgen convert SPEC --checkpoint DIR --topology T -o WEIGHTS`` maps a Hugging Face
+checkpoint onto the inventory a layer at a time (mkgen.reference.hf_weights.HFMapping),
+packs each layer into every core's stream banks, vector slab and expert arrays with the
+packer the runner uses for random weights (mkgen.codegen.pack, quantizing to the build's
+formats), and writes::
+
+    WEIGHTS/
+      layout.json                  written last: what was converted for which build
+      embedding.npy  final_norm.npy          replicated (the runner embeds on the host)
+      core-000/layer-000.stream.npy          the core's banks of layer 0 (bf16 bits)
+      core-000/layer-000.vectors.npy         its vector slab row block (f32)
+      core-000/layer-000.experts-0.npy ...   its routed experts of layer 0 (MoE layers)
+      core-000/head.stream.npy               its lm_head banks
+      ...
+
+A core's stream is its layers' banks then the head's, in that order
+(pack.layer_bank_range); its expert array of a MoE kind stacks the kind's layers.
+
+Properties:
+
+- Bounded memory: the checkpoint is read through memory maps, one layer's tensors at a
+  time; a layer's arrays for every core are written before the next layer is read.
+- Atomic per file: each file is written under a temporary name and renamed once
+  complete; ``layout.json`` (with every file's size and sha256) is renamed into place
+  last, so a directory without it is never taken for a conversion.
+- Resumable: ``progress.json`` records each finished unit (the globals, a layer, the
+  head) with its files' checksums; a re-run with the same inputs verifies them and
+  skips those units.
+- Checked: a missing or corrupt shard, a truncated file, a tensor of the wrong shape or
+  dtype, a checkpoint that does not match the spec: a one-line MkgenError.
+- Bound to its build: ``weights_sha256`` is a digest of everything in the kernel layout
+  that decides the weight arrays (stream plan, segments, vector rows, expert chunks,
+  formats, inventory); the runner refuses weights whose digest differs from its build's.
+  Batch, rows and context do not enter it, so one conversion serves builds that differ
+  only in those.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from mkgen import __version__
+from mkgen.codegen import pack
+from mkgen.errors import MkgenError
+from mkgen.plan.layout import KernelLayout
+from mkgen.spec.schema import ModelSpec
+from mkgen.spec.weights import model_weights
+
+CONTAINER_FORMAT = 1
+LAYOUT_FILE = "layout.json"
+PROGRESS_FILE = "progress.json"
+# How an array is stored in a .npy file: numpy has no bf16 / fp8 descriptors, so those are
+# kept as their bits and viewed back on load (the dtype is recorded in layout.json).
+_STORED = {"bfloat16": np.uint16, "float8_e4m3fn": np.uint8}
+_LOGICAL = {"bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
+
+
+def _canonical(data: Any) -> bytes:
+    return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+
+
+def weights_digest(spec: ModelSpec, layout: KernelLayout) -> str:
+    """sha256 of what decides the per-core weight arrays of a build (not batch, rows,
+    context, caches or the spec's name)."""
+    data = layout.model_dump(mode="json")
+    keep = {
+        k: data[k]
+        for k in (
+            "devices",
+            "hidden",
+            "vocab",
+            "vocab_used",
+            "stream",
+            "attention_table",
+            "ffn_table",
+            "vector_rows",
+            "vector_width",
+            "attention_residual",
+            "final_norm",
+        )
+    }
+    keep["stream"] = {k: v for k, v in keep["stream"].items() if k != "ring_depth"}
+    keep["mesh_order"] = data["collectives"]["mesh_order"]
+    keep["attention"] = [
+        {k: a.get(k) for k in ("name", "type", "layers", "segments", "vectors")}
+        for a in data["attention"]
+    ]
+    keep["ffn"] = [
+        {
+            k: f.get(k)
+            for k in (
+                "name",
+                "type",
+                "layers",
+                "segments",
+                "vectors",
+                "experts",
+                "experts_per_rank",
+                "width_parts",
+            )
+        }
+        for f in data["ffn"]
+    ]
+    keep["formats"] = spec.quantization.model_dump(mode="json")
+    keep["inventory"] = [[w.name, list(w.shape)] for w in model_weights(spec)]
+    return hashlib.sha256(_canonical(keep)).hexdigest()
+
+
+# ---------------------------------------------------------------- sources of weights
+
+
+class InventorySource:
+    """Weights already in inventory names (the reference's random weights): the same
+    interface as HFMapping, so that both go through one conversion path."""
+
+    def __init__(self, weights: Mapping[str, np.ndarray]) -> None:
+        self.weights = weights
+
+    def globals(self) -> dict[str, np.ndarray]:
+        return {k: v for k, v in self.weights.items() if not k.startswith("layers.")}
+
+    def layer(self, i: int) -> dict[str, np.ndarray]:
+        prefix = f"layers.{i}."
+        return {k: v for k, v in self.weights.items() if k.startswith(prefix)}
+
+    def skip_globals(self) -> None:
+        pass
+
+    def skip_layer(self, i: int) -> None:
+        pass
+
+    def check_complete(self) -> None:
+        pass
+
+
+def checkpoint_source(spec: ModelSpec, checkpoint: Path) -> tuple[Any, dict[str, Any]]:
+    """(HFMapping over the checkpoint, its fingerprint: config and shard headers' sizes)."""
+    from mkgen.reference.hf_weights import HFMapping, mtp_layer_count, read_safetensors
+    from mkgen.spec.hf_import import canonical_architecture
+    from mkgen.spec.loader import read_json
+
+    config_path = checkpoint / "config.json"
+    if not config_path.exists():
+        raise MkgenError(f"{checkpoint}: no config.json; not a Hugging Face checkpoint")
+    config = read_json(config_path)
+    arch = canonical_architecture(
+        (config.get("architectures") or [config.get("model_type", "")])[0], str(config_path)
+    )
+    tensors = read_safetensors(checkpoint)
+    mapping = HFMapping(
+        spec, arch, tensors, mtp_layers=mtp_layer_count(config), source=str(tensors.path)
+    )
+    files = sorted({entry[0] for entry in tensors._entries.values()})
+    fingerprint = {
+        "config_sha256": hashlib.sha256(config_path.read_bytes()).hexdigest(),
+        "files": {f.name: f.stat().st_size for f in files},
+    }
+    return mapping, fingerprint
+
+
+# ---------------------------------------------------------------- files
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_json(path: Path, data: Any) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=1, sort_keys=True)
+            handle.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _write_array(path: Path, array: np.ndarray) -> dict[str, Any]:
+    """Write `array` as .npy through a memory-mapped temp file, then rename; its entry
+    for layout.json (dtype, shape, bytes, sha256)."""
+    dtype = array.dtype.name
+    stored = np.ascontiguousarray(array).view(_STORED.get(dtype, array.dtype))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=stored.dtype, shape=stored.shape)
+        out[...] = stored
+        out.flush()
+        del out
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return {
+        "dtype": dtype,
+        "shape": list(array.shape),
+        "bytes": path.stat().st_size,
+        "sha256": _sha256(path),
+    }
+
+
+def read_array(directory: Path, name: str, entry: Mapping[str, Any]) -> np.ndarray:
+    """One stored array (memory-mapped), viewed as its dtype; its size checked."""
+    path = directory / name
+    if not path.exists():
+        raise MkgenError(f"{path}: missing from the converted weights (convert again)")
+    if path.stat().st_size != entry["bytes"]:
+        raise MkgenError(
+            f"{path}: {path.stat().st_size} bytes, layout.json says {entry['bytes']} "
+            "(truncated or replaced; convert again)"
+        )
+    array = np.load(path, mmap_mode="r")
+    dtype = entry["dtype"]
+    return array.view(_LOGICAL[dtype]) if dtype in _LOGICAL else array
+
+
+# ---------------------------------------------------------------- units of work
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece of the conversion done and recorded at once: `globals`, `layer-N`, `head`."""
+
+    name: str
+    layer: int | None  # decoder layer, -1 for the head, None for the globals
+
+
+def units(layout: KernelLayout) -> list[Unit]:
+    count = len(layout.attention_table)
+    return [
+        Unit("globals", None),
+        *(Unit(f"layer-{i:03d}", i) for i in range(count)),
+        Unit("head", -1),
+    ]
+
+
+def core_dir(rank: int) -> str:
+    return f"core-{rank:03d}"
+
+
+def _unit_arrays(
+    layout: KernelLayout, unit: Unit, tensors: Mapping[str, np.ndarray], rank: int
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(file name, array) of one core's share of a unit."""
+    base = f"{core_dir(rank)}/{unit.name}"
+    yield f"{base}.stream.npy", pack.pack_stream_layer(layout, tensors, rank, unit.layer)
+    if unit.layer is not None and unit.layer >= 0:
+        yield f"{base}.vectors.npy", pack.pack_vectors_layer(layout, tensors, rank, unit.layer)
+        for j, array in enumerate(pack.pack_experts_layer(layout, tensors, rank, unit.layer)):
+            yield f"{base}.experts-{j}.npy", array
+
+
+def _global_arrays(tensors: Mapping[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+    embedding = np.asarray(tensors["embedding"])
+    yield "embedding.npy", embedding.astype(ml_dtypes.bfloat16)
+    yield "final_norm.npy", np.asarray(tensors["final_norm"], np.float32)
+
+
+def _verified(directory: Path, files: Mapping[str, Mapping[str, Any]]) -> bool:
+    for name, entry in files.items():
+        path = directory / name
+        if not path.exists() or path.stat().st_size != entry["bytes"]:
+            return False
+        if _sha256(path) != entry["sha256"]:
+            return False
+    return True
+
+
+@dataclass
+class ConvertResult:
+    directory: Path
+    files: int
+    bytes: int
+    skipped: list[str]  # units found complete and verified
+    seconds: float
+
+
+def convert(
+    spec: ModelSpec,
+    layout: KernelLayout,
+    source: Any,
+    output: Path,
+    *,
+    identity: Mapping[str, Any],
+    force: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> ConvertResult:
+    """Pack `source` (HFMapping or InventorySource) for `layout` into `output`.
+
+    `identity` describes the inputs (build and checkpoint); a progress.json with the same
+    identity resumes, a complete conversion with the same identity is left as it is, and
+    one of other inputs is only replaced with `force`."""
+    start = time.perf_counter()
+    output = Path(output)
+    digest = weights_digest(spec, layout)
+    identity = {**identity, "weights_sha256": digest, "format": CONTAINER_FORMAT}
+    layout_path, progress_path = output / LAYOUT_FILE, output / PROGRESS_FILE
+    if layout_path.exists():
+        existing = json.loads(layout_path.read_text())
+        if existing.get("identity") == identity and _verified(output, existing["files"]):
+            n = len(existing["files"])
+            size = sum(e["bytes"] for e in existing["files"].values())
+            return ConvertResult(output, n, size, ["all"], time.perf_counter() - start)
+        if not force:
+            raise MkgenError(
+                f"{output} holds another conversion ({existing.get('identity', {}).get('spec')} "
+                f"for {existing.get('identity', {}).get('topology')}); pass --force to replace it"
+            )
+        layout_path.unlink()  # from here on nothing there looks complete
+    elif output.exists() and any(output.iterdir()) and not progress_path.exists():
+        raise MkgenError(f"{output} exists and is not a mkgen weights directory; choose another")
+    output.mkdir(parents=True, exist_ok=True)
+    done: dict[str, dict[str, Any]] = {}
+    if progress_path.exists():
+        state = json.loads(progress_path.read_text())
+        if state.get("identity") == identity:
+            done = state.get("units", {})
+    skipped: list[str] = []
+    files: dict[str, dict[str, Any]] = {}
+    work = units(layout)
+    written = 0
+    for number, unit in enumerate(work, 1):
+        recorded = done.get(unit.name)
+        if recorded is not None and _verified(output, recorded):
+            files.update(recorded)
+            skipped.append(unit.name)
+            if unit.layer is None or unit.layer < 0:
+                source.skip_globals()
+            else:
+                source.skip_layer(unit.layer)
+            continue
+        done.pop(unit.name, None)
+        unit_files: dict[str, dict[str, Any]] = {}
+        if unit.layer is None or unit.layer < 0:
+            tensors = source.globals()
+        else:
+            tensors = source.layer(unit.layer)
+            if layout.attention_residual:  # the blocks' logits ride with the layers
+                tensors = {**tensors, "attn_res_logits": source.globals()["attn_res_logits"]}
+        arrays: Iterator[tuple[str, np.ndarray]]
+        if unit.layer is None:
+            arrays = _global_arrays(tensors)
+        else:
+            arrays = (
+                item
+                for rank in range(layout.devices)
+                for item in _unit_arrays(layout, unit, tensors, rank)
+            )
+        try:
+            for name, array in arrays:
+                unit_files[name] = _write_array(output / name, array)
+                written += unit_files[name]["bytes"]
+        except ValueError as error:  # a packing shape check: the checkpoint and spec disagree
+            raise MkgenError(f"{unit.name}: {error}") from None
+        del tensors
+        files.update(unit_files)
+        done[unit.name] = unit_files
+        _write_json(progress_path, {"identity": identity, "units": done})
+        if progress:
+            elapsed = time.perf_counter() - start
+            progress(
+                f"convert: {number}/{len(work)} {unit.name}, {written / 2**20:,.1f} MiB written "
+                f"in {elapsed:.1f} s"
+            )
+    source.check_complete()
+    total = sum(e["bytes"] for e in files.values())
+    manifest = {
+        "identity": identity,
+        "mkgen_version": __version__,
+        "cores": layout.devices,
+        "units": [u.name for u in work],
+        "expert_arrays": [list(x) for x in pack.expert_arrays(layout)],
+        "files": files,
+    }
+    _write_json(layout_path, manifest)
+    progress_path.unlink(missing_ok=True)
+    return ConvertResult(output, len(files), total, skipped, time.perf_counter() - start)
+
+
+def build_identity(
+    spec: ModelSpec, topology: str, options: Mapping[str, Any], kernel_args: Mapping[str, Any]
+) -> dict[str, Any]:
+    return {
+        "spec": spec.name,
+        "topology": topology,
+        "options": dict(options),
+        "kernel_args": dict(kernel_args),
+        "formats": spec.quantization.model_dump(mode="json"),
+    }
+
+
+# ---------------------------------------------------------------- reading it back
+
+
+def open_weights(directory: Path, spec: ModelSpec, layout: KernelLayout, build: str) -> dict:
+    """layout.json of converted weights, checked against this build (one-line errors)."""
+    directory = Path(directory)
+    path = directory / LAYOUT_FILE
+    if not path.exists():
+        hint = (
+            "an interrupted conversion: run mkgen convert again to finish it"
+            if (directory / PROGRESS_FILE).exists()
+            else "not converted weights (mkgen convert writes them)"
+        )
+        raise MkgenError(f"{directory}: no {LAYOUT_FILE}; {hint}")
+    try:
+        manifest = json.loads(path.read_text())
+        identity = manifest["identity"]
+    except (ValueError, KeyError):
+        raise MkgenError(f"{path}: not a mkgen layout.json") from None
+    if identity.get("format") != CONTAINER_FORMAT:
+        raise MkgenError(f"{path}: container format {identity.get('format')!r} unknown")
+    if identity.get("weights_sha256") != weights_digest(spec, layout):
+        raise MkgenError(
+            f"{directory}: converted for {identity.get('spec')} on {identity.get('topology')} "
+            f"(formats {_formats(identity.get('formats'))}, kernel args "
+            f"{identity.get('kernel_args')}), which lays weights out differently from {build} "
+            f"({layout.topology}, formats {_formats(spec.quantization.model_dump(mode='json'))});"
+            " convert the checkpoint for this build (mkgen convert --build)"
+        )
+    return manifest
+
+
+def _formats(formats: Any) -> str:
+    if not isinstance(formats, dict):
+        return "?"
+    return ", ".join(f"{k}={v}" for k, v in sorted(formats.items()) if v != "bf16") or "bf16"
+
+
+def read_stream(
+    directory: Path, manifest: Mapping[str, Any], layout: KernelLayout, rank: int
+) -> np.ndarray:
+    """One core's weight stream [total_banks, bank_rows, LANES] bf16, from its unit files."""
+    files = manifest["files"]
+    stream = np.empty((layout.stream.total_banks, layout.stream.bank_rows, pack.LANES), pack.BF16)
+    for unit in units(layout)[1:]:
+        first, end = pack.layer_bank_range(layout, unit.layer)
+        name = f"{core_dir(rank)}/{unit.name}.stream.npy"
+        stream[first:end] = read_array(Path(directory), name, files[name])
+    return stream
+
+
+def read_vectors(
+    directory: Path, manifest: Mapping[str, Any], layout: KernelLayout, rank: int
+) -> np.ndarray:
+    """One core's vector slabs [layers, vector_rows, vector_width] f32."""
+    files = manifest["files"]
+    names = [f"{core_dir(rank)}/layer-{i:03d}.vectors.npy" for i in range(len(layout.ffn_table))]
+    return np.stack([read_array(Path(directory), name, files[name]) for name in names])
+
+
+def read_experts(
+    directory: Path, manifest: Mapping[str, Any], layout: KernelLayout, rank: int, which: int
+) -> np.ndarray:
+    """One core's routed-expert array `which` (pack.expert_arrays order), its MoE kind's
+    layers stacked."""
+    files = manifest["files"]
+    index, j = pack.expert_arrays(layout)[which]
+    names = [f"{core_dir(rank)}/layer-{n:03d}.experts-{j}.npy" for n in layout.ffn[index].layers]
+    return np.stack([read_array(Path(directory), name, files[name]) for name in names])
+
+
+def read_globals(directory: Path, manifest: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """(embedding [vocab, hidden] bf16, final_norm [hidden] f32)."""
+    files = manifest["files"]
+    return (
+        read_array(Path(directory), "embedding.npy", files["embedding.npy"]),
+        read_array(Path(directory), "final_norm.npy", files["final_norm.npy"]),
+    )

@@ -1,0 +1,270 @@
+"""mkgen convert: Hugging Face checkpoints -> per-core containers (mkgen/codegen/convert.py).
+
+Fast tests (no kernel runs): the containers hold exactly what the packer makes from the
+same weights; sharded BF16 checkpoints, resumption after an interruption, and one-line
+errors for a missing shard, a truncated file, a wrong shape or dtype and a layout that
+does not match the build. The runner's generation from converted weights is in
+tests/test_runner.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from mkgen.cli import main
+from mkgen.codegen import convert, pack
+from mkgen.errors import MkgenError
+from mkgen.plan.layout import plan_kernel
+from mkgen.plan.options import BuildOptions
+from mkgen.reference.hf_weights import load_hf_checkpoint
+from mkgen.spec.topology import parse_topology
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+
+
+def write_sharded(source: Path, target: Path, shards: int = 2, bf16: bool = True) -> Path:
+    """A fixture checkpoint re-published as a hub checkpoint: config.json, BF16 tensors in
+    `shards` files model-0000i-of-0000n.safetensors and model.safetensors.index.json."""
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copy(source / "config.json", target / "config.json")
+    tensors = load_file(source / "model.safetensors")
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {}
+        for name in names[i::shards]:
+            value = tensors[name]
+            if bf16:  # the bits of bf16 as the hub stores them (safetensors BF16)
+                value = value.astype(ml_dtypes.bfloat16)
+            part[name] = value
+            weight_map[name] = file
+        _save(part, target / file)
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (target / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    return target
+
+
+def _save(tensors: dict[str, np.ndarray], path: Path) -> None:
+    """safetensors.numpy cannot write ml_dtypes' bfloat16: write BF16 headers by hand."""
+    import struct
+
+    header, blobs, offset = {}, [], 0
+    for name, value in tensors.items():
+        value = np.ascontiguousarray(value)
+        dtype = {"bfloat16": "BF16", "float32": "F32", "int32": "I32"}[value.dtype.name]
+        raw = value.tobytes()
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(value.shape),
+            "data_offsets": [offset, offset + len(raw)],
+        }
+        blobs.append(raw)
+        offset += len(raw)
+    data = json.dumps(header).encode()
+    data += b" " * (-len(data) % 8)
+    path.write_bytes(struct.pack("<Q", len(data)) + data + b"".join(blobs))
+
+
+def _convert(args: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        main(["convert", *args])
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _layout(folder: str = "qwen3_moe", topology: str = "1x1x1", **options):
+    from mkgen.spec.hf_import import import_hf_config
+
+    spec = import_hf_config(FIXTURES / folder / "config.json", folder)
+    opts = BuildOptions.create(context=64, **options)
+    spec = opts.apply(spec)
+    return spec, plan_kernel(spec, parse_topology(topology), opts)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> Path:
+    return write_sharded(FIXTURES / "qwen3_moe", tmp_path_factory.mktemp("ckpt") / "qwen3_moe")
+
+
+def test_containers_hold_what_the_packer_makes(sharded: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "w"
+    code, stdout, err = _convert(
+        ["--checkpoint", str(sharded), "--topology", "1x1x1", "--context", "64", "-o", str(out)],
+        capsys,
+    )
+    assert code == 0, err
+    assert "wrote" in stdout and "convert: 5/5 head" in err  # globals, 3 layers, head
+    spec, layout = _layout()
+    manifest = convert.open_weights(out, spec, layout, "test")
+    _, weights = load_hf_checkpoint(sharded, "qwen3_moe")  # the same BF16 values
+    for rank in range(layout.devices):
+        np.testing.assert_array_equal(
+            convert.read_stream(out, manifest, layout, rank).view(np.uint16),
+            pack.pack_stream(layout, weights, rank).view(np.uint16),
+        )
+        np.testing.assert_array_equal(
+            convert.read_vectors(out, manifest, layout, rank),
+            pack.pack_vectors(layout, weights, rank),
+        )
+        experts = pack.pack_experts(layout, weights, rank)
+        for i, want in enumerate(experts):
+            got = convert.read_experts(out, manifest, layout, rank, i)
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    embedding, final_norm = convert.read_globals(out, manifest)
+    np.testing.assert_array_equal(embedding.astype(np.float32), weights["embedding"])
+    np.testing.assert_array_equal(final_norm, weights["final_norm"])
+    identity = manifest["identity"]
+    assert identity["topology"] == "tpu7x:1x1x1" and identity["spec"] == "qwen3_moe"
+    assert set(identity["checkpoint"]["files"]) == {
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    }  # fmt: skip
+    assert all(len(e["sha256"]) == 64 for e in manifest["files"].values())
+    assert not (out / convert.PROGRESS_FILE).exists()
+    # Same inputs again: verified and left alone.
+    code, stdout, _ = _convert(
+        ["--checkpoint", str(sharded), "--topology", "1x1x1", "--context", "64", "-o", str(out)],
+        capsys,
+    )
+    assert code == 0 and "is up to date" in stdout
+
+
+def test_quantized_formats_go_through_the_packer(sharded: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "w"
+    args = ["--checkpoint", str(sharded), "--topology", "1x1x1", "--context", "64"]
+    code, _, err = _convert([*args, "--quant", "attention=int8", "-o", str(out)], capsys)
+    assert code == 0, err
+    spec, layout = _layout(quant=["attention=int8"])
+    manifest = convert.open_weights(out, spec, layout, "test")
+    assert manifest["identity"]["formats"]["attention"] == "int8"
+    _, weights = load_hf_checkpoint(sharded, "qwen3_moe")
+    stream = convert.read_stream(out, manifest, layout, 1).view(np.uint16)
+    np.testing.assert_array_equal(stream, pack.pack_stream(layout, weights, 1).view(np.uint16))
+    assert any(s.format == "int8" for kind in layout.attention for s in kind.segments)
+    # The bf16 build lays attention out otherwise: a clear refusal.
+    spec_bf16, layout_bf16 = _layout()
+    with pytest.raises(
+        MkgenError, match=r"formats attention=int8, .*lays weights out differently .*formats bf16"
+    ):
+        convert.open_weights(out, spec_bf16, layout_bf16, "qwen3_moe-1x1x1")
+
+
+def _expect_error(capsys, checkpoint: Path, out: Path, pattern: str) -> None:
+    code, _, err = _convert(
+        ["--checkpoint", str(checkpoint), "--topology", "1x1x1", "-o", str(out)], capsys
+    )
+    lines = [line for line in err.splitlines() if not line.startswith("convert: ")]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("mkgen: error: "), err
+    assert re.search(pattern, lines[0]), lines[0]
+    assert not (out / convert.LAYOUT_FILE).exists()  # nothing that looks complete
+
+
+def test_missing_shard(sharded: Path, tmp_path: Path, capsys) -> None:
+    broken = tmp_path / "ckpt"
+    shutil.copytree(sharded, broken)
+    (broken / "model-00002-of-00002.safetensors").unlink()
+    _expect_error(
+        capsys, broken, tmp_path / "w", r"model-00002-of-00002.safetensors: not a readable"
+    )
+
+
+def test_truncated_shard(sharded: Path, tmp_path: Path, capsys) -> None:
+    broken = tmp_path / "ckpt"
+    shutil.copytree(sharded, broken)
+    shard = broken / "model-00001-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    _expect_error(capsys, broken, tmp_path / "w", r"00001-of-00002.safetensors: truncated: ")
+
+
+def test_corrupt_header(sharded: Path, tmp_path: Path, capsys) -> None:
+    broken = tmp_path / "ckpt"
+    shutil.copytree(sharded, broken)
+    shard = broken / "model-00001-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[10:20] = b"\xff" * 10
+    shard.write_bytes(bytes(data))
+    _expect_error(capsys, broken, tmp_path / "w", r"00001-of-00002.safetensors: not a readable")
+
+
+def test_wrong_shape_and_dtype(tmp_path: Path, capsys) -> None:
+    source = FIXTURES / "qwen3"
+    tensors = load_file(source / "model.safetensors")
+    name = "model.layers.1.self_attn.k_proj.weight"
+    for value, pattern in (
+        (tensors[name][:-1], rf"{name}: gives layers.1.attn.wk of shape .* but the spec needs"),
+        (tensors[name].astype(np.int32), rf"{name}: stored as I32: a quantized or non-float"),
+    ):
+        broken = tmp_path / f"ckpt-{value.dtype}"
+        broken.mkdir()
+        shutil.copy(source / "config.json", broken / "config.json")
+        _save({**tensors, name: value}, broken / "model.safetensors")
+        _expect_error(capsys, broken, tmp_path / f"w-{value.dtype}", pattern)
+
+
+def test_an_interrupted_conversion_resumes(sharded: Path, tmp_path: Path, capsys, monkeypatch):
+    args = ["--checkpoint", str(sharded), "--topology", "1x1x1", "--context", "64"]
+    reference = tmp_path / "reference"
+    assert _convert([*args, "-o", str(reference)], capsys)[0] == 0
+    out = tmp_path / "w"
+    real, count = convert._write_array, [0]
+
+    def dies_on_the_seventh_file(path, array):
+        count[0] += 1
+        if count[0] == 7:  # inside layer 1 (globals: 2 files, layer 0: 2 cores x 3)
+            raise KeyboardInterrupt
+        return real(path, array)
+
+    monkeypatch.setattr(convert, "_write_array", dies_on_the_seventh_file)
+    code, _, err = _convert([*args, "-o", str(out)], capsys)  # Ctrl-C: click aborts
+    assert code == 2 and "aborted" in err
+    assert (out / convert.PROGRESS_FILE).exists() and not (out / convert.LAYOUT_FILE).exists()
+    assert not list(out.rglob(".*.tmp"))  # the file being written was removed
+    spec, layout = _layout()
+    with pytest.raises(MkgenError, match=r"no layout.json; an interrupted conversion"):
+        convert.open_weights(out, spec, layout, "test")
+    # A finished unit's file damaged meanwhile: redone, not trusted.
+    damaged = out / "core-001" / "layer-000.stream.npy"
+    damaged.write_bytes(damaged.read_bytes()[:-4] + b"\0\0\0\1")
+    monkeypatch.setattr(convert, "_write_array", real)
+    code, stdout, err = _convert([*args, "-o", str(out)], capsys)
+    assert code == 0, err
+    assert "resumed: 1 unit(s) verified and kept" in stdout  # globals; layer 0 redone
+    ours = json.loads((out / convert.LAYOUT_FILE).read_text())["files"]
+    theirs = json.loads((reference / convert.LAYOUT_FILE).read_text())["files"]
+    assert ours == theirs  # byte-identical files to an uninterrupted conversion
+
+
+def test_other_inputs_are_not_overwritten(sharded: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "w"
+    args = ["--checkpoint", str(sharded), "--topology", "1x1x1", "-o", str(out)]
+    assert _convert([*args, "--context", "64"], capsys)[0] == 0
+    code, _, err = _convert([*args, "--quant", "attention=int8"], capsys)
+    assert code == 2 and "holds another conversion" in err and "--force" in err
+    assert _convert([*args, "--quant", "attention=int8", "--force"], capsys)[0] == 0
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "thesis.tex").write_text("years")
+    code, _, err = _convert([*args[:-1], str(tmp_path / "other")], capsys)
+    assert code == 2 and "is not a mkgen weights directory" in err
+
+
+def test_the_digest_ignores_batch_rows_and_context() -> None:
+    spec, a = _layout()
+    _, b = _layout(batch=2, rows=3)
+    assert convert.weights_digest(spec, a) == convert.weights_digest(spec, b)
+    _, c = _layout(quant=["attention=int8"])
+    assert convert.weights_digest(spec, a) != convert.weights_digest(
+        _layout(quant=["attention=int8"])[0], c
+    )

@@ -1,0 +1,221 @@
+"""The generated runner on converted checkpoints, in TPU interpret mode on virtual CPU devices.
+
+Tiny transformers checkpoints (tests/fixtures/hf) are built for tpu7x:1x1x1 (2 cores),
+converted with `mkgen convert --build`, and generated from with the build's runner.py:
+greedy tokens equal transformers' recorded greedy output, or the reference model's on a
+sharded BF16 re-publication of a fixture; speculative decoding with the prompt-lookup
+drafter returns exactly the plain greedy tokens and reports its acceptance length;
+weights converted for another layout are refused. The sampling rules are checked on the
+runner's own functions without a kernel.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_convert import FIXTURES, write_sharded
+
+from mkgen.cli import main
+from mkgen.codegen.package import make_build, render_build
+from mkgen.plan.options import BuildOptions
+from mkgen.spec.loader import load_spec
+from mkgen.spec.topology import parse_topology
+
+PROMPT = [3, 17, 42, 99, 5, 64, 127, 23, 88, 11, 70, 36]  # the fixtures' prompt
+TOPOLOGY = "1x1x1"  # the fixtures' 4 heads split over 2 cores, not 8
+
+
+def _build(tmp: Path, folder: str, **options) -> Path:
+    directory = tmp / f"{folder}-build"
+    spec = load_spec(FIXTURES / folder / "config.json")
+    opts = BuildOptions.create(context=64, **options)
+    make_build(spec, parse_topology(TOPOLOGY), opts, output=directory)
+    return directory
+
+
+def _convert(checkpoint: Path, build: Path, out: Path, *extra: str) -> Path:
+    args = ["convert", "--checkpoint", str(checkpoint), "-o", str(out), *extra]
+    if not extra:
+        args += ["--build", str(build)]
+    main(args)
+    return out
+
+
+def _run(build: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(build / "runner.py"), "--interpret", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=build,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )  # fmt: skip
+
+
+def _tokens(result: subprocess.CompletedProcess) -> dict:
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _ids(prompt: list[int]) -> list[str]:
+    return ["--prompt-ids", ",".join(map(str, prompt))]
+
+
+# Fixtures whose kernel tokens equal transformers' (GQA, MoE, MLA, Gated DeltaNet). mixtral
+# matches too (it is the sharded test's model). kimi_linear does not: bf16 weights alone
+# change its greedy path (the reference on the bf16-rounded checkpoint gives the kernel's
+# tokens, 88 61 61 89 104 19 75 61); deepseek_v3_noqlora flips at step 2, where
+# transformers' top-2 logits are 0.039 apart; gpt_oss's expert biases are not generated.
+@pytest.mark.slow
+@pytest.mark.parametrize("folder", ["qwen3", "qwen3_moe", "deepseek_v3", "qwen3_next"])
+def test_converted_fixture_generates_transformers_greedy_tokens(tmp_path: Path, folder: str):
+    build = _build(tmp_path, folder)
+    weights = _convert(FIXTURES / folder, build, tmp_path / "w")
+    expected = np.load(FIXTURES / folder / "expected.npz")["greedy_ids"].tolist()
+    out = _tokens(_run(build, "--weights", str(weights), *_ids(PROMPT), "--steps", "8", "--json"))
+    assert out["tokens"] == [expected]
+    assert "acceptance_length" not in out
+
+
+@pytest.mark.slow
+def test_sharded_bf16_checkpoint_matches_the_reference(tmp_path: Path) -> None:
+    """A hub-style checkpoint (BF16, two shards and an index) for a batch of two prompts of
+    different lengths: the runner's greedy tokens are the reference model's."""
+    from mkgen.reference import model as reference
+    from mkgen.reference.hf_weights import load_hf_checkpoint
+
+    checkpoint = write_sharded(FIXTURES / "mixtral", tmp_path / "ckpt")
+    build = _build(tmp_path, "mixtral", batch=2)
+    weights = _convert(checkpoint, build, tmp_path / "w")
+    prompts, steps = [PROMPT, [9, 8, 7, 9, 8]], 6
+    spec, inventory = load_hf_checkpoint(checkpoint)
+    expected = [
+        reference.generate(spec, inventory, np.array([p]), steps)[0].tolist() for p in prompts
+    ]
+    args = ["--weights", str(weights), "--steps", str(steps), "--json"]
+    out = _tokens(_run(build, *args, *_ids(prompts[0]), *_ids(prompts[1])))
+    assert out["tokens"] == expected
+
+
+@pytest.mark.slow
+def test_speculation_returns_the_plain_greedy_tokens(tmp_path: Path) -> None:
+    """Rows of 3 (the last token and two prompt-lookup drafts): the tokens are exactly the
+    greedy ones, and the repeating continuation (97 127 97 127 ...) is drafted and
+    accepted. Sampling with top-k 1 through the rejection rule gives the same tokens; a
+    stop id ends the sequence; --bench reports its medians."""
+    build = _build(tmp_path, "qwen3", rows=3)
+    weights = _convert(FIXTURES / "qwen3", build, tmp_path / "w")
+    expected = np.load(FIXTURES / "qwen3" / "expected.npz")["greedy_ids"].tolist()
+    base = ["--weights", str(weights), *_ids(PROMPT), "--json"]
+    out = _tokens(_run(build, *base, "--steps", "8"))
+    assert out["tokens"] == [expected]
+    assert out["acceptance_length"] > 1.2  # measured 1.33: 8 tokens in 6 generating calls
+    sampled = _tokens(
+        _run(build, *base, "--steps", "8", "--temperature", "1.0", "--top-k", "1", "--seed", "3",
+             "--stop-ids", "127", "--bench", "--warmup", "1")
+    )  # fmt: skip
+    assert sampled["tokens"] == [expected[: expected.index(127) + 1]]
+    bench = sampled["bench"]
+    assert bench["ms_per_step"] > 0 and bench["tokens_per_s"] == bench["tokens_per_s_per_user"]
+
+
+@pytest.mark.slow
+def test_weights_for_another_layout_are_refused(tmp_path: Path) -> None:
+    build = _build(tmp_path, "qwen3")
+    other = _convert(
+        FIXTURES / "qwen3", build, tmp_path / "w", "--topology", TOPOLOGY, "--quant",
+        "attention=int8",
+    )  # fmt: skip
+    result = _run(build, "--weights", str(other), "--steps", "1", timeout=300)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "lays weights out differently" in lines[0], result.stderr
+    assert "attention=int8" in lines[0] and "mkgen convert --build" in lines[0]
+    missing = _run(build, "--weights", str(tmp_path / "nothing"), "--steps", "1", timeout=300)
+    assert missing.returncode == 2 and "no layout.json" in missing.stderr
+
+
+# ---------------------------------------------------------------- sampling, no kernel
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    """The rendered runner.py of a rows-4 build, imported as a module."""
+    spec = load_spec(FIXTURES / "qwen3" / "config.json")
+    options = BuildOptions.create(context=64, rows=4)
+    files = render_build(spec, parse_topology(TOPOLOGY), options, with_mini=False).files
+    path = tmp_path_factory.mktemp("runner") / "runner.py"
+    path.write_text(files["runner.py"])
+    module_spec = importlib.util.spec_from_file_location("runner_under_test", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def test_prompt_lookup_matches_the_longest_suffix(runner) -> None:
+    assert runner.drafts([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], 2) == [9, 2]  # "1 2 3" -> 9, 2
+    assert runner.drafts([5, 6, 5], 3) == [6, 5, 5]  # padded with the last token
+    assert runner.drafts([4], 2) == [4, 4]
+    assert runner.drafts([1, 2], 0) == []
+
+
+def test_sampling_filters(runner) -> None:
+    logits = np.log(np.array([0.1, 0.4, 0.2, 0.3] + [1e-30] * (runner.VOCAB_USED - 4)))
+    p = runner.distribution(logits, 1.0, 0, 1.0)
+    np.testing.assert_allclose(p[:4], [0.1, 0.4, 0.2, 0.3], rtol=1e-6)
+    np.testing.assert_allclose(runner.distribution(logits, 1.0, 2, 1.0)[:4], [0, 4 / 7, 0, 3 / 7])
+    np.testing.assert_allclose(runner.distribution(logits, 1.0, 0, 0.6)[:4], [0, 4 / 7, 0, 3 / 7])
+    assert runner.distribution(logits, 1e-3, 0, 1.0)[1] == pytest.approx(1.0)
+
+
+def test_rejection_sampling_keeps_the_target_distribution(runner) -> None:
+    """Drafts from a point-mass drafter (always token 1, then 2) and from a drafter that
+    samples its drafts from its own distribution q: either way the first two generated
+    tokens are distributed as sampling without drafts gives them (p1 for the first token,
+    p2 for the second after a first token 1)."""
+    vocab = runner.VOCAB_USED
+    p1, p2, q = np.zeros(vocab), np.zeros(vocab), np.zeros(vocab)
+    p1[:3], p2[:3], q[:3] = [0.5, 0.3, 0.2], [0.1, 0.1, 0.8], [0.2, 0.6, 0.2]
+    logits = np.full((runner.ROWS, vocab), -1e9)
+    logits[0, :3], logits[1, :3] = np.log(p1[:3]), np.log(p2[:3])
+    logits[2, :3] = logits[3, :3] = 0.0  # later rows: uniform over 0..2
+    draws = 40_000
+    rng = np.random.default_rng(0)
+
+    def sampler(row):
+        return runner.distribution(row, 1.0, 0, 1.0)
+
+    for drafter_q in (None, q):
+        first, second = np.zeros(3), np.zeros(3)
+        for _ in range(draws):
+            if drafter_q is None:
+                ids, proposal = [1, 2, 0], [1, 2, 0]
+            else:
+                ids = rng.choice(3, size=3, p=q[:3]).tolist()
+                proposal = (ids, [q, q, q])
+            rows = np.array([7, *ids])  # one known token, then the drafts
+            new, valid = runner.accept(rows, None, logits, 1, proposal, sampler, rng)
+            first[new[0]] += 1
+            if new[0] == 1:
+                second[new[1]] += 1
+        np.testing.assert_allclose(first / draws, p1[:3], atol=0.01)
+        np.testing.assert_allclose(second / second.sum(), p2[:3], atol=0.015)
+    rows = np.array([7, 1, 2, 0])
+    tokens = np.array([1, 2, 5, 6])  # greedy: the kernel's tokens after each row
+    assert runner.accept(rows, tokens, None, 1, [1, 2, 0], None, rng) == ([1, 2, 5], 3)
+
+
+def test_mkgen_run_passes_arguments_to_the_runner(tmp_path: Path, capfd) -> None:
+    build = _build(tmp_path, "qwen3")
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", str(build), "--help"])
+    assert exit_.value.code == 0
+    assert "--weights DIR" in capfd.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", str(build), "--weights", str(tmp_path / "none"), "--random-weights", "0"])
+    assert exit_.value.code == 2  # argparse: the two weight sources exclude each other
+    assert "not allowed with argument" in capfd.readouterr().err
