@@ -712,9 +712,11 @@ def convert_command(
     def progress(line: str) -> None:
         click.echo(line, err=True)
 
+    tokenizer = Path(checkpoint) / convert.TOKENIZER_FILE if checkpoint is not None else None
     result = convert.convert(
-        spec, layout, source, output, identity=identity, force=force, progress=progress
-    )
+        spec, layout, source, output, identity=identity, force=force, progress=progress,
+        tokenizer=tokenizer if tokenizer is not None and tokenizer.is_file() else None,
+    )  # fmt: skip
     if result.skipped == ["all"]:
         click.echo(f"{_shown(output)}/ is up to date ({result.files} files verified)")
         return

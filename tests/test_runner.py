@@ -219,3 +219,31 @@ def test_mkgen_run_passes_arguments_to_the_runner(tmp_path: Path, capfd) -> None
         main(["run", str(build), "--weights", str(tmp_path / "none"), "--random-weights", "0"])
     assert exit_.value.code == 2  # argparse: the two weight sources exclude each other
     assert "not allowed with argument" in capfd.readouterr().err
+
+
+@pytest.mark.slow
+def test_text_prompts_use_the_checkpoints_tokenizer(tmp_path: Path) -> None:
+    """A checkpoint with a tokenizer.json (a word-level one, token tN = id N): convert
+    copies it beside the weights, --prompt TEXT is tokenized with it, the greedy tokens are
+    transformers' and the generated text is their decoding."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "qwen3", checkpoint)
+    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(checkpoint / "tokenizer.json"))
+    build = _build(tmp_path, "qwen3")
+    weights = _convert(checkpoint, build, tmp_path / "w")
+    assert (weights / "tokenizer.json").read_bytes() == (checkpoint / "tokenizer.json").read_bytes()
+    assert "tokenizer.json" in json.loads((weights / "layout.json").read_text())["files"]
+    expected = np.load(FIXTURES / "qwen3" / "expected.npz")["greedy_ids"].tolist()
+    text = " ".join(f"t{i}" for i in PROMPT)
+    out = _tokens(
+        _run(build, "--weights", str(weights), "--prompt", text, "--steps", "8", "--json")
+    )
+    assert out["tokens"] == [expected]
+    assert out["text"] == [" ".join(f"t{i}" for i in expected)]

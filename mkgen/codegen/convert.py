@@ -13,6 +13,7 @@ formats), and writes::
       core-000/layer-000.vectors.npy         its vector slab row block (f32)
       core-000/layer-000.experts-0.npy ...   its routed experts of layer 0 (MoE layers)
       core-000/head.stream.npy               its lm_head banks
+      tokenizer.json                         the checkpoint's tokenizer, when it has one
       ...
 
 A core's stream is its layers' banks then the head's, in that order
@@ -61,6 +62,7 @@ from mkgen.spec.weights import model_weights
 
 CONTAINER_FORMAT = 1
 LAYOUT_FILE = "layout.json"
+TOKENIZER_FILE = "tokenizer.json"  # Hugging Face `tokenizers` format
 PROGRESS_FILE = "progress.json"
 # How an array is stored in a .npy file: numpy has no bf16 / fp8 descriptors, so those are
 # kept as their bits and viewed back on load (the dtype is recorded in layout.json).
@@ -194,6 +196,19 @@ def _write_json(path: Path, data: Any) -> None:
         raise
 
 
+def _copy_file(source: Path, path: Path) -> dict[str, Any]:
+    """Copy a checkpoint file (the tokenizer) under a temporary name, then rename; its
+    entry for layout.json."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_bytes(source.read_bytes())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
 def _write_array(path: Path, array: np.ndarray) -> dict[str, Any]:
     """Write `array` as .npy through a memory-mapped temp file, then rename; its entry
     for layout.json (dtype, shape, bytes, sha256)."""
@@ -303,8 +318,10 @@ def convert(
     identity: Mapping[str, Any],
     force: bool = False,
     progress: Callable[[str], None] | None = None,
+    tokenizer: Path | None = None,
 ) -> ConvertResult:
-    """Pack `source` (HFMapping or InventorySource) for `layout` into `output`.
+    """Pack `source` (HFMapping or InventorySource) for `layout` into `output`, with a
+    copy of the checkpoint's `tokenizer` (tokenizer.json) when there is one.
 
     `identity` describes the inputs (build and checkpoint); a progress.json with the same
     identity resumes, a complete conversion with the same identity is left as it is, and
@@ -382,6 +399,8 @@ def convert(
                 f"in {elapsed:.1f} s"
             )
     source.check_complete()
+    if tokenizer is not None:
+        files[TOKENIZER_FILE] = _copy_file(tokenizer, output / TOKENIZER_FILE)
     total = sum(e["bytes"] for e in files.values())
     manifest = {
         "identity": identity,
