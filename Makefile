@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml
 build: $(STAMP)
 	$(VENV)/bin/mkgen build kimi-k3 --topology 2x2x4 --rows 8
 
+# Two workers: the interpret-mode kernels run one core each, and the machines have two.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mkgen tests scripts
