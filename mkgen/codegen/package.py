@@ -124,6 +124,15 @@ def cli_flags(topology: Topology, options: BuildOptions) -> list[str]:
     return flags
 
 
+def _verify_flags(topology: Topology, options: BuildOptions) -> list[str]:
+    """`mkgen verify` flags of a build: its flags without context and acceptance."""
+    flags, out = cli_flags(topology, options), []
+    for name, value in zip(flags[::2], flags[1::2], strict=True):
+        if name not in ("--context", "--acceptance"):
+            out += [name, value]
+    return out
+
+
 def rebuild_command(spec_name: str, topology: Topology, options: BuildOptions) -> str:
     return shlex.join(["mkgen", "build", spec_name, *cli_flags(topology, options), "--force"])
 
@@ -487,6 +496,14 @@ def report_context(
         "topology_text": topology.describe().splitlines()[0],
         "options": options.describe(),
         "rebuild": rebuild,
+        # The commands that record measurements for this build (its options included;
+        # verify runs the twin, so it takes no context or acceptance).
+        "compile_command": shlex.join(
+            ["mkgen", "compile", spec.name, *cli_flags(topology, options), "--update-report"]
+        ),
+        "verify_command": shlex.join(
+            ["mkgen", "verify", spec.name, *_verify_flags(topology, options), "--update-report"]
+        ),
         "digest": digest,
         "version": __version__,
         "params_total": f"{params_total(spec) / 1e9:,.2f} B",
