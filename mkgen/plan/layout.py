@@ -396,7 +396,8 @@ def _rope_layout(rope: object, rotary_dim: int) -> Rope:
     )
 
 
-def _gqa_layout(name, index, layers, kind, shard, segments, devices, context, batch) -> GQALayout:
+def _gqa_layout(name, index, layers, kind, shard, segments, devices, options, dims) -> GQALayout:
+    context, batch = options.context, options.batch
     parts = {t.name: part_of(t, devices) for t in shard.tensors}
     heads, kv_heads = shard.heads_per_rank, shard.kv_heads_per_rank
     d = kind.head_dim
@@ -459,10 +460,10 @@ def _segment_columns(segments: list[Segment], name: str, prefix: str) -> dict[st
     return columns
 
 
-def _mla_layout(
-    name, index, layers, kind, shard, segments, devices, context, batch, norm_eps
-) -> MLALayout:
+def _mla_layout(name, index, layers, kind, shard, segments, devices, options, dims) -> MLALayout:
     from mkgen.spec.rope import mla_softmax_scale
+
+    context, batch = options.context, options.batch
 
     if shard.latent == "split":
         _unsupported(f"attention_kinds.{name}: MLA latent projections split over cores")
@@ -487,7 +488,7 @@ def _mla_layout(
         head_dim=width,
         value_dim=kind.kv_lora_rank,
         gate=kind.output_gate == "sigmoid",
-        latent_eps=kind.latent_norm_eps if kind.latent_norm_eps is not None else norm_eps,
+        latent_eps=kind.latent_norm_eps if kind.latent_norm_eps is not None else dims.norm_eps,
         softmax_scale=mla_softmax_scale(kind),
         rope=_rope_layout(kind.rope, kind.qk_rope_head_dim).model_copy(
             update={"interleaved": False}  # the views store rotary pairs as halves
@@ -507,8 +508,9 @@ def _mla_layout(
 
 
 def _recurrent_layout(
-    name, index, layers, kind, shard, segments, devices, batch
+    name, index, layers, kind, shard, segments, devices, options, dims
 ) -> RecurrentLayout:
+    batch = options.batch
     if shard.latent == "split":
         _unsupported(f"attention_kinds.{name}: low-rank gate projections split over cores")
     parts = {t.name: part_of(t, devices) for t in shard.tensors}
@@ -730,55 +732,31 @@ def build_layout(
     def members(table: list[int], index: int) -> list[int]:
         return [i for i, k in enumerate(table) if k == index]
 
+    builders = {
+        GQAAttention: _gqa_layout,
+        MLAAttention: _mla_layout,
+        GatedDeltaNetAttention: _recurrent_layout,
+        KDAAttention: _recurrent_layout,
+    }
     attention = []
     for i, name in enumerate(attention_names):
         kind = spec.attention_kinds[name]
-        layers = members(attn_table, i)
-        segments = stream.attention[name].segments
-        if isinstance(kind, GQAAttention):
-            attention.append(
-                _gqa_layout(
-                    name,
-                    i,
-                    layers,
-                    kind,
-                    sharding.attention[name],
-                    segments,
-                    devices,
-                    options.context,
-                    options.batch,
-                )  # fmt: skip
-            )
-        elif isinstance(kind, MLAAttention):
-            attention.append(
-                _mla_layout(
-                    name,
-                    i,
-                    layers,
-                    kind,
-                    sharding.attention[name],
-                    segments,
-                    devices,
-                    options.context,
-                    options.batch,
-                    spec.dims.norm_eps,
-                )  # fmt: skip
-            )
-        elif isinstance(kind, GatedDeltaNetAttention | KDAAttention):
-            attention.append(
-                _recurrent_layout(
-                    name,
-                    i,
-                    layers,
-                    kind,
-                    sharding.attention[name],
-                    segments,
-                    devices,
-                    options.batch,
-                )
-            )
-        else:
+        builder = builders.get(type(kind))
+        if builder is None:
             _unsupported(f"attention_kinds.{name} ({kind.type})")
+        attention.append(
+            builder(
+                name,
+                i,
+                members(attn_table, i),
+                kind,
+                sharding.attention[name],
+                stream.attention[name].segments,
+                devices,
+                options,
+                spec.dims,
+            )
+        )
     ffn: list[DenseLayout | MoELayout] = []
     first_ffn_row = 2 + max(sum(v.rows for v in a.vectors) for a in attention)
     for i, name in enumerate(ffn_names):
