@@ -170,6 +170,9 @@ def _expect_error(capsys, checkpoint: Path, out: Path, pattern: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("mkgen: error: "), err
     assert re.search(pattern, lines[0]), lines[0]
     assert not (out / convert.LAYOUT_FILE).exists()  # nothing that looks complete
+    # A failure before any unit is finished leaves no directory; after one, the progress
+    # file that a resumed run starts from.
+    assert not out.exists() or (out / convert.PROGRESS_FILE).exists()
 
 
 def test_missing_shard(sharded: Path, tmp_path: Path, capsys) -> None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -345,74 +346,82 @@ def convert(
         layout_path.unlink()  # from here on nothing there looks complete
     elif output.exists() and any(output.iterdir()) and not progress_path.exists():
         raise MkgenError(f"{output} exists and is not a mkgen weights directory; choose another")
+    created = not output.exists()
     output.mkdir(parents=True, exist_ok=True)
-    done: dict[str, dict[str, Any]] = {}
-    if progress_path.exists():
-        state = json.loads(progress_path.read_text())
-        if state.get("identity") == identity:
-            done = state.get("units", {})
-    skipped: list[str] = []
-    files: dict[str, dict[str, Any]] = {}
-    work = units(layout)
-    written = 0
-    for number, unit in enumerate(work, 1):
-        recorded = done.get(unit.name)
-        if recorded is not None and _verified(output, recorded):
-            files.update(recorded)
-            skipped.append(unit.name)
+    try:
+        done: dict[str, dict[str, Any]] = {}
+        if progress_path.exists():
+            state = json.loads(progress_path.read_text())
+            if state.get("identity") == identity:
+                done = state.get("units", {})
+        skipped: list[str] = []
+        files: dict[str, dict[str, Any]] = {}
+        work = units(layout)
+        written = 0
+        for number, unit in enumerate(work, 1):
+            recorded = done.get(unit.name)
+            if recorded is not None and _verified(output, recorded):
+                files.update(recorded)
+                skipped.append(unit.name)
+                if unit.layer is None or unit.layer < 0:
+                    source.skip_globals()
+                else:
+                    source.skip_layer(unit.layer)
+                continue
+            done.pop(unit.name, None)
+            unit_files: dict[str, dict[str, Any]] = {}
             if unit.layer is None or unit.layer < 0:
-                source.skip_globals()
+                tensors = source.globals()
             else:
-                source.skip_layer(unit.layer)
-            continue
-        done.pop(unit.name, None)
-        unit_files: dict[str, dict[str, Any]] = {}
-        if unit.layer is None or unit.layer < 0:
-            tensors = source.globals()
-        else:
-            tensors = source.layer(unit.layer)
-            if layout.attention_residual:  # the blocks' logits ride with the layers
-                tensors = {**tensors, "attn_res_logits": source.globals()["attn_res_logits"]}
-        arrays: Iterator[tuple[str, np.ndarray]]
-        if unit.layer is None:
-            arrays = _global_arrays(tensors)
-        else:
-            arrays = (
-                item
-                for rank in range(layout.devices)
-                for item in _unit_arrays(layout, unit, tensors, rank)
-            )
-        try:
-            for name, array in arrays:
-                unit_files[name] = _write_array(output / name, array)
-                written += unit_files[name]["bytes"]
-        except ValueError as error:  # a packing shape check: the checkpoint and spec disagree
-            raise MkgenError(f"{unit.name}: {error}") from None
-        del tensors
-        files.update(unit_files)
-        done[unit.name] = unit_files
-        _write_json(progress_path, {"identity": identity, "units": done})
-        if progress:
-            elapsed = time.perf_counter() - start
-            progress(
-                f"convert: {number}/{len(work)} {unit.name}, {written / 2**20:,.1f} MiB written "
-                f"in {elapsed:.1f} s"
-            )
-    source.check_complete()
-    if tokenizer is not None:
-        files[TOKENIZER_FILE] = _copy_file(tokenizer, output / TOKENIZER_FILE)
-    total = sum(e["bytes"] for e in files.values())
-    manifest = {
-        "identity": identity,
-        "mkgen_version": __version__,
-        "cores": layout.devices,
-        "units": [u.name for u in work],
-        "expert_arrays": [list(x) for x in pack.expert_arrays(layout)],
-        "files": files,
-    }
-    _write_json(layout_path, manifest)
-    progress_path.unlink(missing_ok=True)
-    return ConvertResult(output, len(files), total, skipped, time.perf_counter() - start)
+                tensors = source.layer(unit.layer)
+                if layout.attention_residual:  # the blocks' logits ride with the layers
+                    tensors = {**tensors, "attn_res_logits": source.globals()["attn_res_logits"]}
+            arrays: Iterator[tuple[str, np.ndarray]]
+            if unit.layer is None:
+                arrays = _global_arrays(tensors)
+            else:
+                arrays = (
+                    item
+                    for rank in range(layout.devices)
+                    for item in _unit_arrays(layout, unit, tensors, rank)
+                )
+            try:
+                for name, array in arrays:
+                    unit_files[name] = _write_array(output / name, array)
+                    written += unit_files[name]["bytes"]
+            except ValueError as error:  # a packing shape check: the checkpoint and spec disagree
+                raise MkgenError(f"{unit.name}: {error}") from None
+            del tensors
+            files.update(unit_files)
+            done[unit.name] = unit_files
+            _write_json(progress_path, {"identity": identity, "units": done})
+            if progress:
+                elapsed = time.perf_counter() - start
+                progress(
+                    f"convert: {number}/{len(work)} {unit.name}, {written / 2**20:,.1f} MiB written "
+                    f"in {elapsed:.1f} s"
+                )
+        source.check_complete()
+        if tokenizer is not None:
+            files[TOKENIZER_FILE] = _copy_file(tokenizer, output / TOKENIZER_FILE)
+        total = sum(e["bytes"] for e in files.values())
+        manifest = {
+            "identity": identity,
+            "mkgen_version": __version__,
+            "cores": layout.devices,
+            "units": [u.name for u in work],
+            "expert_arrays": [list(x) for x in pack.expert_arrays(layout)],
+            "files": files,
+        }
+        _write_json(layout_path, manifest)
+        progress_path.unlink(missing_ok=True)
+        return ConvertResult(output, len(files), total, skipped, time.perf_counter() - start)
+    except BaseException:
+        # A conversion that fails before finishing any unit leaves nothing behind (with
+        # finished units, progress.json keeps them for a resumed run).
+        if created and not (output / PROGRESS_FILE).exists():
+            shutil.rmtree(output, ignore_errors=True)
+        raise
 
 
 def build_identity(
