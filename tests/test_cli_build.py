@@ -96,10 +96,10 @@ def test_unsupported_features_fail_in_one_line_and_write_nothing(tmp_path: Path)
     assert_user_error(mkgen("build", str(path), "--topology", "2x2x1"), "not supported by the")
     assert not (REPO / "generated" / "qwen3-32b-tied-2x2x1").exists()
     assert_user_error(mkgen("verify", str(path), "--topology", "2x2x1"), "not supported by the")
-    # Block formats whose blocks a split would cut: the error names a block that fits.
-    assert_user_error(
-        mkgen("build", "kimi-k2", "--topology", "2x2x4", "-o", str(target)), "(e.g. fp8:64)"
-    )
+    # int4 groups a split would cut (they are not re-grouped): the error names one that fits.
+    quant = ["--quant", "mlp=int4:128"]
+    result = mkgen("build", "kimi-k2", "--topology", "2x2x4", *quant, "-o", str(target))
+    assert_user_error(result, "576 per device", "(e.g. int4:64)")
     assert not target.exists()
 
 

@@ -34,10 +34,6 @@ def test_rendering_is_deterministic() -> None:
 
 
 SPECS = Path(__file__).parent / "specs"
-K2_BLOCKS = (
-    "mlp=fp8:64",
-    "shared_experts=fp8:64",
-)  # fp8:128 re-blocked (lossless) to split 32 ways
 
 # (spec, topology, options): every model and layer kind the generator renders, at full size.
 FULL_SIZE = [
@@ -58,7 +54,7 @@ FULL_SIZE = [
     # Kimi K3 as the hand-written kernel runs it: KDA + MLA, latent MoE of mxfp4 experts
     # combined by reduce-scatter, the attention residual, 32 cores on 4 hosts.
     ("kimi-k3", "2x2x4", {"rows": 8}),
-    ("kimi-k2", "2x2x4", {"quant": K2_BLOCKS}),  # MLA with YaRN, fp8 everywhere
+    ("kimi-k2", "2x2x4", {}),  # MLA with YaRN, fp8 everywhere (MLP re-blocked to fp8:64)
 ]
 
 

@@ -392,7 +392,7 @@ RENDERED = [
     ("muse-spark-1.2", "2x2x1", {}),
     ("mixtral-8x7b", "2x2x1", {}),
     ("kimi-k3", "2x2x4", {"rows": 8}),
-    ("kimi-k2", "2x2x4", {"quant": ("mlp=fp8:64", "shared_experts=fp8:64")}),
+    ("kimi-k2", "2x2x4", {}),
     ("tests/specs/kda-hybrid.yaml", "2x2x1", {}),
     ("tests/specs/mla-hybrid.yaml", "1x1x1", {"batch": 2, "rows": 3}),
     ("tests/specs/latent-moe-shared.yaml", "2x2x2", {}),

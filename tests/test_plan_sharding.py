@@ -62,6 +62,17 @@ def test_kimi_k3_mla_latent_projections_replicated_not_cut_into_partial_tiles():
     assert mla.cache.copies == 32
 
 
+def test_fp8_blocks_a_split_would_cut_are_reblocked_losslessly():
+    # Kimi K2's fp8:128 MLP split 32 ways is 576 columns per core (4.5 blocks): each core
+    # stores fp8:64 blocks, every one inside a 128-block whose scale it keeps.
+    _, plan = _plan("kimi-k2", "2x2x4")
+    t = _rel(plan, "dense", "ffn")
+    assert t["w_gate"].rank_shape == (7168, 576) and t["w_gate"].format == "fp8:64"
+    assert "fp8:128 re-blocked to fp8:64" in t["w_gate"].why
+    assert _rel(plan, "moe", "ffn")["shared_gate"].format == "fp8:64"  # 64 columns per core
+    assert _rel(plan, "mla")["wq_b"].format == "fp8:128"  # 2 heads x 192: whole blocks
+
+
 def test_kimi_k3_experts_split_and_candidates_recorded():
     _, plan = _plan("kimi-k3", "2x2x4", rows=8)
     moe = plan.ffn["moe"]

@@ -364,6 +364,19 @@ def _padded(shape: tuple[int, ...], bits: int) -> tuple[tuple[int, ...], str]:
     return (*lead, *kn), "kn"
 
 
+MIN_FP8_BLOCK = 16  # the smallest block re-blocking goes down to
+
+
+def _fp8_reblock(kind: str, block: int, extent: int) -> int:
+    """The largest fp8 block below `block` that a core's `extent` holds whole (0: none)."""
+    if kind != "fp8":
+        return 0
+    b = block // 2
+    while b >= MIN_FP8_BLOCK and extent % b:
+        b //= 2
+    return b if b >= MIN_FP8_BLOCK else 0
+
+
 def make_shard(
     name: str,
     shape: tuple[int, ...],
@@ -410,7 +423,14 @@ def make_shard(
         is_fan_in = len(shape) >= 2 and axis == len(shape) - 2 and family != "embedding"
         is_fan_out = len(shape) >= 2 and axis == len(shape) - 1
         breaks = block and family != VECTORS and (is_fan_in or (fmt.kind == "fp8" and is_fan_out))
-        if breaks and rank[axis] % block:
+        reblock = _fp8_reblock(fmt.kind, block, rank[axis]) if breaks and rank[axis] % block else 0
+        if reblock:
+            # Each sub-block keeps its block's scale: a smaller fp8 block stores the same
+            # values exactly (only more scales).
+            why = f"{why}; {fmt} re-blocked to fp8:{reblock} so each core holds whole blocks"
+            fmt_text = f"fp8:{reblock}"
+            fmt = parse_format(fmt_text)
+        elif breaks and rank[axis] % block:
             divisors = [g for g in (128, 64, 32, 16) if rank[axis] % g == 0]
             hint = (
                 f"a group dividing {rank[axis]} (e.g. {fmt.kind}:{divisors[0]})"
