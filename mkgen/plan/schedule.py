@@ -495,14 +495,11 @@ class _Builder:
         if g + self.depth < self.total:
             self.start(self.banks[g + self.depth])
 
-    def segment(
-        self, layer: int, label: str, seg: Segment, first: int, x: int
-    ) -> tuple[int, list[int]]:
-        """x @ a stream segment, bank by bank; returns (last op, the segment's banks)."""
+    def segment(self, layer: int, label: str, seg: Segment, first: int, x: int) -> int:
+        """x @ a stream segment, bank by bank; returns its last op."""
         per_bank = seg.chunks_per_bank  # more chunks a bank in 8-bit formats
         chunks = seg.k_chunks * seg.col_blocks
         prev = x
-        banks = []
         for j in range(seg.banks):
             g = first + seg.bank_offset + j
             used = min(per_bank, chunks - j * per_bank)
@@ -512,9 +509,8 @@ class _Builder:
                 2 * self.t * used * CHUNK * LANES,
                 ((self.banks[g], "ring", g % self.depth), (prev, None, 0)),
             )  # fmt: skip
-            banks.append(g)
             self.release(g)
-        return prev, banks
+        return prev
 
     # --- collectives ---
     def collective(self, layer: int, c: Collective | None, src: int) -> int:
@@ -601,7 +597,7 @@ class _Builder:
         x = self.vec(layers, "final norm", self.res, 5 * self.t * h,
                      ((INIT, "final_norm_vmem", 0),))  # fmt: skip
         for seg in self.stream.tail:
-            x, _ = self.segment(layers, "", seg, self.stream.lm_head_bank, x)
+            x = self.segment(layers, "", seg, self.stream.lm_head_bank, x)
         vpc = self.dims.vocab_per_core
         g = self.run("vector", "soft-cap, argmax of the shard -> greedy", layers, 4 * self.t * vpc,
                      ((x, None, 0),), writes=("greedy", 0))  # fmt: skip
@@ -629,7 +625,7 @@ class _Builder:
         x = self.vec(layer, f"{name}: attn_norm", self.res, 5 * self.t * h, ((v, None, 0),))
         lbl = name
         if isinstance(kind, GQAAttention):
-            y, _ = self.segment(layer, lbl, segs["qkv"], first, x)
+            y = self.segment(layer, lbl, segs["qkv"], first, x)
             y = self.vec(layer, f"{name}: q/k norm, rope, new rows", y, 8 * self.t * h,
                          ((v, None, 0),))  # fmt: skip
             wrote = self._gqa_cache(layer, name, kind, a, y)
@@ -637,33 +633,33 @@ class _Builder:
             gate = ", output gate" if kind.output_gate != "none" else ""
             o = self.vec(layer, f"{name}: heads -> rows{gate}", o,
                          self.t * a.heads_per_rank * kind.head_dim, ((y, None, 0),))  # fmt: skip
-            y, _ = self.segment(layer, lbl, segs["o"], first, o)
+            y = self.segment(layer, lbl, segs["o"], first, o)
             return self.collective(layer, colls.get("attn_out"), y)
         if isinstance(kind, MLAAttention):
-            y, _ = self.segment(layer, lbl, segs["down"], first, x)
+            y = self.segment(layer, lbl, segs["down"], first, x)
             y = self.collective(layer, colls.get("mla_latent"), y)
             y = self.vec(layer, f"{name}: latent norms", y, 5 * self.t * (
                 (kind.q_lora_rank or 0) + kind.kv_lora_rank), ((v, None, 0),))  # fmt: skip
             if "q_b" in segs:
-                y, _ = self.segment(layer, lbl, segs["q_b"], first, y)
+                y = self.segment(layer, lbl, segs["q_b"], first, y)
             # Absorbed: q_nope -> latent space (uk), attention, latent -> values (uv).
-            y, _ = self.segment(layer, lbl, segs["uk"], first, y)
+            y = self.segment(layer, lbl, segs["uk"], first, y)
             wrote = self._mla_cache(layer, name, kind, y)
             o = self._mla_attend(layer, name, kind, a, y, wrote)
-            o, _ = self.segment(layer, lbl, segs["uv"], first, o)
-            y, _ = self.segment(layer, lbl, segs["o"], first, o)
+            o = self.segment(layer, lbl, segs["uv"], first, o)
+            y = self.segment(layer, lbl, segs["o"], first, o)
             return self.collective(layer, colls.get("attn_out"), y)
         # KDA and Gated DeltaNet: the recurrent state replaces the cache.
         order = [s.name for s in ks.segments]
-        y, _ = self.segment(layer, lbl, segs[order[0]], first, x)
+        y = self.segment(layer, lbl, segs[order[0]], first, x)
         if "kda_gate_rank" in colls:
             y = self.collective(layer, colls["kda_gate_rank"], y)
         for sname in order[1:-1]:  # KDA: the decay / output gate up-projections
-            y, _ = self.segment(layer, lbl, segs[sname], first, y)
+            y = self.segment(layer, lbl, segs[sname], first, y)
         y = self.vec(layer, f"{name}: conv, gates", y, 8 * self.t * h, ((v, None, 0),))
         o = self._recurrent(layer, name, kind, a, y)
         o = self.vec(layer, f"{name}: output norm, gate", o, 6 * self.t * h, ((v, None, 0),))
-        y, _ = self.segment(layer, lbl, segs[order[-1]], first, o)
+        y = self.segment(layer, lbl, segs[order[-1]], first, o)
         return self.collective(layer, colls.get("attn_out"), y)
 
     def _cache_slot(self, layer: int, name: str) -> int:
@@ -809,14 +805,14 @@ class _Builder:
         colls = {c.name: c for c in f.collectives}
         x = self.vec(layer, f"{name}: ffn_norm", self.res, 5 * self.t * h, ((v, None, 0),))
         if isinstance(kind, DenseFFN):
-            y, _ = self.segment(layer, name, segs["gate_up"], first, x)
+            y = self.segment(layer, name, segs["gate_up"], first, x)
             y = self.vec(layer, f"{name}: activation", y, 8 * self.t * segs["gate_up"].fan_out)
-            y, _ = self.segment(layer, name, segs["down"], first, y)
+            y = self.segment(layer, name, segs["down"], first, y)
             return self.collective(layer, colls.get("ffn_out"), y)
         assert isinstance(kind, MoEFFN)
         y = x
         for seg in ks.group("in"):  # one segment per format of the fused "in" tensors
-            y, _ = self.segment(layer, name, seg, first, y)
+            y = self.segment(layer, name, seg, first, y)
         route = self.run("routing", f"L{layer} {name}: router scores, top-{kind.top_k}", layer,
                          4 * self.t * kind.num_experts * kind.top_k, ((y, None, 0), (v, None, 0)))  # fmt: skip
         lat = x
@@ -831,9 +827,9 @@ class _Builder:
             shared = self.vec(layer, f"{name}: shared activation", y, 8 * self.t * width)
         if kind.latent:
             out = self.collective(layer, colls.get("expert_out"), out)
-            out, _ = self.segment(layer, name, segs["latent_out"], first, out)
+            out = self.segment(layer, name, segs["latent_out"], first, out)
         if "shared_down" in segs:
-            s, _ = self.segment(layer, name, segs["shared_down"], first, shared)
+            s = self.segment(layer, name, segs["shared_down"], first, shared)
             out = self.vec(layer, f"{name}: experts + shared experts", out, self.t * h,
                            ((s, None, 0),))  # fmt: skip
         return self.collective(layer, colls.get("ffn_out"), out)
