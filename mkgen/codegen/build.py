@@ -20,7 +20,7 @@ from typing import Any
 
 import jinja2
 
-from mkgen.codegen.render import TEMPLATES, render
+from mkgen.codegen.render import environment, render
 from mkgen.errors import MkgenError
 from mkgen.plan.layout import KernelLayout
 
@@ -119,14 +119,7 @@ def render_header(
 
 
 def _text_environment() -> jinja2.Environment:
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(TEMPLATES),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
+    env = environment()
     env.filters["md"] = markdown_text
     env.filters["safe_text"] = safe_text
     env.filters["identifier"] = identifier

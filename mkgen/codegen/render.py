@@ -18,7 +18,8 @@ from mkgen.errors import MkgenError
 TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
 
 
-def _environment() -> jinja2.Environment:
+def environment() -> jinja2.Environment:
+    """The Jinja2 settings every template renders with."""
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES),
         undefined=jinja2.StrictUndefined,
@@ -44,5 +45,5 @@ def format_python(source: str) -> str:
 
 def render(template: str, **context: Any) -> str:
     """Render templates/<template> and format the Python it produces."""
-    text = _environment().get_template(template).render(**context)
+    text = environment().get_template(template).render(**context)
     return format_python(text)

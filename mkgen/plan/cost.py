@@ -26,7 +26,7 @@ Everything here is pure Python (no JAX).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -237,15 +237,7 @@ def widest_level(topo: Topology) -> str:
 # =========================================================================== simulation
 
 Category = Literal["weights", "experts", "kv_state", "collectives", "lm_head", "compute", "fixed"]
-CATEGORIES: tuple[str, ...] = (
-    "weights",
-    "experts",
-    "kv_state",
-    "collectives",
-    "lm_head",
-    "compute",
-    "fixed",
-)
+CATEGORIES: tuple[str, ...] = get_args(Category)
 ENGINES = ("dma", "core", "ici")
 
 

@@ -26,7 +26,7 @@ under the budget.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict
 
@@ -68,16 +68,7 @@ Category = Literal[
     "activations",
     "internal",
 ]
-CATEGORIES: tuple[str, ...] = (
-    "ring",
-    "expert_slots",
-    "collectives",
-    "attention",
-    "vectors",
-    "logits",
-    "activations",
-    "internal",
-)
+CATEGORIES: tuple[str, ...] = get_args(Category)
 DTYPE_BITS = {"f32": 32, "int32": 32, "bf16": 16, "int8": 8, "fp8": 8}
 
 
