@@ -2,37 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_run import assert_user_error, mkgen
 from click.testing import CliRunner
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def mkgen(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """The CLI in a fresh process, as a user runs it."""
-    return subprocess.run(
-        [sys.executable, "-m", "mkgen.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONDONTWRITEBYTECODE": "1"},
-        timeout=timeout,
-    )
-
-
-def assert_user_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
-    assert result.returncode == 2, result
-    assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")

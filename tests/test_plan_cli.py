@@ -4,36 +4,13 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from cli_run import assert_user_error, mkgen
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def mkgen(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    """Run the CLI in a fresh process, as a user would."""
-    return subprocess.run(
-        [sys.executable, "-m", "mkgen.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        timeout=300,
-    )
-
-
-def assert_user_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
-    assert result.returncode == 2, result
-    assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")
