@@ -24,8 +24,9 @@ Decisions:
 - Measurements are separate: compile seconds and interpret-mode results vary run to
   run, so ``mkgen build`` never measures. ``mkgen compile --update-report`` and
   ``mkgen verify --update-report`` store their results in ``measurements.json`` keyed
-  by the build's ``inputs_sha256`` and re-render REPORT.md with them; a rebuild keeps
-  them while the inputs are unchanged and drops them (stale) otherwise.
+  by the sha256 of what the kernels are rendered from (the inputs without the runner's
+  and report's templates) and re-render REPORT.md with them; a rebuild keeps them while
+  those are unchanged and drops them (stale) otherwise.
 """
 
 from __future__ import annotations
@@ -67,6 +68,10 @@ MEASUREMENTS = "measurements.json"
 MINI_DIR = "mini"
 PLAN_FORMAT = 1
 TEMPLATE_FILES = ("megakernel.py.j2", "runner.py.j2", "REPORT.md.j2")
+# What compile and verify measure: the kernels (full and mini), not the runner or report,
+# so measurements stay valid across changes to those (MEASURED_KEY).
+KERNEL_TEMPLATES = ("megakernel.py.j2",)
+MEASURED_KEY = "kernel_sha256"
 # The mini twin's cache length: verify_numerics' default, one 128-token KV tile, and room
 # for a short prompt plus a few decode steps in the mini runner.
 MINI_CONTEXT = 128
@@ -144,11 +149,16 @@ def _canonical(data: Any) -> str:
 
 
 def inputs_digest(
-    spec: ModelSpec, topology: Topology, options: BuildOptions, kernel_args: Mapping[str, Any]
+    spec: ModelSpec,
+    topology: Topology,
+    options: BuildOptions,
+    kernel_args: Mapping[str, Any],
+    templates: tuple[str, ...] = TEMPLATE_FILES,
 ) -> str:
-    """sha256 of everything a build is rendered from (`spec` with its overrides applied)."""
-    templates = {
-        name: hashlib.sha256((TEMPLATES / name).read_bytes()).hexdigest() for name in TEMPLATE_FILES
+    """sha256 of everything a build is rendered from (`spec` with its overrides applied);
+    with `templates` = KERNEL_TEMPLATES, of everything its kernels are rendered from."""
+    template_digests = {
+        name: hashlib.sha256((TEMPLATES / name).read_bytes()).hexdigest() for name in templates
     }
     data = {
         "mkgen": __version__,
@@ -156,7 +166,7 @@ def inputs_digest(
         "topology": topology.name,
         "options": options.model_dump(mode="json"),
         "kernel_args": dict(kernel_args),
-        "templates": templates,
+        "templates": template_digests,
     }
     return hashlib.sha256(_canonical(data).encode()).hexdigest()
 
@@ -247,6 +257,7 @@ def render_build(
     # Recorded with the ring depth resolved, so a saved build re-renders identically.
     kernel_args = {**(kernel_args or {}), "bank_rows": bank_rows, "ring_depth": depth}
     digest = inputs_digest(spec, topology, options, kernel_args)
+    kernel_digest = inputs_digest(spec, topology, options, kernel_args, KERNEL_TEMPLATES)
     name = build_name(spec.name, topology)
     rebuild = parent or rebuild_command(spec.name, topology, options)
     header = render_header(
@@ -282,8 +293,8 @@ def render_build(
         "estimates_by_acceptance": sorted_keys([e.model_dump(mode="json") for e in acceptance]),
     }
     valid = {}
-    if measurements and measurements.get("inputs_sha256") == digest:
-        valid = {k: v for k, v in measurements.items() if k != "inputs_sha256"}
+    if measurements and measurements.get(MEASURED_KEY) == kernel_digest:
+        valid = {k: v for k, v in measurements.items() if k != MEASURED_KEY}
     files = {
         "megakernel.py": kernel_source,
         "runner.py": render(
@@ -343,7 +354,7 @@ def render_build(
         ),
     )
     if valid:
-        files[MEASUREMENTS] = dump_json({"inputs_sha256": digest, **valid})
+        files[MEASUREMENTS] = dump_json({MEASURED_KEY: kernel_digest, **valid})
     return RenderedBuild(name=name, inputs_sha256=digest, files=files, layout=layout, plan=plan)
 
 
@@ -777,10 +788,11 @@ def record_measurement(directory: Path, key: str, result: Mapping[str, Any]) -> 
             f"{directory} was built from other templates or another mkgen; "
             f"run `{data['build']['rebuild']}` first"
         )
+    kernel_digest = inputs_digest(spec, topology, options, data["kernel_args"], KERNEL_TEMPLATES)
     measurements = read_measurements(directory) or {}
-    if measurements.get("inputs_sha256") != digest:
+    if measurements.get(MEASURED_KEY) != kernel_digest:
         measurements = {}
-    measurements = {**measurements, "inputs_sha256": digest, key: dict(result)}
+    measurements = {**measurements, MEASURED_KEY: kernel_digest, key: dict(result)}
     rendered = render_build(
         spec, topology, options, kernel_args=data["kernel_args"], measurements=measurements
     )

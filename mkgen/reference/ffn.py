@@ -18,7 +18,7 @@ token gathers its k experts' matrices), so an expert nobody picked is never read
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,9 @@ from mkgen.reference.layers import act_fn, einsum, gated_activation, mm, rms_nor
 from mkgen.spec.schema import DenseFFN, Dims, MoEFFN
 
 Weights = Mapping[str, jax.Array]
+# (kind, weights, x [N, d], chosen [N, top_k], weights [N, top_k]) -> [N, d]: routed_experts
+# here; the sharded prefill passes one that runs a core's own experts and sums over cores.
+RoutedExperts = Callable[[MoEFFN, Weights, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def dense_ffn(kind: DenseFFN, w: Weights, x: jax.Array) -> jax.Array:
@@ -99,7 +102,9 @@ def routed_experts(
     return jnp.sum(out * weights[..., None], axis=1)
 
 
-def moe_ffn(kind: MoEFFN, w: Weights, x: jax.Array, dims: Dims) -> jax.Array:
+def moe_ffn(
+    kind: MoEFFN, w: Weights, x: jax.Array, dims: Dims, routed: RoutedExperts = routed_experts
+) -> jax.Array:
     """Mixture of experts of x [B, T, hidden].
 
     The router reads the full hidden state. With a latent projection the routed
@@ -116,7 +121,7 @@ def moe_ffn(kind: MoEFFN, w: Weights, x: jax.Array, dims: Dims) -> jax.Array:
         xe = mm(x, w["latent_in"])
         if kind.latent.norm:
             xe = rms_norm(xe, w["latent_norm"], dims.norm_eps, dims.norm_style == "zero_centered")
-    out = routed_experts(kind, w, xe, chosen, weights)
+    out = routed(kind, w, xe, chosen, weights)
     if kind.latent:
         out = mm(out, w["latent_out"])
     if kind.shared_experts:

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mkgen.reference.attention import gqa_attention, init_gqa_cache, init_mla_cache, mla_attention
-from mkgen.reference.ffn import dense_ffn, moe_ffn
+from mkgen.reference.ffn import RoutedExperts, dense_ffn, moe_ffn, routed_experts
 from mkgen.reference.layers import mm, rms_norm, softcap
 from mkgen.reference.linear_attention import (
     gated_deltanet_attention,
@@ -177,24 +177,28 @@ def init_cache(spec: ModelSpec, batch: int, max_len: int, dtype: jnp.dtype = jnp
     recurrent states are always f32. Sliding-window layers keep the full length and
     mask. "length" counts the tokens already in the cache.
     """
-    layers = []
-    for i in range(spec.layers.count):
-        kind = spec.attention_of(i)
-        if isinstance(kind, GQAAttention):
-            layers.append(init_gqa_cache(kind, batch, max_len, dtype))
-        elif isinstance(kind, MLAAttention):
-            layers.append(init_mla_cache(kind, batch, max_len, dtype))
-        elif isinstance(kind, KDAAttention):
-            layers.append(init_kda_cache(kind, batch, dtype))
-        else:
-            layers.append(init_gated_deltanet_cache(kind, batch, dtype))
+    layers = [init_layer_cache(spec, i, batch, max_len, dtype) for i in range(spec.layers.count)]
     return {"length": jnp.zeros((), jnp.int32), "layers": layers}
+
+
+def init_layer_cache(
+    spec: ModelSpec, layer: int, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32
+) -> dict[str, jax.Array]:
+    """Layer `layer`'s empty cache (init_cache)."""
+    kind = spec.attention_of(layer)
+    if isinstance(kind, GQAAttention):
+        return init_gqa_cache(kind, batch, max_len, dtype)
+    if isinstance(kind, MLAAttention):
+        return init_mla_cache(kind, batch, max_len, dtype)
+    if isinstance(kind, KDAAttention):
+        return init_kda_cache(kind, batch, dtype)
+    return init_gated_deltanet_cache(kind, batch, dtype)
 
 
 # ---------------------------------------------------------------- forward
 
 
-def _attention(
+def attention(
     spec: ModelSpec,
     layer: int,
     w: Weights,
@@ -202,6 +206,8 @@ def _attention(
     cache: dict[str, jax.Array],
     start_pos: jax.Array,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Layer `layer`'s attention of x [B, T, hidden] (normed) at positions start_pos..:
+    its output and updated cache."""
     kind = spec.attention_of(layer)
     if isinstance(kind, GQAAttention):
         return gqa_attention(kind, w, x, cache, start_pos, spec.dims)
@@ -213,12 +219,32 @@ def _attention(
     return gated_deltanet_attention(kind, w, x, cache, spec.dims)
 
 
-def _ffn(spec: ModelSpec, layer: int, w: Weights, x: jax.Array) -> jax.Array:
+def ffn(
+    spec: ModelSpec, layer: int, w: Weights, x: jax.Array, routed: RoutedExperts = routed_experts
+) -> jax.Array:
+    """Layer `layer`'s FFN of x [B, T, hidden] (normed); `routed` computes the routed
+    experts (moe_ffn)."""
     kind = spec.ffn_of(layer)
     if isinstance(kind, DenseFFN):
         return dense_ffn(kind, w, x)
     assert isinstance(kind, MoEFFN)
-    return moe_ffn(kind, w, x, spec.dims)
+    return moe_ffn(kind, w, x, spec.dims, routed)
+
+
+def mix_snapshots(
+    spec: ModelSpec, layer: int, h: jax.Array, snapshots: list[jax.Array], logits: jax.Array
+) -> jax.Array:
+    """The attention residual at the first layer of a block: snapshot h (appended to
+    `snapshots`), then for blocks after the first mix the latest snapshots by the softmax
+    of the block's `logits` [max_snapshots]; the mix replaces the block's snapshot."""
+    block = layer // spec.attention_residual.block_size
+    snapshots.append(h)
+    if block >= 1:
+        n = min(block + 1, spec.attention_residual.max_snapshots)
+        mix = jax.nn.softmax(logits[:n].astype(jnp.float32))
+        h = sum(mix[j] * snapshots[len(snapshots) - n + j] for j in range(n))
+        snapshots[-1] = h
+    return h
 
 
 def _run(
@@ -240,20 +266,16 @@ def _run(
     new_layers = []
     for i in range(spec.layers.count):
         if residual and i % residual.block_size == 0:
-            block = i // residual.block_size
-            snapshots.append(h)
-            if block >= 1:
-                n = min(block + 1, residual.max_snapshots)
-                mix = jax.nn.softmax(weights["attn_res_logits"][block, :n].astype(jnp.float32))
-                h = sum(mix[j] * snapshots[len(snapshots) - n + j] for j in range(n))
-                snapshots[-1] = h
+            h = mix_snapshots(
+                spec, i, h, snapshots, weights["attn_res_logits"][i // residual.block_size]
+            )
         x = rms_norm(h, weights[f"layers.{i}.attn_norm"], dims.norm_eps, zero_centered)
         w_attn = layer_weights(weights, f"layers.{i}.attn.")
-        out, layer_cache = _attention(spec, i, w_attn, x, cache["layers"][i], start)
+        out, layer_cache = attention(spec, i, w_attn, x, cache["layers"][i], start)
         new_layers.append(layer_cache)
         h = h + out
         x = rms_norm(h, weights[f"layers.{i}.ffn_norm"], dims.norm_eps, zero_centered)
-        h = h + _ffn(spec, i, layer_weights(weights, f"layers.{i}.ffn."), x)
+        h = h + ffn(spec, i, layer_weights(weights, f"layers.{i}.ffn."), x)
         after_layer.append(h)
     h = rms_norm(h, weights["final_norm"], dims.norm_eps, zero_centered)
     head = weights["embedding"].T if dims.tie_embeddings else weights["lm_head"]

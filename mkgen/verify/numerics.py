@@ -313,7 +313,7 @@ def _run_child(
         near_tie = (ranked[:, -1] - ranked[:, -2]) < tolerance
         expected = ref_logits[:, : layout.vocab_used].argmax(axis=1)
         equal = np.asarray(kernel_tokens) == expected
-        cache_diff, cache_scale = _compare_caches(layout, caches, ref_cache, position, rows)
+        cache_diff, cache_scale = _compare_caches(spec, layout, caches, ref_cache, position, rows)
         finite = bool(np.isfinite(got).all()) and all(
             bool(jnp.isfinite(c.astype(jnp.float32)).all()) for c in caches
         )
@@ -350,65 +350,33 @@ def _compare_residuals(ours: Any, theirs: Any) -> tuple[float, float, int | None
     return float(diffs[worst]), float(limits[worst]), int(bad[0]) if len(bad) else None
 
 
-def _compare_caches(layout: Any, caches: list[Any], ref_cache: Any, position: int, rows: int):
-    """(max difference, largest reference value) over what this step wrote: the new KV
-    rows of GQA layers, the new [latent | k_rope] rows of MLA layers (every core holds
-    them all) and the whole f32 state of Gated DeltaNet and KDA layers, core by core."""
+def _compare_caches(
+    spec: Any, layout: Any, caches: list[Any], ref_cache: Any, position: int, rows: int
+):
+    """(max difference, largest reference value) over what this step wrote, core by core
+    (mkgen.codegen.prefill.kernel_cache_pieces cuts the reference's caches): the new KV
+    rows of GQA layers, the new [latent | k_rope] rows of MLA layers and the whole f32
+    state of Gated DeltaNet and KDA layers (their conv tails feed it)."""
     import numpy as np
 
-    from mkgen.codegen import pack
+    from mkgen.codegen.prefill import kernel_cache_pieces
 
     arrays = iter(caches)
     diff, scale = 0.0, 0.0
     for a in layout.attention:
         mine = {c.name: np.asarray(next(arrays), np.float32) for c in a.caches}
         for slot, layer in enumerate(a.layers):
-            theirs = ref_cache["layers"][layer]
-            if a.type == "gqa":
-                heads = pack.Part(
-                    tensor="", axis=-2, size=a.kv_heads, rank_divisor=a.kv_rank_divisor
-                )
-                pairs = [
-                    (
-                        mine[n][rank, slot, :, :, position : position + rows].transpose(0, 2, 1, 3),
-                        pack.part_slice(
-                            heads,
-                            np.asarray(theirs[n], np.float32)[:, position : position + rows],
-                            rank,
-                        ),
-                    )
-                    for n in ("k", "v")
-                    for rank in range(mine[n].shape[0])
-                ]
-            elif a.type == "mla":
-                k_rope = np.asarray(theirs["k_rope"], np.float32)[:, position : position + rows]
-                if a.rope is not None:  # the kernel stores rotary pairs as halves
-                    view = pack.TensorView(
-                        stride=a.rope_dim, size=a.rope_dim, rotary=(0, a.rope_dim)
-                    )
-                    k_rope = pack.viewed(k_rope.reshape(-1, a.rope_dim), view).reshape(k_rope.shape)
-                ref = np.concatenate(
-                    [
-                        np.asarray(theirs["latent"], np.float32)[:, position : position + rows],
-                        k_rope,
-                    ],
-                    axis=-1,
-                )
-                latent = mine["latent"]
-                pairs = [
-                    (latent[rank, slot, :, 0, position : position + rows], ref)
-                    for rank in range(latent.shape[0])
-                ]
-            else:
-                heads = pack.Part(tensor="", axis=-3, size=a.value_heads)
-                state = np.asarray(theirs["state"], np.float32)
-                pairs = [
-                    (mine["state"][rank, slot], pack.part_slice(heads, state, rank))
-                    for rank in range(mine["state"].shape[0])
-                ]
-            for ours, ref in pairs:
-                diff = max(diff, float(np.abs(ours - ref).max()))
-                scale = max(scale, float(np.abs(ref).max()))
+            for rank in range(layout.devices):
+                theirs = kernel_cache_pieces(spec, a, ref_cache["layers"][layer], rank)
+                for name, ref in theirs.items():
+                    if name == "conv":
+                        continue
+                    ours, ref = mine[name][rank, slot], np.asarray(ref, np.float32)
+                    if name != "state":  # [B, heads, context, width]: this step's rows
+                        ours = ours[:, :, position : position + rows]
+                        ref = ref[:, :, position : position + rows]
+                    diff = max(diff, float(np.abs(ours - ref).max()))
+                    scale = max(scale, float(np.abs(ref).max()))
     return diff, scale
 
 

@@ -1,0 +1,267 @@
+"""Per-core layouts back to tensors: the inverse of mkgen.codegen.pack, in jax.numpy.
+
+Every shape comes from the layout, so the functions trace: the sharded XLA prefill
+(mkgen/codegen/prefill.py) unpacks each core's own banks, slab and expert arrays on its
+device, gathers the pieces and assembles the layer's tensors, without the host ever
+holding a weight. Quantized values come back as the kernel reads them (codes times
+scales), so the prefill and the kernel compute with the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from mkgen.plan.layout import ExpertChunks, KernelLayout, MoELayout
+from mkgen.plan.stream import CHUNK, LANES, Part, Segment, TensorView
+from mkgen.spec.quant import parse_format
+
+EXPERT_TENSORS = ("experts_gate", "experts_up", "experts_down")  # a rank's routed pieces
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 codes 0..7
+E8M0_BIAS = 127
+
+
+# ---------------------------------------------------------------- bytes in bf16 rows
+
+
+def _row_bytes(rows: jax.Array) -> jax.Array:
+    """bf16 rows [..., R, LANES] -> the uint8 rows they hold [..., 2R, LANES] (row 2a is
+    the low byte of bf16 row a: mkgen.codegen.quantize.as_bf16_rows)."""
+    words = jax.lax.bitcast_convert_type(rows, jnp.uint16)
+    low, high = (words & 0xFF).astype(jnp.uint8), (words >> 8).astype(jnp.uint8)
+    pairs = jnp.stack([low, high], axis=-2)  # [..., R, 2, LANES]
+    return pairs.reshape(*rows.shape[:-2], 2 * rows.shape[-2], rows.shape[-1])
+
+
+def _row_floats(rows: jax.Array) -> jax.Array:
+    """bf16 rows [..., 2R, LANES] -> the f32 rows they hold [..., R, LANES] (row 2a is the
+    low half)."""
+    words = jax.lax.bitcast_convert_type(rows, jnp.uint16).astype(jnp.uint32)
+    words = words.reshape(*rows.shape[:-2], rows.shape[-2] // 2, 2, rows.shape[-1])
+    return jax.lax.bitcast_convert_type(words[..., 0, :] | (words[..., 1, :] << 16), jnp.float32)
+
+
+def _scaled(codes: jax.Array, scales: jax.Array) -> jax.Array:
+    """Codes [n, CHUNK, LANES] times scales [n, S, LANES], scale row s covering CHUNK / S
+    consecutive code rows."""
+    repeat = codes.shape[-2] // scales.shape[-2]
+    return codes.astype(jnp.float32) * jnp.repeat(scales.astype(jnp.float32), repeat, axis=-2)
+
+
+def _nibbles(packed: jax.Array) -> jax.Array:
+    """int8 bytes [..., CHUNK / 2, LANES] -> 4-bit codes [..., CHUNK, LANES] in [0, 15]
+    (mkgen.codegen.quantize.pack_nibbles: low nibble row r, high nibble row r + CHUNK / 2)."""
+    byte = jax.lax.bitcast_convert_type(packed, jnp.uint8).astype(jnp.int32)
+    return jnp.concatenate([byte & 0xF, byte >> 4], axis=-2)
+
+
+# ---------------------------------------------------------------- chunks and segments
+
+
+def from_chunks(chunks: jax.Array, k_chunks: int, col_blocks: int, shape: tuple[int, int]):
+    """Chunks [k_chunks * col_blocks, CHUNK, LANES] in stream order (pack.chunked) -> the
+    [K, N] matrix of `shape` (padding dropped)."""
+    blocks = chunks[: k_chunks * col_blocks].reshape(col_blocks, k_chunks, CHUNK, LANES)
+    matrix = blocks.transpose(1, 2, 0, 3).reshape(k_chunks * CHUNK, col_blocks * LANES)
+    return matrix[: shape[0], : shape[1]]
+
+
+def segment_matrix(segment: Segment, banks: jax.Array) -> jax.Array:
+    """A segment's banks [banks, bank_rows, LANES] (bf16) -> its f32 matrix [fan_in,
+    fan_out] (pack.segment_banks, inverted; quantized chunks times their scales)."""
+    shape = (segment.fan_in, segment.fan_out)
+    if segment.format == "bf16":
+        rows = banks.reshape(-1, LANES)[: segment.chunks * CHUNK]
+        chunks = rows.reshape(segment.chunks, CHUNK, LANES).astype(jnp.float32)
+        return from_chunks(chunks, segment.k_chunks, segment.col_blocks, shape)
+    per, n = segment.chunks_per_bank, len(banks) * segment.chunks_per_bank
+    code_rows = banks[:, : per * segment.code_rows].reshape(n, segment.code_rows, LANES)
+    at = segment.scale_row
+    scale_rows = banks[:, at : at + per * segment.scale_rows].reshape(n, segment.scale_rows, LANES)
+    codes = _row_bytes(code_rows[: segment.chunks])  # [chunks, CHUNK, LANES] uint8
+    fmt = parse_format(segment.format)
+    codes = jax.lax.bitcast_convert_type(
+        codes, jnp.int8 if fmt.kind == "int8" else jnp.float8_e4m3fn
+    )
+    values = _scaled(codes, _row_floats(scale_rows[: segment.chunks]))
+    return from_chunks(values, segment.k_chunks, segment.col_blocks, shape)
+
+
+def expert_values(experts: ExpertChunks, arrays: list[jax.Array]) -> jax.Array:
+    """A layer's routed-expert arrays ([experts, pieces, rows, LANES]: bf16, or codes and
+    scales) -> f32 chunks [experts, pieces * piece_chunks, CHUNK, LANES]."""
+    codes = arrays[0]
+    count = codes.shape[0] * experts.pieces * experts.piece_chunks
+    lead = (codes.shape[0], experts.pieces * experts.piece_chunks)
+    if experts.kind == "bf16":
+        return codes.reshape(*lead, CHUNK, LANES).astype(jnp.float32)
+    scales = arrays[1].reshape(count, -1, LANES)
+    if experts.kind == "fp8":
+        values = _scaled(codes.reshape(count, CHUNK, LANES), scales)
+    else:
+        nibbles = _nibbles(codes.reshape(count, CHUNK // 2, LANES))
+        if experts.kind == "int4":  # two's complement nibbles
+            values = _scaled(nibbles - 16 * (nibbles >= 8), scales)
+        else:  # mxfp4: e2m1 codes, E8M0 power-of-two scales
+            magnitude = jnp.asarray(E2M1_MAGNITUDES, jnp.float32)[nibbles & 7]
+            exponent = jax.lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.int32)
+            powers = jnp.exp2((exponent - E8M0_BIAS).astype(jnp.float32))
+            values = _scaled(jnp.where(nibbles & 8, -magnitude, magnitude), powers)
+    return values.reshape(*lead, CHUNK, LANES)
+
+
+def expert_matrices(experts: ExpertChunks, chunks: jax.Array) -> dict[str, jax.Array]:
+    """f32 chunks of a rank's experts [E_r, chunks, CHUNK, LANES] -> its pieces of
+    experts_gate / experts_up [E_r, d, width] and experts_down [E_r, width, d]."""
+    d, width = experts.d, experts.width
+    down_first = experts.gate_up_pieces * experts.piece_chunks
+
+    def one(expert_chunks):
+        gate_up = from_chunks(
+            expert_chunks, experts.gate_up_k_chunks, experts.gate_up_col_blocks, (d, 2 * width)
+        )
+        down = from_chunks(
+            expert_chunks[down_first:], experts.down_k_chunks, experts.down_col_blocks, (width, d)
+        )
+        return gate_up[:, :width], gate_up[:, width:], down
+
+    gate, up, down = jax.vmap(one)(chunks)
+    return {"experts_gate": gate, "experts_up": up, "experts_down": down}
+
+
+# ---------------------------------------------------------------- one core's pieces
+
+
+def layer_pieces(
+    layout: KernelLayout,
+    layer: int,
+    banks: jax.Array,
+    slab: jax.Array,
+    experts: list[jax.Array],
+    shapes: Mapping[str, tuple[int, ...]],
+) -> dict[str, jax.Array]:
+    """One core's pieces of layer `layer`'s tensors, keyed by their names in the layer
+    (attn.wq, ffn.experts_up, attn_norm, ...): banks [layer banks, bank_rows, LANES] from
+    pack.layer_bank_range, its vector slab and (MoE layers) its expert arrays. Each piece
+    has the shape pack.part_slice cuts (in its part's view); `shapes` holds the layer's
+    full tensor shapes by the same names."""
+    s = layout.stream
+    first = s.attention_banks[layer]
+    attention = layout.attention[layout.attention_table[layer]]
+    ffn = layout.ffn[layout.ffn_table[layer]]
+    pieces = {"attn_norm": slab[0, : layout.hidden], "ffn_norm": slab[1, : layout.hidden]}
+    for kind_first, segments in (
+        (s.attention_banks[layer], attention.segments),
+        (s.ffn_banks[layer], ffn.segments),
+    ):
+        for segment in segments:
+            start = kind_first - first + segment.bank_offset
+            matrix = segment_matrix(segment, banks[start : start + segment.banks])
+            column = 0
+            for part in segment.parts:
+                width = piece_shape(part, shapes[part.tensor])[-1]
+                pieces[piece_key(part)] = matrix[:, column : column + width]
+                column += width
+    for row in attention.vectors + ffn.vectors:
+        shape = piece_shape(row.part, shapes[row.part.tensor])
+        pieces[piece_key(row.part)] = slab[row.row : row.row + row.rows, : row.length].reshape(
+            shape
+        )
+    if isinstance(ffn, MoELayout):
+        chunks = expert_values(ffn.experts, experts)
+        for name, value in expert_matrices(ffn.experts, chunks).items():
+            pieces[f"ffn.{name}"] = value
+    return pieces
+
+
+def piece_shape(part: Part, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of one rank's piece of a tensor of `shape` (seen through the part's view)."""
+    shape = part.view.shape(shape) if part.view else tuple(shape)
+    if part.axis is None:
+        return shape
+    out = list(shape)
+    out[part.axis] = part.size
+    return tuple(out)
+
+
+# ---------------------------------------------------------------- every core's pieces -> tensors
+
+
+def _unview(view: TensorView, viewed: jax.Array, heads: int, k: int) -> jax.Array:
+    """The [K, heads, size] block a view kept, from the viewed matrix (pack.viewed,
+    inverted)."""
+    if view.transpose:
+        kept = viewed.reshape(heads, view.size, k).transpose(2, 0, 1)
+    else:
+        kept = viewed.reshape(k, heads, view.size)
+    if view.rotary:
+        offset, dims = view.rotary
+        half = dims // 2
+        rot = kept[:, :, offset : offset + dims]
+        pairs = jnp.stack([rot[:, :, :half], rot[:, :, half:]], axis=-1)  # evens, odds
+        kept = jnp.concatenate(
+            [kept[:, :, :offset], pairs.reshape(k, heads, dims), kept[:, :, offset + dims :]],
+            axis=2,
+        )
+    return kept
+
+
+def _joined(part: Part, gathered: jax.Array) -> jax.Array:
+    """Every rank's piece [ranks, *piece] -> the whole (viewed) tensor: one piece of each
+    group of `rank_divisor` ranks, in order along the part's axis."""
+    if part.axis is None:
+        return gathered[0]
+    distinct = gathered[:: part.rank_divisor]
+    return jnp.concatenate(list(distinct), axis=part.axis)
+
+
+def assemble(
+    layout: KernelLayout,
+    layer: int,
+    gathered: Mapping[str, jax.Array],
+    shapes: Mapping[str, tuple[int, ...]],
+) -> dict[str, jax.Array]:
+    """Layer `layer`'s tensors (not its routed experts, which stay split: prefill.py) from
+    every rank's pieces, `gathered[name]` [ranks, *piece] (layer_pieces of every rank,
+    stacked). Tensors seen through several views (MLA's wkv_b: uk and uv) are put back
+    together from all of them."""
+    attention = layout.attention[layout.attention_table[layer]]
+    ffn = layout.ffn[layout.ffn_table[layer]]
+    parts = [p for s in attention.segments + ffn.segments for p in s.parts]
+    parts += [row.part for row in attention.vectors + ffn.vectors]
+    tensors = {name: gathered[name][0] for name in ("attn_norm", "ffn_norm")}
+    viewed: dict[str, list[Part]] = {}
+    for part in parts:
+        if part.view is not None:
+            viewed.setdefault(part.tensor, []).append(part)
+        else:
+            tensors[part.tensor] = _joined(part, gathered[piece_key(part)])
+    for name, views in viewed.items():
+        k, n = shapes[name]
+        stride = views[0].view.stride
+        heads = n // stride
+        full = jnp.zeros((k, heads, stride), jnp.float32)
+        for part in views:
+            view = part.view
+            kept = _unview(view, _joined(part, gathered[piece_key(part)]), heads, k)
+            full = full.at[:, :, view.start : view.start + view.size].set(kept)
+        tensors[name] = full.reshape(k, n)
+    return tensors
+
+
+def _view_key(view: TensorView) -> str:
+    """The suffix that keeps apart the pieces of one tensor's different views."""
+    return f"@{view.start}:{view.size}"
+
+
+def piece_key(part: Part) -> str:
+    """The key layer_pieces stores a part's piece under (views of one tensor differ)."""
+    return part.tensor + (_view_key(part.view) if part.view else "")
+
+
+def layer_shapes(spec_shapes: Mapping[str, tuple[int, ...]], layer: int) -> dict[str, tuple]:
+    """The full shapes of layer `layer`'s tensors, by their names in the layer."""
+    prefix = f"layers.{layer}."
+    return {k[len(prefix) :]: v for k, v in spec_shapes.items() if k.startswith(prefix)}

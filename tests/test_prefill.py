@@ -1,0 +1,195 @@
+"""The XLA prefill over per-core layouts (mkgen/codegen/prefill.py, mkgen/codegen/unpack.py).
+
+Unpacking what the packer wrote gives back every tensor the kernel stores (every
+attention and FFN kind, the stream's int8 / fp8 segments, int4 / mxfp4 / fp8 experts,
+MLA's transposed and de-interleaved views). The sharded prefill on 8 virtual devices
+leaves in the kernel's cache arrays exactly what the reference model's prefill caches
+hold, core by core, and a different prompt does not. The runner's generation through
+the XLA prefill and then the kernel is in tests/test_runner.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+SPECS = Path(__file__).parent / "specs"
+TOPOLOGY = "2x2x1"  # 8 cores: heads, kv heads, experts and columns all split
+CONTEXT, BATCH = 128, 2
+PROMPTS = [[3, 17, 42, 99, 5, 64, 1, 2, 9], [7, 7, 8, 9, 10, 11, 12, 13, 1]]
+
+
+def _setup(spec_ref: str):
+    """(mini spec, layout, the weights the kernel stores) of a spec on TOPOLOGY."""
+    from mkgen.codegen.quantize import fake_quantize
+    from mkgen.plan.layout import plan_kernel
+    from mkgen.plan.options import BuildOptions
+    from mkgen.reference.model import init_weights
+    from mkgen.spec.loader import load_spec
+    from mkgen.spec.mini import mini_twin
+    from mkgen.spec.topology import parse_topology
+    from mkgen.verify.numerics import MINI_BANK_ROWS, MINI_PIECE_CHUNKS, MINI_RING_DEPTH
+
+    topology = parse_topology(TOPOLOGY)
+    spec = mini_twin(load_spec(spec_ref), topology.num_devices)
+    options = BuildOptions.create(context=CONTEXT, batch=BATCH)
+    layout = plan_kernel(
+        spec, topology, options, bank_rows=MINI_BANK_ROWS, ring_depth=MINI_RING_DEPTH,
+        max_piece_chunks=MINI_PIECE_CHUNKS,
+    )  # fmt: skip
+    weights = {
+        k: np.asarray(v).astype(ml_dtypes.bfloat16).astype(np.float32)
+        for k, v in init_weights(spec, 0).items()
+    }
+    return spec, layout, fake_quantize(spec, weights)
+
+
+def _relative(ours, theirs) -> float:
+    ours, theirs = np.asarray(ours, np.float32), np.asarray(theirs, np.float32)
+    return float(np.abs(ours - theirs).max() / max(np.abs(theirs).max(), 1e-6))
+
+
+UNPACK_CASES = [
+    "qwen3.8-27b",  # Gated DeltaNet + gated GQA
+    "muse-spark-1.2",  # int4 experts, latent MoE
+    str(SPECS / "kda-hybrid.yaml"),
+    str(SPECS / "mla-hybrid.yaml"),  # both MLA forms, interleaved rope, attention residual
+    str(SPECS / "formats-int8.yaml"),
+    str(SPECS / "formats-fp8.yaml"),
+    str(SPECS / "formats-mxfp4.yaml"),
+]
+
+
+@pytest.mark.parametrize(
+    "spec_ref", UNPACK_CASES, ids=[Path(s).stem if s.endswith(".yaml") else s for s in UNPACK_CASES]
+)
+def test_unpacking_gives_back_the_stored_tensors(spec_ref: str) -> None:
+    """Every core's pieces of every layer, gathered and assembled, equal the weights the
+    kernel stores (fake_quantize: the spec's formats); each core's routed-expert pieces
+    equal its experts' column slices."""
+    from mkgen.codegen import pack, unpack
+    from mkgen.spec.weights import model_weights
+
+    spec, layout, weights = _setup(spec_ref)
+    shapes = {w.name: w.shape for w in model_weights(spec)}
+    ranks = layout.devices
+    for layer in range(spec.layers.count):
+        prefix = f"layers.{layer}."
+        layer_shapes = unpack.layer_shapes(shapes, layer)
+        pieces = [
+            unpack.layer_pieces(
+                layout, layer, pack.pack_stream_layer(layout, weights, rank, layer),
+                pack.pack_vectors_layer(layout, weights, rank, layer),
+                pack.pack_experts_layer(layout, weights, rank, layer), layer_shapes,
+            )
+            for rank in range(ranks)
+        ]  # fmt: skip
+        routed = set(f"ffn.{n}" for n in unpack.EXPERT_TENSORS)
+        gathered = {
+            k: np.stack([np.asarray(p[k]) for p in pieces]) for k in pieces[0] if k not in routed
+        }
+        tensors = unpack.assemble(layout, layer, gathered, layer_shapes)
+        expected = {k[len(prefix) :] for k in weights if k.startswith(prefix)}
+        assert set(tensors) | (routed & expected) == expected
+        for name, value in tensors.items():
+            assert _relative(value, weights[prefix + name]) == 0.0, (layer, name)
+        ffn = layout.ffn[layout.ffn_table[layer]]
+        if ffn.type != "moe":
+            continue
+        width = ffn.experts.width
+        for rank in range(ranks):
+            first = rank // ffn.width_parts * ffn.experts_per_rank
+            ids = slice(first, first + ffn.experts_per_rank)
+            cols = slice(rank % ffn.width_parts * width, (rank % ffn.width_parts + 1) * width)
+            for name, index in (
+                ("experts_gate", (ids, slice(None), cols)),
+                ("experts_up", (ids, slice(None), cols)),
+                ("experts_down", (ids, cols, slice(None))),
+            ):
+                stored = weights[f"{prefix}ffn.{name}"][index]
+                assert _relative(pieces[rank][f"ffn.{name}"], stored) == 0.0, (layer, name, rank)
+
+
+PREFILL_CASES = [
+    "qwen3-30b-a3b",
+    "qwen3.8-27b",
+    str(SPECS / "kda-hybrid.yaml"),
+    str(SPECS / "mla-hybrid.yaml"),
+    str(SPECS / "latent-moe-shared.yaml"),
+]
+CACHE_RTOL = 2e-2  # bf16 caches; the same f32 computation summed in another order
+
+
+def _prefill_child(spec_refs: list[str]) -> dict:
+    """Per spec: the largest relative difference between the sharded prefill's kernel
+    caches and the reference prefill's, cut per core; and the same against the caches of
+    the prompts reversed (must differ)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from mkgen.codegen import pack
+    from mkgen.codegen.prefill import kernel_cache_pieces, prefill
+    from mkgen.reference import model as reference
+
+    results = {}
+    for spec_ref in spec_refs:
+        spec, layout, weights = _setup(spec_ref)
+        ranks = layout.devices
+        mesh = Mesh(np.array(jax.devices()[:ranks]), ("cores",))
+        sharded = NamedSharding(mesh, P("cores"))
+        per_rank = [pack.pack_experts(layout, weights, r) for r in range(ranks)]
+        placed = {
+            "stream": np.stack([pack.pack_stream(layout, weights, r) for r in range(ranks)]),
+            "vectors": np.stack([pack.pack_vectors(layout, weights, r) for r in range(ranks)]),
+            "experts": [np.stack([p[i] for p in per_rank]) for i in range(len(per_rank[0]))],
+        }
+        placed = jax.tree.map(lambda a, to=sharded: jax.device_put(a, to), placed)
+        tokens = np.array(PROMPTS, np.int32)
+        caches = prefill(spec, layout, mesh, "cores", placed, weights["embedding"], tokens)
+        out = {}
+        for label, prompt in (("same", tokens), ("reversed", tokens[:, ::-1])):
+            _, ref = reference.prefill(spec, weights, prompt, CONTEXT, jnp.bfloat16)
+            worst, arrays = 0.0, iter(caches)
+            for kind in layout.attention:
+                ours = {c.name: np.asarray(next(arrays), np.float32) for c in kind.caches}
+                for slot, layer in enumerate(kind.layers):
+                    for rank in range(ranks):
+                        theirs = kernel_cache_pieces(spec, kind, ref["layers"][layer], rank)
+                        for name, value in theirs.items():
+                            worst = max(worst, _relative(ours[name][rank, slot], value))
+            out[label] = worst
+        results[spec_ref] = out
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sharded_prefill_writes_the_reference_caches() -> None:
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    child = subprocess.run(
+        [sys.executable, __file__, *PREFILL_CASES], capture_output=True, text=True,
+        timeout=840, env=env, cwd=Path(__file__).parent,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-3000:]
+    results = json.loads(child.stdout.strip().splitlines()[-1])
+    for spec_ref in PREFILL_CASES:
+        assert results[spec_ref]["same"] <= CACHE_RTOL, (spec_ref, results[spec_ref])
+        assert results[spec_ref]["reversed"] > 10 * CACHE_RTOL, (spec_ref, results[spec_ref])
+
+
+if __name__ == "__main__":
+    print(json.dumps(_prefill_child(sys.argv[1:])))
