@@ -16,11 +16,14 @@ Recreate the venv and run it (from the repository root; Python 3.11, CPU-only to
 
 No model hub is used: every model is built from a config with random init
 (`AutoModelForCausalLM.from_config`), then every parameter is re-drawn so activations are O(1)
-(HF's own init, std 0.02, would make every layer nearly the identity and hide bugs).
+(HF's own init, std 0.02, would make every layer nearly the identity and hide bugs), and then
+rounded to the nearest bfloat16 value: the files stay float32 but convert to bf16 losslessly, as
+real hub checkpoints (bf16) do, so a bf16-weight kernel runs exactly the fixture's model.
 
 Per architecture, `tests/fixtures/hf/<name>/` holds:
   config.json         the HF config of the tiny model (`save_pretrained`)
-  model.safetensors   float32 weights in HF's checkpoint (hub) layout (`save_pretrained`)
+  model.safetensors   float32 weights in HF's checkpoint (hub) layout (`save_pretrained`), every
+                      value exactly representable in bfloat16
   expected.npz        prompt_ids int32[T], logits float32[T,V] (no-cache forward of the prompt),
                       greedy_ids int32[N] (`generate(do_sample=False, use_cache=True)`),
                       full_ids int32[T+N] and full_logits float32[T+N,V] (no-cache forward of
@@ -35,12 +38,15 @@ Per architecture, `tests/fixtures/hf/<name>/` holds:
 
 The seed of each model is the first one from SEED whose greedy steps and expert choices all have
 comfortable margins (MIN_GREEDY_MARGIN, MIN_ROUTER_MARGIN), so that an independent float32
-reimplementation cannot disagree on a token or an expert through rounding alone.
+reimplementation cannot disagree on a token or an expert through rounding alone, and whose greedy
+ids are unchanged when a copy of the model cast to bfloat16 (`.to(torch.bfloat16)`: bf16 weights
+and activations) runs the same `generate` call: a margin against a kernel that computes in bf16.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.metadata
 import importlib.util
 import json
@@ -76,6 +82,7 @@ DECODE_TOL = 1e-4
 MIN_GREEDY_MARGIN = 1e-2
 MIN_ROUTER_MARGIN = 1e-3
 MAX_SEED_TRIES = 50
+BF16_RULE = "then every weight (parameters, e_score_correction_bias): rounded to nearest bfloat16"
 # Prefix length for the "prefill some, then decode one token at a time" consistency check.
 SPLIT = 6
 
@@ -414,6 +421,33 @@ def redraw_parameters(model: nn.Module) -> list[str]:
     return sorted(rules)
 
 
+def round_weights_to_bf16(model: nn.Module) -> None:
+    """Round every weight (each tensor of the state dict: parameters and persistent buffers such
+    as e_score_correction_bias) to the nearest bfloat16 value, kept as float32.
+
+    Non-persistent float buffers are computed from the config and left alone; they must be
+    rotary `inv_freq` buffers, so no new weight-like buffer is skipped unnoticed.
+    """
+    weights = model.state_dict(keep_vars=True)
+    for name, buf in model.named_buffers():
+        if name not in weights and buf.is_floating_point() and "inv_freq" not in name:
+            raise RuntimeError(f"unexpected non-persistent float buffer {name}")
+    with torch.no_grad():
+        for t in weights.values():
+            if t.is_floating_point():
+                t.copy_(t.to(torch.bfloat16))
+
+
+def bf16_exact(path: Path) -> bool:
+    """Whether every float tensor of a safetensors file converts to bfloat16 losslessly."""
+    tensors = load_file(path)
+    return all(
+        torch.equal(t, t.to(torch.bfloat16).to(t.dtype))
+        for t in tensors.values()
+        if t.is_floating_point()
+    )
+
+
 class Capture:
     """Forward hooks: embeddings, each decoder layer's output, and MoE top-k decisions."""
 
@@ -555,6 +589,8 @@ def make_model(name: str, seed: int) -> tuple[nn.Module, list[str]]:
     model.eval()
     set_seed(seed)
     rules = redraw_parameters(model)
+    round_weights_to_bf16(model)
+    rules.append(BF16_RULE)
     model.to(torch.float32)
     for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
         setattr(model.generation_config, key, None)
@@ -628,6 +664,28 @@ def bias_effect(router: nn.Module, x: torch.Tensor) -> int:
     return int((idx_with != idx_without).any(-1).sum())
 
 
+@torch.no_grad()
+def greedy_generate(model: nn.Module, ids: torch.Tensor):
+    """`generate`'s output (sequences and per-step logits) for NEW_TOKENS greedy steps."""
+    return model.generate(
+        ids,
+        do_sample=False,
+        use_cache=True,
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+
+
+def bf16_greedy_ids_equal(model: nn.Module, full_ids: torch.Tensor) -> bool:
+    """Whether a bfloat16 copy of the model, with the same generate call, picks the same ids."""
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    return bool(
+        torch.equal(greedy_generate(bf16, full_ids[:, : len(PROMPT_IDS)]).sequences, full_ids)
+    )
+
+
 def margins(model: nn.Module) -> tuple[dict, torch.Tensor, Capture]:
     """Greedy and routing margins of a candidate model (no cache anywhere)."""
     ids = torch.tensor([PROMPT_IDS], dtype=torch.long)
@@ -666,9 +724,10 @@ def build(name: str, out_root: Path) -> dict:
     for seed in range(SEED, SEED + MAX_SEED_TRIES):
         model, rules = make_model(name, seed)
         marg, full_ids, cap = margins(model)
-        tried[seed] = marg
+        bf16_ok = bf16_greedy_ids_equal(model, full_ids)
+        tried[seed] = {**marg, "bf16_greedy_ids_equal": bf16_ok}
         router_ok = all(v >= MIN_ROUTER_MARGIN for k, v in marg.items() if k != "greedy_top1_top2")
-        if marg["greedy_top1_top2"] >= MIN_GREEDY_MARGIN and router_ok:
+        if marg["greedy_top1_top2"] >= MIN_GREEDY_MARGIN and router_ok and bf16_ok:
             break
     else:
         raise RuntimeError(f"{name}: no seed with large enough margins: {tried}")
@@ -687,16 +746,7 @@ def build(name: str, out_root: Path) -> dict:
     paths["forward_prompt_plus_continuation_no_cache"] = counter.snapshot_and_reset()
 
     # 2. greedy generation with cache
-    with torch.no_grad():
-        gen = model.generate(
-            ids,
-            do_sample=False,
-            use_cache=True,
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
+    gen = greedy_generate(model, ids)
     paths["generate_use_cache"] = counter.snapshot_and_reset()
     greedy = gen.sequences[0, T:]
     gen_logits = torch.stack([s[0] for s in gen.logits])  # [N, V], from cached decode
@@ -755,6 +805,9 @@ def build(name: str, out_root: Path) -> dict:
     json.loads((out / "config.json").read_text())
     renamed = fix_checkpoint_names(name, out / "model.safetensors")
     (out / "model.safetensors").chmod(0o644)
+    checks["checkpoint_bf16_exact"] = bf16_exact(out / "model.safetensors")
+    if not checks["checkpoint_bf16_exact"]:
+        raise RuntimeError(f"{name}: saved weights are not bfloat16-exact")
 
     # reload from disk: the saved files alone must reproduce the reference logits
     reloaded = AutoModelForCausalLM.from_pretrained(
@@ -791,8 +844,9 @@ def build(name: str, out_root: Path) -> dict:
         "seed": seed,
         "seed_search": {
             "rule": f"first seed from {SEED} with greedy top1-top2 logit gap >= "
-            f"{MIN_GREEDY_MARGIN} at every greedy step and every MoE selection gap >= "
-            f"{MIN_ROUTER_MARGIN}",
+            f"{MIN_GREEDY_MARGIN} at every greedy step, every MoE selection gap >= "
+            f"{MIN_ROUTER_MARGIN}, and the same greedy ids from a copy cast to bfloat16 "
+            "(.to(torch.bfloat16), same generate call)",
             "tried": tried,
         },
         "dtype": "float32",

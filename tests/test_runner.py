@@ -65,14 +65,16 @@ def _ids(prompt: list[int]) -> list[str]:
     return ["--prompt-ids", ",".join(map(str, prompt))]
 
 
-# Fixtures whose kernel tokens equal transformers' (MLA, Gated DeltaNet; GQA's qwen3 runs
-# with a tokenizer below; MoE is the sharded test's mixtral; qwen3_moe matched too when
-# run by hand). kimi_linear does not: bf16 weights alone
-# change its greedy path (the reference on the bf16-rounded checkpoint gives the kernel's
-# tokens, 88 61 61 89 104 19 75 61); deepseek_v3_noqlora flips at step 2, where
-# transformers' top-2 logits are 0.039 apart; gpt_oss's expert biases are not generated.
+# Every fixture but gpt_oss (its expert biases are not generated; qwen3 runs with a
+# tokenizer below): the kernel's tokens are transformers' greedy tokens. The fixtures'
+# weights are bf16-exact, so the kernel's bf16 weights are the fixture's model, and their
+# seeds were chosen so that a bf16 copy of the model keeps the greedy ids (see
+# scripts/make_hf_fixtures.py).
 @pytest.mark.slow
-@pytest.mark.parametrize("folder", ["deepseek_v3", "qwen3_next"])  # qwen3: below
+@pytest.mark.parametrize(
+    "folder",
+    ["deepseek_v3", "deepseek_v3_noqlora", "kimi_linear", "mixtral", "qwen3_moe", "qwen3_next"],
+)  # qwen3: below
 def test_converted_fixture_generates_transformers_greedy_tokens(tmp_path: Path, folder: str):
     build = _build(tmp_path, folder)
     weights = _convert(FIXTURES / folder, build, tmp_path / "w")
