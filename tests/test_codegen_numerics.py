@@ -100,6 +100,10 @@ def test_two_hosts_16_cores() -> None:
 
 # ---------------------------------------------------------------- broken kernels are caught
 
+# One chip (2 cores, with collectives): a broken kernel fails on any mesh, and a quarter
+# of 2x2x1's virtual devices keeps each case near a quarter of its time.
+MUTANT_TOPOLOGY = "1x1x1"
+
 RING_PREFETCH_LATE = """            self.start(q + self.depth)
             return carry"""
 RING_WAIT = """            for copy in self.copies(q):
@@ -114,7 +118,7 @@ def test_prefetch_into_the_slot_being_read_is_caught() -> None:
         (RING_WAIT, RING_WAIT + "            self.start(q + self.depth)\n"),
     ]
     report = verify_numerics(
-        "qwen3-32b", "2x2x1", mode="eager", steps=1, timeout=TIMEOUT, mutations=mutations
+        "qwen3-32b", MUTANT_TOPOLOGY, mode="eager", steps=1, timeout=TIMEOUT, mutations=mutations
     )
     assert not report.passed
     failure = report.failure() or ""
@@ -125,7 +129,7 @@ def test_missing_wait_is_caught() -> None:
     """The cache block read is used without waiting for its DMA."""
     mutations = [("    for copy in reads:\n        copy.wait()\n", "")]
     report = verify_numerics(
-        "qwen3-32b", "2x2x1", mode="on_wait", steps=1, timeout=TIMEOUT, mutations=mutations
+        "qwen3-32b", MUTANT_TOPOLOGY, mode="on_wait", steps=1, timeout=TIMEOUT, mutations=mutations
     )
     assert not report.passed
     assert report.failure()
@@ -137,7 +141,7 @@ def test_first_diverging_layer_is_named() -> None:
     mutations = [("s = s * FULL_SCALE", "s = s * FULL_SCALE * 2.0")]
     # Two steps: with a single key (position 0) the softmax ignores its scale.
     report = verify_numerics(
-        spec, "2x2x1", mode="on_wait", steps=2, timeout=TIMEOUT, mutations=mutations
+        spec, MUTANT_TOPOLOGY, mode="on_wait", steps=2, timeout=TIMEOUT, mutations=mutations
     )
     assert not report.passed
     assert "layer 3 diverges first" in (report.failure() or ""), report.failure()
@@ -160,7 +164,7 @@ def test_first_diverging_layer_is_named() -> None:
 def test_a_wrong_scale_is_caught(spec: str, old: str, new: str) -> None:
     path = str(SPECS / f"{spec}.yaml")
     report = verify_numerics(
-        path, "2x2x1", mode="on_wait", steps=1, timeout=TIMEOUT, mutations=[(old, new)]
+        path, MUTANT_TOPOLOGY, mode="on_wait", steps=1, timeout=TIMEOUT, mutations=[(old, new)]
     )
     assert not report.passed
     assert "layer 0 diverges first" in (report.failure() or ""), report.failure()
