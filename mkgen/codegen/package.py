@@ -24,9 +24,9 @@ Decisions:
 - Measurements are separate: compile seconds and interpret-mode results vary run to
   run, so ``mkgen build`` never measures. ``mkgen compile --update-report`` and
   ``mkgen verify --update-report`` store their results in ``measurements.json`` keyed
-  by the sha256 of what the kernels are rendered from (the inputs without the runner's
-  and report's templates) and re-render REPORT.md with them; a rebuild keeps them while
-  those are unchanged and drops them (stale) otherwise.
+  by the sha256 of the kernels' code (full and mini, headers left out) and re-render
+  REPORT.md with them; a rebuild keeps them while that code is unchanged and drops them
+  (stale) otherwise.
 """
 
 from __future__ import annotations
@@ -68,15 +68,15 @@ MEASUREMENTS = "measurements.json"
 MINI_DIR = "mini"
 PLAN_FORMAT = 1
 TEMPLATE_FILES = ("megakernel.py.j2", "runner.py.j2", "REPORT.md.j2")
-# What compile and verify measure: the kernels (full and mini), not the runner or report,
-# so measurements stay valid across changes to those (MEASURED_KEY).
-KERNEL_TEMPLATES = ("megakernel.py.j2",)
+# Measurements are keyed by what compile and verify measure: the kernels' code (full and
+# mini, without their headers), so a change to the runner, the report or another kind's
+# kernel code leaves them valid.
 MEASURED_KEY = "kernel_sha256"
 # The mini twin's cache length: verify_numerics' default, one 128-token KV tile, and room
 # for a short prompt plus a few decode steps in the mini runner.
 MINI_CONTEXT = 128
 # Attention types whose cache is a recurrent state (not rows indexed by position): the
-# runner cannot verify draft rows over them until it can roll a state back.
+# runner keeps the snapshot after each sequence's last accepted row.
 RECURRENT = ("gated_deltanet", "kda")
 _MODEL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 _IGNORED = ("__pycache__",)  # Python may cache bytecode beside megakernel.py
@@ -149,16 +149,11 @@ def _canonical(data: Any) -> str:
 
 
 def inputs_digest(
-    spec: ModelSpec,
-    topology: Topology,
-    options: BuildOptions,
-    kernel_args: Mapping[str, Any],
-    templates: tuple[str, ...] = TEMPLATE_FILES,
+    spec: ModelSpec, topology: Topology, options: BuildOptions, kernel_args: Mapping[str, Any]
 ) -> str:
-    """sha256 of everything a build is rendered from (`spec` with its overrides applied);
-    with `templates` = KERNEL_TEMPLATES, of everything its kernels are rendered from."""
+    """sha256 of everything a build is rendered from (`spec` with its overrides applied)."""
     template_digests = {
-        name: hashlib.sha256((TEMPLATES / name).read_bytes()).hexdigest() for name in templates
+        name: hashlib.sha256((TEMPLATES / name).read_bytes()).hexdigest() for name in TEMPLATE_FILES
     }
     data = {
         "mkgen": __version__,
@@ -214,6 +209,7 @@ class RenderedBuild:
 
     name: str
     inputs_sha256: str
+    kernel_sha256: str  # the code measurements are of (MEASURED_KEY)
     files: dict[str, str]
     layout: KernelLayout
     plan: Any  # mkgen.plan.BuildPlan
@@ -257,7 +253,6 @@ def render_build(
     # Recorded with the ring depth resolved, so a saved build re-renders identically.
     kernel_args = {**(kernel_args or {}), "bank_rows": bank_rows, "ring_depth": depth}
     digest = inputs_digest(spec, topology, options, kernel_args)
-    kernel_digest = inputs_digest(spec, topology, options, kernel_args, KERNEL_TEMPLATES)
     name = build_name(spec.name, topology)
     rebuild = parent or rebuild_command(spec.name, topology, options)
     header = render_header(
@@ -292,6 +287,23 @@ def render_build(
         "plan": sorted_keys(plan_json(plan)),
         "estimates_by_acceptance": sorted_keys([e.model_dump(mode="json") for e in acceptance]),
     }
+    mini = None
+    if with_mini:
+        # The twin of the spec as built (overrides applied), with the twin's own formats.
+        mini_options = BuildOptions.create(
+            batch=options.batch, rows=options.rows, context=MINI_CONTEXT
+        )
+        mini = render_build(
+            mini_twin(options.apply(spec), topology.num_devices),
+            topology,
+            mini_options,
+            kernel_args=mini_kernel_args(),
+            with_mini=False,
+            is_mini=True,
+            parent=f"part of `{rebuild}`",
+        )
+    kernels = render_kernel(layout, "") + (render_kernel(mini.layout, "") if mini else "")
+    kernel_digest = sha256_bytes(kernels.encode())
     valid = {}
     if measurements and measurements.get(MEASURED_KEY) == kernel_digest:
         valid = {k: v for k, v in measurements.items() if k != MEASURED_KEY}
@@ -316,21 +328,7 @@ def render_build(
         # is key-sorted above.
         "plan.json": dump_json(plan_data, sort=False),
     }
-    mini = None
-    if with_mini:
-        # The twin of the spec as built (overrides applied), with the twin's own formats.
-        mini_options = BuildOptions.create(
-            batch=options.batch, rows=options.rows, context=MINI_CONTEXT
-        )
-        mini = render_build(
-            mini_twin(options.apply(spec), topology.num_devices),
-            topology,
-            mini_options,
-            kernel_args=mini_kernel_args(),
-            with_mini=False,
-            is_mini=True,
-            parent=f"part of `{rebuild}`",
-        )
+    if mini:
         files.update({f"{MINI_DIR}/{path}": text for path, text in mini.files.items()})
     from mkgen.verify.inspect import vmem_map
 
@@ -355,7 +353,14 @@ def render_build(
     )
     if valid:
         files[MEASUREMENTS] = dump_json({MEASURED_KEY: kernel_digest, **valid})
-    return RenderedBuild(name=name, inputs_sha256=digest, files=files, layout=layout, plan=plan)
+    return RenderedBuild(
+        name=name,
+        inputs_sha256=digest,
+        kernel_sha256=kernel_digest,
+        files=files,
+        layout=layout,
+        plan=plan,
+    )
 
 
 # ---------------------------------------------------------------- the report's data
@@ -788,7 +793,9 @@ def record_measurement(directory: Path, key: str, result: Mapping[str, Any]) -> 
             f"{directory} was built from other templates or another mkgen; "
             f"run `{data['build']['rebuild']}` first"
         )
-    kernel_digest = inputs_digest(spec, topology, options, data["kernel_args"], KERNEL_TEMPLATES)
+    kernel_digest = render_build(
+        spec, topology, options, kernel_args=data["kernel_args"]
+    ).kernel_sha256
     measurements = read_measurements(directory) or {}
     if measurements.get(MEASURED_KEY) != kernel_digest:
         measurements = {}

@@ -47,8 +47,9 @@ def kernel_cache_pieces(
     kind's layer axis: GQA k and v [B, kv heads of the core, context, head_dim] (kv heads
     split, or shared by kv_rank_divisor consecutive cores); MLA latent [B, 1, context,
     latent | k_rope], whole on every core, rotary pairs stored as halves where the model's
-    rope is interleaved; Gated DeltaNet / KDA conv [B, W - 1, the core's q | k | v
-    channels] and f32 state [B, the core's value heads, Dk, Dv]."""
+    rope is interleaved; Gated DeltaNet / KDA conv [B, ROWS, W - 1, the core's q | k | v
+    channels] and f32 state [B, ROWS, the core's value heads, Dk, Dv], the reference's in
+    snapshot ROWS - 1 (the one a step starts from), the others zero."""
     if isinstance(kind, GQALayout):
         piece = rank // kind.kv_rank_divisor
         return {
@@ -72,7 +73,12 @@ def kernel_cache_pieces(
         conv.append(channels)
         start += widths[name]
     state = _piece(cache["state"], 1, kind.value_heads, rank)
-    return {"conv": jnp.concatenate(conv, axis=-1), "state": state}
+    rows = next(c for c in kind.caches if c.name == "state").shape[2]
+
+    def current(x):  # [B, ...] -> [B, rows, ...]: the snapshot a step starts from
+        return jnp.zeros((x.shape[0], rows, *x.shape[1:]), x.dtype).at[:, rows - 1].set(x)
+
+    return {"conv": current(jnp.concatenate(conv, axis=-1)), "state": current(state)}
 
 
 def _routed_on_this_core(ffn: MoELayout, experts: Mapping[str, jax.Array], axis: str):

@@ -160,7 +160,7 @@ class RecurrentLayout(PlanModel):
     columns: dict[str, Columns]  # outputs of the "in" segment
     segments: list[Segment]  # in, (f_b, g_b for KDA), o
     vectors: list[VectorRow]
-    caches: list[CacheArray]  # conv tail (bf16), recurrent state (f32)
+    caches: list[CacheArray]  # conv tail (bf16), recurrent state (f32): after each row
     rope: None = None  # no positions: the recurrence carries order
 
 
@@ -510,7 +510,7 @@ def _mla_layout(name, index, layers, kind, shard, segments, devices, options, di
 def _recurrent_layout(
     name, index, layers, kind, shard, segments, devices, options, dims
 ) -> RecurrentLayout:
-    batch = options.batch
+    batch, rows = options.batch, options.rows
     if shard.latent == "split":
         _unsupported(f"attention_kinds.{name}: low-rank gate projections split over cores")
     parts = {t.name: part_of(t, devices) for t in shard.tensors}
@@ -543,7 +543,9 @@ def _recurrent_layout(
             key_dim=kind.key_head_dim, value_dim=kind.value_head_dim,
         )  # fmt: skip
         extra = {}
-    state = [len(layers), batch, dims["value_heads"], dims["key_dim"], dims["value_dim"]]
+    # One snapshot after each row of a step: the runner keeps the one after the last
+    # accepted draft row (a rejected draft must not advance the recurrence).
+    state = [len(layers), batch, rows, dims["value_heads"], dims["key_dim"], dims["value_dim"]]
     return RecurrentLayout(
         type=kind.type,
         name=name,
@@ -556,7 +558,7 @@ def _recurrent_layout(
         vectors=vectors,
         caches=[
             CacheArray(
-                name="conv", shape=[len(layers), batch, width - 1, channels], dtype="bfloat16"
+                name="conv", shape=[len(layers), batch, rows, width - 1, channels], dtype="bfloat16"
             ),
             CacheArray(name="state", shape=state, dtype="float32"),
         ],

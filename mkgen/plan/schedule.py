@@ -25,8 +25,9 @@ design implies (docs/planner.md):
 - KV tiles: per (sequence, kv head) pair, tiles double buffered (tile t in buffer
   t % 2; t + 1 started once t is waited); the new rows are written back first (block
   read, merge, block write, each waited) so the tiles read them;
-- recurrent state (Gated DeltaNet, KDA): the conv tails and states of every sequence
-  read at once after the input projection, the rows run in order, all written back;
+- recurrent state (Gated DeltaNet, KDA): the current conv tails and states of every
+  sequence read at once after the input projection, the rows run in order, the snapshot
+  after each row written back;
 - experts: after routing the ids go to SMEM and the core lists its chosen experts; their
   slices stream as pieces through S slots: piece q in slot q % S, the first S started at
   once, piece q + S right after piece q is used, across expert boundaries;
@@ -770,8 +771,9 @@ class _Builder:
         return out["o"]
 
     def _recurrent(self, layer: int, name: str, kind, a, y: int) -> int:
-        """Conv tail and state of every sequence in, the rows in order, all written back
-        (the template's Gated DeltaNet; KDA the same way)."""
+        """The current conv tail and state of every sequence in, the rows in order, the
+        snapshot after every row written back (the template's Gated DeltaNet; KDA the same
+        way)."""
         b = self.dims.batch
         heads, dk, dv, _ = recurrent_dims(kind, a)
         res = f"{name}.state"
@@ -788,8 +790,9 @@ class _Builder:
                 8 * self.o.rows * heads * dk * dv, ((prev, res, 0), (y, None, 0)),
                 writes=(res, 0),
             )  # fmt: skip
-        wr = self.dma("state_write", f"L{layer} {name}: conv tails and states out", layer, None,
-                      0, sems, nbytes, count=len(sems), reads=((prev, res, 0),))  # fmt: skip
+        wr = self.dma("state_write", f"L{layer} {name}: snapshots after each row out", layer,
+                      None, 0, sems, nbytes * self.dims.rows, count=len(sems),
+                      reads=((prev, res, 0),))  # fmt: skip
         self.start(wr)
         self.wait(wr)
         return prev

@@ -397,13 +397,14 @@ def recurrent_dims(kind: object, a) -> tuple[int, int, int, int]:
 
 def _recurrent_buffers(out: _List, name: str, kind: object, a, dims: KernelDims) -> None:
     """Gated DeltaNet exactly as the template keeps it (KDA the same way): the conv tail
-    and state of every sequence, read at the top of the layer, written back at its end."""
+    and state of every sequence after each of its rows, the current ones read at the top
+    of the layer, all written back at its end."""
     heads, dk, dv, conv = recurrent_dims(kind, a)
-    b = dims.batch
-    out.add(f"{name}_conv_vmem", "attention", (b, kind.conv_width - 1, conv), "bf16",
-            resource=f"{name}.state", why="conv tail of every sequence")  # fmt: skip
-    out.add(f"{name}_state_vmem", "attention", (b, heads, dk, dv), "f32",
-            resource=f"{name}.state", why="recurrent state of every sequence")  # fmt: skip
+    b, rows = dims.batch, dims.rows
+    out.add(f"{name}_conv_vmem", "attention", (b, rows, kind.conv_width - 1, conv), "bf16",
+            resource=f"{name}.state", why="conv tail of every sequence after each row")  # fmt: skip
+    out.add(f"{name}_state_vmem", "attention", (b, rows, heads, dk, dv), "f32",
+            resource=f"{name}.state", why="recurrent state of every sequence after each row")  # fmt: skip
     out.sems(f"{name}_cache_sems", (2, b))
 
 

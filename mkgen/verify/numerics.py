@@ -372,7 +372,9 @@ def _compare_caches(
                     if name == "conv":
                         continue
                     ours, ref = mine[name][rank, slot], np.asarray(ref, np.float32)
-                    if name != "state":  # [B, heads, context, width]: this step's rows
+                    if name == "state":  # [B, ROWS, ...]: after the step's last row
+                        ours, ref = ours[:, -1], ref[:, -1]
+                    else:  # [B, heads, context, width]: this step's rows
                         ours = ours[:, :, position : position + rows]
                         ref = ref[:, :, position : position + rows]
                     diff = max(diff, float(np.abs(ours - ref).max()))
