@@ -229,8 +229,9 @@ def test_regen_rebuilds_every_listed_build(tmp_path: Path, monkeypatch) -> None:
 
 
 @pytest.mark.slow
-def test_verify_passes_for_qwen3_32b_on_2x2x1() -> None:
-    result = mkgen("verify", "qwen3-32b", "--topology", "2x2x1", "--steps", "1", timeout=600)
+def test_verify_passes_for_qwen3_32b_on_one_chip() -> None:
+    # The CLI around verify_numerics (both DMA modes); 2x2x1 runs in test_codegen_numerics.
+    result = mkgen("verify", "qwen3-32b", "--topology", "1x1x1", "--steps", "1", timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "tolerances: logits: max |kernel - reference| <= 0.01 + 0.02 x max |reference|" in out

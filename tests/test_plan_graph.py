@@ -146,14 +146,17 @@ def test_the_ring_policy_is_the_kernels() -> None:
     depth = plan.vmem.ring_depth
     first, wait = schedule.positions()
     banks = [n for n in schedule.nodes if n.cat == "bank"]
+    last_use: dict[int, int] = {}  # bank -> position of its last reader
+    for node in schedule.nodes:
+        for read, _, _ in node.reads:
+            last_use[read] = max(last_use.get(read, -1), first[node.id])
     # Priming: banks 0..depth-1 start before any layer work.
     assert [schedule.events[i + 1] for i in range(depth)] == [(START, b.id) for b in banks[:depth]]
     for g, bank in enumerate(banks):
         assert bank.slot == g % depth and bank.sems == (f"ring_sems[{g % depth}]",)
         if g >= depth:
             # Bank g starts right after the last use of bank g - depth, in the same slot.
-            readers = [n for n in schedule.nodes if any(p == g - depth for p, _, _ in n.reads)]
-            assert first[bank.id] == max(first[r.id] for r in readers) + 1
+            assert first[bank.id] == last_use[g - depth] + 1
         assert wait[bank.id] > first[bank.id]
 
 

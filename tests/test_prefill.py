@@ -118,7 +118,6 @@ def test_unpacking_gives_back_the_stored_tensors(spec_ref: str) -> None:
 
 
 PREFILL_CASES = [
-    "qwen3-30b-a3b",
     "qwen3.8-27b",
     str(SPECS / "kda-hybrid.yaml"),
     str(SPECS / "mla-hybrid.yaml"),

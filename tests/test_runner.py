@@ -257,3 +257,23 @@ def test_mkgen_run_passes_arguments_to_the_runner(tmp_path: Path, capfd) -> None
         main(["run", str(build), "--weights", str(tmp_path / "none"), "--random-weights", "0"])
     assert exit_.value.code == 2  # argparse: the two weight sources exclude each other
     assert "not allowed with argument" in capfd.readouterr().err
+
+
+def test_streamed_text_prints_only_what_is_settled(runner, capsys) -> None:
+    """Text appears call by call; a character still missing its second byte (decoded as
+    U+FFFD) waits for the call that completes it; without a tokenizer ids stream."""
+
+    class Bytes:  # id 1 is the first byte of "é", id 2 its second; others: letters
+        def decode(self, ids):
+            text = "".join({1: "\ufffd", 2: ""}.get(i, chr(96 + i)) for i in ids)
+            return text.replace("\ufffd", "é") if 2 in ids else text
+
+    stream = runner.Streamer(Bytes())
+    for ids in ([3], [3, 4, 1], [3, 4, 1, 2, 5]):
+        stream(ids)
+        print("|", end="")
+    assert capsys.readouterr().out == "c|d|ée|"
+    ids_only = runner.Streamer(None)
+    ids_only([7, 8])
+    ids_only([7, 8, 9])
+    assert capsys.readouterr().out == "7 8 9"
