@@ -753,6 +753,62 @@ def run_command(build: str, runner_args: tuple[str, ...]) -> None:
     sys.exit(status)
 
 
+@cli.command(
+    "bench",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+)
+@click.argument("spec_ref", metavar="SPEC")
+@click.option("--topology", required=True, help="CHIP:SHAPE or SHAPE, e.g. 2x2x4.")
+@click.option("--batches", default="1,2,4,8", show_default=True, help="Batch sizes to build.")
+@click.option("--rows", type=int, default=1, show_default=True, help="Rows per sequence.")
+@click.option("--context", type=int, default=None, help="Cache tokens per sequence [4096].")
+@click.option("--quant", multiple=True, metavar="FAMILY=FORMAT", help="Weight format override.")
+@click.option("--mini", is_flag=True, help="Run each build's mini twin (CPU: with --interpret).")
+@click.argument("runner_args", nargs=-1, type=click.UNPROCESSED)
+def bench_command(
+    spec_ref: str, topology: str, batches: str, rows: int, context: int | None,
+    quant: tuple[str, ...], mini: bool, runner_args: tuple[str, ...],
+) -> None:  # fmt: skip
+    """Benchmark the runner at several batch sizes: build SPEC once per batch (in a
+    temporary directory), run each build's runner with --bench --json and the arguments
+    that follow (weights, prompt, --steps, --warmup, --interpret, ...), and print ms per
+    step (median, p10-p90), tokens/s per user and in all, next to the plan's prediction."""
+    import subprocess
+
+    from mkgen.codegen.package import make_build
+
+    try:
+        sizes = [int(b) for b in batches.split(",")]
+    except ValueError:
+        raise MkgenError(f"--batches: expected comma-separated integers, got {batches!r}") from None
+    rows_out = []
+    with tempfile.TemporaryDirectory(prefix="mkgen-bench-") as tmp:
+        for batch in sizes:
+            spec, topo, options = _plan_inputs(
+                spec_ref, topology, batch=batch, rows=rows, context=context, quant=quant
+            )
+            result = make_build(spec, topo, options, output=Path(tmp) / f"batch-{batch}")
+            runner = result.directory / ("mini" if mini else "") / "runner.py"
+            run = subprocess.run(
+                [sys.executable, str(runner), "--bench", "--json", *runner_args],
+                capture_output=True, text=True,
+            )  # fmt: skip
+            if run.returncode != 0:
+                last = (run.stderr.strip().splitlines() or ["no output"])[-1]
+                raise MkgenError(f"batch {batch}: the runner failed: {last}")
+            bench = json.loads(run.stdout.strip().splitlines()[-1])["bench"]
+            predicted = None if mini else result.rendered.step_ms()
+            rows_out.append((batch, bench, predicted))
+    click.echo("batch  ms/step (p10-p90)       tokens/s/user  tokens/s  predicted ms/step")
+    for batch, bench, predicted in rows_out:
+        spread = f"{bench['ms_p10']:.3f}-{bench['ms_p90']:.3f}"
+        shown = "-" if predicted is None else f"{predicted:.3f}"
+        click.echo(
+            f"{batch:>5}  {bench['ms_per_step']:>8.3f} ({spread:>15})  "
+            f"{bench['tokens_per_s_per_user']:>13.1f}  {bench['tokens_per_s']:>8.1f}  {shown:>17}"
+        )
+
+
 @cli.command("inspect")
 @click.argument("build", metavar="BUILD")
 @click.option("--layer", type=int, help="Show one layer's schedule next to its code.")

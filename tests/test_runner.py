@@ -277,3 +277,33 @@ def test_streamed_text_prints_only_what_is_settled(runner, capsys) -> None:
     ids_only([7, 8])
     ids_only([7, 8, 9])
     assert capsys.readouterr().out == "7 8 9"
+
+
+@pytest.mark.slow
+def test_bench_builds_and_times_one_runner_per_batch() -> None:
+    """mkgen bench at batches 1 and 2 (the qwen3 fixture's spec, random weights, interpret
+    mode): one row per batch with its medians, all tokens = batch x per user, and the
+    plan's prediction beside them."""
+    args = [
+        "bench", str(FIXTURES / "qwen3" / "config.json"), "--topology", TOPOLOGY,
+        "--batches", "1,2", "--context", "64", "--interpret", "--random-weights", "0",
+        "--prompt-ids", "1,2,3", "--steps", "3", "--warmup", "1",
+    ]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "mkgen.cli", *args], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].split()[:2] == ["batch", "ms/step"]
+    table = [line.replace("(", " ").replace(")", " ").split() for line in lines[1:]]
+    assert [row[0] for row in table] == ["1", "2"]
+    for row in table:
+        batch, ms, per_user, total, predicted = int(row[0]), *map(float, (row[1], *row[3:]))
+        assert ms > 0 and predicted > 0
+        assert total == pytest.approx(batch * per_user, abs=0.1 * batch)
+    bad = subprocess.run(
+        [sys.executable, "-m", "mkgen.cli", "bench", "qwen3-32b", "--topology", "2x2x1",
+         "--batches", "1,x"], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--batches" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
