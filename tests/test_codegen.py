@@ -46,6 +46,8 @@ FULL_SIZE = [
     ("qwen3-30b-a3b", "2x2x2", {}),
     (str(SPECS / "mla-hybrid.yaml"), "2x2x1", {}),  # both MLA forms, attention residual
     (str(SPECS / "formats-int8.yaml"), "2x2x1", {}),  # int8 dense weights
+    # gpt-oss's transformers fixture: expert biases, sinks, sliding window, clamped SwiGLU.
+    (str(Path(__file__).parent / "fixtures" / "hf" / "gpt_oss" / "config.json"), "1x1x1", {}),
     # rs_ar on two hosts: staged reduce-scatter pieces of 16 f32 lanes still move as
     # whole 128-lane rows, as Mosaic's DMA requires.
     (str(SPECS / "latent-moe-shared.yaml"), "2x2x2", {}),

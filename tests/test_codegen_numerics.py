@@ -171,3 +171,19 @@ def test_a_wrong_scale_is_caught(spec: str, old: str, new: str) -> None:
     )
     assert not report.passed
     assert "layer 0 diverges first" in (report.failure() or ""), report.failure()
+
+
+GPT_OSS = str(Path(__file__).parent / "fixtures" / "hf" / "gpt_oss" / "config.json")
+
+
+def test_expert_biases_on_split_experts() -> None:
+    """gpt-oss's twin on 2x2x1 (each expert's width in 2 parts): expert biases from the
+    vector slab, sinks, sliding and full layers, q/k/v/o biases, clamped SwiGLU; and the
+    down bias added by every width part instead of part 0 only is caught."""
+    _check(verify_numerics(GPT_OSS, "2x2x1", mode="eager", steps=2, timeout=TIMEOUT))
+    doubled = ("adds_down_bias = (me % MOE_WIDTH_PARTS) == 0", "adds_down_bias = True")
+    report = verify_numerics(
+        GPT_OSS, "2x2x1", mode="on_wait", steps=1, timeout=TIMEOUT, mutations=[doubled]
+    )
+    assert not report.passed
+    assert "layer 0 diverges first" in (report.failure() or ""), report.failure()

@@ -56,7 +56,9 @@ def _relative(ours, theirs) -> float:
     return float(np.abs(ours - theirs).max() / max(np.abs(theirs).max(), 1e-6))
 
 
+GPT_OSS = str(Path(__file__).parent / "fixtures" / "hf" / "gpt_oss" / "config.json")
 UNPACK_CASES = [
+    GPT_OSS,  # expert biases, sinks, q/k/v/o biases
     "qwen3.8-27b",  # Gated DeltaNet + gated GQA
     "muse-spark-1.2",  # int4 experts, latent MoE
     str(SPECS / "kda-hybrid.yaml"),
@@ -68,7 +70,9 @@ UNPACK_CASES = [
 
 
 @pytest.mark.parametrize(
-    "spec_ref", UNPACK_CASES, ids=[Path(s).stem if s.endswith(".yaml") else s for s in UNPACK_CASES]
+    "spec_ref",
+    UNPACK_CASES,
+    ids=["gpt_oss", *(Path(s).stem if s.endswith(".yaml") else s for s in UNPACK_CASES[1:])],
 )
 def test_unpacking_gives_back_the_stored_tensors(spec_ref: str) -> None:
     """Every core's pieces of every layer, gathered and assembled, equal the weights the
@@ -103,21 +107,25 @@ def test_unpacking_gives_back_the_stored_tensors(spec_ref: str) -> None:
         ffn = layout.ffn[layout.ffn_table[layer]]
         if ffn.type != "moe":
             continue
-        width = ffn.experts.width
         for rank in range(ranks):
-            first = rank // ffn.width_parts * ffn.experts_per_rank
-            ids = slice(first, first + ffn.experts_per_rank)
-            cols = slice(rank % ffn.width_parts * width, (rank % ffn.width_parts + 1) * width)
+            held, cols = pack.expert_ids_and_columns(ffn, rank)
+            ids = slice(held.start, held.stop)
             for name, index in (
                 ("experts_gate", (ids, slice(None), cols)),
                 ("experts_up", (ids, slice(None), cols)),
                 ("experts_down", (ids, cols, slice(None))),
+                ("experts_b_gate", (ids, cols)),
+                ("experts_b_up", (ids, cols)),
+                ("experts_b_down", (ids,)),
             ):
+                if f"{prefix}ffn.{name}" not in weights:
+                    continue  # no expert biases
                 stored = weights[f"{prefix}ffn.{name}"][index]
                 assert _relative(pieces[rank][f"ffn.{name}"], stored) == 0.0, (layer, name, rank)
 
 
 PREFILL_CASES = [
+    GPT_OSS,
     "qwen3.8-27b",
     str(SPECS / "kda-hybrid.yaml"),
     str(SPECS / "mla-hybrid.yaml"),

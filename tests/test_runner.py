@@ -86,13 +86,12 @@ def _words(ids: list[int]) -> str:
 # tokenized with it, the prompt goes through the XLA prefill and the kernel, and the
 # greedy tokens are both the reference model's on that checkpoint and transformers' own.
 # The fixtures' weights are bf16-exact (BF16 shards lose nothing) and their seeds keep
-# the greedy ids under bf16 compute (scripts/make_hf_fixtures.py). gpt_oss is left out:
-# the generator refuses its expert biases.
+# the greedy ids under bf16 compute (scripts/make_hf_fixtures.py).
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "folder",
     ["qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v3_noqlora", "qwen3_next",
-     "kimi_linear"],
+     "kimi_linear", "gpt_oss"],
 )  # fmt: skip
 def test_hub_checkpoint_generates_the_reference_and_transformers_tokens(
     tmp_path: Path, folder: str

@@ -87,11 +87,15 @@ def _routed_on_this_core(ffn: MoELayout, experts: Mapping[str, jax.Array], axis:
     the tokens that chose them, summed over the cores."""
 
     def routed(kind, _weights, x, chosen, weights):
-        first = jax.lax.axis_index(axis) // ffn.width_parts * ffn.experts_per_rank
+        rank = jax.lax.axis_index(axis)
+        first = rank // ffn.width_parts * ffn.experts_per_rank
         local = chosen - first
         held = (local >= 0) & (local < ffn.experts_per_rank)
+        mine = dict(experts)
+        if "experts_b_down" in mine:  # one width part adds an expert's down bias
+            mine["experts_b_down"] = mine["experts_b_down"] * (rank % ffn.width_parts == 0)
         share = routed_experts(
-            kind, experts, x, jnp.where(held, local, 0), jnp.where(held, weights, 0.0)
+            kind, mine, x, jnp.where(held, local, 0), jnp.where(held, weights, 0.0)
         )
         return jax.lax.psum(share, axis)
 

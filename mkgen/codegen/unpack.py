@@ -18,7 +18,11 @@ from mkgen.plan.layout import ExpertChunks, KernelLayout, MoELayout
 from mkgen.plan.stream import CHUNK, LANES, Part, Segment, TensorView
 from mkgen.spec.quant import parse_format
 
-EXPERT_TENSORS = ("experts_gate", "experts_up", "experts_down")  # a rank's routed pieces
+# A rank's routed pieces (its experts, its width part): they stay on their rank.
+EXPERT_TENSORS = (
+    "experts_gate", "experts_up", "experts_down", "experts_b_gate", "experts_b_up",
+    "experts_b_down",
+)  # fmt: skip
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 codes 0..7
 E8M0_BIAS = 127
 
@@ -145,8 +149,9 @@ def layer_pieces(
     """One core's pieces of layer `layer`'s tensors, keyed by their names in the layer
     (attn.wq, ffn.experts_up, attn_norm, ...): banks [layer banks, bank_rows, LANES] from
     pack.layer_bank_range, its vector slab and (MoE layers) its expert arrays. Each piece
-    has the shape pack.part_slice cuts (in its part's view); `shapes` holds the layer's
-    full tensor shapes by the same names."""
+    has the shape pack.part_slice cuts (in its part's view), routed-expert tensors
+    (EXPERT_TENSORS) the rank's experts and width part; `shapes` holds the layer's full
+    tensor shapes by the same names."""
     s = layout.stream
     first = s.attention_banks[layer]
     attention = layout.attention[layout.attention_table[layer]]
@@ -173,6 +178,11 @@ def layer_pieces(
         chunks = expert_values(ffn.experts, experts)
         for name, value in expert_matrices(ffn.experts, chunks).items():
             pieces[f"ffn.{name}"] = value
+        if ffn.bias_row is not None:  # pack.expert_biases
+            at, held, width = ffn.bias_row, ffn.experts_per_rank, ffn.experts.width
+            pieces["ffn.experts_b_gate"] = slab[at : at + held, :width]
+            pieces["ffn.experts_b_up"] = slab[at : at + held, width : 2 * width]
+            pieces["ffn.experts_b_down"] = slab[at + held : at + 2 * held, : ffn.experts.d]
     return pieces
 
 

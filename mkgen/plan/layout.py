@@ -325,6 +325,10 @@ class MoELayout(PlanModel):
     columns: dict[str, Columns]  # outputs of the "in" segment: router, latent_in, shared_*
     segments: list[Segment]  # in, latent_out, shared_down
     vectors: list[VectorRow]
+    # Expert biases (gpt-oss), in the layer's vector slab from this row: one row per expert
+    # the core holds with its gate | up biases (its width part's columns), then one row per
+    # expert with its down biases, which width part 0 adds. None: no biases.
+    bias_row: int | None = None
 
 
 class AttentionResidualLayout(PlanModel):
@@ -657,8 +661,6 @@ def _check_formats(spec: ModelSpec, stream: StreamPlan) -> None:
 def _moe_layout(
     name, index, layers, kind, shard, segments, devices, first_row, expert_format, max_piece_chunks
 ) -> MoELayout:
-    if kind.expert_bias:
-        _unsupported(f"ffn_kinds.{name}: expert biases")
     if kind.activation.kind == "gelu":
         _unsupported(f"ffn_kinds.{name}: exact gelu (use gelu_tanh)")
     if shard.latent_design == "ar_ag" and kind.shared_experts:
@@ -710,7 +712,24 @@ def _moe_layout(
         columns=columns,
         segments=segments,
         vectors=vectors,
+        bias_row=first_row + len(vectors) if kind.expert_bias else None,
     )
+
+
+def _slab_rows(kind: DenseLayout | MoELayout) -> int:
+    """Rows of a layer's vector slab an FFN kind uses after its first row."""
+    rows = sum(v.rows for v in kind.vectors)
+    if isinstance(kind, MoELayout) and kind.bias_row is not None:
+        rows += 2 * kind.experts_per_rank
+    return rows
+
+
+def _slab_width(kind: DenseLayout | MoELayout) -> int:
+    """The widest row an FFN kind puts in a layer's vector slab."""
+    widths = [v.length for v in kind.vectors]
+    if isinstance(kind, MoELayout) and kind.bias_row is not None:
+        widths += [2 * kind.experts.width, kind.experts.d]
+    return max(widths, default=0)
 
 
 def build_layout(
@@ -792,7 +811,7 @@ def build_layout(
         )
     if spec.dims.tie_embeddings:
         _unsupported("tied embeddings")
-    ffn_rows_end = first_ffn_row + max(sum(v.rows for v in f.vectors) for f in ffn)
+    ffn_rows_end = first_ffn_row + max(_slab_rows(f) for f in ffn)
     residual = None
     if spec.attention_residual:
         r = spec.attention_residual
@@ -832,8 +851,13 @@ def build_layout(
         ffn_slot=[ffn[k].layers.index(i) for i, k in enumerate(ffn_table)],
         vector_rows=ffn_rows_end + (1 if residual else 0),
         vector_width=round_up(
-            max([hidden] + [v.length for k in [*attention, *ffn] for v in k.vectors]), 128
-        ),
+            max(
+                [hidden]
+                + [v.length for a in attention for v in a.vectors]
+                + [_slab_width(f) for f in ffn]
+            ),
+            128,
+        ),  # fmt: skip
         collectives=plan_collectives(topology, layer_uses(sharding)),
         attention_residual=residual,
         final_norm=globals_["final_norm"],
