@@ -26,8 +26,7 @@ from jax.sharding import PartitionSpec as P
 from mkgen.codegen import unpack
 from mkgen.plan.layout import GQALayout, KernelLayout, MLALayout, MoELayout, RecurrentLayout
 from mkgen.reference import model as reference
-from mkgen.reference.ffn import routed_experts
-from mkgen.reference.layers import rms_norm
+from mkgen.reference.layers import gated_activation, mm, rms_norm
 from mkgen.spec.schema import ModelSpec
 from mkgen.spec.weights import attention_weights, model_weights
 
@@ -83,21 +82,31 @@ def kernel_cache_pieces(
 
 def _routed_on_this_core(ffn: MoELayout, experts: Mapping[str, jax.Array], axis: str):
     """A routed-experts function (mkgen.reference.ffn.RoutedExperts) for inside shard_map:
-    the experts and columns this core holds (MoELayout: group rank // width_parts), for
-    the tokens that chose them, summed over the cores."""
+    the experts and columns this core holds (MoELayout: group rank // width_parts), summed
+    over the cores. One expert at a time over every token, weighted by the token's combine
+    weight for it (zero when it did not choose it): memory stays one expert's activations,
+    where gathering each token's chosen matrices would hold T x top_k of them."""
 
     def routed(kind, _weights, x, chosen, weights):
         rank = jax.lax.axis_index(axis)
         first = rank // ffn.width_parts * ffn.experts_per_rank
-        local = chosen - first
-        held = (local >= 0) & (local < ffn.experts_per_rank)
-        mine = dict(experts)
-        if "experts_b_down" in mine:  # one width part adds an expert's down bias
-            mine["experts_b_down"] = mine["experts_b_down"] * (rank % ffn.width_parts == 0)
-        share = routed_experts(
-            kind, mine, x, jnp.where(held, local, 0), jnp.where(held, weights, 0.0)
-        )
-        return jax.lax.psum(share, axis)
+        held = jnp.arange(ffn.experts_per_rank) + first  # [E_r] expert ids
+        combine = jnp.sum(jnp.where(chosen[..., None] == held, weights[..., None], 0.0), axis=1)
+        adds_down_bias = rank % ffn.width_parts == 0  # the width parts' partial sums add up
+
+        def one_expert(total, mine):
+            w, scale = mine
+            gate, up = mm(x, w["experts_gate"]), mm(x, w["experts_up"])
+            if kind.expert_bias:
+                gate, up = gate + w["experts_b_gate"], up + w["experts_b_up"]
+            out = mm(gated_activation(kind.activation, gate, up), w["experts_down"])
+            if kind.expert_bias:
+                out = out + jnp.where(adds_down_bias, w["experts_b_down"], 0.0)
+            return total + scale[:, None] * out, None
+
+        total = jnp.zeros((x.shape[0], experts["experts_down"].shape[-1]), jnp.float32)
+        total, _ = jax.lax.scan(one_expert, total, (dict(experts), combine.T))
+        return jax.lax.psum(total, axis)
 
     return routed
 
