@@ -112,6 +112,9 @@ def test_hub_checkpoint_generates_the_reference_and_transformers_tokens(
     assert out["tokens"] == [ours] == [transformers]
     assert out["text"] == [_words(transformers)]
     assert "acceptance_length" not in out
+    # 11 prompt tokens prefilled in XLA, then the last one and 7 generated tokens fed in
+    # one device call of 8 kernel steps (--steps-per-call 8).
+    assert out["calls"] == 1
 
 
 @pytest.mark.slow
