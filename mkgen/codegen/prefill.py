@@ -4,13 +4,16 @@ One jitted call a layer (one compilation per pair of attention and FFN kinds), a
 shard_map over the kernel's mesh axis. Every core unpacks its own banks, vector slab and
 expert arrays (mkgen.codegen.unpack), all-gathers the pieces of the layer's other
 tensors and runs the reference layer (mkgen.reference.model) on the whole prompt.
-Routed experts stay where they are: each core runs the experts it holds for the tokens
-that chose them, and a psum adds the cores' shares. Each core then cuts its share of the
+Routed experts stay where they are: each core runs the experts it holds, one at a time
+over the prompt weighted by each token's combine weight for it, and a psum adds the
+cores' shares. Each core then cuts its share of the
 reference caches the layer wrote into the kernel's cache layout (kernel_cache_pieces), so
 decoding continues in the megakernel at the position after the prompt.
 
 Memory: besides the weights already placed, a device holds the prompt's activations,
-one layer's tensors other than routed experts (f32) and the layer's reference cache.
+one layer's tensors other than routed experts (f32), one expert's activations and the
+layer's reference cache. Compute for everything but the routed experts is replicated on
+every core (a head-split prefill would divide it).
 """
 
 from __future__ import annotations
