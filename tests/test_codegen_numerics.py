@@ -14,8 +14,7 @@ import pytest
 from mkgen.verify.numerics import NumericsReport, verify_numerics
 
 TIMEOUT = 600
-TIMEOUT_16 = 420  # the 16-device case (about 1 min measured on 2 shared cores)
-TIMEOUT_32 = 900  # the 32-device cases (Kimi K3: about 3 min measured on 2 cores)
+TIMEOUT_16 = 420  # the 16-device cases (Kimi K3's twin: 85 s alone on 2 cores)
 
 
 def _check(report: NumericsReport) -> None:
@@ -54,25 +53,34 @@ def test_mini_twin_matches_the_reference(spec: str, mode: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("spec", "mode", "rows"), [("qwen3-32b", "on_wait", 4), ("muse-spark-1.2", "eager", 8)]
+    ("spec", "topology", "mode", "batch", "rows"),
+    [("qwen3-32b", "1x1x1", "on_wait", 2, 4), ("muse-spark-1.2", "2x2x1", "eager", 1, 8)],
 )
-def test_batch_and_verification_rows(spec: str, mode: str, rows: int) -> None:
-    # 2 sequences x 4 or 8 rows: causal masking among a step's rows and cache writes that
-    # straddle the aligned blocks. Muse Spark's twin has an 8-token window: 2 steps of 8
-    # rows reach position 15, so its window is exceeded (in the eager DMA mode).
-    _check(verify_numerics(spec, "2x2x1", mode=mode, steps=2, batch=2, rows=rows, timeout=TIMEOUT))
+def test_batch_and_verification_rows(
+    spec: str, topology: str, mode: str, batch: int, rows: int
+) -> None:
+    # 2 sequences x 4 rows, or 8 rows: causal masking among a step's rows and cache writes
+    # that straddle the aligned blocks. Muse Spark's twin has an 8-token window: 2 steps of
+    # 8 rows reach position 15, so its window is exceeded (in the eager DMA mode).
+    _check(
+        verify_numerics(spec, topology, mode=mode, steps=2, batch=batch, rows=rows, timeout=TIMEOUT)
+    )
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_16)
 @pytest.mark.parametrize(
-    ("spec", "topology", "mode"), [("kimi-k3", "2x2x4", "on_wait"), ("kimi-k2", "2x2x1", "eager")]
+    ("spec", "topology", "mode"), [("kimi-k3", "2x2x2", "on_wait"), ("kimi-k2", "2x2x1", "eager")]
 )
 def test_kimi(spec: str, topology: str, mode: str) -> None:
-    """Kimi K3 on 2x2x4, 32 virtual devices (four collective stages across 4 hosts): KDA
-    and MLA (NoPE, gated) layers, latent MoE of mxfp4 experts combined by reduce-scatter,
-    the attention residual. Kimi K2 (its twin passed on 2x2x4 too, by hand): MLA with YaRN,
-    fp8 dense weights and experts."""
-    _check(verify_numerics(spec, topology, mode=mode, steps=1, timeout=TIMEOUT_32))
+    """Kimi K3 on 2x2x2, 16 virtual devices (four collective stages, the last across two
+    hosts): KDA and MLA (NoPE, gated) layers, latent MoE of mxfp4 experts combined by
+    reduce-scatter, the attention residual. Its build's own slice, 2x2x4 on 32 devices,
+    is verified by `mkgen verify kimi-k3 --topology 2x2x4 --rows 8` (recorded in
+    generated/kimi-k3-2x2x4/REPORT.md: about 3 minutes on 2 cores, too long for every
+    run). Kimi K2 (its twin passed on 2x2x4 too, by hand): MLA with YaRN, fp8 dense
+    weights and experts."""
+    _check(verify_numerics(spec, topology, mode=mode, steps=1, timeout=TIMEOUT_16))
 
 
 @pytest.mark.slow
@@ -90,15 +98,6 @@ def test_single_core() -> None:
     # One core: no collectives, the whole vocabulary on it. (One chip of two cores, 1x1x1,
     # runs in test_mla_heads_stacked_with_batch_and_rows.)
     _check(verify_numerics("qwen3-30b-a3b", "v6e:1x1", mode="on_wait", steps=2, timeout=TIMEOUT))
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(TIMEOUT_16)
-def test_two_hosts_16_cores() -> None:
-    """2x2x2: four collective stages (sibling core, x, y, across the two hosts) on 16
-    virtual devices; one step keeps it near a minute on 2 cores. (Kimi K3's twin runs the
-    reduce-scatter latent MoE on 2x2x4.)"""
-    _check(verify_numerics("qwen3-30b-a3b", "2x2x2", mode="on_wait", steps=1, timeout=TIMEOUT_16))
 
 
 # ---------------------------------------------------------------- broken kernels are caught
@@ -180,7 +179,7 @@ def test_expert_biases_on_split_experts() -> None:
     """gpt-oss's twin on 2x2x1 (each expert's width in 2 parts): expert biases from the
     vector slab, sinks, sliding and full layers, q/k/v/o biases, clamped SwiGLU; and the
     down bias added by every width part instead of part 0 only is caught."""
-    _check(verify_numerics(GPT_OSS, "2x2x1", mode="eager", steps=2, timeout=TIMEOUT))
+    _check(verify_numerics(GPT_OSS, "2x2x1", mode="eager", steps=1, timeout=TIMEOUT))
     doubled = ("adds_down_bias = (me % MOE_WIDTH_PARTS) == 0", "adds_down_bias = True")
     report = verify_numerics(
         GPT_OSS, "2x2x1", mode="on_wait", steps=1, timeout=TIMEOUT, mutations=[doubled]

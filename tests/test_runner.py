@@ -130,7 +130,7 @@ def test_a_batch_of_prompts_matches_the_reference(tmp_path: Path) -> None:
     weights = _convert(checkpoint, build, tmp_path / "w")
     # The second prompt's greedy steps all lead by >= 0.2 in the reference's logits, so
     # bf16 cannot flip them ([9, 8, 7, 9, 8] has a 0.0096 tie at its sixth step).
-    prompts, steps = [PROMPT, [1, 2, 3, 4, 5]], 6
+    prompts, steps = [PROMPT, [1, 2, 3, 4, 5]], 4
     spec, inventory = load_hf_checkpoint(checkpoint)
     expected = [
         reference.generate(spec, inventory, np.array([p]), steps)[0].tolist() for p in prompts
@@ -289,7 +289,7 @@ def test_bench_builds_and_times_one_runner_per_batch() -> None:
     args = [
         "bench", str(FIXTURES / "qwen3" / "config.json"), "--topology", TOPOLOGY,
         "--batches", "1,2", "--context", "64", "--interpret", "--random-weights", "0",
-        "--prompt-ids", "1,2,3", "--steps", "3", "--warmup", "1",
+        "--prompt-ids", "1,2,3", "--steps", "2", "--warmup", "1",
     ]  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-m", "mkgen.cli", *args], capture_output=True, text=True, timeout=600
