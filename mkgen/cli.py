@@ -695,18 +695,10 @@ def convert_command(
         source, fingerprint = convert.checkpoint_source(spec, Path(checkpoint))
         identity["checkpoint"] = fingerprint
     else:
-        from mkgen.codegen.quantize import fake_quantize
-        from mkgen.reference.model import init_weights
+        from mkgen.codegen.quantize import stored_random_weights
 
         _prepare_jax()
-        import ml_dtypes
-        import numpy as np
-
-        weights = {
-            name: np.asarray(value).astype(ml_dtypes.bfloat16).astype(np.float32)
-            for name, value in init_weights(spec, random_weights).items()
-        }
-        source = convert.InventorySource(fake_quantize(spec, weights))
+        source = convert.InventorySource(stored_random_weights(spec, random_weights))
         identity["random_weights"] = random_weights
 
     def progress(line: str) -> None:

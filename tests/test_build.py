@@ -12,7 +12,6 @@ import sys
 import tokenize
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -304,16 +303,12 @@ runner.main(sys.argv[3:])
 
 
 def _reference_tokens(runner: Path, prompts: list[list[int]], steps: int) -> list[list[int]]:
-    from mkgen.codegen.quantize import fake_quantize
+    from mkgen.codegen.quantize import stored_random_weights
     from mkgen.reference import model as reference
     from mkgen.spec.schema import ModelSpec
 
     spec = ModelSpec.model_validate(json.loads((runner.parent / "plan.json").read_text())["spec"])
-    weights = {
-        k: np.asarray(v).astype(ml_dtypes.bfloat16).astype(np.float32)
-        for k, v in reference.init_weights(spec, 0).items()
-    }
-    weights = fake_quantize(spec, weights)  # what the kernel stores
+    weights = stored_random_weights(spec, 0)  # what the kernel stores
     return reference.generate(spec, weights, np.array(prompts), steps).tolist()
 
 

@@ -16,7 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -28,10 +27,9 @@ PROMPTS = [[3, 17, 42, 99, 5, 64, 1, 2, 9], [7, 7, 8, 9, 10, 11, 12, 13, 1]]
 
 def _setup(spec_ref: str):
     """(mini spec, layout, the weights the kernel stores) of a spec on TOPOLOGY."""
-    from mkgen.codegen.quantize import fake_quantize
+    from mkgen.codegen.quantize import stored_random_weights
     from mkgen.plan.layout import plan_kernel
     from mkgen.plan.options import BuildOptions
-    from mkgen.reference.model import init_weights
     from mkgen.spec.loader import load_spec
     from mkgen.spec.mini import mini_twin
     from mkgen.spec.topology import parse_topology
@@ -44,11 +42,7 @@ def _setup(spec_ref: str):
         spec, topology, options, bank_rows=MINI_BANK_ROWS, ring_depth=MINI_RING_DEPTH,
         max_piece_chunks=MINI_PIECE_CHUNKS,
     )  # fmt: skip
-    weights = {
-        k: np.asarray(v).astype(ml_dtypes.bfloat16).astype(np.float32)
-        for k, v in init_weights(spec, 0).items()
-    }
-    return spec, layout, fake_quantize(spec, weights)
+    return spec, layout, stored_random_weights(spec, 0)
 
 
 def _relative(ours, theirs) -> float:
@@ -79,6 +73,7 @@ def test_unpacking_gives_back_the_stored_tensors(spec_ref: str) -> None:
     kernel stores (fake_quantize: the spec's formats); each core's routed-expert pieces
     equal its experts' column slices."""
     from mkgen.codegen import pack, unpack
+    from mkgen.reference.model import layer_weights
     from mkgen.spec.weights import model_weights
 
     spec, layout, weights = _setup(spec_ref)
@@ -86,7 +81,7 @@ def test_unpacking_gives_back_the_stored_tensors(spec_ref: str) -> None:
     ranks = layout.devices
     for layer in range(spec.layers.count):
         prefix = f"layers.{layer}."
-        layer_shapes = unpack.layer_shapes(shapes, layer)
+        layer_shapes = layer_weights(shapes, prefix)
         pieces = [
             unpack.layer_pieces(
                 layout, layer, pack.pack_stream_layer(layout, weights, rank, layer),

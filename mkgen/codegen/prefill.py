@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mkgen.codegen import unpack
+from mkgen.codegen.pack import expert_arrays, layer_bank_range
 from mkgen.plan.layout import GQALayout, KernelLayout, MLALayout, MoELayout, RecurrentLayout
 from mkgen.reference import model as reference
 from mkgen.reference.layers import gated_activation, mm, rms_norm
@@ -126,8 +127,6 @@ def _layer_step(
     and FFN kinds share it): (stream, vectors, the FFN kind's expert arrays, h [B, T,
     hidden], the layer's first bank, its index, its FFN slot) -> (h after the layer, its
     kernel cache pieces, each [devices, B, ...])."""
-    from mkgen.codegen.pack import layer_bank_range
-
     start, end = layer_bank_range(layout, layer)
     banks = end - start
     attention = layout.attention[layout.attention_table[layer]]
@@ -145,11 +144,11 @@ def _layer_step(
         zero_centered = layout.zero_centered
         x = rms_norm(h, w["attn_norm"], layout.norm_eps, zero_centered)
         cache = reference.init_layer_cache(spec, layer, h.shape[0], layout.context, jnp.bfloat16)
-        attn = {k[5:]: v for k, v in w.items() if k.startswith("attn.")}
+        attn = reference.layer_weights(w, "attn.")
         out, cache = reference.attention(spec, layer, attn, x, cache, jnp.int32(0))
         h = h + out
         x = rms_norm(h, w["ffn_norm"], layout.norm_eps, zero_centered)
-        weights = {k[4:]: v for k, v in w.items() if k.startswith("ffn.")}
+        weights = reference.layer_weights(w, "ffn.")
         kwargs = {}
         if isinstance(ffn, MoELayout):
             kwargs["routed"] = _routed_on_this_core(ffn, routed, axis)
@@ -180,8 +179,6 @@ def _layer_step(
 def _expert_arrays(layout: KernelLayout, layer: int) -> list[int]:
     """Indices (among the kernel's expert arrays: pack.expert_arrays) of layer `layer`'s
     FFN kind's arrays; [] for a dense layer."""
-    from mkgen.codegen.pack import expert_arrays
-
     kind = layout.ffn_table[layer]
     return [i for i, (index, _) in enumerate(expert_arrays(layout)) if index == kind]
 
@@ -198,8 +195,6 @@ def prefill(
     """The kernel's cache arrays (in kernel.cache_shapes() order, [devices, ...] sharded on
     `axis`) holding tokens [B, T] at positions 0..T - 1. `placed` holds the build's
     stream, vectors and experts as the runner places them."""
-    from mkgen.codegen.pack import layer_bank_range
-
     shapes = {w.name: w.shape for w in model_weights(spec)}
     replicated = NamedSharding(mesh, P())
     h = jax.device_put(np.asarray(embedding, np.float32)[np.asarray(tokens)], replicated)
@@ -214,7 +209,7 @@ def prefill(
         pair = (layout.attention_table[layer], layout.ffn_table[layer])
         if pair not in steps:
             steps[pair] = _layer_step(
-                spec, layout, mesh, axis, layer, unpack.layer_shapes(shapes, layer)
+                spec, layout, mesh, axis, layer, reference.layer_weights(shapes, f"layers.{layer}.")
             )
         experts = tuple(placed["experts"][i] for i in _expert_arrays(layout, layer))
         first = layer_bank_range(layout, layer)[0]

@@ -201,6 +201,19 @@ def fake_quantize(spec: ModelSpec, weights: Mapping[str, np.ndarray]) -> dict[st
     return out
 
 
+def stored_random_weights(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
+    """The reference model's random weights (mkgen.reference.model.init_weights) as a
+    kernel stores them: rounded to bf16, then fake_quantize; what the reference must read
+    to be compared with the kernel."""
+    from mkgen.reference.model import init_weights  # jax: only when asked
+
+    weights = {
+        name: np.asarray(value).astype(ml_dtypes.bfloat16).astype(np.float32)
+        for name, value in init_weights(spec, seed).items()
+    }
+    return fake_quantize(spec, weights)
+
+
 # ---------------------------------------------------------------- chunk packing
 
 

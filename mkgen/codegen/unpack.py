@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
+from mkgen.codegen.quantize import E2M1_VALUES, E8M0_BIAS
 from mkgen.plan.layout import ExpertChunks, KernelLayout, MoELayout
 from mkgen.plan.stream import CHUNK, LANES, Part, Segment, TensorView
 from mkgen.spec.quant import parse_format
@@ -23,8 +24,6 @@ EXPERT_TENSORS = (
     "experts_gate", "experts_up", "experts_down", "experts_b_gate", "experts_b_up",
     "experts_b_down",
 )  # fmt: skip
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 codes 0..7
-E8M0_BIAS = 127
 
 
 # ---------------------------------------------------------------- bytes in bf16 rows
@@ -109,7 +108,7 @@ def expert_values(experts: ExpertChunks, arrays: list[jax.Array]) -> jax.Array:
         if experts.kind == "int4":  # two's complement nibbles
             values = _scaled(nibbles - 16 * (nibbles >= 8), scales)
         else:  # mxfp4: e2m1 codes, E8M0 power-of-two scales
-            magnitude = jnp.asarray(E2M1_MAGNITUDES, jnp.float32)[nibbles & 7]
+            magnitude = jnp.asarray(E2M1_VALUES)[nibbles & 7]
             exponent = jax.lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.int32)
             powers = jnp.exp2((exponent - E8M0_BIAS).astype(jnp.float32))
             values = _scaled(jnp.where(nibbles & 8, -magnitude, magnitude), powers)
@@ -269,9 +268,3 @@ def _view_key(view: TensorView) -> str:
 def piece_key(part: Part) -> str:
     """The key layer_pieces stores a part's piece under (views of one tensor differ)."""
     return part.tensor + (_view_key(part.view) if part.view else "")
-
-
-def layer_shapes(spec_shapes: Mapping[str, tuple[int, ...]], layer: int) -> dict[str, tuple]:
-    """The full shapes of layer `layer`'s tensors, by their names in the layer."""
-    prefix = f"layers.{layer}."
-    return {k[len(prefix) :]: v for k, v in spec_shapes.items() if k.startswith(prefix)}

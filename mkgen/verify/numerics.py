@@ -214,14 +214,13 @@ def _run_child(
 ) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
-    import ml_dtypes
     import numpy as np
     from jax.experimental.pallas import tpu as pltpu
     from jax.sharding import Mesh
 
     from mkgen.codegen import pack
     from mkgen.codegen.build import load_module, render_kernel
-    from mkgen.codegen.quantize import fake_quantize
+    from mkgen.codegen.quantize import stored_random_weights
     from mkgen.plan.collectives import arrange_devices
     from mkgen.plan.layout import plan_kernel
     from mkgen.plan.options import BuildOptions
@@ -250,11 +249,7 @@ def _run_child(
             raise ValueError(f"mutation target not in the kernel: {old!r}")
         source = source.replace(old, new)
     kernel = load_module(source, "megakernel_verify")
-    weights = {
-        k: np.asarray(v).astype(ml_dtypes.bfloat16).astype(np.float32)
-        for k, v in reference.init_weights(spec, seed).items()
-    }
-    weights = fake_quantize(spec, weights)  # the reference reads what the kernel stores
+    weights = stored_random_weights(spec, seed)  # the reference reads what the kernel stores
     stream = jnp.asarray(np.stack([pack.pack_stream(layout, weights, r) for r in range(devices)]))
     vectors = jnp.asarray(np.stack([pack.pack_vectors(layout, weights, r) for r in range(devices)]))
     per_rank = [pack.pack_experts(layout, weights, r) for r in range(devices)]
