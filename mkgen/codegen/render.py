@@ -8,20 +8,21 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
+from importlib import resources
 from typing import Any
 
 import jinja2
 
 from mkgen.errors import MkgenError
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
+# Package data, so an installed wheel renders exactly what a checkout does.
+TEMPLATES = resources.files("mkgen") / "templates"
 
 
 def environment() -> jinja2.Environment:
     """The Jinja2 settings every template renders with."""
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(TEMPLATES),
+        loader=jinja2.PackageLoader("mkgen", "templates"),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,8 @@ from pydantic import ValidationError
 from mkgen.errors import SpecError
 from mkgen.spec.schema import ModelSpec
 
-SPECS_DIR = Path(__file__).resolve().parents[2] / "model_specs"
+# Package data: the shipped specs travel inside the wheel.
+SPECS_DIR = resources.files("mkgen") / "model_specs"
 
 
 class _SpecYamlLoader(yaml.SafeLoader):
@@ -80,19 +82,20 @@ def load_spec(ref: str | Path) -> ModelSpec:
         return import_hf_config(path)
     if path.suffix not in (".yaml", ".yml"):
         candidate = SPECS_DIR / f"{ref}.yaml"
-        if not candidate.exists():
+        if not candidate.is_file():
             known = ", ".join(list_spec_names()) or "none"
             raise SpecError(
                 f"unknown spec {str(ref)!r}: not a file and not in model_specs/ ({known})"
             )
-        path = candidate
-    elif not path.exists():
+        with resources.as_file(candidate) as shipped:
+            return spec_from_dict(read_yaml(shipped), shipped.name)
+    if not path.exists():
         raise SpecError(f"{path}: no such file")
     return spec_from_dict(read_yaml(path), path.name)
 
 
 def list_spec_names() -> list[str]:
-    return sorted(p.stem for p in SPECS_DIR.glob("*.yaml"))
+    return sorted(p.name.removesuffix(".yaml") for p in SPECS_DIR.iterdir() if p.name.endswith(".yaml"))
 
 
 def spec_to_dict(spec: ModelSpec) -> dict[str, Any]:
