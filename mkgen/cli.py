@@ -218,6 +218,22 @@ def import_hf_command(config: Path, output: Path | None, name: str | None, force
     click.echo(f"wrote {output}")
 
 
+def _knob_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The kernel knobs shared by `plan`, `build`, `compile` and `verify` (plan fields)."""
+    for decorator in reversed(
+        [
+            click.option(
+                "--ring-depth", type=int, default=None, help="Weight banks in flight [planner]."
+            ),
+            click.option(
+                "--expert-slots", type=int, default=None, help="Expert pieces in flight [planner]."
+            ),
+        ]
+    ):
+        command = decorator(command)
+    return command
+
+
 @cli.command("plan")
 @click.argument("spec_ref", metavar="SPEC")
 @click.option("--topology", required=True, help="CHIP:SHAPE or SHAPE, e.g. 2x2x4.")
@@ -230,6 +246,7 @@ def import_hf_command(config: Path, output: Path | None, name: str | None, force
 @click.option("--price", type=float, default=None, help="USD per chip-hour.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--trace", type=click.Path(path_type=Path), help="Write a Perfetto trace here.")
+@_knob_options
 def plan_command(spec_ref: str, topology: str, as_json: bool, trace: Path | None,
                  **fields: Any) -> None:  # fmt: skip
     """Plan SPEC on a topology: sharding, HBM and VMEM, schedule checks, predicted step."""
@@ -311,6 +328,7 @@ def _kernel_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """--topology and the build options shared by `build` and `compile`."""
     for decorator in reversed(
         [
+            _knob_options,
             click.option("--topology", required=True, help="CHIP:SHAPE or SHAPE, e.g. 2x2x1."),
             click.option("--batch", type=int, default=1, show_default=True, help="Sequences."),
             click.option(
@@ -375,6 +393,8 @@ def build_command(
     context: int | None,
     acceptance: float | None,
     quant: tuple[str, ...],
+    ring_depth: int | None,
+    expert_slots: int | None,
     output: Path | None,
     force: bool,
 ) -> None:
@@ -389,7 +409,7 @@ def build_command(
     _prepare_jax()
     spec, topo, options = _plan_inputs(
         spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,
-        quant=quant,
+        quant=quant, ring_depth=ring_depth, expert_slots=expert_slots,
     )  # fmt: skip
     start = time.perf_counter()
     result = make_build(spec, topo, options, output=output, force=force)
@@ -466,6 +486,7 @@ def build_command(
 @click.option(
     "-o", "--output", type=click.Path(path_type=Path), help="The build for --update-report."
 )
+@_knob_options
 def verify_command(
     spec_ref: str,
     topology: str,
@@ -479,24 +500,28 @@ def verify_command(
     timeout: float,
     update_report: bool,
     output: Path | None,
+    ring_depth: int | None,
+    expert_slots: int | None,
 ) -> None:
     """Run SPEC's mini twin on TOPOLOGY's mesh in TPU interpret mode (virtual CPU devices,
     race detection, uninitialised memory as NaN) against the reference model, in each DMA
     execution mode. Exit 0 if every check passes, 1 naming the first failure."""
     from mkgen.codegen.package import mini_kernel_args
-    from mkgen.plan.layout import plan_kernel
+    from mkgen.plan import plan_build
     from mkgen.plan.options import BuildOptions
     from mkgen.spec.mini import mini_twin
     from mkgen.verify import checks
 
-    spec, topo, built = _plan_inputs(spec_ref, topology, quant=quant)
+    knobs = {k: v for k, v in (("ring_depth", ring_depth), ("expert_slots", expert_slots)) if v}
+    spec, topo, built = _plan_inputs(spec_ref, topology, quant=quant, **knobs)
     if steps < 1 or timeout <= 0:
         raise MkgenError(f"--steps {steps} / --timeout {timeout:g}: must be positive")
-    options = BuildOptions.create(batch=batch, rows=rows, context=context)
-    plan_kernel(spec, topo, built)  # unsupported kinds or formats: exit 2 here, not later
+    options = BuildOptions.create(batch=batch, rows=rows, context=context, **knobs)
+    # Unsupported kinds or formats, or a plan that would hang: exit 2 here, not later.
+    plan_build(spec, topo, built)
     spec = built.apply(spec)
     mini = mini_twin(spec, topo.num_devices)
-    plan_kernel(mini, topo, options, **mini_kernel_args())
+    plan_build(mini, topo, options, **mini_kernel_args())
     directory = None
     if update_report:
         from mkgen.codegen.package import default_build_dir, load_build_inputs
@@ -510,7 +535,7 @@ def verify_command(
             )
     _verify_and_print(
         spec_ref, spec, topo, checks.modes_of(mode), directory, steps=steps, batch=batch,
-        rows=rows, context=context, seed=seed, timeout=timeout, quant=quant,
+        rows=rows, context=context, seed=seed, timeout=timeout, quant=quant, knobs=knobs,
     )  # fmt: skip
 
 
@@ -570,6 +595,8 @@ def compile_command(
     context: int | None,
     acceptance: float | None,
     quant: tuple[str, ...],
+    ring_depth: int | None,
+    expert_slots: int | None,
     update_report: bool,
     output: Path | None,
 ) -> None:
@@ -579,7 +606,7 @@ def compile_command(
     _prepare_jax()
     spec, topo, options = _plan_inputs(
         spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,
-        quant=quant,
+        quant=quant, ring_depth=ring_depth, expert_slots=expert_slots,
     )  # fmt: skip
     directory = _build_dir_for(spec, topo, options, output) if update_report else None
     _compile_and_print(spec, topo, options, directory)
@@ -655,7 +682,7 @@ def convert_command(
     checkpoint's config.json. Bounded memory (one layer at a time), atomic per file,
     resumable: run it again after an interruption."""
     from mkgen.codegen import convert
-    from mkgen.plan.layout import KernelLayout, plan_kernel
+    from mkgen.plan.layout import KernelLayout
     from mkgen.spec.hf_import import default_spec_name, import_hf_config
 
     if (checkpoint is None) == (random_weights is None):
@@ -688,8 +715,11 @@ def convert_command(
         else:
             spec = load_spec(spec_ref)
         spec = options.apply(spec)
-        layout = plan_kernel(spec, topo, options)
-        kernel_args = {"bank_rows": layout.stream.bank_rows, "ring_depth": layout.stream.ring_depth}
+        from mkgen.codegen.package import resolved_kernel_args
+        from mkgen.plan import plan_build
+
+        plan = plan_build(spec, topo, options)
+        layout, kernel_args = plan.kernel, resolved_kernel_args(plan)
     identity = convert.build_identity(spec, topo.name, options.model_dump(mode="json"), kernel_args)
     if checkpoint is not None:
         source, fingerprint = convert.checkpoint_source(spec, Path(checkpoint))

@@ -11,7 +11,6 @@ from jax.sharding import Mesh
 from mkgen.codegen.build import load_module, render_kernel
 from mkgen.plan import plan_build
 from mkgen.plan.collectives import arrange_devices
-from mkgen.plan.layout import plan_kernel
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.loader import load_spec
 from mkgen.spec.topology import parse_topology
@@ -22,7 +21,7 @@ MiB = 1024 * 1024
 
 def _layout(name: str, topology: str, **options):
     spec, topo = load_spec(name), parse_topology(topology)
-    return plan_kernel(spec, topo, BuildOptions.create(**options))
+    return plan_build(spec, topo, BuildOptions.create(**options)).kernel
 
 
 def test_rendering_is_deterministic() -> None:
@@ -74,7 +73,7 @@ def test_full_size_kernel_compiles_for_tpu7x(name: str, topology: str, options: 
     """Mosaic compiles the kernel, and the VMEM plan is an honest upper bound of its use."""
     spec, topo = load_spec(name), parse_topology(topology)
     opts = BuildOptions.create(context=4096, **options)
-    layout = plan_kernel(spec, topo, opts)
+    layout = plan_build(spec, topo, opts).kernel
     vmem = plan_build(spec, topo, opts).vmem
     module = f"compile_{layout.model}_{topology}_{layout.rows}".replace("-", "_").replace(".", "_")
     kernel = load_module(render_kernel(layout, "test"), module)
@@ -98,7 +97,7 @@ def test_single_core_kernel_compiles() -> None:
     Mosaic's VMEM (its estimate of Mosaic's own scratch is loose for a 152k-wide shard)."""
     spec, topo = load_spec("qwen3-30b-a3b"), parse_topology("v6e:1x1")
     opts = BuildOptions.create(context=4096, quant=("experts=int4:128",))  # 61.7 GB in bf16
-    layout = plan_kernel(spec, topo, opts)
+    layout = plan_build(spec, topo, opts).kernel
     kernel = load_module(render_kernel(layout, "test"), "compile_single_core")
     mesh = Mesh(np.array(compile_only_devices(topo)), (kernel.AXIS,))
     report = compile_for_tpu(kernel.make_decode_step(mesh), kernel.argument_shapes(mesh))

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from mkgen.plan import plan_build
 from mkgen.plan.collectives import (
     arrange_devices,
     flat_sum,
@@ -14,7 +15,6 @@ from mkgen.plan.collectives import (
     plan_stages,
     stage_sum,
 )
-from mkgen.plan.layout import plan_kernel
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.loader import load_spec
 from mkgen.spec.topology import parse_topology
@@ -147,13 +147,13 @@ def test_mesh_order_puts_sibling_cores_side_by_side() -> None:
 
 def test_latent_moe_designs_in_the_layout() -> None:
     spec = "tests/specs/latent-moe-shared.yaml"
-    layout = plan_kernel(load_spec(spec), parse_topology("2x2x1"), BuildOptions.create())
+    layout = plan_build(load_spec(spec), parse_topology("2x2x1"), BuildOptions.create()).kernel
     moe = next(f for f in layout.ffn if f.type == "moe")
     assert moe.latent_design == "rs_ar" and moe.shared_width
     latent_out = next(s for s in moe.segments if s.name == "latent_out")
     assert latent_out.fan_in == moe.latent_width // layout.devices  # the scattered slice
     assert layout.collectives.buffers[2].send_rows == 2
-    plain = plan_kernel(
+    plain = plan_build(
         load_spec("tests/specs/latent-moe.yaml"), parse_topology("2x2x1"), BuildOptions.create()
-    )
+    ).kernel
     assert next(f for f in plain.ffn if f.type == "moe").latent_design == "ar_ag"

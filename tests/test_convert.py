@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 from mkgen.cli import main
 from mkgen.codegen import convert, pack
 from mkgen.errors import MkgenError
-from mkgen.plan.layout import plan_kernel
+from mkgen.plan import plan_build
 from mkgen.plan.options import BuildOptions
 from mkgen.reference.hf_weights import load_hf_checkpoint
 from mkgen.spec.topology import parse_topology
@@ -90,7 +90,7 @@ def _layout(folder: str = "qwen3_moe", topology: str = "1x1x1", **options):
     spec = import_hf_config(FIXTURES / folder / "config.json", folder)
     opts = BuildOptions.create(context=64, **options)
     spec = opts.apply(spec)
-    return spec, plan_kernel(spec, parse_topology(topology), opts)
+    return spec, plan_build(spec, parse_topology(topology), opts).kernel
 
 
 @pytest.fixture(scope="module")

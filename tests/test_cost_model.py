@@ -96,15 +96,19 @@ def test_muse_spark_bytes_per_core_against_the_published_counts():
         ("int4 experts, bf16 dense", 7.02e9),
         ("nvfp4 experts, int8 dense", 4.70e9),
     ):
-        est = estimate(spec, topo, options_for(config, 1))
+        est = _estimate(spec, topo, options_for(config, 1))
         assert est.hbm_bytes_per_device_per_step == pytest.approx(published, rel=0.20)
+
+
+def _estimate(spec, topo, options):
+    return estimate(spec, topo, options, plan_sharding(options.apply(spec), topo, options))
 
 
 def test_hbm_floor_and_throughput_figures():
     spec = load_spec("kimi-k3")
     topo = parse_topology("2x2x4")
-    e3 = estimate(spec, topo, BuildOptions.create(rows=8, acceptance=3))
-    e6 = estimate(spec, topo, BuildOptions.create(rows=8, acceptance=6))
+    e3 = _estimate(spec, topo, BuildOptions.create(rows=8, acceptance=3))
+    e6 = _estimate(spec, topo, BuildOptions.create(rows=8, acceptance=6))
     assert e3.step_ms == pytest.approx(e6.step_ms)
     assert e3.tokens_per_s_per_user == pytest.approx(3 / (e3.step_ms / 1e3))
     assert e6.tokens_per_s_per_user == pytest.approx(2 * e3.tokens_per_s_per_user)
@@ -113,7 +117,7 @@ def test_hbm_floor_and_throughput_figures():
     bw = get_chip("tpu7x").cost_model_hbm_bandwidth
     assert e3.hbm_floor_ms == pytest.approx(e3.hbm_bytes_per_device_per_step / bw * 1e3)
     assert 0 < e3.floor_ratio < 1
-    e8 = estimate(spec, topo, BuildOptions.create(rows=8, batch=8, price_per_chip_hour_usd=2.0))
+    e8 = _estimate(spec, topo, BuildOptions.create(rows=8, batch=8, price_per_chip_hour_usd=2.0))
     assert e8.tokens_per_s == pytest.approx(8 * e8.tokens_per_s_per_user)
     assert e8.price_per_chip_hour_usd == 2.0
     print(f"\nkimi-k3 2x2x4 rows 8: {e3.step_ms:.3f} ms/step, {e3.tokens_per_s_per_user:.0f} / "

@@ -23,7 +23,7 @@ from mkgen.codegen.quantize import (
     quantize,
 )
 from mkgen.errors import SpecError
-from mkgen.plan.layout import plan_kernel
+from mkgen.plan import plan_build
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.stream import CHUNK, LANES, make_segment
 from mkgen.reference import model as reference
@@ -158,8 +158,10 @@ def _unpack_rows(rows: np.ndarray, dtype) -> np.ndarray:
 
 def test_quantized_segments_stream_fewer_banks() -> None:
     topo = parse_topology("2x2x1")
-    plain = plan_kernel(load_spec("qwen3-32b"), topo, BuildOptions.create())
-    int8 = plan_kernel(load_spec("qwen3-32b"), topo, BuildOptions.create(quant=["dense=int8"]))
+    plain = plan_build(load_spec("qwen3-32b"), topo, BuildOptions.create()).kernel
+    int8 = plan_build(
+        load_spec("qwen3-32b"), topo, BuildOptions.create(quant=["dense=int8"])
+    ).kernel
     (name,) = int8.stream.ffn
     seg = int8.stream.ffn[name].segment("gate_up")
     assert seg.format == "int8" and seg.chunks_per_bank == 31  # 31 x 128 + 64 <= 4096
@@ -169,7 +171,7 @@ def test_quantized_segments_stream_fewer_banks() -> None:
 
 def test_tensors_in_different_formats_are_not_fused() -> None:
     spec = load_spec(str(SPECS / "formats-fp8.yaml"))
-    layout = plan_kernel(spec, parse_topology("2x2x1"), BuildOptions.create())
+    layout = plan_build(spec, parse_topology("2x2x1"), BuildOptions.create()).kernel
     moe = next(f for f in layout.ffn if f.type == "moe")
     in_segments = [s for s in moe.segments if s.name.startswith("in")]
     assert [(s.name, s.format) for s in in_segments] == [("in", "bf16"), ("in.1", "fp8:128")]
@@ -192,7 +194,7 @@ def test_formats_not_generated_are_one_line_errors(quant: list[str], what: str) 
     if quant[0].startswith("mlp"):
         spec = load_spec(str(SPECS / "formats-int8.yaml"))
     with pytest.raises(SpecError, match="is not supported by the code generator yet") as info:
-        plan_kernel(spec, parse_topology("2x2x1"), BuildOptions.create(quant=quant))
+        plan_build(spec, parse_topology("2x2x1"), BuildOptions.create(quant=quant))
     assert what in str(info.value) and "\n" not in str(info.value)
 
 

@@ -315,10 +315,12 @@ def test_vmem_over_budget_fails(small) -> None:
 
 
 def test_every_check_can_fail() -> None:
-    """The negative tests above cover every named check."""
+    """The negative tests above (and tests/test_program.py for deadlock_free) cover every
+    named check."""
     covered = {
         "acyclic", "reads_after_writes", "dma_waited_once", "no_slot_overwrite",
         "weights_fetched_once", "vmem_within_budget", "semaphores_unshared", "ops_run_once",
+        "deadlock_free",
     }  # fmt: skip
     assert covered == set(CHECKS)
 
@@ -415,14 +417,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _kernel(model: str, topology: str, options: dict):
     from mkgen.codegen.build import load_module, render_kernel
-    from mkgen.plan.layout import plan_kernel
 
     ref = str(REPO / model) if model.endswith(".yaml") else model
     spec, topo = load_spec(ref), parse_topology(topology)
-    opts = BuildOptions.create(**options)
-    layout = plan_kernel(spec, topo, opts)
+    plan = plan_build(spec, topo, BuildOptions.create(**options))
     name = "plan_graph_" + spec.name.replace("-", "_").replace(".", "_")
-    return plan_build(spec, topo, opts), layout, load_module(render_kernel(layout, "t"), name)
+    return plan, plan.kernel, load_module(render_kernel(plan.kernel, "t"), name)
 
 
 @pytest.mark.parametrize(("model", "topology", "options"), RENDERED)

@@ -28,7 +28,7 @@ PROMPTS = [[3, 17, 42, 99, 5, 64, 1, 2, 9], [7, 7, 8, 9, 10, 11, 12, 13, 1]]
 def _setup(spec_ref: str):
     """(mini spec, layout, the weights the kernel stores) of a spec on TOPOLOGY."""
     from mkgen.codegen.quantize import stored_random_weights
-    from mkgen.plan.layout import plan_kernel
+    from mkgen.plan import plan_build
     from mkgen.plan.options import BuildOptions
     from mkgen.spec.loader import load_spec
     from mkgen.spec.mini import mini_twin
@@ -38,10 +38,10 @@ def _setup(spec_ref: str):
     topology = parse_topology(TOPOLOGY)
     spec = mini_twin(load_spec(spec_ref), topology.num_devices)
     options = BuildOptions.create(context=CONTEXT, batch=BATCH)
-    layout = plan_kernel(
+    layout = plan_build(
         spec, topology, options, bank_rows=MINI_BANK_ROWS, ring_depth=MINI_RING_DEPTH,
         max_piece_chunks=MINI_PIECE_CHUNKS,
-    )  # fmt: skip
+    ).kernel  # fmt: skip
     return spec, layout, stored_random_weights(spec, 0)
 
 

@@ -53,9 +53,10 @@ from mkgen.codegen.build import (
     render_text,
     safe_text,
 )
+from mkgen.codegen.conformance import check_program_order
 from mkgen.codegen.render import TEMPLATES, render
 from mkgen.errors import MkgenError, SpecError
-from mkgen.plan.layout import KernelLayout, plan_kernel
+from mkgen.plan.layout import KernelLayout
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology, parse_topology
@@ -83,7 +84,7 @@ _IGNORED = ("__pycache__",)  # Python may cache bytecode beside megakernel.py
 
 
 def mini_kernel_args() -> dict[str, int]:
-    """plan_kernel's arguments for a mini twin: the small banks, shallow ring and small
+    """plan_build's kernel arguments for a mini twin: the small banks, shallow ring and small
     expert pieces `mkgen verify` renders with (mkgen/verify/numerics.py), so that
     mini/megakernel.py is the kernel verify proves (verify's copy may also return the
     residual stream after every layer, for its per-layer check)."""
@@ -119,9 +120,9 @@ def cli_flags(topology: Topology, options: BuildOptions) -> list[str]:
     topo = topology.shape_name if topology.chip == DEFAULT_CHIP else topology.name
     flags = ["--topology", topo]
     default = BuildOptions()
-    for name in ("batch", "rows", "context"):
+    for name in ("batch", "rows", "context", "ring_depth", "expert_slots"):
         if getattr(options, name) != getattr(default, name):
-            flags += [f"--{name}", str(getattr(options, name))]
+            flags += [f"--{name.replace('_', '-')}", str(getattr(options, name))]
     if options.acceptance != default.acceptance:
         flags += ["--acceptance", f"{options.acceptance:g}"]
     for family, fmt in options.quant:
@@ -140,6 +141,13 @@ def _verify_flags(topology: Topology, options: BuildOptions) -> list[str]:
 
 def rebuild_command(spec_name: str, topology: Topology, options: BuildOptions) -> str:
     return shlex.join(["mkgen", "build", spec_name, *cli_flags(topology, options), "--force"])
+
+
+def resolved_kernel_args(plan: Any, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """`given` kernel arguments with the bank size and ring depth the plan resolved: recorded
+    so that a saved build re-renders identically (and converted weights bind to them)."""
+    stream = plan.kernel.stream
+    return {**(given or {}), "bank_rows": stream.bank_rows, "ring_depth": stream.ring_depth}
 
 
 def _canonical(data: Any) -> str:
@@ -240,18 +248,18 @@ def render_build(
     """Every file of a build, in memory. Raises SpecError before anything is rendered
     when the spec or one of its kinds is not supported by the code generator.
 
-    `kernel_args` go to plan_kernel (bank_rows, ring_depth, ...); the mini twin uses
-    mini_kernel_args()."""
+    `kernel_args` go to plan_build (bank_rows, ring_depth, ...); the mini twin uses
+    mini_kernel_args(). The kernel, the checks, the report and plan.json all come from
+    that one plan."""
     from mkgen.plan import estimate, plan_build
     from mkgen.spec.mini import mini_twin
 
     check_renderable(spec)
     spec = options.apply(spec)
-    layout = plan_kernel(spec, topology, options, **(kernel_args or {}))
-    plan = plan_build(spec, topology, options)
-    bank_rows, depth = layout.stream.bank_rows, layout.stream.ring_depth
-    # Recorded with the ring depth resolved, so a saved build re-renders identically.
-    kernel_args = {**(kernel_args or {}), "bank_rows": bank_rows, "ring_depth": depth}
+    plan = plan_build(spec, topology, options, **(kernel_args or {}))
+    layout = plan.kernel
+    kernel_args = resolved_kernel_args(plan, kernel_args)
+    bank_rows, depth = kernel_args["bank_rows"], kernel_args["ring_depth"]
     digest = inputs_digest(spec, topology, options, kernel_args)
     name = build_name(spec.name, topology)
     rebuild = parent or rebuild_command(spec.name, topology, options)
@@ -270,6 +278,7 @@ def render_build(
         at = BuildOptions.create(**fields)
         acceptance.append(estimate(spec, topology, at, plan.sharding))
     kernel_source = render_kernel(layout, header)
+    check_program_order(kernel_source, layout, plan.schedule.segment_order)
     plan_data = {
         "build": {
             "format": PLAN_FORMAT,
@@ -291,7 +300,11 @@ def render_build(
     if with_mini:
         # The twin of the spec as built (overrides applied), with the twin's own formats.
         mini_options = BuildOptions.create(
-            batch=options.batch, rows=options.rows, context=MINI_CONTEXT
+            batch=options.batch,
+            rows=options.rows,
+            context=MINI_CONTEXT,
+            ring_depth=options.ring_depth,
+            expert_slots=options.expert_slots,
         )
         mini = render_build(
             mini_twin(options.apply(spec), topology.num_devices),
@@ -824,7 +837,7 @@ def _entry_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="generated/BUILDS", add_help=False, exit_on_error=False)
     parser.add_argument("spec")
     parser.add_argument("--topology", required=True)
-    for flag in ("--batch", "--rows", "--context"):
+    for flag in ("--batch", "--rows", "--context", "--ring-depth", "--expert-slots"):
         parser.add_argument(flag, type=int)
     parser.add_argument("--acceptance", type=float)
     parser.add_argument("--quant", action="append")

@@ -8,10 +8,15 @@
 4. stream: the per-core weight stream of uniform banks;
 5. VMEM: every buffer, padded as Mosaic pads it; ring depth and expert slots chosen
    under the budget (SpecError if it does not fit);
-6. schedule and graph: the step's program with every DMA's issue point, slot,
+6. kernel layout: what the template prints (segments, tables, expert pieces), from the
+   same sharding, stream and VMEM choices;
+7. schedule and graph: the step's program with every DMA's issue point, slot,
    semaphore and wait point, its dataflow graph and the checks (a failed check raises
    before anything is generated);
-7. estimate: the cost model's step time and its breakdown.
+8. estimate: the cost model's step time and its breakdown.
+
+It is the one place a build is planned: code generation, verify, compile, convert, the
+report and the checks all read the BuildPlan it returns.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from mkgen.plan.cost import CostConstants, Estimate, TraceEvent, estimate, to_chrome_trace
 from mkgen.plan.graph import GraphSummary, ScheduleCheckError
+from mkgen.plan.layout import FULL_BANK_ROWS, MAX_PIECE_CHUNKS, KernelLayout
 from mkgen.plan.memory import MemoryPlan, check_fit, plan_memory
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.schedule import ScheduleSummary
@@ -47,7 +53,10 @@ class BuildPlan(BaseModel):
     memory: MemoryPlan
     stream: StreamPlan
     vmem: VmemPlan
+    kernel: KernelLayout  # what the generated kernel is rendered from
     schedule: ScheduleSummary
+    # The op list of every layer kind, the prologue and the epilogue (Schedule.program).
+    program: dict[str, list[dict[str, Any]]]
     graph: GraphSummary
     estimate: Estimate
     _step: Any = PrivateAttr(default=None)
@@ -71,13 +80,23 @@ def plan_build(
     spec: ModelSpec,
     topo: Topology,
     options: BuildOptions,
+    *,
+    bank_rows: int = FULL_BANK_ROWS,
+    ring_depth: int | None = None,
+    max_piece_chunks: int = MAX_PIECE_CHUNKS,
+    trace_residuals: bool = False,
     trace: bool = False,
     enforce: bool = True,
 ) -> BuildPlan:
     """Plan one build. Raises a one-line SpecError when it does not fit in HBM or VMEM,
-    and (``enforce``) a ScheduleCheckError when a schedule check fails."""
+    and (``enforce``) a ScheduleCheckError when a schedule check fails.
+
+    `bank_rows` and `max_piece_chunks` size the weight banks and expert pieces (the mini
+    twin's are small); `ring_depth` forces the ring's depth unless --ring-depth does (a
+    saved build records the depth it was rendered with); `trace_residuals` makes the kernel also return the residual stream
+    after every layer (verify's per-layer check)."""
     from mkgen.plan.graph import analyse
-    from mkgen.plan.layout import FULL_BANK_ROWS
+    from mkgen.plan.layout import build_layout
     from mkgen.plan.schedule import build_schedule
     from mkgen.plan.stream import plan_stream
     from mkgen.plan.vmem import plan_vmem
@@ -87,9 +106,27 @@ def plan_build(
     memory = plan_memory(spec, topo, options, sharding)
     check_fit(spec, topo, options, memory)
     # The ring depth does not change the stream's layout: plan it, then size the ring.
-    stream = plan_stream(spec, sharding, bank_rows=FULL_BANK_ROWS, ring_depth=2)
-    vmem = plan_vmem(spec, topo, options, sharding, stream)
+    stream = plan_stream(spec, sharding, bank_rows=bank_rows, ring_depth=2)
+    vmem = plan_vmem(
+        spec,
+        topo,
+        options,
+        sharding,
+        stream,
+        max_piece_chunks=max_piece_chunks,
+        ring_depth=ring_depth,
+    )
     stream = stream.model_copy(update={"ring_depth": vmem.ring_depth})
+    kernel = build_layout(
+        spec,
+        topo,
+        sharding,
+        stream,
+        options,
+        max_piece_chunks=max_piece_chunks,
+        expert_slots=vmem.expert_slots,
+        trace_residuals=trace_residuals,
+    )
     schedule = build_schedule(spec, sharding, stream, vmem, options)
     step = analyse(schedule, vmem)
     if enforce:
@@ -102,7 +139,9 @@ def plan_build(
         memory=memory,
         stream=stream,
         vmem=vmem,
+        kernel=kernel,
         schedule=schedule.summary(),
+        program=schedule.program(),
         graph=step.summary(),
         estimate=est,
     )
@@ -116,6 +155,7 @@ __all__ = [
     "CostConstants",
     "Estimate",
     "GraphSummary",
+    "KernelLayout",
     "MemoryPlan",
     "ScheduleCheckError",
     "ScheduleSummary",

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from mkgen.hardware import MiB
 from mkgen.plan.cost import Estimate, estimate
 from mkgen.plan.options import BuildOptions
+from mkgen.plan.sharding import plan_sharding
 from mkgen.spec.loader import load_spec
 from mkgen.spec.topology import parse_topology
 
@@ -93,7 +94,8 @@ def options_for(config: str, batch: int) -> BuildOptions:
 
 
 def predict(config: str, batch: int) -> Estimate:
-    return estimate(load_spec(MODEL), parse_topology(TOPOLOGY), options_for(config, batch))
+    spec, topo, options = load_spec(MODEL), parse_topology(TOPOLOGY), options_for(config, batch)
+    return estimate(spec, topo, options, plan_sharding(options.apply(spec), topo, options))
 
 
 def calibrate() -> list[CalibrationRow]:

@@ -584,13 +584,12 @@ class _Builder:
 
 
 def estimate(
-    spec, topo: Topology, options: BuildOptions, sharding=None, trace: bool = False
+    spec, topo: Topology, options: BuildOptions, sharding, trace: bool = False
 ) -> Estimate:
-    """Simulate one decode step per core and summarise it (see the module docstring)."""
-    from mkgen.plan.sharding import plan_sharding
-
+    """Simulate one decode step per core of `sharding` (plan_sharding's split of `spec`
+    under `options`) and summarise it (see the module docstring)."""
     spec = options.apply(spec)
-    sh = sharding or plan_sharding(spec, topo, options)
+    sh = sharding
     chip = topo.chip_info
     c = CostConstants.from_chip(chip, options)
     bld = _Builder(c, spec, sh, options)

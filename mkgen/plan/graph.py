@@ -31,7 +31,12 @@ boolean (``StepGraph.checks``) with the first offending node (``failures``):
   schedule uses is allocated;
 - ``semaphores_unshared``: no semaphore is used by two DMAs in flight at once, and every
   semaphore exists in the plan (a shared semaphore is a race);
-- ``ops_run_once``: every compute op runs exactly once.
+- ``ops_run_once``: every compute op runs exactly once;
+- ``deadlock_free``: the ring starts bank g + depth only once bank g is used, so a program
+  that waits for its banks out of stream order hangs at a shallow enough depth; every bank
+  wait must find its bank started at the chosen depth and at every depth the planner or
+  --ring-depth may pick (MIN_RING_DEPTH..MAX_RING_DEPTH). Every core runs the same
+  program, so the collectives, reached by all in the same order, cannot deadlock it.
 
 ``StepGraph.enforce()`` raises a one-line MkgenError naming the first failed check and
 its node; plan_build calls it before anything is generated.
@@ -45,6 +50,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict
 
 from mkgen.errors import MkgenError
+from mkgen.plan.options import MAX_RING_DEPTH, MIN_RING_DEPTH
 from mkgen.plan.schedule import INIT, RUN, START, WAIT, Node, Schedule
 from mkgen.plan.vmem import VmemPlan
 
@@ -60,6 +66,7 @@ CHECKS = (
     "vmem_within_budget",
     "semaphores_unshared",
     "ops_run_once",
+    "deadlock_free",
 )
 _SEM = re.compile(r"^(\w+)\[([0-9,]+)\]$")
 
@@ -347,6 +354,7 @@ def analyse(schedule: Schedule, vmem: VmemPlan) -> StepGraph:
         fail.add("acyclic", f"{_label(u)} is on a dependence cycle ({path} -> ...)")
 
     _check_weights(schedule, fail)
+    _check_deadlock(schedule, fail)
     if vmem.explicit_bytes > vmem.budget_bytes or vmem.total_bytes > vmem.limit_bytes:
         fail.add(
             "vmem_within_budget",
@@ -412,6 +420,35 @@ class _AnySem:
                 )
             self.seen[sem] = hit
         return hit
+
+
+def _check_deadlock(schedule: Schedule, fail: _Failures) -> None:
+    """Replay the program's bank waits against the ring's refill rule at every depth."""
+    nodes = schedule.nodes
+    uses = [(nodes[i].key[1], i) for op, i in schedule.events if op == WAIT and _is_bank(nodes[i])]
+    user = {}  # bank node -> the op that runs on it first (what the error names)
+    for op, i in schedule.events:
+        if op == RUN:
+            for p, res, _ in nodes[i].reads:
+                if res == "ring":
+                    user.setdefault(p, nodes[i].name)
+    depths = sorted({schedule.ring_depth, *range(MIN_RING_DEPTH, MAX_RING_DEPTH + 1)})
+    for depth in depths:
+        started = set(range(min(depth, schedule.total_banks)))
+        for bank, node in uses:
+            if bank not in started:
+                fail.add(
+                    "deadlock_free",
+                    f"at ring depth {depth}, '{user.get(node, nodes[node].name)}' waits for "
+                    f"bank {bank}, which the ring starts only after bank {bank - depth} is "
+                    "used, later in the program: the kernel would hang",
+                )
+                return
+            started.add(bank + depth)
+
+
+def _is_bank(node: Node) -> bool:
+    return node.key is not None and node.key[0] == "bank"
 
 
 def _check_weights(schedule: Schedule, fail: _Failures) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from mkgen.errors import SpecError
 from mkgen.plan.collectives import CollectivePlan, layer_uses, plan_collectives
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.sharding import ShardingPlan
@@ -35,6 +36,7 @@ from mkgen.spec.topology import Topology
 
 SUBLANES_F32 = 8
 CACHE_ALIGN = 16  # bf16 rows of an HBM array are tiled by 16
+KV_TILE_MAX = 128  # tuning choice: cache tokens per streamed tile, double buffered
 
 
 class VectorRow(PlanModel):
@@ -383,8 +385,6 @@ class KernelLayout(PlanModel):
 
 
 def _unsupported(what: str) -> None:
-    from mkgen.errors import SpecError
-
     raise SpecError(f"{what} is not supported by the code generator yet")
 
 
@@ -413,7 +413,7 @@ def _gqa_layout(name, index, layers, kind, shard, segments, devices, options, di
         VectorRow(name=n, row=2 + i, part=parts[f"attn.{n}"], length=parts[f"attn.{n}"].size)
         for i, n in enumerate(present)
     ]
-    kv_tile = _kv_tile(context)
+    tile = kv_tile(context)
     return GQALayout(
         name=name,
         index=index,
@@ -436,7 +436,7 @@ def _gqa_layout(name, index, layers, kind, shard, segments, devices, options, di
         rope=_rope_layout(kind.rope, kind.rotary_dim) if kind.rope else None,
         segments=segments,
         vectors=vectors,
-        kv_tile=kv_tile,
+        kv_tile=tile,
         caches=[
             CacheArray(name=n, shape=[len(layers), batch, kv_heads, context, d], dtype="bfloat16")
             for n in ("k", "v")
@@ -444,13 +444,12 @@ def _gqa_layout(name, index, layers, kind, shard, segments, devices, options, di
     )
 
 
-def _kv_tile(context: int) -> int:
-    kv_tile = min(context, 128)
-    if context % kv_tile:
-        from mkgen.errors import SpecError
-
-        raise SpecError(f"--context {context} must be a multiple of the {kv_tile}-token KV tile")
-    return kv_tile
+def kv_tile(context: int) -> int:
+    """Cache tokens per streamed KV tile (the kernel's, the VMEM plan's and the schedule's)."""
+    tile = min(context, KV_TILE_MAX)
+    if context % tile:
+        raise SpecError(f"--context {context} must be a multiple of the {tile}-token KV tile")
+    return tile
 
 
 def _segment_columns(segments: list[Segment], name: str, prefix: str) -> dict[str, Columns]:
@@ -502,7 +501,7 @@ def _mla_layout(name, index, layers, kind, shard, segments, devices, options, di
         columns=_segment_columns(segments, "down", "attn."),
         segments=segments,
         vectors=vectors,
-        kv_tile=_kv_tile(context),
+        kv_tile=kv_tile(context),
         caches=[
             CacheArray(
                 name="latent", shape=[len(layers), batch, 1, context, width], dtype="bfloat16"
@@ -593,7 +592,6 @@ def _dense_layout(name, index, layers, kind, shard, segments, devices) -> DenseL
     )
 
 
-EXPERT_SLOTS = 4  # measurements.md: 4 expert slots was the best of 3..8
 MAX_PIECE_CHUNKS = 16  # 2 MiB bf16 pieces, the size of a weight-stream bank
 
 
@@ -617,8 +615,6 @@ def _check_expert_format(text: str, name: str, width: int) -> None:
             "and fp8:B with B | 256 are)"
         )
     if fmt.block and width % fmt.block:
-        from mkgen.errors import SpecError
-
         raise SpecError(
             f"ffn_kinds.{name}: the {width} expert columns per core are not whole {fmt} groups "
             f"of {fmt.block}; choose a topology or format whose group divides them"
@@ -659,7 +655,17 @@ def _check_formats(spec: ModelSpec, stream: StreamPlan) -> None:
 
 
 def _moe_layout(
-    name, index, layers, kind, shard, segments, devices, first_row, expert_format, max_piece_chunks
+    name,
+    index,
+    layers,
+    kind,
+    shard,
+    segments,
+    devices,
+    first_row,
+    expert_format,
+    max_piece_chunks,
+    expert_slots,
 ) -> MoELayout:
     if kind.activation.kind == "gelu":
         _unsupported(f"ffn_kinds.{name}: exact gelu (use gelu_tanh)")
@@ -691,7 +697,7 @@ def _moe_layout(
         width_parts=split.width_parts,
         experts_per_rank=split.experts_per_rank,
         experts=chunks,
-        expert_slots=EXPERT_SLOTS,
+        expert_slots=expert_slots,
         activation=act.kind,
         activation_params={
             k: v for k, v in act.model_dump().items() if k != "kind" and v is not None
@@ -739,9 +745,12 @@ def build_layout(
     stream: StreamPlan,
     options: BuildOptions,
     *,
-    max_piece_chunks: int = MAX_PIECE_CHUNKS,
+    max_piece_chunks: int,
+    expert_slots: int,
+    trace_residuals: bool = False,
 ) -> KernelLayout:
-    """The kernel layout of `spec` on `topology`, per-rank pieces as `sharding` decided."""
+    """The kernel layout of `spec` on `topology`: per-rank pieces as `sharding` decided, the
+    stream as planned, `expert_slots` as the VMEM plan chose them."""
     _check_formats(spec, stream)
     devices = topology.num_devices
     hidden = spec.dims.hidden
@@ -795,6 +804,7 @@ def build_layout(
                     first_ffn_row,
                     spec.quantization.experts,
                     max_piece_chunks,
+                    expert_slots,
                 )
             )
             continue
@@ -863,32 +873,8 @@ def build_layout(
         final_norm=globals_["final_norm"],
         max_k_chunks=max(s.k_chunks for s in segments),
         max_col_blocks=max(s.col_blocks for s in segments),
+        trace_residuals=trace_residuals,
     )
 
 
 FULL_BANK_ROWS = 4096  # 2 MiB bf16 banks, as the hand-written kernels use
-RING_VMEM_BYTES = 24 * 1024 * 1024  # VMEM set aside for banks in flight (~12 x 2 MiB)
-
-
-def plan_kernel(
-    spec: ModelSpec,
-    topology: Topology,
-    options: BuildOptions,
-    *,
-    bank_rows: int = FULL_BANK_ROWS,
-    ring_depth: int | None = None,
-    max_piece_chunks: int = MAX_PIECE_CHUNKS,
-    trace_residuals: bool = False,
-) -> KernelLayout:
-    """Shard, plan the weight stream and lay out the kernel for one build."""
-    from mkgen.plan.sharding import plan_sharding
-    from mkgen.plan.stream import choose_ring, plan_stream
-
-    spec = options.apply(spec)
-    sharding = plan_sharding(spec, topology, options)
-    depth = ring_depth or choose_ring(bank_rows, RING_VMEM_BYTES)
-    stream = plan_stream(spec, sharding, bank_rows=bank_rows, ring_depth=depth)
-    layout = build_layout(
-        spec, topology, sharding, stream, options, max_piece_chunks=max_piece_chunks
-    )
-    return layout.model_copy(update={"trace_residuals": trace_residuals})

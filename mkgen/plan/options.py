@@ -21,6 +21,12 @@ from mkgen.spec.schema import DENSE_GROUP, WEIGHT_FAMILIES, ModelSpec, Quantizat
 # per jitted device call, so the host dispatch is paid once per 16 steps.
 DEFAULT_STEPS_PER_CALL = 16
 DEFAULT_CONTEXT = 4096
+# The ring's bounds: two banks let one stream while the other is used; past 16 the DMA
+# engine is never idle at any bank size the planner uses (stream.choose_ring).
+MIN_RING_DEPTH, MAX_RING_DEPTH = 2, 16
+# Physical bound: one DMA semaphore per slot and array, and every slot a full piece of
+# VMEM; 8 is twice the best measured count (measurements: 4 of 3..8 was best).
+EXPERT_SLOTS_LIMIT = 8
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(b|kib|mib|gib|kb|mb|gb)?\s*$", re.I)
 _SIZE_UNITS = {
@@ -95,6 +101,10 @@ class BuildOptions(BaseModel):
     # batch). None: the expectation under uniform routing.
     distinct_experts_per_layer: int | None = None
     steps_per_call: int = DEFAULT_STEPS_PER_CALL
+    # Kernel knobs (None: the planner chooses under the VMEM budget). A forced value is
+    # checked like a chosen one: it must fit VMEM and the schedule must not deadlock.
+    ring_depth: int | None = None  # weight banks in flight
+    expert_slots: int | None = None  # expert pieces in flight
 
     @model_validator(mode="after")
     def _check(self) -> BuildOptions:
@@ -106,6 +116,16 @@ class BuildOptions(BaseModel):
         ):
             if value < 1:
                 raise SpecError(f"{flag} {value}: must be a positive integer")
+        if self.ring_depth is not None and not MIN_RING_DEPTH <= self.ring_depth <= MAX_RING_DEPTH:
+            raise SpecError(
+                f"--ring-depth {self.ring_depth}: must be {MIN_RING_DEPTH} to {MAX_RING_DEPTH} "
+                "banks in flight"
+            )
+        if self.expert_slots is not None and not 1 <= self.expert_slots <= EXPERT_SLOTS_LIMIT:
+            raise SpecError(
+                f"--expert-slots {self.expert_slots}: must be 1 to {EXPERT_SLOTS_LIMIT} pieces "
+                "in flight"
+            )
         if not 0 < self.acceptance <= self.rows:
             raise SpecError(
                 f"--acceptance {self.acceptance:g}: mean tokens accepted per step must be in "
@@ -178,10 +198,24 @@ class BuildOptions(BaseModel):
 
     def describe(self) -> str:
         quant = ", ".join(f"{f}={v}" for f, v in self.quant) or "spec formats"
+        knobs = "".join(
+            f", {label} {value}"
+            for label, value in (
+                ("ring depth", self.ring_depth),
+                ("expert slots", self.expert_slots),
+            )
+            if value is not None
+        )
         return (
             f"batch {self.batch}, rows {self.rows}, acceptance {self.acceptance:g}, "
-            f"context {self.context}, quant: {quant}"
+            f"context {self.context}, quant: {quant}{knobs}"
         )
 
 
-_NULLABLE = ("vmem_budget_bytes", "price_per_chip_hour_usd", "distinct_experts_per_layer")
+_NULLABLE = (
+    "vmem_budget_bytes",
+    "price_per_chip_hour_usd",
+    "distinct_experts_per_layer",
+    "ring_depth",
+    "expert_slots",
+)

@@ -83,6 +83,7 @@ def plan_dict(plan: BuildPlan) -> dict[str, Any]:
             "bytes_per_step": plan.stream.bytes_per_step,
         },
         "schedule": plan.schedule.model_dump(),
+        "program": plan.program,
         "graph": {
             "nodes": plan.graph.nodes,
             "edges": plan.graph.edges,

@@ -165,6 +165,8 @@ class ScheduleSummary(BaseModel):
     expert_slots: int
     max_dmas_in_flight: int
     max_bytes_in_flight: int
+    # Layer kind -> its stream segments in program order (the rendered kernel must agree).
+    segment_order: dict[str, list[str]]
 
     def describe(self) -> str:
         moved = ", ".join(
@@ -196,6 +198,8 @@ class Schedule:
         layers: int,
         experts_per_layer: dict[int, tuple[int, int]],
         stream_bytes: int,
+        segment_order: dict[str, list[str]],
+        layer_kinds: list[str],
     ) -> None:
         self.nodes = nodes
         self.events = events
@@ -208,6 +212,10 @@ class Schedule:
         # MoE layer -> (expert slices it fetches, pieces per slice)
         self.experts_per_layer = experts_per_layer
         self.stream_bytes = stream_bytes
+        # Layer kind -> its stream segments in the order the program consumes them (what
+        # the rendered kernel is held to: mkgen.codegen.conformance).
+        self.segment_order = segment_order
+        self.layer_kinds = layer_kinds  # "attention/ffn" kind names of every layer
 
     def copy(self) -> Schedule:
         """A deep copy (tests break copies to prove the checks fail)."""
@@ -222,6 +230,8 @@ class Schedule:
             layers=self.layers,
             experts_per_layer=dict(self.experts_per_layer),
             stream_bytes=self.stream_bytes,
+            segment_order={k: list(v) for k, v in self.segment_order.items()},
+            layer_kinds=list(self.layer_kinds),
         )
 
     def find(self, name: str) -> Node:
@@ -279,7 +289,37 @@ class Schedule:
             expert_slots=self.expert_slots,
             max_dmas_in_flight=peak,
             max_bytes_in_flight=peak_bytes,
+            segment_order=self.segment_order,
         )
+
+    def program(self) -> dict[str, list[dict]]:
+        """The op list of each layer kind (its first layer), the prologue and the epilogue,
+        in program order: every start, wait and run with the resources it touches."""
+        names = {-1: "prologue", self.layers: "epilogue"}
+        seen: dict[str, int] = {}  # program name -> the layer that stands for it
+        out: dict[str, list[dict]] = {}
+        layer = -1  # the layer whose ops run now: a DMA belongs where it is issued or waited
+        for op, i in self.events:
+            node = self.nodes[i]
+            if op == RUN:
+                layer = node.layer
+            name = names.get(layer) or self.layer_kinds[layer]
+            if seen.setdefault(name, layer) != layer:
+                continue
+            entry = {
+                "event": EVENT_NAMES[op],
+                "category": node.cat,
+                "op": node.name.removeprefix(f"L{node.layer} "),
+            }
+            if node.resource is not None:
+                entry["resource"], entry["slot"] = node.resource, node.slot
+            if op == START:
+                entry["bytes"], entry["dmas"] = node.nbytes, node.count
+                entry["semaphores"] = list(node.sems)
+            if node.repeat != 1:
+                entry["repeat"] = node.repeat
+            out.setdefault(name, []).append(entry)
+        return out
 
     def dma_table(self) -> list[dict]:
         """Every DMA with its issue point, slot, semaphores and wait point (plan.json)."""
@@ -355,6 +395,8 @@ class _Builder:
         self.layer_collectives = 0  # collectives of this layer so far: picks the buffer
         self.res = INIT  # the node that last wrote the residual stream
         self.experts_per_layer: dict[int, tuple[int, int]] = {}
+        self.segment_order: dict[str, list[str]] = {}
+        self.segment_layer: dict[str, int] = {}  # the layer that records a kind's order
         # Semaphore names of a DMA group, built once per array shape and shared.
         self.sem_cache: dict[tuple[str, tuple[int, ...]], tuple[str, ...]] = {}
         # Core 0's view (position 0 in every group): a stage sends to members 1.. and
@@ -498,6 +540,9 @@ class _Builder:
 
     def segment(self, layer: int, label: str, seg: Segment, first: int, x: int) -> int:
         """x @ a stream segment, bank by bank; returns its last op."""
+        order = self.segment_order.setdefault(label, [])
+        if self.segment_layer.setdefault(label, layer) == layer:
+            order.append(seg.name)
         per_bank = seg.chunks_per_bank  # more chunks a bank in 8-bit formats
         chunks = seg.k_chunks * seg.col_blocks
         prev = x
@@ -591,6 +636,8 @@ class _Builder:
             layers=layers,
             experts_per_layer=self.experts_per_layer,
             stream_bytes=self.stream.bytes_per_step,
+            segment_order=self.segment_order,
+            layer_kinds=[f"{a}/{f}" for a, f in self.sh.layer_table],
         )
 
     def epilogue(self, layers: int) -> None:
@@ -598,7 +645,7 @@ class _Builder:
         x = self.vec(layers, "final norm", self.res, 5 * self.t * h,
                      ((INIT, "final_norm_vmem", 0),))  # fmt: skip
         for seg in self.stream.tail:
-            x = self.segment(layers, "", seg, self.stream.lm_head_bank, x)
+            x = self.segment(layers, "lm_head", seg, self.stream.lm_head_bank, x)
         vpc = self.dims.vocab_per_core
         g = self.run("vector", "soft-cap, argmax of the shard -> greedy", layers, 4 * self.t * vpc,
                      ((x, None, 0),), writes=("greedy", 0))  # fmt: skip
@@ -827,14 +874,14 @@ class _Builder:
         shared = None
         if kind.shared_experts:
             width = next(t.rank_shape[-1] for t in f.tensors if t.name == "ffn.shared_up")
-            shared = self.vec(layer, f"{name}: shared activation", y, 8 * self.t * width)
+            act = self.vec(layer, f"{name}: shared activation", y, 8 * self.t * width)
+            shared = self.segment(layer, name, segs["shared_down"], first, act)
         if kind.latent:
             out = self.collective(layer, colls.get("expert_out"), out)
             out = self.segment(layer, name, segs["latent_out"], first, out)
-        if "shared_down" in segs:
-            s = self.segment(layer, name, segs["shared_down"], first, shared)
+        if shared is not None:
             out = self.vec(layer, f"{name}: experts + shared experts", out, self.t * h,
-                           ((s, None, 0),))  # fmt: skip
+                           ((shared, None, 0),))  # fmt: skip
         return self.collective(layer, colls.get("ffn_out"), out)
 
     def _experts(self, layer: int, name: str, kind: MoEFFN, f, route: int, x: int) -> int:

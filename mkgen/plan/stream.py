@@ -68,8 +68,10 @@ FUSED_SEGMENTS: dict[str, list[tuple[str, list[str]]]] = {
                 "ffn.shared_gate_proj",
             ],
         ),
-        ("latent_out", ["ffn.latent_out"]),
+        # The kernel's order: the shared experts' down projection right after the routed
+        # experts, then the latent back to hidden (after the reduce-scatter).
         ("shared_down", ["ffn.shared_down"]),
+        ("latent_out", ["ffn.latent_out"]),
     ],
 }
 

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict
 from mkgen.errors import SpecError
 from mkgen.hardware import MiB, vmem_padded_bytes
 from mkgen.plan.collectives import CollectivePlan, layer_uses, plan_collectives
-from mkgen.plan.layout import MAX_PIECE_CHUNKS, ExpertChunks, expert_chunks
+from mkgen.plan.layout import MAX_PIECE_CHUNKS, ExpertChunks, expert_chunks, kv_tile
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.sharding import ShardingPlan, TensorShard
 from mkgen.plan.stream import CHUNK, LANES, StreamPlan, choose_ring, round_up
@@ -50,12 +50,14 @@ from mkgen.spec.topology import Topology, parse_topology
 # Tuning choice (measurements.md): 3/4/5/6/8 expert slots measured 668/653/685/690/824 us
 # over 8 Muse Spark layers; 4 was best, so 4 is the most the plan asks for.
 MAX_EXPERT_SLOTS = 4
+# Tuning choice: VMEM set aside for banks in flight (~12 x 2 MiB, as the hand-written
+# Kimi K3 kernel kept).
+RING_VMEM_BYTES = 24 * 1024 * 1024
 # Tuning choice: the ring is worth more than a fourth expert slot only while it is
 # shallow; below half the design depth (12 x 2 MiB) slots give way first.
 RING_COMFORT_FRACTION = 0.5
 SUBLANES_F32 = 8
 CACHE_ALIGN = 16  # bf16 HBM rows are tiled by 16: cache blocks start on a multiple
-KV_TILE_MAX = 128  # cache tokens per streamed tile (the template's choice)
 GREEDY_LANES = 128  # (max, argmax) per row, padded to one lane row
 
 Category = Literal[
@@ -134,6 +136,7 @@ class KernelDims(_Frozen):
     vector_width: int
     vocab_per_core: int
     bank_rows: int
+    max_piece_chunks: int  # an expert piece's 256 x 256 chunks at most
     bank_bytes: int
     layers: int
     # Each collective of a layer has its own landing buffer (the kernel's rule): the most
@@ -236,7 +239,11 @@ def _vector_rows(shards: tuple[TensorShard, ...], gqa: bool) -> tuple[int, list[
 
 
 def kernel_dims(
-    spec: ModelSpec, sharding: ShardingPlan, stream: StreamPlan, options: BuildOptions
+    spec: ModelSpec,
+    sharding: ShardingPlan,
+    stream: StreamPlan,
+    options: BuildOptions,
+    max_piece_chunks: int = MAX_PIECE_CHUNKS,
 ) -> KernelDims:
     """The kernel's constants, derived as mkgen.plan.layout derives them."""
     h = spec.dims.hidden
@@ -260,7 +267,7 @@ def kernel_dims(
         tokens_padded=round_up(tokens, SUBLANES_F32),
         hidden=h,
         context=options.context,
-        kv_tile=min(options.context, KV_TILE_MAX),
+        kv_tile=kv_tile(options.context),
         cache_block=round_up(options.rows + CACHE_ALIGN - 1, CACHE_ALIGN),
         max_k_chunks=max(s.k_chunks for s in segments),
         max_col_blocks=max(s.col_blocks for s in segments),
@@ -270,6 +277,7 @@ def kernel_dims(
         vocab_per_core=stream.tail[0].fan_out,
         bank_rows=stream.bank_rows,
         bank_bytes=stream.bank_bytes,
+        max_piece_chunks=max_piece_chunks,
         layers=len(sharding.layer_table),
         collective_buffers=len(collectives.buffers),
         collectives=collectives,
@@ -415,7 +423,7 @@ def _moe_buffers(
     returns the bytes of one slot."""
     tp = dims.tokens_padded
     gate = next(t for t in f.tensors if t.name == "ffn.experts_gate")
-    e = expert_chunks(fmt, gate.global_shape[1], f.experts.width_per_rank, MAX_PIECE_CHUNKS)
+    e = expert_chunks(fmt, gate.global_shape[1], f.experts.width_per_rank, dims.max_piece_chunks)
     out.experts[name] = e
     out.add(f"{name}_ids_vmem", "activations", (tp, 128), "int32", why="chosen experts")
     out.scalar(f"{name}_ids_smem", (tp, 128))
@@ -553,6 +561,37 @@ def _largest(buffers: list[VmemBuffer], n: int = 3) -> str:
     return ", ".join(f"{b.name} {list(b.shape)} {_mib(b.bytes)}" for b in top)
 
 
+def _expert_slots(
+    options: BuildOptions,
+    ring_depth: int | None,
+    where: str,
+    left: int,
+    bank: int,
+    slot_bytes: int,
+    target: int,
+) -> int:
+    """Expert piece slots: the forced count, or as many as leave the ring its comfort depth
+    (half the design depth, or all but one slot's worth if less), up to MAX_EXPERT_SLOTS."""
+    forced = options.expert_slots
+    if not slot_bytes:
+        if forced is not None:
+            raise SpecError(f"--expert-slots {forced}: {where} has no routed experts")
+        return 0
+    if left < 2 * bank + (forced or 1) * slot_bytes:
+        raise SpecError(
+            f"VMEM: {where} leaves {_mib(left)} for the weight ring and expert slots, less "
+            f"than two {_mib(bank)} banks and {forced or 1} {_mib(slot_bytes)} expert slot(s); "
+            "raise --vmem-budget or lower --batch/--rows" + (" or --expert-slots" if forced else "")
+        )
+    if forced is not None:
+        return forced
+    comfort = max(2 * bank, int(target * RING_COMFORT_FRACTION) // bank * bank)
+    if ring_depth is not None:
+        comfort = ring_depth * bank
+    ring_floor = min(comfort, left - slot_bytes)
+    return max(1, min(MAX_EXPERT_SLOTS, (left - ring_floor) // slot_bytes))
+
+
 def plan_vmem(
     spec: ModelSpec,
     topo: Topology,
@@ -561,6 +600,8 @@ def plan_vmem(
     stream: StreamPlan,
     *,
     ring_target_bytes: int | None = None,
+    max_piece_chunks: int = MAX_PIECE_CHUNKS,
+    ring_depth: int | None = None,
 ) -> VmemPlan:
     """Every VMEM buffer, with the ring depth and expert slots chosen under the budget.
 
@@ -568,8 +609,6 @@ def plan_vmem(
     when the budget cannot hold one weight bank, or when it cannot hold two banks and
     one expert slot.
     """
-    from mkgen.plan.layout import RING_VMEM_BYTES
-
     chip = topo.chip_info
     limit = chip.vmem_limit_bytes
     budget = options.vmem_budget_bytes or chip.vmem_budget_bytes
@@ -579,7 +618,7 @@ def plan_vmem(
             "(the budget is the explicit VMEM the plan may allocate)"
         )
     target = ring_target_bytes or RING_VMEM_BYTES
-    dims = kernel_dims(spec, sharding, stream, options)
+    dims = kernel_dims(spec, sharding, stream, options, max_piece_chunks)
     bank = dims.bank_bytes
     # Everything but the ring and the expert slots is fixed by the build.
     probe, slot_bytes = _buffers(spec, sharding, stream, dims, 1, 1)
@@ -607,25 +646,20 @@ def plan_vmem(
             f"two banks ({_mib(fixed + 2 * bank + slot_bytes)}"
             + (" with one expert slot)" if slot_bytes else ")")
         )
-    slots = 0
-    if slot_bytes:
-        if left < 2 * bank + slot_bytes:
-            raise SpecError(
-                f"VMEM: {where} leaves {_mib(left)} of the {_mib(usable)} it may use for the weight "
-                f"ring and expert slots, less than two {_mib(bank)} banks and one "
-                f"{_mib(slot_bytes)} expert slot; raise --vmem-budget or lower --batch/--rows"
-            )
-        # The ring keeps half its design depth (or all but one slot's worth, if less);
-        # the expert slots take the rest, up to MAX_EXPERT_SLOTS.
-        comfort = max(2 * bank, int(target * RING_COMFORT_FRACTION) // bank * bank)
-        ring_floor = min(comfort, left - slot_bytes)
-        slots = max(1, min(MAX_EXPERT_SLOTS, (left - ring_floor) // slot_bytes))
+    forced_depth = options.ring_depth or ring_depth
+    slots = _expert_slots(options, forced_depth, where, left, bank, slot_bytes, target)
     if left - slots * slot_bytes < 2 * bank:
         raise SpecError(
             f"--vmem-budget {_mib(budget)} leaves {_mib(left - slots * slot_bytes)} for the "
             f"weight ring, less than two {_mib(bank)} banks; raise --vmem-budget"
         )
-    depth = choose_ring(dims.bank_rows, min(target, left - slots * slot_bytes))
+    ring_bytes = left - slots * slot_bytes
+    depth = forced_depth or choose_ring(dims.bank_rows, min(target, ring_bytes))
+    if depth * bank > ring_bytes:
+        raise SpecError(
+            f"--ring-depth {depth}: {depth} banks of {_mib(bank)} need {_mib(depth * bank)}, but "
+            f"{where} leaves {_mib(ring_bytes)} for the ring; lower --ring-depth"
+        )
     out, _ = _buffers(spec, sharding, stream, dims, depth, slots)
     explicit = sum(b.bytes for b in out.buffers if b.role != "internal")
     internal = sum(b.bytes for b in out.buffers if b.role == "internal")

@@ -95,7 +95,9 @@ def load_spec(ref: str | Path) -> ModelSpec:
 
 
 def list_spec_names() -> list[str]:
-    return sorted(p.name.removesuffix(".yaml") for p in SPECS_DIR.iterdir() if p.name.endswith(".yaml"))
+    return sorted(
+        p.name.removesuffix(".yaml") for p in SPECS_DIR.iterdir() if p.name.endswith(".yaml")
+    )
 
 
 def spec_to_dict(spec: ModelSpec) -> dict[str, Any]:

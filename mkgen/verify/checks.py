@@ -102,13 +102,12 @@ def compile_full_size(
     from mkgen.codegen.package import build_name
     from mkgen.plan import plan_build
     from mkgen.plan.collectives import arrange_devices
-    from mkgen.plan.layout import plan_kernel
     from mkgen.verify.inspect import vmem_map
     from mkgen.verify.tpu_compile import compile_for_tpu, compile_only_devices
 
     applied = options.apply(spec)
-    layout = plan_kernel(applied, topology, options)
     plan = plan_build(applied, topology, options)
+    layout = plan.kernel
     source = render_kernel(layout, header)
     name = build_name(spec.name, topology)
     kernel = load_module(source, f"mkgen_compile_{name.replace('-', '_').replace('.', '_')}")
@@ -175,6 +174,7 @@ def run_verify(
     seed: int,
     timeout: float,
     quant: tuple[str, ...] = (),
+    knobs: dict[str, int] | None = None,
 ) -> list[NumericsReport]:
     return [
         verify_numerics(
@@ -188,6 +188,7 @@ def run_verify(
             seed=seed,
             timeout=timeout,
             quant=quant,
+            knobs=knobs,
         )  # fmt: skip
         for mode in modes
     ]
@@ -241,8 +242,10 @@ def verify_record(
     context: int,
     seed: int,
     quant: tuple[str, ...] = (),
+    knobs: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     return {
+        **({"knobs": dict(knobs)} if knobs else {}),
         "steps_requested": steps,
         "batch": batch,
         "rows": rows,

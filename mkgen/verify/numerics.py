@@ -138,12 +138,14 @@ def verify_numerics(
     seed: int = 0,
     timeout: float = 900.0,
     quant: tuple[str, ...] = (),
+    knobs: dict[str, int] | None = None,
     mutations: list[tuple[str, str]] | None = None,
 ) -> NumericsReport:
     """Run the child process and return its report (a timeout is a failure, not a hang).
 
     `quant` (FAMILY=FORMAT) are the build's format overrides: the twin is made from the
-    spec as built, with its own (smaller) blocks.
+    spec as built, with its own (smaller) blocks. `knobs` are the kernel knobs of the build
+    (ring_depth, expert_slots): the twin is rendered with them.
 
     `mutations` (tests only) are (old, new) text replacements applied to the rendered
     kernel, to prove that a broken schedule is caught."""
@@ -160,7 +162,7 @@ def verify_numerics(
     args = [
         sys.executable, "-m", "mkgen.verify.numerics", spec_ref, topology, mode,
         str(steps), str(batch), str(rows), str(context), str(seed),
-        json.dumps(list(quant)), json.dumps(mutations or []),
+        json.dumps(list(quant)), json.dumps(knobs or {}), json.dumps(mutations or []),
     ]  # fmt: skip
     report = NumericsReport(spec_ref, topology, devices, mode, batch, rows)
     try:
@@ -210,6 +212,7 @@ def _run_child(
     context: int,
     seed: int,
     quant: list[str],
+    knobs: dict[str, int],
     mutations: list[tuple[str, str]],
 ) -> dict[str, Any]:
     import jax
@@ -221,8 +224,8 @@ def _run_child(
     from mkgen.codegen import pack
     from mkgen.codegen.build import load_module, render_kernel
     from mkgen.codegen.quantize import stored_random_weights
+    from mkgen.plan import plan_build
     from mkgen.plan.collectives import arrange_devices
-    from mkgen.plan.layout import plan_kernel
     from mkgen.plan.options import BuildOptions
     from mkgen.reference import model as reference
     from mkgen.spec.loader import load_spec
@@ -233,16 +236,16 @@ def _run_child(
     devices = topology.num_devices
     built = BuildOptions.create(quant=quant).apply(load_spec(spec_ref))
     spec = mini_twin(built, devices)
-    options = BuildOptions.create(batch=batch, rows=rows, context=context)
-    layout = plan_kernel(
+    options = BuildOptions.create(batch=batch, rows=rows, context=context, **knobs)
+    layout = plan_build(
         spec,
         topology,
         options,
         bank_rows=MINI_BANK_ROWS,
-        ring_depth=MINI_RING_DEPTH,
+        ring_depth=options.ring_depth or MINI_RING_DEPTH,
         max_piece_chunks=MINI_PIECE_CHUNKS,
         trace_residuals=True,
-    )
+    ).kernel
     source = render_kernel(layout, "verify")
     for old, new in mutations:
         if old not in source:
@@ -378,12 +381,13 @@ def _compare_caches(
 
 
 if __name__ == "__main__":
-    spec_arg, topo_arg, mode_arg, *numbers, quant_arg, mutations_arg = sys.argv[1:]
+    spec_arg, topo_arg, mode_arg, *numbers, quant_arg, knobs_arg, mutations_arg = sys.argv[1:]
     steps_n, batch_n, rows_n, context_n, seed_n = map(int, numbers)
     try:
         result = _run_child(
             spec_arg, topo_arg, mode_arg, steps_n, batch_n, rows_n, context_n, seed_n,
-            json.loads(quant_arg), [tuple(m) for m in json.loads(mutations_arg)],
+            json.loads(quant_arg), json.loads(knobs_arg),
+            [tuple(m) for m in json.loads(mutations_arg)],
         )  # fmt: skip
     except Exception as error:  # reported to the parent as one line: race, NaN, lowering...
         result = {"error": describe_failure(error)}

@@ -1,0 +1,136 @@
+"""One plan, one program: the kernel is rendered from the plan the checks prove, consumes
+every kind's stream segments in the program's order, and a program that would hang at any
+ring depth is refused at plan time."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cli_run import assert_user_error, mkgen
+
+from mkgen.codegen.build import render_kernel
+from mkgen.codegen.conformance import check_program_order, consumed_segments
+from mkgen.codegen.package import entry_inputs, read_build_list, render_build
+from mkgen.plan import BuildOptions, plan_build
+from mkgen.plan import stream as stream_module
+from mkgen.plan.graph import ScheduleCheckError
+from mkgen.spec.loader import load_spec
+from mkgen.spec.topology import parse_topology
+
+
+def _plan(model: str, topology: str, **options):
+    return plan_build(load_spec(model), parse_topology(topology), BuildOptions.create(**options))
+
+
+@pytest.mark.parametrize("entry", read_build_list(), ids=lambda e: e.line)
+def test_every_checked_in_kernel_consumes_its_segments_in_program_order(entry) -> None:
+    plan = plan_build(*entry_inputs(entry))
+    consumed = consumed_segments(render_kernel(plan.kernel, ""), plan.kernel)
+    program = plan.schedule.segment_order
+    assert consumed == {kind: program[kind] for kind in consumed}
+    assert set(program) == set(consumed) | {"lm_head"}
+
+
+def test_kimi_k3s_moe_streams_shared_down_before_latent_out_as_its_kernel_does() -> None:
+    plan = _plan("kimi-k3", "2x2x4", rows=8)
+    moe = next(f for f in plan.kernel.ffn if f.name == "moe")
+    offsets = {s.name: s.bank_offset for s in moe.segments}
+    assert offsets["in"] < offsets["shared_down"] < offsets["latent_out"]
+    assert plan.schedule.segment_order["moe"] == ["in", "shared_down", "latent_out"]
+
+
+def test_a_kernel_out_of_program_order_is_refused_naming_both_segments() -> None:
+    plan = _plan("kimi-k3", "2x2x4", rows=8)
+    source = render_kernel(plan.kernel, "")
+    swapped = dict(plan.schedule.segment_order, moe=["in", "latent_out", "shared_down"])
+    with pytest.raises(ScheduleCheckError) as info:
+        check_program_order(source, plan.kernel, swapped)
+    message = str(info.value)
+    assert "moe consumes shared_down where the plan's program consumes latent_out" in message
+    assert "\n" not in message
+
+
+def test_a_stream_laid_out_against_the_programs_order_is_refused_at_plan_time(
+    monkeypatch,
+) -> None:
+    """The old layout (latent_out's banks before shared_down's, consumed the other way
+    round) hangs once the ring is shallower than the gap: refused, naming op and bank."""
+    moe = dict(stream_module.FUSED_SEGMENTS["moe"])
+    old = [
+        ("in", moe["in"]),
+        ("latent_out", moe["latent_out"]),
+        ("shared_down", moe["shared_down"]),
+    ]
+    monkeypatch.setitem(stream_module.FUSED_SEGMENTS, "moe", old)
+    with pytest.raises(ScheduleCheckError) as info:
+        _plan("kimi-k3", "2x2x4", rows=8)
+    message = str(info.value)
+    assert message.startswith("schedule check deadlock_free failed: at ring depth 2,")
+    assert "moe.shared_down bank" in message and "waits for bank" in message
+
+
+def test_every_ring_depth_the_planner_may_pick_is_deadlock_free() -> None:
+    for depth in (2, 3, 16):
+        plan = _plan("kimi-k3", "2x2x4", rows=8, ring_depth=depth)
+        assert plan.vmem.ring_depth == plan.kernel.stream.ring_depth == depth
+        assert plan.graph.checks["deadlock_free"]
+
+
+def test_the_build_renders_the_plan_it_reports(tmp_path) -> None:
+    """One plan per build: the kernel's ring and expert slots are the VMEM plan's, in the
+    full build and in its mini twin (whose banks are small)."""
+    spec, topo = load_spec("qwen3-30b-a3b"), parse_topology("2x2x1")
+    rendered = render_build(spec, topo, BuildOptions.create(expert_slots=3))
+    for path in ("plan.json", "mini/plan.json"):
+        data = json.loads(rendered.files[path])
+        kernel, vmem = data["kernel"], data["plan"]["vmem"]
+        assert kernel["stream"]["ring_depth"] == vmem["ring_depth"]
+        assert kernel["stream"]["bank_rows"] * 256 * 2 == vmem["bank_bytes"]
+        assert [f["expert_slots"] for f in kernel["ffn"]] == [vmem["expert_slots"]] == [3]
+        assert set(data["plan"]["program"]) >= {"prologue", "gqa/moe", "epilogue"}
+
+
+def test_the_knobs_are_cli_flags_recorded_in_the_build(tmp_path) -> None:
+    out = tmp_path / "build"
+    result = mkgen(
+        "build", "qwen3-30b-a3b", "--topology", "2x2x1", "--ring-depth", "4",
+        "--expert-slots", "2", "-o", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    header = (out / "megakernel.py").read_text()
+    assert "ring depth 4, expert slots 2" in header
+    assert "--ring-depth 4 --expert-slots 2" in header
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["kernel"]["stream"]["ring_depth"] == 4
+
+
+@pytest.mark.parametrize(
+    ("flags", "fragments"),
+    [
+        (["--ring-depth", "1"], ["--ring-depth 1", "2 to 16"]),
+        (["--ring-depth", "17"], ["--ring-depth 17", "2 to 16"]),
+        (["--expert-slots", "0"], ["--expert-slots 0"]),
+        (
+            ["--ring-depth", "16", "--vmem-budget", "20MiB"],
+            ["--ring-depth 16", "lower --ring-depth"],
+        ),
+    ],
+)
+def test_knobs_outside_what_fits_are_one_line_errors(flags, fragments) -> None:
+    assert_user_error(
+        mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", *flags), *fragments
+    )
+
+
+def test_plan_json_carries_the_program_and_the_deadlock_check() -> None:
+    result = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["graph"]["checks"]["deadlock_free"] is True
+    ops = data["program"]["kda/moe"]
+    names = [op["op"] for op in ops if op["event"] == "run" and op["category"] == "matmul"]
+    firsts = [n.split(" bank ")[0] for n in names]
+    assert list(dict.fromkeys(firsts)) == ["kda.in", "kda.f_b", "kda.o", "moe.in",
+                                           "moe.shared_down", "moe.latent_out"]  # fmt: skip
+    assert any(op["category"] == "expert" and "semaphores" in op for op in ops)
