@@ -127,7 +127,7 @@ def render_header(
             f"regenerate with `{rebuild}` (checked-in builds: `mkgen regen`).",
             f"Spec description: {safe_text(description)}",
             f"Build options: {options}.",
-            f"Inputs sha256: {inputs_sha256} (spec JSON, topology, options, templates).",
+            f"Inputs sha256: {inputs_sha256} (spec JSON, topology, options, templates, ruff version).",
         ]
     )
 

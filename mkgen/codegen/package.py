@@ -53,7 +53,7 @@ from mkgen.codegen.build import (
     render_text,
     safe_text,
 )
-from mkgen.codegen.render import TEMPLATES, render
+from mkgen.codegen.render import TEMPLATES, formatter_version, render
 from mkgen.errors import MkgenError, SpecError
 from mkgen.plan.layout import KernelLayout, plan_kernel
 from mkgen.plan.options import BuildOptions
@@ -162,6 +162,7 @@ def inputs_digest(
         "options": options.model_dump(mode="json"),
         "kernel_args": dict(kernel_args),
         "templates": template_digests,
+        "ruff": formatter_version(),  # it formats the generated code
     }
     return hashlib.sha256(_canonical(data).encode()).hexdigest()
 
