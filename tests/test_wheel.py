@@ -97,3 +97,12 @@ def test_mkgen_build_outside_the_checkout_equals_the_checked_in_build(
         assert (built / name).is_file(), name
     for name in ("megakernel.py", "runner.py", "mini/megakernel.py"):
         assert (built / name).read_bytes() == (checked_in / name).read_bytes(), name
+
+
+def test_mkgen_build_of_the_installed_package_writes_into_the_working_directory(
+    installed: tuple[Path, Path],
+) -> None:
+    bin_dir, outside = installed
+    _run([bin_dir / "mkgen", "build", "qwen3-32b", "--topology", "2x2x1"], outside)
+    assert (outside / "generated" / "qwen3-32b-2x2x1" / "megakernel.py").is_file()
+    assert not list(bin_dir.parent.rglob("qwen3-32b-2x2x1"))

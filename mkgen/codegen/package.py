@@ -61,7 +61,9 @@ from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology, parse_topology
 
 REPO = Path(__file__).resolve().parents[2]
-GENERATED = REPO / "generated"
+# A checkout builds into its generated/ (the checked-in builds); an installed package
+# (site-packages has no pyproject.toml) into generated/ in the working directory.
+GENERATED = REPO / "generated" if (REPO / "pyproject.toml").is_file() else Path("generated")
 BUILD_LIST = GENERATED / "BUILDS"  # the checked-in builds, one `mkgen build` line each
 MANIFEST = ".mkgen-manifest.json"
 MEASUREMENTS = "measurements.json"
