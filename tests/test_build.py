@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mkgen import __version__
-from mkgen.codegen import package
+from mkgen.codegen import package, render
 from mkgen.codegen.build import identifier, safe_text
 from mkgen.codegen.package import (
     MANIFEST,
@@ -114,6 +114,25 @@ def test_inputs_hash_covers_the_templates(tmp_path: Path, monkeypatch) -> None:
     with open(tmp_path / "runner.py.j2", "a") as handle:
         handle.write("\n")
     assert inputs_digest(spec, topo, options, args) != before
+
+
+def test_inputs_hash_covers_the_formatter_version(monkeypatch) -> None:
+    spec, topo, options = _inputs()
+    args = {"bank_rows": 4096, "ring_depth": 12}
+    before = inputs_digest(spec, topo, options, args)
+    monkeypatch.setattr(package, "formatter_version", lambda: "0.0.1")
+    assert inputs_digest(spec, topo, options, args) != before
+
+
+def test_a_formatter_failure_is_not_reported_as_a_parse_error(monkeypatch) -> None:
+    with pytest.raises(MkgenError, match="generated code does not parse: Failed to parse at 1:7"):
+        render.format_python("def f(:\n")
+    monkeypatch.setattr(render, "FORMAT_COMMAND", [sys.executable, "-m", "no_such_formatter"])
+    with pytest.raises(MkgenError) as raised:
+        render.format_python("x = 1\n")
+    assert "does not parse" not in str(raised.value)
+    assert "formatting generated code failed" in str(raised.value)
+    assert "No module named no_such_formatter" in str(raised.value)
 
 
 COMPILE_RECORD = {  # what `mkgen compile --update-report` records (checks.CompileOutcome)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +32,26 @@ def test_rendering_is_deterministic() -> None:
     assert first == second
     assert "def make_decode_step(mesh):" in first
     compile(first, "megakernel.py", "exec")  # it parses
+
+
+def test_render_and_load_leave_nothing_in_the_temp_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    kernel = load_module(render_kernel(_layout("qwen3-32b", "2x2x1"), "t"), "leak_probe")
+    assert callable(kernel.make_decode_step)
+    assert list(temp.iterdir()) == []
+
+
+def test_loaded_module_shows_its_lines_in_tracebacks() -> None:
+    probe = load_module("def fail():\n    raise ValueError('from rendered code')\n", "tb_probe")
+    with pytest.raises(ValueError) as raised:
+        probe.fail()
+    assert "raise ValueError('from rendered code')" in "".join(
+        traceback.format_tb(raised.value.__traceback__)
+    )
 
 
 SPECS = Path(__file__).parent / "specs"

@@ -8,13 +8,13 @@ build directory is assembled in mkgen/codegen/package.py.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.abc
 import importlib.util
 import json
 import keyword
 import re
 import sys
-import tempfile
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -49,12 +49,26 @@ def render_kernel(layout: KernelLayout, header: str) -> str:
     )
 
 
+class _RenderedSource(importlib.abc.ExecutionLoader):
+    """Loads a module from source held in memory; tracebacks and `inspect` read the lines
+    back through `get_source`, so no file is needed (nor left behind)."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def get_filename(self, fullname: str) -> str:
+        # Unique per source: linecache keeps lines by file name, and a name may be reloaded
+        # with other source (verify's mutations). Not <...>: linecache skips those names.
+        digest = hashlib.sha256(self.source.encode()).hexdigest()[:12]
+        return f"rendered:{fullname}-{digest}.py"
+
+    def get_source(self, fullname: str) -> str:
+        return self.source
+
+
 def load_module(source: str, name: str) -> ModuleType:
-    """Import rendered source as a module (written to a temp file so tracebacks show lines)."""
-    directory = Path(tempfile.mkdtemp(prefix="mkgen-"))
-    path = directory / f"{name}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, path)
+    """Import rendered source as a module named `name` (tracebacks show its lines)."""
+    spec = importlib.util.spec_from_loader(name, _RenderedSource(source))
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -113,7 +127,7 @@ def render_header(
             f"regenerate with `{rebuild}` (checked-in builds: `mkgen regen`).",
             f"Spec description: {safe_text(description)}",
             f"Build options: {options}.",
-            f"Inputs sha256: {inputs_sha256} (spec JSON, topology, options, templates).",
+            f"Inputs sha256: {inputs_sha256} (spec JSON, topology, options, templates, ruff version).",
         ]
     )
 

@@ -54,7 +54,7 @@ from mkgen.codegen.build import (
     safe_text,
 )
 from mkgen.codegen.conformance import check_program_order
-from mkgen.codegen.render import TEMPLATES, render
+from mkgen.codegen.render import TEMPLATES, formatter_version, render
 from mkgen.errors import MkgenError, SpecError
 from mkgen.plan.layout import KernelLayout
 from mkgen.plan.options import BuildOptions
@@ -62,7 +62,9 @@ from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology, parse_topology
 
 REPO = Path(__file__).resolve().parents[2]
-GENERATED = REPO / "generated"
+# A checkout builds into its generated/ (the checked-in builds); an installed package
+# (site-packages has no pyproject.toml) into generated/ in the working directory.
+GENERATED = REPO / "generated" if (REPO / "pyproject.toml").is_file() else Path("generated")
 BUILD_LIST = GENERATED / "BUILDS"  # the checked-in builds, one `mkgen build` line each
 MANIFEST = ".mkgen-manifest.json"
 MEASUREMENTS = "measurements.json"
@@ -170,6 +172,7 @@ def inputs_digest(
         "options": options.model_dump(mode="json"),
         "kernel_args": dict(kernel_args),
         "templates": template_digests,
+        "ruff": formatter_version(),  # it formats the generated code
     }
     return hashlib.sha256(_canonical(data).encode()).hexdigest()
 
