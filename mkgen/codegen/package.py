@@ -16,11 +16,24 @@ Decisions:
   overrides, the topology, the options, the weight-bank plan, the template bytes
   and the mkgen version), hashed into ``inputs_sha256`` in every header. JSON is
   written with sorted keys; nothing records a time or a path.
-- Atomic: the files are rendered and checked in a temp directory beside the target,
-  which then replaces the target by rename (the old build is moved aside first and
-  restored if the rename fails); no half-written build is ever left.
-- Local edits are kept: an existing build whose files differ from its manifest (or
-  that gained files) is only replaced with ``force``.
+- Atomic: the files are rendered and checked in a staging directory beside the target
+  (``.NAME.XXXXXXXX.tmp``, manifest first), which then replaces the target by rename (the
+  old build is moved aside to ``.NAME.<uuid>.old`` first and restored if the rename
+  fails); no half-written build is ever left. A build killed midway is recovered by the
+  next one: after a kill between the two renames the old build goes back, and leftovers
+  holding nothing but what mkgen wrote are removed (builds in one folder take turns
+  under an flock of the folder, so none mistakes another's staging for debris).
+- Nothing mkgen did not write is ever deleted. A target is replaced only when it is new,
+  empty, or a build with a manifest. Edits to the files the manifest lists (changed or
+  deleted) are refused without ``force`` and overwritten with it. Anything else (a
+  directory without a manifest, files, links or empty folders added to a build) is
+  refused even with ``force``, and the message does not suggest it. The one exception is
+  Python's bytecode of the build's own modules (``__pycache__/runner.cpython-312.pyc``,
+  written when a user runs runner.py): a derivative of mkgen's files, stale once they
+  change, it goes with the build it was compiled from.
+- Output paths are checked before rendering: the filesystem root, a non-directory, a
+  parent that is a file or that root cannot write (probed: /proc, /sys, read-only or
+  immutable) give one line. Files and folders get the umask's modes.
 - Measurements are separate: compile seconds and interpret-mode results vary run to
   run, so ``mkgen build`` never measures. ``mkgen compile --update-report`` and
   ``mkgen verify --update-report`` store their results in ``measurements.json`` keyed
