@@ -55,10 +55,10 @@ def write_atomic(
     if target.exists() and not target.is_file():
         kind = "a directory" if target.is_dir() else "not a regular file"
         raise MkgenError(f"{path} is {kind}; give a file path")
-    if target.exists() and not may_replace(target.read_text(errors="replace")):
-        raise MkgenError(f"{path} {refusal}")
     check_parent(target)
     try:
+        if target.exists() and not may_replace(target.read_text(errors="replace")):
+            raise MkgenError(f"{path} {refusal}")
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         try:
