@@ -18,26 +18,12 @@ import click
 
 from mkgen import __version__
 from mkgen.errors import MkgenError
+from mkgen.output import write_atomic
 
 
 def _fail(message: str) -> None:
     click.echo(f"mkgen: error: {message}", err=True)
     sys.exit(2)
-
-
-def write_atomic(path: Path, text: str, force: bool) -> None:
-    """Write a file through a temp file and rename; never overwrite without force."""
-    if path.exists() and not force:
-        raise MkgenError(f"{path} exists; pass --force to overwrite it")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -214,7 +200,9 @@ def import_hf_command(config: Path, output: Path | None, name: str | None, force
     if output is None:
         click.echo(text, nl=False)
         return
-    write_atomic(output, text, force)
+    write_atomic(
+        output, text, may_replace=lambda _: force, refusal="exists; pass --force to overwrite it"
+    )
     click.echo(f"wrote {output}")
 
 
@@ -246,8 +234,9 @@ def _knob_options(command: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--price", type=float, default=None, help="USD per chip-hour.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--trace", type=click.Path(path_type=Path), help="Write a Perfetto trace here.")
+@click.option("--force", is_flag=True, help="Overwrite a --trace file mkgen did not write.")
 @_knob_options
-def plan_command(spec_ref: str, topology: str, as_json: bool, trace: Path | None,
+def plan_command(spec_ref: str, topology: str, as_json: bool, trace: Path | None, force: bool,
                  **fields: Any) -> None:  # fmt: skip
     """Plan SPEC on a topology: sharding, HBM and VMEM, schedule checks, predicted step."""
     from mkgen.plan import plan_build, to_chrome_trace
@@ -256,13 +245,28 @@ def plan_command(spec_ref: str, topology: str, as_json: bool, trace: Path | None
     spec, topo, options = _plan_inputs(spec_ref, topology, **fields)
     plan = plan_build(spec, topo, options, trace=trace is not None)
     if trace is not None:
-        write_atomic(trace, json.dumps(to_chrome_trace(plan.estimate.events)), force=True)
+        write_atomic(
+            trace, json.dumps(to_chrome_trace(plan.estimate.events)),
+            may_replace=lambda old: force or _is_trace(old, to_chrome_trace(())),
+            refusal="exists and is not a trace mkgen wrote; pass --force to overwrite it",
+        )  # fmt: skip
     if as_json:
         click.echo(plan.to_json())
         return
     click.echo(plan_text(plan))
     if trace is not None:
         click.echo(f"\nwrote {trace} (open it in ui.perfetto.dev)")
+
+
+def _is_trace(text: str, empty: dict[str, list[Any]]) -> bool:
+    """Whether `text` is a trace mkgen wrote: its events open with the track records
+    of `empty` (the trace of no events)."""
+    try:
+        events = json.loads(text)["traceEvents"]
+    except (ValueError, TypeError, KeyError):
+        return False
+    header = empty["traceEvents"]
+    return isinstance(events, list) and events[: len(header)] == header
 
 
 @cli.command("estimate")
@@ -293,9 +297,16 @@ def estimate_command(spec_ref: str, topology: str, output: Path | None, batches:
     name = f"{spec.name}-{topo.shape_name}-estimate"
     directory = output or Path(".")
     title = f"{spec.name} on {topo.name}: tokens per dollar vs tokens/s per user"
-    for suffix, text in ((".csv", sweep_csv(rows)), (".svg", sweep_svg(rows, title))):
+    header = sweep_csv([])  # an earlier estimate is recognised by its header or its title
+    for suffix, text, earlier in (
+        (".csv", sweep_csv(rows), lambda old: old.startswith(header)),
+        (".svg", sweep_svg(rows, title), lambda old: title in old),
+    ):
         path = directory / f"{name}{suffix}"
-        write_atomic(path, text, force=True)
+        write_atomic(
+            path, text, may_replace=earlier,
+            refusal="exists and is not an estimate mkgen wrote; move it or choose another -o",
+        )  # fmt: skip
         click.echo(f"wrote {path}")
 
 
@@ -384,7 +395,12 @@ def _build_dir_for(spec: Any, topo: Any, options: Any, output: Path | None) -> P
     type=click.Path(path_type=Path),
     help="Build directory (default: generated/<spec>-<shape>/ in the checkout).",
 )
-@click.option("--force", is_flag=True, help="Replace a build that has local edits.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Overwrite a build mkgen wrote whose files were edited or deleted (never a "
+    "directory or file mkgen did not write).",
+)
 def build_command(
     spec_ref: str,
     topology: str,

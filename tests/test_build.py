@@ -178,7 +178,7 @@ def test_a_failure_mid_render_leaves_no_directory(tmp_path: Path, monkeypatch) -
         raise OSError("disk full")
 
     monkeypatch.setattr(package, "_write_tree", half_then_fail)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(MkgenError, match=f"^cannot write the build {target}: disk full$"):
         write_build(files, target, force=False)
     assert not target.exists()
     assert list(target.parent.iterdir()) == []  # no temp directory left beside it

@@ -1,0 +1,73 @@
+"""Where mkgen writes: output paths checked before any work, single files written atomically.
+
+Both refuse in one line (MkgenError) rather than fail half-way with a traceback: a path
+under a file, under /proc or /sys, under a read-only or immutable directory, or a
+device such as /dev/null (which a rename would replace, and root may rename it).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from mkgen.errors import MkgenError
+
+
+def umask() -> int:
+    """The process umask (reading it means setting it: set it straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def check_parent(path: Path) -> Path:
+    """The nearest existing ancestor of `path`, once it is known to take new entries.
+
+    Writability is probed (a directory made and removed), not read from the mode bits:
+    root ignores them, and /proc, /sys, read-only mounts and immutable directories
+    refuse root as well."""
+    ancestor = Path(os.path.abspath(path)).parent
+    while not os.path.lexists(ancestor):
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise MkgenError(f"{ancestor} is not a directory, so {path} cannot be written under it")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{Path(path).name}.", suffix=".tmp", dir=ancestor))
+    except OSError as error:
+        raise MkgenError(
+            f"cannot write {path}: {ancestor} is not writable ({error.strerror})"
+        ) from None
+    return ancestor
+
+
+def write_atomic(
+    path: Path, text: str, *, may_replace: Callable[[str], bool], refusal: str
+) -> None:
+    """Write `text` to the file `path` through a temp file and a rename, with the umask's mode.
+
+    An existing file is replaced only when `may_replace(its text)` holds (the user passed
+    --force, or mkgen recognises its own earlier output); otherwise MkgenError
+    `"{path} {refusal}"`. A directory or a device is never replaced. A symbolic link is
+    written through, so the file it names is replaced, not the link."""
+    target = Path(os.path.realpath(path))
+    if target.exists() and not target.is_file():
+        kind = "a directory" if target.is_dir() else "not a regular file"
+        raise MkgenError(f"{path} is {kind}; give a file path")
+    check_parent(target)
+    try:
+        if target.exists() and not may_replace(target.read_text(errors="replace")):
+            raise MkgenError(f"{path} {refusal}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:
+            os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600 files
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as error:
+        raise MkgenError(f"cannot write {path}: {error.strerror or error}") from None
