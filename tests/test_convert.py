@@ -116,7 +116,8 @@ def test_containers_hold_what_the_packer_makes(sharded: Path, tmp_path: Path, ca
         capsys,
     )
     assert code == 0, err
-    assert "wrote" in stdout  # and a progress bar in bytes on stderr, up to the head:
+    assert stdout.startswith("wrote") and stdout.count("\n") == 1  # stdout stays clean;
+    # the progress bar, in bytes, is on stderr, up to the head:
     assert re.search(r"convert: 100%.*B/s, head\]", err.splitlines()[-1]), err
     spec, layout = _layout()
     manifest = convert.open_weights(out, spec, layout, "test")

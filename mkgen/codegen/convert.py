@@ -25,17 +25,26 @@ Properties:
   time; a layer's arrays for every core are written before the next layer is read.
 - Atomic per file: each file is written under a temporary name and renamed once
   complete; ``layout.json`` (with every file's size and sha256) is renamed into place
-  last, so a directory without it is never taken for a conversion.
+  last, so a directory without it is never taken for a conversion. Files get the
+  umask's mode.
 - Resumable: ``progress.json`` records each finished unit (the globals, a layer, the
   head) with its files' checksums; a re-run with the same inputs verifies them and
   skips those units.
-- Checked: a missing or corrupt shard, a truncated file, a tensor of the wrong shape or
-  dtype, a checkpoint that does not match the spec: a one-line MkgenError.
+- Checked before the first layer: config.json against the spec (check_config), every
+  header and the index (mkgen.reference.hf_weights) and the whole tensor inventory,
+  names, shapes and dtypes (HFMapping.check_inventory); while converting, NaN or Inf
+  per tensor. Each is a one-line MkgenError naming the file and the tensor.
+- Its own directory: a file there that convert does not write is refused; replacing a
+  conversion of other inputs (``force``) first removes the files its layout.json and
+  progress.json list, so nothing stale remains.
 - Bound to its build: ``weights_sha256`` is a digest of everything in the kernel layout
   that decides the weight arrays (stream plan, segments, vector rows, expert chunks,
   formats, inventory); the runner refuses weights whose digest differs from its build's.
   Batch, rows and context do not enter it, so one conversion serves builds that differ
   only in those.
+- Read back verified: the readers (read_stream, read_vectors, read_experts,
+  read_globals) check each file's sha256 against layout.json unless called with
+  ``verify=False``.
 """
 
 from __future__ import annotations

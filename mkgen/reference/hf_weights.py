@@ -33,6 +33,12 @@ every checkpoint tensor must be used, except the per-architecture ignore list
 (rotary inv_freq buffers; multi-token-prediction layers, which are not decoded).
 Quantized checkpoints (fp8 block scales, MXFP4 blocks, int4 packs) are refused:
 dequantize them first.
+
+Files are read with the safetensors library (`SafetensorsCheckpoint`), after a small
+check of what it does not check; an index must hold each tensor in exactly one shard
+inside the checkpoint folder; NaN or Inf values are refused as tensors are read.
+`HFMapping.check_inventory` runs the mapping over the headers' shapes alone, so that a
+checkpoint that does not fit the spec is refused before any tensor is read.
 """
 
 from __future__ import annotations
