@@ -230,22 +230,29 @@ def test_wrong_shape_and_dtype(tmp_path: Path, capsys) -> None:
         _expect_error(capsys, broken, tmp_path / f"w-{value.dtype}", pattern)
 
 
+def _interrupted(args: list[str], capsys, monkeypatch) -> None:
+    """Convert with Ctrl-C pressed while the seventh file is written (inside layer 1 of
+    the fixture: globals 2 files, layer 0 2 cores x 3)."""
+    real, count = convert._write_array, [0]
+
+    def dies_on_the_seventh_file(path, array):
+        count[0] += 1
+        if count[0] == 7:
+            raise KeyboardInterrupt
+        return real(path, array)
+
+    monkeypatch.setattr(convert, "_write_array", dies_on_the_seventh_file)
+    code, _, err = _convert(args, capsys)  # click aborts
+    monkeypatch.setattr(convert, "_write_array", real)
+    assert code == 2 and "aborted" in err
+
+
 def test_an_interrupted_conversion_resumes(sharded: Path, tmp_path: Path, capsys, monkeypatch):
     args = ["--checkpoint", str(sharded), "--topology", "1x1x1", "--context", "64"]
     reference = tmp_path / "reference"
     assert _convert([*args, "-o", str(reference)], capsys)[0] == 0
     out = tmp_path / "w"
-    real, count = convert._write_array, [0]
-
-    def dies_on_the_seventh_file(path, array):
-        count[0] += 1
-        if count[0] == 7:  # inside layer 1 (globals: 2 files, layer 0: 2 cores x 3)
-            raise KeyboardInterrupt
-        return real(path, array)
-
-    monkeypatch.setattr(convert, "_write_array", dies_on_the_seventh_file)
-    code, _, err = _convert([*args, "-o", str(out)], capsys)  # Ctrl-C: click aborts
-    assert code == 2 and "aborted" in err
+    _interrupted([*args, "-o", str(out)], capsys, monkeypatch)
     assert (out / convert.PROGRESS_FILE).exists() and not (out / convert.LAYOUT_FILE).exists()
     assert not list(out.rglob(".*.tmp"))  # the file being written was removed
     spec, layout = _layout()
@@ -254,7 +261,6 @@ def test_an_interrupted_conversion_resumes(sharded: Path, tmp_path: Path, capsys
     # A finished unit's file damaged meanwhile: redone, not trusted.
     damaged = out / "core-001" / "layer-000.stream.npy"
     damaged.write_bytes(damaged.read_bytes()[:-4] + b"\0\0\0\1")
-    monkeypatch.setattr(convert, "_write_array", real)
     code, stdout, err = _convert([*args, "-o", str(out)], capsys)
     assert code == 0, err
     assert "resumed: 1 unit(s) verified and kept" in stdout  # globals; layer 0 redone
@@ -274,6 +280,9 @@ def test_other_inputs_are_not_overwritten(sharded: Path, tmp_path: Path, capsys)
     (tmp_path / "other" / "thesis.tex").write_text("years")
     code, _, err = _convert([*args[:-1], str(tmp_path / "other")], capsys)
     assert code == 2 and "is not a mkgen weights directory" in err
+    code, _, err = _convert([*args[:-1], str(tmp_path / "other" / "thesis.tex")], capsys)
+    assert code == 2 and "thesis.tex is not a directory" in err
+    assert (tmp_path / "other" / "thesis.tex").read_text() == "years"
 
 
 def test_the_digest_ignores_batch_rows_and_context() -> None:
@@ -302,6 +311,21 @@ def test_force_removes_exactly_the_earlier_conversions_files(tmp_path: Path, cap
     listed = set(json.loads((out / convert.LAYOUT_FILE).read_text())["files"])
     assert _files_in(out) == listed | {convert.LAYOUT_FILE}
     assert any("experts" in name for name in earlier - listed)  # they were there before
+
+
+def test_an_interrupted_conversion_of_other_inputs_is_replaced_only_with_force(
+    sharded: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    out = tmp_path / "w"
+    args = ["--checkpoint", str(sharded), "--topology", "1x1x1", "-o", str(out)]
+    _interrupted([*args, "--quant", "attention=int8"], capsys, monkeypatch)
+    assert (out / convert.PROGRESS_FILE).exists()
+    code, _, err = _convert(args, capsys)
+    assert code == 2 and "holds another conversion (qwen3_moe for tpu7x:1x1x1)" in err
+    assert "pass --force to replace it" in err
+    assert _convert([*args, "--force"], capsys)[0] == 0
+    listed = set(json.loads((out / convert.LAYOUT_FILE).read_text())["files"])
+    assert _files_in(out) == listed | {convert.LAYOUT_FILE}
 
 
 @pytest.mark.parametrize(

@@ -473,10 +473,6 @@ class ConvertResult:
     seconds: float
 
 
-def _describe(identity: Mapping[str, Any]) -> str:
-    return f"{identity.get('spec')} for {identity.get('topology')}"
-
-
 def convert(
     spec: ModelSpec,
     layout: KernelLayout,
@@ -501,6 +497,8 @@ def convert(
     digest = weights_digest(spec, layout)
     identity = {**identity, "weights_sha256": digest, "format": CONTAINER_FORMAT}
     layout_path, progress_path = output / LAYOUT_FILE, output / PROGRESS_FILE
+    if output.exists() and not output.is_dir():
+        raise MkgenError(f"{output} is not a directory; choose another output directory")
     manifest = read_state(layout_path) if layout_path.exists() else None
     state = read_state(progress_path) if progress_path.exists() else None
     if manifest is None and state is None:
@@ -522,11 +520,11 @@ def convert(
     replaced = None if resumable else state  # an interrupted conversion of other inputs
     if manifest is not None or replaced is not None:
         if not force:
-            earlier = manifest if manifest is not None else replaced
+            earlier = (manifest if manifest is not None else replaced)["identity"]
             what = (
                 "a conversion whose files no longer match its layout.json"
                 if current
-                else f"another conversion ({_describe(earlier['identity'])})"
+                else f"another conversion ({earlier.get('spec')} for {earlier.get('topology')})"
             )
             raise MkgenError(f"{output} holds {what}; pass --force to replace it")
         _remove_conversion(output, manifest, replaced)
