@@ -21,6 +21,9 @@ from cli_run import assert_user_error, mkgen
 from safetensors.numpy import load_file
 from test_convert import FIXTURES, save_safetensors, write_sharded
 
+from mkgen.reference.hf_weights import HFMapping, read_safetensors
+from mkgen.spec.hf_import import import_hf_dict
+
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 INDEX = "model.safetensors.index.json"
 LAST_LAYER = 2  # the fixture's three layers
@@ -182,6 +185,19 @@ def test_a_hostile_header_is_a_one_line_error(hub: Path, tmp_path: Path, case: s
 
 
 # ---------------------------------------------------------------- the inventory, up front
+
+
+@pytest.mark.parametrize(
+    "folder", sorted(d.name for d in FIXTURES.iterdir() if (d / "config.json").exists())
+)
+def test_the_inventory_check_runs_the_mapping_of_every_architecture(folder: str) -> None:
+    """Every reshape, split and stack of each architecture's mapping, on shapes alone."""
+    config = json.loads((FIXTURES / folder / "config.json").read_text())
+    spec = import_hf_dict(config, folder, "config.json")
+    tensors = read_safetensors(FIXTURES / folder)
+    mapping = HFMapping(spec, config["architectures"][0], tensors, source=folder)
+    mapping.check_inventory()
+    assert not mapping.produced  # nothing was read or taken for the real conversion
 
 
 def _last_layer_tensor(checkpoint: Path) -> tuple[str, str]:

@@ -3,7 +3,10 @@
 Fast tests (no kernel runs): the containers hold exactly what the packer makes from the
 same weights; sharded BF16 checkpoints, resumption after an interruption, and one-line
 errors for a missing shard, a truncated file, a wrong shape or dtype and a layout that
-does not match the build. The runner's generation from converted weights is in
+does not match the build; the weights directory as convert's own (--force removes the
+earlier conversion's files, a foreign file is refused, damaged state files are one-line
+errors, modes follow the umask); the reader's sha256 check. Hostile checkpoints are in
+tests/test_checkpoint_safety.py, the runner's generation from converted weights in
 tests/test_runner.py.
 """
 
