@@ -695,8 +695,10 @@ def convert_command(
     """Pack a checkpoint into every core's weight arrays for a build: per core its stream
     banks, vector slabs and expert arrays layer by layer, in the build's formats, plus a
     layout.json the runner checks (runner.py --weights OUTPUT). SPEC defaults to the
-    checkpoint's config.json. Bounded memory (one layer at a time), atomic per file,
-    resumable: run it again after an interruption."""
+    checkpoint's config.json, which must agree with the spec; every tensor's name, shape
+    and dtype is checked before the first layer is converted. Bounded memory (one layer at
+    a time), atomic per file, resumable: run it again after an interruption. A progress
+    bar on stderr."""
     from mkgen.codegen import convert
     from mkgen.plan.layout import KernelLayout
     from mkgen.spec.hf_import import default_spec_name, import_hf_config
@@ -746,13 +748,9 @@ def convert_command(
         _prepare_jax()
         source = convert.InventorySource(stored_random_weights(spec, random_weights))
         identity["random_weights"] = random_weights
-
-    def progress(line: str) -> None:
-        click.echo(line, err=True)
-
     tokenizer = Path(checkpoint) / convert.TOKENIZER_FILE if checkpoint is not None else None
     result = convert.convert(
-        spec, layout, source, output, identity=identity, force=force, progress=progress,
+        spec, layout, source, output, identity=identity, force=force, progress=True,
         tokenizer=tokenizer if tokenizer is not None and tokenizer.is_file() else None,
     )  # fmt: skip
     if result.skipped == ["all"]:

@@ -3,20 +3,26 @@
 Fast tests (no kernel runs): the containers hold exactly what the packer makes from the
 same weights; sharded BF16 checkpoints, resumption after an interruption, and one-line
 errors for a missing shard, a truncated file, a wrong shape or dtype and a layout that
-does not match the build. The runner's generation from converted weights is in
+does not match the build; the weights directory as convert's own (--force removes the
+earlier conversion's files, a foreign file is refused, damaged state files are one-line
+errors, modes follow the umask); the reader's sha256 check. Hostile checkpoints are in
+tests/test_checkpoint_safety.py, the runner's generation from converted weights in
 tests/test_runner.py.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
+from cli_run import REPO, assert_user_error, mkgen
 from safetensors.numpy import load_file
 
 from mkgen.cli import main
@@ -30,12 +36,20 @@ from mkgen.spec.topology import parse_topology
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
 
-def write_sharded(source: Path, target: Path, shards: int = 2, bf16: bool = True) -> Path:
+def write_sharded(
+    source: Path,
+    target: Path,
+    shards: int = 2,
+    bf16: bool = True,
+    tensors: dict[str, np.ndarray] | None = None,
+) -> Path:
     """A fixture checkpoint re-published as a hub checkpoint: config.json, BF16 tensors in
-    `shards` files model-0000i-of-0000n.safetensors and model.safetensors.index.json."""
+    `shards` files model-0000i-of-0000n.safetensors and model.safetensors.index.json;
+    `tensors` instead of the fixture's."""
     target.mkdir(parents=True, exist_ok=True)
     shutil.copy(source / "config.json", target / "config.json")
-    tensors = load_file(source / "model.safetensors")
+    if tensors is None:
+        tensors = load_file(source / "model.safetensors")
     names = sorted(tensors)
     weight_map = {}
     for i in range(shards):
@@ -47,13 +61,13 @@ def write_sharded(source: Path, target: Path, shards: int = 2, bf16: bool = True
                 value = value.astype(ml_dtypes.bfloat16)
             part[name] = value
             weight_map[name] = file
-        _save(part, target / file)
+        save_safetensors(part, target / file)
     index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
     (target / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     return target
 
 
-def _save(tensors: dict[str, np.ndarray], path: Path) -> None:
+def save_safetensors(tensors: dict[str, np.ndarray], path: Path) -> None:
     """safetensors.numpy cannot write ml_dtypes' bfloat16: write BF16 headers by hand."""
     import struct
 
@@ -105,7 +119,9 @@ def test_containers_hold_what_the_packer_makes(sharded: Path, tmp_path: Path, ca
         capsys,
     )
     assert code == 0, err
-    assert "wrote" in stdout and "convert: 5/5 head" in err  # globals, 3 layers, head
+    assert stdout.startswith("wrote") and stdout.count("\n") == 1  # stdout stays clean;
+    # the progress bar, in bytes, is on stderr, up to the head:
+    assert re.search(r"convert: 100%.*B/s, head\]", err.splitlines()[-1]), err
     spec, layout = _layout()
     manifest = convert.open_weights(out, spec, layout, "test")
     _, weights = load_hf_checkpoint(sharded, "qwen3_moe")  # the same BF16 values
@@ -213,8 +229,25 @@ def test_wrong_shape_and_dtype(tmp_path: Path, capsys) -> None:
         broken = tmp_path / f"ckpt-{value.dtype}"
         broken.mkdir()
         shutil.copy(source / "config.json", broken / "config.json")
-        _save({**tensors, name: value}, broken / "model.safetensors")
+        save_safetensors({**tensors, name: value}, broken / "model.safetensors")
         _expect_error(capsys, broken, tmp_path / f"w-{value.dtype}", pattern)
+
+
+def _interrupted(args: list[str], capsys, monkeypatch) -> None:
+    """Convert with Ctrl-C pressed while the seventh file is written (inside layer 1 of
+    the fixture: globals 2 files, layer 0 2 cores x 3)."""
+    real, count = convert._write_array, [0]
+
+    def dies_on_the_seventh_file(path, array):
+        count[0] += 1
+        if count[0] == 7:
+            raise KeyboardInterrupt
+        return real(path, array)
+
+    monkeypatch.setattr(convert, "_write_array", dies_on_the_seventh_file)
+    code, _, err = _convert(args, capsys)  # click aborts
+    monkeypatch.setattr(convert, "_write_array", real)
+    assert code == 2 and "aborted" in err
 
 
 def test_an_interrupted_conversion_resumes(sharded: Path, tmp_path: Path, capsys, monkeypatch):
@@ -222,17 +255,7 @@ def test_an_interrupted_conversion_resumes(sharded: Path, tmp_path: Path, capsys
     reference = tmp_path / "reference"
     assert _convert([*args, "-o", str(reference)], capsys)[0] == 0
     out = tmp_path / "w"
-    real, count = convert._write_array, [0]
-
-    def dies_on_the_seventh_file(path, array):
-        count[0] += 1
-        if count[0] == 7:  # inside layer 1 (globals: 2 files, layer 0: 2 cores x 3)
-            raise KeyboardInterrupt
-        return real(path, array)
-
-    monkeypatch.setattr(convert, "_write_array", dies_on_the_seventh_file)
-    code, _, err = _convert([*args, "-o", str(out)], capsys)  # Ctrl-C: click aborts
-    assert code == 2 and "aborted" in err
+    _interrupted([*args, "-o", str(out)], capsys, monkeypatch)
     assert (out / convert.PROGRESS_FILE).exists() and not (out / convert.LAYOUT_FILE).exists()
     assert not list(out.rglob(".*.tmp"))  # the file being written was removed
     spec, layout = _layout()
@@ -241,7 +264,6 @@ def test_an_interrupted_conversion_resumes(sharded: Path, tmp_path: Path, capsys
     # A finished unit's file damaged meanwhile: redone, not trusted.
     damaged = out / "core-001" / "layer-000.stream.npy"
     damaged.write_bytes(damaged.read_bytes()[:-4] + b"\0\0\0\1")
-    monkeypatch.setattr(convert, "_write_array", real)
     code, stdout, err = _convert([*args, "-o", str(out)], capsys)
     assert code == 0, err
     assert "resumed: 1 unit(s) verified and kept" in stdout  # globals; layer 0 redone
@@ -261,6 +283,9 @@ def test_other_inputs_are_not_overwritten(sharded: Path, tmp_path: Path, capsys)
     (tmp_path / "other" / "thesis.tex").write_text("years")
     code, _, err = _convert([*args[:-1], str(tmp_path / "other")], capsys)
     assert code == 2 and "is not a mkgen weights directory" in err
+    code, _, err = _convert([*args[:-1], str(tmp_path / "other" / "thesis.tex")], capsys)
+    assert code == 2 and "thesis.tex is not a directory" in err
+    assert (tmp_path / "other" / "thesis.tex").read_text() == "years"
 
 
 def test_the_digest_ignores_batch_rows_and_context() -> None:
@@ -271,3 +296,160 @@ def test_the_digest_ignores_batch_rows_and_context() -> None:
     assert convert.weights_digest(spec, a) != convert.weights_digest(
         _layout(quant=["attention=int8"])[0], c
     )
+
+
+def _files_in(directory: Path) -> set[str]:
+    return {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()}
+
+
+def test_force_removes_exactly_the_earlier_conversions_files(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "w"
+    larger = write_sharded(FIXTURES / "qwen3_moe", tmp_path / "moe")  # experts: more files
+    smaller = write_sharded(FIXTURES / "qwen3", tmp_path / "dense")
+    args = ["--topology", "1x1x1", "-o", str(out)]
+    assert _convert(["--checkpoint", str(larger), *args], capsys)[0] == 0
+    earlier = _files_in(out)
+    code, _, err = _convert(["--checkpoint", str(smaller), *args, "--force"], capsys)
+    assert code == 0, err
+    listed = set(json.loads((out / convert.LAYOUT_FILE).read_text())["files"])
+    assert _files_in(out) == listed | {convert.LAYOUT_FILE}
+    assert any("experts" in name for name in earlier - listed)  # they were there before
+
+
+def test_an_interrupted_conversion_of_other_inputs_is_replaced_only_with_force(
+    sharded: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    out = tmp_path / "w"
+    args = ["--checkpoint", str(sharded), "--topology", "1x1x1", "-o", str(out)]
+    _interrupted([*args, "--quant", "attention=int8"], capsys, monkeypatch)
+    assert (out / convert.PROGRESS_FILE).exists()
+    code, _, err = _convert(args, capsys)
+    assert code == 2 and "holds another conversion (qwen3_moe for tpu7x:1x1x1)" in err
+    assert "pass --force to replace it" in err
+    assert _convert([*args, "--force"], capsys)[0] == 0
+    listed = set(json.loads((out / convert.LAYOUT_FILE).read_text())["files"])
+    assert _files_in(out) == listed | {convert.LAYOUT_FILE}
+
+
+@pytest.mark.parametrize(
+    ("foreign", "reported"),
+    [("notes.txt", "notes.txt"), ("core-000/mine.npy", "core-000/mine.npy"), ("data/x", "data")],
+)
+def test_a_foreign_file_is_refused_and_kept(
+    sharded: Path, tmp_path: Path, capsys, foreign: str, reported: str
+) -> None:
+    out = tmp_path / "w"
+    args = ["convert", "--checkpoint", str(sharded), "--topology", "1x1x1", "-o", str(out)]
+    assert _convert(args[1:], capsys)[0] == 0
+    (out / foreign).parent.mkdir(exist_ok=True)
+    (out / foreign).write_text("mine")
+    for extra in ([], ["--force"]):  # other inputs, with and without --force
+        result = mkgen(*args, "--quant", "attention=int8", *extra)
+        assert_user_error(result, f"{out}: {reported} was not written by mkgen convert")
+        assert "--force" not in result.stderr
+    assert (out / foreign).read_text() == "mine"
+    assert (
+        json.loads((out / convert.LAYOUT_FILE).read_text())["identity"]["formats"]["attention"]
+        == "bf16"
+    )  # the earlier conversion is left as it was
+
+
+def test_a_symlink_in_the_weights_directory_is_foreign(
+    sharded: Path, tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "w"
+    args = ["--checkpoint", str(sharded), "--topology", "1x1x1", "-o", str(out)]
+    assert _convert(args, capsys)[0] == 0
+    (tmp_path / "elsewhere").mkdir()
+    (out / "core-009").symlink_to(tmp_path / "elsewhere")
+    code, _, err = _convert([*args, "--quant", "attention=int8", "--force"], capsys)
+    assert code == 2 and "core-009 was not written by mkgen convert" in err
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "fragment"),
+    [
+        ("layout.json", '{"identity": {', "not JSON"),
+        ("layout.json", "[1, 2]", "no identity object"),
+        ("layout.json", '{"identity": {}, "files": []}', "files: expected a table of files"),
+        (
+            "layout.json",
+            '{"identity": {}, "files": {"../thesis.tex": {"bytes": 1, "sha256": "0"}}}',
+            "'../thesis.tex' is not a file mkgen convert writes",
+        ),
+        ("progress.json", "", "not JSON"),
+        ("progress.json", '{"identity": {}, "units": []}', "units: expected a table"),
+        (
+            "progress.json",
+            '{"identity": {}, "units": {"globals": {"embedding.npy": {"bytes": "1"}}}}',
+            "units: globals: embedding.npy: expected bytes and sha256",
+        ),
+    ],
+)
+def test_damaged_convert_state_is_a_one_line_error(
+    sharded: Path, tmp_path: Path, name: str, text: str, fragment: str
+) -> None:
+    out = tmp_path / "w"
+    out.mkdir()
+    (out / name).write_text(text)
+    (tmp_path / "thesis.tex").write_text("years")
+    result = mkgen(
+        "convert", "--checkpoint", str(sharded), "--topology", "1x1x1", "-o", str(out), "--force"
+    )
+    assert_user_error(result, f"{out / name}: ", fragment)
+    assert (tmp_path / "thesis.tex").exists()
+    if name == convert.LAYOUT_FILE:  # the runner's reader says the same
+        with pytest.raises(MkgenError, match=re.escape(fragment)):
+            convert.open_weights(out, *_layout(), "test")
+
+
+def test_a_truncated_plan_json_under_build(sharded: Path, tmp_path: Path) -> None:
+    build = tmp_path / "build"
+    build.mkdir()
+    plan = (REPO / "generated" / "qwen3-32b-2x2x1" / "plan.json").read_text()
+    (build / "plan.json").write_text(plan[: len(plan) // 2])
+    result = mkgen(
+        "convert", "--build", str(build), "--checkpoint", str(sharded), "-o", str(tmp_path / "w")
+    )
+    assert_user_error(result, f"{build / 'plan.json'}: damaged")
+
+
+def test_converted_files_honour_the_umask(sharded: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "w"
+    previous = os.umask(0o002)
+    try:
+        code, _, err = _convert(
+            ["--checkpoint", str(sharded), "--topology", "1x1x1", "-o", str(out)], capsys
+        )
+    finally:
+        os.umask(previous)
+    assert code == 0, err
+    modes = {name: stat.S_IMODE((out / name).stat().st_mode) for name in _files_in(out)}
+    assert convert.LAYOUT_FILE in modes and set(modes.values()) == {0o664}, modes
+
+
+@pytest.mark.parametrize(
+    ("name", "read"),
+    [
+        ("core-001/head.stream.npy", lambda out, m, layout, v: convert.read_stream(out, m, layout, 1, verify=v)),
+        ("core-000/layer-002.vectors.npy", lambda out, m, layout, v: convert.read_vectors(out, m, layout, 0, verify=v)),
+        ("core-001/layer-001.experts-0.npy", lambda out, m, layout, v: convert.read_experts(out, m, layout, 1, 0, verify=v)),
+        ("embedding.npy", lambda out, m, layout, v: convert.read_globals(out, m, verify=v)[0]),
+    ],
+)  # fmt: skip
+def test_the_reader_verifies_the_sha256_of_every_file(
+    sharded: Path, tmp_path: Path, capsys, name: str, read
+) -> None:
+    out = tmp_path / "w"
+    args = ["--checkpoint", str(sharded), "--topology", "1x1x1", "-o", str(out)]
+    assert _convert(args, capsys)[0] == 0
+    spec, layout = _layout()
+    manifest = convert.open_weights(out, spec, layout, "test")
+    intact = np.array(read(out, manifest, layout, True))
+    damaged = bytearray((out / name).read_bytes())
+    damaged[-1] ^= 0x40  # a flipped bit in the data: the size stays right
+    (out / name).write_bytes(damaged)
+    with pytest.raises(MkgenError, match=rf"{out / name}: sha256 differs from layout.json's"):
+        read(out, manifest, layout, True)
+    trusted = np.array(read(out, manifest, layout, False))  # the fast path reads it as it is
+    assert (trusted.view(np.uint8) != intact.view(np.uint8)).sum() == 1

@@ -914,8 +914,11 @@ def test_fp8_tensors_refused(tmp_path: Path) -> None:
     name = "model.layers.0.self_attn.q_proj.weight"
     tensors[name] = ("F8_E4M3", hf[name].shape, bytes(hf[name].size))
     _write_safetensors(tmp_path / "model.safetensors", tensors)
-    message = _load_error(spec, "mixtral", dict(read_safetensors(tmp_path)))
+    # In memory, fp8 codes are uint8 arrays; from a file, the stored dtype says it.
+    message = _load_error(spec, "mixtral", {**hf, name: np.zeros(hf[name].shape, np.uint8)})
     assert f"{name}: has dtype uint8" in message
     checkpoint = read_safetensors(tmp_path)
     with pytest.raises(SpecError, match=rf"{name}: stored as F8_E4M3: a quantized"):
         load_hf_weights(spec, "mixtral", checkpoint)
+    with pytest.raises(SpecError, match=rf"model.safetensors: {name}: stored as F8_E4M3"):
+        checkpoint[name]  # noqa: B018 (the read is what is refused)

@@ -25,26 +25,36 @@ Properties:
   time; a layer's arrays for every core are written before the next layer is read.
 - Atomic per file: each file is written under a temporary name and renamed once
   complete; ``layout.json`` (with every file's size and sha256) is renamed into place
-  last, so a directory without it is never taken for a conversion.
+  last, so a directory without it is never taken for a conversion. Files get the
+  umask's mode.
 - Resumable: ``progress.json`` records each finished unit (the globals, a layer, the
   head) with its files' checksums; a re-run with the same inputs verifies them and
   skips those units.
-- Checked: a missing or corrupt shard, a truncated file, a tensor of the wrong shape or
-  dtype, a checkpoint that does not match the spec: a one-line MkgenError.
+- Checked before the first layer: config.json against the spec (check_config), every
+  header and the index (mkgen.reference.hf_weights) and the whole tensor inventory,
+  names, shapes and dtypes (HFMapping.check_inventory); while converting, NaN or Inf
+  per tensor. Each is a one-line MkgenError naming the file and the tensor.
+- Its own directory: a file there that convert does not write is refused; replacing a
+  conversion of other inputs (``force``) first removes the files its layout.json and
+  progress.json list, so nothing stale remains.
 - Bound to its build: ``weights_sha256`` is a digest of everything in the kernel layout
   that decides the weight arrays (stream plan, segments, vector rows, expert chunks,
   formats, inventory); the runner refuses weights whose digest differs from its build's.
   Batch, rows and context do not enter it, so one conversion serves builds that differ
   only in those.
+- Read back verified: the readers (read_stream, read_vectors, read_experts,
+  read_globals) check each file's sha256 against layout.json unless called with
+  ``verify=False``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -53,12 +63,13 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from tqdm import tqdm
 
 from mkgen import __version__
 from mkgen.codegen import pack
 from mkgen.errors import MkgenError
 from mkgen.plan.layout import KernelLayout
-from mkgen.spec.schema import ModelSpec
+from mkgen.spec.schema import ModelSpec, MoEFFN
 from mkgen.spec.weights import model_weights
 
 CONTAINER_FORMAT = 1
@@ -149,8 +160,46 @@ class InventorySource:
         pass
 
 
+def _architecture(spec: ModelSpec) -> dict[str, Any]:
+    """The figures a checkpoint's config must share with the spec it is converted for,
+    by name (layer by layer, since a YAML spec may name its kinds otherwise)."""
+    facts: dict[str, Any] = {
+        "hidden size": spec.dims.hidden,
+        "vocabulary": spec.dims.vocab,
+        "layer count": spec.layers.count,
+        "norm eps": spec.dims.norm_eps,
+    }
+    for i, (attn_name, ffn_name) in enumerate(spec.layer_table()):
+        attn, ffn = spec.attention_kinds[attn_name], spec.ffn_kinds[ffn_name]
+        rope = getattr(attn, "rope", None)
+        facts[f"layer {i} attention"] = attn.type
+        facts[f"layer {i} rope theta"] = rope.theta if rope is not None else None
+        facts[f"layer {i} ffn"] = ffn.type
+        if isinstance(ffn, MoEFFN):
+            facts[f"layer {i} experts"] = ffn.num_experts
+            facts[f"layer {i} top_k"] = ffn.top_k
+    return facts
+
+
+def check_config(spec: ModelSpec, config: Mapping[str, Any], config_path: Path) -> None:
+    """The checkpoint's config.json, imported as mkgen imports any config, against the
+    spec the build was made from: the first figure that differs is a one-line error."""
+    from mkgen.spec.hf_import import import_hf_dict
+
+    theirs = _architecture(import_hf_dict(dict(config), spec.name, str(config_path)))
+    for what, ours in _architecture(spec).items():
+        if theirs.get(what) != ours:
+            raise MkgenError(
+                f"{config_path}: {what} is {theirs.get(what)} in the checkpoint's config but "
+                f"{ours} in spec {spec.name}; convert a checkpoint of this model (or build "
+                "from this config.json)"
+            )
+
+
 def checkpoint_source(spec: ModelSpec, checkpoint: Path) -> tuple[Any, dict[str, Any]]:
-    """(HFMapping over the checkpoint, its fingerprint: config and shard headers' sizes)."""
+    """(HFMapping over the checkpoint, its fingerprint: config and shard sizes), once the
+    config agrees with the spec and every tensor's name, shape and dtype (the headers) fits
+    it, before anything is converted."""
     from mkgen.reference.hf_weights import HFMapping, mtp_layer_count, read_safetensors
     from mkgen.spec.hf_import import canonical_architecture
     from mkgen.spec.loader import read_json
@@ -159,6 +208,9 @@ def checkpoint_source(spec: ModelSpec, checkpoint: Path) -> tuple[Any, dict[str,
     if not config_path.exists():
         raise MkgenError(f"{checkpoint}: no config.json; not a Hugging Face checkpoint")
     config = read_json(config_path)
+    if not isinstance(config, dict):
+        raise MkgenError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
+    check_config(spec, config, config_path)
     arch = canonical_architecture(
         (config.get("architectures") or [config.get("model_type", "")])[0], str(config_path)
     )
@@ -166,15 +218,22 @@ def checkpoint_source(spec: ModelSpec, checkpoint: Path) -> tuple[Any, dict[str,
     mapping = HFMapping(
         spec, arch, tensors, mtp_layers=mtp_layer_count(config), source=str(tensors.path)
     )
-    files = sorted({entry[0] for entry in tensors._entries.values()})
+    mapping.check_inventory()
     fingerprint = {
         "config_sha256": hashlib.sha256(config_path.read_bytes()).hexdigest(),
-        "files": {f.name: f.stat().st_size for f in files},
+        "files": {name: path.stat().st_size for name, path in sorted(tensors.shards.items())},
     }
     return mapping, fingerprint
 
 
 # ---------------------------------------------------------------- files
+
+# Every file name mkgen convert writes in a weights directory, besides layout.json and
+# progress.json: only these are ever listed, trusted or removed.
+_OUR_FILE = re.compile(
+    r"(embedding|final_norm)\.npy|tokenizer\.json"
+    r"|core-\d{3,}/(layer-\d{3,}|head)\.(stream|vectors|experts-\d+)\.npy"
+)
 
 
 def _sha256(path: Path) -> str:
@@ -185,28 +244,30 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_json(path: Path, data: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=1, sort_keys=True)
-            handle.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _temporary(path: Path) -> Path:
+    """The name a file is written under before it is renamed into place (created with
+    open(), so it has the umask's mode, as the final file does)."""
+    return path.with_name(f".{path.name}.tmp")
 
 
-def _copy_file(source: Path, path: Path) -> dict[str, Any]:
-    """Copy a checkpoint file (the tokenizer) under a temporary name, then rename; its
-    entry for layout.json."""
-    tmp = path.with_name(f".{path.name}.tmp")
+def _renamed_into_place(path: Path, write: Callable[[Path], None]) -> None:
+    tmp = _temporary(path)
     try:
-        tmp.write_bytes(source.read_bytes())
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _write_json(path: Path, data: Any) -> None:
+    text = json.dumps(data, indent=1, sort_keys=True) + "\n"
+    _renamed_into_place(path, lambda tmp: tmp.write_text(text))
+
+
+def _copy_file(source: Path, path: Path) -> dict[str, Any]:
+    """Copy a checkpoint file (the tokenizer) into place; its entry for layout.json."""
+    _renamed_into_place(path, lambda tmp: tmp.write_bytes(source.read_bytes()))
     return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
 
 
@@ -216,16 +277,14 @@ def _write_array(path: Path, array: np.ndarray) -> dict[str, Any]:
     dtype = array.dtype.name
     stored = np.ascontiguousarray(array).view(_STORED.get(dtype, array.dtype))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
+
+    def write(tmp: Path) -> None:
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=stored.dtype, shape=stored.shape)
         out[...] = stored
         out.flush()
         del out
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+
+    _renamed_into_place(path, write)
     return {
         "dtype": dtype,
         "shape": list(array.shape),
@@ -234,9 +293,16 @@ def _write_array(path: Path, array: np.ndarray) -> dict[str, Any]:
     }
 
 
-def read_array(directory: Path, name: str, entry: Mapping[str, Any]) -> np.ndarray:
-    """One stored array (memory-mapped), viewed as its dtype; its size checked."""
-    path = directory / name
+def read_array(
+    directory: Path, files: Mapping[str, Any], name: str, *, verify: bool = True
+) -> np.ndarray:
+    """One stored array (memory-mapped), viewed as its dtype; its size checked and, with
+    `verify`, its sha256 against layout.json's (False: the trusted fast path, which reads
+    the file only as the caller uses it)."""
+    path = Path(directory) / name
+    entry = files.get(name)
+    if entry is None:
+        raise MkgenError(f"{Path(directory) / LAYOUT_FILE}: lists no {name} (convert again)")
     if not path.exists():
         raise MkgenError(f"{path}: missing from the converted weights (convert again)")
     if path.stat().st_size != entry["bytes"]:
@@ -244,9 +310,52 @@ def read_array(directory: Path, name: str, entry: Mapping[str, Any]) -> np.ndarr
             f"{path}: {path.stat().st_size} bytes, layout.json says {entry['bytes']} "
             "(truncated or replaced; convert again)"
         )
+    if verify and _sha256(path) != entry["sha256"]:
+        raise MkgenError(
+            f"{path}: sha256 differs from layout.json's (the file was damaged or replaced; "
+            "convert again)"
+        )
     array = np.load(path, mmap_mode="r")
-    dtype = entry["dtype"]
+    dtype = entry.get("dtype")
     return array.view(_LOGICAL[dtype]) if dtype in _LOGICAL else array
+
+
+def _checked_files(files: Any, where: str) -> dict[str, dict[str, Any]]:
+    """A `files` table of layout.json or progress.json: names mkgen writes, each with
+    its byte count and sha256."""
+    if not isinstance(files, dict):
+        raise MkgenError(f"{where}: expected a table of files, got {type(files).__name__}")
+    for name, entry in files.items():
+        if not _OUR_FILE.fullmatch(name):
+            raise MkgenError(f"{where}: {name!r} is not a file mkgen convert writes")
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("bytes"), int)
+            and isinstance(entry.get("sha256"), str)
+        ):
+            raise MkgenError(f"{where}: {name}: expected bytes and sha256")
+    return files
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """layout.json or progress.json of a weights directory, checked before anything in it
+    is trusted or removed: damage or a foreign file is a one-line error."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        reason = error.strerror if isinstance(error, OSError) else f"not JSON: {error}"
+        raise MkgenError(f"{path}: not a {path.name} of mkgen convert ({reason})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("identity"), dict):
+        raise MkgenError(f"{path}: not a {path.name} of mkgen convert (no identity object)")
+    if path.name == LAYOUT_FILE:
+        _checked_files(data.get("files"), f"{path}: files")
+    else:
+        units_done = data.get("units")
+        if not isinstance(units_done, dict):
+            raise MkgenError(f"{path}: units: expected a table of finished units")
+        for unit, files in units_done.items():
+            _checked_files(files, f"{path}: units: {unit}")
+    return data
 
 
 # ---------------------------------------------------------------- units of work
@@ -301,6 +410,60 @@ def _verified(directory: Path, files: Mapping[str, Mapping[str, Any]]) -> bool:
     return True
 
 
+def _foreign_entry(output: Path) -> str | None:
+    """The first entry of a weights directory that mkgen convert does not write (its
+    files, temp files of its atomic writes, core-NNN directories); a symlink is foreign."""
+    for root, dirs, files in os.walk(output):
+        here = Path(root)
+        for name in sorted(dirs + files):
+            path, rel = here / name, (here / name).relative_to(output).as_posix()
+            if path.is_symlink():
+                return rel
+            if name in dirs:
+                ours = here == output and re.fullmatch(r"core-\d{3,}", name) is not None
+            else:
+                ours = (
+                    rel in (LAYOUT_FILE, PROGRESS_FILE)
+                    or _OUR_FILE.fullmatch(rel) is not None
+                    or (name.startswith(".") and name.endswith(".tmp"))
+                )
+            if not ours:
+                return rel
+    return None
+
+
+def _remove_conversion(
+    output: Path, manifest: Mapping[str, Any] | None, state: Mapping[str, Any] | None
+) -> None:
+    """Remove what an earlier conversion's layout.json (`manifest`) and progress.json
+    (`state`, both checked by read_state) list, those two files and the core directories
+    left empty. Done before the new conversion writes anything: nothing stale stays behind,
+    and the disk holds one conversion at a time."""
+    names = set(manifest["files"]) if manifest is not None else set()
+    for files in state["units"].values() if state is not None else ():
+        names.update(files)
+    (output / LAYOUT_FILE).unlink(missing_ok=True)  # first: nothing looks complete
+    for name in sorted(names):
+        (output / name).unlink(missing_ok=True)
+    (output / PROGRESS_FILE).unlink(missing_ok=True)
+    for directory in sorted(output.glob("core-*")):
+        if directory.is_dir() and not any(directory.iterdir()):
+            directory.rmdir()
+
+
+def _unit_bytes(spec: ModelSpec, work: list[Unit]) -> list[int]:
+    """Each unit's tensors' bytes in bf16 (the checkpoint's bytes for a bf16 checkpoint):
+    what the progress bar counts."""
+    sizes = {w.name: math.prod(w.shape) * 2 for w in model_weights(spec)}
+    layers = [0] * spec.layers.count
+    for name, size in sizes.items():
+        if name.startswith("layers."):
+            layers[int(name.split(".")[1])] += size
+    head = sizes.get("lm_head", sizes["embedding"])  # tied: the embedding is the head
+    outside = sum(v for k, v in sizes.items() if not k.startswith("layers.") and k != "lm_head")
+    return [outside if u.layer is None else head if u.layer < 0 else layers[u.layer] for u in work]
+
+
 @dataclass
 class ConvertResult:
     directory: Path
@@ -318,89 +481,88 @@ def convert(
     *,
     identity: Mapping[str, Any],
     force: bool = False,
-    progress: Callable[[str], None] | None = None,
+    progress: bool = False,
     tokenizer: Path | None = None,
 ) -> ConvertResult:
     """Pack `source` (HFMapping or InventorySource) for `layout` into `output`, with a
-    copy of the checkpoint's `tokenizer` (tokenizer.json) when there is one.
+    copy of the checkpoint's `tokenizer` (tokenizer.json) when there is one; `progress`:
+    a progress bar on stderr (tqdm: bytes/s and ETA).
 
     `identity` describes the inputs (build and checkpoint); a progress.json with the same
     identity resumes, a complete conversion with the same identity is left as it is, and
-    one of other inputs is only replaced with `force`."""
+    one of other inputs is only replaced with `force`, which first removes the files it
+    lists. A file in `output` that mkgen convert does not write is refused."""
     start = time.perf_counter()
     output = Path(output)
     digest = weights_digest(spec, layout)
     identity = {**identity, "weights_sha256": digest, "format": CONTAINER_FORMAT}
     layout_path, progress_path = output / LAYOUT_FILE, output / PROGRESS_FILE
-    if layout_path.exists():
-        existing = json.loads(layout_path.read_text())
-        if existing.get("identity") == identity and _verified(output, existing["files"]):
-            n = len(existing["files"])
-            size = sum(e["bytes"] for e in existing["files"].values())
-            return ConvertResult(output, n, size, ["all"], time.perf_counter() - start)
-        if not force:
+    if output.exists() and not output.is_dir():
+        raise MkgenError(f"{output} is not a directory; choose another output directory")
+    manifest = read_state(layout_path) if layout_path.exists() else None
+    state = read_state(progress_path) if progress_path.exists() else None
+    if manifest is None and state is None:
+        if output.exists() and any(output.iterdir()):
             raise MkgenError(
-                f"{output} holds another conversion ({existing.get('identity', {}).get('spec')} "
-                f"for {existing.get('identity', {}).get('topology')}); pass --force to replace it"
+                f"{output} exists and is not a mkgen weights directory; choose another"
             )
-        layout_path.unlink()  # from here on nothing there looks complete
-    elif output.exists() and any(output.iterdir()) and not progress_path.exists():
-        raise MkgenError(f"{output} exists and is not a mkgen weights directory; choose another")
+    elif foreign := _foreign_entry(output):
+        raise MkgenError(
+            f"{output}: {foreign} was not written by mkgen convert; move it out of the weights "
+            "directory (or choose another output directory)"
+        )
+    current = manifest is not None and manifest["identity"] == identity
+    if current and _verified(output, manifest["files"]):
+        files = manifest["files"]
+        size = sum(e["bytes"] for e in files.values())
+        return ConvertResult(output, len(files), size, ["all"], time.perf_counter() - start)
+    resumable = state is not None and state["identity"] == identity
+    replaced = None if resumable else state  # an interrupted conversion of other inputs
+    if manifest is not None or replaced is not None:
+        if not force:
+            earlier = (manifest if manifest is not None else replaced)["identity"]
+            what = (
+                "a conversion whose files no longer match its layout.json"
+                if current
+                else f"another conversion ({earlier.get('spec')} for {earlier.get('topology')})"
+            )
+            raise MkgenError(f"{output} holds {what}; pass --force to replace it")
+        _remove_conversion(output, manifest, replaced)
     created = not output.exists()
     output.mkdir(parents=True, exist_ok=True)
     try:
-        done: dict[str, dict[str, Any]] = {}
-        if progress_path.exists():
-            state = json.loads(progress_path.read_text())
-            if state.get("identity") == identity:
-                done = state.get("units", {})
+        done: dict[str, dict[str, Any]] = dict(state["units"]) if resumable and state else {}
         skipped: list[str] = []
         files: dict[str, dict[str, Any]] = {}
         work = units(layout)
-        written = 0
-        for number, unit in enumerate(work, 1):
-            recorded = done.get(unit.name)
-            if recorded is not None and _verified(output, recorded):
-                files.update(recorded)
-                skipped.append(unit.name)
-                if unit.layer is None or unit.layer < 0:
-                    source.skip_globals()
-                else:
-                    source.skip_layer(unit.layer)
-                continue
-            done.pop(unit.name, None)
-            unit_files: dict[str, dict[str, Any]] = {}
-            if unit.layer is None or unit.layer < 0:
-                tensors = source.globals()
-            else:
-                tensors = source.layer(unit.layer)
-                if layout.attention_residual:  # the blocks' logits ride with the layers
-                    tensors = {**tensors, "attn_res_logits": source.globals()["attn_res_logits"]}
-            arrays: Iterator[tuple[str, np.ndarray]]
-            if unit.layer is None:
-                arrays = _global_arrays(tensors)
-            else:
-                arrays = (
-                    item
-                    for rank in range(layout.devices)
-                    for item in _unit_arrays(layout, unit, tensors, rank)
-                )
-            try:
-                for name, array in arrays:
-                    unit_files[name] = _write_array(output / name, array)
-                    written += unit_files[name]["bytes"]
-            except ValueError as error:  # a packing shape check: the checkpoint and spec disagree
-                raise MkgenError(f"{unit.name}: {error}") from None
-            del tensors
-            files.update(unit_files)
-            done[unit.name] = unit_files
-            _write_json(progress_path, {"identity": identity, "units": done})
-            if progress:
-                elapsed = time.perf_counter() - start
-                progress(
-                    f"convert: {number}/{len(work)} {unit.name}, {written / 2**20:,.1f} MiB written "
-                    f"in {elapsed:.1f} s"
-                )
+        sizes = _unit_bytes(spec, work)
+        bar = tqdm(
+            total=sum(sizes),
+            desc="convert",
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            disable=not progress,
+        )
+        with bar:
+            for unit, size in zip(work, sizes, strict=True):
+                bar.set_postfix_str(unit.name, refresh=False)
+                recorded = done.get(unit.name)
+                if recorded is not None and _verified(output, recorded):
+                    files.update(recorded)
+                    skipped.append(unit.name)
+                    if unit.layer is None or unit.layer < 0:
+                        source.skip_globals()
+                    else:
+                        source.skip_layer(unit.layer)
+                    bar.update(size)
+                    continue
+                done.pop(unit.name, None)
+                unit_files = _convert_unit(layout, source, unit, output)
+                files.update(unit_files)
+                done[unit.name] = unit_files
+                _write_json(progress_path, {"identity": identity, "units": done})
+                bar.update(size)
         source.check_complete()
         if tokenizer is not None:
             files[TOKENIZER_FILE] = _copy_file(tokenizer, output / TOKENIZER_FILE)
@@ -424,6 +586,32 @@ def convert(
         raise
 
 
+def _convert_unit(
+    layout: KernelLayout, source: Any, unit: Unit, output: Path
+) -> dict[str, dict[str, Any]]:
+    """Read one unit's tensors from `source`, pack and write them for every core: the
+    entries of its files."""
+    if unit.layer is None or unit.layer < 0:
+        tensors = source.globals()
+    else:
+        tensors = source.layer(unit.layer)
+        if layout.attention_residual:  # the blocks' logits ride with the layers
+            tensors = {**tensors, "attn_res_logits": source.globals()["attn_res_logits"]}
+    arrays: Iterator[tuple[str, np.ndarray]]
+    if unit.layer is None:
+        arrays = _global_arrays(tensors)
+    else:
+        arrays = (
+            item
+            for rank in range(layout.devices)
+            for item in _unit_arrays(layout, unit, tensors, rank)
+        )
+    try:
+        return {name: _write_array(output / name, array) for name, array in arrays}
+    except ValueError as error:  # a packing shape check: the checkpoint and spec disagree
+        raise MkgenError(f"{unit.name}: {error}") from None
+
+
 def build_identity(
     spec: ModelSpec, topology: str, options: Mapping[str, Any], kernel_args: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -437,6 +625,11 @@ def build_identity(
 
 
 # ---------------------------------------------------------------- reading it back
+#
+# The readers check each file's size against layout.json and, with `verify` (the
+# default), its sha256: a file with flipped bytes is a one-line error instead of other
+# tokens. verify=False is the trusted fast path (weights checked before, on storage the
+# caller trusts): the file is read only as the caller uses it.
 
 
 def open_weights(directory: Path, spec: ModelSpec, layout: KernelLayout, build: str) -> dict:
@@ -450,11 +643,8 @@ def open_weights(directory: Path, spec: ModelSpec, layout: KernelLayout, build: 
             else "not converted weights (mkgen convert writes them)"
         )
         raise MkgenError(f"{directory}: no {LAYOUT_FILE}; {hint}")
-    try:
-        manifest = json.loads(path.read_text())
-        identity = manifest["identity"]
-    except (ValueError, KeyError):
-        raise MkgenError(f"{path}: not a mkgen layout.json") from None
+    manifest = read_state(path)
+    identity = manifest["identity"]
     if identity.get("format") != CONTAINER_FORMAT:
         raise MkgenError(f"{path}: container format {identity.get('format')!r} unknown")
     if identity.get("weights_sha256") != weights_digest(spec, layout):
@@ -475,42 +665,57 @@ def _formats(formats: Any) -> str:
 
 
 def read_stream(
-    directory: Path, manifest: Mapping[str, Any], layout: KernelLayout, rank: int
+    directory: Path,
+    manifest: Mapping[str, Any],
+    layout: KernelLayout,
+    rank: int,
+    *,
+    verify: bool = True,
 ) -> np.ndarray:
     """One core's weight stream [total_banks, bank_rows, LANES] bf16, from its unit files."""
-    files = manifest["files"]
     stream = np.empty((layout.stream.total_banks, layout.stream.bank_rows, pack.LANES), pack.BF16)
     for unit in units(layout)[1:]:
         first, end = pack.layer_bank_range(layout, unit.layer)
         name = f"{core_dir(rank)}/{unit.name}.stream.npy"
-        stream[first:end] = read_array(Path(directory), name, files[name])
+        stream[first:end] = read_array(directory, manifest["files"], name, verify=verify)
     return stream
 
 
 def read_vectors(
-    directory: Path, manifest: Mapping[str, Any], layout: KernelLayout, rank: int
+    directory: Path,
+    manifest: Mapping[str, Any],
+    layout: KernelLayout,
+    rank: int,
+    *,
+    verify: bool = True,
 ) -> np.ndarray:
     """One core's vector slabs [layers, vector_rows, vector_width] f32."""
-    files = manifest["files"]
     names = [f"{core_dir(rank)}/layer-{i:03d}.vectors.npy" for i in range(len(layout.ffn_table))]
-    return np.stack([read_array(Path(directory), name, files[name]) for name in names])
+    return np.stack([read_array(directory, manifest["files"], n, verify=verify) for n in names])
 
 
 def read_experts(
-    directory: Path, manifest: Mapping[str, Any], layout: KernelLayout, rank: int, which: int
+    directory: Path,
+    manifest: Mapping[str, Any],
+    layout: KernelLayout,
+    rank: int,
+    which: int,
+    *,
+    verify: bool = True,
 ) -> np.ndarray:
     """One core's routed-expert array `which` (pack.expert_arrays order), its MoE kind's
     layers stacked."""
-    files = manifest["files"]
     index, j = pack.expert_arrays(layout)[which]
     names = [f"{core_dir(rank)}/layer-{n:03d}.experts-{j}.npy" for n in layout.ffn[index].layers]
-    return np.stack([read_array(Path(directory), name, files[name]) for name in names])
+    return np.stack([read_array(directory, manifest["files"], n, verify=verify) for n in names])
 
 
-def read_globals(directory: Path, manifest: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+def read_globals(
+    directory: Path, manifest: Mapping[str, Any], *, verify: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """(embedding [vocab, hidden] bf16, final_norm [hidden] f32)."""
     files = manifest["files"]
     return (
-        read_array(Path(directory), "embedding.npy", files["embedding.npy"]),
-        read_array(Path(directory), "final_norm.npy", files["final_norm.npy"]),
+        read_array(directory, files, "embedding.npy", verify=verify),
+        read_array(directory, files, "final_norm.npy", verify=verify),
     )

@@ -965,7 +965,12 @@ def load_build_inputs(directory: Path) -> tuple[ModelSpec, Topology, BuildOption
     path = directory / "plan.json"
     if not path.exists():
         raise MkgenError(f"{directory} is not a mkgen build (no plan.json)")
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as error:
+        raise MkgenError(f"{path}: damaged ({error}); build again") from None
+    if not isinstance(data, dict) or not isinstance(data.get("build"), dict):
+        raise MkgenError(f"{path}: not a mkgen plan.json (no build object); build again")
     if data.get("build", {}).get("format") != PLAN_FORMAT:
         raise MkgenError(f"{path}: plan format {data.get('build', {}).get('format')!r} unknown")
     spec = ModelSpec.model_validate(data["spec"])

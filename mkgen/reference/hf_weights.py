@@ -33,6 +33,12 @@ every checkpoint tensor must be used, except the per-architecture ignore list
 (rotary inv_freq buffers; multi-token-prediction layers, which are not decoded).
 Quantized checkpoints (fp8 block scales, MXFP4 blocks, int4 packs) are refused:
 dequantize them first.
+
+Files are read with the safetensors library (`SafetensorsCheckpoint`), after a small
+check of what it does not check; an index must hold each tensor in exactly one shard
+inside the checkpoint folder; NaN or Inf values are refused as tensors are read.
+`HFMapping.check_inventory` runs the mapping over the headers' shapes alone, so that a
+checkpoint that does not fit the spec is refused before any tensor is read.
 """
 
 from __future__ import annotations
@@ -41,11 +47,13 @@ import json
 import math
 import re
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from mkgen.errors import SpecError
 from mkgen.spec.hf_import import canonical_architecture, default_spec_name, import_hf_dict
@@ -82,32 +90,96 @@ _QUANTIZED = re.compile(
 
 # ---------------------------------------------------------------- safetensors, lazily
 
-_DTYPES: dict[str, str] = {
-    "F64": "<f8",
-    "F32": "<f4",
-    "F16": "<f2",
-    "BF16": "<u2",  # widened to float32 on read
-    "I64": "<i8",
-    "I32": "<i4",
-    "I16": "<i2",
-    "I8": "i1",
-    "U64": "<u8",
-    "U32": "<u4",
-    "U16": "<u2",
-    "U8": "u1",
-    "BOOL": "?",
-    "F8_E4M3": "u1",  # raw codes: refused as quantized
-    "F8_E5M2": "u1",
-    "F8_E8M0": "u1",
-    "F4": "u1",
-}
+# Stored dtypes the safetensors library hands to numpy (BF16 through ml_dtypes); the
+# others (F8_*, F6_*, F4, E8M0) are the codes of quantized checkpoints.
+_NUMPY_READABLE = frozenset(
+    ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL")
+)
+
+
+def _unreadable(file: Path, reason: str) -> SpecError:
+    return SpecError(f"{file}: not a readable safetensors file ({' '.join(reason.split())})")
+
+
+def _unique_keys(file: Path) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    """A json object_pairs_hook refusing a key given twice."""
+
+    def to_dict(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in result:
+                raise SpecError(f"{file}: {key}: appears twice in the safetensors header")
+            result[key] = value
+        return result
+
+    return to_dict
+
+
+def _check_header(file: Path) -> None:
+    """The header checks safe_open does not make, or makes without naming the tensor: a
+    name given twice (the library keeps the last one silently) and data cut short (the
+    library only says the file is not covered). A header length beyond the file is refused
+    before anything is read. The library checks the rest (dtypes, shapes, offsets that
+    overlap or leave gaps) when it opens the file."""
+    try:
+        length = file.stat().st_size
+        with file.open("rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise _unreadable(file, f"{length} bytes, no 8-byte header length")
+            (size,) = struct.unpack("<Q", prefix)
+            if size > length - 8:
+                raise _unreadable(file, f"header length {size} exceeds the file's {length} bytes")
+            text = handle.read(size)
+    except OSError as error:
+        raise _unreadable(file, error.strerror or str(error)) from None
+    try:
+        header = json.loads(text, object_pairs_hook=_unique_keys(file))
+    except ValueError as error:
+        raise _unreadable(file, f"header: {error}") from None
+    if not isinstance(header, dict):
+        raise _unreadable(file, f"the header is a JSON {type(header).__name__}, not an object")
+    ends = {
+        name: info["data_offsets"][1]
+        for name, info in header.items()
+        if isinstance(info, dict)
+        and isinstance(info.get("data_offsets"), list)
+        and len(info["data_offsets"]) == 2
+        and isinstance(info["data_offsets"][1], int)
+    }
+    last = max(ends, key=ends.__getitem__, default=None)
+    if last is not None and 8 + size + ends[last] > length:
+        raise SpecError(
+            f"{file}: truncated: {last} ends at byte {8 + size + ends[last]}, the file has "
+            f"{length} (an interrupted download?)"
+        )
+
+
+def _shard_path(folder: Path, shard: Any, index: Path, name: str) -> Path:
+    """An index's shard, which must be a file in the checkpoint folder: no absolute path,
+    no .., no symlink leading out of it, except from a snapshot of the Hugging Face cache
+    (.../snapshots/REV/) into its repository's blobs/, where the cache keeps the files."""
+    if not isinstance(shard, str) or not shard:
+        raise SpecError(f"{index}: weight_map: {name}: shard {shard!r} is not a file name")
+    path = folder / shard
+    home = folder.resolve()
+    roots = [home, home.parent.parent / "blobs"] if home.parent.name == "snapshots" else [home]
+    escapes = Path(shard).is_absolute() or ".." in Path(shard).parts
+    if escapes or not any(path.resolve().is_relative_to(root) for root in roots):
+        raise SpecError(
+            f"{index}: weight_map: {name}: shard {shard!r} lies outside the checkpoint folder"
+        )
+    return path
 
 
 class SafetensorsCheckpoint(Mapping[str, np.ndarray]):
-    """Read-only mapping name -> array over one .safetensors file or a sharded set.
+    """Read-only mapping name -> array over one .safetensors file or a sharded set, read
+    with the safetensors library (safe_open, numpy).
 
-    Tensors are read on access through a memory map (nothing is loaded up front).
-    BF16 tensors are widened to float32 (exactly); other dtypes come as stored.
+    Opening checks every header and the index (each tensor in exactly the shard the index
+    names, shard paths inside the checkpoint folder); tensors are read on access. BF16
+    tensors are widened to float32 (exactly); other numpy dtypes come as stored; a float
+    tensor holding NaN or Inf is refused.
     """
 
     def __init__(self, path: Path | str) -> None:
@@ -119,53 +191,49 @@ class SafetensorsCheckpoint(Mapping[str, np.ndarray]):
         if not path.exists():
             raise SpecError(f"{path}: no such file (expected model.safetensors or its index)")
         self.path = path
-        self._entries: dict[str, tuple[Path, str, tuple[int, ...], int, int]] = {}
-        if path.suffix == ".json":
-            index = read_json(path)
-            weight_map = index.get("weight_map") if isinstance(index, dict) else None
-            if not isinstance(weight_map, dict):
-                raise SpecError(f"{path}: weight_map: missing; not a safetensors index")
-            for file in sorted(set(weight_map.values())):
-                self._read_header(path.parent / file)
-            missing = sorted(set(weight_map) - set(self._entries))
-            if missing:
-                raise SpecError(f"{path}: weight_map: {missing[0]} is in no shard")
-        else:
-            self._read_header(path)
+        self.shards: dict[str, Path] = {}  # each shard's name in the checkpoint -> its path
+        self._handles: dict[Path, Any] = {}
+        self._entries: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+        if path.suffix != ".json":
+            self.shards[path.name] = path
+            self._open(path)
+            return
+        index = read_json(path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise SpecError(f"{path}: weight_map: missing; not a safetensors index")
+        for name, shard in weight_map.items():
+            if shard not in self.shards:
+                self.shards[shard] = _shard_path(path.parent, shard, path, name)
+        for shard, file in sorted(self.shards.items()):
+            for name in self._open(file):
+                if weight_map.get(name) != shard:
+                    where = (
+                        f"puts it in {weight_map[name]}"
+                        if name in weight_map
+                        else "does not list it"
+                    )
+                    raise SpecError(
+                        f"{file}: {name}: stored in this shard, but the index {where} (a "
+                        "tensor in two shards, or a wrong index)"
+                    )
+        missing = sorted(set(weight_map) - set(self._entries))
+        if missing:
+            raise SpecError(f"{path}: weight_map: {missing[0]} is in no shard")
 
-    def _read_header(self, file: Path) -> None:
+    def _open(self, file: Path) -> list[str]:
+        """Check and open one shard; its tensor names."""
+        _check_header(file)
         try:
-            with file.open("rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(size))
-        except (OSError, struct.error, ValueError) as error:
-            raise SpecError(f"{file}: not a readable safetensors file ({error})") from None
-        base = 8 + size
-        length = file.stat().st_size
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            try:
-                dtype, shape = info["dtype"], tuple(int(n) for n in info["shape"])
-                start, end = (int(n) for n in info["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise SpecError(f"{file}: {name}: malformed safetensors header entry") from None
-            if dtype not in _DTYPES:
-                raise SpecError(f"{file}: {name}: unknown safetensors dtype {dtype}")
-            want = math.prod(shape) * np.dtype(_DTYPES[dtype]).itemsize
-            if dtype == "F4":  # two codes a byte
-                want = -(-math.prod(shape) // 2)
-            if end - start != want or start < 0:
-                raise SpecError(
-                    f"{file}: {name}: header says {end - start} bytes for {dtype} {list(shape)} "
-                    f"({want} expected): a corrupt file"
-                )
-            if base + end > length:
-                raise SpecError(
-                    f"{file}: truncated: {name} ends at byte {base + end}, the file has "
-                    f"{length} (an interrupted download?)"
-                )
-            self._entries[name] = (file, dtype, shape, base + start, end - start)
+            handle = safe_open(file, framework="numpy")
+            names = handle.keys()  # a safe_open handle is not iterable
+            views = {name: handle.get_slice(name) for name in names}
+        except (SafetensorError, OSError) as error:
+            raise _unreadable(file, str(error)) from None
+        self._handles[file] = handle
+        for name, view in views.items():
+            self._entries[name] = (file, view.get_dtype(), tuple(view.get_shape()))
+        return list(views)
 
     def stored_dtype(self, name: str) -> str:
         return self._entries[name][1]
@@ -174,15 +242,22 @@ class SafetensorsCheckpoint(Mapping[str, np.ndarray]):
         return self._entries[name][2]
 
     def __getitem__(self, name: str) -> np.ndarray:
-        file, dtype, shape, offset, nbytes = self._entries[name]
-        np_dtype = np.dtype(_DTYPES[dtype])
-        if nbytes == 0:
-            array = np.zeros(shape, np_dtype)
-        else:
-            array = np.memmap(file, dtype=np_dtype, mode="r", offset=offset, shape=shape)
-        if dtype == "BF16":
-            return (np.asarray(array).astype(np.uint32) << 16).view(np.float32)
-        return np.asarray(array)
+        file, dtype, _ = self._entries[name]
+        if dtype not in _NUMPY_READABLE:
+            raise SpecError(
+                f"{file}: {name}: stored as {dtype}: a quantized tensor; mkgen loads float "
+                "checkpoints only (dequantize first)"
+            )
+        try:
+            array = self._handles[file].get_tensor(name)
+        except (SafetensorError, OSError) as error:
+            raise _unreadable(file, f"{name}: {error}") from None
+        if array.dtype == ml_dtypes.bfloat16:
+            array = array.astype(np.float32)
+        # One pass in float64 (no overflow for any float32 sum): NaN or Inf survives it.
+        if array.dtype.kind == "f" and not np.isfinite(array.sum(dtype=np.float64)):
+            raise SpecError(f"{file}: {name}: holds NaN or Inf values (a damaged checkpoint)")
+        return array
 
     def __contains__(self, name: object) -> bool:  # without reading the tensor
         return name in self._entries
@@ -227,7 +302,7 @@ class _Source:
     def take(self, *names: str) -> np.ndarray:
         name = self.first(*names)
         self.used.add(name)
-        array = np.asarray(self.tensors[name])
+        # The stored dtype, when the tensors come from files, is checked before any read.
         stored = getattr(self.tensors, "stored_dtype", lambda _n: None)(name)
         if stored and stored not in ("F32", "F16", "F64", "BF16"):
             raise self.error(
@@ -235,7 +310,8 @@ class _Source:
                 f"stored as {stored}: a quantized or non-float tensor; mkgen loads float "
                 "checkpoints only (dequantize first)",
             )
-        if array.dtype.kind != "f" and array.dtype.name != "bfloat16":
+        array = self.tensors[name]
+        if not stored and array.dtype.kind != "f" and array.dtype.name != "bfloat16":
             raise self.error(
                 name,
                 f"has dtype {array.dtype}: a quantized or non-float tensor; mkgen loads float "
@@ -249,6 +325,102 @@ class _Source:
         if array.ndim != 2:
             raise self.error(self.first(*names), f"expected a matrix, got shape {array.shape}")
         return array.T
+
+
+class _Shape:
+    """A checkpoint tensor's shape standing in for its data: the reshapes, transposes,
+    slices, splits and stacks of the mapping applied to shapes alone
+    (HFMapping.check_inventory). `origin` names the tensor in errors; `dtype` is the
+    array's for tensors in memory, None for stored ones (their stored dtype is checked)."""
+
+    def __init__(self, shape: Sequence[int], origin: str, dtype: np.dtype | None = None) -> None:
+        self.shape, self.origin, self.dtype = tuple(int(n) for n in shape), origin, dtype
+
+    @property
+    def _meta(self) -> tuple[str, np.dtype | None]:
+        return self.origin, self.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def T(self) -> _Shape:  # noqa: N802 (numpy's name)
+        return _Shape(self.shape[::-1], *self._meta)
+
+    def transpose(self, *axes: int) -> _Shape:
+        return _Shape([self.shape[a] for a in axes], *self._meta)
+
+    def reshape(self, *shape: int) -> _Shape:
+        known = math.prod(n for n in shape if n != -1)
+        new = [self.size // known if n == -1 and known else n for n in shape]
+        if math.prod(new) != self.size:
+            raise SpecError(f"{self.origin}: shape {self.shape} cannot be read as {tuple(shape)}")
+        return _Shape(new, *self._meta)
+
+    def __getitem__(self, key: Any) -> _Shape:
+        key = key if isinstance(key, tuple) else (key,)
+        dims = [
+            len(range(*k.indices(n)))
+            for k, n in zip(key, self.shape, strict=False)
+            if isinstance(k, slice)
+        ]  # an integer index drops its axis
+        return _Shape([*dims, *self.shape[len(key) :]], *self._meta)
+
+    def _split(self, sections: Any, axis: int = 0) -> list[_Shape]:
+        n = self.shape[axis]
+        if isinstance(sections, int):
+            if n % sections:
+                raise SpecError(f"{self.origin}: shape {self.shape}: axis {axis} does not split")
+            bounds = [n * i // sections for i in range(sections + 1)]
+        else:
+            bounds = [0, *(min(int(b), n) for b in sections), n]
+        return [
+            _Shape([*self.shape[:axis], end - start, *self.shape[axis + 1 :]], *self._meta)
+            for start, end in zip(bounds, bounds[1:], strict=False)
+        ]
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        if func is np.split:
+            return args[0]._split(*args[1:], **kwargs)
+        if func is np.stack:
+            return _Shape([len(args[0]), *args[0][0].shape], *args[0][0]._meta)
+        if func is np.ascontiguousarray:
+            return args[0]
+        if func is np.array_equal:  # the values are compared when the tensors are read
+            return args[0].shape == args[1].shape
+        return NotImplemented
+
+
+class _Shapes(Mapping[str, Any]):
+    """A checkpoint's tensors as `_Shape`s, with their stored dtypes: nothing is read from
+    a checkpoint's files."""
+
+    def __init__(self, tensors: Mapping[str, np.ndarray], source: str) -> None:
+        self.tensors, self.source = tensors, source
+
+    def stored_dtype(self, name: str) -> str | None:
+        return getattr(self.tensors, "stored_dtype", lambda _n: None)(name)
+
+    def __getitem__(self, name: str) -> Any:
+        origin = f"{self.source}: {name}"
+        if isinstance(self.tensors, SafetensorsCheckpoint):
+            return _Shape(self.tensors.shape(name), origin)
+        value = self.tensors[name]
+        return _Shape(value.shape, origin, value.dtype)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
 
 
 class _Out:
@@ -578,6 +750,22 @@ class HFMapping:
         else:
             _dense(src, out, fp, o + "ffn.", ffn)
         return self._taken()
+
+    def check_inventory(self) -> None:
+        """The whole mapping run over the tensors' shapes and stored dtypes (the headers),
+        reading no data: a missing, unexpected or misshapen tensor anywhere in the
+        checkpoint is a one-line error before the first layer is converted."""
+        dry = HFMapping(
+            self.spec,
+            self.arch,
+            _Shapes(self.src.tensors, self.src.source),
+            mtp_layers=self.mtp_layers,
+            source=self.src.source,
+        )
+        dry.globals()
+        for i in range(self.spec.layers.count):
+            dry.layer(i)
+        dry.check_complete()
 
     def skip_globals(self) -> None:
         """Count the globals as taken without reading them (a resumed conversion that
