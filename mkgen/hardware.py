@@ -14,8 +14,8 @@ the reason beside it. Where a chip has no measurement the catalog says so
 (``measured=False``) and derives a documented fallback from the TPU7x ratio of
 measured to spec, rather than pretending to know.
 
-Facts and their sources: ``shared/reference/hardware.md`` and
-``shared/reference/measurements.md``; per-core VMEM/SMEM/MXU figures agree with
+Facts and their sources: Google Cloud TPU pages for v5e, v5p, v6e and tpu7x, and the
+measurements of Inferact ``tpu-megakernels``; per-core VMEM/SMEM/MXU figures agree with
 ``jax/_src/tpu_info.py`` (jax 0.12).
 """
 
@@ -415,7 +415,7 @@ def _fallback_stream_bw(spec_per_chip: float, cores: int) -> float:
 
 
 _SOURCES_COMMON = (
-    "shared/reference/hardware.md: Google Cloud TPU pages for v5e, v5p, v6e, tpu7x; "
+    "Google Cloud TPU pages for v5e, v5p, v6e, tpu7x; "
     "jax/_src/tpu_info.py (per-TensorCore table behind pltpu.get_tpu_info())"
 )
 

@@ -1,8 +1,9 @@
 """The published measurements as data, and the cost model's error against each row.
 
-Source: shared/reference/measurements.md (Inferact tpu-megakernels, Muse Spark 1.2 on
-4 TPU7x chips = 8 TensorCores, context 4096, 16 steps per device call). One set of
-constants (CostConstants.from_chip) serves every row; nothing is fitted per row.
+Source: the public Inferact tpu-megakernels repository (README.md, musespark/README.md,
+musespark/REPORT.md: Muse Spark 1.2 on 4 TPU7x chips = 8 TensorCores, context 4096, 16
+steps per device call). One set of constants (CostConstants.from_chip) serves every row;
+nothing is fitted per row.
 
 The model is the spec as shipped (model_specs/muse-spark-1.2.yaml). One input
 follows the benchmark, as documented in docs/cost-model.md: its rows are identical,
