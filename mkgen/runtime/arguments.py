@@ -161,11 +161,10 @@ def option_parser(build: Build, prog: str) -> OptionParser:
     parser.add_argument(
         "--steps-per-call",
         type=integer(1),
-        default=STEPS_PER_CALL_DEFAULT,
         metavar="N",
         help="greedy decoding without drafts (ROWS 1): up to N kernel steps in one device "
         "call, each step's token embedded on the device for the next (1: a host round "
-        "trip per step)",
+        f"trip per step; default {STEPS_PER_CALL_DEFAULT})",
     )
     parser.add_argument(
         "--drafter",
@@ -188,7 +187,6 @@ def option_parser(build: Build, prog: str) -> OptionParser:
     parser.add_argument(
         "--warmup",
         type=integer(0),
-        default=WARMUP_DEFAULT,
         metavar="N",
         help=f"calls left out of --bench (default {WARMUP_DEFAULT})",
     )
@@ -267,7 +265,8 @@ def _prompts(args: argparse.Namespace, build: Build) -> list[list[int]]:
 
 
 def _check_drafting(args: argparse.Namespace, build: Build) -> None:
-    """Drafter flags only where drafts are verified, --ngram only for the ngram drafter."""
+    """Drafter flags only where drafts are verified, --ngram only for the ngram drafter,
+    several steps per call only where nothing is drafted or sampled."""
     for flag, value in (("--drafter", args.drafter), ("--ngram", args.ngram)):
         if value is not None and build.rows == 1:
             raise MkgenError(
@@ -278,12 +277,21 @@ def _check_drafting(args: argparse.Namespace, build: Build) -> None:
         raise MkgenError(f"--ngram: only the ngram drafter uses it, not {args.drafter}")
     args.drafter = args.drafter or "ngram"
     args.ngram = args.ngram or NGRAM_DEFAULT
+    if args.steps_per_call is not None and (build.rows > 1 or args.temperature > 0):
+        raise MkgenError(
+            "--steps-per-call: only greedy decoding without drafts (rows 1, --temperature 0) "
+            "runs several steps per call"
+        )
+    args.steps_per_call = args.steps_per_call or STEPS_PER_CALL_DEFAULT
 
 
 def _check_companions(args: argparse.Namespace) -> None:
     """Flags that mean something only beside another one."""
     if args.trust_weights and args.weights is None:
         raise MkgenError("--trust-weights: only with --weights (converted weights)")
+    if args.warmup is not None and not args.bench:
+        raise MkgenError("--warmup: only with --bench")
+    args.warmup = WARMUP_DEFAULT if args.warmup is None else args.warmup
     given = {"--coordinator": args.coordinator, "--num-processes": args.num_processes}
     given["--process-id"] = args.process_id
     for flag, value in given.items():
