@@ -345,7 +345,7 @@ def test_mkgen_run_names_a_runner_from_another_mkgen(tmp_path: Path) -> None:
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     result = mkgen("run", str(tmp_path), "--help", timeout=120)
     assert_user_error(
-        result, "was written by another mkgen", "run `mkgen build qwen3-32b --topology 2x2x1"
+        result, "was written by another mkgen", "rebuild it (mkgen build qwen3-32b --topology 2x2x1"
     )
 
 

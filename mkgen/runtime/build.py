@@ -47,12 +47,13 @@ def _import_file(path: Path, name: str) -> ModuleType:
 
 
 def _rebuild_hint(directory: Path) -> str:
-    """How to rebuild the build in `directory`: its plan.json's command, when readable."""
+    """How to rebuild the build in `directory`: its plan.json's command (a mini twin's says
+    which build it is part of), when readable."""
     try:
         command = json.loads((directory / "plan.json").read_text())["build"]["rebuild"]
     except (OSError, ValueError, KeyError, TypeError):
         return "build it again with mkgen build"
-    return f"run `{command}`"
+    return f"rebuild it ({command})"
 
 
 def runner_build(directory: Path) -> Build:
