@@ -772,21 +772,25 @@ def convert_command(
 )
 @click.argument("build", metavar="BUILD")
 @click.argument("runner_args", nargs=-1, type=click.UNPROCESSED)
-def run_command(build: str, runner_args: tuple[str, ...]) -> None:
-    """Run a build's runner.py (BUILD: a build directory or a name in generated/) with the
-    arguments that follow, e.g. `mkgen run BUILD --weights W --prompt-ids 1,2 --json`;
-    `mkgen run BUILD --help` lists them."""
-    import subprocess
-
+@click.pass_context
+def run_command(ctx: click.Context, build: str, runner_args: tuple[str, ...]) -> None:
+    """Run a build's runner: BUILD is a build directory (or a build's name in generated/),
+    and the runner's own options follow it, e.g. `mkgen run BUILD --weights W --prompt-ids
+    1,2 --json`; `mkgen run BUILD --help` lists them. The same as `python
+    BUILD/runner.py ...`, in this process."""
+    if build in ("-h", "--help"):
+        click.echo(ctx.get_help())
+        return
     from mkgen.codegen.package import GENERATED
+    from mkgen.runtime import run
+    from mkgen.runtime.build import RUNNER_FILE, runner_build
 
     directory = Path(build)
-    if not (directory / "runner.py").exists():
+    if not (directory / RUNNER_FILE).exists():
         directory = GENERATED / build
-    if not (directory / "runner.py").exists():
-        raise MkgenError(f"{build}: no runner.py there nor in generated/{build}")
-    status = subprocess.call([sys.executable, str(directory / "runner.py"), *runner_args])
-    sys.exit(status)
+    if not (directory / RUNNER_FILE).exists():
+        raise MkgenError(f"{build}: no {RUNNER_FILE} there nor in generated/{build}")
+    run(runner_build(directory), list(runner_args), prog="mkgen run", usage=f"mkgen run {build}")
 
 
 @cli.command(

@@ -300,8 +300,8 @@ def test_runner_help_says_where_weights_come_from(build_dir: Path) -> None:
     assert "--weights DIR" in text and "mkgen convert" in text
 
 
-# Runs a build's runner with its drafter replaced by an oracle that proposes the reference's
-# own continuation: its first `right` drafts of a call are right, the rest wrong (argv:
+# Runs a build's runner with its drafter an oracle that proposes the reference's own
+# continuation: its first `right` drafts of a call are right, the rest wrong (argv:
 # runner, JSON [prompts, expected, right], args...).
 ORACLE = """
 import importlib.util, json, sys
@@ -310,14 +310,13 @@ runner = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(runner)
 prompts, expected, right = json.loads(sys.argv[2])
 
-def drafts(history, count, ngram=3):
+def drafts(history, count):
     b = next(i for i, p in enumerate(prompts) if history[: len(p)] == p)
     future = expected[b][len(history) - len(prompts[b]) :][:count]
     future += [history[-1]] * (count - len(future))
     return future[:right] + [(t + 1) % runner.VOCAB_USED for t in future[right:]]
 
-runner.drafts = drafts
-runner.main(sys.argv[3:])
+runner.run(runner.BUILD, [*sys.argv[3:], "--drafter", "__main__:drafts"])
 """
 
 

@@ -7,12 +7,12 @@ the kernel): for every supported family the greedy tokens are the reference mode
 transformers' own; a batch of prompts of different lengths over recurrent state;
 speculative decoding with the prompt-lookup drafter returns exactly the plain greedy
 tokens and reports its acceptance length; weights converted for another layout are
-refused. The sampling rules are checked on the runner's own functions without a kernel.
+refused. The sampling rules are checked on the runner library's own functions
+(mkgen.runtime) without a kernel; its option errors are one line each, before any work.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,11 +21,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_run import assert_user_error, mkgen
 from test_convert import FIXTURES, write_sharded
 
 from mkgen.cli import main
-from mkgen.codegen.package import make_build, render_build
+from mkgen.codegen.package import GENERATED, make_build, render_build
 from mkgen.plan.options import BuildOptions
+from mkgen.runtime.main import Streamer
+from mkgen.runtime.sampling import Sampler
+from mkgen.runtime.speculation import accept, prompt_lookup
 from mkgen.spec.loader import load_spec
 from mkgen.spec.topology import parse_topology
 
@@ -58,8 +62,10 @@ def _run(build: Path, *args: str, timeout: float = 600) -> subprocess.CompletedP
 
 
 def _tokens(result: subprocess.CompletedProcess) -> dict:
+    """The --json object, which must be all of stdout (progress goes to stderr)."""
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(result.stdout.splitlines()) == 1, result.stdout
+    return json.loads(result.stdout)
 
 
 def _ids(prompt: list[int]) -> list[str]:
@@ -145,8 +151,8 @@ def test_speculation_returns_the_plain_greedy_tokens(tmp_path: Path) -> None:
     """Rows of 3 (the last token and two prompt-lookup drafts): the tokens are exactly the
     greedy ones, and the repeating continuation (97 127 97 127 ...) is drafted and
     accepted. Sampling with top-k 1 through the rejection rule gives the same tokens (the
-    prompt through the kernel this time, --prefill kernel); a stop id ends the sequence;
-    --bench reports its medians."""
+    prompt through the kernel this time, --prefill kernel, and through `mkgen run`); a stop
+    id ends the sequence; --bench reports its medians."""
     build = _build(tmp_path, "qwen3", rows=3)
     weights = _convert(FIXTURES / "qwen3", build, tmp_path / "w")
     expected = np.load(FIXTURES / "qwen3" / "expected.npz")["greedy_ids"].tolist()
@@ -155,8 +161,9 @@ def test_speculation_returns_the_plain_greedy_tokens(tmp_path: Path) -> None:
     assert out["tokens"] == [expected]
     assert out["acceptance_length"] > 1.2  # measured 1.33: 8 tokens in 6 generating calls
     sampled = _tokens(
-        _run(build, *base, "--steps", "8", "--temperature", "1.0", "--top-k", "1", "--seed", "3",
-             "--stop-ids", "127", "--bench", "--warmup", "1", "--prefill", "kernel")
+        mkgen("run", str(build), "--interpret", *base, "--steps", "8", "--temperature", "1.0",
+              "--top-k", "1", "--seed", "3", "--stop-ids", "127", "--bench", "--warmup", "1",
+              "--prefill", "kernel", "--trust-weights", timeout=600)
     )  # fmt: skip
     assert sampled["tokens"] == [expected[: expected.index(127) + 1]]
     bench = sampled["bench"]
@@ -182,53 +189,42 @@ def test_weights_for_another_layout_are_refused(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- sampling, no kernel
 
 
-@pytest.fixture(scope="module")
-def runner(tmp_path_factory):
-    """The rendered runner.py of a rows-4 build, imported as a module."""
-    spec = load_spec(FIXTURES / "qwen3" / "config.json")
-    options = BuildOptions.create(context=64, rows=4)
-    files = render_build(spec, parse_topology(TOPOLOGY), options, with_mini=False).files
-    path = tmp_path_factory.mktemp("runner") / "runner.py"
-    path.write_text(files["runner.py"])
-    module_spec = importlib.util.spec_from_file_location("runner_under_test", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
+VOCAB = 512  # the sampling tests' vocabulary (padding ids beyond it are left out)
 
 
-def test_prompt_lookup_matches_the_longest_suffix(runner) -> None:
-    assert runner.drafts([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], 2) == [9, 2]  # "1 2 3" -> 9, 2
-    assert runner.drafts([5, 6, 5], 3) == [6, 5, 5]  # padded with the last token
-    assert runner.drafts([4], 2) == [4, 4]
-    assert runner.drafts([1, 2], 0) == []
+def test_prompt_lookup_matches_the_longest_suffix() -> None:
+    assert prompt_lookup([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], 2, ngram=3) == [9, 2]  # "1 2 3" -> 9, 2
+    assert prompt_lookup([5, 6, 5], 3, ngram=3) == [6, 5, 5]  # padded with the last token
+    assert prompt_lookup([4], 2, ngram=3) == [4, 4]
+    assert prompt_lookup([1, 2], 0, ngram=3) == []
+    assert prompt_lookup([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], 2, ngram=1) == [7, 1]  # "3" only
 
 
-def test_sampling_filters(runner) -> None:
-    logits = np.log(np.array([0.1, 0.4, 0.2, 0.3] + [1e-30] * (runner.VOCAB_USED - 4)))
-    p = runner.distribution(logits, 1.0, 0, 1.0)
+def test_sampling_filters() -> None:
+    logits = np.log(np.array([0.1, 0.4, 0.2, 0.3] + [1e-30] * (VOCAB - 4) + [5.0]))
+    p = Sampler(1.0, 0, 1.0, VOCAB)(logits)
+    assert p.shape == (VOCAB,)  # the padding id after the vocabulary is never drawn
     np.testing.assert_allclose(p[:4], [0.1, 0.4, 0.2, 0.3], rtol=1e-6)
-    np.testing.assert_allclose(runner.distribution(logits, 1.0, 2, 1.0)[:4], [0, 4 / 7, 0, 3 / 7])
-    np.testing.assert_allclose(runner.distribution(logits, 1.0, 0, 0.6)[:4], [0, 4 / 7, 0, 3 / 7])
-    assert runner.distribution(logits, 1e-3, 0, 1.0)[1] == pytest.approx(1.0)
+    np.testing.assert_allclose(Sampler(1.0, 2, 1.0, VOCAB)(logits)[:4], [0, 4 / 7, 0, 3 / 7])
+    np.testing.assert_allclose(Sampler(1.0, 0, 0.6, VOCAB)(logits)[:4], [0, 4 / 7, 0, 3 / 7])
+    assert Sampler(1e-3, 0, 1.0, VOCAB)(logits)[1] == pytest.approx(1.0)
 
 
-def test_rejection_sampling_keeps_the_target_distribution(runner) -> None:
+def test_rejection_sampling_keeps_the_target_distribution() -> None:
     """Drafts from a point-mass drafter (always token 1, then 2) and from a drafter that
     samples its drafts from its own distribution q: either way the first two generated
     tokens are distributed as sampling without drafts gives them (p1 for the first token,
     p2 for the second after a first token 1)."""
-    vocab = runner.VOCAB_USED
+    vocab, rows = VOCAB, 4
     p1, p2, q = np.zeros(vocab), np.zeros(vocab), np.zeros(vocab)
     p1[:3], p2[:3], q[:3] = [0.5, 0.3, 0.2], [0.1, 0.1, 0.8], [0.2, 0.6, 0.2]
-    logits = np.full((runner.ROWS, vocab), -1e9)
+    logits = np.full((rows, vocab), -1e9)
     logits[0, :3], logits[1, :3] = np.log(p1[:3]), np.log(p2[:3])
     logits[2, :3] = logits[3, :3] = 0.0  # later rows: uniform over 0..2
     draws = 40_000
     rng = np.random.default_rng(0)
 
-    def sampler(row):
-        return runner.distribution(row, 1.0, 0, 1.0)
-
+    sampler = Sampler(1.0, 0, 1.0, vocab)
     for drafter_q in (None, q):
         first, second = np.zeros(3), np.zeros(3)
         for _ in range(draws):
@@ -238,7 +234,7 @@ def test_rejection_sampling_keeps_the_target_distribution(runner) -> None:
                 ids = rng.choice(3, size=3, p=q[:3]).tolist()
                 proposal = (ids, [q, q, q])
             rows = np.array([7, *ids])  # one known token, then the drafts
-            new, valid = runner.accept(rows, None, logits, 1, proposal, sampler, rng)
+            new, valid = accept(rows, None, logits, 1, proposal, sampler, rng)
             first[new[0]] += 1
             if new[0] == 1:
                 second[new[1]] += 1
@@ -246,22 +242,138 @@ def test_rejection_sampling_keeps_the_target_distribution(runner) -> None:
         np.testing.assert_allclose(second / second.sum(), p2[:3], atol=0.015)
     rows = np.array([7, 1, 2, 0])
     tokens = np.array([1, 2, 5, 6])  # greedy: the kernel's tokens after each row
-    assert runner.accept(rows, tokens, None, 1, [1, 2, 0], None, rng) == ([1, 2, 5], 3)
+    assert accept(rows, tokens, None, 1, [1, 2, 0], None, rng) == ([1, 2, 5], 3)
 
 
-def test_mkgen_run_passes_arguments_to_the_runner(tmp_path: Path, capfd) -> None:
-    build = _build(tmp_path, "qwen3")
+# ---------------------------------------------------------------- the runner's command line
+
+
+@pytest.fixture(scope="module")
+def shims(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """By rows (1 and 3): a directory holding only a build's runner.py (the qwen3 fixture,
+    vocabulary 128, context 64). Without plan.json and megakernel.py beside it, any work
+    past the options fails otherwise than with the one-line option error expected."""
+    spec = load_spec(FIXTURES / "qwen3" / "config.json")
+    out = {}
+    for rows in (1, 3):
+        options = BuildOptions.create(context=64, rows=rows)
+        files = render_build(spec, parse_topology(TOPOLOGY), options, with_mini=False).files
+        directory = tmp_path_factory.mktemp(f"rows-{rows}")
+        (directory / "runner.py").write_text(files["runner.py"])
+        out[rows] = directory
+    return out
+
+
+@pytest.mark.parametrize(
+    ("rows", "args", "fragments"),
+    [
+        (1, ["--temperature", "nan"], ["--temperature: must be a finite number >= 0, got nan"]),
+        (1, ["--temperature", "inf"], ["--temperature: must be a finite number >= 0, got inf"]),
+        (1, ["--temperature", "-0.5"], ["--temperature: must be a finite number >= 0"]),
+        (1, ["--seed", "-1"], ["--seed: must be an integer in [0, 4294967295], got -1"]),
+        (1, ["--seed", "4294967296"], ["--seed: must be an integer in [0, 4294967295]"]),
+        (1, ["--stop-ids", "2,128"], ["--stop-ids: token id 128", "vocabulary [0, 128)"]),
+        (1, ["--stop-ids", "-1"], ["--stop-ids: token id -1", "vocabulary [0, 128)"]),
+        (1, ["--top-p", "0"], ["--top-p: must be in (0, 1], got 0"]),
+        (1, ["--top-p", "1.01"], ["--top-p: must be in (0, 1], got 1.01"]),
+        (1, ["--top-p", "nan"], ["--top-p: must be in (0, 1], got nan"]),
+        (1, ["--top-k", "-1"], ["--top-k: must be an integer >= 0, got -1"]),
+        (1, ["--prompt-ids", "1,200,2"], ["--prompt-ids: token id 200", "vocabulary [0, 128)"]),
+        (1, ["--prompt-ids", "1,two"], ["--prompt-ids: expected comma-separated integers"]),
+        (1, ["--steps", "0"], ["--steps: must be an integer >= 1, got 0"]),
+        (1, ["--steps", "61"], ["--steps:", "exceed the build's context of 64"]),
+        (1, ["--drafter", "ngram"], ["--drafter: this build verifies no drafts (rows 1)"]),
+        (1, ["--ngram", "2"], ["--ngram: this build verifies no drafts (rows 1)"]),
+        (3, ["--steps-per-call", "4"], ["--steps-per-call: only greedy decoding without"]),
+        (1, ["--steps-per-call", "4", "--temperature", "0.5"], ["--steps-per-call: only greedy"]),
+        (1, ["--warmup", "3"], ["--warmup: only with --bench"]),
+        (3, ["--drafter", "os:sep"], ["--drafter os:sep: not callable"]),
+        (3, ["--drafter", "no_such_module:f"], ["--drafter no_such_module:f:", "no_such_module"]),
+        (3, ["--drafter", "os:getcwd", "--ngram", "2"], ["--ngram: only the ngram drafter"]),
+        (1, ["--random-weights", "-3"], ["--random-weights: must be an integer in [0, "]),
+        (1, ["--trust-weights"], ["--trust-weights: only with --weights"]),
+        (1, ["--process-id", "1"], ["--process-id: only with --multi-host"]),
+        (1, ["--weights", "w"], ["--weights: not allowed with argument --random-weights"]),
+        (1, ["--unknown"], ["unrecognized arguments: --unknown"]),
+    ],
+)
+def test_a_refused_option_is_one_line_before_any_work(
+    shims: dict[int, Path], rows: int, args: list[str], fragments: list[str]
+) -> None:
+    args = ["--random-weights", "0", *args] if "--random-weights" not in args else args
+    result = mkgen("run", str(shims[rows]), *args, timeout=120)
+    assert_user_error(result, "mkgen run: error: ", *fragments)
+
+
+def test_the_runner_file_itself_prints_the_same_one_line_errors(
+    shims: dict[int, Path], tmp_path: Path
+) -> None:
+    """runner.py run directly, from another directory, names itself in its errors and
+    prints its help (which says where weights come from)."""
+    command = [sys.executable, str(shims[1] / "runner.py")]
+    run = subprocess.run(
+        [*command, "--random-weights", "0", "--temperature", "nan"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert_user_error(run, "runner.py: error: --temperature: must be a finite number >= 0")
+    shown = subprocess.run(
+        [*command, "--help"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("usage: runner.py ")
+    assert "--weights DIR" in shown.stdout and "--trust-weights" in shown.stdout
+
+
+def test_mkgen_run_help_explains_build_and_passes_the_rest_to_the_runner(
+    shims: dict[int, Path], capfd: pytest.CaptureFixture[str]
+) -> None:
+    for flag in ("--help", "-h"):
+        result = mkgen("run", flag, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert "Usage: mkgen run [OPTIONS] BUILD [RUNNER_ARGS]" in result.stdout
+        assert "build directory" in result.stdout and "mkgen run BUILD --help" in result.stdout
     with pytest.raises(SystemExit) as exit_:
-        main(["run", str(build), "--help"])
+        main(["run", str(shims[1]), "--help"])
     assert exit_.value.code == 0
-    assert "--weights DIR" in capfd.readouterr().out
-    with pytest.raises(SystemExit) as exit_:
-        main(["run", str(build), "--weights", str(tmp_path / "none"), "--random-weights", "0"])
-    assert exit_.value.code == 2  # argparse: the two weight sources exclude each other
-    assert "not allowed with argument" in capfd.readouterr().err
+    usage = capfd.readouterr().out
+    assert usage.startswith(f"usage: mkgen run {shims[1]} ") and "--weights DIR" in usage
 
 
-def test_streamed_text_prints_only_what_is_settled(runner, capsys) -> None:
+def test_mkgen_run_names_a_runner_from_another_mkgen(tmp_path: Path) -> None:
+    (tmp_path / "runner.py").write_text("STEPS = 8  # a runner without a runtime Build\n")
+    plan = {"build": {"rebuild": "mkgen build qwen3-32b --topology 2x2x1 --force"}}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    result = mkgen("run", str(tmp_path), "--help", timeout=120)
+    assert_user_error(
+        result, "was written by another mkgen", "rebuild it (mkgen build qwen3-32b --topology 2x2x1"
+    )
+
+
+def test_too_few_devices_is_the_one_line_shown(tmp_path: Path) -> None:
+    """Without --interpret on a host without a TPU: JAX's TPU backend (libtpu) writes its
+    start-up noise to stderr before falling back to the CPU; the user sees only the
+    runner's line about the devices."""
+    build = GENERATED / "qwen3-32b-2x2x1" / "mini"
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    result = subprocess.run(
+        [sys.executable, str(build / "runner.py"), "--random-weights", "0"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**env, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "PYTHONDONTWRITEBYTECODE": "1"},
+    )  # fmt: skip
+    assert_user_error(result, "runner.py: error: this build needs 8 devices, JAX sees 1")
+    assert "or pass --interpret" in result.stderr
+
+
+def test_every_checked_in_runner_is_a_short_file_of_constants() -> None:
+    runners = sorted(GENERATED.glob("*/runner.py")) + sorted(GENERATED.glob("*/mini/runner.py"))
+    assert len(runners) >= 12
+    for path in runners:
+        text = path.read_text()
+        assert len(text.splitlines()) < 80, path
+        assert "from mkgen.runtime import Build, run" in text and "def " not in text, path
+
+
+def test_streamed_text_prints_only_what_is_settled(capsys) -> None:
     """Text appears call by call; a character still missing its second byte (decoded as
     U+FFFD) waits for the call that completes it; without a tokenizer ids stream."""
 
@@ -270,12 +382,12 @@ def test_streamed_text_prints_only_what_is_settled(runner, capsys) -> None:
             text = "".join({1: "\ufffd", 2: ""}.get(i, chr(96 + i)) for i in ids)
             return text.replace("\ufffd", "é") if 2 in ids else text
 
-    stream = runner.Streamer(Bytes())
+    stream = Streamer(Bytes())
     for ids in ([3], [3, 4, 1], [3, 4, 1, 2, 5]):
         stream(ids)
         print("|", end="")
     assert capsys.readouterr().out == "c|d|ée|"
-    ids_only = runner.Streamer(None)
+    ids_only = Streamer(None)
     ids_only([7, 8])
     ids_only([7, 8, 9])
     assert capsys.readouterr().out == "7 8 9"

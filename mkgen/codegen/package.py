@@ -3,7 +3,7 @@
 ``mkgen build SPEC --topology T`` writes ``generated/<spec>-<shape>/``::
 
     megakernel.py         the decode megakernel (templates/megakernel.py.j2)
-    runner.py             prefill in XLA + greedy decode through the kernel (runner.py.j2)
+    runner.py             the build's constants, calling mkgen.runtime (runner.py.j2)
     plan.json             spec, options, kernel layout, sharding, HBM fit, cost estimate
     REPORT.md             the same for people (REPORT.md.j2)
     mini/                 the same four files for the spec's mini twin on the same mesh
@@ -352,7 +352,7 @@ def render_build(
             context=options.context,
             vocab_used=layout.vocab_used,
             default_steps=min(8, options.context // 4),
-            recurrent_kinds=repr([a.name for a in layout.attention if a.type in RECURRENT]),
+            recurrent_kinds=repr(tuple(a.name for a in layout.attention if a.type in RECURRENT)),
         ),
         # Not key-sorted: "spec" and "kernel" keep their order (kind order numbers the kinds
         # in the kernel, and a saved build must re-render identically); the planner's data

@@ -18,7 +18,7 @@ every core (a head-split prefill would divide it).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -191,10 +191,12 @@ def prefill(
     placed: Mapping[str, object],
     embedding: np.ndarray,
     tokens: np.ndarray,
+    progress: Callable[[jax.Array], None] | None = None,
 ) -> list[jax.Array]:
     """The kernel's cache arrays (in kernel.cache_shapes() order, [devices, ...] sharded on
     `axis`) holding tokens [B, T] at positions 0..T - 1. `placed` holds the build's
-    stream, vectors and experts as the runner places them."""
+    stream, vectors and experts as the runner places them; `progress` gets each layer's
+    output as it is dispatched (the runner's progress bar waits for it)."""
     shapes = {w.name: w.shape for w in model_weights(spec)}
     replicated = NamedSharding(mesh, P())
     h = jax.device_put(np.asarray(embedding, np.float32)[np.asarray(tokens)], replicated)
@@ -219,6 +221,8 @@ def prefill(
         )  # fmt: skip
         for name, value in pieces.items():
             written.setdefault((pair[0], name), []).append(value)
+        if progress is not None:
+            progress(h)
     sharded = NamedSharding(mesh, P(axis))
     caches = []
     for kind in layout.attention:

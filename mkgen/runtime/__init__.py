@@ -1,0 +1,24 @@
+"""The runner of a generated build, as a library.
+
+Every build's runner.py is a short file holding the build's constants (a `Build`) that
+calls `run`; `mkgen run BUILD` calls the same function. The work is split by concern:
+
+    build.py        Build (the constants), loading plan.json and megakernel.py
+    arguments.py    the options, all checked before any expensive work (one-line errors)
+    devices.py      JAX's environment, the mesh, jax.distributed, host values
+    weights.py      converted or random weights, placed per core on the mesh
+    decode.py       the XLA prefill into the kernel's caches, the decode loop
+    sampling.py     sampling probabilities from a row of logits
+    speculation.py  drafters (prompt lookup or a user callable) and draft acceptance
+    bench.py        step-time medians and tokens/s
+    main.py         run: the steps above in order, and what is printed
+
+JAX reads its environment (interpret mode's virtual CPU devices) when it is imported, so
+nothing imports it before `run` has set that: devices.py imports it inside its functions,
+weights.py and decode.py at their top, and `run` imports those two only afterwards.
+"""
+
+from mkgen.runtime.build import Build
+from mkgen.runtime.main import run
+
+__all__ = ["Build", "run"]

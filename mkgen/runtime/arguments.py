@@ -1,0 +1,322 @@
+"""The runner's options, parsed and checked before any expensive work.
+
+Every mistake is one line naming the flag (`--temperature: must be a finite number >= 0,
+got nan`): the parser raises MkgenError instead of printing argparse's usage block, and
+`run` prints it with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+from mkgen.errors import MkgenError
+from mkgen.runtime.build import Build
+
+# Seeds numpy's default_rng (sampling) and jax.random.key (--random-weights) both take.
+SEED_MAX = 2**32 - 1
+DEFAULT_PROMPT = "1,2,3,4"
+NGRAM_DEFAULT = 3  # longest suffix the prompt-lookup drafter matches
+STEPS_PER_CALL_DEFAULT = 8
+WARMUP_DEFAULT = 2
+TOKENIZER_FILE = "tokenizer.json"  # what mkgen convert copies beside the weights
+
+
+class OptionParser(argparse.ArgumentParser):
+    """argparse whose errors are one line: an MkgenError naming the flag."""
+
+    def error(self, message: str) -> NoReturn:
+        raise MkgenError(message.removeprefix("argument "))
+
+
+def integer(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds}, got {text}")
+        return value
+
+    return parse
+
+
+def number(requirement: str, accept: Callable[[float], bool]) -> Callable[[str], float]:
+    """An argparse type: a float for which `accept` holds (it judges nan and inf too)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text}")
+        return value
+
+    return parse
+
+
+def option_parser(build: Build, prog: str) -> OptionParser:
+    parser = OptionParser(
+        prog=prog,
+        description=f"Generation with the {build.spec} megakernel on {build.topology} "
+        f"({build.name}).",
+        epilog="Weights: --weights loads a `mkgen convert` directory made for this build "
+        "(mkgen convert --build BUILD_DIR --checkpoint HF_DIR -o WEIGHTS); --random-weights "
+        "draws the reference's random weights on the host in f32 (use the mini/ build on CPU). "
+        "Text prompts need a tokenizer.json (--tokenizer, or converted with the weights).",
+    )
+    parser.add_argument(
+        "--interpret",
+        action="store_true",
+        help=f"run on CPU in TPU interpret mode on {build.devices} virtual devices",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--weights",
+        metavar="DIR",
+        help="converted weights (mkgen convert), checked against this build's layout",
+    )
+    source.add_argument(
+        "--random-weights",
+        type=integer(0, SEED_MAX),
+        metavar="SEED",
+        help="the reference model's random weights (mkgen.reference.model.init_weights)",
+    )
+    parser.add_argument(
+        "--trust-weights",
+        action="store_true",
+        help="skip the sha256 check of the converted weight files (faster start-up on "
+        "weights you trust)",
+    )
+    prompt = parser.add_mutually_exclusive_group()
+    prompt.add_argument(
+        "--prompt-ids",
+        action="append",
+        metavar="IDS",
+        help=f"comma-separated token ids of one prompt; give it once (used for all "
+        f"{build.batch} sequences) or {build.batch} times (default {DEFAULT_PROMPT})",
+    )
+    prompt.add_argument(
+        "--prompt",
+        action="append",
+        metavar="TEXT",
+        help=f"one prompt as text (once, or {build.batch} times), tokenized with --tokenizer",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="FILE",
+        help=f"a Hugging Face {TOKENIZER_FILE} (default: the one converted with --weights); "
+        "generated text is decoded with it",
+    )
+    parser.add_argument(
+        "--prefill",
+        choices=("xla", "kernel"),
+        default="xla",
+        help="xla (default): the prompt runs through the model in XLA over the placed "
+        "weights, the kernel continues from its caches; kernel: the whole prompt goes "
+        "through the kernel, ROWS tokens per call",
+    )
+    parser.add_argument(
+        "--steps",
+        type=integer(1),
+        default=build.default_steps,
+        metavar="N",
+        help=f"tokens to generate per sequence (default {build.default_steps})",
+    )
+    parser.add_argument(
+        "--stop-ids", metavar="IDS", default="", help="comma-separated ids that end a sequence"
+    )
+    parser.add_argument(
+        "--temperature",
+        type=number("a finite number >= 0", lambda t: math.isfinite(t) and t >= 0),
+        default=0.0,
+        metavar="T",
+        help="0 (default): greedy; else sample",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=integer(0),
+        default=0,
+        metavar="K",
+        help="sample from the K likeliest (0: all)",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=number("in (0, 1]", lambda p: 0 < p <= 1),
+        default=1.0,
+        metavar="P",
+        help="sample from the smallest set of mass >= P",
+    )
+    parser.add_argument(
+        "--seed", type=integer(0, SEED_MAX), default=0, metavar="SEED", help="sampling seed"
+    )
+    parser.add_argument(
+        "--steps-per-call",
+        type=integer(1),
+        metavar="N",
+        help="greedy decoding without drafts (ROWS 1): up to N kernel steps in one device "
+        "call, each step's token embedded on the device for the next (1: a host round "
+        f"trip per step; default {STEPS_PER_CALL_DEFAULT})",
+    )
+    parser.add_argument(
+        "--drafter",
+        metavar="NAME",
+        help="draft source when ROWS > 1: ngram (prompt lookup, default) or MODULE:CALLABLE, "
+        "a callable (history, count) -> count token ids, or (ids, distributions) for a "
+        "sampling drafter",
+    )
+    parser.add_argument(
+        "--ngram",
+        type=integer(1),
+        metavar="N",
+        help=f"longest suffix the prompt-lookup drafter matches (default {NGRAM_DEFAULT})",
+    )
+    parser.add_argument(
+        "--bench",
+        action="store_true",
+        help="time the kernel calls: medians after --warmup calls; ms/step, tokens/s",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=integer(0),
+        metavar="N",
+        help=f"calls left out of --bench (default {WARMUP_DEFAULT})",
+    )
+    parser.add_argument(
+        "--multi-host",
+        action="store_true",
+        help="jax.distributed.initialize first (one process per host; TPU pods find their "
+        "peers on their own, elsewhere give --coordinator, --num-processes, --process-id)",
+    )
+    parser.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
+    parser.add_argument(
+        "--num-processes", type=integer(1), metavar="N", help="processes in the job"
+    )
+    parser.add_argument("--process-id", type=integer(0), metavar="I", help="this process's index")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='print one object: {"tokens": [[...], ...], "calls": device calls} (+ text, '
+        "acceptance_length, bench)",
+    )
+    return parser
+
+
+def token_ids(text: str, flag: str, vocab: int) -> list[int]:
+    """Comma-separated token ids, each in [0, vocab)."""
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise MkgenError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    for t in ids:
+        if not 0 <= t < vocab:
+            raise MkgenError(f"{flag}: token id {t} is outside the vocabulary [0, {vocab})")
+    return ids
+
+
+def load_tokenizer(path: str | None, weights: str | None) -> Any:
+    """The tokenizer of --tokenizer, else the one converted beside --weights, else None."""
+    if path is None and weights is not None:
+        converted = Path(weights) / TOKENIZER_FILE
+        path = str(converted) if converted.is_file() else None
+    if path is None:
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as error:  # a missing or malformed file: one line
+        reason = (str(error).splitlines() or [type(error).__name__])[0]
+        raise MkgenError(f"--tokenizer {path}: not a {TOKENIZER_FILE} ({reason})") from None
+
+
+def _prompts(args: argparse.Namespace, build: Build) -> list[list[int]]:
+    """Every sequence's prompt token ids, checked against the vocabulary and the batch."""
+    if args.prompt:
+        if args.tokenizer is None:
+            raise MkgenError("--prompt needs --tokenizer FILE (or --weights converted with one)")
+        prompts = [args.tokenizer.encode(t, add_special_tokens=False).ids for t in args.prompt]
+        flag = "--prompt"
+        outside = [t for p in prompts for t in p if not 0 <= t < build.vocab_used]
+        if outside:
+            raise MkgenError(
+                f"--prompt: the tokenizer gives id {outside[0]}, outside this build's "
+                f"vocabulary [0, {build.vocab_used}) (a tokenizer of another model?)"
+            )
+    else:
+        flag = "--prompt-ids"
+        texts = args.prompt_ids or [DEFAULT_PROMPT]
+        prompts = [token_ids(text, flag, build.vocab_used) for text in texts]
+    if len(prompts) == 1:
+        prompts = prompts * build.batch
+    if len(prompts) != build.batch:
+        raise MkgenError(f"{flag}: give one prompt or {build.batch}, got {len(prompts)}")
+    if not all(prompts):
+        raise MkgenError(f"{flag}: prompts must be non-empty")
+    return prompts
+
+
+def _check_drafting(args: argparse.Namespace, build: Build) -> None:
+    """Drafter flags only where drafts are verified, --ngram only for the ngram drafter,
+    several steps per call only where nothing is drafted or sampled."""
+    for flag, value in (("--drafter", args.drafter), ("--ngram", args.ngram)):
+        if value is not None and build.rows == 1:
+            raise MkgenError(
+                f"{flag}: this build verifies no drafts (rows 1); a build made with "
+                "--rows R > 1 does"
+            )
+    if args.ngram is not None and args.drafter not in (None, "ngram"):
+        raise MkgenError(f"--ngram: only the ngram drafter uses it, not {args.drafter}")
+    args.drafter = args.drafter or "ngram"
+    args.ngram = args.ngram or NGRAM_DEFAULT
+    if args.steps_per_call is not None and (build.rows > 1 or args.temperature > 0):
+        raise MkgenError(
+            "--steps-per-call: only greedy decoding without drafts (rows 1, --temperature 0) "
+            "runs several steps per call"
+        )
+    args.steps_per_call = args.steps_per_call or STEPS_PER_CALL_DEFAULT
+
+
+def _check_companions(args: argparse.Namespace) -> None:
+    """Flags that mean something only beside another one."""
+    if args.trust_weights and args.weights is None:
+        raise MkgenError("--trust-weights: only with --weights (converted weights)")
+    if args.warmup is not None and not args.bench:
+        raise MkgenError("--warmup: only with --bench")
+    args.warmup = WARMUP_DEFAULT if args.warmup is None else args.warmup
+    given = {"--coordinator": args.coordinator, "--num-processes": args.num_processes}
+    given["--process-id"] = args.process_id
+    for flag, value in given.items():
+        if value is not None and not args.multi_host:
+            raise MkgenError(f"{flag}: only with --multi-host")
+    if None not in (args.num_processes, args.process_id) and args.process_id >= args.num_processes:
+        raise MkgenError(
+            f"--process-id: must be below --num-processes ({args.num_processes}), "
+            f"got {args.process_id}"
+        )
+
+
+def parse_args(build: Build, argv: list[str] | None, prog: str) -> argparse.Namespace:
+    """The options, every one checked; adds `prompts` (token ids per sequence), `stop`
+    (a set of ids) and the loaded `tokenizer` (or None)."""
+    args = option_parser(build, prog).parse_args(argv)
+    _check_drafting(args, build)
+    _check_companions(args)
+    args.tokenizer = load_tokenizer(args.tokenizer, args.weights)
+    args.prompts = _prompts(args, build)
+    args.stop = set(token_ids(args.stop_ids, "--stop-ids", build.vocab_used))
+    longest = max(len(p) for p in args.prompts)
+    if longest + args.steps + build.rows - 1 > build.context:
+        raise MkgenError(
+            f"--steps: prompt ({longest}) + steps ({args.steps}) + drafts ({build.rows - 1}) "
+            f"exceed the build's context of {build.context}"
+        )
+    return args

@@ -1,0 +1,108 @@
+"""`run`: a build's runner from the command line to the printed tokens."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from argparse import Namespace
+from typing import Any
+
+from mkgen.errors import MkgenError
+from mkgen.runtime import devices
+from mkgen.runtime.arguments import parse_args
+from mkgen.runtime.bench import bench_summary, describe
+from mkgen.runtime.build import Build, load_build
+from mkgen.runtime.speculation import load_drafter
+
+EXIT_USAGE = 2  # bad arguments or weights that do not fit the build (argparse's status)
+
+
+class Streamer:
+    """Prints a sequence's generated text (token ids without a tokenizer) as kernel calls
+    return it: only what is settled, since decoding more tokens may still complete a
+    multi-byte character at the end."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer, self.shown = tokenizer, ""
+
+    def show(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
+        return self.tokenizer.decode(ids).rstrip("\ufffd")  # an unfinished character
+
+    def __call__(self, ids: list[int]) -> None:
+        text = self.show(ids)
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            print(text[len(self.shown) :], end="", flush=True)
+            self.shown = text
+
+
+def run(
+    build: Build, argv: list[str] | None = None, *, prog: str = "runner.py", usage: str = ""
+) -> None:
+    """Generate with `build` as its runner.py's command line `argv` asks (default
+    sys.argv[1:]). A user's mistake (an option, weights that do not fit the build, too few
+    devices) is one line `PROG: error: ...` on stderr and exit status 2. `usage` names
+    the command in --help's usage line (default `prog`)."""
+    try:
+        _generate(build, parse_args(build, argv, usage or prog))
+    except MkgenError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def _generate(build: Build, args: Namespace) -> None:
+    drafter = load_drafter(args.drafter, args.ngram)  # a user's module: before the slow work
+    devices.configure(build, args.interpret)
+    devices.start_distributed(args)
+    import jax
+
+    from mkgen.runtime.decode import Model, decode, prefill
+    from mkgen.runtime.weights import ConvertedWeights, RandomWeights, place_weights
+
+    start = time.perf_counter()
+    spec, layout, kernel = load_build(build)
+    mesh = devices.make_mesh(build, kernel, layout)
+    if args.weights is not None:
+        weights = ConvertedWeights(spec, layout, args.weights, build, not args.trust_weights)
+    else:
+        weights = RandomWeights(spec, layout, args.random_weights)
+    placed = place_weights(build, weights, mesh, kernel)
+    model = Model(build, spec, layout, kernel, mesh, weights, placed)
+    caches, held = prefill(model, args.prompts, args.prefill)
+    ready = time.perf_counter()
+    stream = None
+    if build.batch == 1 and not args.json and jax.process_index() == 0:
+        stream = Streamer(args.tokenizer)
+        print(f"sequence 0: {stream.show(args.prompts[0])} -> ", end="", flush=True)
+    result = decode(model, caches, held, args, drafter, stream)
+    done = time.perf_counter()
+    if jax.process_index() != 0:
+        return
+    bench = (
+        bench_summary(build, result.seconds, args.warmup, result.acceptance) if args.bench else None
+    )
+    if args.json:
+        out: dict[str, Any] = {"tokens": result.tokens, "calls": result.calls}
+        if args.tokenizer is not None:
+            out["text"] = [args.tokenizer.decode(tokens) for tokens in result.tokens]
+        if build.rows > 1:
+            out["acceptance_length"] = result.acceptance
+        if bench:
+            out["bench"] = bench
+        print(json.dumps(out))
+        return
+    if stream is not None:
+        print()  # the streamed sequence's line
+    else:
+        show = Streamer(args.tokenizer).show
+        for b, (prompt, tokens) in enumerate(zip(args.prompts, result.tokens, strict=True)):
+            print(f"sequence {b}: {show(prompt)} -> {show(tokens)}")
+    print(
+        f"{build.name}: set-up and prefill {ready - start:.1f} s; {result.calls} kernel "
+        f"call(s) in {done - ready:.1f} s{' (TPU interpret mode)' if args.interpret else ''}"
+        + (f"; mean tokens accepted per call {result.acceptance:.2f}" if build.rows > 1 else "")
+    )
+    if bench:
+        print(describe(bench))

@@ -1,0 +1,133 @@
+"""The weights a runner feeds its kernel: a `mkgen convert` directory or the reference's
+random weights, each core's arrays placed on its device.
+
+Imports JAX: imported by `run` after the device environment is set.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
+
+from mkgen.codegen import convert, pack
+from mkgen.runtime.build import Build
+
+
+class RandomWeights:
+    """The reference's random weights as the kernel stores them (bf16, or the spec's
+    quantized formats: mkgen.codegen.quantize.stored_random_weights), packed per core on
+    demand (mkgen.codegen.pack)."""
+
+    def __init__(self, spec: Any, layout: Any, seed: int) -> None:
+        from mkgen.codegen.quantize import stored_random_weights
+
+        self.layout = layout
+        self.inventory = stored_random_weights(spec, seed)
+        self.embedding = self.inventory["embedding"]
+        self.final_norm = self.inventory["final_norm"]
+
+    def stream(self, rank: int) -> np.ndarray:
+        return pack.pack_stream(self.layout, self.inventory, rank)
+
+    def vectors(self, rank: int) -> np.ndarray:
+        return pack.pack_vectors(self.layout, self.inventory, rank)
+
+    def experts(self, rank: int, which: int) -> np.ndarray:
+        index, j = pack.expert_arrays(self.layout)[which]
+        layers = self.layout.ffn[index].layers
+        return np.stack(
+            [pack.pack_experts_layer(self.layout, self.inventory, rank, n)[j] for n in layers]
+        )
+
+
+class ConvertedWeights:
+    """Weights of a `mkgen convert` directory, checked against this build (one-line
+    MkgenErrors); each core's arrays are read (memory-mapped) only when a local device
+    needs them.
+
+    `verify` (off with --trust-weights) is whether the files' recorded sha256 digests are
+    checked as they are read. mkgen.codegen.convert's readers check sizes only today; when
+    they take a `verify` argument, pass `verify=self.verify` to open_weights, read_globals
+    and the reads in `_read`: this is the one place to wire it."""
+
+    def __init__(self, spec: Any, layout: Any, directory: Path, build: Build, verify: bool) -> None:
+        self.layout, self.directory, self.verify = layout, Path(directory), verify
+        self.manifest = convert.open_weights(self.directory, spec, layout, build.name)
+        self.embedding, self.final_norm = convert.read_globals(self.directory, self.manifest)
+
+    def _read(self, reader: Callable[..., np.ndarray], *args: int) -> np.ndarray:
+        return reader(self.directory, self.manifest, self.layout, *args)
+
+    def stream(self, rank: int) -> np.ndarray:
+        return self._read(convert.read_stream, rank)
+
+    def vectors(self, rank: int) -> np.ndarray:
+        return self._read(convert.read_vectors, rank)
+
+    def experts(self, rank: int, which: int) -> np.ndarray:
+        return self._read(convert.read_experts, rank, which)
+
+
+def progress_bar(total: int, what: str, unit: str) -> tqdm:
+    """A progress bar on stderr (stdout stays clean for --json): only on a terminal, and
+    only in process 0 of a multi-host job."""
+    quiet = None if jax.process_index() == 0 else True  # None: shown on a terminal only
+    return tqdm(total=total, desc=what, unit=unit, file=sys.stderr, disable=quiet, leave=False)
+
+
+def place_weights(build: Build, weights: Any, mesh: Mesh, kernel: Any) -> dict[str, Any]:
+    """Every core's weight stream, vector slab and routed-expert arrays, sharded on the
+    mesh axis (each process builds only its own devices' shards), and the replicated final
+    norm."""
+    sharded, replicated = NamedSharding(mesh, P(kernel.AXIS)), NamedSharding(mesh, P())
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    arrays = 2 + len(kernel.expert_shapes())  # stream, vectors, each expert array
+    bar = progress_bar(arrays * len(local), "placing weights", "array")
+
+    def place(read: Callable[[int], np.ndarray]) -> jax.Array:
+        def counted(rank: int) -> np.ndarray:
+            value = read(rank)
+            bar.update()
+            return value
+
+        # The shape comes from a core of this process, whose array is then kept for its shard.
+        rank = list(mesh.devices.flat).index(local[0])
+        cache = {rank: counted(rank)}
+        shape = cache[rank].shape
+
+        def shard(index: tuple[slice, ...]) -> np.ndarray:
+            rank = index[0].start or 0
+            value = cache.pop(rank, None)
+            return (counted(rank) if value is None else value)[None]
+
+        return jax.make_array_from_callback((build.devices, *shape), sharded, shard)
+
+    with bar:
+        return {
+            "stream": place(weights.stream),
+            "vectors": place(weights.vectors),
+            "experts": [
+                place(lambda rank, i=i: weights.experts(rank, i))
+                for i in range(len(kernel.expert_shapes()))
+            ],
+            "final_norm": jax.device_put(
+                np.asarray(weights.final_norm, np.float32)[None, :], replicated
+            ),
+        }
+
+
+def embedding_on_devices(build: Build, table: np.ndarray, mesh: Mesh, kernel: Any) -> jax.Array:
+    """The embedding table in bf16 for decoding on the device (decode.chunk_decoder): split
+    by vocabulary rows over the cores when they divide it, else replicated."""
+    table = np.asarray(table).astype(ml_dtypes.bfloat16)
+    split = P(kernel.AXIS) if len(table) % build.devices == 0 else P()
+    return jax.make_array_from_callback(table.shape, NamedSharding(mesh, split), lambda i: table[i])
