@@ -60,7 +60,9 @@ def _mapping(pairs: list[tuple[Any, Any]]) -> dict[Any, Any] | _Refused:
 def _integer(text: str) -> int | _Refused:
     digits = len(text.lstrip("+-"))
     if digits > MAX_INTEGER_DIGITS:
-        return _Refused(f"an integer of {digits} digits, beyond every bound")
+        return _Refused(
+            f"an integer of {digits} digits, beyond every bound (docs/spec-reference.md#bounds)"
+        )
     return int(text)
 
 
@@ -185,6 +187,8 @@ def describe_validation_error(error: ValidationError, source: str) -> str:
         message = "unknown key (check the spelling; see docs/spec-reference.md)"
     elif first["type"] == "union_tag_invalid":
         message = message.replace("Input tag", "type")
+    elif first["type"] in ("less_than", "less_than_equal"):
+        message += " (the bounds and where they come from: docs/spec-reference.md#bounds)"
     where = f"{source}: {path}" if path else source
     more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
     return f"{where}: {message}{more}"
