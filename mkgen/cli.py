@@ -204,10 +204,11 @@ def show_command(spec_ref: str, as_json: bool, mini: bool, layers: bool) -> None
 @cli.command("import-hf")
 @click.argument("config", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Write the spec here.")
-@click.option("--name", help="Spec name (default: from the file name).")
+@click.option("--name", help="Spec name (default: the directory's or file's name).")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 def import_hf_command(config: Path, output: Path | None, name: str | None, force: bool) -> None:
-    """Map a Hugging Face config.json to a model spec (YAML on stdout or -o FILE)."""
+    """Map a Hugging Face config.json, or a checkpoint directory's, to a model spec (YAML
+    on stdout or -o FILE)."""
     from mkgen.spec.hf_import import render_spec_yaml
 
     text = render_spec_yaml(config, name)
@@ -656,7 +657,7 @@ def convert_command(
     resumable: run it again after an interruption."""
     from mkgen.codegen import convert
     from mkgen.plan.layout import KernelLayout, plan_kernel
-    from mkgen.spec.hf_import import default_spec_name, import_hf_config
+    from mkgen.spec.hf_import import import_hf_config
 
     if (checkpoint is None) == (random_weights is None):
         raise MkgenError("give one of --checkpoint DIR and --random-weights SEED")
@@ -683,8 +684,7 @@ def convert_command(
         )
         if spec_ref is None:
             assert checkpoint is not None
-            name = default_spec_name(Path(checkpoint))
-            spec = import_hf_config(Path(checkpoint) / "config.json", name)
+            spec = import_hf_config(Path(checkpoint))
         else:
             spec = load_spec(spec_ref)
         spec = options.apply(spec)

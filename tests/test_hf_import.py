@@ -481,8 +481,8 @@ def test_non_json_file(tmp_path: Path) -> None:
 def test_unreadable_path(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match=r"missing.json: cannot read"):
         import_hf_config(tmp_path / "missing.json")
-    with pytest.raises(SpecError, match=r"cannot read"):
-        import_hf_config(tmp_path)  # a directory
+    with pytest.raises(SpecError, match=r"no config.json in this directory"):
+        import_hf_config(tmp_path)  # a directory that is not a checkpoint
 
 
 def test_top_level_must_be_an_object(tmp_path: Path) -> None:

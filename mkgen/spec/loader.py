@@ -254,26 +254,29 @@ def read_json(path: Path) -> Any:
 
 def load_spec(ref: str | Path) -> ModelSpec:
     """Load a spec by name (model_specs/NAME.yaml), YAML path, config.json path or
-    Hugging Face checkpoint directory (its config.json; a shipped name wins over a
-    directory of the same name, ./NAME is the directory)."""
+    Hugging Face checkpoint directory (its config.json). A shipped name wins over a
+    directory of the same name; ./NAME is the directory."""
     path = checked_path(ref)
-    if path.suffix not in (".json", ".yaml", ".yml"):
-        if str(ref) in list_spec_names():
-            with resources.as_file(SPECS_DIR / f"{ref}.yaml") as shipped:
-                return spec_from_dict(read_yaml(shipped), shipped.name)
-        if not path.is_dir():
-            known = ", ".join(list_spec_names()) or "none"
-            raise SpecError(
-                f"unknown spec {str(ref)!r}: not a file, not a checkpoint directory and not "
-                f"in model_specs/ ({known})"
-            )
+    if str(ref) in list_spec_names():
+        with resources.as_file(SPECS_DIR / f"{ref}.yaml") as shipped:
+            return spec_from_dict(read_yaml(shipped), shipped.name)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.exists():
+            raise SpecError(f"{path}: no such file")
+        return spec_from_dict(read_yaml(path), path.name)
     if path.suffix == ".json" or path.is_dir():
         from mkgen.spec.hf_import import import_hf_config
 
         return import_hf_config(path)
-    if not path.exists():
-        raise SpecError(f"{path}: no such file")
-    return spec_from_dict(read_yaml(path), path.name)
+    if path.exists():
+        raise SpecError(
+            f"{path}: not a spec; give a .yaml spec, a config.json or a checkpoint directory"
+        )
+    known = ", ".join(list_spec_names()) or "none"
+    raise SpecError(
+        f"unknown spec {str(ref)!r}: not a file, not a checkpoint directory and not in "
+        f"model_specs/ ({known})"
+    )
 
 
 def list_spec_names() -> list[str]:
