@@ -7,6 +7,7 @@ no traceback. Commands that do not need JAX never import it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -18,6 +19,9 @@ import click
 
 from mkgen import __version__
 from mkgen.errors import MkgenError
+
+# Random weights come from jax.random.key(seed), which takes 32-bit seeds.
+SEED = click.IntRange(0, 2**32 - 1)
 
 
 def _fail(message: str) -> None:
@@ -261,14 +265,19 @@ def plan_command(spec_ref: str, topology: str, as_json: bool, trace: Path | None
 def estimate_command(spec_ref: str, topology: str, output: Path | None, batches: str,
                      **fields: Any) -> None:  # fmt: skip
     """Sweep batch x rows 1/4/8: the table, a CSV and the TCO curve (tokens per $ vs tok/s/user)."""
-    from mkgen.plan.report import sweep, sweep_csv, sweep_svg, sweep_table
+    from mkgen.plan.options import MAX_TOKEN_ROWS
+    from mkgen.plan.report import DEFAULT_ROWS, sweep, sweep_csv, sweep_svg, sweep_table
 
     try:
         sizes = tuple(int(b) for b in batches.split(","))
     except ValueError:
         raise MkgenError(f"--batches {batches!r}: write sizes like 1,2,4,8") from None
-    if not sizes or min(sizes) < 1:
-        raise MkgenError(f"--batches {batches!r}: sizes must be positive integers")
+    largest = MAX_TOKEN_ROWS // max(DEFAULT_ROWS)
+    if not sizes or not all(1 <= size <= largest for size in sizes):
+        raise MkgenError(
+            f"--batches {batches!r}: sizes must be integers from 1 to {largest} (times "
+            f"{max(DEFAULT_ROWS)} rows, within the {MAX_TOKEN_ROWS} token rows a step holds)"
+        )
     # Validated against the largest row count; the sweep caps it at each point's rows.
     spec, topo, options = _plan_inputs(spec_ref, topology, rows=8, **fields)
     rows = sweep(spec, topo, options, batches=sizes)
@@ -285,10 +294,11 @@ def estimate_command(spec_ref: str, topology: str, output: Path | None, batches:
 
 def _plan_inputs(spec_ref: str, topology: str, **fields: Any) -> tuple[Any, Any, Any]:
     """Spec, topology and BuildOptions from CLI values (errors name the flag)."""
-    from mkgen.plan.options import BuildOptions
+    from mkgen.plan.options import BuildOptions, refuse_repeated_families
     from mkgen.spec.loader import load_spec
     from mkgen.spec.topology import parse_topology
 
+    refuse_repeated_families(fields.get("quant") or ())
     fields["quant"] = list(fields.get("quant") or ()) or None
     if "vmem_budget" in fields:
         fields["vmem_budget_bytes"] = fields.pop("vmem_budget")
@@ -446,7 +456,7 @@ def build_command(
 @click.option("--batch", type=int, default=1, show_default=True)
 @click.option("--rows", type=int, default=1, show_default=True)
 @click.option("--context", type=int, default=128, show_default=True, help="Mini cache tokens.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option(
     "--quant",
     multiple=True,
@@ -491,9 +501,14 @@ def verify_command(
     from mkgen.verify import checks
 
     spec, topo, built = _plan_inputs(spec_ref, topology, quant=quant)
-    if steps < 1 or timeout <= 0:
-        raise MkgenError(f"--steps {steps} / --timeout {timeout:g}: must be positive")
     options = BuildOptions.create(batch=batch, rows=rows, context=context)
+    if not 1 <= steps * rows <= context:
+        raise MkgenError(
+            f"--steps {steps}: each step writes --rows {rows} token(s) into the mini caches of "
+            f"--context {context} tokens; give 1 to {context // rows} steps"
+        )
+    if not 0 < timeout < math.inf:
+        raise MkgenError(f"--timeout {timeout:g}: give a finite number of seconds above 0")
     plan_kernel(spec, topo, built)  # unsupported kinds or formats: exit 2 here, not later
     spec = built.apply(spec)
     mini = mini_twin(spec, topo.num_devices)
@@ -620,7 +635,7 @@ def _compile_and_print(spec: Any, topo: Any, options: Any, directory: Path | Non
     help="Hugging Face checkpoint directory (config.json, safetensors shards and index).",
 )
 @click.option(
-    "--random-weights", type=int, metavar="SEED", help="The reference's random weights instead."
+    "--random-weights", type=SEED, metavar="SEED", help="The reference's random weights instead."
 )
 @click.option(
     "--build",
@@ -674,10 +689,11 @@ def convert_command(
             raise MkgenError("give --topology (or --build BUILD)")
         if spec_ref is None and checkpoint is None:
             raise MkgenError("give SPEC (or --checkpoint DIR, whose config.json is the spec)")
-        from mkgen.plan.options import BuildOptions
+        from mkgen.plan.options import BuildOptions, refuse_repeated_families
         from mkgen.spec.loader import load_spec
         from mkgen.spec.topology import parse_topology
 
+        refuse_repeated_families(quant)
         topo = parse_topology(topology)
         options = BuildOptions.create(
             batch=batch, rows=rows, context=context, quant=list(quant) or None

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 from mkgen.plan.collectives import CollectivePlan, layer_uses, plan_collectives
-from mkgen.plan.options import BuildOptions
+from mkgen.plan.options import BuildOptions, kv_tile
 from mkgen.plan.sharding import ShardingPlan
 from mkgen.plan.stream import (
     CHUNK,
@@ -413,7 +413,6 @@ def _gqa_layout(name, index, layers, kind, shard, segments, devices, options, di
         VectorRow(name=n, row=2 + i, part=parts[f"attn.{n}"], length=parts[f"attn.{n}"].size)
         for i, n in enumerate(present)
     ]
-    kv_tile = _kv_tile(context)
     return GQALayout(
         name=name,
         index=index,
@@ -436,21 +435,12 @@ def _gqa_layout(name, index, layers, kind, shard, segments, devices, options, di
         rope=_rope_layout(kind.rope, kind.rotary_dim) if kind.rope else None,
         segments=segments,
         vectors=vectors,
-        kv_tile=kv_tile,
+        kv_tile=kv_tile(context),
         caches=[
             CacheArray(name=n, shape=[len(layers), batch, kv_heads, context, d], dtype="bfloat16")
             for n in ("k", "v")
         ],
     )
-
-
-def _kv_tile(context: int) -> int:
-    kv_tile = min(context, 128)
-    if context % kv_tile:
-        from mkgen.errors import SpecError
-
-        raise SpecError(f"--context {context} must be a multiple of the {kv_tile}-token KV tile")
-    return kv_tile
 
 
 def _segment_columns(segments: list[Segment], name: str, prefix: str) -> dict[str, Columns]:
@@ -502,7 +492,7 @@ def _mla_layout(name, index, layers, kind, shard, segments, devices, options, di
         columns=_segment_columns(segments, "down", "attn."),
         segments=segments,
         vectors=vectors,
-        kv_tile=_kv_tile(context),
+        kv_tile=kv_tile(context),
         caches=[
             CacheArray(
                 name="latent", shape=[len(layers), batch, 1, context, width], dtype="bfloat16"

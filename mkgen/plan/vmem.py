@@ -591,6 +591,12 @@ def plan_vmem(
     # estimate of that scratch needs more, the explicit buffers give way.
     usable = min(budget, limit - internal)
     where = f"{spec.name} on {topo.name} (batch {options.batch} x rows {options.rows})"
+    if usable <= 0:
+        raise SpecError(
+            f"VMEM: {where}: Mosaic's own scratch for {options.tokens} token rows (estimated "
+            f"{_mib(internal)}) alone exceeds {chip.name}'s {_mib(limit)} VMEM limit; lower "
+            "--batch or --rows"
+        )
     if fixed > usable:
         scratch = f" and {_mib(internal)} of Mosaic scratch" if usable < budget else ""
         raise SpecError(
