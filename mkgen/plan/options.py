@@ -31,9 +31,9 @@ from mkgen.spec.schema import (
 DEFAULT_STEPS_PER_CALL = 16
 DEFAULT_CONTEXT = 4096
 # Upper bounds (docs/spec-reference.md#bounds). Token rows per step (batch x rows): the
-# kernel keeps a 128-lane int32 row of expert ids per token row in SMEM (512 B), and
-# 1024 rows take half of a core's 1 MiB.
-MAX_TOKEN_ROWS = 1024
+# kernel keeps a 128-lane int32 row of expert ids per token row in SMEM (512 B); 512
+# rows take a quarter of a core's 1 MiB, beside the spec's tables (schema.MAX_EXPERTS).
+MAX_TOKEN_ROWS = 512
 # Steps per device call run in an int32 loop counter.
 MAX_STEPS_PER_CALL = 2**31 - 1
 # A VMEM budget above the largest VMEM of any chip in the catalog cannot be met.

@@ -34,7 +34,8 @@ MAX_VOCAB = 2**31
 # The kernel marks the experts a step chose in an int32 table with one entry per expert
 # in SMEM (1 MiB per core on every chip of the catalog): 2^16 experts take a quarter.
 MAX_EXPERTS = 2**16
-# The per-layer tables in SMEM hold six int32 a layer: 2^14 layers take 384 KiB of it.
+# The per-layer tables in SMEM hold six int32 a layer: 2^14 layers take 384 KiB. With
+# the token rows' expert ids (options.MAX_TOKEN_ROWS) the three fit together.
 MAX_LAYERS = 2**14
 # Positions enter the RoPE angles as f32, which holds integers exactly up to 2^24.
 MAX_POSITIONS = 2**24
@@ -392,10 +393,9 @@ class LayerRule(StrictModel):
         if self.indices is not None:
             outside = [i for i in self.indices if i >= count]
             return f"indices {outside} are outside 0..{count - 1}" if outside else None
+        # offset < every, so an every within the count keeps its offset within it too.
         if self.every is not None and self.every > count:
             return f"every {self.every} exceeds the {count} layers; use indices"
-        if self.offset >= count:
-            return f"offset {self.offset} is outside 0..{count - 1}"
         for name in ("first", "last"):
             value = getattr(self, name)
             if value is not None and value > count:
