@@ -138,7 +138,8 @@ class _Config:
             lambda v: isinstance(v, int) and not isinstance(v, bool),
             "an integer",
         )
-        key = keys if isinstance(keys, str) else keys[0]
+        names = (keys,) if isinstance(keys, str) else keys
+        key = next((k for k in names if k in self.data), names[0])  # the alias given
         if isinstance(value, int) and value < minimum:
             raise self.error(key, f"{value} must be at least {minimum}")
         if isinstance(value, int) and value > maximum:
