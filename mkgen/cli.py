@@ -7,6 +7,7 @@ no traceback. Commands that do not need JAX never import it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -19,6 +20,9 @@ import click
 from mkgen import __version__
 from mkgen.errors import MkgenError
 from mkgen.output import write_atomic
+
+# Random weights come from jax.random.key(seed), which takes 32-bit seeds.
+SEED = click.IntRange(0, 2**32 - 1)
 
 
 def _fail(message: str) -> None:
@@ -190,10 +194,11 @@ def show_command(spec_ref: str, as_json: bool, mini: bool, layers: bool) -> None
 @cli.command("import-hf")
 @click.argument("config", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Write the spec here.")
-@click.option("--name", help="Spec name (default: from the file name).")
+@click.option("--name", help="Spec name (default: the directory's or file's name).")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 def import_hf_command(config: Path, output: Path | None, name: str | None, force: bool) -> None:
-    """Map a Hugging Face config.json to a model spec (YAML on stdout or -o FILE)."""
+    """Map a Hugging Face config.json, or a checkpoint directory's, to a model spec (YAML
+    on stdout or -o FILE)."""
     from mkgen.spec.hf_import import render_spec_yaml
 
     text = render_spec_yaml(config, name)
@@ -281,14 +286,19 @@ def _is_trace(text: str, empty: dict[str, list[Any]]) -> bool:
 def estimate_command(spec_ref: str, topology: str, output: Path | None, batches: str,
                      **fields: Any) -> None:  # fmt: skip
     """Sweep batch x rows 1/4/8: the table, a CSV and the TCO curve (tokens per $ vs tok/s/user)."""
-    from mkgen.plan.report import sweep, sweep_csv, sweep_svg, sweep_table
+    from mkgen.plan.options import MAX_TOKEN_ROWS
+    from mkgen.plan.report import DEFAULT_ROWS, sweep, sweep_csv, sweep_svg, sweep_table
 
     try:
         sizes = tuple(int(b) for b in batches.split(","))
     except ValueError:
         raise MkgenError(f"--batches {batches!r}: write sizes like 1,2,4,8") from None
-    if not sizes or min(sizes) < 1:
-        raise MkgenError(f"--batches {batches!r}: sizes must be positive integers")
+    largest = MAX_TOKEN_ROWS // max(DEFAULT_ROWS)
+    if not sizes or not all(1 <= size <= largest for size in sizes):
+        raise MkgenError(
+            f"--batches {batches!r}: sizes must be integers from 1 to {largest} (times "
+            f"{max(DEFAULT_ROWS)} rows, within the {MAX_TOKEN_ROWS} token rows a step holds)"
+        )
     # Validated against the largest row count; the sweep caps it at each point's rows.
     spec, topo, options = _plan_inputs(spec_ref, topology, rows=8, **fields)
     rows = sweep(spec, topo, options, batches=sizes)
@@ -312,10 +322,11 @@ def estimate_command(spec_ref: str, topology: str, output: Path | None, batches:
 
 def _plan_inputs(spec_ref: str, topology: str, **fields: Any) -> tuple[Any, Any, Any]:
     """Spec, topology and BuildOptions from CLI values (errors name the flag)."""
-    from mkgen.plan.options import BuildOptions
+    from mkgen.plan.options import BuildOptions, refuse_repeated_families
     from mkgen.spec.loader import load_spec
     from mkgen.spec.topology import parse_topology
 
+    refuse_repeated_families(fields.get("quant") or ())
     fields["quant"] = list(fields.get("quant") or ()) or None
     if "vmem_budget" in fields:
         fields["vmem_budget_bytes"] = fields.pop("vmem_budget")
@@ -481,7 +492,7 @@ def build_command(
 @click.option("--batch", type=int, default=1, show_default=True)
 @click.option("--rows", type=int, default=1, show_default=True)
 @click.option("--context", type=int, default=128, show_default=True, help="Mini cache tokens.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option(
     "--quant",
     multiple=True,
@@ -530,9 +541,14 @@ def verify_command(
 
     knobs = {k: v for k, v in (("ring_depth", ring_depth), ("expert_slots", expert_slots)) if v}
     spec, topo, built = _plan_inputs(spec_ref, topology, quant=quant, **knobs)
-    if steps < 1 or timeout <= 0:
-        raise MkgenError(f"--steps {steps} / --timeout {timeout:g}: must be positive")
     options = BuildOptions.create(batch=batch, rows=rows, context=context, **knobs)
+    if not 1 <= steps * rows <= context:
+        raise MkgenError(
+            f"--steps {steps}: each step writes --rows {rows} token(s) into the mini caches of "
+            f"--context {context} tokens; give 1 to {context // rows} steps"
+        )
+    if not 0 < timeout < math.inf:
+        raise MkgenError(f"--timeout {timeout:g}: give a finite number of seconds above 0")
     # Unsupported kinds or formats, or a plan that would hang: exit 2 here, not later.
     plan_build(spec, topo, built)
     spec = built.apply(spec)
@@ -662,7 +678,7 @@ def _compile_and_print(spec: Any, topo: Any, options: Any, directory: Path | Non
     help="Hugging Face checkpoint directory (config.json, safetensors shards and index).",
 )
 @click.option(
-    "--random-weights", type=int, metavar="SEED", help="The reference's random weights instead."
+    "--random-weights", type=SEED, metavar="SEED", help="The reference's random weights instead."
 )
 @click.option(
     "--build",
@@ -701,7 +717,7 @@ def convert_command(
     bar on stderr."""
     from mkgen.codegen import convert
     from mkgen.plan.layout import KernelLayout
-    from mkgen.spec.hf_import import default_spec_name, import_hf_config
+    from mkgen.spec.hf_import import import_hf_config
 
     if (checkpoint is None) == (random_weights is None):
         raise MkgenError("give one of --checkpoint DIR and --random-weights SEED")
@@ -718,18 +734,18 @@ def convert_command(
             raise MkgenError("give --topology (or --build BUILD)")
         if spec_ref is None and checkpoint is None:
             raise MkgenError("give SPEC (or --checkpoint DIR, whose config.json is the spec)")
-        from mkgen.plan.options import BuildOptions
+        from mkgen.plan.options import BuildOptions, refuse_repeated_families
         from mkgen.spec.loader import load_spec
         from mkgen.spec.topology import parse_topology
 
+        refuse_repeated_families(quant)
         topo = parse_topology(topology)
         options = BuildOptions.create(
             batch=batch, rows=rows, context=context, quant=list(quant) or None
         )
         if spec_ref is None:
             assert checkpoint is not None
-            name = default_spec_name(Path(checkpoint))
-            spec = import_hf_config(Path(checkpoint) / "config.json", name)
+            spec = import_hf_config(Path(checkpoint))
         else:
             spec = load_spec(spec_ref)
         spec = options.apply(spec)

@@ -118,3 +118,49 @@ def test_unknown_spec_name_is_exit_2() -> None:
 def test_unknown_command_and_option_are_exit_2() -> None:
     assert_user_error(mkgen("frobnicate"), "No such command")
     assert_user_error(mkgen("show", "kimi-k3", "--colour"), "--colour")
+
+
+# ------------------------------------------------------------------ checkpoint directories
+
+
+@pytest.fixture
+def checkpoint_dir(tmp_path: Path) -> Path:
+    """A Hugging Face checkpoint directory whose name has a dot (not a file suffix)."""
+    directory = tmp_path / "Qwen3.5-MoE-Tiny"
+    directory.mkdir()
+    config = REPO / "tests" / "fixtures" / "hf" / "qwen3_moe" / "config.json"
+    (directory / "config.json").write_text(config.read_text())
+    return directory
+
+
+def test_show_takes_a_checkpoint_directory_named_after_it(checkpoint_dir: Path) -> None:
+    result = mkgen("show", str(checkpoint_dir), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["name"] == "qwen3.5-moe-tiny"
+
+
+def test_import_hf_takes_a_checkpoint_directory(checkpoint_dir: Path) -> None:
+    result = mkgen("import-hf", str(checkpoint_dir))
+    assert result.returncode == 0, result.stderr
+    assert "\nname: qwen3.5-moe-tiny\n" in result.stdout
+
+
+def test_plan_and_build_take_a_checkpoint_directory(checkpoint_dir: Path, tmp_path: Path) -> None:
+    plan = mkgen("plan", str(checkpoint_dir), "--topology", "1x1x1", "--json")
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout)["model"] == "qwen3.5-moe-tiny"
+    build = mkgen("build", str(checkpoint_dir), "--topology", "1x1x1", "-o", str(tmp_path / "b"))
+    assert build.returncode == 0, build.stderr
+    assert "qwen3.5-moe-tiny on tpu7x:1x1x1" in build.stdout
+
+
+def test_a_directory_without_config_json_is_one_line(tmp_path: Path) -> None:
+    result = mkgen("show", str(tmp_path))
+    assert_user_error(result, "no config.json in this directory")
+
+
+def test_a_shipped_name_wins_over_a_directory_of_that_name(tmp_path: Path) -> None:
+    (tmp_path / "qwen3-32b").mkdir()
+    shipped = mkgen("show", "qwen3-32b", cwd=tmp_path)
+    assert shipped.returncode == 0, shipped.stderr
+    assert_user_error(mkgen("show", "./qwen3-32b", cwd=tmp_path), "no config.json")

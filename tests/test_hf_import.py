@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cli_run import assert_user_error, mkgen
 
 from mkgen.errors import SpecError
 from mkgen.reference.hf_weights import (
@@ -493,8 +494,8 @@ def test_non_json_file(tmp_path: Path) -> None:
 def test_unreadable_path(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match=r"missing.json: cannot read"):
         import_hf_config(tmp_path / "missing.json")
-    with pytest.raises(SpecError, match=r"cannot read"):
-        import_hf_config(tmp_path)  # a directory
+    with pytest.raises(SpecError, match=r"no config.json in this directory"):
+        import_hf_config(tmp_path)  # a directory that is not a checkpoint
 
 
 def test_top_level_must_be_an_object(tmp_path: Path) -> None:
@@ -922,3 +923,81 @@ def test_fp8_tensors_refused(tmp_path: Path) -> None:
         load_hf_weights(spec, "mixtral", checkpoint)
     with pytest.raises(SpecError, match=rf"model.safetensors: {name}: stored as F8_E4M3"):
         checkpoint[name]  # noqa: B018 (the read is what is refused)
+
+
+# ---------------------------------------------------------------- refused config files
+
+QWEN3_MOE_CONFIG = FIXTURES / "qwen3_moe" / "config.json"
+
+
+def _config_text(**changes: Any) -> str:
+    """The qwen3_moe fixture's config.json with keys replaced, as JSON text."""
+    config = json.loads(QWEN3_MOE_CONFIG.read_text())
+    config.update(changes)
+    return json.dumps(config, indent=1)
+
+
+def _with_text(old: str, new: str) -> str:
+    text = _config_text()
+    assert text.count(old) == 1, old
+    return text.replace(old, new)
+
+
+# (case id, config.json text, fragments of the one-line error naming the key)
+REFUSED_CONFIGS = [
+    (
+        "duplicate-key",
+        _with_text('"num_experts_per_tok": 2', '"num_experts_per_tok": 8, "num_experts_per_tok": 2'),
+        "duplicate key 'num_experts_per_tok'",
+    ),
+    ("5000-digit-integer", _with_text('"hidden_size": 64', '"hidden_size": ' + "9" * 5000),
+     "hidden_size: an integer of 5000 digits"),
+    ("infinity", _with_text('"rms_norm_eps": 1e-06', '"rms_norm_eps": Infinity'),
+     "rms_norm_eps: expected a finite number, got inf"),
+    ("overflowing-float", _with_text('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e400'),
+     "rms_norm_eps: expected a finite number, got inf"),
+    ("nan", _with_text('"rope_theta": 1000000.0', '"rope_theta": NaN'),
+     "rope_parameters.rope_theta: expected a finite number, got nan"),
+    ("1e12-layers", _config_text(num_hidden_layers=10**12),
+     "num_hidden_layers: 1000000000000 exceeds 16384"),
+    ("1e12-experts", _config_text(num_local_experts=10**12),
+     "num_local_experts: 1000000000000 exceeds 2147483648"),
+    ("1e9-experts", _config_text(num_local_experts=10**9),
+     "ffn_kinds.moe.num_experts: Input should be less than or equal to 65536"),
+    ("vocab-beyond-int32", _config_text(vocab_size=2**40), "vocab_size: 1099511627776 exceeds"),
+    ("deep-nesting", _with_text('"dtype": "float32"', '"dtype": ' + "[" * 5000 + "]" * 5000),
+     "nested more than 32 levels deep"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"), [c[1:] for c in REFUSED_CONFIGS], ids=[c[0] for c in REFUSED_CONFIGS]
+)
+def test_refused_config_is_one_line_naming_the_key(
+    tmp_path: Path, text: str, fragment: str
+) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    assert_user_error(mkgen("show", str(path)), "config.json: ", fragment)
+
+
+def test_a_utf16_config_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_bytes(_config_text().encode("utf-16"))
+    assert_user_error(mkgen("show", str(path)), "config.json: not UTF-8 text")
+
+
+def test_a_config_name_with_a_newline_cannot_inject_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "x\nquantization: {experts: int4:32}\n#.json"
+    path.write_text(_config_text())
+    output = tmp_path / "spec.yaml"
+    result = mkgen("import-hf", str(path), "-o", str(output))
+    assert_user_error(result, "the path is not one printable line")
+    assert not output.exists()
+
+
+def test_the_unchanged_fixture_config_imports() -> None:
+    # What the refused cases above change one key of.
+    result = mkgen("show", str(QWEN3_MOE_CONFIG), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["name"] == "config"

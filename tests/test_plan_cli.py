@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -161,11 +162,65 @@ def test_a_plan_over_the_vmem_budget_is_one_line() -> None:
         (("--quant", "experts=fp5"), "unknown weight format"),
         (("--price", "0"), "--price 0"),
         (("--rows", "many"), "'many' is not a valid integer"),
+        (("--price", "nan"), "--price nan: chip-hour price must be positive and finite"),
+        (("--price", "inf"), "--price inf: chip-hour price must be positive and finite"),
+        (("--price", "-2"), "--price -2: chip-hour price must be positive"),
+        (("--context", "4097"), "--context 4097 must be a multiple of the 128-token KV tile"),
+        (("--context", str(2**25)), f"--context {2**25}: must be a positive integer, at most"),
+        (("--rows", "100000"), "--rows 100000: must be a positive integer, at most 512"),
+        (("--batch", "9" * 40), "--batch 9999"),
+        (("--batch", "64", "--rows", "16"), "1024 token rows per step, over the 512"),
+        (("--vmem-budget", "9" * 400 + "GiB"), "more than the 128 MiB of VMEM of any chip"),
+        (
+            ("--quant", "experts=mxfp4", "--quant", "experts=int4:128"),
+            "--quant experts=int4:128: experts is given twice (also experts=mxfp4)",
+        ),
+        (("--topology", "2x2x" + "9" * 5000), "a dimension of 5000 digits exceeds"),
     ],
+    ids=lambda value: " ".join(value)[:40] if isinstance(value, tuple) else None,
 )
 def test_bad_option_values_are_one_line(args, fragment) -> None:
     result = mkgen("plan", "qwen3-32b", "--topology", "2x2x1", *args)
     assert_user_error(result, fragment)
+
+
+def test_mosaic_scratch_over_the_vmem_limit_is_said_without_a_negative_budget(tmp_path) -> None:
+    # 512 token rows of a 32768-wide residual: Mosaic's scratch alone is 256 MiB.
+    spec = tmp_path / "wide.yaml"
+    spec.write_text(
+        "name: wide\n"
+        "dims: {hidden: 32768, vocab: 1024, norm_eps: 1.0e-06}\n"
+        "attention_kinds: {full: {type: gqa, num_heads: 8, num_kv_heads: 8, head_dim: 128}}\n"
+        "ffn_kinds: {mlp: {type: dense, width: 4096, activation: silu}}\n"
+        "layers: {count: 2, attention: {default: full}, ffn: {default: mlp}}\n"
+    )
+    result = mkgen("plan", str(spec), "--topology", "2x2x1", "--rows", "512")
+    assert_user_error(result, "Mosaic's own scratch for 512 token rows (estimated 256.0 MiB)")
+    assert not re.search(r"\s-[0-9]", result.stderr)  # no negative budget
+
+
+@pytest.mark.parametrize(
+    ("command", "args", "fragment"),
+    [
+        ("estimate", ("--batches", "1,100000"), "--batches '1,100000': sizes must be integers"),
+        ("estimate", ("--price", "nan"), "--price nan"),
+        ("verify", ("--steps", "200"), "--steps 200: each step writes --rows 1 token(s)"),
+        ("verify", ("--timeout", "nan"), "--timeout nan: give a finite number of seconds"),
+        ("verify", ("--seed", "-1"), "'--seed': -1 is not in the range"),
+        ("build", ("--context", "4097"), "--context 4097 must be a multiple"),
+        ("compile", ("--quant", "dense=int8", "--quant", "dense=fp8:128"), "dense is given twice"),
+    ],
+)
+def test_bad_options_of_other_commands_are_one_line(command, args, fragment) -> None:
+    result = mkgen(command, "qwen3-32b", "--topology", "2x2x1", *args)
+    assert_user_error(result, fragment)
+
+
+def test_plan_and_build_apply_one_context_rule() -> None:
+    plan = mkgen("plan", "qwen3-32b", "--topology", "2x2x1", "--context", "4097")
+    build = mkgen("build", "qwen3-32b", "--topology", "2x2x1", "--context", "4097")
+    assert_user_error(plan, "--context 4097")
+    assert plan.stderr == build.stderr
 
 
 def test_estimate_bad_batches_is_one_line() -> None:

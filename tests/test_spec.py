@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_run import assert_user_error, mkgen
 
 from mkgen.errors import SpecError
 from mkgen.spec.figures import (
@@ -376,3 +377,167 @@ def test_kimi_k3_mini_twin_exercises_every_rule() -> None:
     assert [i for i, k in enumerate(mini.attention_table()) if k == "mla"] == [3, 7, 8]
     assert mini.ffn_table()[0] == "dense"
     assert mini.attention_residual is not None and mini.attention_residual.block_size == 2
+
+
+# ------------------------------------------------------------------ refused spec files
+
+# A small valid spec in YAML, one key a line, so that each case below changes one line.
+TINY_YAML = """\
+name: tiny
+dims:
+  hidden: 64
+  vocab: 128
+  norm_eps: 1.0e-06
+  tie_embeddings: false
+attention_kinds:
+  full: {type: gqa, num_heads: 4, num_kv_heads: 2, head_dim: 16, rope: {theta: 10000.0}}
+  mla:
+    type: mla
+    num_heads: 4
+    q_lora_rank: null
+    kv_lora_rank: 32
+    qk_nope_head_dim: 16
+    qk_rope_head_dim: 8
+    v_head_dim: 16
+    rope: {theta: 10000.0}
+ffn_kinds:
+  moe:
+    type: moe
+    num_experts: 8
+    top_k: 2
+    expert_width: 32
+    activation: silu
+    router: {score: softmax}
+layers:
+  count: 4
+  attention: {default: full}
+  ffn: {default: moe}
+"""
+
+
+def _tiny(old: str, new: str) -> str:
+    assert TINY_YAML.count(old) == 1, old
+    return TINY_YAML.replace(old, new)
+
+
+def _nested(levels: int) -> str:
+    return TINY_YAML + "colour: " + "[" * levels + "]" * levels + "\n"
+
+
+# (case id, spec text, fragments of the one-line error; each names the field or place)
+REFUSED_SPEC_FILES = [
+    ("duplicate-key", _tiny("    top_k: 2\n", "    top_k: 2\n    top_k: 1\n"),
+     ("ffn_kinds.moe: duplicate key 'top_k'",)),
+    ("sexagesimal", _tiny("hidden: 64", "hidden: 34:08"),
+     ("dims.hidden: '34:08' is a base-60 number in YAML 1.1",)),
+    ("yes-for-bool", _tiny("tie_embeddings: false", "tie_embeddings: yes"),
+     ("dims.tie_embeddings: 'yes' is a boolean in YAML 1.1",)),
+    ("off-for-string", _tiny("attention: {default: full}", "attention: {default: off}"),
+     ("layers.attention.default: 'off' is a boolean",)),
+    ("leading-zero-octal", _tiny("num_heads: 4, num_kv", "num_heads: 010, num_kv"),
+     ("attention_kinds.full.num_heads: '010' is an octal",)),
+    ("0o-octal", _tiny("vocab: 128", "vocab: 0o200"), ("dims.vocab: '0o200' is an octal",)),
+    ("hexadecimal", _tiny("vocab: 128", "vocab: 0x80"), ("dims.vocab: '0x80'",)),
+    ("explicit-int-tag", _tiny("vocab: 128", "vocab: !!int 0x80"),
+     ("dims.vocab: '0x80': write integers in decimal",)),
+    ("underscores", _tiny("vocab: 128", "vocab: 1_28"),
+     ("dims.vocab: '1_28' is a number with underscores",)),
+    ("5000-digit-integer", _tiny("hidden: 64", "hidden: " + "9" * 5000),
+     ("dims.hidden: an integer of 5000 digits",)),
+    ("1e29-experts", _tiny("num_experts: 8", "num_experts: 1" + "0" * 29),
+     ("ffn_kinds.moe.num_experts: an integer of 30 digits",)),
+    ("1e12-experts", _tiny("num_experts: 8", "num_experts: 1000000000000"),
+     ("ffn_kinds.moe.num_experts: Input should be less than or equal to 65536", "#bounds")),
+    ("layers-beyond-smem", _tiny("count: 4", "count: 100000"), ("layers.count", "16384")),
+    ("vocab-beyond-int32", _tiny("vocab: 128", "vocab: 4294967296"), ("dims.vocab", "2147483648")),
+    ("hidden-beyond-vmem", _tiny("hidden: 64", "hidden: 33554432"), ("dims.hidden", "16777216")),
+    ("window-beyond-positions", _tiny("head_dim: 16,", "head_dim: 16, sliding_window: 33554432,"),
+     ("attention_kinds.full.sliding_window", "16777216")),
+    ("inf-norm-eps", _tiny("norm_eps: 1.0e-06", "norm_eps: .inf"),
+     ("dims.norm_eps: Input should be a finite number",)),
+    ("nan-softcap", _tiny("tie_embeddings: false", "logit_softcap: .nan"),
+     ("dims.logit_softcap: Input should be a finite number",)),
+    ("inf-rope-theta", _tiny("rope: {theta: 10000.0}}", "rope: {theta: .inf}}"),
+     ("attention_kinds.full.rope.theta: Input should be a finite number",)),
+    ("odd-head-dim-full-rope", _tiny("head_dim: 16,", "head_dim: 127,"),
+     ("attention_kinds.full: rope rotates the whole head_dim 127, which is odd",)),
+    ("odd-mla-rope-dim", _tiny("qk_rope_head_dim: 8", "qk_rope_head_dim: 7"),
+     ("attention_kinds.mla: qk_rope_head_dim 7 must be even",)),
+    ("rule-first-beyond-count",
+     _tiny("ffn: {default: moe}", "ffn: {default: moe, rules: [{kind: moe, first: 100}]}"),
+     ("layers.ffn.rules[0]: first 100 exceeds the 4 layers",)),
+    ("rule-last-beyond-count",
+     _tiny("ffn: {default: moe}", "ffn: {default: moe, rules: [{kind: moe, last: 5}]}"),
+     ("layers.ffn.rules[0]: last 5 exceeds the 4 layers",)),
+    ("rule-every-beyond-count",
+     _tiny("ffn: {default: moe}",
+           "ffn: {default: moe, rules: [{kind: moe, every: 1000, offset: 500}]}"),
+     ("layers.ffn.rules[0]: every 1000 exceeds the 4 layers",)),
+    ("deep-nesting", _nested(3000), ("nested more than 32 levels deep",)),
+    ("nesting-just-too-deep", _nested(40), ("nested more than 32 levels deep",)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "fragments"),
+    [c[1:] for c in REFUSED_SPEC_FILES],
+    ids=[c[0] for c in REFUSED_SPEC_FILES],
+)
+def test_refused_spec_file_is_one_line_naming_the_field(
+    tmp_path: Path, text: str, fragments: tuple[str, ...]
+) -> None:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(text)
+    assert_user_error(mkgen("show", str(path)), "tiny.yaml: ", *fragments)
+
+
+def test_tiny_yaml_is_valid_so_each_refusal_is_its_own_change(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY_YAML + "description: '34:08, yes, 010'\n")
+    spec = load_spec(path)
+    assert (spec.dims.hidden, spec.ffn_kinds["moe"].top_k) == (64, 2)
+    assert spec.description == "34:08, yes, 010"  # quoted, they are plain strings
+
+
+@pytest.mark.parametrize(
+    ("encoded", "fragment"),
+    [
+        (TINY_YAML.encode("utf-16"), "byte 0xff at offset 0"),
+        (TINY_YAML.replace("tiny", "caf\u00e9", 1).encode("latin-1"), "byte 0xe9 at offset 9"),
+    ],
+    ids=["utf-16", "latin-1"],
+)
+def test_a_spec_that_is_not_utf8_is_one_line(tmp_path: Path, encoded: bytes, fragment: str) -> None:
+    path = tmp_path / "tiny.yaml"
+    path.write_bytes(encoded)
+    assert_user_error(mkgen("show", str(path)), "tiny.yaml: not UTF-8 text", fragment)
+
+
+def test_a_path_that_is_not_one_line_is_refused_before_it_reaches_a_message(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "tiny\nname: injected.yaml"
+    path.write_text(TINY_YAML)
+    assert_user_error(mkgen("show", str(path)), "the path is not one printable line")
+
+
+def test_billion_laughs_yaml_is_refused_quickly(tmp_path: Path) -> None:
+    # Nine levels of nine aliases each: 9**9 strings if anything expanded them.
+    lines = ["description:", "  - &a [" + ", ".join(["lol"] * 9) + "]"]
+    for previous, name in zip("abcdefgh", "bcdefghi", strict=True):
+        lines.append(f"  - &{name} [" + ", ".join([f"*{previous}"] * 9) + "]")
+    path = tmp_path / "laughs.yaml"
+    path.write_text(TINY_YAML + "\n".join(lines) + "\n")
+    result = mkgen("show", str(path), timeout=30)
+    assert_user_error(result, "laughs.yaml: description: Input should be a valid string")
+
+
+def test_the_smem_bounds_fit_together_on_every_chip() -> None:
+    # The kernel's SMEM tables at their bounds: the experts' seen flags, six int32 per
+    # layer, a 128-lane int32 row of expert ids per token row.
+    from mkgen.hardware import CATALOG
+    from mkgen.plan.options import MAX_TOKEN_ROWS
+    from mkgen.spec.schema import MAX_EXPERTS, MAX_LAYERS
+
+    tables = 4 * (MAX_EXPERTS + 6 * MAX_LAYERS + 128 * MAX_TOKEN_ROWS)
+    assert tables <= min(chip.smem_bytes_per_core for chip in CATALOG.values())

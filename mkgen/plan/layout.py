@@ -11,7 +11,7 @@ from typing import Literal
 
 from mkgen.errors import SpecError
 from mkgen.plan.collectives import CollectivePlan, layer_uses, plan_collectives
-from mkgen.plan.options import BuildOptions
+from mkgen.plan.options import BuildOptions, kv_tile
 from mkgen.plan.sharding import ShardingPlan
 from mkgen.plan.stream import (
     CHUNK,
@@ -36,7 +36,6 @@ from mkgen.spec.topology import Topology
 
 SUBLANES_F32 = 8
 CACHE_ALIGN = 16  # bf16 rows of an HBM array are tiled by 16
-KV_TILE_MAX = 128  # tuning choice: cache tokens per streamed tile, double buffered
 
 
 class VectorRow(PlanModel):
@@ -413,7 +412,6 @@ def _gqa_layout(name, index, layers, kind, shard, segments, devices, options, di
         VectorRow(name=n, row=2 + i, part=parts[f"attn.{n}"], length=parts[f"attn.{n}"].size)
         for i, n in enumerate(present)
     ]
-    tile = kv_tile(context)
     return GQALayout(
         name=name,
         index=index,
@@ -436,20 +434,12 @@ def _gqa_layout(name, index, layers, kind, shard, segments, devices, options, di
         rope=_rope_layout(kind.rope, kind.rotary_dim) if kind.rope else None,
         segments=segments,
         vectors=vectors,
-        kv_tile=tile,
+        kv_tile=kv_tile(context),
         caches=[
             CacheArray(name=n, shape=[len(layers), batch, kv_heads, context, d], dtype="bfloat16")
             for n in ("k", "v")
         ],
     )
-
-
-def kv_tile(context: int) -> int:
-    """Cache tokens per streamed KV tile (the kernel's, the VMEM plan's and the schedule's)."""
-    tile = min(context, KV_TILE_MAX)
-    if context % tile:
-        raise SpecError(f"--context {context} must be a multiple of the {tile}-token KV tile")
-    return tile
 
 
 def _segment_columns(segments: list[Segment], name: str, prefix: str) -> dict[str, Columns]:

@@ -7,6 +7,7 @@ its value. The options are frozen pydantic data so a saved plan records them.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -14,8 +15,16 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from mkgen.errors import SpecError
+from mkgen.hardware import CATALOG
 from mkgen.spec.quant import parse_format
-from mkgen.spec.schema import DENSE_GROUP, WEIGHT_FAMILIES, ModelSpec, Quantization
+from mkgen.spec.schema import (
+    DENSE_GROUP,
+    MAX_EXPERTS,
+    MAX_POSITIONS,
+    WEIGHT_FAMILIES,
+    ModelSpec,
+    Quantization,
+)
 
 # Tuning choice, not a physical limit: the published benchmark runs 16 decode steps
 # per jitted device call, so the host dispatch is paid once per 16 steps.
@@ -27,6 +36,23 @@ MIN_RING_DEPTH, MAX_RING_DEPTH = 2, 16
 # Physical bound: one DMA semaphore per slot and array, and every slot a full piece of
 # VMEM; 8 is twice the best measured count (measurements: 4 of 3..8 was best).
 EXPERT_SLOTS_LIMIT = 8
+# Upper bounds (docs/spec-reference.md#bounds). Token rows per step (batch x rows): the
+# kernel keeps a 128-lane int32 row of expert ids per token row in SMEM (512 B); 512
+# rows take a quarter of a core's 1 MiB, beside the spec's tables (schema.MAX_EXPERTS).
+MAX_TOKEN_ROWS = 512
+# Steps per device call run in an int32 loop counter.
+MAX_STEPS_PER_CALL = 2**31 - 1
+# A VMEM budget above the largest VMEM of any chip in the catalog cannot be met.
+MAX_VMEM_BYTES = max(chip.vmem_bytes_per_core for chip in CATALOG.values())
+# KV caches stream in tiles of up to 128 tokens (the lane width); a longer context is
+# whole tiles. plan, build and verify all apply this one rule (BuildOptions).
+KV_TILE_TOKENS = 128
+
+
+def kv_tile(context: int) -> int:
+    """Cache tokens per streamed KV tile: the whole context up to 128 tokens, else 128."""
+    return min(context, KV_TILE_TOKENS)
+
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(b|kib|mib|gib|kb|mb|gb)?\s*$", re.I)
 _SIZE_UNITS = {
@@ -45,6 +71,7 @@ def parse_size(text: str | int, option: str = "--vmem-budget") -> int:
     """Bytes from ``58MiB``, ``48 MiB``, ``60000000`` or an int; errors name the option."""
     if isinstance(text, bool):
         raise SpecError(f"{option} {text!r}: expected a size such as 58MiB")
+    value: float
     if isinstance(text, int):
         value = text
     else:
@@ -52,17 +79,22 @@ def parse_size(text: str | int, option: str = "--vmem-budget") -> int:
         if not match:
             raise SpecError(f"{option} {text!r}: expected a size such as 58MiB, 48MiB or 60000000")
         unit = match.group(2).lower() if match.group(2) else None
-        value = int(float(match.group(1)) * _SIZE_UNITS[unit])
+        value = float(match.group(1)) * _SIZE_UNITS[unit]
     if value <= 0:
         raise SpecError(f"{option} {text!r}: must be positive")
-    return value
+    if value > MAX_VMEM_BYTES:
+        raise SpecError(
+            f"{option} {text!r}: more than the {MAX_VMEM_BYTES // 2**20} MiB of VMEM of any chip"
+        )
+    return int(value)
 
 
 def parse_quant_overrides(items: Iterable[str]) -> tuple[tuple[str, str], ...]:
     """``["experts=int4:128", "dense=int8"]`` -> ((family, canonical format), ...).
 
     ``dense`` expands to every family of DENSE_GROUP (schema.DENSE_GROUP); a later
-    item overrides an earlier one for the same family.
+    item overrides an earlier one for the same family (the fit hints add theirs after the
+    user's; the command line refuses a repeated family, refuse_repeated_families).
     """
     out: dict[str, str] = {}
     valid = ", ".join((*WEIGHT_FAMILIES, "dense"))
@@ -77,6 +109,18 @@ def parse_quant_overrides(items: Iterable[str]) -> tuple[tuple[str, str], ...]:
         for name in DENSE_GROUP if family == "dense" else (family,):
             out[name] = fmt
     return tuple(sorted(out.items()))
+
+
+def refuse_repeated_families(items: Iterable[str]) -> None:
+    """A family given twice on the command line is an error, not a silent last-one-wins."""
+    given: dict[str, str] = {}
+    for item in items:
+        family = item.partition("=")[0].strip()
+        if family in given:
+            raise SpecError(
+                f"--quant {item}: {family} is given twice (also {given[family]}); give it once"
+            )
+        given[family] = item
 
 
 class BuildOptions(BaseModel):
@@ -108,14 +152,30 @@ class BuildOptions(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> BuildOptions:
-        for flag, value in (
-            ("--batch", self.batch),
-            ("--rows", self.rows),
-            ("--context", self.context),
-            ("--steps-per-call", self.steps_per_call),
-        ):
-            if value < 1:
-                raise SpecError(f"{flag} {value}: must be a positive integer")
+        bounds = [
+            ("--batch", self.batch, MAX_TOKEN_ROWS),
+            ("--rows", self.rows, MAX_TOKEN_ROWS),
+            ("--context", self.context, MAX_POSITIONS),
+            ("--steps-per-call", self.steps_per_call, MAX_STEPS_PER_CALL),
+            ("--distinct-experts", self.distinct_experts_per_layer, MAX_EXPERTS),
+            ("--vmem-budget", self.vmem_budget_bytes, MAX_VMEM_BYTES),
+        ]
+        for flag, value, largest in bounds:
+            if value is not None and not 1 <= value <= largest:
+                raise SpecError(
+                    f"{flag} {value}: must be a positive integer, at most {largest} "
+                    "(docs/spec-reference.md#bounds)"
+                )
+        if self.tokens > MAX_TOKEN_ROWS:
+            raise SpecError(
+                f"--batch {self.batch} x --rows {self.rows}: {self.tokens} token rows per step, "
+                f"over the {MAX_TOKEN_ROWS} the kernel's SMEM tables hold; lower one of them"
+            )
+        if self.context % kv_tile(self.context):
+            raise SpecError(
+                f"--context {self.context} must be a multiple of the "
+                f"{kv_tile(self.context)}-token KV tile"
+            )
         if self.ring_depth is not None and not MIN_RING_DEPTH <= self.ring_depth <= MAX_RING_DEPTH:
             raise SpecError(
                 f"--ring-depth {self.ring_depth}: must be {MIN_RING_DEPTH} to {MAX_RING_DEPTH} "
@@ -131,16 +191,9 @@ class BuildOptions(BaseModel):
                 f"--acceptance {self.acceptance:g}: mean tokens accepted per step must be in "
                 f"(0, rows={self.rows}]; raise --rows for speculative decoding"
             )
-        if self.vmem_budget_bytes is not None and self.vmem_budget_bytes <= 0:
-            raise SpecError(f"--vmem-budget {self.vmem_budget_bytes}: must be positive")
-        if self.price_per_chip_hour_usd is not None and self.price_per_chip_hour_usd <= 0:
-            raise SpecError(
-                f"--price {self.price_per_chip_hour_usd:g}: chip-hour price must be positive"
-            )
-        if self.distinct_experts_per_layer is not None and self.distinct_experts_per_layer < 1:
-            raise SpecError(
-                f"--distinct-experts {self.distinct_experts_per_layer}: must be positive"
-            )
+        price = self.price_per_chip_hour_usd
+        if price is not None and not (math.isfinite(price) and price > 0):
+            raise SpecError(f"--price {price:g}: chip-hour price must be positive and finite")
         for family, fmt in self.quant:
             if family not in WEIGHT_FAMILIES:
                 raise SpecError(f"--quant {family}={fmt}: unknown weight family {family!r}")

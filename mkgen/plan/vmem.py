@@ -33,8 +33,8 @@ from pydantic import BaseModel, ConfigDict
 from mkgen.errors import SpecError
 from mkgen.hardware import MiB, vmem_padded_bytes
 from mkgen.plan.collectives import CollectivePlan, layer_uses, plan_collectives
-from mkgen.plan.layout import MAX_PIECE_CHUNKS, ExpertChunks, expert_chunks, kv_tile
-from mkgen.plan.options import BuildOptions
+from mkgen.plan.layout import MAX_PIECE_CHUNKS, ExpertChunks, expert_chunks
+from mkgen.plan.options import BuildOptions, kv_tile
 from mkgen.plan.sharding import ShardingPlan, TensorShard
 from mkgen.plan.stream import CHUNK, LANES, StreamPlan, choose_ring, round_up
 from mkgen.spec.schema import (
@@ -630,6 +630,12 @@ def plan_vmem(
     # estimate of that scratch needs more, the explicit buffers give way.
     usable = min(budget, limit - internal)
     where = f"{spec.name} on {topo.name} (batch {options.batch} x rows {options.rows})"
+    if usable <= 0:
+        raise SpecError(
+            f"VMEM: {where}: Mosaic's own scratch for {options.tokens} token rows (estimated "
+            f"{_mib(internal)}) alone exceeds {chip.name}'s {_mib(limit)} VMEM limit; lower "
+            "--batch or --rows"
+        )
     if fixed > usable:
         scratch = f" and {_mib(internal)} of Mosaic scratch" if usable < budget else ""
         raise SpecError(

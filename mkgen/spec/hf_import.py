@@ -21,6 +21,7 @@ Errors are one line: ``<file>: <field>: <what is wrong and what would fix it>``.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from typing import Any
 
 from mkgen.errors import SpecError
 from mkgen.spec.loader import dump_spec_yaml, read_json, spec_from_dict
-from mkgen.spec.schema import LayerAssignment, ModelSpec
+from mkgen.spec.schema import MAX_LAYERS, MAX_VOCAB, LayerAssignment, ModelSpec
 
 _MISSING: Any = object()
 
@@ -125,8 +126,11 @@ class _Config:
         default: Any = _MISSING,
         *,
         minimum: int = 1,
+        maximum: int = MAX_VOCAB,
         nullable: bool = False,
     ) -> Any:
+        """An integer in minimum..maximum. The default maximum is the largest bound of any
+        spec integer (int32 token ids); the spec's own bounds apply after the mapping."""
         value = self._typed(
             keys,
             default,
@@ -134,9 +138,14 @@ class _Config:
             lambda v: isinstance(v, int) and not isinstance(v, bool),
             "an integer",
         )
+        names = (keys,) if isinstance(keys, str) else keys
+        key = next((k for k in names if k in self.data), names[0])  # the alias given
         if isinstance(value, int) and value < minimum:
-            key = keys if isinstance(keys, str) else keys[0]
             raise self.error(key, f"{value} must be at least {minimum}")
+        if isinstance(value, int) and value > maximum:
+            raise self.error(
+                key, f"{value} exceeds {maximum} (the bounds: docs/spec-reference.md#bounds)"
+            )
         return value
 
     def get_float(
@@ -146,10 +155,14 @@ class _Config:
             keys,
             default,
             nullable,
-            lambda v: isinstance(v, int | float) and not isinstance(v, bool),
-            "a number",
+            lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v),
+            "a finite number",
         )
         return None if value is None else float(value)
+
+    def get_layer_count(self) -> int:
+        """num_hidden_layers, bounded before any per-layer table is built from it."""
+        return self.get_int("num_hidden_layers", maximum=MAX_LAYERS)
 
     def get_bool(self, keys: str | Sequence[str], default: Any = _MISSING) -> Any:
         return self._typed(keys, default, False, lambda v: isinstance(v, bool), "true or false")
@@ -610,7 +623,7 @@ def _deepseek_v3(c: _Config) -> _Parts:
     # aux_loss_alpha / seq_aux: training loss; ep_size: expert parallelism of the trainer;
     # pretraining_tp: tensor-parallel slicing of the matmuls (same math).
     c.allow("aux_loss_alpha", "seq_aux", "ep_size", "pretraining_tp")
-    count = c.get_int("num_hidden_layers")
+    count = c.get_layer_count()
     dims = _dims(c, eps_default=1e-6)
     rope_dim = c.get_int("qk_rope_head_dim")
     # transformers writes head_dim = qk_rope_head_dim (its rope dim) and overwrites it.
@@ -755,7 +768,7 @@ def _attention_table(
 
 
 def _qwen3(c: _Config) -> _Parts:
-    count = c.get_int("num_hidden_layers")
+    count = c.get_layer_count()
     dims = _dims(c, eps_default=1e-6)
     head_dim = _head_dim(c, 128)
     rope = _rope(c, head_dim=head_dim, default_theta=10000.0)
@@ -789,7 +802,7 @@ def _qwen_moe_table(c: _Config, count: int, experts: int) -> list[str]:
 
 def _qwen3_moe(c: _Config) -> _Parts:
     c.allow(*MOE_TRAINING_KEYS)
-    count = c.get_int("num_hidden_layers")
+    count = c.get_layer_count()
     dims = _dims(c, eps_default=1e-6)
     head_dim = _head_dim(c, "hidden/heads")
     rope = _rope(c, head_dim=head_dim, default_theta=10000.0)
@@ -836,7 +849,7 @@ def _qwen3_moe(c: _Config) -> _Parts:
 def _mixtral(c: _Config) -> _Parts:
     c.allow(*MOE_TRAINING_KEYS)
     c.allow("router_jitter_noise")  # multiplicative noise on router inputs, training only
-    count = c.get_int("num_hidden_layers")
+    count = c.get_layer_count()
     dims = _dims(c, eps_default=1e-5)
     head_dim = _head_dim(c, None)
     rope = _rope(c, head_dim=head_dim, default_theta=1e6)
@@ -875,7 +888,7 @@ def _qwen3_next(c: _Config) -> _Parts:
     c.allow(*MOE_TRAINING_KEYS)
     # Only meaningful with MTP layers, which are not imported (see _mtp).
     c.allow("mtp_use_dedicated_embeddings")
-    count = c.get_int("num_hidden_layers")
+    count = c.get_layer_count()
     dims = _dims(c, eps_default=1e-6, zero_centered=True)
     act = _activation(
         c,
@@ -993,7 +1006,7 @@ def _gpt_oss(c: _Config) -> _Parts:
     # initial_context_length: OpenAI's name for YaRN's original length; transformers
     # reads original_max_position_embeddings from the rope parameters instead.
     c.allow("hidden_act", "initial_context_length")
-    count = c.get_int("num_hidden_layers")
+    count = c.get_layer_count()
     dims = _dims(c, eps_default=1e-5)
     head_dim = _head_dim(c, 64)
     rope = _rope(
@@ -1053,7 +1066,7 @@ def _kimi_linear(c: _Config) -> _Parts:
     # neither MLA (qk_*/v_head_dim) nor KDA (linear head_dim) reads it. pretraining_tp:
     # tensor-parallel slicing of matmuls (same math).
     c.allow("model_max_length", "head_dim", "pretraining_tp")
-    count = c.get_int("num_hidden_layers")
+    count = c.get_layer_count()
     dims = _dims(c, eps_default=1e-5)
     act = _activation(
         c, silu_only_reason="it is also the KDA conv activation, which mkgen fixes to SiLU"
@@ -1392,8 +1405,11 @@ def compact_layer_assignment(table: Sequence[str]) -> dict[str, Any]:
 
 
 def default_spec_name(path: Path) -> str:
-    """The file stem, lowercased, with runs of other characters turned into '-'."""
-    name = re.sub(r"[^a-z0-9._-]+", "-", path.stem.lower())
+    """A checkpoint directory's name or a config file's stem, lowercased, with runs of
+    other characters turned into '-'."""
+    path = Path(path)
+    base = path.resolve().name if path.is_dir() else path.stem
+    name = re.sub(r"[^a-z0-9._-]+", "-", base.lower())
     name = re.sub(r"^[^a-z0-9]+", "", name)[:64].rstrip("-")
     return name or "model"
 
@@ -1436,10 +1452,14 @@ def import_hf_dict(config: dict[str, Any], name: str, source: str) -> ModelSpec:
 
 
 def import_hf_config(path: Path, name: str | None = None) -> ModelSpec:
-    """Read a config.json and map it to a ModelSpec (name: the file stem by default)."""
+    """Map a config.json, or a checkpoint directory's, to a ModelSpec (name: the
+    directory's name or the file's stem by default)."""
     path = Path(path)
-    config = read_json(path)
-    return import_hf_dict(config, name or default_spec_name(path), str(path))
+    config_path = path / "config.json" if path.is_dir() else path
+    if path.is_dir() and not config_path.is_file():
+        raise SpecError(f"{path}: no config.json in this directory (not a Hugging Face checkpoint)")
+    config = read_json(config_path)
+    return import_hf_dict(config, name or default_spec_name(path), str(config_path))
 
 
 def source_label(path: Path) -> str:

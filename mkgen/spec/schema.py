@@ -23,15 +23,36 @@ from pydantic import (
 from mkgen.errors import SpecError
 from mkgen.spec.quant import parse_format
 
-PositiveInt = Annotated[int, Field(gt=0)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
+# Upper bounds of the integer fields, each from the hardware or a number format
+# (docs/spec-reference.md#bounds). Floats must be finite (StrictModel).
+#
+# Sizes (hidden, heads, head and FFN widths, ranks, conv taps): one f32 activation row of
+# that width must fit a core's VMEM, 64 MiB on TPU7x = 2^24 f32.
+MAX_WIDTH = 2**24
+# Token ids are int32.
+MAX_VOCAB = 2**31
+# The kernel marks the experts a step chose in an int32 table with one entry per expert
+# in SMEM (1 MiB per core on every chip of the catalog): 2^16 experts take a quarter.
+MAX_EXPERTS = 2**16
+# The per-layer tables in SMEM hold six int32 a layer: 2^14 layers take 384 KiB. With
+# the token rows' expert ids (options.MAX_TOKEN_ROWS) the three fit together.
+MAX_LAYERS = 2**14
+# Positions enter the RoPE angles as f32, which holds integers exactly up to 2^24.
+MAX_POSITIONS = 2**24
+
+Width = Annotated[int, Field(gt=0, le=MAX_WIDTH)]
+ExpertCount = Annotated[int, Field(gt=0, le=MAX_EXPERTS)]
+LayerCount = Annotated[int, Field(gt=0, le=MAX_LAYERS)]
+LayerIndex = Annotated[int, Field(ge=0, lt=MAX_LAYERS)]
+TokenCount = Annotated[int, Field(gt=0, le=MAX_POSITIONS)]
+VocabSize = Annotated[int, Field(gt=0, le=MAX_VOCAB)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 
 
 class StrictModel(BaseModel):
-    """Base: unknown keys rejected, no type coercion, immutable."""
+    """Base: unknown keys rejected, no type coercion, finite floats, immutable."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------- positions
@@ -42,7 +63,7 @@ class YarnScaling(StrictModel):
 
     type: Literal["yarn"] = "yarn"
     factor: PositiveFloat
-    original_max_position: PositiveInt
+    original_max_position: TokenCount
     beta_fast: PositiveFloat = 32.0
     beta_slow: PositiveFloat = 1.0
     # Attention-scale correction: DeepSeek multiplies the softmax scale by
@@ -58,7 +79,7 @@ class Rope(StrictModel):
 
     theta: PositiveFloat
     # Dims rotated per head (partial rotary); null rotates the whole rotary part.
-    rotary_dim: PositiveInt | None = None
+    rotary_dim: Width | None = None
     # true: pairs are adjacent (x0,x1),(x2,x3)...; false: halves (x_i, x_{i+d/2}).
     interleaved: bool = False
     scaling: YarnScaling | None = None
@@ -78,15 +99,15 @@ class GQAAttention(StrictModel):
     """Grouped-query (or multi-head: num_kv_heads == num_heads) softmax attention."""
 
     type: Literal["gqa"]
-    num_heads: PositiveInt
-    num_kv_heads: PositiveInt
-    head_dim: PositiveInt
+    num_heads: Width
+    num_kv_heads: Width
+    head_dim: Width
     rope: Rope | None = None
     # rms: learned per-head-dim RMSNorm on q and k; rms_noparam: the same without weights.
     qk_norm: Literal["none", "rms", "rms_noparam"] = "none"
     # sigmoid: the q projection also yields a per-element gate on the attention output.
     output_gate: Literal["none", "sigmoid"] = "none"
-    sliding_window: PositiveInt | None = None
+    sliding_window: TokenCount | None = None
     # One learned logit per head that joins the softmax denominator (gpt-oss).
     sinks: bool = False
     qkv_bias: bool = False
@@ -104,6 +125,11 @@ class GQAAttention(StrictModel):
             raise ValueError(
                 f"rope.rotary_dim {self.rope.rotary_dim} exceeds head_dim {self.head_dim}"
             )
+        if self.rotary_dim % 2:
+            raise ValueError(
+                f"rope rotates the whole head_dim {self.head_dim}, which is odd (dims rotate in "
+                "pairs); give an even rope.rotary_dim or an even head_dim"
+            )
         return self
 
     @property
@@ -117,13 +143,13 @@ class MLAAttention(StrictModel):
     """Multi-head latent attention (DeepSeek-V3, Kimi K2/K3): low-rank q and kv."""
 
     type: Literal["mla"]
-    num_heads: PositiveInt
+    num_heads: Width
     # null: q is projected directly from the hidden state.
-    q_lora_rank: PositiveInt | None
-    kv_lora_rank: PositiveInt
-    qk_nope_head_dim: PositiveInt
-    qk_rope_head_dim: PositiveInt
-    v_head_dim: PositiveInt
+    q_lora_rank: Width | None
+    kv_lora_rank: Width
+    qk_nope_head_dim: Width
+    qk_rope_head_dim: Width
+    v_head_dim: Width
     # null: NoPE (the rope part of q/k exists but no rotation is applied).
     rope: Rope | None = None
     output_gate: Literal["none", "sigmoid"] = "none"
@@ -140,6 +166,11 @@ class MLAAttention(StrictModel):
                 f"rope.rotary_dim {self.rope.rotary_dim} must equal qk_rope_head_dim "
                 f"{self.qk_rope_head_dim} (or be omitted)"
             )
+        if self.rope and self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"qk_rope_head_dim {self.qk_rope_head_dim} must be even when rope is set "
+                "(dims rotate in pairs)"
+            )
         return self
 
     @property
@@ -151,16 +182,16 @@ class KDAAttention(StrictModel):
     """Kimi Delta Attention: gated delta-rule linear attention with a per-key-dim decay."""
 
     type: Literal["kda"]
-    num_heads: PositiveInt
-    head_dim: PositiveInt
-    conv_width: PositiveInt
+    num_heads: Width
+    head_dim: Width
+    conv_width: Width
     # Decay g = lower_bound * sigmoid(exp(A_log) * (raw + dt_bias)) when set (Kimi K3);
     # null: g = -exp(A_log) * softplus(raw + dt_bias) (Kimi Linear).
     gate_lower_bound: float | None = None
     # The decay gate projection is low rank: hidden -> rank -> heads * head_dim.
-    decay_gate_rank: PositiveInt
+    decay_gate_rank: Width
     # Output gate projection rank; null: full rank hidden -> heads * head_dim.
-    output_gate_rank: PositiveInt | None = None
+    output_gate_rank: Width | None = None
 
     @field_validator("gate_lower_bound")
     @classmethod
@@ -174,11 +205,11 @@ class GatedDeltaNetAttention(StrictModel):
     """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.8)."""
 
     type: Literal["gated_deltanet"]
-    num_key_heads: PositiveInt
-    num_value_heads: PositiveInt
-    key_head_dim: PositiveInt
-    value_head_dim: PositiveInt
-    conv_width: PositiveInt
+    num_key_heads: Width
+    num_value_heads: Width
+    key_head_dim: Width
+    value_head_dim: Width
+    conv_width: Width
 
     @model_validator(mode="after")
     def _check(self) -> GatedDeltaNetAttention:
@@ -248,7 +279,7 @@ class DenseFFN(StrictModel):
     """A dense MLP: gated (act(x W_gate) * x W_up) W_down, or plain act(x W_up) W_down."""
 
     type: Literal["dense"]
-    width: PositiveInt
+    width: Width
     activation: Activation
     gated: bool = True
     bias: bool = False
@@ -267,16 +298,16 @@ class Router(StrictModel):
     routed_scaling: PositiveFloat = 1.0
     # Grouped top-k: experts in n_group groups; keep the topk_group best groups
     # (each scored by the sum of its two best experts), then top-k within them.
-    n_group: PositiveInt = 1
-    topk_group: PositiveInt = 1
+    n_group: ExpertCount = 1
+    topk_group: ExpertCount = 1
 
 
 class SharedExperts(StrictModel):
     """Experts every token uses, on the full hidden size."""
 
-    count: PositiveInt
+    count: ExpertCount
     # Combined intermediate width of all shared experts.
-    width: PositiveInt
+    width: Width
     # A sigmoid gate (hidden -> 1) on the shared output (Qwen3-Next).
     gate: bool = False
 
@@ -287,7 +318,7 @@ class LatentProjection(StrictModel):
     Kimi K3's latent MoE has a norm; Muse Spark's pre/post expert projections do not.
     """
 
-    width: PositiveInt
+    width: Width
     norm: bool
 
 
@@ -295,9 +326,9 @@ class MoEFFN(StrictModel):
     """Mixture of experts: routed gated experts, optional shared experts and latent space."""
 
     type: Literal["moe"]
-    num_experts: PositiveInt
-    top_k: PositiveInt
-    expert_width: PositiveInt
+    num_experts: ExpertCount
+    top_k: ExpertCount
+    expert_width: Width
     activation: Activation
     router: Router
     shared_experts: SharedExperts | None = None
@@ -337,11 +368,11 @@ class LayerRule(StrictModel):
     """
 
     kind: str
-    every: PositiveInt | None = None
-    offset: NonNegativeInt = 0
-    indices: list[NonNegativeInt] | None = None
-    first: PositiveInt | None = None
-    last: PositiveInt | None = None
+    every: LayerCount | None = None
+    offset: LayerIndex = 0
+    indices: list[LayerIndex] | None = None
+    first: LayerCount | None = None
+    last: LayerCount | None = None
 
     @model_validator(mode="after")
     def _one_selector(self) -> LayerRule:
@@ -356,6 +387,20 @@ class LayerRule(StrictModel):
         if self.every is None and self.offset:
             raise ValueError("offset goes with every")
         return self
+
+    def outside(self, count: int) -> str | None:
+        """What of this rule lies beyond a model of `count` layers, or None."""
+        if self.indices is not None:
+            outside = [i for i in self.indices if i >= count]
+            return f"indices {outside} are outside 0..{count - 1}" if outside else None
+        # offset < every, so an every within the count keeps its offset within it too.
+        if self.every is not None and self.every > count:
+            return f"every {self.every} exceeds the {count} layers; use indices"
+        for name in ("first", "last"):
+            value = getattr(self, name)
+            if value is not None and value > count:
+                return f"{name} {value} exceeds the {count} layers"
+        return None
 
     def selects(self, count: int) -> list[int]:
         """The 0-based layers this rule selects in a model of `count` layers."""
@@ -395,12 +440,9 @@ class LayerAssignment(StrictModel):
         else:
             table = [self.default] * count
         for n, rule in enumerate(self.rules):
-            if rule.indices is not None:
-                outside = [i for i in rule.indices if i >= count]
-                if outside:
-                    raise ValueError(
-                        f"{field}.rules[{n}]: indices {outside} are outside 0..{count - 1}"
-                    )
+            outside = rule.outside(count)
+            if outside:
+                raise ValueError(f"{field}.rules[{n}]: {outside}")
             for i in rule.selects(count):
                 table[i] = rule.kind
         missing = [i for i, kind in enumerate(table) if kind is None]
@@ -413,7 +455,7 @@ class LayerAssignment(StrictModel):
 
 
 class Layers(StrictModel):
-    count: PositiveInt
+    count: LayerCount
     attention: LayerAssignment
     ffn: LayerAssignment
 
@@ -423,8 +465,8 @@ class AttentionResidual(StrictModel):
     the residual stream becomes a learned softmax mixture of the snapshots taken at the
     starts of the current and up to `max_snapshots - 1` earlier blocks."""
 
-    block_size: PositiveInt
-    max_snapshots: Annotated[int, Field(ge=2)]
+    block_size: LayerCount
+    max_snapshots: Annotated[int, Field(ge=2, le=MAX_LAYERS)]
 
 
 # ---------------------------------------------------------------- dims, quantization
@@ -444,10 +486,10 @@ DENSE_GROUP = ("attention", "mlp", "shared_experts", "projections")
 
 
 class Dims(StrictModel):
-    hidden: PositiveInt
-    vocab: PositiveInt
+    hidden: Width
+    vocab: VocabSize
     # Rows of the vocabulary that real tokens use (the rest is padding); null: all.
-    vocab_used: PositiveInt | None = None
+    vocab_used: VocabSize | None = None
     norm_eps: PositiveFloat
     # zero_centered: RMSNorm scales by (1 + w) (Qwen3-Next, Qwen3.8).
     norm_style: Literal["plain", "zero_centered"] = "plain"

@@ -297,6 +297,12 @@ def parse_topology(text: str) -> Topology:
                 f"{where}: dimension {field.strip()!r} is not a positive integer; "
                 f"write the shape like {chip.name}:{_example_shape(chip)}"
             )
+        # Python parses at most 4300 digits; a pod's chip count has a handful.
+        if len(field.strip()) > len(str(chip.pod_chips)):
+            raise SpecError(
+                f"{where}: a dimension of {len(field.strip())} digits exceeds a "
+                f"{chip.display_name} pod ({chip.pod_chips} chips)"
+            )
     shape = tuple(int(field) for field in fields)
     check_shape(chip, shape, text)
     return Topology(chip=chip.name, shape=shape)
