@@ -18,6 +18,7 @@ import re
 import shutil
 import stat
 from pathlib import Path
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -453,3 +454,24 @@ def test_the_reader_verifies_the_sha256_of_every_file(
         read(out, manifest, layout, True)
     trusted = np.array(read(out, manifest, layout, False))  # the fast path reads it as it is
     assert (trusted.view(np.uint8) != intact.view(np.uint8)).sum() == 1
+
+
+def test_the_runner_checks_sha256_unless_told_to_trust_the_weights(
+    sharded: Path, tmp_path: Path, capsys
+) -> None:
+    """The runner's reader passes --trust-weights through: damaged bytes are refused by
+    default and read as they are with the flag."""
+    from mkgen.runtime.weights import ConvertedWeights
+
+    out = tmp_path / "w"
+    args = ["--checkpoint", str(sharded), "--topology", "1x1x1", "-o", str(out)]
+    assert _convert(args, capsys)[0] == 0
+    spec, layout = _layout()
+    build = SimpleNamespace(name="test")
+    name = out / "core-000/layer-002.vectors.npy"
+    damaged = bytearray(name.read_bytes())
+    damaged[-1] ^= 0x40
+    name.write_bytes(damaged)
+    with pytest.raises(MkgenError, match=rf"{name}: sha256 differs from layout.json's"):
+        ConvertedWeights(spec, layout, out, build, verify=True).vectors(0)
+    assert ConvertedWeights(spec, layout, out, build, verify=False).vectors(0).shape[0] > 2

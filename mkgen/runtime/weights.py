@@ -54,18 +54,19 @@ class ConvertedWeights:
     MkgenErrors); each core's arrays are read (memory-mapped) only when a local device
     needs them.
 
-    `verify` (off with --trust-weights) is whether the files' recorded sha256 digests are
-    checked as they are read. mkgen.codegen.convert's readers check sizes only today; when
-    they take a `verify` argument, pass `verify=self.verify` to open_weights, read_globals
-    and the reads in `_read`: this is the one place to wire it."""
+    `verify` (off with --trust-weights) is whether every file's sha256 recorded in
+    layout.json is checked as the file is read: flipped bytes are a one-line error naming
+    the file, never different tokens."""
 
     def __init__(self, spec: Any, layout: Any, directory: Path, build: Build, verify: bool) -> None:
         self.layout, self.directory, self.verify = layout, Path(directory), verify
         self.manifest = convert.open_weights(self.directory, spec, layout, build.name)
-        self.embedding, self.final_norm = convert.read_globals(self.directory, self.manifest)
+        self.embedding, self.final_norm = convert.read_globals(
+            self.directory, self.manifest, verify=verify
+        )
 
     def _read(self, reader: Callable[..., np.ndarray], *args: int) -> np.ndarray:
-        return reader(self.directory, self.manifest, self.layout, *args)
+        return reader(self.directory, self.manifest, self.layout, *args, verify=self.verify)
 
     def stream(self, rank: int) -> np.ndarray:
         return self._read(convert.read_stream, rank)
