@@ -368,6 +368,7 @@ class KernelFeatures(PlanModel):
 
     rope: bool  # kinds with rotary positions: cos/sin tables built before the kernel
     routing: bool  # MoE kinds: top-k selection of experts
+    activations: list[str]  # the FFN kinds' gated activations (_activation's branches)
     recurrent: bool  # Gated DeltaNet or KDA kinds: causal conv and delta rule
     softplus: bool  # Gated DeltaNet's decay, or KDA's without a lower bound
     expert_formats: list[str]  # routed-expert storage kinds: bf16, int4, mxfp4, fp8
@@ -799,6 +800,7 @@ def _features(
     return KernelFeatures(
         rope=any(a.rope for a in attention),
         routing=bool(expert_formats),
+        activations=list(dict.fromkeys(f.activation for f in ffn)),
         recurrent=bool(recurrent),
         softplus=any(a.type == "gated_deltanet" or a.gate_lower_bound is None for a in recurrent),
         expert_formats=expert_formats,
