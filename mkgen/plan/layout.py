@@ -795,6 +795,7 @@ def _features(
     ffn: list[DenseLayout | MoELayout],
     stream_formats: list[StreamFormat],
 ) -> KernelFeatures:
+    """What the kernel's kinds call, so that it carries only those helpers."""
     recurrent = [a for a in attention if isinstance(a, RecurrentLayout)]
     expert_formats = list(dict.fromkeys(f.experts.kind for f in ffn if isinstance(f, MoELayout)))
     return KernelFeatures(

@@ -9,9 +9,10 @@ to the `_kernel` parameters that receive those buffers and their shape comments.
 Phases of a layer-kind function (`_attention_<kind>`, `_ffn_<kind>`, `_lm_head`) are
 its top-level statements cut at *markers*: a weight-stream matmul
 (`ctx.stream.matmul(x, first_bank, SEGMENT)`, matched to the plan's segment at the bank
-offset of the module's `SEGMENT = Segment(offset=...)` constant), a collective (`ctx.collectives.<op>`) or a call of a helper made
-for the kind (`_<what>_<kind>`, labelled by its docstring). Statements between
-markers belong to the next marker's phase.
+offset of the module's `SEGMENT = Segment(offset=...)` constant), a collective
+(`ctx.collectives.<op>`) or a call of a helper made for the kind (`_<what>_<kind>`,
+labelled by its docstring). Statements between markers belong to the next marker's
+phase.
 """
 
 from __future__ import annotations
