@@ -1,7 +1,12 @@
-"""Code generation: rendering is deterministic, and full-size kernels compile for TPU7x."""
+"""Code generation: rendering is deterministic, the kernels read like hand-written ones,
+and full-size kernels compile for TPU7x."""
 
 from __future__ import annotations
 
+import ast
+import re
+import subprocess
+import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -11,11 +16,14 @@ import pytest
 from jax.sharding import Mesh
 
 from mkgen.codegen.build import load_module, render_kernel
+from mkgen.codegen.package import entry_inputs, read_build_list, render_build
+from mkgen.hardware import vmem_padded_bytes
 from mkgen.plan import plan_build
 from mkgen.plan.collectives import arrange_devices
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.loader import load_spec
 from mkgen.spec.topology import parse_topology
+from mkgen.verify.inspect import vmem_map
 from mkgen.verify.tpu_compile import compile_for_tpu, compile_only_devices
 
 MiB = 1024 * 1024
@@ -52,6 +60,159 @@ def test_loaded_module_shows_its_lines_in_tracebacks() -> None:
     assert "raise ValueError('from rendered code')" in "".join(
         traceback.format_tb(raised.value.__traceback__)
     )
+
+
+# ---------------------------------------------------------------- the kernel as text
+
+
+@pytest.fixture(scope="module")
+def kernels() -> dict[str, tuple[str, int]]:
+    """Every checked-in build's kernel and its mini twin's, as rendered now: name ->
+    (source, the VMEM limit of the build's chip in the catalog)."""
+    out = {}
+    for entry in read_build_list():
+        spec, topology, options = entry_inputs(entry)
+        rendered = render_build(spec, topology, options)
+        limit = topology.chip_info.vmem_limit_bytes
+        for path in ("megakernel.py", "mini/megakernel.py"):
+            out[f"{rendered.name}/{path}"] = (rendered.files[path], limit)
+    return out
+
+
+def _calls(tree: ast.AST, method: str) -> list[ast.Call]:
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == method
+    ]
+
+
+def _module_constants(tree: ast.Module) -> dict[str, ast.expr]:
+    return {
+        target.id: node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+
+
+def test_every_matmul_names_its_segment(kernels) -> None:
+    """No bare numbers at a matmul: its segment is a module-level `Segment` constant."""
+    for name, (source, _) in kernels.items():
+        tree = ast.parse(source)
+        constants = _module_constants(tree)
+        calls = _calls(tree, "matmul")
+        assert calls, name
+        for call in calls:
+            where = f"{name}:{call.lineno}"
+            # The input is any expression; the unit it starts from and its segment are named.
+            literals = [
+                n for arg in call.args[1:] for n in ast.walk(arg) if isinstance(n, ast.Constant)
+            ]
+            assert not literals, f"{where}: a bare number in {ast.unparse(call)}"
+            segment = call.args[-1]
+            assert isinstance(segment, ast.Name), where
+            value = constants.get(segment.id)
+            assert isinstance(value, ast.Call) and ast.unparse(value.func) == "Segment", where
+
+
+def test_fused_outputs_are_sliced_by_name(kernels) -> None:
+    """`y[:, 1283:1667]` style slices of a fused matmul's output are gone: y is indexed
+    with a named column range."""
+    for name, (source, _) in kernels.items():
+        assert not re.search(r"\by\[[^\]]*\d+ *:", source), name
+        assert not re.search(r"vec\[\d", source), name
+
+
+def test_every_private_helper_is_used(kernels) -> None:
+    """Helpers are emitted only for kinds the build has: every top-level `_name` function
+    is referenced somewhere."""
+    for name, (source, _) in kernels.items():
+        tree = ast.parse(source)
+        defined = {
+            node.name
+            for node in tree.body
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("_")
+        }
+        used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+        assert defined - {"_kernel"} <= used, f"{name}: unused {sorted(defined - used)}"
+
+
+def test_only_recurrent_builds_carry_the_delta_rule(kernels) -> None:
+    gqa_only = kernels["qwen3-32b-2x2x1/megakernel.py"][0]
+    deltanet = kernels["qwen3.8-27b-2x2x1/megakernel.py"][0]
+    for helper in ("_softplus", "_conv_step", "_delta_rule_step", "_top_k", "_slot_matmul"):
+        assert f"def {helper}(" not in gqa_only, helper
+    for helper in ("_softplus", "_conv_step", "_delta_rule_step"):
+        assert f"def {helper}(" in deltanet, helper
+
+
+def test_no_template_leftovers(kernels) -> None:
+    for name, (source, _) in kernels.items():
+        for leftover in ("* 1.0\n", "choice = scores\n", "xe = h\n", "import functools"):
+            assert leftover not in source, f"{name}: {leftover!r}"
+        tree = ast.parse(source)
+        for fn in tree.body:
+            if isinstance(fn, ast.FunctionDef) and fn.name.startswith("_route_"):
+                text = ast.get_source_segment(source, fn) or ""
+                score = "softmax" if "softmax scores" in text else "sigmoid"
+                other = {"softmax": "sigmoid", "sigmoid": "softmax"}[score]
+                assert other not in text, f"{name}: a {score} router mentions {other}"
+
+
+def test_tables_are_one_row_a_line(kernels) -> None:
+    for name, (source, _) in kernels.items():
+        lone = re.search(r"^\s*-?\d[\d.e+-]*,$", source, re.M)
+        assert lone is None, f"{name}: one number a line: {lone and lone.group(0)!r}"
+        tables = _module_constants(ast.parse(source))["LAYER_TABLES"]
+        assert isinstance(tables, ast.Tuple) and len(tables.elts) == 6, name
+        assert all(row.lineno == row.end_lineno for row in tables.elts), name
+
+
+def _vmem_limit(source: str) -> int:
+    [keyword] = [
+        k
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        for k in node.keywords
+        if k.arg == "vmem_limit_bytes"
+    ]
+    assert isinstance(keyword.value, ast.Constant)
+    return keyword.value.value
+
+
+def test_vmem_limit_is_the_chips(kernels) -> None:
+    for name, (source, limit) in kernels.items():
+        assert _vmem_limit(source) == limit, name
+    # v6e has 128 MiB of VMEM: its kernels may use more than TPU7x's 64.
+    layout = _layout("qwen3-32b", "v6e:2x2", context=4096)
+    assert _vmem_limit(render_kernel(layout, "header")) == 128 * MiB
+
+
+def test_generated_kernels_have_no_undefined_or_unused_names(kernels) -> None:
+    for name, (source, _) in kernels.items():
+        result = subprocess.run(
+            [sys.executable, "-m", "ruff", "check", "--isolated", "--select", "F",
+             "--output-format", "concise", "--stdin-filename", "megakernel.py", "-"],
+            input=source, capture_output=True, text=True,
+        )  # fmt: skip
+        assert result.returncode == 0, f"{name}: {result.stdout}"
+
+
+def test_inspect_pads_one_dimensional_buffers_as_the_vmem_plan_does(kernels) -> None:
+    """One padding rule (mkgen.hardware.vmem_padded_bytes): a 1-D buffer takes whole
+    512-byte lane rows, as jax's infer_tiling says, not an (8, 128) tile."""
+    source, _ = kernels["qwen3-30b-a3b-2x2x1/megakernel.py"]
+    found = vmem_map(source)
+    assert found is not None
+    seen = next(b for b in found.smem if b.name == "moe_seen_smem")
+    assert seen.shape == (128,) and seen.padded_bytes == 512  # 128 int32
+    for buffer in found.buffers + found.smem:
+        bits = 8 * np.dtype(buffer.dtype).itemsize
+        assert buffer.padded_bytes == vmem_padded_bytes(buffer.shape, bits), buffer.name
 
 
 SPECS = Path(__file__).parent / "specs"

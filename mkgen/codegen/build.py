@@ -24,9 +24,6 @@ from mkgen.codegen.render import environment, render
 from mkgen.errors import MkgenError
 from mkgen.plan.layout import KernelLayout
 
-MiB = 1024 * 1024
-VMEM_LIMIT_BYTES = 64 * MiB  # TPU7x's whole VMEM: the plan's budget stays below it
-
 
 def kernel_name(layout: KernelLayout) -> str:
     """The pallas_call's name (rendered inside a string): model and topology, [a-z0-9_]."""
@@ -45,7 +42,6 @@ def render_kernel(layout: KernelLayout, header: str) -> str:
         L=layout,
         header=header,
         kernel_name=kernel_name(layout),
-        vmem_limit_bytes=VMEM_LIMIT_BYTES,
     )
 
 

@@ -4,8 +4,9 @@ The schedule the checks prove (mkgen/plan/schedule.py) and the template that ren
 kernel must consume every layer kind's stream segments in the same order: the ring starts
 bank g + depth only after bank g is used, so a kernel that waits for its banks out of the
 program's order hangs at a shallow enough depth while every check of the program passes.
-The rendered source is read back here (its `matmul` calls on `first_bank + offset`, in
-source order) and compared with the program before a build is written.
+The rendered source is read back here (its `matmul(x, first_bank, SEGMENT)` calls, in
+source order, each SEGMENT a module-level `Segment(offset=...)`) and compared with the
+program before a build is written.
 """
 
 from __future__ import annotations
@@ -16,17 +17,20 @@ from mkgen.plan.graph import ScheduleCheckError
 from mkgen.plan.layout import KernelLayout
 
 STREAM_FIRST_BANK = "first_bank"  # the kernel's name for a layer kind's first bank
+STREAM_SEGMENT = "Segment"  # the kernel's record of a stream segment (offset, shape, format)
 
 
 def consumed_segments(source: str, layout: KernelLayout) -> dict[str, list[str]]:
     """Layer kind -> the stream segments its kernel function consumes, in source order."""
     module = ast.parse(source)
-    constants = {
-        target.id: node.value.value
+    offsets = {  # NAME = Segment(offset=N, ...) at module level -> N
+        target.id: keyword.value.value
         for node in module.body
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+        if isinstance(node, ast.Assign) and _is_segment(node.value)
         for target in node.targets
-        if isinstance(target, ast.Name) and isinstance(node.value.value, int)
+        if isinstance(target, ast.Name)
+        for keyword in node.value.keywords
+        if keyword.arg == "offset" and isinstance(keyword.value, ast.Constant)
     }
     functions = {f.name: f for f in module.body if isinstance(f, ast.FunctionDef)}
     kinds = [("_attention_", k) for k in layout.attention] + [("_ffn_", k) for k in layout.ffn]
@@ -36,8 +40,8 @@ def consumed_segments(source: str, layout: KernelLayout) -> dict[str, list[str]]
         function = functions.get(prefix + kind.name)
         if function is None:
             raise ScheduleCheckError(f"the rendered kernel has no {prefix}{kind.name} function")
-        offsets = [_bank_offset(call, constants) for call in _matmuls(function)]
-        out[kind.name] = [by_offset.get(o, f"bank +{o}") for o in offsets if o is not None]
+        consumed = [_stream_offset(call, offsets) for call in _matmuls(function)]
+        out[kind.name] = [by_offset.get(o, f"bank +{o}") for o in consumed if o is not None]
     return out
 
 
@@ -61,6 +65,14 @@ def check_program_order(source: str, layout: KernelLayout, program: dict[str, li
         )
 
 
+def _is_segment(value: ast.expr) -> bool:
+    return (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Name)
+        and value.func.id == STREAM_SEGMENT
+    )
+
+
 def _matmuls(function: ast.FunctionDef) -> list[ast.Call]:
     calls = [
         node
@@ -68,26 +80,20 @@ def _matmuls(function: ast.FunctionDef) -> list[ast.Call]:
         if isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)
         and node.func.attr == "matmul"
-        and len(node.args) >= 2
+        and len(node.args) >= 3
     ]
     return sorted(calls, key=lambda c: (c.lineno, c.col_offset))
 
 
-def _bank_offset(call: ast.Call, constants: dict[str, int]) -> int | None:
-    """`first_bank + K` (K a literal or a module constant) -> K; None for other banks."""
-    bank = call.args[1]
-    if not (
-        isinstance(bank, ast.BinOp)
-        and isinstance(bank.op, ast.Add)
-        and isinstance(bank.left, ast.Name)
-        and bank.left.id == STREAM_FIRST_BANK
-    ):
+def _stream_offset(call: ast.Call, offsets: dict[str, int]) -> int | None:
+    """`matmul(x, first_bank, SEGMENT)` -> SEGMENT's offset; None for other units (expert
+    slots)."""
+    first, segment = call.args[1], call.args[2]
+    if not (isinstance(first, ast.Name) and first.id == STREAM_FIRST_BANK):
         return None
-    offset = bank.right
-    if isinstance(offset, ast.Constant) and isinstance(offset.value, int):
-        return offset.value
-    if isinstance(offset, ast.Name) and offset.id in constants:
-        return constants[offset.id]
+    if isinstance(segment, ast.Name) and segment.id in offsets:
+        return offsets[segment.id]
     raise ScheduleCheckError(
-        f"the rendered kernel reads bank first_bank + {ast.unparse(offset)}, not a constant"
+        f"the rendered kernel streams {ast.unparse(segment)} from first_bank: not a Segment "
+        "constant with a literal offset"
     )

@@ -48,6 +48,11 @@ class VectorRow(PlanModel):
     length: int
     rows: int = 1
 
+    @property
+    def stop(self) -> int:
+        """The row after its last."""
+        return self.row + self.rows
+
 
 class CacheArray(PlanModel):
     """One per-core cache array of an attention kind, updated in place by the kernel."""
@@ -62,6 +67,10 @@ class Columns(PlanModel):
 
     start: int
     size: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.size
 
 
 class Rope(PlanModel):
@@ -87,6 +96,7 @@ class GQALayout(PlanModel):
     values_in_keys: bool = False  # False: separate k and v caches
     q_cols: int
     kv_cols: int
+    columns: dict[str, Columns]  # outputs of the qkv segment: wq, wk, wv, (wgate)
     gate: bool
     qk_norm: Literal["none", "rms", "rms_noparam"]
     sinks: bool
@@ -342,6 +352,31 @@ class AttentionResidualLayout(PlanModel):
     logits_row: int  # row of the block's first layer's slab holding its logits
 
 
+class StreamFormat(PlanModel):
+    """How a bank of a quantized weight-stream format is read (mkgen.plan.stream.Segment)."""
+
+    format: str  # as the spec writes it: int8, fp8:B
+    code: Literal["int8", "float8_e4m3fn"]  # jnp dtype of its codes
+    chunks_per_bank: int
+    scale_row: int  # first row of a bank's scale region
+    scale_rows: int  # bf16 rows of one chunk's scales
+    block: int | None  # fp8:B: rows and columns per scale; None: int8's per-column scales
+
+
+class KernelFeatures(PlanModel):
+    """The optional code a build needs: the template emits a helper only when a kind that
+    calls it is present."""
+
+    rope: bool  # kinds with rotary positions: cos/sin tables built before the kernel
+    routing: bool  # MoE kinds: top-k selection of experts
+    activations: list[str]  # the FFN kinds' gated activations (_activation's branches)
+    recurrent: bool  # Gated DeltaNet or KDA kinds: causal conv and delta rule
+    softplus: bool  # Gated DeltaNet's decay, or KDA's without a lower bound
+    expert_formats: list[str]  # routed-expert storage kinds: bf16, int4, mxfp4, fp8
+    stream_formats: list[StreamFormat]  # quantized weight-stream formats, in stream order
+    block_scales: bool  # mxfp4 / fp8 experts or fp8 stream segments: scales repeated over rows
+
+
 class KernelLayout(PlanModel):
     """Everything the megakernel template and the packer need for one build."""
 
@@ -378,6 +413,8 @@ class KernelLayout(PlanModel):
     final_norm: Part
     max_k_chunks: int
     max_col_blocks: int
+    features: KernelFeatures
+    vmem_limit_bytes: int  # Mosaic's scoped VMEM limit: the chip catalog's (mkgen.hardware)
 
 
 # ---------------------------------------------------------------- building a layout
@@ -424,6 +461,7 @@ def _gqa_layout(name, index, layers, kind, shard, segments, devices, options, di
         value_dim=d,
         q_cols=q_cols,
         kv_cols=kv_cols,
+        columns=_segment_columns(segments, "qkv", "attn."),
         gate=kind.output_gate == "sigmoid",
         qk_norm=kind.qk_norm,
         sinks=kind.sinks,
@@ -728,6 +766,47 @@ def _slab_width(kind: DenseLayout | MoELayout) -> int:
     return max(widths, default=0)
 
 
+def _stream_formats(segments: list[Segment]) -> list[StreamFormat]:
+    """The quantized formats of the weight stream, each read as its first segment stores it."""
+    from mkgen.spec.quant import parse_format
+
+    out: dict[str, StreamFormat] = {}
+    for seg in segments:
+        if seg.format == "bf16" or seg.format in out:
+            continue
+        fmt = parse_format(seg.format)
+        out[seg.format] = StreamFormat(
+            format=seg.format,
+            code="int8" if fmt.kind == "int8" else "float8_e4m3fn",
+            chunks_per_bank=seg.chunks_per_bank,
+            scale_row=seg.scale_row,
+            scale_rows=seg.scale_rows,
+            block=fmt.group if fmt.kind == "fp8" else None,
+        )
+    return list(out.values())
+
+
+def _features(
+    attention: list[GQALayout | MLALayout | RecurrentLayout],
+    ffn: list[DenseLayout | MoELayout],
+    stream_formats: list[StreamFormat],
+) -> KernelFeatures:
+    """What the kernel's kinds call, so that it carries only those helpers."""
+    recurrent = [a for a in attention if isinstance(a, RecurrentLayout)]
+    expert_formats = list(dict.fromkeys(f.experts.kind for f in ffn if isinstance(f, MoELayout)))
+    return KernelFeatures(
+        rope=any(a.rope for a in attention),
+        routing=bool(expert_formats),
+        activations=list(dict.fromkeys(f.activation for f in ffn)),
+        recurrent=bool(recurrent),
+        softplus=any(a.type == "gated_deltanet" or a.gate_lower_bound is None for a in recurrent),
+        expert_formats=expert_formats,
+        stream_formats=stream_formats,
+        block_scales=bool({"mxfp4", "fp8"} & set(expert_formats))
+        or any(f.block is not None for f in stream_formats),
+    )
+
+
 def build_layout(
     spec: ModelSpec,
     topology: Topology,
@@ -822,6 +901,7 @@ def build_layout(
     globals_ = {t.name: part_of(t, devices) for t in sharding.globals}
     segments = [s for a in attention for s in a.segments] + [s for f in ffn for s in f.segments]
     segments += stream.tail
+    stream_formats = _stream_formats(segments)
     tokens = options.batch * options.rows
     return KernelLayout(
         model=spec.name,
@@ -864,6 +944,8 @@ def build_layout(
         max_k_chunks=max(s.k_chunks for s in segments),
         max_col_blocks=max(s.col_blocks for s in segments),
         trace_residuals=trace_residuals,
+        features=_features(attention, ffn, stream_formats),
+        vmem_limit_bytes=topology.chip_info.vmem_limit_bytes,
     )
 
 

@@ -8,15 +8,17 @@ to the `_kernel` parameters that receive those buffers and their shape comments.
 
 Phases of a layer-kind function (`_attention_<kind>`, `_ffn_<kind>`, `_lm_head`) are
 its top-level statements cut at *markers*: a weight-stream matmul
-(`ctx.stream.matmul(..., first_bank + OFFSET, ...)`, matched to the plan's segment at
-that bank offset), a collective (`ctx.collectives.<op>`) or a call of a helper made
-for the kind (`_<what>_<kind>`, labelled by its docstring). Statements between
-markers belong to the next marker's phase.
+(`ctx.stream.matmul(x, first_bank, SEGMENT)`, matched to the plan's segment at the bank
+offset of the module's `SEGMENT = Segment(offset=...)` constant), a collective
+(`ctx.collectives.<op>`) or a call of a helper made for the kind (`_<what>_<kind>`,
+labelled by its docstring). Statements between markers belong to the next marker's
+phase.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import json
 import math
@@ -31,11 +33,8 @@ import numpy as np
 from pydantic import ValidationError
 
 from mkgen.errors import MkgenError
+from mkgen.hardware import vmem_padded_bytes
 from mkgen.plan.layout import KernelLayout
-
-LANES = 128  # Mosaic's VMEM tile: 128 lanes x (8 x 4 / itemsize) sublanes
-SUBLANE_BYTES = 32
-
 
 # ---------------------------------------------------------------- source structure
 
@@ -86,16 +85,29 @@ def _call_name(call: ast.Call) -> str:
     return ".".join(reversed(parts))
 
 
-def _bank_offset(call: ast.Call) -> int | str | None:
-    """The stream matmul's bank argument: OFFSET of `first_bank + OFFSET`, or a name."""
-    if len(call.args) < 2:
+def _segment_argument(call: ast.Call) -> str | None:
+    """The name of the stream matmul's segment: SEGMENT of `matmul(x, first, SEGMENT)`."""
+    if len(call.args) < 3 or not isinstance(call.args[2], ast.Name):
         return None
-    arg = call.args[1]
-    if isinstance(arg, ast.BinOp) and isinstance(arg.right, ast.Constant):
-        return int(arg.right.value)
-    if isinstance(arg, ast.Name):
-        return 0 if arg.id == "first_bank" else arg.id
-    return None
+    return call.args[2].id
+
+
+@functools.cache
+def segment_offsets(source: str) -> dict[str, int]:
+    """Bank offsets of the module's `NAME = Segment(offset=N, ...)` constants, by name."""
+    out = {}
+    for node in ast.parse(source).body:
+        if not (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and _call_name(node.value) == "Segment"
+        ):
+            continue
+        offset = next((k.value for k in node.value.keywords if k.arg == "offset"), None)
+        for target in node.targets:
+            if isinstance(target, ast.Name) and isinstance(offset, ast.Constant):
+                out[target.id] = int(offset.value)
+    return out
 
 
 @dataclass
@@ -104,7 +116,7 @@ class Phase:
     first: int
     last: int
     marker: str  # "stream", "collective", "helper" or "code"
-    detail: Any = None  # the segment offset, the collective op or the helper name
+    detail: Any = None  # the segment's constant, the collective op or the helper name
     dmas: list[str] = field(default_factory=list)
 
     @property
@@ -128,7 +140,7 @@ def phases(fn: Function, kind: str, helpers: dict[str, Function]) -> list[Phase]
                 continue
             name = _call_name(node)
             if name.endswith("stream.matmul"):
-                marker = Phase("", start, 0, "stream", _bank_offset(node))
+                marker = Phase("", start, 0, "stream", _segment_argument(node))
             elif ".collectives." in f".{name}":
                 marker = Phase("", start, 0, "collective", name.rsplit(".", 1)[-1])
             elif name.startswith("_") and name.endswith(f"_{kind}") and name in helpers:
@@ -180,16 +192,6 @@ class VmemMap:
         return sum(b.padded_bytes for b in self.buffers)
 
 
-def padded_bytes(shape: tuple[int, ...], itemsize: int) -> int:
-    if not shape:
-        return itemsize
-    sublanes = max(1, SUBLANE_BYTES // itemsize)
-    *lead, rows, lanes = (1, *shape) if len(shape) == 1 else shape
-    rows = -(-rows // sublanes) * sublanes
-    lanes = -(-lanes // LANES) * LANES
-    return math.prod(lead) * rows * lanes * itemsize
-
-
 def _comments(source: str) -> dict[int, str]:
     out = {}
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
@@ -223,7 +225,8 @@ def vmem_map(source: str) -> VmemMap | None:
         itemsize = np.dtype(ref.dtype).itemsize
         size = math.prod(shape) * itemsize
         buffer = Buffer(
-            param.arg, shape, str(np.dtype(ref.dtype)), size, padded_bytes(shape, itemsize),
+            param.arg, shape, str(np.dtype(ref.dtype)), size,
+            vmem_padded_bytes(shape, 8 * itemsize),
             comment,
         )  # fmt: skip
         (smem if "SMEM" in space else buffers).append(buffer)
@@ -316,7 +319,7 @@ def _describe_dmas(build: Build, kind: _Kind | None, phase: Phase, helper: Funct
     depth, bank = stream.ring_depth, _mib(stream.bank_bytes)
     if phase.marker == "stream":
         segments = kind.segments if kind else stream.tail
-        offset = phase.detail if isinstance(phase.detail, int) else 0
+        offset = segment_offsets(build.source).get(phase.detail)
         seg = next((s for s in segments if s.bank_offset == offset), None)
         if seg is None:
             phase.label = "weight-stream matmul"
