@@ -384,15 +384,21 @@ def build_command(
     --update-report`."""
     import time
 
-    from mkgen.codegen.package import make_build
+    from mkgen.codegen.package import CommandLine, build_commands, default_build_dir, make_build
 
     _prepare_jax()
     spec, topo, options = _plan_inputs(
         spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,
         quant=quant,
     )  # fmt: skip
+    # The printed commands name the build as the user did, so they run as printed.
+    default_dir = output is None or output.resolve() == default_build_dir(spec.name, topo).resolve()
+    line = CommandLine(
+        spec=None if spec_ref == spec.name else spec_ref,
+        output=None if default_dir else str(output),
+    )
     start = time.perf_counter()
-    result = make_build(spec, topo, options, output=output, force=force)
+    result = make_build(spec, topo, options, output=output, force=force, line=line)
     seconds = time.perf_counter() - start
     r, where = result.rendered, _shown(result.directory)
     L, est = r.layout, r.plan.estimate
@@ -416,8 +422,8 @@ def build_command(
     click.echo(f"  plan.json      {r.files['plan.json'].count(chr(10)):>5} lines")
     click.echo(
         f"  REPORT.md      {r.files['REPORT.md'].count(chr(10)):>5} lines  predicted "
-        f"{est.step_ms:.3f} ms/step, {est.tokens_per_s_per_user:.1f} tokens/s per user, "
-        f"{100 * est.floor_ratio:.0f} % of the HBM floor"
+        f"{est.step_ms:.3f} ms/step ({est.times_floor}), "
+        f"{est.tokens_per_s_per_user:.1f} tokens/s per user"
     )
     mini = json.loads(r.files["mini/plan.json"])["kernel"]
     click.echo(
@@ -426,16 +432,8 @@ def build_command(
         f"{mini['stream']['ring_depth']}"
     )
     click.echo(f"  inputs sha256 {r.inputs_sha256}")
-    # verify runs the twin (its own context and formats); compile the build as built.
-    shape = f"--topology {topology}" + "".join(
-        f" --{name} {value}" for name, value in (("batch", batch), ("rows", rows)) if value != 1
-    )
-    exact = shape + (f" --context {context}" if context else "")
-    exact += "".join(f" --quant {item}" for item in quant)
-    click.echo(
-        f"next: mkgen verify {spec_ref} {shape}; mkgen compile {spec_ref} {exact}; "
-        f"mkgen inspect {where}"
-    )
+    commands = build_commands(spec.name, topo, options, line)
+    click.echo(f"next: {commands['verify']}; {commands['compile']}; {commands['inspect']}")
 
 
 @cli.command("verify")

@@ -265,7 +265,7 @@ class Estimate(_Frozen):
     by_layer_kind: dict[str, KindTime]  # "attn/ffn" -> time
     hbm_bytes_per_device_per_step: int
     hbm_floor_ms: float
-    floor_ratio: float  # hbm_floor / step (1.0 = at the streaming floor)
+    floor_ratio: float  # hbm_floor / step (1.0 = at the streaming floor); see times_floor
     tokens_per_s_per_user: float
     tokens_per_s: float
     tokens_per_dollar: float | None
@@ -277,10 +277,15 @@ class Estimate(_Frozen):
     # The simulated timeline (only when asked for); not part of saved plans.
     events: tuple[TraceEvent, ...] = Field(default=(), exclude=True)
 
+    @property
+    def times_floor(self) -> str:
+        """The step as a multiple of the HBM floor, e.g. '2.3x the HBM floor' (a share such
+        as '40 % of the floor' would read as faster than the floor)."""
+        return f"{self.step_ms / self.hbm_floor_ms:.1f}x the HBM floor"
+
     def describe(self) -> str:
         lines = [
-            f"step {self.step_ms:.3f} ms (HBM floor {self.hbm_floor_ms:.3f} ms, "
-            f"{100 * self.floor_ratio:.0f} % of floor); "
+            f"step {self.step_ms:.3f} ms ({self.times_floor} of {self.hbm_floor_ms:.3f} ms); "
             f"{self.tokens_per_s_per_user:.1f} tok/s per user, {self.tokens_per_s:.1f} tok/s"
             + (
                 f", {self.tokens_per_dollar:,.0f} tokens per $"
