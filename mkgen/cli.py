@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,15 +26,18 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
-def write_atomic(path: Path, text: str, force: bool) -> None:
-    """Write a file through a temp file and rename; never overwrite without force."""
+def write_atomic(path: Path, data: str | bytes, force: bool) -> None:
+    """Write a file through a temp file and rename; never overwrite without force. The
+    file gets the umask's mode (0644 under umask 022), as any file a user writes."""
     if path.exists() and not force:
         raise MkgenError(f"{path} exists; pass --force to overwrite it")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+    # os.open applies the umask to 0o666; mkstemp would make it 0600.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data.encode() if isinstance(data, str) else data)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -251,35 +255,84 @@ def plan_command(spec_ref: str, topology: str, as_json: bool, trace: Path | None
 @cli.command("estimate")
 @click.argument("spec_ref", metavar="SPEC")
 @click.option("--topology", required=True, help="CHIP:SHAPE or SHAPE, e.g. 2x2x4.")
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="Directory for CSV + SVG.")
+@click.option(
+    "-o", "--output", type=click.Path(path_type=Path),
+    help="Directory for the CSV, SVG and PNG (default: the current directory).",
+)  # fmt: skip
 @click.option("--batches", default="1,2,4,8,16,32,64", show_default=True, help="Batch sizes.")
-@click.option("--acceptance", type=float, default=None, help="Accepted tokens (capped at rows).")
+@click.option(
+    "--rows", "rows_list", default="1", show_default=True,
+    help="Rows per sequence, e.g. 1,4,8 (rows > 1 need --acceptance).",
+)  # fmt: skip
+@click.option(
+    "--acceptance", type=float, default=None,
+    help="Mean tokens accepted per step when rows > 1 (capped at each row count).",
+)  # fmt: skip
+@click.option(
+    "--scenario", default="agentic", show_default=True, metavar="NAME",
+    help="Request shape the total tokens per $ price: agentic, chat or decode.",
+)  # fmt: skip
 @click.option("--context", type=int, default=None, help="Cache tokens per sequence [4096].")
 @click.option("--quant", multiple=True, metavar="FAMILY=FORMAT", help="Weight format override.")
-@click.option("--price", type=float, default=None, help="USD per chip-hour.")
+@click.option("--price", type=float, default=None, help="USD per chip-hour [catalog estimate].")
+@click.option(
+    "--reference-price", "reference_prices", multiple=True, metavar="CHIP=USD",
+    help="Chip-hour price of a published reference (e.g. GB300=2.31).",
+)  # fmt: skip
 def estimate_command(spec_ref: str, topology: str, output: Path | None, batches: str,
+                     rows_list: str, scenario: str, reference_prices: tuple[str, ...],
                      **fields: Any) -> None:  # fmt: skip
-    """Sweep batch x rows 1/4/8: the table, a CSV and the TCO curve (tokens per $ vs tok/s/user)."""
-    from mkgen.plan.report import sweep, sweep_csv, sweep_svg, sweep_table
+    """Predict total tokens per dollar against tokens/s per user over batch x rows: the
+    table, SPEC-SHAPE-estimate.csv, and the chart as .svg and .png, with the published
+    reference points (mkgen/plan/tco.py)."""
+    from mkgen.plan import tco
+    from mkgen.plan.report import estimate_chart_text, sweep, sweep_csv, sweep_table, tco_chart
 
-    try:
-        sizes = tuple(int(b) for b in batches.split(","))
-    except ValueError:
-        raise MkgenError(f"--batches {batches!r}: write sizes like 1,2,4,8") from None
-    if not sizes or min(sizes) < 1:
-        raise MkgenError(f"--batches {batches!r}: sizes must be positive integers")
-    # Validated against the largest row count; the sweep caps it at each point's rows.
-    spec, topo, options = _plan_inputs(spec_ref, topology, rows=8, **fields)
-    rows = sweep(spec, topo, options, batches=sizes)
-    click.echo(f"{spec.name} on {topo.name}, context {options.context}")
+    sizes = _positive_list("--batches", batches)
+    row_counts = _positive_list("--rows", rows_list)
+    if max(row_counts) > 1 and fields["acceptance"] is None:
+        raise MkgenError(
+            f"--rows {rows_list}: rows > 1 need --acceptance A (mean tokens accepted per step, "
+            "e.g. 3), or sweep --rows 1"
+        )
+    request = tco.scenario(scenario)
+    prices = tco.parse_prices(reference_prices)
+    spec, topo, options = _plan_inputs(spec_ref, topology, rows=max(row_counts), **fields)
+    if request.input_tokens + request.output_tokens > options.context:
+        raise MkgenError(
+            f"--scenario {request.describe()} needs a context of "
+            f"{request.input_tokens + request.output_tokens}; pass --context to raise it"
+        )
+    price = options.price_per_chip_hour_usd or topo.chip_info.price_per_chip_hour_usd
+    if price is None:
+        raise MkgenError(f"{topo.chip} has no chip-hour price in the catalog; pass --price USD")
+    rows = sweep(spec, topo, options, request, batches=sizes, rows=row_counts)
+    click.echo(f"{spec.name} on {topo.name}, context {options.context}, {request.describe()}")
     click.echo(sweep_table(rows))
+    title, notes = estimate_chart_text(spec.name, topo, price, request, prices)
+    references = tuple(tco.priced(curve, prices) for curve in tco.REFERENCES)
     name = f"{spec.name}-{topo.shape_name}-estimate"
     directory = output or Path(".")
-    title = f"{spec.name} on {topo.name}: tokens per dollar vs tokens/s per user"
-    for suffix, text in ((".csv", sweep_csv(rows)), (".svg", sweep_svg(rows, title))):
+    files = [(".csv", sweep_csv(rows).encode())] + [
+        (f".{fmt}", tco_chart(rows, title=title, notes=notes, references=references, fmt=fmt))
+        for fmt in ("svg", "png")
+    ]
+    click.echo(f"wrote to {_shown(directory)}/ (-o DIR chooses the directory):")
+    for suffix, data in files:
         path = directory / f"{name}{suffix}"
-        write_atomic(path, text, force=True)
-        click.echo(f"wrote {path}")
+        write_atomic(path, data, force=True)
+        click.echo(f"  {path}")
+
+
+def _positive_list(flag: str, text: str) -> tuple[int, ...]:
+    """`1,2,4` -> (1, 2, 4); an error naming `flag` otherwise."""
+    try:
+        sizes = tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise MkgenError(f"{flag} {text!r}: write sizes like 1,2,4,8") from None
+    if not sizes or min(sizes) < 1:
+        raise MkgenError(f"{flag} {text!r}: sizes must be positive integers")
+    return sizes
 
 
 def _plan_inputs(spec_ref: str, topology: str, **fields: Any) -> tuple[Any, Any, Any]:
