@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import os
 import stat
@@ -76,6 +77,39 @@ def test_plan_prints_every_section_and_writes_a_trace(tmp_path) -> None:
     data = json.loads(trace.read_text())
     tracks = {e["args"]["name"] for e in data["traceEvents"] if e["name"] == "thread_name"}
     assert tracks == {"dma", "core", "ici"}
+
+
+def test_the_trace_names_layers_and_segments_in_whole_ns_without_overlap(tmp_path) -> None:
+    trace = tmp_path / "trace.json"
+    result = mkgen("plan", "qwen3-30b-a3b", "--topology", "2x2x1", "--trace", str(trace))
+    assert result.returncode == 0, result.stderr
+    slices = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    names = {e["name"] for e in slices}
+    assert {"L0 gqa projections", "L47 gqa wo", "L47 moe experts", "epilogue lm_head"} <= names
+    assert {name.split()[0] for name in names} == {"prologue", "epilogue"} | {
+        f"L{i}" for i in range(48)
+    }
+    by_track: dict[int, list[tuple[int, int]]] = {}
+    for e in slices:
+        start, dur = e["args"]["start_ns"], e["args"]["dur_ns"]
+        assert isinstance(start, int) and isinstance(dur, int) and dur >= 0
+        assert (e["ts"], e["dur"]) == (start / 1000, dur / 1000)  # the format's microseconds
+        by_track.setdefault(e["tid"], []).append((start, start + dur))
+    for spans in by_track.values():
+        spans.sort()
+        assert all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(spans)), "overlap"
+    # A bank is named by the layer it belongs to, also when the ring fetches it earlier.
+    banks: dict[int, set[str]] = {}
+    for e in slices:
+        if "bank" in e["args"]:
+            banks.setdefault(e["args"]["bank"], set()).add(e["name"])
+    assert all(len(names) == 1 for names in banks.values())
+    weights = [e for e in slices if e["name"] == "L3 gqa projections"]
+    assert {e["tid"] for e in weights} == {1, 2}  # its DMA and its use on the core
+    assert all(e["args"]["bytes"] > 0 and isinstance(e["args"]["bank"], int) for e in weights)
+    assert "attn.wq" in weights[0]["args"]["tensors"]
+    experts = [e for e in slices if e["name"] == "L3 moe experts"]
+    assert {e["args"]["expert"] for e in experts} >= {0, 1}
 
 
 def test_plan_options_reach_the_plan() -> None:
