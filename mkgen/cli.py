@@ -324,6 +324,14 @@ def estimate_command(spec_ref: str, topology: str, output: Path | None, batches:
         click.echo(f"  {path}")
 
 
+def _progress(items: Any, desc: str, unit: str) -> Any:
+    """A tqdm bar over `items` on stderr (stdout stays the command's output), shown only
+    when stderr is a terminal; gone when done."""
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit=unit, file=sys.stderr, disable=None, leave=False)
+
+
 def _positive_list(flag: str, text: str) -> tuple[int, ...]:
     """`1,2,4` -> (1, 2, 4); an error naming `flag` otherwise."""
     try:
@@ -589,10 +597,12 @@ def _verify_and_print(
     click.echo(f"tolerances: {checks.TOLERANCES}")
     click.echo(f"({checks.NOT_YET})")
     reports = []
-    for mode in modes:
-        reports += checks.run_verify(spec_ref, topo.name, modes=(mode,), **run)
-        for line in checks.verify_lines(reports[-1]):
-            click.echo(line)
+    with _progress(modes, "verify", "mode") as bar:
+        for mode in bar:
+            bar.set_postfix_str(f"DMA mode {mode}, {run['steps']} step(s) in a subprocess")
+            reports += checks.run_verify(spec_ref, topo.name, modes=(mode,), **run)
+            for line in checks.verify_lines(reports[-1]):
+                bar.write(line, file=sys.stdout)
     if directory is not None:
         from mkgen.codegen.package import record_measurement
 
@@ -807,10 +817,11 @@ def run_command(build: str, runner_args: tuple[str, ...]) -> None:
 @click.option("--context", type=int, default=None, help="Cache tokens per sequence [4096].")
 @click.option("--quant", multiple=True, metavar="FAMILY=FORMAT", help="Weight format override.")
 @click.option("--mini", is_flag=True, help="Run each build's mini twin (CPU: with --interpret).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON list, a row per batch.")
 @click.argument("runner_args", nargs=-1, type=click.UNPROCESSED)
 def bench_command(
     spec_ref: str, topology: str, batches: str, rows: int, context: int | None,
-    quant: tuple[str, ...], mini: bool, runner_args: tuple[str, ...],
+    quant: tuple[str, ...], mini: bool, as_json: bool, runner_args: tuple[str, ...],
 ) -> None:  # fmt: skip
     """Benchmark the runner at several batch sizes: build SPEC once per batch (in a
     temporary directory), run each build's runner with --bench --json and the arguments
@@ -820,13 +831,14 @@ def bench_command(
 
     from mkgen.codegen.package import make_build
 
-    try:
-        sizes = [int(b) for b in batches.split(",")]
-    except ValueError:
-        raise MkgenError(f"--batches: expected comma-separated integers, got {batches!r}") from None
+    sizes = _positive_list("--batches", batches)
     rows_out = []
-    with tempfile.TemporaryDirectory(prefix="mkgen-bench-") as tmp:
-        for batch in sizes:
+    with (
+        tempfile.TemporaryDirectory(prefix="mkgen-bench-") as tmp,
+        _progress(sizes, "bench", "batch") as bar,
+    ):
+        for batch in bar:
+            bar.set_postfix_str(f"batch {batch}: build, then run the runner")
             spec, topo, options = _plan_inputs(
                 spec_ref, topology, batch=batch, rows=rows, context=context, quant=quant
             )
@@ -842,6 +854,10 @@ def bench_command(
             bench = json.loads(run.stdout.strip().splitlines()[-1])["bench"]
             predicted = None if mini else result.rendered.step_ms()
             rows_out.append((batch, bench, predicted))
+    if as_json:
+        click.echo(json.dumps([{"batch": batch, **bench, "predicted_ms_per_step": predicted}
+                               for batch, bench, predicted in rows_out]))  # fmt: skip
+        return
     click.echo("batch  ms/step (p10-p90)       tokens/s/user  tokens/s  predicted ms/step")
     for batch, bench, predicted in rows_out:
         spread = f"{bench['ms_p10']:.3f}-{bench['ms_p90']:.3f}"
