@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install build test lint format regen regen-measure bench clean
+.PHONY: install build test lint format regen regen-measure docs bench clean
 
 install: $(STAMP)
 
@@ -39,6 +39,10 @@ regen: $(STAMP)
 
 regen-measure: $(STAMP)
 	$(PY) -m mkgen.cli regen --measure
+
+# Rerun the README's example commands and rewrite their blocks (scripts/make_docs.py).
+docs: $(STAMP)
+	$(PY) scripts/make_docs.py
 
 bench: $(STAMP)
 	$(PY) scripts/bench.py

@@ -277,47 +277,104 @@ def _is_trace(text: str, empty: dict[str, list[Any]]) -> bool:
 @cli.command("estimate")
 @click.argument("spec_ref", metavar="SPEC")
 @click.option("--topology", required=True, help="CHIP:SHAPE or SHAPE, e.g. 2x2x4.")
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="Directory for CSV + SVG.")
+@click.option(
+    "-o", "--output", type=click.Path(path_type=Path),
+    help="Directory for the CSV, SVG and PNG (default: the current directory).",
+)  # fmt: skip
 @click.option("--batches", default="1,2,4,8,16,32,64", show_default=True, help="Batch sizes.")
-@click.option("--acceptance", type=float, default=None, help="Accepted tokens (capped at rows).")
+@click.option(
+    "--rows", "rows_list", default="1", show_default=True,
+    help="Rows per sequence, e.g. 1,4,8 (rows > 1 need --acceptance).",
+)  # fmt: skip
+@click.option(
+    "--acceptance", type=float, default=None,
+    help="Mean tokens accepted per step when rows > 1 (capped at each row count).",
+)  # fmt: skip
+@click.option(
+    "--scenario", default="agentic", show_default=True, metavar="NAME",
+    help="Request shape the total tokens per $ price: agentic, chat or decode.",
+)  # fmt: skip
 @click.option("--context", type=int, default=None, help="Cache tokens per sequence [4096].")
 @click.option("--quant", multiple=True, metavar="FAMILY=FORMAT", help="Weight format override.")
-@click.option("--price", type=float, default=None, help="USD per chip-hour.")
+@click.option("--price", type=float, default=None, help="USD per chip-hour [catalog estimate].")
+@click.option(
+    "--reference-price", "reference_prices", multiple=True, metavar="CHIP=USD",
+    help="Chip-hour price of a published reference (e.g. GB300=2.31).",
+)  # fmt: skip
 def estimate_command(spec_ref: str, topology: str, output: Path | None, batches: str,
+                     rows_list: str, scenario: str, reference_prices: tuple[str, ...],
                      **fields: Any) -> None:  # fmt: skip
-    """Sweep batch x rows 1/4/8: the table, a CSV and the TCO curve (tokens per $ vs tok/s/user)."""
+    """Predict total tokens per dollar against tokens/s per user over batch x rows: the
+    table, SPEC-SHAPE-estimate.csv, and the chart as .svg and .png, with the published
+    reference points (mkgen/plan/tco.py)."""
+    from mkgen.plan import tco
     from mkgen.plan.options import MAX_TOKEN_ROWS
-    from mkgen.plan.report import DEFAULT_ROWS, sweep, sweep_csv, sweep_svg, sweep_table
+    from mkgen.plan.report import estimate_chart_text, sweep, sweep_csv, sweep_table, tco_chart
 
-    try:
-        sizes = tuple(int(b) for b in batches.split(","))
-    except ValueError:
-        raise MkgenError(f"--batches {batches!r}: write sizes like 1,2,4,8") from None
-    largest = MAX_TOKEN_ROWS // max(DEFAULT_ROWS)
-    if not sizes or not all(1 <= size <= largest for size in sizes):
+    sizes = _positive_list("--batches", batches)
+    row_counts = _positive_list("--rows", rows_list)
+    most_rows = max(row_counts)
+    if most_rows * max(sizes) > MAX_TOKEN_ROWS:
         raise MkgenError(
-            f"--batches {batches!r}: sizes must be integers from 1 to {largest} (times "
-            f"{max(DEFAULT_ROWS)} rows, within the {MAX_TOKEN_ROWS} token rows a step holds)"
+            f"--batches {batches} x --rows {rows_list}: {max(sizes)} x {most_rows} token rows "
+            f"per step, over the {MAX_TOKEN_ROWS} a step holds; lower the largest batch or rows"
         )
-    # Validated against the largest row count; the sweep caps it at each point's rows.
-    spec, topo, options = _plan_inputs(spec_ref, topology, rows=8, **fields)
-    rows = sweep(spec, topo, options, batches=sizes)
-    click.echo(f"{spec.name} on {topo.name}, context {options.context}")
+    if max(row_counts) > 1 and fields["acceptance"] is None:
+        raise MkgenError(
+            f"--rows {rows_list}: rows > 1 need --acceptance A (mean tokens accepted per step, "
+            "e.g. 3), or sweep --rows 1"
+        )
+    request = tco.scenario(scenario)
+    prices = tco.parse_prices(reference_prices)
+    spec, topo, options = _plan_inputs(spec_ref, topology, rows=max(row_counts), **fields)
+    if request.input_tokens + request.output_tokens > options.context:
+        raise MkgenError(
+            f"--scenario {request.describe()} needs a context of "
+            f"{request.input_tokens + request.output_tokens}; pass --context to raise it"
+        )
+    price = options.price_per_chip_hour_usd or topo.chip_info.price_per_chip_hour_usd
+    if price is None:
+        raise MkgenError(f"{topo.chip} has no chip-hour price in the catalog; pass --price USD")
+    rows = sweep(spec, topo, options, request, batches=sizes, rows=row_counts)
+    click.echo(f"{spec.name} on {topo.name}, context {options.context}, {request.describe()}")
     click.echo(sweep_table(rows))
+    title, notes = estimate_chart_text(spec.name, topo, price, request, prices)
+    references = tuple(tco.priced(curve, prices) for curve in tco.REFERENCES)
     name = f"{spec.name}-{topo.shape_name}-estimate"
     directory = output or Path(".")
-    title = f"{spec.name} on {topo.name}: tokens per dollar vs tokens/s per user"
-    header = sweep_csv([])  # an earlier estimate is recognised by its header or its title
-    for suffix, text, earlier in (
-        (".csv", sweep_csv(rows), lambda old: old.startswith(header)),
-        (".svg", sweep_svg(rows, title), lambda old: title in old),
-    ):
+    files = [(".csv", sweep_csv(rows).encode())] + [
+        (f".{fmt}", tco_chart(rows, title=title, notes=notes, references=references, fmt=fmt))
+        for fmt in ("svg", "png")
+    ]
+    click.echo(f"wrote to {_shown(directory)}/ (-o DIR chooses the directory):")
+    header = sweep_csv([])  # an earlier estimate is recognised by its CSV header or title
+    for suffix, data in files:
         path = directory / f"{name}{suffix}"
+        earlier = header if suffix == ".csv" else title
         write_atomic(
-            path, text, may_replace=earlier,
+            path, data, may_replace=lambda old, mark=earlier: mark in old,
             refusal="exists and is not an estimate mkgen wrote; move it or choose another -o",
         )  # fmt: skip
-        click.echo(f"wrote {path}")
+        click.echo(f"  {path}")
+
+
+def _progress(items: Any, desc: str, unit: str) -> Any:
+    """A tqdm bar over `items` on stderr (stdout stays the command's output), shown only
+    when stderr is a terminal; gone when done."""
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit=unit, file=sys.stderr, disable=None, leave=False)
+
+
+def _positive_list(flag: str, text: str) -> tuple[int, ...]:
+    """`1,2,4` -> (1, 2, 4); an error naming `flag` otherwise."""
+    try:
+        sizes = tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise MkgenError(f"{flag} {text!r}: write sizes like 1,2,4,8") from None
+    if not sizes or min(sizes) < 1:
+        raise MkgenError(f"{flag} {text!r}: sizes must be positive integers")
+    return sizes
 
 
 def _plan_inputs(spec_ref: str, topology: str, **fields: Any) -> tuple[Any, Any, Any]:
@@ -431,15 +488,21 @@ def build_command(
     --update-report`."""
     import time
 
-    from mkgen.codegen.package import make_build
+    from mkgen.codegen.package import CommandLine, build_commands, default_build_dir, make_build
 
     _prepare_jax()
     spec, topo, options = _plan_inputs(
         spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,
         quant=quant, ring_depth=ring_depth, expert_slots=expert_slots,
     )  # fmt: skip
+    # The printed commands name the build as the user did, so they run as printed.
+    default_dir = output is None or output.resolve() == default_build_dir(spec.name, topo).resolve()
+    line = CommandLine(
+        spec=None if spec_ref == spec.name else spec_ref,
+        output=None if default_dir else str(output),
+    )
     start = time.perf_counter()
-    result = make_build(spec, topo, options, output=output, force=force)
+    result = make_build(spec, topo, options, output=output, force=force, line=line)
     seconds = time.perf_counter() - start
     r, where = result.rendered, _shown(result.directory)
     L, est = r.layout, r.plan.estimate
@@ -463,8 +526,8 @@ def build_command(
     click.echo(f"  plan.json      {r.files['plan.json'].count(chr(10)):>5} lines")
     click.echo(
         f"  REPORT.md      {r.files['REPORT.md'].count(chr(10)):>5} lines  predicted "
-        f"{est.step_ms:.3f} ms/step, {est.tokens_per_s_per_user:.1f} tokens/s per user, "
-        f"{100 * est.floor_ratio:.0f} % of the HBM floor"
+        f"{est.step_ms:.3f} ms/step ({est.times_floor}), "
+        f"{est.tokens_per_s_per_user:.1f} tokens/s per user"
     )
     mini = json.loads(r.files["mini/plan.json"])["kernel"]
     click.echo(
@@ -473,16 +536,8 @@ def build_command(
         f"{mini['stream']['ring_depth']}"
     )
     click.echo(f"  inputs sha256 {r.inputs_sha256}")
-    # verify runs the twin (its own context and formats); compile the build as built.
-    shape = f"--topology {topology}" + "".join(
-        f" --{name} {value}" for name, value in (("batch", batch), ("rows", rows)) if value != 1
-    )
-    exact = shape + (f" --context {context}" if context else "")
-    exact += "".join(f" --quant {item}" for item in quant)
-    click.echo(
-        f"next: mkgen verify {spec_ref} {shape}; mkgen compile {spec_ref} {exact}; "
-        f"mkgen inspect {where}"
-    )
+    commands = build_commands(spec.name, topo, options, line)
+    click.echo(f"next: {commands['verify']}; {commands['compile']}; {commands['inspect']}")
 
 
 @cli.command("verify")
@@ -595,10 +650,12 @@ def _verify_and_print(
     click.echo(f"tolerances: {checks.TOLERANCES}")
     click.echo(f"({checks.NOT_YET})")
     reports = []
-    for mode in modes:
-        reports += checks.run_verify(spec_ref, topo.name, modes=(mode,), **run)
-        for line in checks.verify_lines(reports[-1]):
-            click.echo(line)
+    with _progress(modes, "verify", "mode") as bar:
+        for mode in bar:
+            bar.set_postfix_str(f"DMA mode {mode}, {run['steps']} step(s) in a subprocess")
+            reports += checks.run_verify(spec_ref, topo.name, modes=(mode,), **run)
+            for line in checks.verify_lines(reports[-1]):
+                bar.write(line, file=sys.stdout)
     if directory is not None:
         from mkgen.codegen.package import record_measurement
 
@@ -820,10 +877,11 @@ def run_command(ctx: click.Context, build: str, runner_args: tuple[str, ...]) ->
 @click.option("--context", type=int, default=None, help="Cache tokens per sequence [4096].")
 @click.option("--quant", multiple=True, metavar="FAMILY=FORMAT", help="Weight format override.")
 @click.option("--mini", is_flag=True, help="Run each build's mini twin (CPU: with --interpret).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON list, a row per batch.")
 @click.argument("runner_args", nargs=-1, type=click.UNPROCESSED)
 def bench_command(
     spec_ref: str, topology: str, batches: str, rows: int, context: int | None,
-    quant: tuple[str, ...], mini: bool, runner_args: tuple[str, ...],
+    quant: tuple[str, ...], mini: bool, as_json: bool, runner_args: tuple[str, ...],
 ) -> None:  # fmt: skip
     """Benchmark the runner at several batch sizes: build SPEC once per batch (in a
     temporary directory), run each build's runner with --bench --json and the arguments
@@ -833,13 +891,14 @@ def bench_command(
 
     from mkgen.codegen.package import make_build
 
-    try:
-        sizes = [int(b) for b in batches.split(",")]
-    except ValueError:
-        raise MkgenError(f"--batches: expected comma-separated integers, got {batches!r}") from None
+    sizes = _positive_list("--batches", batches)
     rows_out = []
-    with tempfile.TemporaryDirectory(prefix="mkgen-bench-") as tmp:
-        for batch in sizes:
+    with (
+        tempfile.TemporaryDirectory(prefix="mkgen-bench-") as tmp,
+        _progress(sizes, "bench", "batch") as bar,
+    ):
+        for batch in bar:
+            bar.set_postfix_str(f"batch {batch}: build, then run the runner")
             spec, topo, options = _plan_inputs(
                 spec_ref, topology, batch=batch, rows=rows, context=context, quant=quant
             )
@@ -855,6 +914,10 @@ def bench_command(
             bench = json.loads(run.stdout.strip().splitlines()[-1])["bench"]
             predicted = None if mini else result.rendered.step_ms()
             rows_out.append((batch, bench, predicted))
+    if as_json:
+        click.echo(json.dumps([{"batch": batch, **bench, "predicted_ms_per_step": predicted}
+                               for batch, bench, predicted in rows_out]))  # fmt: skip
+        return
     click.echo("batch  ms/step (p10-p90)       tokens/s/user  tokens/s  predicted ms/step")
     for batch, bench, predicted in rows_out:
         spread = f"{bench['ms_p10']:.3f}-{bench['ms_p90']:.3f}"

@@ -43,12 +43,14 @@ def check_parent(path: Path) -> Path:
 
 
 def write_atomic(
-    path: Path, text: str, *, may_replace: Callable[[str], bool], refusal: str
+    path: Path, data: str | bytes, *, may_replace: Callable[[str], bool], refusal: str
 ) -> None:
-    """Write `text` to the file `path` through a temp file and a rename, with the umask's mode.
+    """Write `data` (text, or bytes such as a PNG) to the file `path` through a temp file and
+    a rename, with the umask's mode.
 
     An existing file is replaced only when `may_replace(its text)` holds (the user passed
-    --force, or mkgen recognises its own earlier output); otherwise MkgenError
+    --force, or mkgen recognises its own earlier output; binary content is decoded with
+    replacement characters, so a marker such as a PNG's title still shows); otherwise MkgenError
     `"{path} {refusal}"`. A directory or a device is never replaced. A symbolic link is
     written through, so the file it names is replaced, not the link."""
     target = Path(os.path.realpath(path))
@@ -63,8 +65,8 @@ def write_atomic(
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         try:
             os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600 files
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data.encode() if isinstance(data, str) else data)
             os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
+import os
 import re
+import stat
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cli_run import assert_user_error, mkgen
@@ -76,6 +80,39 @@ def test_plan_prints_every_section_and_writes_a_trace(tmp_path) -> None:
     assert tracks == {"dma", "core", "ici"}
 
 
+def test_the_trace_names_layers_and_segments_in_whole_ns_without_overlap(tmp_path) -> None:
+    trace = tmp_path / "trace.json"
+    result = mkgen("plan", "qwen3-30b-a3b", "--topology", "2x2x1", "--trace", str(trace))
+    assert result.returncode == 0, result.stderr
+    slices = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    names = {e["name"] for e in slices}
+    assert {"L0 gqa projections", "L47 gqa wo", "L47 moe experts", "epilogue lm_head"} <= names
+    assert {name.split()[0] for name in names} == {"prologue", "epilogue"} | {
+        f"L{i}" for i in range(48)
+    }
+    by_track: dict[int, list[tuple[int, int]]] = {}
+    for e in slices:
+        start, dur = e["args"]["start_ns"], e["args"]["dur_ns"]
+        assert isinstance(start, int) and isinstance(dur, int) and dur >= 0
+        assert (e["ts"], e["dur"]) == (start / 1000, dur / 1000)  # the format's microseconds
+        by_track.setdefault(e["tid"], []).append((start, start + dur))
+    for spans in by_track.values():
+        spans.sort()
+        assert all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(spans)), "overlap"
+    # A bank is named by the layer it belongs to, also when the ring fetches it earlier.
+    banks: dict[int, set[str]] = {}
+    for e in slices:
+        if "bank" in e["args"]:
+            banks.setdefault(e["args"]["bank"], set()).add(e["name"])
+    assert all(len(names) == 1 for names in banks.values())
+    weights = [e for e in slices if e["name"] == "L3 gqa projections"]
+    assert {e["tid"] for e in weights} == {1, 2}  # its DMA and its use on the core
+    assert all(e["args"]["bytes"] > 0 and isinstance(e["args"]["bank"], int) for e in weights)
+    assert "attn.wq" in weights[0]["args"]["tensors"]
+    experts = [e for e in slices if e["name"] == "L3 moe experts"]
+    assert {e["args"]["expert"] for e in experts} >= {0, 1}
+
+
 def test_plan_options_reach_the_plan() -> None:
     result = mkgen(
         "plan", "muse-spark-1.2", "--topology", "2x2x1", "--batch", "2", "--context", "8192",
@@ -96,37 +133,104 @@ def test_a_plan_is_the_kernels_plan_so_an_ungenerated_format_is_refused() -> Non
     assert_user_error(result, "nvfp4", "not supported by the code generator yet")
 
 
-def test_estimate_writes_the_table_csv_and_svg(tmp_path) -> None:
-    result = mkgen("estimate", "qwen3-32b", "--topology", "2x2x1", "-o", str(tmp_path))
+def test_estimate_writes_the_table_csv_and_charts_with_the_umask(tmp_path) -> None:
+    result = mkgen(
+        "estimate", "qwen3-32b", "--topology", "2x2x1", "--rows", "1,4,8", "--acceptance", "3",
+        "-o", str(tmp_path),
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "tok/s/user" in result.stdout
-    rows = list(csv.DictReader((tmp_path / "qwen3-32b-2x2x1-estimate.csv").open()))
+    assert "tok/s/user" in result.stdout and "agentic: 3,072 input + 1,024 output" in result.stdout
+    name = tmp_path / "qwen3-32b-2x2x1-estimate"
+    written = [Path(f"{name}.csv"), Path(f"{name}.svg"), Path(f"{name}.png")]
+    assert f"wrote to {tmp_path}/" in result.stdout
+    for path in written:
+        assert f"  {path}" in result.stdout
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {stat.S_IMODE(p.stat().st_mode) for p in written} == {0o666 & ~umask}
+    rows = list(csv.DictReader(written[0].open()))
     assert len(rows) == 7 * 3  # batch 1..64 (powers of two) x rows 1/4/8
     assert {int(r["rows"]) for r in rows} == {1, 4, 8}
+    assert {r["scenario"] for r in rows} == {"agentic"}
     assert [int(r["batch"]) for r in rows[:7]] == [1, 2, 4, 8, 16, 32, 64]
-    assert all(float(r["tokens_per_dollar"]) > 0 for r in rows)
-    svg = (tmp_path / "qwen3-32b-2x2x1-estimate.svg").read_text()
-    root = ET.fromstring(svg)
-    assert root.tag.endswith("svg")
-    assert svg.count("<polyline") == 3
-    assert "tokens per dollar" in svg and "tokens/s per user" in svg
+    # Prefill makes input tokens cheaper than output ones: more tokens per $ in all.
+    assert all(float(r["total_tokens_per_dollar"]) > float(r["tokens_per_dollar"]) for r in rows)
+    svg = written[1].read_text()
+    assert ET.fromstring(svg).tag.endswith("svg")
+    for text in ("predicted", "$1.21 per chip-hour", "tokens/s per user", "Pareto frontier",
+                 "GB300 NVL72 ($2.31/chip-hour)", "Kimi K3 on 16 GB200", "agentic"):  # fmt: skip
+        assert text in svg, text
+    assert written[2].read_bytes().startswith(b"\x89PNG")
 
 
 def test_estimate_output_is_deterministic() -> None:
+    from mkgen.plan import tco
     from mkgen.plan.options import BuildOptions
-    from mkgen.plan.report import sweep, sweep_csv, sweep_svg
+    from mkgen.plan.report import sweep, sweep_csv, tco_chart
     from mkgen.spec.loader import load_spec
     from mkgen.spec.topology import parse_topology
 
     spec, topo = load_spec("qwen3-30b-a3b"), parse_topology("2x2x1")
     options = BuildOptions.create(rows=8, acceptance=3)
-    first = sweep(spec, topo, options, batches=(1, 8))
-    second = sweep(spec, topo, options, batches=(1, 8))
+    agentic = tco.scenario("agentic")
+    first = sweep(spec, topo, options, agentic, batches=(1, 8), rows=(1, 8))
+    second = sweep(spec, topo, options, agentic, batches=(1, 8), rows=(1, 8))
     assert sweep_csv(first) == sweep_csv(second)
-    assert sweep_svg(first, "t") == sweep_svg(second, "t")
+    for fmt in ("svg", "png"):
+        charts = [
+            tco_chart(rows, title="t", notes=["n"], references=tco.REFERENCES, fmt=fmt)
+            for rows in (first, second)
+        ]
+        assert charts[0] == charts[1], fmt
     # Acceptance is capped at each point's rows.
     assert {r.acceptance for r in first if r.rows == 1} == {1.0}
     assert {r.acceptance for r in first if r.rows == 8} == {3.0}
+
+
+def _row(per_user: float, per_dollar: float, fits: bool = True) -> Any:
+    from mkgen.plan.report import SweepRow
+
+    return SweepRow(
+        batch=1, rows=1, acceptance=1.0, fits_hbm=fits, fits_vmem=True, hbm_gb_per_device=1.0,
+        vmem_mib=1.0, step_ms=1.0, hbm_floor_ms=1.0, tokens_per_s_per_user=per_user,
+        tokens_per_s=per_user, tokens_per_dollar=per_dollar, total_tokens_per_dollar=per_dollar,
+        scenario="decode", note="",
+    )  # fmt: skip
+
+
+def test_the_pareto_frontier_keeps_only_undominated_points_that_fit() -> None:
+    from mkgen.plan.report import pareto_frontier
+
+    best_fast, best_cheap = _row(400, 2e6), _row(100, 9e6)
+    middle = _row(250, 5e6)
+    dominated = _row(200, 4e6)  # middle is faster and cheaper
+    too_big = _row(500, 8e6, fits=False)
+    frontier = pareto_frontier([best_fast, dominated, too_big, best_cheap, middle])
+    assert frontier == [best_cheap, middle, best_fast]
+
+
+def test_decode_scenario_total_is_the_decode_tokens_per_dollar() -> None:
+    from mkgen.plan.tco import scenario, total_tokens_per_dollar
+
+    common = dict(active_params=3e9, chips=4, peak_bf16_flops_per_chip=2.3e15)
+    decode = total_tokens_per_dollar(
+        scenario("decode"), decode_tokens_per_s=1000.0, price_per_chip_hour_usd=1.21, **common
+    )
+    assert decode == pytest.approx(1000.0 * 3600 / (4 * 1.21))
+    agentic = total_tokens_per_dollar(
+        scenario("agentic"), decode_tokens_per_s=1000.0, price_per_chip_hour_usd=1.21, **common
+    )
+    assert agentic > decode  # input tokens cost less slice time than output tokens
+
+
+def test_reference_points_follow_a_changed_chip_hour_price() -> None:
+    from mkgen.plan.tco import REFERENCES, parse_prices, priced
+
+    gb300 = next(curve for curve in REFERENCES if curve.chip == "GB300")
+    assert gb300.points == ((25.0, 31e6), (400.0, 2.5e6))
+    doubled = priced(gb300, parse_prices(["GB300=4.62"]))
+    assert doubled.points == ((25.0, 15.5e6), (400.0, 1.25e6))
+    assert doubled.describe() == "GB300 NVL72 ($4.62/chip-hour)"
 
 
 # --------------------------------------------------------------------------- errors
@@ -202,7 +306,7 @@ def test_mosaic_scratch_over_the_vmem_limit_is_said_without_a_negative_budget(tm
 @pytest.mark.parametrize(
     ("command", "args", "fragment"),
     [
-        ("estimate", ("--batches", "1,100000"), "--batches '1,100000': sizes must be integers"),
+        ("estimate", ("--batches", "1,100000"), "--batches 1,100000 x --rows 1"),
         ("estimate", ("--price", "nan"), "--price nan"),
         ("verify", ("--steps", "200"), "--steps 200: each step writes --rows 1 token(s)"),
         ("verify", ("--timeout", "nan"), "--timeout nan: give a finite number of seconds"),
@@ -221,6 +325,26 @@ def test_plan_and_build_apply_one_context_rule() -> None:
     build = mkgen("build", "qwen3-32b", "--topology", "2x2x1", "--context", "4097")
     assert_user_error(plan, "--context 4097")
     assert plan.stderr == build.stderr
+
+
+def test_estimate_rows_above_one_need_an_acceptance() -> None:
+    result = mkgen("estimate", "qwen3-32b", "--topology", "2x2x1", "--rows", "1,4")
+    assert_user_error(result, "--rows 1,4", "--acceptance")
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (("2x2x1", "--reference-price", "H100=2"), "unknown chip 'H100'"),
+        (("2x2x1", "--reference-price", "GB300=free"), "positive price"),
+        (("2x2x1", "--scenario", "batch"), "--scenario 'batch'"),
+        (("2x2x1", "--scenario", "agentic", "--context", "2048"), "pass --context"),
+        (("v6e:2x4",), "pass --price USD"),
+    ],
+)
+def test_estimate_bad_pricing_inputs_are_one_line(args, fragment) -> None:
+    topology, *rest = args
+    assert_user_error(mkgen("estimate", "qwen3-32b", "--topology", topology, *rest), fragment)
 
 
 def test_estimate_bad_batches_is_one_line() -> None:

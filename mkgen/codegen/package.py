@@ -156,8 +156,53 @@ def _verify_flags(topology: Topology, options: BuildOptions) -> list[str]:
     return out
 
 
-def rebuild_command(spec_name: str, topology: Topology, options: BuildOptions) -> str:
-    return shlex.join(["mkgen", "build", spec_name, *cli_flags(topology, options), "--force"])
+@dataclass(frozen=True)
+class CommandLine:
+    """How the commands a build prints name it: the SPEC argument and the -o directory as
+    the user typed them, so that they run as printed. The defaults (the spec's name, the
+    build in generated/<build>/) are what `mkgen regen` and library callers get."""
+
+    spec: str | None = None  # None: the spec's name (a name in model_specs/)
+    output: str | None = None  # None: generated/<build>/, no -o needed
+
+    def spec_arg(self, spec_name: str) -> str:
+        return self.spec or spec_name
+
+    def output_flags(self) -> list[str]:
+        return [] if self.output is None else ["-o", self.output]
+
+    def build_ref(self, name: str) -> str:
+        """What `mkgen inspect` takes for the build: its directory, or its name in generated/."""
+        return self.output or name
+
+
+def rebuild_command(
+    spec_name: str, topology: Topology, options: BuildOptions, line: CommandLine = CommandLine()
+) -> str:
+    return shlex.join(
+        ["mkgen", "build", line.spec_arg(spec_name), *cli_flags(topology, options),
+         *line.output_flags(), "--force"]
+    )  # fmt: skip
+
+
+def build_commands(
+    spec_name: str, topology: Topology, options: BuildOptions, line: CommandLine = CommandLine()
+) -> dict[str, str]:
+    """The commands that record measurements for a build and outline it, runnable as
+    printed: its options included (verify runs the twin, so it takes no context or
+    acceptance) and its -o directory when it is not the default one."""
+    spec_arg, output = line.spec_arg(spec_name), line.output_flags()
+    return {
+        "compile": shlex.join(
+            ["mkgen", "compile", spec_arg, *cli_flags(topology, options), *output,
+             "--update-report"]
+        ),
+        "verify": shlex.join(
+            ["mkgen", "verify", spec_arg, *_verify_flags(topology, options), *output,
+             "--update-report"]
+        ),
+        "inspect": shlex.join(["mkgen", "inspect", line.build_ref(build_name(spec_name, topology))]),
+    }  # fmt: skip
 
 
 def resolved_kernel_args(plan: Any, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -262,13 +307,14 @@ def render_build(
     with_mini: bool = True,
     is_mini: bool = False,
     parent: str | None = None,
+    line: CommandLine = CommandLine(),
 ) -> RenderedBuild:
     """Every file of a build, in memory. Raises SpecError before anything is rendered
     when the spec or one of its kinds is not supported by the code generator.
 
     `kernel_args` go to plan_build (bank_rows, ring_depth, ...); the mini twin uses
     mini_kernel_args(). The kernel, the checks, the report and plan.json all come from
-    that one plan."""
+    that one plan. `line` is how the printed commands name the build."""
     from mkgen.plan import estimate, plan_build
     from mkgen.spec.mini import mini_twin
 
@@ -280,7 +326,7 @@ def render_build(
     bank_rows, depth = kernel_args["bank_rows"], kernel_args["ring_depth"]
     digest = inputs_digest(spec, topology, options, kernel_args)
     name = build_name(spec.name, topology)
-    rebuild = parent or rebuild_command(spec.name, topology, options)
+    rebuild = parent or rebuild_command(spec.name, topology, options, line)
     header = render_header(
         spec_name=spec.name,
         topology=topology.name,
@@ -305,6 +351,7 @@ def render_build(
             "mkgen_version": __version__,
             "inputs_sha256": digest,
             "rebuild": rebuild,
+            "command_line": {"spec": line.spec, "output": line.output},
         },
         "spec": spec.model_dump(mode="json"),
         "topology": topology.name,
@@ -332,6 +379,7 @@ def render_build(
             with_mini=False,
             is_mini=True,
             parent=f"part of `{rebuild}`",
+            line=CommandLine(output=f"{line.build_ref(name)}/{MINI_DIR}"),
         )
     kernels = render_kernel(layout, "") + (render_kernel(mini.layout, "") if mini else "")
     kernel_digest = sha256_bytes(kernels.encode())
@@ -380,6 +428,7 @@ def render_build(
             mini=mini,
             is_mini=is_mini,
             rebuild=rebuild,
+            line=line,
         ),
     )
     if valid:
@@ -432,6 +481,7 @@ def report_context(
     mini: RenderedBuild | None,
     is_mini: bool,
     rebuild: str,
+    line: CommandLine,
 ) -> dict[str, Any]:
     """Everything REPORT.md.j2 places, already formatted (the template decides nothing)."""
     from mkgen.spec.figures import params_active, params_total
@@ -543,14 +593,8 @@ def report_context(
         "topology_text": topology.describe().splitlines()[0],
         "options": options.describe(),
         "rebuild": rebuild,
-        # The commands that record measurements for this build (its options included;
-        # verify runs the twin, so it takes no context or acceptance).
-        "compile_command": shlex.join(
-            ["mkgen", "compile", spec.name, *cli_flags(topology, options), "--update-report"]
-        ),
-        "verify_command": shlex.join(
-            ["mkgen", "verify", spec.name, *_verify_flags(topology, options), "--update-report"]
-        ),
+        # A mini twin's REPORT prints only its inspect command (it is no spec of its own).
+        "commands": build_commands(spec.name, topology, options, line),
         "digest": digest,
         "version": __version__,
         "params_total": f"{params_total(spec) / 1e9:,.2f} B",
@@ -946,6 +990,7 @@ def make_build(
     output: Path | None = None,
     force: bool = False,
     measurements: Mapping[str, Any] | None = None,
+    line: CommandLine = CommandLine(),
 ) -> BuildResult:
     """Render and write one build (default directory: generated/<spec>-<shape>/).
 
@@ -955,7 +1000,7 @@ def make_build(
     _check_target(target, force)  # fail before any rendering work
     if measurements is None:
         measurements = read_measurements(target)
-    rendered = render_build(spec, topology, options, measurements=measurements)
+    rendered = render_build(spec, topology, options, measurements=measurements, line=line)
     written = write_build(rendered.files, target, force=force)
     return BuildResult(directory=target, rendered=rendered, written=written)
 
@@ -992,16 +1037,18 @@ def record_measurement(directory: Path, key: str, result: Mapping[str, Any]) -> 
             f"{directory} was built from other templates or another mkgen; "
             f"run `{data['build']['rebuild']}` first"
         )
+    line = CommandLine(**data["build"].get("command_line", {}))
     kernel_digest = render_build(
-        spec, topology, options, kernel_args=data["kernel_args"]
+        spec, topology, options, kernel_args=data["kernel_args"], line=line
     ).kernel_sha256
     measurements = read_measurements(directory) or {}
     if measurements.get(MEASURED_KEY) != kernel_digest:
         measurements = {}
     measurements = {**measurements, MEASURED_KEY: kernel_digest, key: dict(result)}
     rendered = render_build(
-        spec, topology, options, kernel_args=data["kernel_args"], measurements=measurements
-    )
+        spec, topology, options, kernel_args=data["kernel_args"], measurements=measurements,
+        line=line,
+    )  # fmt: skip
     write_build(rendered.files, directory, force=True)
     return directory
 

@@ -242,13 +242,18 @@ ENGINES = ("dma", "core", "ici")
 
 
 class TraceEvent(_Frozen):
-    """One interval on one engine's track of the simulated timeline (seconds)."""
+    """One interval on one engine's track of the simulated timeline (seconds).
+
+    `name` starts with where in the step it is (`L12` for layer 12, `prologue`,
+    `epilogue`); `args` say what moved or ran: bytes, the ring bank, the tensors of its
+    segment, the expert (numbered in load order: routing picks the ids at run time)."""
 
     engine: Literal["dma", "core", "ici"]
     name: str
     start: float
     duration: float
     category: str = ""
+    args: dict[str, int | str | list[str]] = {}
 
 
 class KindTime(_Frozen):
@@ -265,7 +270,7 @@ class Estimate(_Frozen):
     by_layer_kind: dict[str, KindTime]  # "attn/ffn" -> time
     hbm_bytes_per_device_per_step: int
     hbm_floor_ms: float
-    floor_ratio: float  # hbm_floor / step (1.0 = at the streaming floor)
+    floor_ratio: float  # hbm_floor / step (1.0 = at the streaming floor); see times_floor
     tokens_per_s_per_user: float
     tokens_per_s: float
     tokens_per_dollar: float | None
@@ -277,10 +282,15 @@ class Estimate(_Frozen):
     # The simulated timeline (only when asked for); not part of saved plans.
     events: tuple[TraceEvent, ...] = Field(default=(), exclude=True)
 
+    @property
+    def times_floor(self) -> str:
+        """The step as a multiple of the HBM floor, e.g. '2.3x the HBM floor' (a share such
+        as '40 % of the floor' would read as faster than the floor)."""
+        return f"{self.step_ms / self.hbm_floor_ms:.1f}x the HBM floor"
+
     def describe(self) -> str:
         lines = [
-            f"step {self.step_ms:.3f} ms (HBM floor {self.hbm_floor_ms:.3f} ms, "
-            f"{100 * self.floor_ratio:.0f} % of floor); "
+            f"step {self.step_ms:.3f} ms ({self.times_floor} of {self.hbm_floor_ms:.3f} ms); "
             f"{self.tokens_per_s_per_user:.1f} tok/s per user, {self.tokens_per_s:.1f} tok/s"
             + (
                 f", {self.tokens_per_dollar:,.0f} tokens per $"
@@ -304,7 +314,11 @@ class Estimate(_Frozen):
 def to_chrome_trace(events: list[TraceEvent] | tuple[TraceEvent, ...]) -> dict:
     """Chrome / Perfetto trace JSON (``{"traceEvents": [...]}``), one track per engine.
 
-    Complete events ("ph": "X") in microseconds; thread-name metadata names the tracks.
+    Complete events ("ph": "X"); thread-name metadata names the tracks. Both ends of a
+    slice are rounded to whole nanoseconds first and the duration is their difference,
+    so a slice that starts where its neighbour ends never overlaps it. The format counts
+    microseconds, so `ts` and `dur` are those nanoseconds / 1000 (three decimals, exact
+    in the text); `args` repeat them as integers (`start_ns`, `dur_ns`).
     """
     tids = {name: i + 1 for i, name in enumerate(ENGINES)}
     out: list[dict] = [
@@ -317,6 +331,8 @@ def to_chrome_trace(events: list[TraceEvent] | tuple[TraceEvent, ...]) -> dict:
              "args": {"sort_index": tid}}
         )  # fmt: skip
     for e in events:
+        start_ns = round(e.start * 1e9)
+        dur_ns = round((e.start + e.duration) * 1e9) - start_ns
         out.append(
             {
                 "name": e.name,
@@ -324,31 +340,39 @@ def to_chrome_trace(events: list[TraceEvent] | tuple[TraceEvent, ...]) -> dict:
                 "ph": "X",
                 "pid": 1,
                 "tid": tids[e.engine],
-                "ts": round(e.start * 1e6, 4),
-                "dur": round(e.duration * 1e6, 4),
+                "ts": start_ns / 1000,
+                "dur": dur_ns / 1000,
+                "args": {**e.args, "start_ns": start_ns, "dur_ns": dur_ns},
             }
         )
     return {"traceEvents": out, "displayTimeUnit": "ns"}
 
 
 class _Bank:
-    __slots__ = ("nbytes", "compute_s", "category", "name")
+    __slots__ = ("nbytes", "compute_s", "category", "name", "tensors")
 
-    def __init__(self, nbytes: int, compute_s: float, category: str, name: str) -> None:
+    def __init__(
+        self, nbytes: int, compute_s: float, category: str, name: str, tensors: list[str]
+    ) -> None:
         self.nbytes = nbytes
         self.compute_s = compute_s
         self.category = category
         self.name = name
+        self.tensors = tensors  # the segment's tensors (trace args)
 
 
 class _Sim:
     """One core's timeline: an in-order core, one FIFO DMA engine, the ICI."""
 
-    def __init__(self, c: CostConstants, banks: list[_Bank], trace: bool) -> None:
+    def __init__(
+        self, c: CostConstants, banks: list[_Bank], bank_where: list[str], trace: bool
+    ) -> None:
         self.c = c
         self.t = 0.0
         self.engine_free = 0.0
         self.banks = banks
+        # Which layer each ring bank belongs to: the ring fetches ahead across layers.
+        self.bank_where = bank_where
         self.ready = [0.0] * len(banks)
         self.issued = 0
         self.consumed = 0
@@ -359,27 +383,44 @@ class _Sim:
         self.trace = trace
         self.events: list[TraceEvent] = []
         self.override: str | None = None  # attribute everything to this category
+        self.where = "prologue"  # the trace's name prefix: prologue, L<layer>, epilogue
 
-    def _event(self, engine: str, name: str, start: float, dur: float, cat: str) -> None:
+    def _event(
+        self, engine: str, name: str, start: float, dur: float, cat: str, args: dict | None
+    ) -> None:
         if self.trace and dur > 0:
+            args = args or {}
+            where = self.bank_where[args["bank"]] if "bank" in args else self.where
             self.events.append(
-                TraceEvent(engine=engine, name=name, start=start, duration=dur, category=cat)  # type: ignore[arg-type]
-            )
+                TraceEvent(
+                    engine=engine, name=f"{where} {name}", start=start, duration=dur,  # type: ignore[arg-type]
+                    category=cat, args=args,
+                )
+            )  # fmt: skip
 
-    def dma(self, issue_t: float, nbytes: float, count: int, category: str, name: str) -> float:
+    def dma(
+        self, issue_t: float, nbytes: float, count: int, category: str, name: str,
+        args: dict | None = None,
+    ) -> float:  # fmt: skip
         start = max(issue_t, self.engine_free)
         end = start + self.c.dma_s(nbytes, count)
         self.engine_free = end
         self.hbm_bytes += int(nbytes)
         self.dma_log.append((start, end, category))
-        self._event("dma", name, start, end - start, category)
+        self._event("dma", name, start, end - start, category,
+                    {"bytes": int(nbytes), "dmas": count, **(args or {})})  # fmt: skip
         return end
+
+    def _bank_args(self, j: int) -> dict:
+        return {"bank": j, "bytes": self.banks[j].nbytes, "tensors": self.banks[j].tensors}
 
     def refill(self) -> None:
         depth = self.c.ring_banks
         while self.issued < len(self.banks) and self.issued < self.consumed + depth:
             b = self.banks[self.issued]
-            self.ready[self.issued] = self.dma(self.t, b.nbytes, 1, b.category, b.name)
+            self.ready[self.issued] = self.dma(
+                self.t, b.nbytes, 1, b.category, b.name, self._bank_args(self.issued)
+            )
             self.issued += 1
 
     def _credit(self, category: str, dur: float) -> None:
@@ -405,8 +446,8 @@ class _Sim:
         self._credit(fallback, (t1 - t0) - covered)
         self.t = t1
 
-    def compute(self, dur: float, category: str, name: str) -> None:
-        self._event("core", name, self.t, dur, category)
+    def compute(self, dur: float, category: str, name: str, args: dict | None = None) -> None:
+        self._event("core", name, self.t, dur, category, args)
         self._credit(category, dur)
         self.t += dur
 
@@ -415,14 +456,14 @@ class _Sim:
         for j in range(first, first + count):
             b = self.banks[j]
             self.wait(self.ready[j], b.category)
-            self.compute(b.compute_s, b.category, b.name)
+            self.compute(b.compute_s, b.category, b.name, self._bank_args(j))
             self.consumed += 1
             self.refill()
 
     def collective(self, seconds: float, name: str) -> None:
         # The remote DMAs queue behind the HBM DMAs already issued (one queue per core).
         self.wait(self.engine_free, "collectives")
-        self._event("ici", name, self.t, seconds, "collectives")
+        self._event("ici", name, self.t, seconds, "collectives", None)
         self._credit("collectives", seconds)
         self.t += seconds
 
@@ -460,9 +501,10 @@ class _Builder:
             mxu, vpu = matmul_cost(self.c, t.format, k, n, self.rows)
             comp += lead * max(mxu, vpu)
         count = max(1, math.ceil(nbytes / self.c.bank_bytes))
+        names = [t.name for t in tensors]
         for i in range(count):
             part = min(self.c.bank_bytes, nbytes - i * self.c.bank_bytes)
-            banks.append(_Bank(part, comp * part / nbytes, category, name))
+            banks.append(_Bank(part, comp * part / nbytes, category, name, names))
         ops.append(("ring", count))
 
     def vec(self, ops: list, elements: float, ops_per: float, stages: int, name: str,
@@ -610,10 +652,13 @@ def estimate(
     bld.coll(epi_ops, sh.step_collectives, "sampling")
 
     all_banks: list[_Bank] = []
-    for pair in sh.layer_table:
+    bank_where: list[str] = []
+    for layer, pair in enumerate(sh.layer_table):
         all_banks += templates[pair][1]
+        bank_where += [f"L{layer}"] * len(templates[pair][1])
     all_banks += epi_banks
-    sim = _Sim(c, all_banks, trace)
+    bank_where += ["epilogue"] * len(epi_banks)
+    sim = _Sim(c, all_banks, bank_where, trace)
 
     # Prologue: dispatch (amortised), entry barrier, ring priming, embedding.
     sim.override = "fixed"
@@ -630,11 +675,13 @@ def estimate(
 
     per_kind: dict[tuple[str, str], float] = {}
     bank = 0
-    for pair in sh.layer_table:
+    for layer, pair in enumerate(sh.layer_table):
+        sim.where = f"L{layer}"
         start = sim.t
         bank = _run(sim, templates[pair][0], bank)
         per_kind[pair] = per_kind.get(pair, 0.0) + sim.t - start
     # Epilogue: the lm_head streams through the same ring; the rest is fixed cost.
+    sim.where = "epilogue"
     for op in epi_ops:
         sim.override = None if op[0] == "ring" else "fixed"
         bank = _run(sim, [op], bank)
@@ -688,12 +735,15 @@ def _run(sim: _Sim, ops: list, bank: int) -> int:
         elif kind == "coll":
             sim.collective(op[1], op[2])
         elif kind == "cache_issue":
-            cache_ready = [sim.dma(sim.t, nb, cnt, "kv_state", op[2]) for nb, cnt in op[1]]
+            cache_ready = [
+                sim.dma(sim.t, nb, cnt, "kv_state", op[2], {"tile": k})
+                for k, (nb, cnt) in enumerate(op[1])
+            ]
         elif kind == "cache_consume":
             share = op[1] / max(1, len(cache_ready))
-            for ready in cache_ready:
+            for k, ready in enumerate(cache_ready):
                 sim.wait(ready, "kv_state")
-                sim.compute(share, "kv_state", op[2])
+                sim.compute(share, "kv_state", op[2], {"tile": k})
             if not cache_ready:
                 sim.compute(op[1], "kv_state", op[2])
         elif kind == "write":
@@ -704,14 +754,16 @@ def _run(sim: _Sim, ops: list, bank: int) -> int:
             sizes = [1.0] * whole + ([frac] if frac > 1e-9 else [])
             exp_plan = (sizes, nbytes, dmas, name)
             experts = []
-            for s in sizes[: sim.c.expert_slots]:
-                experts.append(sim.dma(sim.t, nbytes * s, dmas, "experts", name))
+            for k, s in enumerate(sizes[: sim.c.expert_slots]):
+                experts.append(sim.dma(sim.t, nbytes * s, dmas, "experts", name, {"expert": k}))
         elif kind == "experts_consume":
             sizes, nbytes, dmas, name = exp_plan
             for i, s in enumerate(sizes):
                 sim.wait(experts[i], "experts")
-                sim.compute(op[1] * s, "experts", op[2])
+                sim.compute(op[1] * s, "experts", op[2], {"expert": i})
                 nxt = i + sim.c.expert_slots
                 if nxt < len(sizes):
-                    experts.append(sim.dma(sim.t, nbytes * sizes[nxt], dmas, "experts", name))
+                    experts.append(
+                        sim.dma(sim.t, nbytes * sizes[nxt], dmas, "experts", name, {"expert": nxt})
+                    )
     return bank

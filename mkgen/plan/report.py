@@ -1,4 +1,4 @@
-"""Plans for people and for programs: human text, JSON, the estimate sweep as CSV and SVG.
+"""Plans for people and for programs: human text, JSON, the estimate sweep as CSV and chart.
 
 Only formatting lives here (and the sweep that feeds the TCO table); every number comes
 from mkgen.plan. Output is deterministic: the same plan gives the same bytes.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import textwrap
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ from mkgen.hardware import MiB
 if TYPE_CHECKING:
     from mkgen.plan import BuildPlan
     from mkgen.plan.options import BuildOptions
+    from mkgen.plan.tco import ReferenceCurve, Scenario
     from mkgen.spec.schema import ModelSpec
     from mkgen.spec.topology import Topology
 
@@ -284,33 +286,44 @@ class SweepRow:
     hbm_floor_ms: float
     tokens_per_s_per_user: float
     tokens_per_s: float
-    tokens_per_dollar: float
+    tokens_per_dollar: float  # decoded tokens only
+    total_tokens_per_dollar: float  # input plus output tokens of the sweep's scenario
+    scenario: str  # its name (mkgen/plan/tco.py)
     note: str
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_hbm and self.fits_vmem
 
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-DEFAULT_ROWS = (1, 4, 8)
+DEFAULT_ROWS = (1,)
 
 
 def sweep(
     spec: ModelSpec,
     topo: Topology,
     base: BuildOptions,
+    scenario: Scenario,
     batches: tuple[int, ...] = DEFAULT_BATCHES,
     rows: tuple[int, ...] = DEFAULT_ROWS,
 ) -> list[SweepRow]:
     """The cost model over batch x rows; points that do not fit are kept and marked.
 
     ``base.acceptance`` is capped at each row count (a step accepts at most its rows).
+    Total tokens per dollar price `scenario`'s requests (mkgen/plan/tco.py).
     """
     from mkgen.plan.cost import estimate
     from mkgen.plan.layout import FULL_BANK_ROWS
     from mkgen.plan.memory import plan_memory
     from mkgen.plan.sharding import plan_sharding
     from mkgen.plan.stream import plan_stream
+    from mkgen.plan.tco import total_tokens_per_dollar
     from mkgen.plan.vmem import plan_vmem
+    from mkgen.spec.figures import params_active
 
     spec = base.apply(spec)
+    active = params_active(spec)
     out: list[SweepRow] = []
     for r in rows:
         for b in batches:
@@ -330,6 +343,17 @@ def sweep(
             except MkgenError:
                 notes.append("VMEM over budget")
             est = estimate(spec, topo, opts, sharding)
+            price = est.price_per_chip_hour_usd
+            total = 0.0
+            if price:
+                total = total_tokens_per_dollar(
+                    scenario,
+                    decode_tokens_per_s=est.tokens_per_s,
+                    active_params=active,
+                    chips=topo.num_chips,
+                    peak_bf16_flops_per_chip=topo.chip_info.peak_bf16_flops_per_chip,
+                    price_per_chip_hour_usd=price,
+                )
             out.append(
                 SweepRow(
                     batch=b,
@@ -344,6 +368,8 @@ def sweep(
                     tokens_per_s_per_user=est.tokens_per_s_per_user,
                     tokens_per_s=est.tokens_per_s,
                     tokens_per_dollar=est.tokens_per_dollar or 0.0,
+                    total_tokens_per_dollar=total,
+                    scenario=scenario.name,
                     note="; ".join(notes),
                 )
             )
@@ -353,15 +379,15 @@ def sweep(
 def sweep_table(rows: list[SweepRow]) -> str:
     lines = [
         f"{'batch':>5} {'rows':>4} {'accept':>6} {'step ms':>8} {'floor ms':>8} "
-        f"{'tok/s/user':>10} {'tok/s':>9} {'tok/$':>12} {'HBM GB':>7} {'VMEM MiB':>8}  fits"
+        f"{'tok/s/user':>10} {'tok/s':>9} {'total tok/$':>12} {'HBM GB':>7} {'VMEM MiB':>8}  fits"
     ]
     for r in rows:
-        fits = "yes" if r.fits_hbm and r.fits_vmem else "no: " + r.note
+        fits = "yes" if r.fits else "no: " + r.note
         vmem = "-" if math.isnan(r.vmem_mib) else f"{r.vmem_mib:.1f}"
         lines.append(
             f"{r.batch:>5} {r.rows:>4} {r.acceptance:>6g} {r.step_ms:>8.3f} "
             f"{r.hbm_floor_ms:>8.3f} {r.tokens_per_s_per_user:>10.1f} {r.tokens_per_s:>9.1f} "
-            f"{r.tokens_per_dollar:>12,.0f} {r.hbm_gb_per_device:>7.1f} {vmem:>8}  {fits}"
+            f"{r.total_tokens_per_dollar:>12,.0f} {r.hbm_gb_per_device:>7.1f} {vmem:>8}  {fits}"
         )
     return "\n".join(lines)
 
@@ -380,121 +406,184 @@ def sweep_csv(rows: list[SweepRow]) -> str:
     return buf.getvalue()
 
 
-# --------------------------------------------------------------------------- SVG
-
-_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
+# --------------------------------------------------------------------------- the chart
 
 
-def _nice_step(span: float) -> float:
-    raw = span / 6 if span > 0 else 1.0
-    power = 10 ** math.floor(math.log10(raw))
-    for m in (1, 2, 2.5, 5, 10):
-        if raw <= m * power:
-            return m * power
-    return 10 * power
+def pareto_frontier(rows: list[SweepRow]) -> list[SweepRow]:
+    """The points that fit and that no other fitting point beats on both tokens/s per user
+    and total tokens per dollar, by rising tokens/s per user."""
+    frontier: list[SweepRow] = []
+    best = 0.0
+    ordered = sorted(
+        (r for r in rows if r.fits and r.total_tokens_per_dollar > 0),
+        key=lambda r: (-r.tokens_per_s_per_user, -r.total_tokens_per_dollar),
+    )
+    for r in ordered:
+        if r.total_tokens_per_dollar > best:
+            frontier.append(r)
+            best = r.total_tokens_per_dollar
+    return frontier[::-1]
 
 
-def _fmt(v: float) -> str:
-    if v >= 1e6:
-        return f"{v / 1e6:g}M"
-    if v >= 1e3:
-        return f"{v / 1e3:g}k"
+_MARKERS = ("o", "s", "^", "D", "v", "P")
+_REFERENCE_STYLES = ("#444444", "#b8860b", "#8b0000", "#2e8b57", "#6a5acd")
+
+
+def tco_chart(
+    rows: list[SweepRow],
+    *,
+    title: str,
+    notes: list[str],
+    references: tuple[ReferenceCurve, ...],
+    fmt: str,
+) -> bytes:
+    """Total tokens per dollar (log) against tokens/s per user, as SVG or PNG bytes.
+
+    One marker per row count (hollow: does not fit HBM or VMEM), mkgen's Pareto frontier,
+    the published reference points and where the curves of others end. Batch labels sit
+    on the frontier only and are dropped where they would overprint another. Deterministic
+    to the byte: fixed SVG hash salt, no dates or software names in the metadata.
+    """
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    pts = [r for r in rows if r.total_tokens_per_dollar > 0 and r.tokens_per_s_per_user > 0]
+    if not pts:
+        raise MkgenError("estimate: no point has a price; pass --price USD")
+    # Dollar signs are text, not mathtext delimiters; SVG text stays text (searchable).
+    style = {
+        "svg.hashsalt": "mkgen", "svg.fonttype": "none", "font.size": 9, "text.parse_math": False,
+    }  # fmt: skip
+    with matplotlib.rc_context(style):
+        fig = Figure(figsize=(12.5, 7), dpi=100)
+        FigureCanvasAgg(fig)  # text extents for the label placement
+        # Room for the legend on the right and the notes below.
+        fig.subplots_adjust(left=0.07, right=0.62, top=0.9, bottom=0.1 + 0.025 * len(notes))
+        ax = fig.add_subplot()
+        ax.set_yscale("log")
+        for i, count in enumerate(sorted({r.rows for r in pts})):
+            line = sorted((r for r in pts if r.rows == count), key=lambda r: r.batch)
+            color = f"C{i}"
+            accepted = f", acceptance {line[0].acceptance:g}" if count > 1 else ""
+            ax.plot(
+                [r.tokens_per_s_per_user for r in line],
+                [r.total_tokens_per_dollar for r in line],
+                color=color, linewidth=1, alpha=0.6,
+                label=f"mkgen, rows {count}{accepted} (batch {line[0].batch}-{line[-1].batch})",
+            )  # fmt: skip
+            for fits in (True, False):
+                group = [r for r in line if r.fits == fits]
+                ax.scatter(
+                    [r.tokens_per_s_per_user for r in group],
+                    [r.total_tokens_per_dollar for r in group],
+                    marker=_MARKERS[i % len(_MARKERS)], s=28, zorder=3, edgecolors=color,
+                    facecolors=color if fits else "white",
+                )  # fmt: skip
+        frontier = pareto_frontier(pts)
+        if frontier:
+            ax.plot(
+                [r.tokens_per_s_per_user for r in frontier],
+                [r.total_tokens_per_dollar for r in frontier],
+                color="black", linewidth=2.2, zorder=2, label="mkgen Pareto frontier (predicted)",
+            )  # fmt: skip
+        for j, ref in enumerate(references):
+            color = _REFERENCE_STYLES[j % len(_REFERENCE_STYLES)]
+            note = f"; {ref.note}" if ref.note else ""
+            if ref.points:
+                ax.plot(
+                    [x for x, _ in ref.points], [y for _, y in ref.points],
+                    color=color, linestyle="--", marker="*", markersize=11, zorder=4,
+                    label=_wrap(f"{ref.describe()}: published{note}"),
+                )  # fmt: skip
+            for k, (x, what) in enumerate(ref.ends_at):
+                ax.axvline(
+                    x, color=color, linestyle=(0, (2 + 2 * k, 2)), linewidth=1.2,
+                    label=_wrap(f"{ref.describe()}: {what} at {x:g} tokens/s per user (published)"),
+                )  # fmt: skip
+        # Plain tick labels ("2M", "10M"): with mathtext off, the log axis' own are raw TeX.
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _count(v)))
+        ax.yaxis.set_minor_formatter(
+            FuncFormatter(lambda v, _: _count(v) if round(v / 10 ** math.floor(math.log10(v)))
+                          in (2, 5) else "")
+        )  # fmt: skip
+        ax.set_xlabel("tokens/s per user (decode)")
+        ax.set_ylabel("total tokens (input + output) per dollar")
+        fig.suptitle(title, fontsize=11, x=0.01, ha="left")
+        ax.grid(True, which="major", color="#cccccc", linewidth=0.6)
+        ax.grid(True, which="minor", color="#eeeeee", linewidth=0.4)
+        ax.set_xlim(left=0)
+        ax.scatter([], [], marker="o", facecolors="white", edgecolors="#333333",
+                   label="hollow: does not fit HBM or VMEM")  # fmt: skip
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
+        fig.text(0.01, 0.01, "\n".join(notes), fontsize=7.5, va="bottom", ha="left")
+        _label_frontier(fig, ax, frontier)
+        buffer = io.BytesIO()
+        # The PNG keeps its title as text: `estimate` recognises its own earlier chart by it.
+        metadata = {"Date": None} if fmt == "svg" else {"Software": None, "Title": title}
+        fig.savefig(buffer, format=fmt, metadata=metadata)
+    return buffer.getvalue()
+
+
+def _count(v: float) -> str:
+    """2500000 -> '2.5M', 100000 -> '100k' (tick labels)."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if v >= scale:
+            return f"{v / scale:g}{suffix}"
     return f"{v:g}"
 
 
-def sweep_svg(rows: list[SweepRow], title: str) -> str:
-    """Tokens per dollar (log) against tokens/s per user: one line per row count.
+def _wrap(label: str) -> str:
+    return textwrap.fill(label, 52, subsequent_indent="  ")
 
-    Hand-written SVG (no plotting dependency), deterministic to the byte. Filled points
-    fit in HBM and VMEM, hollow ones do not.
-    """
-    w, h = 720, 480
-    left, right, top, bottom = 80, 160, 50, 60
-    pw, ph = w - left - right, h - top - bottom
-    pts = [r for r in rows if r.tokens_per_dollar > 0 and r.tokens_per_s_per_user > 0]
-    if not pts:
-        raise MkgenError("estimate: no point has a price; pass --price USD")
-    xmax = max(r.tokens_per_s_per_user for r in pts)
-    xstep = _nice_step(xmax)
-    xmax = math.ceil(xmax / xstep) * xstep
-    lo = math.floor(math.log10(min(r.tokens_per_dollar for r in pts)))
-    hi = math.ceil(math.log10(max(r.tokens_per_dollar for r in pts)))
-    hi = max(hi, lo + 1)
 
-    def sx(v: float) -> float:
-        return left + pw * v / xmax
-
-    def sy(v: float) -> float:
-        return top + ph * (1 - (math.log10(v) - lo) / (hi - lo))
-
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-        f'viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">',
-        f'<rect width="{w}" height="{h}" fill="white"/>',
-        f'<text x="{left + pw / 2:.1f}" y="24" text-anchor="middle" font-size="15">'
-        f"{_esc(title)}</text>",
-    ]
-    # grid and ticks
-    x = 0.0
-    while x <= xmax + 1e-9:
-        out.append(
-            f'<line x1="{sx(x):.1f}" y1="{top}" x2="{sx(x):.1f}" y2="{top + ph}" stroke="#ddd"/>'
-        )
-        out.append(
-            f'<text x="{sx(x):.1f}" y="{top + ph + 18}" text-anchor="middle">{_fmt(x)}</text>'
-        )
-        x += xstep
-    for e in range(lo, hi + 1):
-        for m in (1, 2, 5):
-            v = m * 10.0**e
-            if v > 10.0**hi:
+def _label_frontier(fig: Any, ax: Any, frontier: list[SweepRow]) -> None:
+    """`B<batch> r<rows>` beside each frontier point, at the first of a few offsets where
+    it overlaps no label placed before; left out where every offset would overprint."""
+    fig.draw_without_rendering()  # axis limits and transforms as they will be drawn
+    renderer = fig.canvas.get_renderer()
+    placed: list[Any] = []
+    for r in frontier:
+        for dx, dy in ((6, 6), (6, -12), (-30, 8), (-30, -14)):
+            text = ax.annotate(
+                f"B{r.batch} r{r.rows}", (r.tokens_per_s_per_user, r.total_tokens_per_dollar),
+                xytext=(dx, dy), textcoords="offset points", fontsize=7,
+            )  # fmt: skip
+            box = text.get_window_extent(renderer)
+            if not any(box.overlaps(other) for other in placed):
+                placed.append(box)
                 break
-            y = sy(v)
-            out.append(
-                f'<line x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}" '
-                f'stroke="{"#ccc" if m == 1 else "#eee"}"/>'
-            )
-            out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(v)}</text>')
-    out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#333"/>')
-    out.append(
-        f'<text x="{left + pw / 2:.1f}" y="{h - 18}" text-anchor="middle">tokens/s per user</text>'
-    )
-    out.append(
-        f'<text transform="translate(18,{top + ph / 2:.1f}) rotate(-90)" '
-        'text-anchor="middle">tokens per dollar</text>'
-    )
-    # one line per row count
-    for i, r_count in enumerate(sorted({r.rows for r in pts})):
-        color = _COLORS[i % len(_COLORS)]
-        line = sorted((r for r in pts if r.rows == r_count), key=lambda r: r.batch)
-        coords = " ".join(f"{sx(r.tokens_per_s_per_user):.1f},{sy(r.tokens_per_dollar):.1f}"
-                          for r in line)  # fmt: skip
-        out.append(f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="2"/>')
-        for r in line:
-            fill = color if r.fits_hbm and r.fits_vmem else "white"
-            cx, cy = sx(r.tokens_per_s_per_user), sy(r.tokens_per_dollar)
-            out.append(
-                f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="4" fill="{fill}" stroke="{color}"/>'
-            )
-            out.append(f'<text x="{cx + 6:.1f}" y="{cy - 6:.1f}" font-size="10">B{r.batch}</text>')
-        ly = top + 10 + 20 * i
-        out.append(
-            f'<line x1="{left + pw + 16}" y1="{ly}" x2="{left + pw + 40}" y2="{ly}" '
-            f'stroke="{color}" stroke-width="2"/>'
-        )
-        acc = line[0].acceptance
-        out.append(
-            f'<text x="{left + pw + 46}" y="{ly + 4}">rows {r_count}'
-            f"{f', accept {acc:g}' if r_count > 1 else ''}</text>"
-        )
-    ly = top + 10 + 20 * len({r.rows for r in pts}) + 10
-    out.append(
-        f'<circle cx="{left + pw + 28}" cy="{ly}" r="4" fill="white" stroke="#333"/>'
-        f'<text x="{left + pw + 46}" y="{ly + 4}">does not fit</text>'
-    )
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+            text.remove()
 
 
-def _esc(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+def estimate_chart_text(
+    spec_name: str,
+    topo: Topology,
+    price: float,
+    scenario: Scenario,
+    reference_prices: dict[str, float],
+) -> tuple[str, list[str]]:
+    """The chart's title and its notes: what is predicted, at which price, for which
+    requests, under which assumption, and where the reference points come from."""
+    from mkgen.plan.tco import PREFILL_MFU, REFERENCE_SOURCE
+
+    title = (
+        f"{spec_name} on {topo.name} ({topo.num_chips} chips at ${price:.2f} per chip-hour): "
+        "predicted total tokens per $ vs tokens/s per user"
+    )
+    prefill = (
+        f"prefill priced at {100 * PREFILL_MFU:.0f} % of the slice's peak bf16 FLOP/s "
+        "(an assumption: mkgen has no prefill estimate yet)"
+        if scenario.input_tokens
+        else "prefill not counted"
+    )
+    prices = ", ".join(f"{chip} ${usd:.2f}" for chip, usd in reference_prices.items())
+    notes = [
+        "mkgen points are predictions of its cost model (calibrated on the hand-written Muse "
+        "Spark kernel's published TPU7x measurements), not measurements.",
+        f"Requests: {scenario.describe()} ({scenario.why}); {prefill}.",
+        f"References: {REFERENCE_SOURCE}, as published; chip-hour prices (analyst "
+        f"estimates): {prices}.",
+    ]
+    return title, notes
