@@ -9,12 +9,14 @@ choice); any other difference fails, naming layer, token and experts.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
+import mkgen
 from mkgen.verify.numerics import (
     ROUTE_RTOL,
     NumericsReport,
@@ -24,7 +26,8 @@ from mkgen.verify.numerics import (
 )
 
 TIMEOUT = 600
-PUBLISHED = Path(__file__).parent / "fixtures" / "published"
+FIXTURES = Path(__file__).parent / "fixtures"
+PUBLISHED = FIXTURES / "published"
 QWEN3_NEXT = str(PUBLISHED / "qwen3-next-80b-a3b.json")
 
 # Layer 6 of the Qwen3-Next twin, seed 0, step 0 (the reference's softmax scores): expert
@@ -212,3 +215,36 @@ def test_a_kernel_routing_to_the_weakest_experts_fails_naming_them() -> None:
     failure = report.failure() or ""
     assert failure.startswith("step 0: layer 0 token 0 routes to experts ["), failure
     assert "not a near tie" in failure
+
+
+# ---------------------------------------------------------------- the seeded sweep
+
+# Every model spec and every fixture config, 3 seeds, 2 steps, on one TPU7x chip (2 cores,
+# collectives included: the smallest mesh, on which every twin plans). The whole sweep
+# (MKGEN_VERIFY_SWEEP=all) takes about SWEEP_MINUTES on 2 idle cores, too long for every
+# run; the suite runs IN_SUITE: the published Qwen3-Next (softmax router, 512 experts
+# top-10 in full) and DeepSeek-V3's fixture (sigmoid router, selection bias, groups).
+SWEEP_SEEDS = (0, 1, 2)
+SMALLEST_MESH = "1x1x1"
+MODEL_SPECS = sorted(p.stem for p in (Path(mkgen.__file__).parent / "model_specs").glob("*.yaml"))
+FIXTURE_CONFIGS = sorted(
+    str(p.relative_to(FIXTURES))
+    for p in [*PUBLISHED.glob("*.json"), *FIXTURES.glob("hf/*/config.json")]
+)
+IN_SUITE = ("published/qwen3-next-80b-a3b.json", "hf/deepseek_v3/config.json")
+SWEEP = [
+    (config, seed)
+    for config in MODEL_SPECS + FIXTURE_CONFIGS
+    if os.environ.get("MKGEN_VERIFY_SWEEP") == "all" or config in IN_SUITE
+    for seed in SWEEP_SEEDS
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("config", "seed"), SWEEP, ids=[f"{c}-seed{s}" for c, s in SWEEP])
+def test_seeded_sweep_verifies_on_the_smallest_mesh(config: str, seed: int) -> None:
+    spec = config if config in MODEL_SPECS else str(FIXTURES / config)
+    report = verify_numerics(
+        spec, SMALLEST_MESH, mode="on_wait", steps=2, seed=seed, timeout=TIMEOUT
+    )
+    assert report.passed, report.failure()
