@@ -129,7 +129,11 @@ def _step(**routing: object) -> StepCheck:
             0,
         ),
         (
-            {"route_mismatch": "layer 2 token 1 routes to experts [4, 5], the reference to [0, 4]"},
+            {
+                "route_mismatch": "layer 2 token 1 routes to experts [4, 5], the reference to "
+                "[0, 4]",
+                "route_mismatch_layer": 2,
+            },
             "verify: FAILED: on_wait: step 0: layer 2 token 1 routes to experts [4, 5], the "
             "reference to [0, 4]",
             1,
@@ -156,6 +160,22 @@ def test_verify_prints_ties_and_fails_on_a_routing_mismatch(
     assert result.exit_code == status, result.output
     assert result.output.strip().splitlines()[-1] == last_line
     assert ("routing: layer 6 token 0: near tie" in result.output) is (status == 0)
+
+
+@pytest.mark.parametrize(
+    ("diverged", "named"),
+    [(None, "routing"), (2, "routing"), (1, "residual")],
+    ids=["routing-only", "same-layer", "residual-earlier"],
+)
+def test_the_failure_names_what_goes_wrong_first_in_layer_order(
+    diverged: int | None, named: str
+) -> None:
+    step = _step(route_mismatch="layer 2 token 0 routes to ...", route_mismatch_layer=2)
+    step.first_diverging_layer = diverged
+    assert not step.passed
+    failure = step.failure() or ""
+    expected = "step 0: layer 2 token 0 routes" if named == "routing" else "step 0: layer 1 div"
+    assert failure.startswith(expected), failure
 
 
 # ---------------------------------------------------------------- the reference's hook

@@ -76,9 +76,10 @@ class StepCheck:
     cores_identical: bool  # every core's tokens, residual stream and routing equal bit for bit
     seconds: float
     # Routing differences inside the tie window (the reference took the kernel's experts),
-    # and the first one outside it.
+    # and the first one outside it with its layer.
     route_ties: list[str] = field(default_factory=list)
     route_mismatch: str | None = None
+    route_mismatch_layer: int | None = None
 
     @property
     def passed(self) -> bool:
@@ -100,11 +101,16 @@ class StepCheck:
                 f"step {self.step}: the cores' residual streams, routing or tokens differ bit "
                 "for bit"
             )
-        if self.route_mismatch is not None:
+        # Whichever is first in layer order: a residual stream already off changes the
+        # routing of later layers, and a wrong routing the residual stream of its layer.
+        diverged = self.first_diverging_layer
+        if self.route_mismatch_layer is not None and (
+            diverged is None or self.route_mismatch_layer <= diverged
+        ):
             return f"step {self.step}: {self.route_mismatch}"
-        if self.first_diverging_layer is not None:
+        if diverged is not None:
             return (
-                f"step {self.step}: layer {self.first_diverging_layer} diverges first: its "
+                f"step {self.step}: layer {diverged} diverges first: its "
                 f"residual stream differs by {self.max_residual_diff:.4g} "
                 f"(tolerance {self.residual_tolerance:.4g})"
             )
@@ -436,7 +442,7 @@ def _run_child(
             spec, weights, jnp.asarray(tokens), ref_cache, position,
             _following_near_ties(kernel_routes, differences),
         )  # fmt: skip
-        mismatches = [d.describe() for d in differences if not d.near_tie]
+        mismatches = [d for d in differences if not d.near_tie]
         layer_diff, layer_tolerance, first_layer = _compare_residuals(
             np.asarray(residuals),
             np.asarray(ref_residuals).reshape(len(residuals), layout.tokens, -1),
@@ -470,7 +476,8 @@ def _run_child(
                 cores_identical=identical,
                 seconds=seconds,
                 route_ties=[d.describe() for d in differences if d.near_tie],
-                route_mismatch=mismatches[0] if mismatches else None,
+                route_mismatch=mismatches[0].describe() if mismatches else None,
+                route_mismatch_layer=mismatches[0].layer if mismatches else None,
             )
         )
         tokens = expected.reshape(batch, rows).astype(np.int32)
