@@ -12,7 +12,9 @@ Routing (transformers DeepseekV3TopkRouter, Qwen3MoE/Mixtral/gpt-oss routers):
     weights = scores[chosen] (/ their sum if renormalize) * routed_scaling
 
 Softmax, then top-k, then renormalisation equals gpt-oss's softmax over the
-top-k logits. Routed experts run only for the tokens that chose them (each
+top-k logits. A `ChooseExperts` callback may replace `chosen` (the verifier makes the
+reference follow the kernel through a near tie, mkgen/verify/numerics.py); the weights
+are then those of the experts it returns. Routed experts run only for the tokens that chose them (each
 token gathers its k experts' matrices), so an expert nobody picked is never read.
 """
 
@@ -30,6 +32,9 @@ Weights = Mapping[str, jax.Array]
 # (kind, weights, x [N, d], chosen [N, top_k], weights [N, top_k]) -> [N, d]: routed_experts
 # here; the sharded prefill passes one that runs a core's own experts and sums over cores.
 RoutedExperts = Callable[[MoEFFN, Weights, jax.Array, jax.Array, jax.Array], jax.Array]
+# (kind, choice values [N, E] before any group masking, the top-k chosen [N, top_k]) ->
+# the experts to use [N, top_k].
+ChooseExperts = Callable[[MoEFFN, jax.Array, jax.Array], jax.Array]
 
 
 def dense_ffn(kind: DenseFFN, w: Weights, x: jax.Array) -> jax.Array:
@@ -60,13 +65,16 @@ def router_scores(kind: MoEFFN, w: Weights, x: jax.Array) -> jax.Array:
     return jax.nn.sigmoid(logits)
 
 
-def route(kind: MoEFFN, w: Weights, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def route(
+    kind: MoEFFN, w: Weights, x: jax.Array, choose: ChooseExperts | None = None
+) -> tuple[jax.Array, jax.Array]:
     """(expert indices [N, top_k] int32, weights [N, top_k] f32) of tokens x [N, hidden]."""
     r = kind.router
     scores = router_scores(kind, w, x)
     choice = scores
     if r.selection_bias:
         choice = choice + w["selection_bias"].astype(jnp.float32)
+    unmasked = choice
     if r.n_group > 1:
         n, e = choice.shape
         per_group = e // r.n_group
@@ -77,6 +85,8 @@ def route(kind: MoEFFN, w: Weights, x: jax.Array) -> tuple[jax.Array, jax.Array]
         keep = jnp.repeat(keep, per_group, axis=1)
         choice = jnp.where(keep, choice, -jnp.inf)
     _, chosen = jax.lax.top_k(choice, kind.top_k)
+    if choose is not None:
+        chosen = jnp.asarray(choose(kind, unmasked, chosen))
     weights = jnp.take_along_axis(scores, chosen, axis=-1)
     if r.renormalize:
         # DeepSeek adds 1e-20 so that all-zero sigmoid scores cannot divide by zero.
@@ -103,7 +113,12 @@ def routed_experts(
 
 
 def moe_ffn(
-    kind: MoEFFN, w: Weights, x: jax.Array, dims: Dims, routed: RoutedExperts = routed_experts
+    kind: MoEFFN,
+    w: Weights,
+    x: jax.Array,
+    dims: Dims,
+    routed: RoutedExperts = routed_experts,
+    choose: ChooseExperts | None = None,
 ) -> jax.Array:
     """Mixture of experts of x [B, T, hidden].
 
@@ -111,11 +126,12 @@ def moe_ffn(
     experts work on x @ latent_in (RMS-normed with latent_norm when present, model
     norm style and eps) and their weighted sum returns through latent_out. Shared
     experts are one gated MLP on the full hidden state with the MoE's activation,
-    scaled by sigmoid(x @ shared_gate_proj) when gated (Qwen3-Next).
+    scaled by sigmoid(x @ shared_gate_proj) when gated (Qwen3-Next). `choose` may
+    replace the routing's choice of experts (route).
     """
     shape = x.shape
     x = x.reshape(-1, shape[-1]).astype(jnp.float32)
-    chosen, weights = route(kind, w, x)
+    chosen, weights = route(kind, w, x, choose)
     xe = x
     if kind.latent:
         xe = mm(x, w["latent_in"])

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mkgen.reference.attention import gqa_attention, init_gqa_cache, init_mla_cache, mla_attention
-from mkgen.reference.ffn import RoutedExperts, dense_ffn, moe_ffn, routed_experts
+from mkgen.reference.ffn import ChooseExperts, RoutedExperts, dense_ffn, moe_ffn, routed_experts
 from mkgen.reference.layers import mm, rms_norm, softcap
 from mkgen.reference.linear_attention import (
     gated_deltanet_attention,
@@ -76,6 +76,9 @@ from mkgen.spec.weights import VECTORS, WeightSpec, model_weights
 
 Weights = Mapping[str, jax.Array]
 Cache = dict[str, Any]  # {"length": int32 [], "layers": [per-layer dict of arrays]}
+# ChooseExperts with the layer index first: (layer, kind, choice [N, E], chosen [N, top_k])
+# -> the experts that layer uses (forward_traced).
+ChooseLayerExperts = Callable[[int, MoEFFN, jax.Array, jax.Array], jax.Array]
 
 OUTPUT_PROJECTIONS = ("wo", "w_down", "experts_down", "shared_down", "latent_out")
 MODEL_STYLE_NORMS = ("attn_norm", "ffn_norm", "final_norm", "q_norm", "k_norm", "kv_norm",
@@ -220,15 +223,20 @@ def attention(
 
 
 def ffn(
-    spec: ModelSpec, layer: int, w: Weights, x: jax.Array, routed: RoutedExperts = routed_experts
+    spec: ModelSpec,
+    layer: int,
+    w: Weights,
+    x: jax.Array,
+    routed: RoutedExperts = routed_experts,
+    choose: ChooseExperts | None = None,
 ) -> jax.Array:
     """Layer `layer`'s FFN of x [B, T, hidden] (normed); `routed` computes the routed
-    experts (moe_ffn)."""
+    experts and `choose` may replace the routing's choice of them (moe_ffn)."""
     kind = spec.ffn_of(layer)
     if isinstance(kind, DenseFFN):
         return dense_ffn(kind, w, x)
     assert isinstance(kind, MoEFFN)
-    return moe_ffn(kind, w, x, spec.dims, routed)
+    return moe_ffn(kind, w, x, spec.dims, routed, choose)
 
 
 def mix_snapshots(
@@ -253,6 +261,7 @@ def _run(
     tokens: jax.Array,
     cache: Cache,
     start_pos: jax.Array | int | None,
+    choose: ChooseLayerExperts | None = None,
 ) -> tuple[jax.Array, Cache, list[jax.Array]]:
     """Logits, the new cache, and the residual stream after every layer."""
     dims = spec.dims
@@ -275,7 +284,8 @@ def _run(
         new_layers.append(layer_cache)
         h = h + out
         x = rms_norm(h, weights[f"layers.{i}.ffn_norm"], dims.norm_eps, zero_centered)
-        h = h + ffn(spec, i, layer_weights(weights, f"layers.{i}.ffn."), x)
+        layer_choose = functools.partial(choose, i) if choose else None
+        h = h + ffn(spec, i, layer_weights(weights, f"layers.{i}.ffn."), x, choose=layer_choose)
         after_layer.append(h)
     h = rms_norm(h, weights["final_norm"], dims.norm_eps, zero_centered)
     head = weights["embedding"].T if dims.tie_embeddings else weights["lm_head"]
@@ -308,11 +318,13 @@ def forward_traced(
     tokens: jax.Array,
     cache: Cache,
     start_pos: jax.Array | int | None = None,
+    choose: ChooseLayerExperts | None = None,
 ) -> tuple[jax.Array, Cache, jax.Array]:
     """`forward` that also returns the residual stream after every layer,
     [layers, B, T, hidden] (transformers' per-decoder-layer hidden states, before the
-    final norm): for locating a mismatch layer by layer."""
-    logits, cache, after_layer = _run(spec, weights, tokens, cache, start_pos)
+    final norm): for locating a mismatch layer by layer. `choose` (unjitted callers)
+    may replace each MoE layer's choice of experts, tokens in [B, T] row-major order."""
+    logits, cache, after_layer = _run(spec, weights, tokens, cache, start_pos, choose)
     return logits, cache, jnp.stack(after_layer)
 
 

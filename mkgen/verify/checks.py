@@ -26,6 +26,7 @@ from mkgen.verify.numerics import (
     INTERPRET_MODES,
     LOGIT_ATOL,
     LOGIT_RTOL,
+    ROUTE_RTOL,
     NumericsReport,
     StepCheck,
     verify_numerics,
@@ -139,6 +140,9 @@ TOLERANCES = (
     f"logits: max |kernel - reference| <= {LOGIT_ATOL:g} + {LOGIT_RTOL:g} x max |reference|; "
     "greedy tokens equal (a near tie, top two within the logit tolerance, may flip); "
     f"cache rows written this step within {CACHE_RTOL:g} x max(|reference|, 1); "
+    "every MoE layer's experts equal, unless the kernel's are a top-k choice once the "
+    f"router's choice values move by {ROUTE_RTOL:g} x the token's largest (a near tie: "
+    "reported, and the reference takes the kernel's experts); "
     + (
         f"the residual stream after every layer within {_RESIDUAL_RTOL:g} x its largest value; "
         if RESIDUALS and _RESIDUAL_RTOL is not None
@@ -222,6 +226,7 @@ def verify_lines(report: NumericsReport) -> list[str]:
             f"{'ok' if s.passed else 'FAIL'}"
             + (f" ({s.tokens_near_tie} near tie)" if s.tokens_near_tie else "")
         )
+        out += [f"        routing: {tie}" for tie in s.route_ties]
     return out
 
 

@@ -17,6 +17,13 @@ step is held against the reference fed the same tokens:
   logit tolerance (a near tie that bf16 rounding may flip);
 - caches: every key/value row the step wrote (and every recurrent state), within
   CACHE_RTOL of the reference's largest entry (both store bf16);
+- routing: every MoE layer's chosen experts for every token (the verification build
+  returns them) against the reference's top-k. Where they differ, the kernel's choice is
+  a near tie when it is still a top-k choice once every router choice value may move by
+  ROUTE_RTOL of the token's largest (grouped routers: and every group score by ROUTE_RTOL
+  of the largest group score): bf16 activations may flip it. A near tie is reported and
+  the reference takes the kernel's experts for that token and layer, so that both sides
+  go on from the same choice; any other difference fails, naming layer, token and experts;
 - the residual stream after every layer, within RESIDUAL_RTOL of its largest value:
   the first layer beyond it is named (the kernel's verification build returns it);
 - finiteness: a NaN anywhere (uninitialised VMEM reads) fails;
@@ -33,6 +40,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -42,6 +50,7 @@ LOGIT_ATOL = 1e-2
 LOGIT_RTOL = 2e-2
 CACHE_RTOL = 2e-2
 RESIDUAL_RTOL = 2e-2
+ROUTE_RTOL = 2e-2  # the tie window of router choice values, relative to the token's largest
 INTERPRET_MODES = ("on_wait", "eager")
 # Mini twins use small banks and a shallow ring so that a few layers already wrap the
 # ring several times and segments span several banks.
@@ -64,14 +73,20 @@ class StepCheck:
     residual_tolerance: float
     first_diverging_layer: int | None  # the first layer whose residual stream is off
     finite: bool
-    cores_identical: bool  # every core's tokens and residual stream equal bit for bit
+    cores_identical: bool  # every core's tokens, residual stream and routing equal bit for bit
     seconds: float
+    # Routing differences inside the tie window (the reference took the kernel's experts),
+    # and the first one outside it with its layer.
+    route_ties: list[str] = field(default_factory=list)
+    route_mismatch: str | None = None
+    route_mismatch_layer: int | None = None
 
     @property
     def passed(self) -> bool:
         return (
             self.finite
             and self.cores_identical
+            and self.route_mismatch is None
             and self.max_logit_diff <= self.logit_tolerance
             and self.tokens_equal + self.tokens_near_tie == self.tokens_total
             and self.max_cache_diff <= self.cache_tolerance
@@ -82,10 +97,20 @@ class StepCheck:
         if not self.finite:
             return f"step {self.step}: non-finite logits or caches (uninitialised memory read?)"
         if not self.cores_identical:
-            return f"step {self.step}: the cores' residual streams or tokens differ bit for bit"
-        if self.first_diverging_layer is not None:
             return (
-                f"step {self.step}: layer {self.first_diverging_layer} diverges first: its "
+                f"step {self.step}: the cores' residual streams, routing or tokens differ bit "
+                "for bit"
+            )
+        # Whichever is first in layer order: a residual stream already off changes the
+        # routing of later layers, and a wrong routing the residual stream of its layer.
+        diverged = self.first_diverging_layer
+        if self.route_mismatch_layer is not None and (
+            diverged is None or self.route_mismatch_layer <= diverged
+        ):
+            return f"step {self.step}: {self.route_mismatch}"
+        if diverged is not None:
+            return (
+                f"step {self.step}: layer {diverged} diverges first: its "
                 f"residual stream differs by {self.max_residual_diff:.4g} "
                 f"(tolerance {self.residual_tolerance:.4g})"
             )
@@ -183,6 +208,119 @@ def verify_numerics(
     return report
 
 
+# ---------------------------------------------------------------- routing near ties
+
+
+@dataclass(frozen=True)
+class RouteDifference:
+    """One token of one MoE layer whose kernel experts differ from the reference's."""
+
+    layer: int
+    token: int
+    kernel: tuple[int, ...]  # the kernel's experts, ascending
+    reference: tuple[int, ...]  # the reference's top-k, ascending
+    # How far the kernel's choice is from being a top-k one, relative to the token's
+    # largest choice value (or group score): its weakest expert's shortfall below the best
+    # one it left out. Infinite when no perturbation explains it (ids out of range,
+    # repeated, or from more groups than the router keeps).
+    gap: float
+
+    @property
+    def near_tie(self) -> bool:
+        return self.gap <= ROUTE_RTOL
+
+    def describe(self) -> str:
+        kernel, reference = list(self.kernel), list(self.reference)
+        if self.near_tie:
+            return (
+                f"layer {self.layer} token {self.token}: near tie, the kernel chose experts "
+                f"{kernel} for the reference's {reference} (gap {self.gap:.2%} of the largest "
+                f"choice value, window {ROUTE_RTOL:.0%}); the reference took the kernel's"
+            )
+        gap = "no perturbation explains it" if self.gap == float("inf") else f"gap {self.gap:.2%}"
+        return (
+            f"layer {self.layer} token {self.token} routes to experts {kernel}, the reference "
+            f"to {reference}: not a near tie ({gap} of the largest choice value, window "
+            f"{ROUTE_RTOL:.0%})"
+        )
+
+
+def _shortfall(values: Any, picked: Any, eligible: Any) -> float:
+    """How far the weakest picked value falls below the best eligible unpicked one,
+    relative to the largest |value| (<= 0: the picks are a top set)."""
+    import numpy as np
+
+    others = eligible & ~picked
+    if not others.any():
+        return 0.0
+    scale = max(float(np.abs(values).max()), np.finfo(np.float32).tiny)
+    return float(values[others].max() - values[picked].min()) / scale
+
+
+def _route_gap(choice: Any, kernel: Any, top_k: int, n_group: int, topk_group: int) -> float:
+    """The relative gap of one token's kernel experts (RouteDifference.gap). Grouped
+    routers: the kernel's experts must lie in at most topk_group groups; those groups,
+    filled up with the best-scoring others, must be a top set of group scores (a group
+    scores the sum of its two best choice values) and the experts a top set among them."""
+    import numpy as np
+
+    experts = choice.shape[0]
+    if len(set(kernel.tolist())) != top_k or kernel.min() < 0 or kernel.max() >= experts:
+        return float("inf")
+    picked = np.zeros(experts, bool)
+    picked[kernel] = True
+    if n_group <= 1:
+        return max(_shortfall(choice, picked, np.ones(experts, bool)), 0.0)
+    per_group = experts // n_group
+    grouped = choice.reshape(n_group, per_group)
+    group_scores = np.sort(grouped, axis=1)[:, -min(2, per_group) :].sum(axis=1)
+    kept = np.zeros(n_group, bool)
+    kept[np.unique(kernel // per_group)] = True
+    if kept.sum() > topk_group:
+        return float("inf")
+    for g in np.argsort(-group_scores, kind="stable"):
+        if kept.sum() == topk_group:
+            break
+        kept[g] = True
+    eligible = np.repeat(kept, per_group)
+    return max(
+        _shortfall(group_scores, kept, np.ones(n_group, bool)),
+        _shortfall(choice, picked, eligible),
+        0.0,
+    )
+
+
+def resolve_routes(
+    layer: int,
+    choice: Any,
+    reference: Any,
+    kernel: Any,
+    *,
+    n_group: int = 1,
+    topk_group: int = 1,
+) -> tuple[Any, list[RouteDifference]]:
+    """(the experts the reference uses [N, top_k], every token whose kernel experts
+    differ): the reference's own top-k, or the kernel's where the two differ inside the
+    tie window. choice [N, E] are the router's choice values before group masking,
+    reference and kernel [N, top_k] expert ids."""
+    import numpy as np
+
+    choice, reference, kernel = np.asarray(choice), np.asarray(reference), np.asarray(kernel)
+    top_k = reference.shape[1]
+    used = reference.copy()
+    differences = []
+    for token in range(len(reference)):
+        ours, theirs = sorted(kernel[token].tolist()), sorted(reference[token].tolist())
+        if ours == theirs:
+            continue
+        gap = _route_gap(choice[token], kernel[token], top_k, n_group, topk_group)
+        difference = RouteDifference(layer, token, tuple(ours), tuple(theirs), gap)
+        differences.append(difference)
+        if difference.near_tie:
+            used[token] = kernel[token]
+    return used, differences
+
+
 # ---------------------------------------------------------------- the child side
 
 _RACE_ACCESS = re.compile(r"(read|write) of \('(\w+)'.*?:(\d+):\d+ \(([^)]*)\)")
@@ -230,6 +368,7 @@ def _run_child(
     from mkgen.reference import model as reference
     from mkgen.spec.loader import load_spec
     from mkgen.spec.mini import mini_twin
+    from mkgen.spec.schema import MoEFFN
     from mkgen.spec.topology import parse_topology
 
     topology = parse_topology(topology_text)
@@ -272,6 +411,7 @@ def _run_child(
         vector_clock_size=max(4 * devices, 8),
         uninitialized_memory="nan",
     )
+    moe_layers = [i for i in range(spec.layers.count) if isinstance(spec.ffn_of(i), MoEFFN)]
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, layout.vocab_used, size=(batch, rows)).astype(np.int32)
     checks = []
@@ -287,18 +427,25 @@ def _run_child(
             )  # fmt: skip
             out = jax.block_until_ready(out)
         seconds = time.perf_counter() - start
-        core_tokens, kernel_logits, core_residuals, *caches = out
-        # Every core's greedy tokens and residual stream after every layer, bit for bit.
+        core_tokens, kernel_logits, core_residuals, core_routes, *caches = out
+        # Every core's greedy tokens, residual stream and routing after every layer, bit
+        # for bit (only MoE layers write their routing).
         core_tokens, core_residuals = np.asarray(core_tokens), np.asarray(core_residuals)
+        core_routes = np.asarray(core_routes)[:, moe_layers]
         identical = all(
             np.array_equal(core_tokens[0], core_tokens[r])
             and np.array_equal(core_residuals[0], core_residuals[r], equal_nan=True)
+            and np.array_equal(core_routes[0], core_routes[r])
             for r in range(1, devices)
         )
         kernel_tokens, residuals = core_tokens[0], core_residuals[0]
+        kernel_routes = dict(zip(moe_layers, core_routes[0], strict=True))
+        differences: list[RouteDifference] = []
         ref_logits, ref_cache, ref_residuals = reference.forward_traced(
-            spec, weights, jnp.asarray(tokens), ref_cache, position
-        )
+            spec, weights, jnp.asarray(tokens), ref_cache, position,
+            _following_near_ties(kernel_routes, differences),
+        )  # fmt: skip
+        mismatches = [d for d in differences if not d.near_tie]
         layer_diff, layer_tolerance, first_layer = _compare_residuals(
             np.asarray(residuals),
             np.asarray(ref_residuals).reshape(len(residuals), layout.tokens, -1),
@@ -331,10 +478,31 @@ def _run_child(
                 finite=finite,
                 cores_identical=identical,
                 seconds=seconds,
+                route_ties=[d.describe() for d in differences if d.near_tie],
+                route_mismatch=mismatches[0].describe() if mismatches else None,
+                route_mismatch_layer=mismatches[0].layer if mismatches else None,
             )
         )
         tokens = expected.reshape(batch, rows).astype(np.int32)
     return {"steps": [asdict(c) for c in checks]}
+
+
+def _following_near_ties(
+    kernel_routes: dict[int, Any], differences: list[RouteDifference]
+) -> Callable[[int, Any, Any, Any], Any]:
+    """The reference's choice of experts layer by layer (mkgen.reference.model
+    ChooseLayerExperts): resolve_routes against the kernel's experts of that layer
+    [tokens, 128], each difference appended to `differences`."""
+
+    def choose(layer: int, kind: Any, choice: Any, chosen: Any) -> Any:
+        used, found = resolve_routes(
+            layer, choice, chosen, kernel_routes[layer][:, : kind.top_k],
+            n_group=kind.router.n_group, topk_group=kind.router.topk_group,
+        )  # fmt: skip
+        differences.extend(found)
+        return used
+
+    return choose
 
 
 def _compare_residuals(ours: Any, theirs: Any) -> tuple[float, float, int | None]:
