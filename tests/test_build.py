@@ -67,7 +67,7 @@ def test_build_has_every_file_and_a_manifest_of_them(build_dir: Path) -> None:
     mini = json.loads((build_dir / "mini" / "plan.json").read_text())
     assert mini["kernel"]["model"] == "qwen3-32b-mini"
     # The mini kernel is the one `mkgen verify` proves: the same small banks and ring.
-    from mkgen.verify.numerics import MINI_BANK_ROWS, MINI_RING_DEPTH
+    from mkgen.codegen.package import MINI_BANK_ROWS, MINI_RING_DEPTH
 
     assert mini["kernel"]["stream"]["bank_rows"] == MINI_BANK_ROWS
     assert mini["kernel"]["stream"]["ring_depth"] == MINI_RING_DEPTH

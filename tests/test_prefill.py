@@ -27,21 +27,18 @@ PROMPTS = [[3, 17, 42, 99, 5, 64, 1, 2, 9], [7, 7, 8, 9, 10, 11, 12, 13, 1]]
 
 def _setup(spec_ref: str):
     """(mini spec, layout, the weights the kernel stores) of a spec on TOPOLOGY."""
+    from mkgen.codegen.package import mini_kernel_args
     from mkgen.codegen.quantize import stored_random_weights
     from mkgen.plan import plan_build
     from mkgen.plan.options import BuildOptions
     from mkgen.spec.loader import load_spec
     from mkgen.spec.mini import mini_twin
     from mkgen.spec.topology import parse_topology
-    from mkgen.verify.numerics import MINI_BANK_ROWS, MINI_PIECE_CHUNKS, MINI_RING_DEPTH
 
     topology = parse_topology(TOPOLOGY)
     spec = mini_twin(load_spec(spec_ref), topology.num_devices)
     options = BuildOptions.create(context=CONTEXT, batch=BATCH)
-    layout = plan_build(
-        spec, topology, options, bank_rows=MINI_BANK_ROWS, ring_depth=MINI_RING_DEPTH,
-        max_piece_chunks=MINI_PIECE_CHUNKS,
-    ).kernel  # fmt: skip
+    layout = plan_build(spec, topology, options, **mini_kernel_args()).kernel
     return spec, layout, stored_random_weights(spec, 0)
 
 

@@ -21,7 +21,8 @@ from mkgen.reference import (
 from mkgen.reference.attention import masked_softmax
 from mkgen.reference.ffn import moe_ffn
 from mkgen.reference.layers import rope_frequencies
-from mkgen.spec.loader import list_spec_names, load_spec, spec_from_dict
+from mkgen.spec.files import spec_from_dict
+from mkgen.spec.loader import list_spec_names, load_spec
 from mkgen.spec.mini import mini_twin
 from mkgen.spec.schema import ModelSpec, MoEFFN, Rope
 

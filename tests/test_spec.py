@@ -18,7 +18,8 @@ from mkgen.spec.figures import (
     params_total,
     state_bytes_per_sequence,
 )
-from mkgen.spec.loader import list_spec_names, load_spec, spec_from_dict, spec_to_dict
+from mkgen.spec.files import spec_from_dict, spec_to_dict
+from mkgen.spec.loader import list_spec_names, load_spec
 from mkgen.spec.mini import mini_twin
 from mkgen.spec.quant import parse_format
 from mkgen.spec.weights import model_weights

@@ -201,8 +201,8 @@ def checkpoint_source(spec: ModelSpec, checkpoint: Path) -> tuple[Any, dict[str,
     config agrees with the spec and every tensor's name, shape and dtype (the headers) fits
     it, before anything is converted."""
     from mkgen.reference.hf_weights import HFMapping, mtp_layer_count, read_safetensors
+    from mkgen.spec.files import read_json
     from mkgen.spec.hf_import import canonical_architecture
-    from mkgen.spec.loader import read_json
 
     config_path = checkpoint / "config.json"
     if not config_path.exists():

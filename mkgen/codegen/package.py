@@ -100,13 +100,19 @@ RECURRENT = ("gated_deltanet", "kda")
 _MODEL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 
 
+# Mini twins use small banks and a shallow ring so that a few layers already wrap the
+# ring several times and segments span several banks.
+MINI_BANK_ROWS = 512
+MINI_RING_DEPTH = 3
+MINI_PIECE_CHUNKS = 1  # expert slices in several pieces, the slots wrapping within a layer
+
+
 def mini_kernel_args() -> dict[str, int]:
     """plan_build's kernel arguments for a mini twin: the small banks, shallow ring and small
-    expert pieces `mkgen verify` renders with (mkgen/verify/numerics.py), so that
+    expert pieces `mkgen verify` renders with too (mkgen/verify/numerics.py), so that
     mini/megakernel.py is the kernel verify proves (verify's copy may also return the
-    residual stream after every layer, for its per-layer check)."""
-    from mkgen.verify.numerics import MINI_BANK_ROWS, MINI_PIECE_CHUNKS, MINI_RING_DEPTH
-
+    residual stream after every layer, for its per-layer check). --ring-depth, when given,
+    wins over the shallow ring."""
     return {
         "bank_rows": MINI_BANK_ROWS,
         "ring_depth": MINI_RING_DEPTH,
@@ -409,8 +415,6 @@ def render_build(
     }
     if mini:
         files.update({f"{MINI_DIR}/{path}": text for path, text in mini.files.items()})
-    from mkgen.verify.inspect import vmem_map
-
     files["REPORT.md"] = render_text(
         "REPORT.md.j2",
         **report_context(
@@ -420,7 +424,6 @@ def render_build(
             layout=layout,
             plan=plan,
             acceptance=acceptance,
-            vmem=vmem_map(kernel_source),
             header=header,
             name=name,
             digest=digest,
@@ -473,7 +476,6 @@ def report_context(
     layout: KernelLayout,
     plan: Any,
     acceptance: list[Any],
-    vmem: Any,
     header: str,
     name: str,
     digest: str,
@@ -608,7 +610,6 @@ def report_context(
         "hbm_total": _gb(mem.total_bytes),
         "hbm_usable": _gb(mem.usable_bytes),
         "hbm_headroom": _gb(mem.usable_bytes - mem.total_bytes),
-        "vmem": vmem,
         "vmem_plan": _vmem_plan(plan),
         "ring_bytes": _mib(stream.ring_depth * stream.bank_bytes),
         "stream": stream,
@@ -670,11 +671,10 @@ def _verify_rows(verify: Mapping[str, Any] | None) -> list[dict[str, Any]]:
     return rows
 
 
-def _vmem_plan(plan: Any) -> dict[str, Any] | None:
-    """The plan's VMEM plan (mkgen/plan/vmem.py), formatted; None before the planner had one."""
-    vm = getattr(plan, "vmem", None)
-    if vm is None:
-        return None
+def _vmem_plan(plan: Any) -> dict[str, Any]:
+    """The plan's VMEM plan (mkgen/plan/vmem.py), formatted: what the kernel allocates
+    (tests/test_plan_graph.py holds the kernel's `_scratch_shapes()` to it)."""
+    vm = plan.vmem
     return {
         "buffers": [
             {
@@ -697,6 +697,8 @@ def _vmem_plan(plan: Any) -> dict[str, Any] | None:
         "ring_depth": vm.ring_depth,
         "expert_slots": vm.expert_slots,
         "why": vm.why,
+        "smem": [f"`{s.name}`[{'x'.join(map(str, s.shape))}]" for s in vm.smem],
+        "semaphores": [f"`{s.name}`[{'x'.join(map(str, s.shape))}]" for s in vm.semaphores],
     }
 
 

@@ -56,8 +56,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from mkgen.errors import SpecError
+from mkgen.spec.files import read_json
 from mkgen.spec.hf_import import canonical_architecture, default_spec_name, import_hf_dict
-from mkgen.spec.loader import read_json
 from mkgen.spec.schema import (
     DenseFFN,
     GatedDeltaNetAttention,

@@ -1,6 +1,7 @@
 """The model spec language, its loaders, derived figures, mini twins and topologies."""
 
-from mkgen.spec.loader import load_spec, spec_from_dict
+from mkgen.spec.files import spec_from_dict
+from mkgen.spec.loader import load_spec
 from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology, parse_topology
 

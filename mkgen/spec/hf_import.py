@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from mkgen.errors import SpecError
-from mkgen.spec.loader import dump_spec_yaml, read_json, spec_from_dict
+from mkgen.spec.files import dump_spec_yaml, read_json, spec_from_dict
 from mkgen.spec.schema import MAX_LAYERS, MAX_VOCAB, LayerAssignment, ModelSpec
 
 _MISSING: Any = object()

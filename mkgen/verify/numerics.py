@@ -52,11 +52,6 @@ CACHE_RTOL = 2e-2
 RESIDUAL_RTOL = 2e-2
 ROUTE_RTOL = 2e-2  # the tie window of router choice values, relative to the token's largest
 INTERPRET_MODES = ("on_wait", "eager")
-# Mini twins use small banks and a shallow ring so that a few layers already wrap the
-# ring several times and segments span several banks.
-MINI_BANK_ROWS = 512
-MINI_RING_DEPTH = 3
-MINI_PIECE_CHUNKS = 1  # expert slices in several pieces, the slots wrapping within a layer
 
 
 @dataclass
@@ -361,6 +356,7 @@ def _run_child(
 
     from mkgen.codegen import pack
     from mkgen.codegen.build import load_module, render_kernel
+    from mkgen.codegen.package import mini_kernel_args
     from mkgen.codegen.quantize import stored_random_weights
     from mkgen.plan import plan_build
     from mkgen.plan.collectives import arrange_devices
@@ -376,15 +372,7 @@ def _run_child(
     built = BuildOptions.create(quant=quant).apply(load_spec(spec_ref))
     spec = mini_twin(built, devices)
     options = BuildOptions.create(batch=batch, rows=rows, context=context, **knobs)
-    layout = plan_build(
-        spec,
-        topology,
-        options,
-        bank_rows=MINI_BANK_ROWS,
-        ring_depth=options.ring_depth or MINI_RING_DEPTH,
-        max_piece_chunks=MINI_PIECE_CHUNKS,
-        trace_residuals=True,
-    ).kernel
+    layout = plan_build(spec, topology, options, **mini_kernel_args(), trace_residuals=True).kernel
     source = render_kernel(layout, "verify")
     for old, new in mutations:
         if old not in source:
