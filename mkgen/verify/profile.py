@@ -1,0 +1,255 @@
+"""`mkgen compile --profile`: the compiled kernel's op counts per phase, held against the model.
+
+The full-size kernel is compiled as `mkgen compile` does, in a child process whose
+``LIBTPU_INIT_ARGS`` asks Mosaic to dump its LLO with source locations (libtpu reads
+the flags once, when it loads). mkgen.verify.llo counts the dump's ops per step; each op
+goes to the phase of the generated megakernel.py function that emitted it (its call
+stack), and each phase carries the model's figures (mkgen.plan.opcount) beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from mkgen.errors import MkgenError
+from mkgen.plan.opcount import PHASES, OpCounts, model_op_counts
+from mkgen.plan.options import BuildOptions
+from mkgen.spec.schema import ModelSpec
+from mkgen.spec.topology import Topology
+from mkgen.verify.llo import Frames, If, Loop, Op, StepCounter, parse_llo
+
+DUMP_FLAGS = "--xla_mosaic_dump_to={dir} --xla_mosaic_enable_dump_debug_info=true"
+LLO_SUFFIX = "post-finalize-llo.txt"
+
+# Generated functions -> phase, tried in this order on an op's call stack (innermost
+# first within each rule): the expert loop owns its rings, the weight stream's rings
+# belong to the stream wherever they are called from.
+_PHASE_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("experts", ("_experts_",)),
+    ("stream matmul", ("Ring.", "_slot_matmul", "_to_chunks", "_from_blocks")),
+    ("attention", ("_attend_", "_write_cache_", "_cache_block_copy_")),
+    ("recurrent", ("_delta_rule_step", "_conv_step")),
+    ("routing", ("_route_", "_top_k")),
+    ("collectives", ("Collectives.", "_stage_exchange", "_barrier")),
+)
+
+
+def _function(frame: str) -> str:
+    return frame.split(".<locals>")[0]
+
+
+def phase_of(frames: Frames) -> str:
+    """The phase of an op emitted under `frames` (innermost first)."""
+    names = [_function(f) for f in frames]
+    for phase, prefixes in _PHASE_RULES:
+        if any(n.startswith(prefixes) for n in names):
+            return phase
+    return "vector"
+
+
+def kind_of(frames: Frames, kinds: set[str]) -> str | None:
+    """The layer kind whose function (``_attention_mla``, ``_experts_moe``...) emitted
+    the op, or None for code every layer runs."""
+    for frame in frames:
+        name = _function(frame)
+        for kind in kinds:
+            if name.startswith("_") and name.endswith(f"_{kind}"):
+                return kind
+    return None
+
+
+def _ops(block: list) -> Iterator[Op]:
+    for node in block:
+        if isinstance(node, Op):
+            yield node
+        elif isinstance(node, Loop):
+            yield from _ops(node.body)
+        else:
+            yield from _ops(node.then)
+            yield from _ops(node.other)
+
+
+def _attach_kinds(block: list, kinds: set[str]) -> None:
+    """Give every op of a guarded block that only one layer kind's code runs in (the
+    layer loop's dispatch on the layer table) that kind. A ring loop of one unit is
+    inlined, and its ops' locations then stop at the ring's own functions."""
+    for node in block:
+        if isinstance(node, Loop):
+            _attach_kinds(node.body, kinds)
+        elif isinstance(node, If):
+            for branch in (node.then, node.other):
+                found = {kind_of(op.frames, kinds) for op in _ops(branch)} - {None}
+                if len(found) == 1:
+                    marker = f"_layer_kind_{found.pop()}"
+                    for op in _ops(branch):
+                        op.frames = op.frames + (marker,)
+                else:
+                    _attach_kinds(branch, kinds)
+
+
+def compiled_op_counts(llo_text: str, plan: Any, spec: ModelSpec) -> dict[str, OpCounts]:
+    """Per-step op counts of each phase from an LLO dump of `plan`'s kernel."""
+    from mkgen.plan.schedule import kv_tiles
+
+    schedule = plan.step_graph.schedule
+    dims = plan.vmem.dims
+    layers = Counter[str]()
+    for layer_kind in schedule.layer_kinds:
+        for kind in layer_kind.split("/"):
+            layers[kind] += 1
+    experts: dict[str, list[int]] = {}
+    for layer, (n, _pieces) in schedule.experts_per_layer.items():
+        experts.setdefault(schedule.layer_kinds[layer].split("/")[1], []).append(n)
+
+    def trips(frames: Frames) -> float | None:
+        """Runtime-bounded loops: KV tiles of one (sequence, kv head) over a full cache,
+        the experts this core runs in a layer."""
+        kind = kind_of(frames, set(layers))
+        names = [_function(f) for f in frames]
+        if kind is None:
+            return None
+        if f"_attend_{kind}" in names:
+            window = getattr(spec.attention_kinds[kind], "sliding_window", None)
+            return kv_tiles(dims.context, dims.kv_tile, window, dims.rows)
+        if f"_experts_{kind}" in names and kind in experts:
+            return sum(experts[kind]) / len(experts[kind])
+        return None
+
+    kernel = parse_llo(llo_text)
+    _attach_kinds(kernel.body, set(layers))
+    counter = StepCounter(kernel, trips)
+    counts = counter.count()
+    if counter.unresolved:
+        where = ", ".join(sorted({" < ".join(f[:2]) for f in counter.unresolved}))
+        raise MkgenError(f"the LLO dump has runtime-bounded loops the profile cannot count: {where}")
+    total_layers = len(schedule.layer_kinds)
+    out = {phase: OpCounts() for phase in PHASES}
+    for (frames, group), n in counts.items():
+        kind = kind_of(frames, set(layers))
+        # A kind's code sits under the layer loop (counted for every layer) behind a
+        # guard on the layer table: it runs in the layers of that kind only.
+        scale = layers[kind] / total_layers if kind is not None else 1.0
+        out[phase_of(frames)].add(group, n * scale)
+    return out
+
+
+# ---------------------------------------------------------------- the compile
+
+
+def compile_with_dump(
+    spec: ModelSpec, topology: Topology, options: BuildOptions, header: str, timeout: float
+) -> tuple[dict[str, Any], str]:
+    """Compile the full-size kernel in a child process with Mosaic's LLO dump on:
+    (the compile record, the kernel's LLO text). Raises CompileError on Mosaic's refusal."""
+    from mkgen.verify.tpu_compile import CompileError
+
+    with tempfile.TemporaryDirectory(prefix="mkgen-profile-") as work:
+        root = Path(work)
+        job = root / "job.json"
+        job.write_text(
+            json.dumps(
+                {
+                    "spec": spec.model_dump(mode="json"),
+                    "topology": topology.model_dump(mode="json"),
+                    "options": options.model_dump(mode="json"),
+                    "header": header,
+                }
+            )
+        )
+        dump = root / "dump"
+        env = {**os.environ, "LIBTPU_INIT_ARGS": DUMP_FLAGS.format(dir=dump)}
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        try:
+            result = subprocess.run(
+                [sys.executable, "-m", "mkgen.verify.profile", str(job)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired as error:
+            raise MkgenError(f"the profile compile took over {timeout:.0f} s") from error
+        lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+        if result.returncode or not lines:
+            tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+            raise MkgenError(f"the profile compile failed: {tail}")
+        record = json.loads(lines[-1])
+        if "error" in record:
+            raise CompileError(record["error"])
+        dumps = sorted(dump.glob(f"*{LLO_SUFFIX}"), key=lambda p: p.stat().st_size)
+        if not dumps:
+            raise MkgenError(f"libtpu wrote no *{LLO_SUFFIX} (LIBTPU_INIT_ARGS not honoured?)")
+        return record, dumps[-1].read_text()
+
+
+def _child(job_path: str) -> None:
+    from mkgen.verify.checks import compile_full_size
+    from mkgen.verify.tpu_compile import CompileError
+
+    job = json.loads(Path(job_path).read_text())
+    spec = ModelSpec.model_validate(job["spec"])
+    topology = Topology.model_validate(job["topology"])
+    options = BuildOptions.model_validate(job["options"])
+    try:
+        outcome = compile_full_size(spec, topology, options, job["header"])
+    except CompileError as error:
+        print(json.dumps({"error": str(error)}))
+        return
+    print(json.dumps(outcome.record()))
+
+
+# ---------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class PhaseProfile:
+    name: str
+    compiled: OpCounts
+    model: OpCounts
+
+    def record(self) -> dict[str, Any]:
+        c, m = self.compiled, self.model
+        return {
+            "name": self.name,
+            "compiled_vpu_ops": round(c.vpu),
+            "model_vpu_ops": round(m.vpu),
+            "compiled_mxu_pushes": round(c.mxu),
+            "model_mxu_pushes": round(m.mxu),
+            "compiled_loads": round(c.loads),
+            "model_loads": round(m.loads),
+            "compiled_stores": round(c.stores),
+            "model_stores": round(m.stores),
+            "compiled_dmas": round(c.dmas),
+            "model_dmas": round(m.dmas),
+        }
+
+
+def profile_phases(llo_text: str, plan: Any, spec: ModelSpec) -> list[PhaseProfile]:
+    compiled = compiled_op_counts(llo_text, plan, spec)
+    model = model_op_counts(plan, spec)
+    return [
+        PhaseProfile(name, compiled[name], model[name])
+        for name in PHASES
+        if compiled[name].any() or model[name].any()
+    ]
+
+
+def phase_totals(phases: list[PhaseProfile]) -> OpCounts:
+    total = OpCounts()
+    for p in phases:
+        for group in asdict(p.compiled):
+            total.add(group, getattr(p.compiled, group))
+    return total
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])
