@@ -1,7 +1,7 @@
 """Measure the ops one ring matmul compiles to, per weight format (mkgen/plan/opcount.py).
 
-Renders a kernel whose experts are mxfp4 (kimi-k3 on 2x2x4), takes the template's own
-`Ring`, `_bf16_product` and `_mxfp4_product` from it, and compiles a one-ring-matmul
+Renders kernels whose experts are mxfp4 (kimi-k3 on 2x2x4) and int4:128 (muse-spark-1.2
+on 2x2x1), takes the template's own `Ring` and chunk products from them, and compiles a one-ring-matmul
 Pallas kernel for one TPU7x core through libtpu's compile-only devices with Mosaic's
 LLO dump on, for k_chunks x col_blocks of 1 x 1 and 2 x 2 and 8 and 16 token rows. It
 prints, per format and row count, the ops of one chunk (the guarded product and
@@ -43,25 +43,40 @@ def main() -> None:
     from mkgen.verify.llo import GROUPS, StepCounter, parse_llo
     from mkgen.verify.tpu_compile import compile_only_devices, quiet_stderr
 
-    topology = parse_topology("2x2x4")
-    options = BuildOptions.create(rows=8)
-    spec = options.apply(load_spec("kimi-k3"))
-    kernel = load_module(
-        render_kernel(plan_build(spec, topology, options).kernel, "chunk ops"), "chunk_ops"
-    )
+    def rendered(spec_name: str, shape: str, rows: int):  # noqa: ANN202
+        options = BuildOptions.create(rows=rows)
+        spec = options.apply(load_spec(spec_name))
+        plan = plan_build(spec, parse_topology(shape), options)
+        return load_module(render_kernel(plan.kernel, "chunk ops"), f"chunk_ops_{spec_name}")
+
+    # kimi-k3's experts are mxfp4, muse-spark-1.2's int4 with a scale per 128 rows.
+    kimi = rendered("kimi-k3", "2x2x4", 8)
+    muse = rendered("muse-spark-1.2", "2x2x1", 1)
     device = compile_only_devices(parse_topology("1x1x1"))[0]
-    chunk = kernel.CHUNK
+    chunk = kimi.CHUNK
+    lanes = kimi.LANES
 
     def slots(fmt: str, chunks: int) -> list[jax.ShapeDtypeStruct]:  # one slot's arrays
         if fmt == "bf16":
-            return [jax.ShapeDtypeStruct((1, chunks * chunk, kernel.LANES), jnp.bfloat16)]
-        return [
-            jax.ShapeDtypeStruct((1, chunks * chunk // 2, kernel.LANES), jnp.int8),
-            jax.ShapeDtypeStruct((1, chunks * chunk // 32, kernel.LANES), jnp.int8),
+            return [jax.ShapeDtypeStruct((1, chunks * chunk, lanes), jnp.bfloat16)]
+        if fmt == "mxfp4":
+            return [
+                jax.ShapeDtypeStruct((1, chunks * chunk // 2, lanes), jnp.int8),
+                jax.ShapeDtypeStruct((1, chunks * chunk // 32, lanes), jnp.int8),
+            ]
+        return [  # int4:128
+            jax.ShapeDtypeStruct((1, chunks * chunk // 2, lanes), jnp.int8),
+            jax.ShapeDtypeStruct((1, chunks * chunk // 128, lanes), jnp.bfloat16),
         ]
 
     def product(fmt: str, refs):  # noqa: ANN001, ANN202
-        return kernel._bf16_product(*refs) if fmt == "bf16" else kernel._mxfp4_product(*refs)
+        if fmt == "bf16":
+            return kimi._bf16_product(*refs)
+        if fmt == "mxfp4":
+            return kimi._mxfp4_product(*refs)
+        return muse._int4_product(*refs, 128)
+
+    kernel = kimi  # the ring and constants (CHUNK, LANES) are the same in every build
 
     def compile_one(fmt: str, rows: int, k: int, c: int) -> dict[str, dict[str, float]]:
         chunks = k * c
@@ -83,7 +98,7 @@ def main() -> None:
             # The slots are scratch, as the kernel's ring and expert slots are (an input
             # block would get another VMEM tiling); compiling needs no weight values.
             + [pltpu.VMEM(s.shape, s.dtype) for s in shapes],
-            name=f"chunk_{fmt}_{rows}_{k}x{c}",
+            name=f"chunk_{fmt.replace(':', '_')}_{rows}_{k}x{c}",
         )
         # Through shard_map over the compile-only device, as the megakernel is: Mosaic
         # then knows which TPU it lowers for.
@@ -91,14 +106,19 @@ def main() -> None:
         sharding = NamedSharding(mesh, P())
         step = jax.jit(
             jax.shard_map(
-                call, mesh=mesh, in_specs=(P(),), out_specs=P(),
+                call,
+                mesh=mesh,
+                in_specs=(P(),),
+                out_specs=P(),
                 check_vma=False,
             )  # fmt: skip
         )
         x = jax.ShapeDtypeStruct((rows, k * chunk), jnp.float32, sharding=sharding)
         with quiet_stderr():
             step.trace(x).lower(lowering_platforms=("tpu",)).compile()
-        dump = next(Path(DUMP).glob(f"*chunk_{fmt}_{rows}_{k}x{c}*post-finalize-llo.txt"))
+        dump = next(
+            Path(DUMP).glob(f"*chunk_{fmt.replace(':', '_')}_{rows}_{k}x{c}*post-finalize-llo.txt")
+        )
         counts = StepCounter(parse_llo(dump.read_text()), lambda frames: None).count()
         parts: dict[str, dict[str, float]] = {}
         for (frames, group), n in counts.items():
@@ -109,7 +129,7 @@ def main() -> None:
             parts.setdefault(part, dict.fromkeys(GROUPS, 0.0))[group] += n
         return parts
 
-    for fmt in ("bf16", "mxfp4"):
+    for fmt in ("bf16", "mxfp4", "int4:128"):
         for rows in (8, 16):
             one = compile_one(fmt, rows, 1, 1)
             two = compile_one(fmt, rows, 2, 2)

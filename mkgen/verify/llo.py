@@ -155,6 +155,7 @@ def parse_llo(text: str) -> LloKernel:
         if line.startswith("  }") and not line.startswith("   "):
             break  # the kernel function ends
         if stripped.startswith("}"):
+            last = ()
             scopes.pop()
             if stripped.startswith("} else {"):
                 node = stack[-1][1]
@@ -184,6 +185,7 @@ def parse_llo(text: str) -> LloKernel:
             if node is not None:
                 current.append(node)
             stack.append((current, node))
+            last = ()
             current = node.body if isinstance(node, Loop) else node.then if node else []
             regions += 1
             scopes.append({})
@@ -201,7 +203,7 @@ def parse_llo(text: str) -> LloKernel:
         group = op_group(name) if op.startswith("llo.") else None
         if group is not None:
             # Some lowerings (select_n) leave no source location: such an op belongs to
-            # the code of the op before it.
+            # the code of the op before it in the same block (else to the block's).
             last = kernel.frames(loc) or last
             current.append(Op(group, last))
     _add_context(kernel, body, ())

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mkgen.errors import MkgenError
+from mkgen.hardware import TPU7X_ISSUE_RATES, IssueRates
 from mkgen.plan.opcount import PHASES, OpCounts, model_op_counts
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.schema import ModelSpec
@@ -30,9 +32,9 @@ from mkgen.verify.llo import Frames, If, Loop, Op, StepCounter, parse_llo
 DUMP_FLAGS = "--xla_mosaic_dump_to={dir} --xla_mosaic_enable_dump_debug_info=true"
 LLO_SUFFIX = "post-finalize-llo.txt"
 
-# Generated functions -> phase, tried in this order on an op's call stack (innermost
-# first within each rule): the expert loop owns its rings, the weight stream's rings
-# belong to the stream wherever they are called from.
+# Generated functions -> phase. The outermost such function on an op's call stack
+# decides: the expert loop owns its rings, the weight stream's rings belong to the
+# stream wherever a layer calls them from.
 _PHASE_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("experts", ("_experts_",)),
     ("stream matmul", ("Ring.", "_slot_matmul", "_to_chunks", "_from_blocks")),
@@ -48,18 +50,23 @@ def _function(frame: str) -> str:
 
 
 def phase_of(frames: Frames) -> str:
-    """The phase of an op emitted under `frames` (innermost first)."""
-    names = [_function(f) for f in frames]
-    for phase, prefixes in _PHASE_RULES:
-        if any(n.startswith(prefixes) for n in names):
-            return phase
+    """The phase of an op emitted under `frames` (innermost first): that of the outermost
+    function with a phase. Outermost, because Pallas emits some lowering rules as
+    functions it caches by signature, whose ops keep the first caller's inner frames."""
+    for frame in reversed(frames):
+        name = _function(frame)
+        for phase, prefixes in _PHASE_RULES:
+            if name.startswith(prefixes):
+                return phase
     return "vector"
 
 
 def kind_of(frames: Frames, kinds: set[str]) -> str | None:
     """The layer kind whose function (``_attention_mla``, ``_experts_moe``...) emitted
-    the op, or None for code every layer runs."""
-    for frame in frames:
+    the op, or None for code every layer runs. The outermost such frame decides: JAX
+    reuses a traced body for the same code of another kind (a local and a global
+    attention's cache write), so inner frames may name the kind traced first."""
+    for frame in reversed(frames):
         name = _function(frame)
         for kind in kinds:
             if name.startswith("_") and name.endswith(f"_{kind}"):
@@ -130,7 +137,9 @@ def compiled_op_counts(llo_text: str, plan: Any, spec: ModelSpec) -> dict[str, O
     counts = counter.count()
     if counter.unresolved:
         where = ", ".join(sorted({" < ".join(f[:2]) for f in counter.unresolved}))
-        raise MkgenError(f"the LLO dump has runtime-bounded loops the profile cannot count: {where}")
+        raise MkgenError(
+            f"the LLO dump has runtime-bounded loops the profile cannot count: {where}"
+        )
     total_layers = len(schedule.layer_kinds)
     out = {phase: OpCounts() for phase in PHASES}
     for (frames, group), n in counts.items():
@@ -154,17 +163,8 @@ def compile_with_dump(
 
     with tempfile.TemporaryDirectory(prefix="mkgen-profile-") as work:
         root = Path(work)
-        job = root / "job.json"
-        job.write_text(
-            json.dumps(
-                {
-                    "spec": spec.model_dump(mode="json"),
-                    "topology": topology.model_dump(mode="json"),
-                    "options": options.model_dump(mode="json"),
-                    "header": header,
-                }
-            )
-        )
+        job = root / "job.pickle"  # written and read by mkgen alone, in its own folder
+        job.write_bytes(pickle.dumps((spec, topology, options, header)))
         dump = root / "dump"
         env = {**os.environ, "LIBTPU_INIT_ARGS": DUMP_FLAGS.format(dir=dump)}
         env.setdefault("JAX_PLATFORMS", "cpu")
@@ -195,12 +195,9 @@ def _child(job_path: str) -> None:
     from mkgen.verify.checks import compile_full_size
     from mkgen.verify.tpu_compile import CompileError
 
-    job = json.loads(Path(job_path).read_text())
-    spec = ModelSpec.model_validate(job["spec"])
-    topology = Topology.model_validate(job["topology"])
-    options = BuildOptions.model_validate(job["options"])
+    spec, topology, options, header = pickle.loads(Path(job_path).read_bytes())
     try:
-        outcome = compile_full_size(spec, topology, options, job["header"])
+        outcome = compile_full_size(spec, topology, options, header)
     except CompileError as error:
         print(json.dumps({"error": str(error)}))
         return
@@ -216,7 +213,19 @@ class PhaseProfile:
     compiled: OpCounts
     model: OpCounts
 
-    def record(self) -> dict[str, Any]:
+    def bound_us(self, rates: IssueRates) -> dict[str, float]:
+        """Microseconds per step the compiled ops need at each unit's issue rate."""
+        c, cycle_us = self.compiled, 1e6 / rates.clock_hz
+        return {
+            "vpu": c.vpu / rates.vpu_ops_per_cycle * cycle_us,
+            "mxu": c.mxu / rates.mxu_ops_per_cycle * cycle_us,
+            "load": max(
+                c.loads / rates.vector_loads_per_cycle, c.stores / rates.vector_stores_per_cycle
+            )
+            * cycle_us,
+        }
+
+    def record(self, rates: IssueRates) -> dict[str, Any]:
         c, m = self.compiled, self.model
         return {
             "name": self.name,
@@ -224,31 +233,92 @@ class PhaseProfile:
             "model_vpu_ops": round(m.vpu),
             "compiled_mxu_pushes": round(c.mxu),
             "model_mxu_pushes": round(m.mxu),
-            "compiled_loads": round(c.loads),
-            "model_loads": round(m.loads),
-            "compiled_stores": round(c.stores),
-            "model_stores": round(m.stores),
+            "compiled_vector_loads": round(c.loads),
+            "model_vector_loads": round(m.loads),
+            "compiled_vector_stores": round(c.stores),
+            "model_vector_stores": round(m.stores),
             "compiled_dmas": round(c.dmas),
             "model_dmas": round(m.dmas),
+            **{f"{unit}_bound_us": round(us, 3) for unit, us in self.bound_us(rates).items()},
         }
 
 
-def profile_phases(llo_text: str, plan: Any, spec: ModelSpec) -> list[PhaseProfile]:
+@dataclass(frozen=True)
+class Profile:
+    build: str
+    phases: list[PhaseProfile]
+    unpriced: list[str]  # weight formats the model has no chunk measurement for
+    predicted_step_us: float  # the plan's step (its DMA timeline)
+    rates: IssueRates
+
+    @property
+    def compute_us(self) -> float:
+        """The step's compute timeline: each phase at its slowest unit, phases in turn."""
+        return sum(max(p.bound_us(self.rates).values()) for p in self.phases)
+
+    @property
+    def vpu_ops(self) -> float:
+        return sum(p.compiled.vpu for p in self.phases)
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "build": self.build,
+            "phases": [p.record(self.rates) for p in self.phases],
+            "unpriced_formats": self.unpriced,
+            "compute_us": round(self.compute_us, 3),
+            "predicted_step_us": round(self.predicted_step_us, 3),
+            "compute_bound": self.compute_us > self.predicted_step_us,
+            "issue_rates": self.rates.model_dump(),
+        }
+
+    def lines(self) -> list[str]:
+        def ratio(compiled: float, model: float) -> str:
+            return f"{model / compiled:6.2f}" if compiled else "     -"
+
+        out = [
+            "  profile per step and core (compiled LLO x trip counts; model = the plan priced "
+            "per phase; model/compiled):",
+            f"  {'phase':<14} {'VPU ops':>12} {'model':>6} {'MXU ops':>11} {'model':>6} "
+            f"{'loads':>10} {'stores':>9} {'DMAs':>6} {'model':>6} "
+            f"{'VPU us':>8} {'MXU us':>8} {'load us':>8}",
+        ]
+        total = self.vpu_ops or 1.0
+        for p in self.phases:
+            c, m, bound = p.compiled, p.model, p.bound_us(self.rates)
+            out.append(
+                f"  {p.name:<14} {c.vpu:>12,.0f} {ratio(c.vpu, m.vpu)} {c.mxu:>11,.0f} "
+                f"{ratio(c.mxu, m.mxu)} {c.loads:>10,.0f} {c.stores:>9,.0f} {c.dmas:>6,.0f} "
+                f"{ratio(c.dmas, m.dmas)} {bound['vpu']:>8.1f} {bound['mxu']:>8.1f} "
+                f"{bound['load']:>8.1f}  ({100 * c.vpu / total:.1f} % of VPU ops)"
+            )
+        if self.unpriced:
+            out.append(f"  the model has no chunk measurement for: {', '.join(self.unpriced)}")
+        bound = "compute-bound" if self.compute_us > self.predicted_step_us else "DMA-bound"
+        out.append(
+            f"  compute timeline {self.compute_us:.1f} us vs the plan's step "
+            f"{self.predicted_step_us:.1f} us: {bound} (at {self.rates.clock_hz / 1e9:.2f} GHz, "
+            f"{self.rates.vpu_ops_per_cycle:g} VPU / {self.rates.mxu_ops_per_cycle:g} MXU ops "
+            "a cycle: mkgen/hardware.py TPU7X_ISSUE_RATES)"
+        )
+        return out
+
+
+def profile_build(llo_text: str, plan: Any, spec: ModelSpec, build: str) -> Profile:
+    """The compiled kernel's phases beside the model's."""
     compiled = compiled_op_counts(llo_text, plan, spec)
-    model = model_op_counts(plan, spec)
-    return [
+    model, unpriced = model_op_counts(plan, spec)
+    phases = [
         PhaseProfile(name, compiled[name], model[name])
         for name in PHASES
         if compiled[name].any() or model[name].any()
     ]
-
-
-def phase_totals(phases: list[PhaseProfile]) -> OpCounts:
-    total = OpCounts()
-    for p in phases:
-        for group in asdict(p.compiled):
-            total.add(group, getattr(p.compiled, group))
-    return total
+    return Profile(
+        build=build,
+        phases=phases,
+        unpriced=unpriced,
+        predicted_step_us=plan.estimate.step_ms * 1000,
+        rates=TPU7X_ISSUE_RATES,
+    )
 
 
 if __name__ == "__main__":
