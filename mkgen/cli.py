@@ -629,22 +629,23 @@ def compile_command(
     plan's figure. Exit 1 with Mosaic's message when it does not compile."""
     if as_json and not profile:
         raise MkgenError("--json prints the profile: add --profile")
-    if profile and update_report:
-        raise MkgenError("--profile is not recorded in REPORT.md yet: drop --update-report")
     _prepare_jax()
     spec, topo, options = _plan_inputs(
         spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,
         quant=quant, ring_depth=ring_depth, expert_slots=expert_slots,
     )  # fmt: skip
-    if profile:
-        _profile_and_print(spec, topo, options, as_json)
-        return
     directory = _build_dir_for(spec, topo, options, output) if update_report else None
+    if profile:
+        _profile_and_print(spec, topo, options, as_json, directory)
+        return
     _compile_and_print(spec, topo, options, directory)
 
 
-def _profile_and_print(spec: Any, topo: Any, options: Any, as_json: bool) -> None:
-    """Compile with Mosaic's LLO dump on (a child process), print the profile table."""
+def _profile_and_print(
+    spec: Any, topo: Any, options: Any, as_json: bool, directory: Path | None
+) -> None:
+    """Compile with Mosaic's LLO dump on (a child process), print the profile table and
+    record it (and the compile) in the build at `directory`."""
     from mkgen.codegen.package import build_name
     from mkgen.plan import plan_build
     from mkgen.verify.profile import compile_with_dump, profile_build
@@ -659,6 +660,11 @@ def _profile_and_print(spec: Any, topo: Any, options: Any, as_json: bool) -> Non
     result = profile_build(
         llo, plan_build(applied, topo, options), applied, build_name(spec.name, topo)
     )
+    if directory is not None:
+        from mkgen.codegen.package import record_measurement
+
+        record_measurement(directory, "compile", record)
+        record_measurement(directory, "profile", result.record())
     if as_json:
         click.echo(json.dumps({"compile": record, **result.record()}, indent=2))
         return
@@ -668,6 +674,8 @@ def _profile_and_print(spec: Any, topo: Any, options: Any, as_json: bool) -> Non
     )
     for line in result.lines():
         click.echo(line)
+    if directory is not None:
+        click.echo(f"  recorded in {_shown(directory)}/REPORT.md")
 
 
 def _compile_and_print(spec: Any, topo: Any, options: Any, directory: Path | None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -163,3 +164,20 @@ def test_model_is_within_a_quarter_of_the_compiled_kernel(
         if abs(p[f"model_{what}"] - p[f"compiled_{what}"]) > TOLERANCE * p[f"compiled_{what}"]
     ]
     assert not misses, misses
+
+
+@pytest.mark.slow
+def test_update_report_records_the_profile_table(tmp_path) -> None:
+    build = tmp_path / "qwen"
+    assert mkgen("build", "qwen3-30b-a3b", "--topology", "2x2x1", "-o", str(build)).returncode == 0
+    result = mkgen(
+        "compile", "qwen3-30b-a3b", "--topology", "2x2x1", "--profile", "--update-report",
+        "-o", str(build), timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "recorded in" in result.stdout
+    report = (build / "REPORT.md").read_text()
+    assert "Static profile per step and core" in report
+    assert re.search(r"^\| experts \| [\d,]+ \| [\d,]+ \| 299,520 \| 299,520 \|", report, re.M)
+    assert "DMA-bound" in report
+    assert "VMEM Mosaic uses" in report  # the compile is recorded with it
