@@ -98,6 +98,7 @@ class LloKernel:
     defs: dict[str, tuple[str, tuple[str, ...]]]  # SSA name -> (op, operands)
     constants: dict[str, int]
     locs: dict[str, str]  # loc id -> its text
+    ivs: set[str] = field(default_factory=set)  # the loops' induction variables
     _memo: dict[str, Frames] = field(default_factory=dict)
 
     def frames(self, loc: str) -> Frames:
@@ -191,6 +192,7 @@ def parse_llo(text: str) -> LloKernel:
             scopes.append({})
             if isinstance(node, Loop):
                 node.iv = define(iv)
+                kernel.ivs.add(node.iv)
             continue
         name = op.removeprefix("llo.")
         if result is not None:
@@ -308,25 +310,8 @@ class StepCounter:
                 elif isinstance(node, If):
                     used |= self._uses(node.cond, set())
                     used |= set(self._free_ivs(node.then)) | set(self._free_ivs(node.other))
-            self._free[key] = tuple(sorted((used - own) & self._all_ivs()))
+            self._free[key] = tuple(sorted((used - own) & self.kernel.ivs))
         return self._free[key]
-
-    def _all_ivs(self) -> set[str]:
-        if not hasattr(self, "_ivs"):
-            ivs: set[str] = set()
-
-            def walk(block: list) -> None:
-                for node in block:
-                    if isinstance(node, Loop):
-                        ivs.add(node.iv)
-                        walk(node.body)
-                    elif isinstance(node, If):
-                        walk(node.then)
-                        walk(node.other)
-
-            walk(self.kernel.body)
-            self._ivs = ivs
-        return self._ivs
 
     # ------------------------------------------------------------------ counting
 
