@@ -64,9 +64,10 @@ class OpCounts:
 # chunk products compiled alone for one TPU7x core with Mosaic's LLO dump), per format
 # as a spec writes it: ops of one 256 x 256 chunk product with its accumulate, of
 # one input chunk (_to_chunks) and of one output block (zeroed, read back), for 8 and
-# 16 token rows. An earlier single-chunk compile of a bare dot, outside the ring, gave
-# 269 vector ALU ops for bf16 (1,287 for mxfp4) with 39 MXU ops: the ring's slots
-# keep the kernel's VMEM tiling, which that compile's input block did not.
+# 16 token rows. With the weights passed as an input block instead of scratch, bf16
+# came to 171 vector ALU ops a chunk (an input block gets another VMEM tiling than the
+# ring's slots); that is likely why an earlier single-chunk compile of a bare dot gave
+# 269 for bf16 and 1,287 for mxfp4 (39 MXU ops, as here).
 CHUNK_OPS: dict[tuple[str, int], OpCounts] = {
     ("bf16", 8): OpCounts(vpu=11, mxu=39, loads=35, stores=2),
     ("bf16", 16): OpCounts(vpu=8, mxu=39, loads=38, stores=4),
