@@ -676,6 +676,12 @@ def _verify_and_print(
 @click.option(
     "-o", "--output", type=click.Path(path_type=Path), help="The build for --update-report."
 )
+@click.option(
+    "--profile",
+    is_flag=True,
+    help="Count the compiled kernel's ops per phase (Mosaic's LLO) beside the model's.",
+)
+@click.option("--json", "as_json", is_flag=True, help="With --profile: the profile as JSON.")
 def compile_command(
     spec_ref: str,
     topology: str,
@@ -688,17 +694,61 @@ def compile_command(
     expert_slots: int | None,
     update_report: bool,
     output: Path | None,
+    profile: bool,
+    as_json: bool,
 ) -> None:
     """Compile SPEC's full-size kernel for TOPOLOGY's compile-only TPU7x devices
     (libtpu, shape-only arguments): compile seconds and the VMEM Mosaic uses beside the
     plan's figure. Exit 1 with Mosaic's message when it does not compile."""
+    if as_json and not profile:
+        raise MkgenError("--json prints the profile: add --profile")
     _prepare_jax()
     spec, topo, options = _plan_inputs(
         spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,
         quant=quant, ring_depth=ring_depth, expert_slots=expert_slots,
     )  # fmt: skip
     directory = _build_dir_for(spec, topo, options, output) if update_report else None
+    if profile:
+        _profile_and_print(spec, topo, options, as_json, directory)
+        return
     _compile_and_print(spec, topo, options, directory)
+
+
+def _profile_and_print(
+    spec: Any, topo: Any, options: Any, as_json: bool, directory: Path | None
+) -> None:
+    """Compile with Mosaic's LLO dump on (a child process), print the profile table and
+    record it (and the compile) in the build at `directory`."""
+    from mkgen.codegen.package import build_name
+    from mkgen.plan import plan_build
+    from mkgen.verify.profile import compile_with_dump, profile_build
+    from mkgen.verify.tpu_compile import CompileError
+
+    try:
+        record, llo = compile_with_dump(spec, topo, options, "mkgen compile", timeout=1800)
+    except CompileError as error:
+        click.echo(f"mkgen: compile failed: {error}", err=True)
+        sys.exit(1)
+    applied = options.apply(spec)
+    result = profile_build(
+        llo, plan_build(applied, topo, options), applied, build_name(spec.name, topo)
+    )
+    if directory is not None:
+        from mkgen.codegen.package import record_measurement
+
+        record_measurement(directory, "compile", record)
+        record_measurement(directory, "profile", result.record())
+    if as_json:
+        click.echo(json.dumps({"compile": record, **result.record()}, indent=2))
+        return
+    click.echo(
+        f"compile {spec.name} on {topo.name}: batch {options.batch} x rows {options.rows}, "
+        f"context {options.context}, compiled in {record['seconds']:.1f} s"
+    )
+    for line in result.lines():
+        click.echo(line)
+    if directory is not None:
+        click.echo(f"  recorded in {_shown(directory)}/REPORT.md")
 
 
 def _compile_and_print(spec: Any, topo: Any, options: Any, directory: Path | None) -> None:

@@ -619,6 +619,44 @@ def get_chip(name: str) -> Chip:
 
 
 # ---------------------------------------------------------------------------
+# Issue rates of one TensorCore, for the static profile (`mkgen compile --profile`).
+# ---------------------------------------------------------------------------
+
+
+class IssueRates(_Frozen):
+    """Ops one TensorCore issues per cycle, by kind (the profile's bound times)."""
+
+    clock_hz: float
+    vpu_ops_per_cycle: float  # vector ALU ops, one (8, 128) vreg each
+    mxu_ops_per_cycle: float  # MXU pushes, latches and pops over all MXUs
+    vector_loads_per_cycle: float
+    vector_stores_per_cycle: float
+
+
+def _derived_clock_hz(chip: Chip) -> float:
+    """The clock at which the catalog's MXUs reach its peak bf16 rate: every MXU does
+    rows x columns multiply-adds (2 flops) a cycle."""
+    rows, columns = chip.mxu_shape
+    per_cycle = chip.cores_per_chip * chip.mxus_per_core * 2 * rows * columns
+    return chip.peak_bf16_flops_per_chip / per_cycle
+
+
+TPU7X_ISSUE_RATES = IssueRates(
+    # Google publishes no TPU7x clock. Derived from the catalog (2,307 TFLOP/s bf16 per
+    # chip over 2 cores x 2 MXUs of 256 x 256): 4.4 GHz, which would be high for a TPU;
+    # with 4 MXUs a core (as some third-party diagrams draw) it is 2.2 GHz. An assumption
+    # either way: the bound times scale with it.
+    clock_hz=_derived_clock_hz(_TPU7X),
+    # Assumptions, no public TPU7x figure: 4 vector ALU slots in a VLIW bundle, each MXU
+    # takes one op a cycle, one vector load slot and one store slot a bundle.
+    vpu_ops_per_cycle=4,
+    mxu_ops_per_cycle=_TPU7X.mxus_per_core,
+    vector_loads_per_cycle=1,
+    vector_stores_per_cycle=1,
+)
+
+
+# ---------------------------------------------------------------------------
 # GPU comparison rows: for reports only, never planned for.
 # ---------------------------------------------------------------------------
 

@@ -632,6 +632,7 @@ def report_context(
         ],
         "by_acceptance": by_acceptance,
         "measured_compile": measurements.get("compile"),
+        "measured_profile": measurements.get("profile"),
         "measured_verify": measurements.get("verify"),
         "verify_runs": _verify_rows(measurements.get("verify")),
         "mini": mini,
@@ -1026,7 +1027,8 @@ def load_build_inputs(directory: Path) -> tuple[ModelSpec, Topology, BuildOption
 
 
 def record_measurement(directory: Path, key: str, result: Mapping[str, Any]) -> Path:
-    """Store one measurement (`compile` or `verify`) in a build and re-render its REPORT.md.
+    """Store one measurement (`compile`, `profile` or `verify`) in a build and re-render
+    its REPORT.md.
 
     The build must be unedited and current (its inputs hash equal to what mkgen renders
     from the same inputs today)."""

@@ -1,0 +1,183 @@
+"""`mkgen compile --profile`: Mosaic's LLO counted per phase and held against the model."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from mkgen.verify.llo import StepCounter, op_group, parse_llo
+from mkgen.verify.profile import kind_of, phase_of
+from tests.cli_run import assert_user_error, mkgen
+
+# A kernel as Mosaic prints it after finalize: a constant loop of 3 whose guard lets 2 of
+# its 4 chunk blocks run (c = 2 * i + j < 5), a runtime-bounded loop, and a sibling
+# region reusing the first loop's SSA names with another bound.
+LLO = """\
+module @k {
+  func.func @k(%arg0: i32) {
+    %c0 = llo.constant {value = 0 : i32} : i32 loc(#loc)
+    %c1 = llo.constant {value = 1 : i32} : i32 loc(#loc)
+    %c2 = llo.constant {value = 2 : i32} : i32 loc(#loc)
+    %c3 = llo.constant {value = 3 : i32} : i32 loc(#loc)
+    %c5 = llo.constant {value = 5 : i32} : i32 loc(#loc)
+    %n = llo.sld %arg0 : i32 loc(#loc)
+    scf.for %i = %c0 to %c3 step %c1  : i32 {
+      %m = llo.smul.u32 %i, %c2 loc(#loc)
+      %lt = llo.slt.s32 %m, %c5 loc(#loc)
+      scf.if %lt {
+        "llo.vmatmul.mubr"(%arg0) : (i32) -> () loc(#loc4)
+        %a = llo.vadd.f32 %arg0, %arg0 : f32 loc(#loc4)
+      } {in_layout = []} loc(#loc5)
+      %m1 = llo.sadd.s32 %m, %c1 loc(#loc)
+      %lt1 = llo.slt.s32 %m1, %c5 loc(#loc)
+      scf.if %lt1 {
+        %b = llo.vadd.f32 %arg0, %arg0 : f32 loc(#loc4)
+      } {in_layout = []} loc(#loc5)
+    } {in_layout = []} loc(#loc6)
+    scf.for %i = %c0 to %c2 step %c1  : i32 {
+      %m = llo.smul.u32 %i, %c2 loc(#loc)
+      %lt = llo.slt.s32 %m, %c1 loc(#loc)
+      scf.if %lt {
+        %v = llo.vector_load %arg0 : i32 loc(#loc4)
+      } {in_layout = []} loc(#loc5)
+    } {in_layout = []} loc(#loc6)
+    scf.for %t = %c0 to %n step %c1  : i32 {
+      llo.vector_store %arg0 into %arg0 : i32 into i32 loc(#loc7)
+      "llo.enqueue_dma"(%arg0) : (i32) -> () loc(#loc7)
+      %s = llo.sadd.s32 %t, %c1 loc(#loc)
+    } {in_layout = []} loc(#loc8)
+    return loc(#loc)
+  }
+}
+#loc = loc(unknown)
+#loc1 = loc("rendered:k.py":10:4)
+#loc2 = loc("rendered:k.py":20:8)
+#loc3 = loc("rendered:k.py":30:2)
+#loc4 = loc(callsite(#loc9 at #loc10))
+#loc5 = loc("Ring.matmul.<locals>.unit_step"(#loc2))
+#loc6 = loc("_experts_moe.<locals>.run"(#loc1))
+#loc7 = loc("_attend_gqa.<locals>.pair.<locals>.step"(#loc3))
+#loc8 = loc("_attend_gqa.<locals>.pair"(#loc3))
+#loc9 = loc("_bf16_product.<locals>.product"(#loc2))
+#loc10 = loc("Ring.matmul.<locals>.unit_step.<locals>._"(#loc1))
+"""
+
+
+def _counts(trips: float | None = 4) -> dict[tuple[str, str], float]:
+    counter = StepCounter(parse_llo(LLO), lambda frames: trips)
+    out: dict[tuple[str, str], float] = {}
+    for (frames, group), n in counter.count().items():
+        key = (phase_of(frames), group)
+        out[key] = out.get(key, 0) + n
+    return out
+
+
+def test_guarded_blocks_run_as_often_as_their_guard_holds() -> None:
+    counts = _counts()
+    # c = 2i + j < 5 over i in 0..2: j = 0 holds for i = 0, 1, 2 and j = 1 for i = 0, 1.
+    assert counts[("experts", "mxu")] == 3
+    assert counts[("experts", "vpu")] == 3 + 2
+    # The sibling loop reuses %m and %lt with bound 1: only i = 0.
+    assert counts[("experts", "loads")] == 1
+
+
+def test_runtime_bounded_loops_run_the_trips_the_caller_gives() -> None:
+    counts = _counts(trips=4)
+    assert counts[("attention", "stores")] == 4
+    assert counts[("attention", "dmas")] == 4
+
+
+def test_an_unknown_runtime_loop_is_listed_not_guessed() -> None:
+    counter = StepCounter(parse_llo(LLO), lambda frames: None)
+    counter.count()
+    assert counter.unresolved and "_attend_gqa.<locals>.pair" in counter.unresolved[0]
+
+
+def test_ops_inherit_the_call_stack_of_their_loop() -> None:
+    counter = StepCounter(parse_llo(LLO), lambda frames: 1)
+    frames = {f for (f, group) in counter.count() if group == "mxu"}
+    (stack,) = frames
+    assert stack[0] == "_bf16_product.<locals>.product"
+    assert "_experts_moe.<locals>.run" in stack  # from the loop around the guarded block
+
+
+def test_op_groups() -> None:
+    assert op_group("vmatprep.subr") == "mxu"
+    assert op_group("vlatchi") == "mxu"
+    assert op_group("vadd.f32") == "vpu"
+    assert op_group("vector_store_masked") == "stores"
+    assert op_group("enqueue_dma") == "dmas"
+    assert op_group("sadd.s32") is None
+    assert op_group("vsync.add") is None
+
+
+def test_the_outermost_phase_and_kind_decide() -> None:
+    ring = ("Ring.matmul.<locals>.unit_step", "Ring.matmul")
+    assert phase_of(ring + ("_attention_gqa", "_kernel")) == "stream matmul"
+    assert phase_of(ring + ("_experts_moe.<locals>.run", "_experts_moe", "_ffn_moe")) == "experts"
+    # A cached lowering keeps its first caller's frames inside the routing's.
+    stale = ("_attend_gqa.<locals>.pair.<locals>.step", "_top_k", "_route_moe", "_ffn_moe")
+    assert phase_of(stale) == "routing"
+    assert phase_of(("_rms_norm", "_kernel")) == "vector"
+    frames = ("_write_cache_local", "_attention_local", "_write_cache_global", "_attention_global")
+    assert kind_of(frames, {"local", "global"}) == "global"
+    assert kind_of(("_rms_norm", "_kernel"), {"gqa"}) is None
+
+
+def test_json_needs_profile() -> None:
+    assert_user_error(
+        mkgen("compile", "qwen3-30b-a3b", "--topology", "2x2x1", "--json"), "--json", "--profile"
+    )
+
+
+# Every phase with more than this share of the step's vector ALU ops is held to the model.
+SIGNIFICANT = 0.01
+TOLERANCE = 0.25
+BUILDS = [
+    ("qwen3-30b-a3b", "2x2x1", "1"),
+    ("muse-spark-1.2", "2x2x1", "1"),
+    ("kimi-k3", "2x2x4", "8"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("spec", "topology", "rows"), BUILDS, ids=[b[0] for b in BUILDS])
+def test_model_is_within_a_quarter_of_the_compiled_kernel(
+    spec: str, topology: str, rows: str
+) -> None:
+    result = mkgen(
+        "compile", spec, "--topology", topology, "--rows", rows, "--profile", "--json", timeout=900
+    )
+    assert result.returncode == 0, result.stderr
+    profile = json.loads(result.stdout)
+    assert profile["unpriced_formats"] == []
+    phases = profile["phases"]
+    total = sum(p["compiled_vpu_ops"] for p in phases)
+    held = [p for p in phases if p["compiled_vpu_ops"] > SIGNIFICANT * total]
+    assert held
+    misses = [
+        f"{p['name']} {what}: compiled {p[f'compiled_{what}']:,}, model {p[f'model_{what}']:,}"
+        for p in held
+        for what in ("vpu_ops", "mxu_pushes", "dmas")
+        if abs(p[f"model_{what}"] - p[f"compiled_{what}"]) > TOLERANCE * p[f"compiled_{what}"]
+    ]
+    assert not misses, misses
+
+
+@pytest.mark.slow
+def test_update_report_records_the_profile_table(tmp_path) -> None:
+    build = tmp_path / "qwen"
+    assert mkgen("build", "qwen3-30b-a3b", "--topology", "2x2x1", "-o", str(build)).returncode == 0
+    result = mkgen(
+        "compile", "qwen3-30b-a3b", "--topology", "2x2x1", "--profile", "--update-report",
+        "-o", str(build), timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "recorded in" in result.stdout
+    report = (build / "REPORT.md").read_text()
+    assert "Static profile per step and core" in report
+    assert re.search(r"^\| experts \| [\d,]+ \| [\d,]+ \| 299,520 \| 299,520 \|", report, re.M)
+    assert "DMA-bound" in report
+    assert "VMEM Mosaic uses" in report  # the compile is recorded with it
