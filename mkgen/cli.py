@@ -650,10 +650,13 @@ def _verify_and_print(
     click.echo(f"tolerances: {checks.TOLERANCES}")
     click.echo(f"({checks.NOT_YET})")
     reports = []
-    with _progress(modes, "verify", "mode") as bar:
-        for mode in bar:
-            bar.set_postfix_str(f"DMA mode {mode}, {run['steps']} step(s) in a subprocess")
-            reports += checks.run_verify(spec_ref, topo.name, modes=(mode,), **run)
+    with _progress(None, "verify", "step") as bar:
+        bar.reset(total=len(modes) * run["steps"])
+        for mode in modes:
+            bar.set_postfix_str(f"DMA mode {mode}")
+            reports += checks.run_verify(
+                spec_ref, topo.name, modes=(mode,), on_step=bar.update, **run
+            )
             for line in checks.verify_lines(reports[-1]):
                 bar.write(line, file=sys.stdout)
     if directory is not None:

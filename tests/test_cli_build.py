@@ -173,7 +173,7 @@ def test_verify_failure_exits_1_naming_the_mode_step_and_check(monkeypatch) -> N
     from mkgen.verify import checks
     from mkgen.verify.numerics import NumericsReport, StepCheck
 
-    def run(spec_ref, topology, *, modes, steps, batch, rows, context, seed, timeout, quant):
+    def run(spec_ref, topology, *, modes, steps, batch, rows, **_):
         report = NumericsReport(spec_ref, topology, 8, modes[0], batch, rows)
         bad = 0.5 if modes[0] == "eager" else 0.001
         fields = {  # the residual check's fields when the harness has them

@@ -96,8 +96,15 @@ def test_mla_heads_stacked_with_batch_and_rows() -> None:
 @pytest.mark.slow
 def test_single_core() -> None:
     # One core: no collectives, the whole vocabulary on it. (One chip of two cores, 1x1x1,
-    # runs in test_mla_heads_stacked_with_batch_and_rows.)
-    _check(verify_numerics("qwen3-30b-a3b", "v6e:1x1", mode="on_wait", steps=2, timeout=TIMEOUT))
+    # runs in test_mla_heads_stacked_with_batch_and_rows.) The child reports each step as
+    # it finishes (verify's progress bar).
+    finished: list[int] = []
+    report = verify_numerics(
+        "qwen3-30b-a3b", "v6e:1x1", mode="on_wait", steps=2, timeout=TIMEOUT,
+        on_step=lambda: finished.append(len(finished)),
+    )  # fmt: skip
+    _check(report)
+    assert finished == [0, 1]
 
 
 # ---------------------------------------------------------------- broken kernels are caught

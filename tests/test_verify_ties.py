@@ -229,7 +229,7 @@ def test_the_published_qwen3_next_config_verifies_through_its_near_tie() -> None
 def test_a_kernel_routing_to_the_weakest_experts_fails_naming_them() -> None:
     report = verify_numerics(
         "qwen3-30b-a3b", "1x1x1", mode="on_wait", steps=1, timeout=TIMEOUT,
-        mutations=[("_top_k(choice, MOE_TOP_K)", "_top_k(-choice, MOE_TOP_K)")],
+        mutations=[("_top_k(scores, MOE_TOP_K)", "_top_k(-scores, MOE_TOP_K)")],
     )  # fmt: skip
     assert not report.passed
     failure = report.failure() or ""

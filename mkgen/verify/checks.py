@@ -13,6 +13,7 @@ measurements.json records (mkgen/codegen/package.py record_measurement).
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -179,6 +180,7 @@ def run_verify(
     timeout: float,
     quant: tuple[str, ...] = (),
     knobs: dict[str, int] | None = None,
+    on_step: Callable[[], None] | None = None,
 ) -> list[NumericsReport]:
     return [
         verify_numerics(
@@ -193,6 +195,7 @@ def run_verify(
             timeout=timeout,
             quant=quant,
             knobs=knobs,
+            on_step=on_step,
         )  # fmt: skip
         for mode in modes
     ]

@@ -39,6 +39,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -52,6 +53,7 @@ CACHE_RTOL = 2e-2
 RESIDUAL_RTOL = 2e-2
 ROUTE_RTOL = 2e-2  # the tie window of router choice values, relative to the token's largest
 INTERPRET_MODES = ("on_wait", "eager")
+STEP_DONE = "mkgen-verify: step done"  # the child's stderr line after each decode step
 
 
 @dataclass
@@ -160,6 +162,7 @@ def verify_numerics(
     quant: tuple[str, ...] = (),
     knobs: dict[str, int] | None = None,
     mutations: list[tuple[str, str]] | None = None,
+    on_step: Callable[[], None] | None = None,
 ) -> NumericsReport:
     """Run the child process and return its report (a timeout is a failure, not a hang).
 
@@ -168,7 +171,8 @@ def verify_numerics(
     (ring_depth, expert_slots): the twin is rendered with them.
 
     `mutations` (tests only) are (old, new) text replacements applied to the rendered
-    kernel, to prove that a broken schedule is caught."""
+    kernel, to prove that a broken schedule is caught. `on_step` is called as each decode
+    step finishes in the child (a progress bar)."""
     from mkgen.spec.topology import parse_topology
 
     if mode not in INTERPRET_MODES:
@@ -185,14 +189,13 @@ def verify_numerics(
         json.dumps(list(quant)), json.dumps(knobs or {}), json.dumps(mutations or []),
     ]  # fmt: skip
     report = NumericsReport(spec_ref, topology, devices, mode, batch, rows)
-    try:
-        result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
+    returncode, stdout, stderr = _run_streaming(args, env, timeout, on_step)
+    if returncode is None:
         report.error = f"timed out after {timeout:.0f} s (a semaphore never signalled: deadlock?)"
         return report
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    if result.returncode or not lines:
-        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if returncode or not lines:
+        tail = (stderr.strip().splitlines() or ["no output"])[-1]
         report.error = f"the interpret-mode run failed: {tail}"
         return report
     data = json.loads(lines[-1])
@@ -314,6 +317,43 @@ def resolve_routes(
         if difference.near_tie:
             used[token] = kernel[token]
     return used, differences
+
+
+def _run_streaming(
+    args: list[str], env: dict[str, str], timeout: float, on_step: Callable[[], None] | None
+) -> tuple[int | None, str, str]:
+    """Run the child; (exit status or None on timeout, stdout, stderr without the step
+    lines), calling `on_step` for each STEP_DONE line as it comes. Both pipes are drained
+    by threads so that neither can fill up and stall the child."""
+    process = subprocess.Popen(
+        args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    stdout: list[str] = []
+    stderr: list[str] = []
+
+    def drain_stderr() -> None:
+        for line in process.stderr:
+            if line.startswith(STEP_DONE):
+                if on_step is not None:
+                    on_step()
+            else:
+                stderr.append(line)
+
+    readers = [
+        threading.Thread(target=lambda: stdout.append(process.stdout.read()), daemon=True),
+        threading.Thread(target=drain_stderr, daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return None, "", ""
+    for reader in readers:
+        reader.join()
+    return process.returncode, "".join(stdout), "".join(stderr)
 
 
 # ---------------------------------------------------------------- the child side
@@ -472,6 +512,7 @@ def _run_child(
             )
         )
         tokens = expected.reshape(batch, rows).astype(np.int32)
+        print(f"{STEP_DONE} {step}", file=sys.stderr, flush=True)
     return {"steps": [asdict(c) for c in checks]}
 
 
