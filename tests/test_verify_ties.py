@@ -241,9 +241,10 @@ def test_a_kernel_routing_to_the_weakest_experts_fails_naming_them() -> None:
 
 # Every model spec and every fixture config, 3 seeds, 2 steps, on one TPU7x chip (2 cores,
 # collectives included: the smallest mesh, on which every twin plans). The whole sweep
-# (MKGEN_VERIFY_SWEEP=all) takes about SWEEP_MINUTES on 2 idle cores, too long for every
-# run; the suite runs IN_SUITE: the published Qwen3-Next (softmax router, 512 experts
-# top-10 in full) and DeepSeek-V3's fixture (sigmoid router, selection bias, groups).
+# (MKGEN_VERIFY_SWEEP=all: 51 runs of 8 to 26 s) took 12 minutes on this machine's 2
+# shared cores, too long for every run; the suite runs IN_SUITE (6 runs, about 90 s): the
+# published Qwen3-Next (softmax router, near ties) and DeepSeek-V3's fixture (sigmoid
+# router, selection bias, expert groups).
 SWEEP_SEEDS = (0, 1, 2)
 SMALLEST_MESH = "1x1x1"
 MODEL_SPECS = sorted(p.stem for p in (Path(mkgen.__file__).parent / "model_specs").glob("*.yaml"))
