@@ -654,6 +654,9 @@ TPU7X_ISSUE_RATES = IssueRates(
     vector_loads_per_cycle=1,
     vector_stores_per_cycle=1,
 )
+# Chips whose issue rates the catalog states (as assumptions): the plan's compute
+# timeline exists for these only.
+ISSUE_RATES = {_TPU7X.name: TPU7X_ISSUE_RATES}
 
 
 # ---------------------------------------------------------------------------

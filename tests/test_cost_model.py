@@ -159,3 +159,21 @@ def test_planning_kimi_k3_fits():
     # Its time is a benchmark (`make bench`), not a test: timings here are noisy.
     plan = plan_build(load_spec("kimi-k3"), parse_topology("2x2x4"), BuildOptions.create(rows=8))
     assert plan.memory.fits
+
+
+def test_the_step_is_the_larger_of_the_dma_and_compute_timelines() -> None:
+    """Kimi K3's mxfp4 experts, dequantized on the VPU, outlast its DMA timeline; a bf16
+    MoE does not; a chip without issue rates in the catalog has no compute timeline."""
+    kimi = plan_build(load_spec("kimi-k3"), parse_topology("2x2x4"), BuildOptions.create(rows=8))
+    est = kimi.estimate
+    assert est.compute_bound and est.step_ms == est.compute_timeline_ms > est.dma_timeline_ms
+    assert sum(est.breakdown_ms.values()) == pytest.approx(est.step_ms)
+    assert est.tokens_per_s_per_user == pytest.approx(1e3 / est.step_ms)
+    assert "compute-bound" in est.describe()
+    qwen = plan_build(load_spec("qwen3-30b-a3b"), parse_topology("2x2x1"), BuildOptions.create())
+    est = qwen.estimate
+    assert not est.compute_bound
+    assert est.step_ms == est.dma_timeline_ms > est.compute_timeline_ms > 0
+    v6e = plan_build(load_spec("qwen3-32b"), parse_topology("v6e:2x4"), BuildOptions.create())
+    assert v6e.estimate.compute_timeline_ms is None
+    assert v6e.estimate.step_ms == v6e.estimate.dma_timeline_ms

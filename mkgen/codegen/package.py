@@ -346,7 +346,12 @@ def render_build(
     for accepted in range(1, options.rows + 1) if options.rows > 1 else ():
         fields = options.model_dump() | {"acceptance": float(accepted)}
         at = BuildOptions.create(**fields)
-        acceptance.append(estimate(spec, topology, at, plan.sharding))
+        dma = estimate(spec, topology, at, plan.sharding)
+        acceptance.append(
+            dma.with_compute_timeline(
+                plan.estimate.compute_timeline_ms, plan.estimate.compute_unpriced_formats
+            )
+        )
     kernel_source = render_kernel(layout, header)
     check_program_order(kernel_source, layout, plan.schedule.segment_order)
     plan_data = {

@@ -13,7 +13,9 @@
 7. schedule and graph: the step's program with every DMA's issue point, slot,
    semaphore and wait point, its dataflow graph and the checks (a failed check raises
    before anything is generated);
-8. estimate: the cost model's step time and its breakdown.
+8. estimate: the cost model's step time and its breakdown: the larger of the simulated
+   DMA timeline and the program's compute timeline (mkgen/plan/opcount.py: the model's
+   op counts per phase at the chip's issue rates, where the catalog states them).
 
 It is the one place a build is planned: code generation, verify, compile, convert, the
 report and the checks all read the BuildPlan it returns.
@@ -26,10 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
+from mkgen.hardware import ISSUE_RATES
 from mkgen.plan.cost import CostConstants, Estimate, TraceEvent, estimate, to_chrome_trace
 from mkgen.plan.graph import GraphSummary, ScheduleCheckError
 from mkgen.plan.layout import FULL_BANK_ROWS, MAX_PIECE_CHUNKS, KernelLayout
 from mkgen.plan.memory import MemoryPlan, check_fit, plan_memory
+from mkgen.plan.opcount import compute_timeline_us, model_op_counts
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.schedule import ScheduleSummary
 from mkgen.plan.sharding import ShardingPlan, TensorShard, plan_sharding
@@ -146,6 +150,13 @@ def plan_build(
         estimate=est,
     )
     plan._step = step
+    rates = ISSUE_RATES.get(topo.chip)
+    if rates is not None:
+        counts, unpriced = model_op_counts(plan, spec)
+        compute_ms = compute_timeline_us(counts, rates) / 1e3
+        bounded = est.with_compute_timeline(compute_ms, tuple(unpriced))
+        plan = plan.model_copy(update={"estimate": bounded})
+        plan._step = step
     return plan
 
 

@@ -238,6 +238,8 @@ def widest_level(topo: Topology) -> str:
 
 Category = Literal["weights", "experts", "kv_state", "collectives", "lm_head", "compute", "fixed"]
 CATEGORIES: tuple[str, ...] = get_args(Category)
+# The breakdown category of a compute-bound step's time beyond its DMA timeline.
+COMPUTE_BOUND = "compute-bound excess"
 ENGINES = ("dma", "core", "ici")
 
 
@@ -279,8 +281,60 @@ class Estimate(_Frozen):
     acceptance: float
     batch: int
     constants: CostConstants
+    # The simulated DMA/ring timeline, and the program's compute timeline (the model's op
+    # counts at the chip's issue rates; None where the catalog has no rates): the step is
+    # the larger (compute_bound).
+    dma_timeline_ms: float
+    compute_timeline_ms: float | None = None
+    # Weight formats the op-count model has no measurement for: their compute is missing
+    # from compute_timeline_ms, a lower bound then.
+    compute_unpriced_formats: tuple[str, ...] = ()
     # The simulated timeline (only when asked for); not part of saved plans.
     events: tuple[TraceEvent, ...] = Field(default=(), exclude=True)
+
+    @property
+    def compute_bound(self) -> bool:
+        return self.step_ms > self.dma_timeline_ms
+
+    @property
+    def timelines(self) -> str:
+        """One sentence: the two timelines and which one the step is."""
+        unpriced = (
+            f"; without {', '.join(self.compute_unpriced_formats)}, which the op-count model "
+            "has no measurement for, a lower bound"
+            if self.compute_unpriced_formats
+            else ""
+        )
+        return (
+            f"The step is the larger of the DMA timeline ({self.dma_timeline_ms:.3f} ms, "
+            f"simulated) and the compute timeline ({self.compute_timeline_ms:.3f} ms: the "
+            "program's op counts at the chip's issue rates, assumptions in mkgen/hardware.py"
+            f"{unpriced}): {'compute' if self.compute_bound else 'DMA'}-bound"
+        )
+
+    def with_compute_timeline(
+        self, compute_ms: float | None, unpriced: tuple[str, ...] = ()
+    ) -> Estimate:
+        """This estimate with the step the larger of its DMA timeline and `compute_ms`; a
+        compute-bound step's extra time is its own breakdown category, and the rates per
+        user, per batch and per dollar follow the step."""
+        known = {"compute_timeline_ms": compute_ms, "compute_unpriced_formats": unpriced}
+        if compute_ms is None or compute_ms <= self.dma_timeline_ms:
+            return self.model_copy(update=known)
+        slower = self.dma_timeline_ms / compute_ms
+        return self.model_copy(
+            update={
+                **known,
+                "step_ms": compute_ms,
+                "breakdown_ms": {**self.breakdown_ms, COMPUTE_BOUND: compute_ms - self.step_ms},
+                "floor_ratio": self.hbm_floor_ms / compute_ms,
+                "tokens_per_s_per_user": self.tokens_per_s_per_user * slower,
+                "tokens_per_s": self.tokens_per_s * slower,
+                "tokens_per_dollar": None
+                if self.tokens_per_dollar is None
+                else self.tokens_per_dollar * slower,
+            }
+        )
 
     @property
     def times_floor(self) -> str:
@@ -298,6 +352,8 @@ class Estimate(_Frozen):
                 else ""
             )
         ]
+        if self.compute_timeline_ms is not None:
+            lines.append("  " + self.timelines)
         lines.append(
             "  by category: "
             + ", ".join(f"{k} {v:.3f}" for k, v in self.breakdown_ms.items() if v)
@@ -703,6 +759,7 @@ def estimate(
     floor = sim.hbm_bytes / c.hbm_bandwidth
     return Estimate(
         step_ms=step * 1e3,
+        dma_timeline_ms=step * 1e3,
         breakdown_ms={k: v * 1e3 for k, v in sim.attr.items()},
         by_layer_kind=by_kind,
         hbm_bytes_per_device_per_step=sim.hbm_bytes,

@@ -28,6 +28,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from mkgen.hardware import IssueRates
+
 PHASES = (
     "stream matmul",
     "experts",
@@ -131,6 +133,26 @@ def ring_matmul_ops(fmt: str, k_chunks: int, col_blocks: int, tokens_padded: int
 
 def _weight_tiles(k: int, n: int) -> int:
     return math.ceil(k / 256) * math.ceil(n / 256)
+
+
+def bound_us(counts: OpCounts, rates: IssueRates) -> dict[str, float]:
+    """Microseconds per step `counts` need at each unit's issue rate."""
+    cycle_us = 1e6 / rates.clock_hz
+    return {
+        "vpu": counts.vpu / rates.vpu_ops_per_cycle * cycle_us,
+        "mxu": counts.mxu / rates.mxu_ops_per_cycle * cycle_us,
+        "load": max(
+            counts.loads / rates.vector_loads_per_cycle,
+            counts.stores / rates.vector_stores_per_cycle,
+        )
+        * cycle_us,
+    }
+
+
+def compute_timeline_us(counts: dict[str, OpCounts], rates: IssueRates) -> float:
+    """The step's compute timeline: each phase at its slowest unit, phases in turn (the
+    units of one phase overlap; the phases of a layer depend on each other)."""
+    return sum(max(bound_us(c, rates).values()) for c in counts.values())
 
 
 def model_op_counts(plan: Any, spec: Any) -> tuple[dict[str, OpCounts], list[str]]:

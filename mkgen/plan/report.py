@@ -96,6 +96,9 @@ def plan_dict(plan: BuildPlan) -> dict[str, Any]:
         },
         "estimate": {
             "step_ms": est.step_ms,
+            "dma_timeline_ms": est.dma_timeline_ms,
+            "compute_timeline_ms": est.compute_timeline_ms,
+            "compute_bound": est.compute_bound,
             "hbm_floor_ms": est.hbm_floor_ms,
             "floor_ratio": est.floor_ratio,
             "hbm_bytes_per_device_per_step": est.hbm_bytes_per_device_per_step,

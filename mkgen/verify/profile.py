@@ -23,7 +23,7 @@ from typing import Any
 
 from mkgen.errors import MkgenError
 from mkgen.hardware import TPU7X_ISSUE_RATES, IssueRates
-from mkgen.plan.opcount import PHASES, OpCounts, model_op_counts
+from mkgen.plan.opcount import PHASES, OpCounts, bound_us, model_op_counts
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology
@@ -215,15 +215,7 @@ class PhaseProfile:
 
     def bound_us(self, rates: IssueRates) -> dict[str, float]:
         """Microseconds per step the compiled ops need at each unit's issue rate."""
-        c, cycle_us = self.compiled, 1e6 / rates.clock_hz
-        return {
-            "vpu": c.vpu / rates.vpu_ops_per_cycle * cycle_us,
-            "mxu": c.mxu / rates.mxu_ops_per_cycle * cycle_us,
-            "load": max(
-                c.loads / rates.vector_loads_per_cycle, c.stores / rates.vector_stores_per_cycle
-            )
-            * cycle_us,
-        }
+        return bound_us(self.compiled, rates)
 
     def record(self, rates: IssueRates) -> dict[str, Any]:
         c, m = self.compiled, self.model
@@ -248,7 +240,7 @@ class Profile:
     build: str
     phases: list[PhaseProfile]
     unpriced: list[str]  # weight formats the model has no chunk measurement for
-    predicted_step_us: float  # the plan's step (its DMA timeline)
+    predicted_step_us: float  # the plan's DMA timeline (its step unless compute-bound)
     rates: IssueRates
 
     @property
@@ -316,7 +308,7 @@ def profile_build(llo_text: str, plan: Any, spec: ModelSpec, build: str) -> Prof
         build=build,
         phases=phases,
         unpriced=unpriced,
-        predicted_step_us=plan.estimate.step_ms * 1000,
+        predicted_step_us=plan.estimate.dma_timeline_ms * 1000,
         rates=TPU7X_ISSUE_RATES,
     )
 
