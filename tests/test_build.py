@@ -368,3 +368,41 @@ def test_runner_matches_the_reference_in_interpret_mode(
     if right is not None:  # rows of 3: the tokens a call gains, at most right + 1
         assert right < out["acceptance_length"] <= right + 1
     assert package.local_edits(build_dir) is None  # running it left the build as written
+
+
+def test_the_verify_table_counts_the_routing_near_ties_it_followed(tmp_path: Path) -> None:
+    from mkgen.verify.checks import verify_record
+    from mkgen.verify.numerics import NumericsReport, StepCheck
+
+    report = NumericsReport("qwen3-32b", "2x2x1", 8, "on_wait", 1, 1)
+    tie = "layer 1 token 0: near tie, the kernel chose experts [2, 6] for the reference's [2, 5]"
+    report.steps = [
+        StepCheck(
+            step=s,
+            max_logit_diff=0.001,
+            logit_tolerance=0.08,
+            tokens_equal=1,
+            tokens_near_tie=0,
+            tokens_total=1,
+            max_cache_diff=0.01,
+            cache_tolerance=0.06,
+            max_residual_diff=0.001,
+            residual_tolerance=0.02,
+            first_diverging_layer=None,
+            finite=True,
+            cores_identical=True,
+            seconds=1.0,
+            route_ties=[tie] * s,
+        )  # fmt: skip
+        for s in range(3)
+    ]
+    target = tmp_path / "build"
+    make_build(*_inputs(), output=target)
+    record = verify_record([report], steps=3, batch=1, rows=1, context=128, seed=0)
+    package.record_measurement(target, "verify", record)
+    assert "| routing near ties |" in (target / "REPORT.md").read_text()
+    assert "| on_wait | pass | 3 |" in (target / "REPORT.md").read_text()
+    row = next(
+        line for line in (target / "REPORT.md").read_text().splitlines() if "| on_wait |" in line
+    )
+    assert row.split("|")[-3].strip() == "3"  # 0 + 1 + 2 ties over the three steps

@@ -671,6 +671,8 @@ def _verify_rows(verify: Mapping[str, Any] | None) -> list[dict[str, Any]]:
                 "residual": _worst(steps, "max_residual_diff", "residual_tolerance")
                 if steps and "max_residual_diff" in steps[0]
                 else "-",
+                # Near ties the reference followed (verify's tie rule); older records lack them.
+                "route_ties": sum(len(s.get("route_ties", ())) for s in steps),
                 "seconds": f"{sum(s['seconds'] for s in steps):.1f}",
             }
         )
