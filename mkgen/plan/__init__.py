@@ -30,15 +30,15 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from mkgen.hardware import ISSUE_RATES
 from mkgen.plan.cost import CostConstants, Estimate, TraceEvent, estimate, to_chrome_trace
-from mkgen.plan.graph import GraphSummary, ScheduleCheckError
-from mkgen.plan.layout import FULL_BANK_ROWS, MAX_PIECE_CHUNKS, KernelLayout
+from mkgen.plan.graph import GraphSummary, ScheduleCheckError, analyse
+from mkgen.plan.layout import FULL_BANK_ROWS, MAX_PIECE_CHUNKS, KernelLayout, build_layout
 from mkgen.plan.memory import MemoryPlan, check_fit, plan_memory
 from mkgen.plan.opcount import compute_timeline_us, model_op_counts
 from mkgen.plan.options import BuildOptions
-from mkgen.plan.schedule import ScheduleSummary
+from mkgen.plan.schedule import ScheduleSummary, build_schedule
 from mkgen.plan.sharding import ShardingPlan, TensorShard, plan_sharding
-from mkgen.plan.stream import StreamPlan
-from mkgen.plan.vmem import VmemPlan
+from mkgen.plan.stream import StreamPlan, plan_stream
+from mkgen.plan.vmem import VmemPlan, plan_vmem
 from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology
 
@@ -97,13 +97,8 @@ def plan_build(
 
     `bank_rows` and `max_piece_chunks` size the weight banks and expert pieces (the mini
     twin's are small); `ring_depth` forces the ring's depth unless --ring-depth does (a
-    saved build records the depth it was rendered with); `trace_residuals` makes the kernel also return the residual stream
-    after every layer (verify's per-layer check)."""
-    from mkgen.plan.graph import analyse
-    from mkgen.plan.layout import build_layout
-    from mkgen.plan.schedule import build_schedule
-    from mkgen.plan.stream import plan_stream
-    from mkgen.plan.vmem import plan_vmem
+    saved build records the depth it was rendered with); `trace_residuals` makes the
+    kernel also return the residual stream after every layer (verify's per-layer check)."""
 
     spec = options.apply(spec)
     sharding = plan_sharding(spec, topo, options)
@@ -136,6 +131,11 @@ def plan_build(
     if enforce:
         step.enforce()
     est = estimate(spec, topo, options, sharding, trace=trace)
+    rates = ISSUE_RATES.get(topo.chip)
+    if rates is not None:  # the step is the larger of the DMA and the compute timeline
+        counts, unpriced = model_op_counts(schedule, stream, vmem, sharding, spec)
+        compute_ms = compute_timeline_us(counts, rates) / 1e3
+        est = est.with_compute_timeline(compute_ms, tuple(unpriced))
     plan = BuildPlan(
         options=options,
         chips=topo.num_chips,
@@ -150,13 +150,6 @@ def plan_build(
         estimate=est,
     )
     plan._step = step
-    rates = ISSUE_RATES.get(topo.chip)
-    if rates is not None:
-        counts, unpriced = model_op_counts(plan, spec)
-        compute_ms = compute_timeline_us(counts, rates) / 1e3
-        bounded = est.with_compute_timeline(compute_ms, tuple(unpriced))
-        plan = plan.model_copy(update={"estimate": bounded})
-        plan._step = step
     return plan
 
 

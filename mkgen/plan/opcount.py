@@ -155,15 +155,17 @@ def compute_timeline_us(counts: dict[str, OpCounts], rates: IssueRates) -> float
     return sum(max(bound_us(c, rates).values()) for c in counts.values())
 
 
-def model_op_counts(plan: Any, spec: Any) -> tuple[dict[str, OpCounts], list[str]]:
-    """(phase -> the model's ops per step, formats the model has no measurement for)."""
+def model_op_counts(
+    schedule: Any, stream: Any, vmem: Any, sharding: Any, spec: Any
+) -> tuple[dict[str, OpCounts], list[str]]:
+    """(phase -> the model's ops per step, formats the model has no measurement for), from
+    a build's schedule, weight stream, VMEM plan and sharding (the plan's pieces)."""
     from mkgen.plan.schedule import kv_tiles
     from mkgen.plan.vmem import q_rows
 
     out = {p: OpCounts() for p in PHASES}
     unpriced: set[str] = set()
-    schedule = plan.step_graph.schedule
-    dims = plan.vmem.dims
+    dims = vmem.dims
     tp = dims.tokens_padded
 
     def matmul(phase: str, fmt: str, k: int, c: int, times: float) -> None:
@@ -178,17 +180,17 @@ def model_op_counts(plan: Any, spec: Any) -> tuple[dict[str, OpCounts], list[str
 
     # ---- stream matmul
     for name, n in attention_layers.items():
-        for seg in plan.stream.attention[name].segments:
+        for seg in stream.attention[name].segments:
             matmul("stream matmul", seg.format, seg.k_chunks, seg.col_blocks, n)
     for name, n in ffn_layers.items():
-        for seg in plan.stream.ffn[name].segments:
+        for seg in stream.ffn[name].segments:
             matmul("stream matmul", seg.format, seg.k_chunks, seg.col_blocks, n)
-    for seg in plan.stream.tail:
+    for seg in stream.tail:
         matmul("stream matmul", seg.format, seg.k_chunks, seg.col_blocks, 1)
 
     # ---- experts: the plan's expected experts per core in each MoE layer
     for layer, (n, _pieces) in schedule.experts_per_layer.items():
-        e = plan.vmem.experts[layer_kinds[layer][1]]
+        e = vmem.experts[layer_kinds[layer][1]]
         matmul("experts", e.format, e.gate_up_k_chunks, e.gate_up_col_blocks, n)
         matmul("experts", e.format, e.down_k_chunks, e.down_col_blocks, n)
         elementwise = ACTIVATION_OPS * vregs(tp, e.width) + COMBINE_OPS * vregs(tp, e.d)
@@ -197,7 +199,7 @@ def model_op_counts(plan: Any, spec: Any) -> tuple[dict[str, OpCounts], list[str
     # ---- attention: KV tiles over a full cache
     for name, n_layers in attention_layers.items():
         kind = spec.attention_kinds[name]
-        a = plan.sharding.attention[name]
+        a = sharding.attention[name]
         tile = dims.kv_tile
         if kind.type == "gqa":
             groups = a.kv_heads_per_rank

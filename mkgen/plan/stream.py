@@ -23,6 +23,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from mkgen.errors import SpecError
+from mkgen.plan.options import MAX_RING_DEPTH, MIN_RING_DEPTH
 from mkgen.plan.sharding import ShardingPlan, TensorShard
 from mkgen.spec.quant import parse_format
 
@@ -323,17 +324,19 @@ def _kind_stream(
 
 
 def choose_ring(bank_rows: int, vmem_for_ring: int) -> int:
-    """Banks in flight: as many as fit the VMEM set aside for the ring, 2 to 16.
+    """Banks in flight: as many as fit the VMEM set aside for the ring, within the ring's
+    bounds (MIN_RING_DEPTH to MAX_RING_DEPTH, the ones --ring-depth has).
 
     The hand-written Kimi K3 kernel kept 12 banks of 2 MiB (about 24 MiB) in flight;
     more depth buys nothing once the DMA engine is never idle."""
     depth = vmem_for_ring // (bank_rows * LANES * BF16_BYTES)
-    if depth < 2:
+    if depth < MIN_RING_DEPTH:
         raise SpecError(
-            f"the VMEM budget leaves {vmem_for_ring} bytes for the weight ring, less than two "
-            f"{bank_rows * LANES * BF16_BYTES}-byte banks; raise --vmem-budget or lower the bank size"
+            f"the VMEM budget leaves {vmem_for_ring} bytes for the weight ring, less than "
+            f"{MIN_RING_DEPTH} {bank_rows * LANES * BF16_BYTES}-byte banks; raise --vmem-budget "
+            "or lower the bank size"
         )
-    return min(depth, 16)
+    return min(depth, MAX_RING_DEPTH)
 
 
 def plan_stream(spec, sharding: ShardingPlan, *, bank_rows: int, ring_depth: int) -> StreamPlan:

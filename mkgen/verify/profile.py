@@ -298,7 +298,9 @@ class Profile:
 def profile_build(llo_text: str, plan: Any, spec: ModelSpec, build: str) -> Profile:
     """The compiled kernel's phases beside the model's."""
     compiled = compiled_op_counts(llo_text, plan, spec)
-    model, unpriced = model_op_counts(plan, spec)
+    model, unpriced = model_op_counts(
+        plan.step_graph.schedule, plan.stream, plan.vmem, plan.sharding, spec
+    )
     phases = [
         PhaseProfile(name, compiled[name], model[name])
         for name in PHASES
