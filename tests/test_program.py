@@ -4,6 +4,7 @@ ring depth is refused at plan time."""
 
 from __future__ import annotations
 
+import difflib
 import json
 
 import pytest
@@ -11,12 +12,14 @@ from cli_run import assert_user_error, mkgen
 
 from mkgen.codegen.build import render_kernel
 from mkgen.codegen.conformance import check_program_order, consumed_segments
-from mkgen.codegen.package import entry_inputs, read_build_list, render_build
+from mkgen.codegen.package import entry_inputs, mini_kernel_args, read_build_list, render_build
 from mkgen.plan import BuildOptions, plan_build
 from mkgen.plan import stream as stream_module
 from mkgen.plan.graph import ScheduleCheckError
 from mkgen.spec.loader import load_spec
+from mkgen.spec.mini import mini_twin
 from mkgen.spec.topology import parse_topology
+from mkgen.verify.numerics import verify_numerics
 
 
 def _plan(model: str, topology: str, **options):
@@ -134,3 +137,45 @@ def test_plan_json_carries_the_program_and_the_deadlock_check() -> None:
     assert list(dict.fromkeys(firsts)) == ["kda.in", "kda.f_b", "kda.o", "moe.in",
                                            "moe.shared_down", "moe.latent_out"]  # fmt: skip
     assert any(op["category"] == "expert" and "semaphores" in op for op in ops)
+
+
+# A passing run of this twin takes about 15 s on 2 cores: four times that is a hang.
+HANG_TIMEOUT = 60
+
+
+def test_a_build_forced_past_the_check_hangs_in_interpret_mode(monkeypatch) -> None:
+    """The MoE stream laid out as (latent_out, shared_down, in) while the kernel consumes
+    in, shared_down, latent_out: at ring depth 2 the plan refuses it; the same kernel,
+    forced past the check (its Segment constants put into Kimi K3's mini twin), waits on
+    a bank the ring never started and verify reports the hang within its timeout, where
+    the checked kernel at the same depth verifies."""
+    topology = parse_topology("1x1x1")
+    spec = mini_twin(load_spec("kimi-k3"), topology.num_devices)
+    options = BuildOptions.create(ring_depth=2, context=128)
+
+    def kernel(enforce: bool = True) -> str:
+        plan = plan_build(spec, topology, options, **mini_kernel_args(), trace_residuals=True,
+                          enforce=enforce)  # fmt: skip
+        assert plan.graph.checks["deadlock_free"] is enforce
+        return render_kernel(plan.kernel, "verify")
+
+    checked = kernel()
+    moe = dict(stream_module.FUSED_SEGMENTS["moe"])
+    swapped = [(name, moe[name]) for name in ("latent_out", "shared_down", "in")]
+    monkeypatch.setitem(stream_module.FUSED_SEGMENTS, "moe", swapped)
+    with pytest.raises(ScheduleCheckError, match="moe.in bank"):
+        kernel()
+    forced = kernel(enforce=False)
+
+    old, new = checked.splitlines(keepends=True), forced.splitlines(keepends=True)
+    edits = difflib.SequenceMatcher(None, old, new).get_opcodes()
+    mutations = [
+        ("".join(old[a:b]), "".join(new[c:d])) for tag, a, b, c, d in edits if tag != "equal"
+    ]
+    assert mutations and all("MOE_" in o and "Segment(" in o for o, _ in mutations), mutations
+    run = dict(mode="on_wait", steps=1, timeout=HANG_TIMEOUT, knobs={"ring_depth": 2})
+    control = verify_numerics("kimi-k3", "1x1x1", **run)
+    assert control.passed, control.failure()
+    report = verify_numerics("kimi-k3", "1x1x1", **run, mutations=mutations)
+    assert not report.passed
+    assert "timed out" in (report.error or "") and "deadlock" in report.error, report.failure()
