@@ -1,0 +1,39 @@
+"""The hand-written kernels' published steps, matched to the builds that do the same work."""
+
+from __future__ import annotations
+
+import pytest
+
+from mkgen.plan import BuildOptions
+from mkgen.plan.published import HAND_WRITTEN, hand_written_for
+from mkgen.spec.loader import load_spec
+from mkgen.spec.topology import parse_topology
+
+
+def _match(model: str, topology: str, **options):
+    built = BuildOptions.create(**options)
+    base = load_spec(model)
+    return hand_written_for(model, base, built.apply(base), parse_topology(topology), built)
+
+
+def test_the_seeds_steps_follow_from_their_accepted_tokens_per_second() -> None:
+    kimi = _match("kimi-k3", "2x2x4", rows=8)
+    assert kimi is not None and kimi.step_ms == pytest.approx(8.46, abs=0.005)
+    qwen = _match("qwen3.8-27b", "2x2x1", rows=8)
+    assert qwen is not None and qwen.step_ms == pytest.approx(3.96, abs=0.005)
+
+
+def test_muse_spark_matches_by_its_weight_formats() -> None:
+    assert _match("muse-spark-1.2", "2x2x1").step_ms == 3.59  # the shipped int4 experts
+    fastest = _match(
+        "muse-spark-1.2", "2x2x1", quant=["experts=nvfp4", "dense=int8", "lm_head=int8"]
+    )
+    assert fastest.step_ms == 3.26
+    assert _match("muse-spark-1.2", "2x2x1", quant=["dense=int8"]) is None
+
+
+def test_other_shapes_have_no_published_kernel() -> None:
+    assert _match("kimi-k3", "2x2x4") is None  # rows 1
+    assert _match("muse-spark-1.2", "2x2x1", batch=2) is None
+    assert _match("qwen3-30b-a3b", "2x2x1") is None
+    assert len({(h.model, h.quant) for h in HAND_WRITTEN}) == len(HAND_WRITTEN)
