@@ -13,7 +13,7 @@ from mkgen.spec.topology import parse_topology
 def _match(model: str, topology: str, **options):
     built = BuildOptions.create(**options)
     base = load_spec(model)
-    return hand_written_for(model, base, built.apply(base), parse_topology(topology), built)
+    return hand_written_for(base, built.apply(base), parse_topology(topology), built)
 
 
 def test_the_seeds_steps_follow_from_their_accepted_tokens_per_second() -> None:
@@ -37,3 +37,10 @@ def test_other_shapes_have_no_published_kernel() -> None:
     assert _match("muse-spark-1.2", "2x2x1", batch=2) is None
     assert _match("qwen3-30b-a3b", "2x2x1") is None
     assert len({(h.model, h.quant) for h in HAND_WRITTEN}) == len(HAND_WRITTEN)
+
+
+def test_an_edited_spec_of_the_same_name_is_not_the_published_model() -> None:
+    base = load_spec("qwen3.8-27b")
+    edited = base.model_copy(update={"description": "mine"})
+    built = BuildOptions.create(rows=8)
+    assert hand_written_for(edited, built.apply(edited), parse_topology("2x2x1"), built) is None

@@ -74,6 +74,7 @@ from mkgen.errors import MkgenError, SpecError
 from mkgen.output import check_parent, umask
 from mkgen.plan.layout import KernelLayout
 from mkgen.plan.options import BuildOptions
+from mkgen.plan.published import bar_text
 from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology, parse_topology
 
@@ -622,6 +623,7 @@ def report_context(
         "stream_bytes": _mib(stream.bytes_per_step),
         "stream_rows": stream_rows,
         "estimate": est,
+        "bar": bar_text(est.step_ms, plan.ideal_floor, plan.hand_written),
         "breakdown": [
             {"what": k, "ms": f"{v:.3f}", "share": f"{100 * v / est.step_ms:.1f} %"}
             for k, v in est.breakdown_ms.items()

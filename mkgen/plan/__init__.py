@@ -15,7 +15,9 @@
    before anything is generated);
 8. estimate: the cost model's step time and its breakdown: the larger of the simulated
    DMA timeline and the program's compute timeline (mkgen/plan/opcount.py: the model's
-   op counts per phase at the chip's issue rates, where the catalog states them).
+   op counts per phase at the chip's issue rates, where the catalog states them), held
+   against the ideal floor (mkgen/plan/floor.py) and the published hand-written kernel
+   (mkgen/plan/published.py).
 
 It is the one place a build is planned: code generation, verify, compile, convert, the
 report and the checks all read the BuildPlan it returns.
@@ -30,11 +32,13 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from mkgen.hardware import ISSUE_RATES
 from mkgen.plan.cost import CostConstants, Estimate, TraceEvent, estimate, to_chrome_trace
+from mkgen.plan.floor import IdealFloor, ideal_floor
 from mkgen.plan.graph import GraphSummary, ScheduleCheckError, analyse
 from mkgen.plan.layout import FULL_BANK_ROWS, MAX_PIECE_CHUNKS, KernelLayout, build_layout
 from mkgen.plan.memory import MemoryPlan, check_fit, plan_memory
 from mkgen.plan.opcount import compute_timeline_us, model_op_counts
 from mkgen.plan.options import BuildOptions
+from mkgen.plan.published import HandWritten, hand_written_for
 from mkgen.plan.schedule import ScheduleSummary, build_schedule
 from mkgen.plan.sharding import ShardingPlan, TensorShard, plan_sharding
 from mkgen.plan.stream import StreamPlan, plan_stream
@@ -63,6 +67,10 @@ class BuildPlan(BaseModel):
     program: dict[str, list[dict[str, Any]]]
     graph: GraphSummary
     estimate: Estimate
+    # The bar the estimate is held against: what any kernel must read, and the published
+    # hand-written kernel doing the same work (None where none is published).
+    ideal_floor: IdealFloor
+    hand_written: HandWritten | None
     _step: Any = PrivateAttr(default=None)
 
     @property
@@ -100,7 +108,7 @@ def plan_build(
     saved build records the depth it was rendered with); `trace_residuals` makes the
     kernel also return the residual stream after every layer (verify's per-layer check)."""
 
-    spec = options.apply(spec)
+    base, spec = spec, options.apply(spec)
     sharding = plan_sharding(spec, topo, options)
     memory = plan_memory(spec, topo, options, sharding)
     check_fit(spec, topo, options, memory)
@@ -148,6 +156,8 @@ def plan_build(
         program=schedule.program(),
         graph=step.summary(),
         estimate=est,
+        ideal_floor=ideal_floor(spec, topo, options),
+        hand_written=hand_written_for(base, spec, topo, options),
     )
     plan._step = step
     return plan

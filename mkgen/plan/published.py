@@ -12,12 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mkgen.plan.calibration import CONFIGS, MEASURED_MS
+from mkgen.plan.floor import IdealFloor
 from mkgen.plan.options import BuildOptions
+from mkgen.spec.loader import load_spec
 from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology, parse_topology
 
-SEEDS_SOURCE = "Inferact tpu-megakernels README.md: accepted tokens/s per user at acceptance 6"
-MUSE_SOURCE = "Inferact tpu-megakernels musespark/README.md: ms per step, batch 1"
+SEEDS_SOURCE = "Inferact tpu-megakernels README.md"
+MUSE_SOURCE = "Inferact tpu-megakernels musespark/README.md, batch 1"
 SEED_ACCEPTANCE = 6.0
 SEED_ROWS = 8
 
@@ -70,16 +72,36 @@ HAND_WRITTEN: tuple[HandWritten, ...] = (
 
 
 def hand_written_for(
-    model: str, base: ModelSpec, built: ModelSpec, topo: Topology, options: BuildOptions
+    base: ModelSpec, built: ModelSpec, topo: Topology, options: BuildOptions
 ) -> HandWritten | None:
-    """The published kernel this build does the same work as: same model (by spec name),
-    TPU7x slice, batch, rows and weight formats (`base` is the spec as shipped, `built`
-    the build's, with its --quant applied)."""
+    """The published kernel this build does the same work as: the shipped spec it names
+    (`base`, the spec before --quant; a user's edited copy does not match), the same
+    TPU7x slice, batch and rows, and the same weight formats (`built`, with --quant)."""
     for hand in HAND_WRITTEN:
         shape = (hand.model, parse_topology(hand.topology), hand.batch, hand.rows)
-        if shape != (model, topo, options.batch, options.rows):
+        if shape != (base.name, topo, options.batch, options.rows):
+            continue
+        if load_spec(hand.model) != base:
             continue
         formats = BuildOptions.create(quant=list(hand.quant))
         if formats.apply(base).quantization == built.quantization:
             return hand
     return None
+
+
+def bar_text(step_ms: float, floor: IdealFloor, hand: HandWritten | None) -> str:
+    """The predicted step against the ideal floor and, where one is published, the
+    hand-written kernel (a measurement on TPU7x, where the step is a prediction)."""
+    lines = [
+        f"ideal floor {floor.ms:.3f} ms ({floor.bytes_per_core / 1e9:.3f} GB per core per step "
+        f"at {floor.stream_rate / 1e12:.1f} TB/s, no replication, even experts, no padding): "
+        f"floor / step = {floor.ms / step_ms:.2f}"
+    ]
+    if hand is not None:
+        faster = 1 - step_ms / hand.step_ms
+        verdict = f"{faster:.0%} faster" if faster >= 0 else f"{step_ms / hand.step_ms:.2f}x it"
+        lines.append(
+            f"hand-written kernel {hand.step_ms:.2f} ms measured on TPU7x ({hand.what}; "
+            f"{hand.source}): the predicted step is {verdict}"
+        )
+    return "; ".join(lines)

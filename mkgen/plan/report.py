@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from mkgen.errors import MkgenError
 from mkgen.hardware import MiB
+from mkgen.plan.published import bar_text
 
 if TYPE_CHECKING:
     from mkgen.plan import BuildPlan
@@ -101,6 +102,16 @@ def plan_dict(plan: BuildPlan) -> dict[str, Any]:
             "compute_bound": est.compute_bound,
             "hbm_floor_ms": est.hbm_floor_ms,
             "floor_ratio": est.floor_ratio,
+            "ideal_floor_ms": plan.ideal_floor.ms,
+            "ideal_floor_ratio": plan.ideal_floor.ms / est.step_ms,
+            "ideal_floor_bytes_per_core": plan.ideal_floor.bytes_per_core,
+            "hand_written": None
+            if plan.hand_written is None
+            else {
+                "step_ms": plan.hand_written.step_ms,
+                "what": plan.hand_written.what,
+                "source": plan.hand_written.source,
+            },
             "hbm_bytes_per_device_per_step": est.hbm_bytes_per_device_per_step,
             "tokens_per_s_per_user": est.tokens_per_s_per_user,
             "tokens_per_s": est.tokens_per_s,
@@ -269,6 +280,8 @@ def plan_text(plan: BuildPlan) -> str:
             vmem_table(plan),
             schedule_text(plan),
             "Estimate: " + plan.estimate.describe(),
+            "Against the bar: "
+            + bar_text(plan.estimate.step_ms, plan.ideal_floor, plan.hand_written),
         ]
     )
 
