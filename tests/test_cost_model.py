@@ -6,6 +6,7 @@ import json
 from collections import Counter
 
 import pytest
+from cli_run import REPO
 
 from mkgen.hardware import MiB, get_chip
 from mkgen.plan import BuildOptions, plan_build, plan_program, to_chrome_trace
@@ -24,7 +25,8 @@ from mkgen.plan.calibration import (
     predict,
 )
 from mkgen.plan.cost import CostConstants, matmul_cost
-from mkgen.plan.schedule import RUN
+from mkgen.plan.report import collective_latency_note
+from mkgen.plan.schedule import RUN, START
 from mkgen.plan.sharding import plan_sharding
 from mkgen.plan.timeline import estimate
 from mkgen.spec.loader import load_spec
@@ -273,3 +275,32 @@ def test_the_acceptance_table_comes_from_one_walk(kimi) -> None:
     assert again.step_ms == est.step_ms
     assert est.at_acceptance(5.0).tokens_per_s_per_user == again.tokens_per_s_per_user
     assert est.at_acceptance(5.0).tokens_per_dollar == pytest.approx(again.tokens_per_dollar)
+
+
+def test_a_collective_leaves_the_dma_engine_after_the_hbm_dmas_started_before_it(kimi) -> None:
+    """The queue model: HBM queues by priority, a collective's copies last, so every HBM
+    DMA started before a collective has finished when the collective's copies go out."""
+    schedule = kimi.step_graph.schedule
+    served = {e.args["node"]: e for e in kimi.estimate.events if e.engine == "dma"}
+    latest_end = 0.0
+    checked = 0
+    for op, i in schedule.events:
+        if op != START:
+            continue
+        if schedule.nodes[i].cat == "collective":
+            assert served[i].start >= latest_end - 1e-15
+            checked += 1
+        else:
+            latest_end = max(latest_end, served[i].start + served[i].duration)
+    assert checked == sum(1 for n in schedule.nodes if n.is_dma and n.cat == "collective")
+
+
+def test_the_cross_host_phase_is_a_named_assumption_shown_with_its_source() -> None:
+    phase = get_chip("tpu7x").cross_host_phase_latency
+    assert not phase.measured and "no cross-host collective is measured" in phase.why
+    c = CostConstants.from_chip(get_chip("tpu7x"))
+    assert c.cross_host_phase_s == phase.cost_model
+    note = collective_latency_note(get_chip("tpu7x"))
+    assert f"{phase.cost_model * 1e6:.1f} us more per stage across hosts" in note
+    report = REPO / "generated" / "kimi-k3-2x2x4" / "REPORT.md"
+    assert note in " ".join(report.read_text().split())

@@ -7,13 +7,15 @@ in program order; the walk runs them on one core's engines (docs/cost-model.md):
   op-count model, mkgen/plan/opcount.py: each op priced by the code path the template
   emits, at the slowest of its vector ALU, MXU and load/store units) and blocks at each
   WAIT until that DMA is done;
-- the HBM DMA engine moves one DMA at a time at the catalog's
-  ``cost_model_hbm_bandwidth`` plus a per-DMA overhead. DMAs wait in queues by kind,
-  each first-in first-out: cache tiles and states, expert pieces, ring banks. Whenever
-  the engine is free it takes the oldest DMA of the highest-priority queue that has one
-  issued by then (a started DMA is not interrupted);
-- the interconnect runs each collective's remote copies after the collectives before
-  it, at the collective's price (its stages' phase latencies and wire time).
+- the DMA engine moves one DMA at a time at the catalog's ``cost_model_hbm_bandwidth``
+  plus a per-DMA overhead. DMAs wait in queues by kind, each first-in first-out, highest
+  priority first: cache tiles and states, expert pieces, ring banks, collectives'
+  remote copies. Whenever the engine is free it takes the oldest DMA of the
+  highest-priority queue that has one started by then (a started DMA is not
+  interrupted);
+- the interconnect carries each collective's remote copies, once the engine has issued
+  them, after the collectives before it, at the collective's price (its stages' phase
+  latencies and wire time).
 
 One walk gives the overlap of DMA and compute and the step. A folded runtime loop's op
 (``repeat`` > 1) is priced as its repeats back to back. Pure Python.
