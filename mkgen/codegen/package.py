@@ -75,6 +75,7 @@ from mkgen.output import check_parent, umask
 from mkgen.plan.layout import KernelLayout
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.published import bar_text
+from mkgen.plan.report import collective_latency_note
 from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology, parse_topology
 
@@ -322,7 +323,7 @@ def render_build(
     `kernel_args` go to plan_build (bank_rows, ring_depth, ...); the mini twin uses
     mini_kernel_args(). The kernel, the checks, the report and plan.json all come from
     that one plan. `line` is how the printed commands name the build."""
-    from mkgen.plan import estimate, plan_build
+    from mkgen.plan import plan_build
     from mkgen.spec.mini import mini_twin
 
     check_renderable(spec)
@@ -343,16 +344,12 @@ def render_build(
         options=f"{options.describe()}; weight banks of {bank_rows} rows, ring depth {depth}",
         rebuild=rebuild,
     )
-    acceptance = []  # the cost model at every whole acceptance length 1..rows
-    for accepted in range(1, options.rows + 1) if options.rows > 1 else ():
-        fields = options.model_dump() | {"acceptance": float(accepted)}
-        at = BuildOptions.create(**fields)
-        dma = estimate(spec, topology, at, plan.sharding)
-        acceptance.append(
-            dma.with_compute_timeline(
-                plan.estimate.compute_timeline_ms, plan.estimate.compute_unpriced_formats
-            )
-        )
+    # The cost model at every whole acceptance length 1..rows: the step does not depend on
+    # the acceptance (every row is verified), so one walk serves them all.
+    acceptance = [
+        plan.estimate.at_acceptance(float(accepted))
+        for accepted in (range(1, options.rows + 1) if options.rows > 1 else ())
+    ]
     kernel_source = render_kernel(layout, header)
     check_program_order(kernel_source, layout, plan.schedule.segment_order)
     plan_data = {
@@ -624,6 +621,7 @@ def report_context(
         "stream_rows": stream_rows,
         "estimate": est,
         "bar": bar_text(est.step_ms, plan.ideal_floor, plan.hand_written),
+        "collective_latency": collective_latency_note(topology.chip_info),
         "breakdown": [
             {"what": k, "ms": f"{v:.3f}", "share": f"{100 * v / est.step_ms:.1f} %"}
             for k, v in est.breakdown_ms.items()

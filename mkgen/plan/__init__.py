@@ -13,11 +13,11 @@
 7. schedule and graph: the step's program with every DMA's issue point, slot,
    semaphore and wait point, its dataflow graph and the checks (a failed check raises
    before anything is generated);
-8. estimate: the cost model's step time and its breakdown: the larger of the simulated
-   DMA timeline and the program's compute timeline (mkgen/plan/opcount.py: the model's
-   op counts per phase at the chip's issue rates, where the catalog states them), held
-   against the ideal floor (mkgen/plan/floor.py) and the published hand-written kernel
-   (mkgen/plan/published.py).
+8. estimate: the cost model walks the schedule's events on one core (mkgen/plan/cost.py):
+   every DMA through prioritised queues, every op at its op counts (mkgen/plan/opcount.py)
+   at the chip's issue rates, where the catalog states them; the step and its breakdown,
+   held against the ideal floor (mkgen/plan/floor.py) and the published hand-written
+   kernel (mkgen/plan/published.py).
 
 It is the one place a build is planned: code generation, verify, compile, convert, the
 report and the checks all read the BuildPlan it returns.
@@ -30,18 +30,17 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
-from mkgen.hardware import ISSUE_RATES
-from mkgen.plan.cost import CostConstants, Estimate, TraceEvent, estimate, to_chrome_trace
+from mkgen.plan.cost import CostConstants, Estimate, TraceEvent, to_chrome_trace
 from mkgen.plan.floor import IdealFloor, ideal_floor
 from mkgen.plan.graph import GraphSummary, ScheduleCheckError, analyse
 from mkgen.plan.layout import FULL_BANK_ROWS, MAX_PIECE_CHUNKS, KernelLayout, build_layout
 from mkgen.plan.memory import MemoryPlan, check_fit, plan_memory
-from mkgen.plan.opcount import compute_timeline_us, model_op_counts
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.published import HandWritten, hand_written_for
 from mkgen.plan.schedule import ScheduleSummary, build_schedule
 from mkgen.plan.sharding import ShardingPlan, TensorShard, plan_sharding
 from mkgen.plan.stream import StreamPlan, plan_stream
+from mkgen.plan.timeline import ProgramPlan, estimate
 from mkgen.plan.vmem import VmemPlan, plan_vmem
 from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology
@@ -88,6 +87,42 @@ class BuildPlan(BaseModel):
         return json.dumps(self.to_dict(), indent=indent)
 
 
+def plan_program(
+    spec: ModelSpec,
+    topo: Topology,
+    options: BuildOptions,
+    *,
+    bank_rows: int = FULL_BANK_ROWS,
+    ring_depth: int | None = None,
+    max_piece_chunks: int = MAX_PIECE_CHUNKS,
+    kv_tile_tokens: int | None = None,
+) -> ProgramPlan:
+    """Stages 1 to 5 and the schedule (stage 7) of `plan_build`, without the kernel layout:
+    the program the cost model prices, also for weight formats the template does not
+    render yet (the calibration's nvfp4 rows). Arguments as `plan_build`'s; the KV tile is
+    the template's unless `kv_tile_tokens` says another (the calibration's measured kernel
+    streams 256-token tiles)."""
+    spec = options.apply(spec)
+    sharding = plan_sharding(spec, topo, options)
+    memory = plan_memory(spec, topo, options, sharding)
+    check_fit(spec, topo, options, memory)
+    # The ring depth does not change the stream's layout: plan it, then size the ring.
+    stream = plan_stream(spec, sharding, bank_rows=bank_rows, ring_depth=2)
+    vmem = plan_vmem(
+        spec,
+        topo,
+        options,
+        sharding,
+        stream,
+        max_piece_chunks=max_piece_chunks,
+        ring_depth=ring_depth,
+        kv_tile_tokens=kv_tile_tokens,
+    )
+    stream = stream.model_copy(update={"ring_depth": vmem.ring_depth})
+    schedule = build_schedule(spec, sharding, stream, vmem, options)
+    return ProgramPlan(spec, sharding, memory, stream, vmem, schedule)
+
+
 def plan_build(
     spec: ModelSpec,
     topo: Topology,
@@ -108,22 +143,16 @@ def plan_build(
     saved build records the depth it was rendered with); `trace_residuals` makes the
     kernel also return the residual stream after every layer (verify's per-layer check)."""
 
-    base, spec = spec, options.apply(spec)
-    sharding = plan_sharding(spec, topo, options)
-    memory = plan_memory(spec, topo, options, sharding)
-    check_fit(spec, topo, options, memory)
-    # The ring depth does not change the stream's layout: plan it, then size the ring.
-    stream = plan_stream(spec, sharding, bank_rows=bank_rows, ring_depth=2)
-    vmem = plan_vmem(
+    base = spec
+    program = plan_program(
         spec,
         topo,
         options,
-        sharding,
-        stream,
-        max_piece_chunks=max_piece_chunks,
+        bank_rows=bank_rows,
         ring_depth=ring_depth,
+        max_piece_chunks=max_piece_chunks,
     )
-    stream = stream.model_copy(update={"ring_depth": vmem.ring_depth})
+    spec, sharding, _, stream, vmem, schedule = program
     kernel = build_layout(
         spec,
         topo,
@@ -134,28 +163,21 @@ def plan_build(
         expert_slots=vmem.expert_slots,
         trace_residuals=trace_residuals,
     )
-    schedule = build_schedule(spec, sharding, stream, vmem, options)
     step = analyse(schedule, vmem)
     if enforce:
         step.enforce()
-    est = estimate(spec, topo, options, sharding, trace=trace)
-    rates = ISSUE_RATES.get(topo.chip)
-    if rates is not None:  # the step is the larger of the DMA and the compute timeline
-        counts, unpriced = model_op_counts(schedule, stream, vmem, sharding, spec)
-        compute_ms = compute_timeline_us(counts, rates) / 1e3
-        est = est.with_compute_timeline(compute_ms, tuple(unpriced))
     plan = BuildPlan(
         options=options,
         chips=topo.num_chips,
         sharding=sharding,
-        memory=memory,
+        memory=program.memory,
         stream=stream,
         vmem=vmem,
         kernel=kernel,
         schedule=schedule.summary(),
         program=schedule.program(),
         graph=step.summary(),
-        estimate=est,
+        estimate=estimate(topo, options, program, trace=trace),
         ideal_floor=ideal_floor(spec, topo, options),
         hand_written=hand_written_for(base, spec, topo, options),
     )
@@ -171,6 +193,7 @@ __all__ = [
     "GraphSummary",
     "KernelLayout",
     "MemoryPlan",
+    "ProgramPlan",
     "ScheduleCheckError",
     "ScheduleSummary",
     "ShardingPlan",
@@ -182,6 +205,7 @@ __all__ = [
     "estimate",
     "plan_build",
     "plan_memory",
+    "plan_program",
     "plan_sharding",
     "to_chrome_trace",
 ]

@@ -16,9 +16,11 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from mkgen.hardware import MiB
-from mkgen.plan.cost import Estimate, estimate
+from mkgen.plan import plan_program
+from mkgen.plan.cost import Estimate
 from mkgen.plan.options import BuildOptions
-from mkgen.plan.sharding import plan_sharding
+from mkgen.plan.published import CONFIGS, MEASURED_MS
+from mkgen.plan.timeline import estimate
 from mkgen.spec.loader import load_spec
 from mkgen.spec.topology import parse_topology
 
@@ -27,31 +29,14 @@ TOPOLOGY = "2x2x1"
 CONTEXT = 4096
 STEPS_PER_CALL = 16
 DISTINCT_EXPERTS = 8  # identical benchmark rows: top_k distinct experts at every batch
+# The measured kernel's tuning choices (Inferact musespark/README.md: "a ring of 12 x 2 MiB
+# banks", 4 expert slots, 256-token KV tiles): the program priced for the rows mirrors
+# them (options_for, predict); the banks are plan_build's default 4096 rows x 256 lanes
+# of bf16 = 2 MiB, and collectives ship bf16 as the measured kernel's ("bf16 wire").
+MEASURED_RING_DEPTH = 12
+MEASURED_EXPERT_SLOTS = 4
+MEASURED_KV_TILE_TOKENS = 256
 
-# Weight configurations of measurements.md, as --quant overrides of the spec.
-CONFIGS: dict[str, tuple[str, ...]] = {
-    "int4 experts, bf16 dense": ("experts=int4:128",),
-    "nvfp4 experts, bf16 dense": ("experts=nvfp4",),
-    # The measured int8 configuration also stores the lm_head in int8 (musespark/REPORT.md:
-    # "int8 dense projections + lm_head", lm_head 400 -> 200 MiB).
-    "nvfp4 experts, int8 dense": ("experts=nvfp4", "dense=int8", "lm_head=int8"),
-}
-
-# ms per decode step, (configuration, batch) -> measured.
-MEASURED_MS: dict[tuple[str, int], float] = {
-    ("int4 experts, bf16 dense", 1): 3.59,
-    ("int4 experts, bf16 dense", 2): 3.71,
-    ("int4 experts, bf16 dense", 4): 3.91,
-    ("int4 experts, bf16 dense", 8): 4.29,
-    ("nvfp4 experts, bf16 dense", 1): 3.57,
-    ("nvfp4 experts, bf16 dense", 2): 4.07,
-    ("nvfp4 experts, bf16 dense", 4): 4.63,
-    ("nvfp4 experts, bf16 dense", 8): 4.86,
-    ("nvfp4 experts, int8 dense", 1): 3.26,
-    ("nvfp4 experts, int8 dense", 2): 3.66,
-    ("nvfp4 experts, int8 dense", 4): 4.25,
-    ("nvfp4 experts, int8 dense", 8): 4.46,
-}
 
 # Batch-1 breakdown (int4 experts, bf16 dense), microseconds.
 PUBLISHED_BREAKDOWN_US: dict[str, float] = {
@@ -85,18 +70,26 @@ class CalibrationRow(_Frozen):
 
 
 def options_for(config: str, batch: int) -> BuildOptions:
+    """The build options whose program mirrors the measured kernel's (ring depth, expert
+    slots; its KV tile is predict's)."""
     return BuildOptions.create(
         batch=batch,
         context=CONTEXT,
         quant=list(CONFIGS[config]),
         distinct_experts_per_layer=DISTINCT_EXPERTS,
         steps_per_call=STEPS_PER_CALL,
+        ring_depth=MEASURED_RING_DEPTH,
+        expert_slots=MEASURED_EXPERT_SLOTS,
     )
 
 
 def predict(config: str, batch: int) -> Estimate:
+    """The cost model's walk of the program the options above plan: the same code and
+    constants as every build's estimate (plan_program: nvfp4 experts are planned but
+    not rendered yet, so the kernel layout is not built)."""
     spec, topo, options = load_spec(MODEL), parse_topology(TOPOLOGY), options_for(config, batch)
-    return estimate(spec, topo, options, plan_sharding(options.apply(spec), topo, options))
+    program = plan_program(spec, topo, options, kv_tile_tokens=MEASURED_KV_TILE_TOKENS)
+    return estimate(topo, options, program)
 
 
 def calibrate() -> list[CalibrationRow]:

@@ -1,26 +1,7 @@
-"""Cost model: a timeline simulation of one decode step on one core.
+"""Cost model: the constants it prices with, its answer (Estimate) and the trace format.
 
-Three engines per core, simulated in program order (docs/cost-model.md):
-
-- the DMA engine streams HBM -> VMEM at the catalog's ``cost_model_hbm_bandwidth``
-  plus a per-DMA overhead, in issue order (one queue);
-- the core (MXU and VPU together) consumes what the DMAs brought: at decode the
-  MXU is weight-push bound, so a 256x256 weight tile costs one full pass at the
-  catalog's peak rate for its MXU dtype plus one row time per LHS row; VPU work
-  (group scales, softmax, norms, routing) overlaps the MXU and is modelled
-  simply (an assumed element rate and a fixed latency per dependent stage);
-- the interconnect runs the collectives: one latency-bound phase per flat
-  collective (catalog ``collective_phase_latency``) plus bytes over the slowest
-  link level crossed (catalog ICI levels).
-
-Dense weights go through a ring of fixed-size banks that streams across layer
-boundaries (a bank is refilled right after it is consumed); expert DMAs are issued
-after routing into a few slots; KV / state tiles at layer start. The calibrated
-structural assumption (measurements.md: the Muse Spark step is the sum of its
-phases): a collective's remote DMAs queue behind the in-flight HBM DMAs of the
-same core, so collectives do not hide under the weight stream.
-
-Everything here is pure Python (no JAX).
+The walk of the schedule that produces the answer is mkgen/plan/timeline.py
+(docs/cost-model.md). Everything here is pure Python.
 """
 
 from __future__ import annotations
@@ -30,7 +11,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mkgen.hardware import Chip, MiB
+from mkgen.hardware import ISSUE_RATES, Chip, IssueRates, MiB
 from mkgen.spec.quant import QuantFormat, parse_format
 
 if TYPE_CHECKING:
@@ -39,22 +20,13 @@ if TYPE_CHECKING:
 
 US = 1e-6
 
-# Tuning choices of the hand-written Muse Spark kernel (Inferact musespark/README.md),
-# used until the schedule (a later stage) chooses its own: a ring of 12 banks of 2 MiB,
-# four expert slots, 256-token KV tiles, 512-deep K chunks for block-diagonal group scales.
-REFERENCE_BANK_BYTES = 2 * MiB
-REFERENCE_RING_BANKS = 12
-REFERENCE_EXPERT_SLOTS = 4
-REFERENCE_KV_TILE_TOKENS = 256
+# The streaming measurement behind the per-DMA overhead moved 2 MiB banks (Inferact
+# musespark/README.md: "12 x 2 MiB ring", 76 MiB of dense weights a layer in 25 us).
+MEASURED_STREAM_DMA_BYTES = 2 * MiB
+# matmul_cost (the expert split's score in mkgen.plan.sharding): 512-deep K chunks for
+# block-diagonal group scales, and an assumed VPU rate (the catalog has none).
 BLOCK_DIAG_CHUNK = 512
-
-# Assumptions: the catalog has no VPU figures. 8 sublanes x 128 lanes x 2 VALU slots at
-# ~2 GHz, order of magnitude only; the calibration is insensitive to a 2x change
-# (docs/cost-model.md, "sensitivity").
 VPU_OPS_PER_S = 4.0e12
-# Pipeline drain / cross-lane reduction of one dependent vector stage (a norm, a
-# softmax, an activation): order of magnitude only.
-VECTOR_STAGE_S = 0.1 * US
 
 # Token rows are padded to whole sublane groups of f32 vregs (8 rows) in every
 # vector op and collective payload (the Muse Spark kernel pads B to 8).
@@ -76,15 +48,13 @@ class CostConstants(_Frozen):
 
     hbm_bandwidth: float  # bytes/s per core, HBM -> VMEM
     dma_overhead_s: float  # per DMA descriptor
-    bank_bytes: int
-    ring_banks: int
-    expert_slots: int
-    kv_tile_tokens: int
     mxu_dim: int
     peak_flops: dict[str, float]  # per core, by MXU path
     vpu_ops_per_s: float
-    vector_stage_s: float
+    # What one core issues per cycle (None: not in the catalog, the core's ops unpriced).
+    issue_rates: IssueRates | None
     collective_phase_s: float
+    cross_host_phase_s: float
     ici_bandwidth: dict[str, float]  # per core, one direction, by level
     dispatch_s: float
     steps_per_call: int
@@ -100,13 +70,13 @@ class CostConstants(_Frozen):
             # The kernel streamed 2 MiB banks at the low end of the measured range while
             # the catalog's rate is the high end: the difference per bank is the
             # per-descriptor cost (~44 ns on TPU7x).
-            overhead = REFERENCE_BANK_BYTES * (1 / measured.low - 1 / bw)
+            overhead = MEASURED_STREAM_DMA_BYTES * (1 / measured.low - 1 / bw)
             overhead_src = (
                 "2 MiB x (1/low - 1/high) of the catalog's measured streaming range "
                 f"({measured.low / 1e12:.1f}-{measured.high / 1e12:.1f} TB/s)"
             )
         else:
-            overhead = REFERENCE_BANK_BYTES * (1 / 3.0e12 - 1 / 3.2e12)
+            overhead = MEASURED_STREAM_DMA_BYTES * (1 / 3.0e12 - 1 / 3.2e12)
             overhead_src = "TPU7x figure reused (no streaming measurement for this chip)"
         peak = {}
         for path in ("bf16", "fp8", "int8"):
@@ -120,15 +90,12 @@ class CostConstants(_Frozen):
         return cls(
             hbm_bandwidth=bw,
             dma_overhead_s=overhead,
-            bank_bytes=REFERENCE_BANK_BYTES,
-            ring_banks=REFERENCE_RING_BANKS,
-            expert_slots=REFERENCE_EXPERT_SLOTS,
-            kv_tile_tokens=REFERENCE_KV_TILE_TOKENS,
             mxu_dim=chip.mxu_shape[0],
             peak_flops=peak,
             vpu_ops_per_s=VPU_OPS_PER_S,
-            vector_stage_s=VECTOR_STAGE_S,
+            issue_rates=ISSUE_RATES.get(chip.name),
             collective_phase_s=chip.collective_phase_latency.cost_model,
+            cross_host_phase_s=chip.cross_host_phase_latency.cost_model,
             ici_bandwidth={lv.name: lv.bandwidth_bytes_per_s for lv in chip.ici_levels},
             dispatch_s=chip.dispatch_s_per_call,
             steps_per_call=steps,
@@ -136,14 +103,13 @@ class CostConstants(_Frozen):
             sources={
                 "hbm_bandwidth": "catalog cost_model_hbm_bandwidth",
                 "dma_overhead_s": overhead_src,
-                "bank_bytes, ring_banks, expert_slots, kv_tile_tokens": (
-                    "tuning choices of the Muse Spark kernel (12 x 2 MiB ring, 4 slots, "
-                    "256-token tiles) until the schedule chooses its own"
-                ),
-                "mxu": "catalog peak_*_flops_per_chip / cores and mxu_shape: a weight tile "
-                "costs one full mxu_dim-row pass (weight-push bound) plus one row per LHS row",
-                "vpu_ops_per_s, vector_stage_s": "assumption (not in the catalog)",
+                "mxu, vpu_ops_per_s": "catalog peak_*_flops_per_chip / cores and mxu_shape; "
+                "an assumed VPU rate: only the expert split's score (matmul_cost) uses them",
+                "issue_rates": "catalog ISSUE_RATES (assumptions, mkgen/hardware.py): the "
+                "program's ops per cycle",
                 "collective_phase_s": "catalog collective_phase_latency.cost_model",
+                "cross_host_phase_s": "catalog cross_host_phase_latency.cost_model "
+                "(an assumption: no cross-host measurement)",
                 "ici_bandwidth": "catalog ici_levels",
                 "dispatch_s": "catalog dispatch_s_per_call, amortised over steps_per_call",
             },
@@ -162,8 +128,8 @@ class CostConstants(_Frozen):
         """One weight tile: a full push (mxu_dim rows' worth) plus the LHS rows."""
         return (self.mxu_dim + lhs_rows) * self.row_s(path)
 
-    def vpu_s(self, ops: float, stages: int = 0) -> float:
-        return ops / self.vpu_ops_per_s + stages * self.vector_stage_s
+    def vpu_s(self, ops: float) -> float:
+        return ops / self.vpu_ops_per_s
 
 
 def pad_rows(n: int) -> int:
@@ -238,17 +204,17 @@ def widest_level(topo: Topology) -> str:
 
 Category = Literal["weights", "experts", "kv_state", "collectives", "lm_head", "compute", "fixed"]
 CATEGORIES: tuple[str, ...] = get_args(Category)
-# The breakdown category of a compute-bound step's time beyond its DMA timeline.
-COMPUTE_BOUND = "compute-bound excess"
 ENGINES = ("dma", "core", "ici")
 
 
 class TraceEvent(_Frozen):
-    """One interval on one engine's track of the simulated timeline (seconds).
+    """One op of the program on one engine's track of the walked timeline (seconds).
 
-    `name` starts with where in the step it is (`L12` for layer 12, `prologue`,
-    `epilogue`); `args` say what moved or ran: bytes, the ring bank, the tensors of its
-    segment, the expert (numbered in load order: routing picks the ids at run time)."""
+    `name` is the schedule node's, starting with where in the step it is (`L12` for
+    layer 12, `prologue`, `epilogue`; a ring bank names the layer that uses it, also when
+    the ring fetched it during an earlier one); `args` say what moved or ran: the
+    schedule node (`node`), bytes, DMAs and the queue of a DMA, the ring bank, the
+    repeats of a folded loop's op."""
 
     engine: Literal["dma", "core", "ici"]
     name: str
@@ -281,24 +247,27 @@ class Estimate(_Frozen):
     acceptance: float
     batch: int
     constants: CostConstants
-    # The simulated DMA/ring timeline, and the program's compute timeline (the model's op
-    # counts at the chip's issue rates; None where the catalog has no rates): the step is
-    # the larger (compute_bound).
+    # The two engines' busy time over the walk: the HBM DMA engine's, and the core's
+    # running the program's ops at the chip's issue rates (None where the catalog has no
+    # rates: the core's ops are then not priced). The step is at least the larger.
     dma_timeline_ms: float
     compute_timeline_ms: float | None = None
     # Weight formats the op-count model has no measurement for: their compute is missing
     # from compute_timeline_ms, a lower bound then.
     compute_unpriced_formats: tuple[str, ...] = ()
-    # The simulated timeline (only when asked for); not part of saved plans.
+    # The walked timeline (only when asked for); not part of saved plans.
     events: tuple[TraceEvent, ...] = Field(default=(), exclude=True)
 
     @property
     def compute_bound(self) -> bool:
-        return self.step_ms > self.dma_timeline_ms
+        """The core is busy longer than the HBM DMA engine."""
+        return self.compute_timeline_ms is not None and (
+            self.compute_timeline_ms > self.dma_timeline_ms
+        )
 
     @property
     def timelines(self) -> str:
-        """One sentence: the two timelines and which one the step is."""
+        """One sentence: the two engines' busy time and which one bounds the step."""
         unpriced = (
             f"; without {', '.join(self.compute_unpriced_formats)}, which the op-count model "
             "has no measurement for, a lower bound"
@@ -306,33 +275,24 @@ class Estimate(_Frozen):
             else ""
         )
         return (
-            f"The step is the larger of the DMA timeline ({self.dma_timeline_ms:.3f} ms, "
-            f"simulated) and the compute timeline ({self.compute_timeline_ms:.3f} ms: the "
-            "program's op counts at the chip's issue rates, assumptions in mkgen/hardware.py"
-            f"{unpriced}): {'compute' if self.compute_bound else 'DMA'}-bound"
+            f"The step walks the program: the core computes {self.compute_timeline_ms:.3f} ms "
+            "(the program's op counts at the chip's issue rates, assumptions in "
+            f"mkgen/hardware.py{unpriced}) and the HBM DMA engine streams "
+            f"{self.dma_timeline_ms:.3f} ms: {'compute' if self.compute_bound else 'DMA'}-bound"
         )
 
-    def with_compute_timeline(
-        self, compute_ms: float | None, unpriced: tuple[str, ...] = ()
-    ) -> Estimate:
-        """This estimate with the step the larger of its DMA timeline and `compute_ms`; a
-        compute-bound step's extra time is its own breakdown category, and the rates per
-        user, per batch and per dollar follow the step."""
-        known = {"compute_timeline_ms": compute_ms, "compute_unpriced_formats": unpriced}
-        if compute_ms is None or compute_ms <= self.dma_timeline_ms:
-            return self.model_copy(update=known)
-        slower = self.dma_timeline_ms / compute_ms
+    def at_acceptance(self, acceptance: float) -> Estimate:
+        """This step at another mean acceptance: the step does not depend on it (the
+        kernel verifies every row), the tokens per second and per dollar scale with it."""
+        tps_user = acceptance / (self.step_ms / 1e3)
+        tps = tps_user * self.batch
+        price = self.price_per_chip_hour_usd
         return self.model_copy(
             update={
-                **known,
-                "step_ms": compute_ms,
-                "breakdown_ms": {**self.breakdown_ms, COMPUTE_BOUND: compute_ms - self.step_ms},
-                "floor_ratio": self.hbm_floor_ms / compute_ms,
-                "tokens_per_s_per_user": self.tokens_per_s_per_user * slower,
-                "tokens_per_s": self.tokens_per_s * slower,
-                "tokens_per_dollar": None
-                if self.tokens_per_dollar is None
-                else self.tokens_per_dollar * slower,
+                "acceptance": acceptance,
+                "tokens_per_s_per_user": tps_user,
+                "tokens_per_s": tps,
+                "tokens_per_dollar": tps * 3600 / (self.chips * price) if price else None,
             }
         )
 
@@ -402,425 +362,3 @@ def to_chrome_trace(events: list[TraceEvent] | tuple[TraceEvent, ...]) -> dict:
             }
         )
     return {"traceEvents": out, "displayTimeUnit": "ns"}
-
-
-class _Bank:
-    __slots__ = ("nbytes", "compute_s", "category", "name", "tensors")
-
-    def __init__(
-        self, nbytes: int, compute_s: float, category: str, name: str, tensors: list[str]
-    ) -> None:
-        self.nbytes = nbytes
-        self.compute_s = compute_s
-        self.category = category
-        self.name = name
-        self.tensors = tensors  # the segment's tensors (trace args)
-
-
-class _Sim:
-    """One core's timeline: an in-order core, one FIFO DMA engine, the ICI."""
-
-    def __init__(
-        self, c: CostConstants, banks: list[_Bank], bank_where: list[str], trace: bool
-    ) -> None:
-        self.c = c
-        self.t = 0.0
-        self.engine_free = 0.0
-        self.banks = banks
-        # Which layer each ring bank belongs to: the ring fetches ahead across layers.
-        self.bank_where = bank_where
-        self.ready = [0.0] * len(banks)
-        self.issued = 0
-        self.consumed = 0
-        self.dma_log: list[tuple[float, float, str]] = []
-        self._p = 0
-        self.attr = dict.fromkeys(CATEGORIES, 0.0)
-        self.hbm_bytes = 0
-        self.trace = trace
-        self.events: list[TraceEvent] = []
-        self.override: str | None = None  # attribute everything to this category
-        self.where = "prologue"  # the trace's name prefix: prologue, L<layer>, epilogue
-
-    def _event(
-        self, engine: str, name: str, start: float, dur: float, cat: str, args: dict | None
-    ) -> None:
-        if self.trace and dur > 0:
-            args = args or {}
-            where = self.bank_where[args["bank"]] if "bank" in args else self.where
-            self.events.append(
-                TraceEvent(
-                    engine=engine, name=f"{where} {name}", start=start, duration=dur,  # type: ignore[arg-type]
-                    category=cat, args=args,
-                )
-            )  # fmt: skip
-
-    def dma(
-        self, issue_t: float, nbytes: float, count: int, category: str, name: str,
-        args: dict | None = None,
-    ) -> float:  # fmt: skip
-        start = max(issue_t, self.engine_free)
-        end = start + self.c.dma_s(nbytes, count)
-        self.engine_free = end
-        self.hbm_bytes += int(nbytes)
-        self.dma_log.append((start, end, category))
-        self._event("dma", name, start, end - start, category,
-                    {"bytes": int(nbytes), "dmas": count, **(args or {})})  # fmt: skip
-        return end
-
-    def _bank_args(self, j: int) -> dict:
-        return {"bank": j, "bytes": self.banks[j].nbytes, "tensors": self.banks[j].tensors}
-
-    def refill(self) -> None:
-        depth = self.c.ring_banks
-        while self.issued < len(self.banks) and self.issued < self.consumed + depth:
-            b = self.banks[self.issued]
-            self.ready[self.issued] = self.dma(
-                self.t, b.nbytes, 1, b.category, b.name, self._bank_args(self.issued)
-            )
-            self.issued += 1
-
-    def _credit(self, category: str, dur: float) -> None:
-        self.attr[self.override or category] += dur
-
-    def wait(self, until: float, fallback: str) -> None:
-        """Core idles until ``until``: credit the engine's work in that window."""
-        if until <= self.t:
-            return
-        t0, t1 = self.t, until
-        log = self.dma_log
-        while self._p < len(log) and log[self._p][1] <= t0:
-            self._p += 1
-        covered = 0.0
-        i = self._p
-        while i < len(log) and log[i][0] < t1:
-            s, e, cat = log[i]
-            span = min(e, t1) - max(s, t0)
-            if span > 0:
-                self._credit(cat, span)
-                covered += span
-            i += 1
-        self._credit(fallback, (t1 - t0) - covered)
-        self.t = t1
-
-    def compute(self, dur: float, category: str, name: str, args: dict | None = None) -> None:
-        self._event("core", name, self.t, dur, category, args)
-        self._credit(category, dur)
-        self.t += dur
-
-    def consume(self, first: int, count: int) -> None:
-        """Consume ring banks [first, first + count): wait for each, compute, refill."""
-        for j in range(first, first + count):
-            b = self.banks[j]
-            self.wait(self.ready[j], b.category)
-            self.compute(b.compute_s, b.category, b.name, self._bank_args(j))
-            self.consumed += 1
-            self.refill()
-
-    def collective(self, seconds: float, name: str) -> None:
-        # The remote DMAs queue behind the HBM DMAs already issued (one queue per core).
-        self.wait(self.engine_free, "collectives")
-        self._event("ici", name, self.t, seconds, "collectives", None)
-        self._credit("collectives", seconds)
-        self.t += seconds
-
-
-# =========================================================================== programs
-# A layer program is a list of ops the core runs in order. Ring ops consume the next
-# banks of the global ring (built in the same order), so dense weights stream across
-# layer boundaries.
-
-_Op = tuple  # ("ring", n) | ("vec", s, cat, name) | ("coll", s, name) | ("cache", ...)
-
-
-class _Builder:
-    def __init__(self, c: CostConstants, spec, sharding, options: BuildOptions) -> None:
-        self.c = c
-        self.spec = spec
-        self.sh = sharding
-        self.o = options
-        self.rows = options.tokens
-        self.rows_p = pad_rows(options.tokens)
-
-    # --- pieces ---
-    def ring(self, ops: list, banks: list[_Bank], tensors, category: str, name: str) -> None:
-        nbytes = sum(t.rank_bytes for t in tensors)
-        if not nbytes:
-            return
-        comp = 0.0
-        for t in tensors:
-            if t.family == "vectors" or len(t.rank_shape) < 2:
-                continue
-            k, n = t.rank_shape[-2], t.rank_shape[-1]
-            if t.family == "embedding":
-                k, n = n, k
-            lead = math.prod(t.rank_shape[:-2])
-            mxu, vpu = matmul_cost(self.c, t.format, k, n, self.rows)
-            comp += lead * max(mxu, vpu)
-        count = max(1, math.ceil(nbytes / self.c.bank_bytes))
-        names = [t.name for t in tensors]
-        for i in range(count):
-            part = min(self.c.bank_bytes, nbytes - i * self.c.bank_bytes)
-            banks.append(_Bank(part, comp * part / nbytes, category, name, names))
-        ops.append(("ring", count))
-
-    def vec(self, ops: list, elements: float, ops_per: float, stages: int, name: str,
-            category: str = "compute") -> None:  # fmt: skip
-        ops.append(("vec", self.c.vpu_s(elements * ops_per, stages), category, name))
-
-    def coll(self, ops: list, collectives, name: str) -> None:
-        for coll in collectives:
-            if coll.name == name:
-                ops.append(("coll", coll.time_s, f"{coll.op} {coll.name}"))
-
-    # --- attention ---
-    def attention(self, name: str, ops: list, banks: list[_Bank]) -> None:
-        a = self.sh.attention[name]
-        kind = self.spec.attention_kinds[name]
-        h, b, r = self.spec.dims.hidden, self.o.batch, self.o.rows
-        tensors = {t.name.removeprefix("attn."): t for t in a.tensors}
-        cache = a.cache
-        # Cache tiles are issued at layer start (KV prefetch), behind the ring in flight.
-        tiles: list[tuple[float, int]] = []
-        compute_s = 0.0
-        write = 0
-        if cache.kind in ("kv", "mla_latent"):
-            tokens = min(self.o.context, cache.window) if cache.window else self.o.context
-            per_tile = self.c.kv_tile_tokens * cache.bytes_per_token
-            n_tiles = math.ceil(tokens / self.c.kv_tile_tokens)
-            for _ in range(b):
-                for i in range(n_tiles):
-                    span = min(self.c.kv_tile_tokens, tokens - i * self.c.kv_tile_tokens)
-                    share = span * cache.bytes_per_token
-                    tiles.append((share if share < per_tile else per_tile, 2))
-            tok_tiles = math.ceil(tokens / self.c.mxu_dim)
-            if cache.kind == "kv":
-                kvd = cache.heads_per_rank * kind.head_dim
-                qk = pv = tok_tiles * math.ceil(kvd / self.c.mxu_dim)
-            else:
-                qk = tok_tiles * math.ceil(
-                    (kind.kv_lora_rank + kind.qk_rope_head_dim) / self.c.mxu_dim
-                )
-                pv = tok_tiles * math.ceil(kind.kv_lora_rank / self.c.mxu_dim)
-            lhs = pad_rows(r * a.heads_per_rank)
-            compute_s = b * (qk + pv) * self.c.tile_s("bf16", lhs)
-            compute_s = (
-                max(compute_s, self.c.vpu_s(b * r * a.heads_per_rank * tokens * 6))
-                + 3 * self.c.vector_stage_s
-            )
-            write = b * r * cache.bytes_per_token
-        else:
-            tiles = [(cache.fixed_bytes, 1) for _ in range(b)]
-            dk = getattr(kind, "head_dim", None) or kind.key_head_dim
-            dv = getattr(kind, "head_dim", None) or kind.value_head_dim
-            compute_s = self.c.vpu_s(b * r * a.heads_per_rank * dk * dv * 8, 4 * r)
-            write = b * cache.fixed_bytes * r
-        ops.append(("cache_issue", tiles, f"{name} cache"))
-        self.vec(ops, self.rows_p * h, 5, 2, "attn_norm")
-        wo = tensors.pop("wo")
-        latent_names = ("wq_a", "wkv_a") if a.latent == "split" else ()
-        first = [t for n, t in tensors.items() if n in latent_names]
-        rest = [t for n, t in tensors.items() if n not in latent_names]
-        if first:
-            self.ring(ops, banks, first, "weights", f"{name} latent A")
-            self.coll(ops, a.collectives, "mla_latent")
-            self.vec(ops, self.rows_p * 2112, 5, 2, "latent norms")
-        self.ring(ops, banks, rest, "weights", f"{name} projections")
-        if a.latent == "split" and not first:
-            self.coll(ops, a.collectives, "kda_gate_rank")
-        self.vec(ops, self.rows_p * h, 4, 2, "q/k norm, rope, conv")
-        ops.append(("cache_consume", compute_s, f"{name} core"))
-        if write:
-            ops.append(("write", write, f"{name} cache write"))
-        self.ring(ops, banks, [wo], "weights", f"{name} wo")
-        self.coll(ops, a.collectives, "attn_out")
-        self.vec(ops, self.rows_p * h, 8, 2, "residual + ffn_norm")
-
-    # --- FFN ---
-    def ffn(self, name: str, ops: list, banks: list[_Bank]) -> None:
-        f = self.sh.ffn[name]
-        kind = self.spec.ffn_kinds[name]
-        t = {x.name.removeprefix("ffn."): x for x in f.tensors}
-        h = self.spec.dims.hidden
-        if f.experts is None:
-            self.ring(ops, banks, [t["w_gate"], t["w_up"]] if "w_gate" in t else [t["w_up"]],
-                      "weights", f"{name} gate/up")  # fmt: skip
-            self.vec(ops, self.rows_p * t["w_up"].rank_shape[1], 8, 1, "activation")
-            self.ring(ops, banks, [t["w_down"]], "weights", f"{name} down")
-            self.coll(ops, f.collectives, "ffn_out")
-            self.vec(ops, self.rows_p * h, 3, 1, "residual")
-            return
-        x = f.experts
-        first = [t[n] for n in ("router", "latent_in") if n in t] + [
-            v for n, v in t.items() if v.family == "vectors" and not n.startswith("experts")
-        ]
-        self.ring(ops, banks, first, "weights", f"{name} router/latent_in")
-        if kind.latent:
-            self.coll(ops, f.collectives, "latent_in")
-            self.vec(ops, self.rows_p * kind.latent.width, 5, 2, "latent norm")
-        e = kind.num_experts
-        self.vec(ops, self.rows_p * e * e, 2, 3, "routing", "experts")
-        d_in = kind.latent.width if kind.latent else h
-        fmt = self.sh.quantization["experts"]
-        mxu = vpu = 0.0
-        for k_dim, n_dim in ((d_in, x.width_per_rank),) * 2 + ((x.width_per_rank, d_in),):
-            m, v = matmul_cost(self.c, fmt, k_dim, n_dim, x.rows_per_expert)
-            mxu, vpu = mxu + m, vpu + v
-        act = self.c.vpu_s(pad_rows(x.rows_per_expert) * x.width_per_rank * 8)
-        n_exp = x.expected_max_experts_per_rank
-        ops.append(("experts_issue", n_exp, x.slice_bytes, x.slice_dmas, f"{name} experts"))
-        shared = [t[n] for n in ("shared_gate", "shared_up") if n in t]
-        if shared:
-            self.ring(ops, banks, shared, "weights", f"{name} shared gate/up")
-            self.vec(ops, self.rows_p * shared[0].rank_shape[1], 8, 1, "shared activation")
-            self.ring(ops, banks, [t["shared_down"]], "weights", f"{name} shared down")
-        ops.append(("experts_consume", max(mxu, vpu) + act, f"{name} experts"))
-        if kind.latent:
-            self.coll(ops, f.collectives, "expert_out")
-            self.ring(ops, banks, [t["latent_out"]], "weights", f"{name} latent_out")
-        self.coll(ops, f.collectives, "ffn_out")
-        self.vec(ops, self.rows_p * h, 3, 1, "residual")
-
-
-def estimate(
-    spec, topo: Topology, options: BuildOptions, sharding, trace: bool = False
-) -> Estimate:
-    """Simulate one decode step per core of `sharding` (plan_sharding's split of `spec`
-    under `options`) and summarise it (see the module docstring)."""
-    spec = options.apply(spec)
-    sh = sharding
-    chip = topo.chip_info
-    c = CostConstants.from_chip(chip, options)
-    bld = _Builder(c, spec, sh, options)
-    templates: dict[tuple[str, str], tuple[list, list[_Bank]]] = {}
-    for pair in sh.layer_counts():
-        ops: list = []
-        banks: list[_Bank] = []
-        bld.attention(pair[0], ops, banks)
-        bld.ffn(pair[1], ops, banks)
-        templates[pair] = (ops, banks)
-    head = next((t for t in sh.globals if t.name == "lm_head"), sh.globals[0])
-    epi_ops: list = []
-    epi_banks: list[_Bank] = []
-    bld.vec(epi_ops, bld.rows_p * spec.dims.hidden, 5, 2, "final_norm")
-    bld.ring(epi_ops, epi_banks, [head], "lm_head", "lm_head")
-    vocab_pr = head.rank_shape[0] if head.name == "embedding" else head.rank_shape[1]
-    bld.vec(epi_ops, bld.rows_p * vocab_pr, 4, 2, "softcap + argmax")
-    bld.coll(epi_ops, sh.step_collectives, "sampling")
-
-    all_banks: list[_Bank] = []
-    bank_where: list[str] = []
-    for layer, pair in enumerate(sh.layer_table):
-        all_banks += templates[pair][1]
-        bank_where += [f"L{layer}"] * len(templates[pair][1])
-    all_banks += epi_banks
-    bank_where += ["epilogue"] * len(epi_banks)
-    sim = _Sim(c, all_banks, bank_where, trace)
-
-    # Prologue: dispatch (amortised), entry barrier, ring priming, embedding.
-    sim.override = "fixed"
-    sim.compute(c.dispatch_s / c.steps_per_call, "fixed", "dispatch (amortised)")
-    sim.refill()
-    sim.collective(c.collective_phase_s, "barrier")
-    emb = sim.dma(sim.t, options.tokens * spec.dims.hidden * 2, options.tokens, "fixed",
-                  "embedding rows")  # fmt: skip
-    sim.wait(emb, "fixed")
-    for coll in sh.step_collectives:
-        if coll.name == "embedding":
-            sim.collective(coll.time_s, "all_reduce embedding")
-    sim.override = None
-
-    per_kind: dict[tuple[str, str], float] = {}
-    bank = 0
-    for layer, pair in enumerate(sh.layer_table):
-        sim.where = f"L{layer}"
-        start = sim.t
-        bank = _run(sim, templates[pair][0], bank)
-        per_kind[pair] = per_kind.get(pair, 0.0) + sim.t - start
-    # Epilogue: the lm_head streams through the same ring; the rest is fixed cost.
-    sim.where = "epilogue"
-    for op in epi_ops:
-        sim.override = None if op[0] == "ring" else "fixed"
-        bank = _run(sim, [op], bank)
-    sim.override = None
-    step = sim.t
-    counts = sh.layer_counts()
-    by_kind = {
-        f"{a}/{f}": KindTime(
-            layers=counts[(a, f)],
-            total_ms=per_kind[(a, f)] * 1e3,
-            per_layer_us=per_kind[(a, f)] / counts[(a, f)] * 1e6,
-        )
-        for (a, f) in counts
-    }
-    price = c.price_per_chip_hour_usd
-    tps_user = options.acceptance / step
-    tps = tps_user * options.batch
-    per_dollar = tps * 3600 / (topo.num_chips * price) if price else None
-    floor = sim.hbm_bytes / c.hbm_bandwidth
-    return Estimate(
-        step_ms=step * 1e3,
-        dma_timeline_ms=step * 1e3,
-        breakdown_ms={k: v * 1e3 for k, v in sim.attr.items()},
-        by_layer_kind=by_kind,
-        hbm_bytes_per_device_per_step=sim.hbm_bytes,
-        hbm_floor_ms=floor * 1e3,
-        floor_ratio=floor / step,
-        tokens_per_s_per_user=tps_user,
-        tokens_per_s=tps,
-        tokens_per_dollar=per_dollar,
-        chips=topo.num_chips,
-        price_per_chip_hour_usd=price,
-        acceptance=options.acceptance,
-        batch=options.batch,
-        constants=c,
-        events=tuple(sim.events),
-    )
-
-
-def _run(sim: _Sim, ops: list, bank: int) -> int:
-    """Run one program; returns the index of the next ring bank."""
-    cache_ready: list[float] = []
-    experts: list[float] = []
-    exp_plan: tuple = ()
-    for op in ops:
-        kind = op[0]
-        if kind == "ring":
-            sim.consume(bank, op[1])
-            bank += op[1]
-        elif kind == "vec":
-            sim.compute(op[1], op[2], op[3])
-        elif kind == "coll":
-            sim.collective(op[1], op[2])
-        elif kind == "cache_issue":
-            cache_ready = [
-                sim.dma(sim.t, nb, cnt, "kv_state", op[2], {"tile": k})
-                for k, (nb, cnt) in enumerate(op[1])
-            ]
-        elif kind == "cache_consume":
-            share = op[1] / max(1, len(cache_ready))
-            for k, ready in enumerate(cache_ready):
-                sim.wait(ready, "kv_state")
-                sim.compute(share, "kv_state", op[2], {"tile": k})
-            if not cache_ready:
-                sim.compute(op[1], "kv_state", op[2])
-        elif kind == "write":
-            sim.dma(sim.t, op[1], 1, "kv_state", op[2])
-        elif kind == "experts_issue":
-            n, nbytes, dmas, name = op[1], op[2], op[3], op[4]
-            whole, frac = int(n), n - int(n)
-            sizes = [1.0] * whole + ([frac] if frac > 1e-9 else [])
-            exp_plan = (sizes, nbytes, dmas, name)
-            experts = []
-            for k, s in enumerate(sizes[: sim.c.expert_slots]):
-                experts.append(sim.dma(sim.t, nbytes * s, dmas, "experts", name, {"expert": k}))
-        elif kind == "experts_consume":
-            sizes, nbytes, dmas, name = exp_plan
-            for i, s in enumerate(sizes):
-                sim.wait(experts[i], "experts")
-                sim.compute(op[1] * s, "experts", op[2], {"expert": i})
-                nxt = i + sim.c.expert_slots
-                if nxt < len(sizes):
-                    experts.append(
-                        sim.dma(sim.t, nbytes * sizes[nxt], dmas, "experts", name, {"expert": nxt})
-                    )
-    return bank

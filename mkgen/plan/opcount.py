@@ -25,6 +25,7 @@ counts; the chunk figures are a measurement of the template's own ring on one ch
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -105,6 +106,9 @@ DMA_PHASE = {
     "cache_write": "attention",
     "collective": "collectives",
 }
+# The schedule's names of an expert's activation and of its weighted sum into the output.
+EXPERT_ACTIVATION = re.compile(r": expert [0-9]+ activation$")
+EXPERT_COMBINE = "+= weight x expert"
 # A schedule compute category -> the phase whose code runs it (the rest: vector).
 COMPUTE_PHASE = {"routing": "routing", "collective": "collectives", "recurrent": "recurrent"}
 
@@ -155,94 +159,129 @@ def compute_timeline_us(counts: dict[str, OpCounts], rates: IssueRates) -> float
     return sum(max(bound_us(c, rates).values()) for c in counts.values())
 
 
-def model_op_counts(
+def node_op_counts(
     schedule: Any, stream: Any, vmem: Any, sharding: Any, spec: Any
-) -> tuple[dict[str, OpCounts], list[str]]:
-    """(phase -> the model's ops per step, formats the model has no measurement for), from
-    a build's schedule, weight stream, VMEM plan and sharding (the plan's pieces)."""
-    from mkgen.plan.schedule import kv_tiles
+) -> tuple[list[tuple[str, OpCounts]], list[str]]:
+    """(phase, the model's ops of one run of the node) for every node of `schedule`, in
+    node order, and the formats the model has no measurement for (their chunks count no
+    ops): a build's schedule, weight stream, VMEM plan and sharding (the plan's pieces).
+
+    A stream segment's and an expert's ring matmul is spread over its banks or pieces by
+    the chunks each holds; a node's ops times its ``repeat`` summed per phase is
+    `model_op_counts`. The cost model (mkgen.plan.cost) prices each node from these."""
     from mkgen.plan.vmem import q_rows
 
-    out = {p: OpCounts() for p in PHASES}
     unpriced: set[str] = set()
     dims = vmem.dims
     tp = dims.tokens_padded
 
-    def matmul(phase: str, fmt: str, k: int, c: int, times: float) -> None:
+    def ring_matmul(fmt: str, k: int, c: int) -> OpCounts:
         try:
-            out[phase].add_all(ring_matmul_ops(fmt, k, c, tp), times)
+            return ring_matmul_ops(fmt, k, c, tp)
         except KeyError:
             unpriced.add(fmt)
+            return OpCounts()
 
     layer_kinds = [tuple(k.split("/")) for k in schedule.layer_kinds]
-    attention_layers = {a: sum(1 for x, _ in layer_kinds if x == a) for a, _ in layer_kinds}
-    ffn_layers = {f: sum(1 for _, y in layer_kinds if y == f) for _, f in layer_kinds}
 
-    # ---- stream matmul
-    for name, n in attention_layers.items():
-        for seg in stream.attention[name].segments:
-            matmul("stream matmul", seg.format, seg.k_chunks, seg.col_blocks, n)
-    for name, n in ffn_layers.items():
-        for seg in stream.ffn[name].segments:
-            matmul("stream matmul", seg.format, seg.k_chunks, seg.col_blocks, n)
-    for seg in stream.tail:
-        matmul("stream matmul", seg.format, seg.k_chunks, seg.col_blocks, 1)
+    # Each ring bank's share of its segment's matmul (by the chunks it holds).
+    bank_ops: dict[int, OpCounts] = {}
 
-    # ---- experts: the plan's expected experts per core in each MoE layer
-    for layer, (n, _pieces) in schedule.experts_per_layer.items():
-        e = vmem.experts[layer_kinds[layer][1]]
-        matmul("experts", e.format, e.gate_up_k_chunks, e.gate_up_col_blocks, n)
-        matmul("experts", e.format, e.down_k_chunks, e.down_col_blocks, n)
-        elementwise = ACTIVATION_OPS * vregs(tp, e.width) + COMBINE_OPS * vregs(tp, e.d)
-        out["experts"].vpu += n * elementwise
+    def spread(first: int, segments: Any) -> None:
+        for seg in segments:
+            whole = ring_matmul(seg.format, seg.k_chunks, seg.col_blocks)
+            for j in range(seg.banks):
+                held = min(seg.chunks_per_bank, seg.chunks - j * seg.chunks_per_bank)
+                share = OpCounts()
+                share.add_all(whole, held / seg.chunks)
+                bank_ops[first + seg.bank_offset + j] = share
 
-    # ---- attention: KV tiles over a full cache
-    for name, n_layers in attention_layers.items():
-        kind = spec.attention_kinds[name]
+    for layer, (attn, ffn) in enumerate(layer_kinds):
+        spread(stream.attention_banks[layer], stream.attention[attn].segments)
+        spread(stream.ffn_banks[layer], stream.ffn[ffn].segments)
+    spread(stream.lm_head_bank, stream.tail)
+
+    # An expert piece's share of the expert's gate|up or down ring matmul.
+    piece_ops: dict[tuple[str, bool], OpCounts] = {}
+    for name, e in vmem.experts.items():
+        for gate_up, k, c, pieces in (
+            (True, e.gate_up_k_chunks, e.gate_up_col_blocks, e.gate_up_pieces),
+            (False, e.down_k_chunks, e.down_col_blocks, e.pieces - e.gate_up_pieces),
+        ):
+            share = OpCounts()
+            share.add_all(ring_matmul(e.format, k, c), 1 / max(1, pieces))
+            piece_ops[(name, gate_up)] = share
+
+    # One KV tile of each attention kind: two dots and the online softmax.
+    tile_ops: dict[str, OpCounts] = {}
+    for name, kind in spec.attention_kinds.items():
         a = sharding.attention[name]
         tile = dims.kv_tile
         if kind.type == "gqa":
-            groups = a.kv_heads_per_rank
-            rows = q_rows(a.heads_per_rank // groups, dims.rows)
+            rows = q_rows(a.heads_per_rank // a.kv_heads_per_rank, dims.rows)
             key, value = kind.head_dim, kind.head_dim
-            window = kind.sliding_window
         elif kind.type == "mla":
-            groups = 1
             rows = q_rows(a.heads_per_rank, dims.rows)
             key, value = kind.kv_lora_rank + kind.qk_rope_head_dim, kind.kv_lora_rank
-            window = None
         else:
             continue  # recurrent kinds read no KV tiles
-        tiles = dims.batch * groups * kv_tiles(dims.context, tile, window, dims.rows)
-        per_tile = OpCounts(
+        tile_ops[name] = OpCounts(
             vpu=SCORE_OPS * vregs(rows, tile) + VALUE_OPS * vregs(rows, value) + TILE_STATE_OPS,
             mxu=MXU_OPS_PER_WEIGHT_TILE * (_weight_tiles(key, tile) + _weight_tiles(tile, value)),
         )
-        out["attention"].add_all(per_tile, tiles * n_layers)
 
-    # ---- compute nodes priced by their elementwise flops
     tokens = dims.tokens
     stages = dims.collectives.stages
     slots = sum(stage.size for stage in stages)
-    for node in schedule.nodes:
+    nodes = schedule.nodes
+    out: list[tuple[str, OpCounts]] = []
+    for node in nodes:
         if node.is_dma:
             # A collective's group counts its sends and its receives; a core issues the sends.
             issued = node.count // 2 if node.cat == "collective" else node.count
-            out[DMA_PHASE.get(node.cat, "vector")].dmas += issued * node.repeat
+            out.append((DMA_PHASE.get(node.cat, "vector"), OpCounts(dmas=issued)))
             continue
-        if node.cat in ("matmul", "expert_mm", "attention") or "expert" in node.name:
-            continue  # priced above (an expert's activation and sum with its experts)
-        phase = COMPUTE_PHASE.get(node.cat, "vector")
-        if node.cat == "routing":
-            kind = spec.ffn_kinds[layer_kinds[node.layer][1]]
+        attn, ffn = layer_kinds[node.layer] if 0 <= node.layer < len(layer_kinds) else ("", "")
+        if node.cat == "matmul":
+            bank = next(nodes[p].key[1] for p, res, _ in node.reads if res == "ring")
+            out.append(("stream matmul", bank_ops[bank]))
+        elif node.cat == "expert_mm":
+            piece = next(nodes[p].key[3] for p, res, _ in node.reads if res and p >= 0
+                         and nodes[p].key and nodes[p].key[0] == "expert")  # fmt: skip
+            out.append(("experts", piece_ops[(ffn, piece < vmem.experts[ffn].gate_up_pieces)]))
+        elif node.cat == "attention":
+            out.append(("attention", tile_ops[attn]))
+        elif node.cat == "vector" and EXPERT_ACTIVATION.search(node.name):
+            out.append(
+                ("experts", OpCounts(vpu=ACTIVATION_OPS * vregs(tp, vmem.experts[ffn].width)))
+            )
+        elif node.cat == "vector" and EXPERT_COMBINE in node.name:
+            out.append(("experts", OpCounts(vpu=COMBINE_OPS * vregs(tp, vmem.experts[ffn].d))))
+        elif node.cat == "scalar":
+            out.append(("experts", OpCounts()))  # the scalar unit's expert list: no vector ops
+        elif node.cat == "routing":
+            kind = spec.ffn_kinds[ffn]
             ops = (SOFTMAX_OPS + TOP_K_OPS * kind.top_k) * vregs(tp, kind.num_experts)
+            out.append(("routing", OpCounts(vpu=ops)))
         elif node.cat == "collective":
             # A sum adds each stage's other members' slots; a concatenation only copies.
             width = node.flops // (slots * tp)  # the schedule's: slots x padded rows x width
             adds = slots - len(stages) if node.name.endswith(": sum") else 0
-            ops = adds * vregs(tp, width)
+            out.append(("collectives", OpCounts(vpu=adds * vregs(tp, width))))
         else:
             # flops count tokens x width x ops per element; a vreg holds 8 rows x 128 lanes
             ops = node.flops / tokens / 128 * math.ceil(tp / 8)
-        out[phase].vpu += ops * node.repeat
+            out.append((COMPUTE_PHASE.get(node.cat, "vector"), OpCounts(vpu=ops)))
     return out, sorted(unpriced)
+
+
+def model_op_counts(
+    schedule: Any, stream: Any, vmem: Any, sharding: Any, spec: Any
+) -> tuple[dict[str, OpCounts], list[str]]:
+    """(phase -> the model's ops per step, formats the model has no measurement for): every
+    node's ops (node_op_counts) times its repeat, summed per phase."""
+    out = {p: OpCounts() for p in PHASES}
+    per_node, unpriced = node_op_counts(schedule, stream, vmem, sharding, spec)
+    for node, (phase, ops) in zip(schedule.nodes, per_node, strict=True):
+        out[phase].add_all(ops, node.repeat)
+    return out, unpriced

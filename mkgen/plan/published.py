@@ -2,16 +2,16 @@
 held against in REPORT.md and `make bench`.
 
 Sources (public Inferact tpu-megakernels repository, README.md and musespark/README.md):
-Muse Spark's batch-1 rows are the calibration rows of mkgen/plan/calibration.py; Kimi K3
-and Qwen3.8-27B are the seeds' serving points, given as accepted tokens/s per user at
-acceptance length 6 with 8 rows per step (1 anchor + 7 drafts), so a step is
-6 / (tokens/s) seconds, drafting included."""
+Muse Spark's 12 rows (three weight configurations, batch 1 to 8) are the rows the cost
+model is calibrated against (mkgen/plan/calibration.py), and its batch-1 rows are the
+bar of the builds doing the same work. Kimi K3 and Qwen3.8-27B are the seeds' serving
+points, given as accepted tokens/s per user at acceptance length 6 with 8 rows per step
+(1 anchor + 7 drafts), so a step is 6 / (tokens/s) seconds, drafting included."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mkgen.plan.calibration import CONFIGS, MEASURED_MS
 from mkgen.plan.floor import IdealFloor
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.loader import load_spec
@@ -22,6 +22,31 @@ SEEDS_SOURCE = "Inferact tpu-megakernels README.md"
 MUSE_SOURCE = "Inferact tpu-megakernels musespark/README.md, batch 1"
 SEED_ACCEPTANCE = 6.0
 SEED_ROWS = 8
+
+# Weight configurations of measurements.md, as --quant overrides of the spec.
+CONFIGS: dict[str, tuple[str, ...]] = {
+    "int4 experts, bf16 dense": ("experts=int4:128",),
+    "nvfp4 experts, bf16 dense": ("experts=nvfp4",),
+    # The measured int8 configuration also stores the lm_head in int8 (musespark/REPORT.md:
+    # "int8 dense projections + lm_head", lm_head 400 -> 200 MiB).
+    "nvfp4 experts, int8 dense": ("experts=nvfp4", "dense=int8", "lm_head=int8"),
+}
+
+# ms per decode step, (configuration, batch) -> measured.
+MEASURED_MS: dict[tuple[str, int], float] = {
+    ("int4 experts, bf16 dense", 1): 3.59,
+    ("int4 experts, bf16 dense", 2): 3.71,
+    ("int4 experts, bf16 dense", 4): 3.91,
+    ("int4 experts, bf16 dense", 8): 4.29,
+    ("nvfp4 experts, bf16 dense", 1): 3.57,
+    ("nvfp4 experts, bf16 dense", 2): 4.07,
+    ("nvfp4 experts, bf16 dense", 4): 4.63,
+    ("nvfp4 experts, bf16 dense", 8): 4.86,
+    ("nvfp4 experts, int8 dense", 1): 3.26,
+    ("nvfp4 experts, int8 dense", 2): 3.66,
+    ("nvfp4 experts, int8 dense", 4): 4.25,
+    ("nvfp4 experts, int8 dense", 8): 4.46,
+}
 
 
 @dataclass(frozen=True)

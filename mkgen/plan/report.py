@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from mkgen.errors import MkgenError
-from mkgen.hardware import MiB
+from mkgen.hardware import Chip, MeasuredRange, MiB
 from mkgen.plan.published import bar_text
 
 if TYPE_CHECKING:
@@ -262,6 +262,12 @@ def schedule_text(plan: BuildPlan) -> str:
     )
 
 
+def _chip(plan: BuildPlan) -> Chip:
+    from mkgen.spec.topology import parse_topology
+
+    return parse_topology(plan.sharding.topology).chip_info
+
+
 def plan_text(plan: BuildPlan) -> str:
     """The human output of ``mkgen plan``."""
     o, sh = plan.options, plan.sharding
@@ -283,6 +289,7 @@ def plan_text(plan: BuildPlan) -> str:
             "Against the bar: "
             + bar_text(plan.estimate.step_ms, plan.ideal_floor, plan.hand_written),
         ]
+        + ([collective_latency_note(_chip(plan))] if plan.sharding.devices > 1 else [])
     )
 
 
@@ -312,6 +319,21 @@ class SweepRow:
         return self.fits_hbm and self.fits_vmem
 
 
+def collective_latency_note(chip: Chip) -> str:
+    """The catalog's latency of one collective phase within a host and of each stage across
+    hosts, with where each comes from (REPORT.md and `mkgen plan`)."""
+    inside, across = chip.collective_phase_latency, chip.cross_host_phase_latency
+
+    def state(r: MeasuredRange) -> str:
+        return "measured" if r.measured else "assumed"
+
+    return (
+        f"Collective latency: {inside.cost_model * 1e6:.1f} us per phase within a host "
+        f"({state(inside)}: {inside.source}); {across.cost_model * 1e6:.1f} us more per stage "
+        f"across hosts ({state(across)}: {across.why})"
+    )
+
+
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_ROWS = (1,)
 
@@ -329,12 +351,13 @@ def sweep(
     ``base.acceptance`` is capped at each row count (a step accepts at most its rows).
     Total tokens per dollar price `scenario`'s requests (mkgen/plan/tco.py).
     """
-    from mkgen.plan.cost import estimate
     from mkgen.plan.layout import FULL_BANK_ROWS
     from mkgen.plan.memory import plan_memory
+    from mkgen.plan.schedule import build_schedule
     from mkgen.plan.sharding import plan_sharding
     from mkgen.plan.stream import plan_stream
     from mkgen.plan.tco import total_tokens_per_dollar
+    from mkgen.plan.timeline import ProgramPlan, estimate
     from mkgen.plan.vmem import plan_vmem
     from mkgen.spec.figures import params_active
 
@@ -352,16 +375,20 @@ def sweep(
             if not mem.fits:
                 notes.append(f"HBM {mem.total_bytes / GB:.1f} > {mem.usable_bytes / GB:.1f} GB")
             vmem_mib, fits_vmem = math.nan, False
+            stream = plan_stream(spec, sharding, bank_rows=FULL_BANK_ROWS, ring_depth=2)
+            est = None  # a point whose buffers do not fit VMEM has no program to price
             try:
-                stream = plan_stream(spec, sharding, bank_rows=FULL_BANK_ROWS, ring_depth=2)
                 vm = plan_vmem(spec, topo, opts, sharding, stream)
                 vmem_mib, fits_vmem = vm.explicit_bytes / MiB, True
             except MkgenError:
-                notes.append("VMEM over budget")
-            est = estimate(spec, topo, opts, sharding)
-            price = est.price_per_chip_hour_usd
+                notes.append("VMEM over budget: not priced")
+            else:
+                stream = stream.model_copy(update={"ring_depth": vm.ring_depth})
+                schedule = build_schedule(spec, sharding, stream, vm, opts)
+                est = estimate(topo, opts, ProgramPlan(spec, sharding, mem, stream, vm, schedule))
+            price = est.price_per_chip_hour_usd if est else None
             total = 0.0
-            if price:
+            if est and price:
                 total = total_tokens_per_dollar(
                     scenario,
                     decode_tokens_per_s=est.tokens_per_s,
@@ -379,11 +406,11 @@ def sweep(
                     fits_vmem=fits_vmem,
                     hbm_gb_per_device=mem.total_bytes / GB,
                     vmem_mib=vmem_mib,
-                    step_ms=est.step_ms,
-                    hbm_floor_ms=est.hbm_floor_ms,
-                    tokens_per_s_per_user=est.tokens_per_s_per_user,
-                    tokens_per_s=est.tokens_per_s,
-                    tokens_per_dollar=est.tokens_per_dollar or 0.0,
+                    step_ms=est.step_ms if est else math.nan,
+                    hbm_floor_ms=est.hbm_floor_ms if est else math.nan,
+                    tokens_per_s_per_user=est.tokens_per_s_per_user if est else math.nan,
+                    tokens_per_s=est.tokens_per_s if est else math.nan,
+                    tokens_per_dollar=(est.tokens_per_dollar if est else None) or 0.0,
                     total_tokens_per_dollar=total,
                     scenario=scenario.name,
                     note="; ".join(notes),

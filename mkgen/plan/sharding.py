@@ -141,7 +141,7 @@ def collective_cost(
     Latency: the stages inside one host together cost one latency-bound phase (catalog
     collective_phase_latency, measured for one in-kernel collective over the 8 cores
     of a host: Muse Spark's four per layer cost ~14 us); each stage across hosts adds
-    one more phase (not measured: the same latency assumed). Bytes: a stage's member
+    one more phase (catalog cross_host_phase_latency, an assumption). Bytes: a stage's member
     sends the running payload to each other member of its group (an all-reduce the
     whole running sum, an all-gather the pieces gathered so far, a reduce-scatter one
     part of the running vector), over the link of the stage's level.
@@ -183,7 +183,9 @@ def collective_cost(
         phases=phases,
         level=level,
         bytes_by_level=sent,
-        time_s=phases * c.collective_phase_s + wire,
+        time_s=(phases - host_stages) * c.collective_phase_s
+        + host_stages * c.cross_host_phase_s
+        + wire,
     )
 
 

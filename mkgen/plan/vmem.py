@@ -244,8 +244,10 @@ def kernel_dims(
     stream: StreamPlan,
     options: BuildOptions,
     max_piece_chunks: int = MAX_PIECE_CHUNKS,
+    kv_tile_tokens: int | None = None,
 ) -> KernelDims:
-    """The kernel's constants, derived as mkgen.plan.layout derives them."""
+    """The kernel's constants, derived as mkgen.plan.layout derives them (`kv_tile_tokens`:
+    another KV tile than the template's, for the cost model's calibration only)."""
     h = spec.dims.hidden
     segments = [s for k in stream.attention.values() for s in k.segments]
     segments += [s for k in stream.ffn.values() for s in k.segments] + list(stream.tail)
@@ -267,7 +269,7 @@ def kernel_dims(
         tokens_padded=round_up(tokens, SUBLANES_F32),
         hidden=h,
         context=options.context,
-        kv_tile=kv_tile(options.context),
+        kv_tile=kv_tile_tokens or kv_tile(options.context),
         cache_block=round_up(options.rows + CACHE_ALIGN - 1, CACHE_ALIGN),
         max_k_chunks=max(s.k_chunks for s in segments),
         max_col_blocks=max(s.col_blocks for s in segments),
@@ -602,8 +604,10 @@ def plan_vmem(
     ring_target_bytes: int | None = None,
     max_piece_chunks: int = MAX_PIECE_CHUNKS,
     ring_depth: int | None = None,
+    kv_tile_tokens: int | None = None,
 ) -> VmemPlan:
-    """Every VMEM buffer, with the ring depth and expert slots chosen under the budget.
+    """Every VMEM buffer, with the ring depth and expert slots chosen under the budget
+    (`kv_tile_tokens`: as kernel_dims').
 
     Raises a one-line SpecError with the numbers when the fixed buffers exceed the budget,
     when the budget cannot hold one weight bank, or when it cannot hold two banks and
@@ -618,7 +622,7 @@ def plan_vmem(
             "(the budget is the explicit VMEM the plan may allocate)"
         )
     target = ring_target_bytes or RING_VMEM_BYTES
-    dims = kernel_dims(spec, sharding, stream, options, max_piece_chunks)
+    dims = kernel_dims(spec, sharding, stream, options, max_piece_chunks, kv_tile_tokens)
     bank = dims.bank_bytes
     # Everything but the ring and the expert slots is fixed by the build.
     probe, slot_bytes = _buffers(spec, sharding, stream, dims, 1, 1)

@@ -1,0 +1,361 @@
+"""The cost model's walk: one decode step on one core, over the schedule's own program.
+
+The plan's schedule (mkgen/plan/schedule.py) lists every START, WAIT and RUN of the step
+in program order; the walk runs them on one core's engines (docs/cost-model.md):
+
+- the core runs each RUN op for the time its ops take at the chip's issue rates (the
+  op-count model, mkgen/plan/opcount.py: each op priced by the code path the template
+  emits, at the slowest of its vector ALU, MXU and load/store units) and blocks at each
+  WAIT until that DMA is done;
+- the DMA engine moves one DMA at a time at the catalog's ``cost_model_hbm_bandwidth``
+  plus a per-DMA overhead. DMAs wait in queues by kind, each first-in first-out, highest
+  priority first: cache tiles and states, expert pieces, ring banks, collectives'
+  remote copies. Whenever the engine is free it takes the oldest DMA of the
+  highest-priority queue that has one started by then (a started DMA is not
+  interrupted);
+- the interconnect carries each collective's remote copies, once the engine has issued
+  them, after the collectives before it, at the collective's price (its stages' phase
+  latencies and wire time).
+
+One walk gives the overlap of DMA and compute and the step. A folded runtime loop's op
+(``repeat`` > 1) is priced as its repeats back to back. Pure Python.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from mkgen.plan.cost import CATEGORIES, US, CostConstants, Estimate, KindTime, TraceEvent
+from mkgen.plan.memory import MemoryPlan
+from mkgen.plan.opcount import bound_us, node_op_counts
+from mkgen.plan.options import BuildOptions
+from mkgen.plan.schedule import START, WAIT, Node, Schedule
+from mkgen.plan.sharding import Collective, ShardingPlan
+from mkgen.plan.stream import Segment, StreamPlan
+from mkgen.plan.vmem import VmemPlan
+from mkgen.spec.schema import ModelSpec
+from mkgen.spec.topology import Topology
+
+
+class ProgramPlan(NamedTuple):
+    """The planner's stages up to the step's program: what the cost model walks."""
+
+    spec: ModelSpec  # with the options' quantization applied
+    sharding: ShardingPlan
+    memory: MemoryPlan
+    stream: StreamPlan
+    vmem: VmemPlan
+    schedule: Schedule
+
+
+# The DMA engine's queues, highest priority first, and the queue of each schedule DMA
+# category. Cache tiles, states and the small per-layer loads are waited right after they
+# start; expert pieces are waited within a few pieces; ring banks are fetched `depth`
+# banks ahead. A collective's remote copies come last: the calibrated structural
+# assumption (measurements.md: the Muse Spark step is the sum of its phases, the
+# collectives do not hide under the weight stream) is that they leave the engine only
+# once the HBM DMAs the core issued before them are done.
+QUEUES = ("cache", "experts", "ring", "collectives")
+DMA_QUEUE = {
+    "collective": "collectives",
+    "bank": "ring",
+    "expert": "experts",
+    "ids": "cache",
+    "vector": "cache",
+    "kv_tile": "cache",
+    "cache_read": "cache",
+    "cache_write": "cache",
+    "state_read": "cache",
+    "state_write": "cache",
+}
+# DMAs that move no HBM bytes: VMEM -> SMEM, and remote copies (ICI).
+NOT_HBM = frozenset({"ids", "collective"})
+# The breakdown category of the core's time running or waiting for a schedule category.
+CATEGORY = {
+    "bank": "weights",
+    "vector_slab": "weights",
+    "matmul": "weights",
+    "expert": "experts",
+    "ids": "experts",
+    "expert_mm": "experts",
+    "routing": "experts",
+    "scalar": "experts",
+    "kv_tile": "kv_state",
+    "cache_read": "kv_state",
+    "cache_write": "kv_state",
+    "state_read": "kv_state",
+    "state_write": "kv_state",
+    "attention": "kv_state",
+    "recurrent": "kv_state",
+    "collective": "collectives",
+    "sync": "fixed",
+    "vector": "compute",
+}
+
+
+def collective_time_s(c: CostConstants, collective: Collective) -> float:
+    """One collective of the program, priced by the collective pricing of the plan (its
+    stages' phase latencies and wire time: mkgen.plan.sharding.collective_cost)."""
+    del c  # the collective carries its price
+    return collective.time_s
+
+
+class _Walk:
+    """One core's timeline over the schedule's events (see the module docstring)."""
+
+    def __init__(
+        self,
+        c: CostConstants,
+        schedule: Schedule,
+        collectives: dict[int, float],
+        names: list[tuple[int, str]],
+        tensors: list[list[str]],
+        category: list[str],
+        trace: bool,
+    ) -> None:
+        self.c = c
+        self.s = schedule
+        self.collectives = collectives  # collective DMA node -> its interconnect seconds
+        self.names = names  # node -> (the layer it is traced under, its name there)
+        self.tensors = tensors  # ring bank -> its segment's tensors
+        self.category = category
+        self.t = 0.0
+        self.trace = trace
+        self.events: list[TraceEvent] = []
+        self.attr = dict.fromkeys(CATEGORIES, 0.0)
+        n = len(schedule.nodes)
+        self.issued_at = [0.0] * n
+        self.done: list[float | None] = [None] * n
+        self.queues: dict[str, list[int]] = {q: [] for q in QUEUES}
+        self.head = dict.fromkeys(QUEUES, 0)
+        self.engine_free = 0.0
+        self.ici_free = 0.0
+        self.dma_busy = 0.0
+        # The engine's services (start, end, category) in order, and the first one a wait
+        # may still overlap.
+        self.log: list[tuple[float, float, str]] = []
+        self.logged = 0
+        self.core_busy = 0.0
+        self.hbm_bytes = 0
+
+    def where(self, layer: int) -> str:
+        """The trace's prefix: prologue, L<layer>, epilogue."""
+        if layer < 0:
+            return "prologue"
+        return "epilogue" if layer >= self.s.layers else f"L{layer}"
+
+    def event(self, engine: str, node: Node, start: float, dur: float, args: dict) -> None:
+        if self.trace:  # every op of the program, also those that take no time
+            layer, name = self.names[node.id]
+            self.events.append(
+                TraceEvent(
+                    engine=engine, name=f"{self.where(layer)} {name}", start=start,  # type: ignore[arg-type]
+                    duration=dur, category=self.category[node.id],
+                    args={**args, "node": node.id},
+                )
+            )  # fmt: skip
+
+    def start(self, node: Node) -> None:
+        self.issued_at[node.id] = self.t
+        self.queues[DMA_QUEUE[node.cat]].append(node.id)
+
+    def serve_until(self, target: int) -> None:
+        """Run the DMA engine until `target` is done: each time it is free it takes the
+        first DMA of the highest-priority queue that has one issued by then."""
+        nodes = self.s.nodes
+        while self.done[target] is None:
+            heads = [
+                (q, self.queues[q][self.head[q]])
+                for q in QUEUES
+                if self.head[q] < len(self.queues[q])
+            ]
+            at = max(self.engine_free, min(self.issued_at[i] for _, i in heads))
+            queue, i = next((q, i) for q, i in heads if self.issued_at[i] <= at)
+            self.head[queue] += 1
+            node = nodes[i]
+            args = {"bytes": node.nbytes * node.repeat, "dmas": node.count * node.repeat,
+                    "queue": queue}  # fmt: skip
+            if node.cat == "collective":
+                # The engine issues the sends; the copies travel on the interconnect.
+                dur = self.c.dma_s(0, node.count // 2 * node.repeat)
+                begin = max(at + dur, self.ici_free)
+                self.done[i] = self.ici_free = begin + self.collectives[i] * node.repeat
+                self.event("ici", node, begin, self.done[i] - begin, args)
+            else:
+                dur = self.c.dma_s(node.nbytes * node.repeat, node.count * node.repeat)
+                self.done[i] = at + dur
+            self.engine_free = at + dur
+            self.dma_busy += dur
+            self.log.append((at, at + dur, self.category[i]))
+            if node.cat not in NOT_HBM:
+                self.hbm_bytes += node.nbytes * node.repeat
+            if node.cat == "bank":
+                args["bank"] = node.key[1]
+                args["tensors"] = self.tensors[node.key[1]]
+            elif node.cat == "expert":  # numbered in load order: routing picks the ids
+                args["expert"], args["piece"] = node.key[2], node.key[3]
+            self.event("dma", node, at, dur, args)
+
+    def drain(self) -> None:
+        """Serve what is still queued (every DMA of the program is waited, so nothing
+        is, unless the program ends on DMAs nobody waits for)."""
+        for q in QUEUES:
+            if self.queues[q]:
+                self.serve_until(self.queues[q][-1])
+
+    def wait(self, node: Node) -> None:
+        """The core idles until `node` is done: the time is credited to what the DMA
+        engine moved meanwhile, the rest (the interconnect's flight) to `node`."""
+        if self.done[node.id] is None:
+            self.serve_until(node.id)
+        t0, t1 = self.t, self.done[node.id]
+        if t1 <= t0:
+            return
+        log = self.log
+        while self.logged < len(log) and log[self.logged][1] <= t0:
+            self.logged += 1
+        covered = 0.0
+        for start, end, category in log[self.logged :]:
+            if start >= t1:
+                break
+            span = min(end, t1) - max(start, t0)
+            if span > 0:
+                self.attr[category] += span
+                covered += span
+        self.attr[self.category[node.id]] += t1 - t0 - covered
+        self.t = t1
+
+    def run(self, node: Node, seconds: float) -> None:
+        self.event("core", node, self.t, seconds, {"repeat": node.repeat})
+        self.attr[self.category[node.id]] += seconds
+        self.core_busy += seconds
+        self.t += seconds
+
+
+def _bank_names(
+    stream: StreamPlan, layer_table: list[tuple[str, str]]
+) -> list[tuple[int, str, list[str]]]:
+    """(the layer that uses it, its name, its segment's tensors) of each ring bank: the ring
+    fetches ahead across layers, and a bank's DMA is named as its matmul on the core
+    ("gqa.qkv bank 3"); the lm_head's layer is the number of layers (the epilogue)."""
+    out: list[tuple[int, str, list[str]]] = [(0, "", [])] * stream.total_banks
+
+    def name(layer: int, first: int, label: str, segments: list[Segment]) -> None:
+        for seg in segments:
+            for j in range(seg.banks):
+                g = first + seg.bank_offset + j
+                out[g] = (layer, f"{label}.{seg.name} bank {g}", [p.tensor for p in seg.parts])
+
+    for layer, (attn, ffn) in enumerate(layer_table):
+        name(layer, stream.attention_banks[layer], attn, stream.attention[attn].segments)
+        name(layer, stream.ffn_banks[layer], ffn, stream.ffn[ffn].segments)
+    name(len(layer_table), stream.lm_head_bank, "lm_head", stream.tail)
+    return out
+
+
+def _collectives_by_node(schedule: Schedule, sharding: ShardingPlan) -> dict[int, Collective]:
+    """The sharding's Collective of every collective DMA of the program (by its name)."""
+    out = {}
+    table = sharding.layer_table
+    for node in schedule.nodes:
+        if not (node.is_dma and node.cat == "collective"):
+            continue
+        if node.layer >= len(table):
+            pool = sharding.step_collectives
+        else:
+            attn, ffn = table[node.layer]
+            pool = sharding.attention[attn].collectives + sharding.ffn[ffn].collectives
+        name = node.name.rsplit(" ", 1)[1]
+        out[node.id] = next(c for c in pool if c.name == name)
+    return out
+
+
+def estimate(
+    topo: Topology, options: BuildOptions, program: ProgramPlan, trace: bool = False
+) -> Estimate:
+    """Walk the program's events on one core and summarise the step (module docstring)."""
+    spec, sharding, _, stream, vmem, schedule = program
+    chip = topo.chip_info
+    c = CostConstants.from_chip(chip, options)
+    nodes = schedule.nodes
+    layers = schedule.layers
+    ops, unpriced = node_op_counts(schedule, stream, vmem, sharding, spec)
+    rates = c.issue_rates
+    compute_s = [
+        0.0 if rates is None else max(bound_us(counts, rates).values()) * US * node.repeat
+        for node, (_phase, counts) in zip(nodes, ops, strict=True)
+    ]
+    banks = _bank_names(stream, sharding.layer_table)
+    names = [
+        banks[node.key[1]][:2] if node.cat == "bank" else
+        (node.layer, node.name.removeprefix(f"L{node.layer} "))
+        for node in nodes
+    ]  # fmt: skip
+    category = []
+    for node, (layer, _) in zip(nodes, names, strict=True):
+        cat = CATEGORY["vector_slab" if node.is_dma and node.cat == "vector" else node.cat]
+        if layer >= layers:
+            cat = "lm_head" if cat == "weights" else "fixed"
+        elif layer < 0:
+            cat = "fixed"
+        category.append(cat)
+    colls = {
+        i: collective_time_s(c, coll)
+        for i, coll in _collectives_by_node(schedule, sharding).items()
+    }
+    walk = _Walk(c, schedule, colls, names, [t for _, _, t in banks], category, trace)
+    # The host dispatches one device call per steps_per_call steps.
+    dispatch = c.dispatch_s / c.steps_per_call
+    walk.attr["fixed"] += dispatch
+    walk.t = walk.engine_free = walk.ici_free = dispatch
+    layer_start: dict[int, float] = {}
+    for op, i in schedule.events:
+        node = nodes[i]
+        if op == START:
+            walk.start(node)
+        elif op == WAIT:
+            walk.wait(node)
+        else:
+            layer_start.setdefault(node.layer, walk.t)
+            seconds = compute_s[i]
+            if node.cat == "sync":  # the entry barrier: one latency-bound phase
+                seconds = c.collective_phase_s if topo.num_devices > 1 else 0.0
+            walk.run(node, seconds)
+    walk.drain()
+    step = walk.t
+
+    per_kind: dict[str, float] = {}
+    ends = [layer_start.get(layer, step) for layer in range(1, layers + 1)]
+    for layer, kind in enumerate(schedule.layer_kinds):
+        per_kind[kind] = per_kind.get(kind, 0.0) + ends[layer] - layer_start[layer]
+    counts = {kind: schedule.layer_kinds.count(kind) for kind in per_kind}
+    by_kind = {
+        kind: KindTime(
+            layers=counts[kind],
+            total_ms=per_kind[kind] * 1e3,
+            per_layer_us=per_kind[kind] / counts[kind] * 1e6,
+        )
+        for kind in per_kind
+    }
+    floor = walk.hbm_bytes / c.hbm_bandwidth
+    result = Estimate(
+        step_ms=step * 1e3,
+        dma_timeline_ms=walk.dma_busy * 1e3,
+        compute_timeline_ms=None if rates is None else walk.core_busy * 1e3,
+        compute_unpriced_formats=tuple(unpriced),
+        breakdown_ms={k: v * 1e3 for k, v in walk.attr.items()},
+        by_layer_kind=by_kind,
+        hbm_bytes_per_device_per_step=walk.hbm_bytes,
+        hbm_floor_ms=floor * 1e3,
+        floor_ratio=floor / step,
+        tokens_per_s_per_user=0.0,
+        tokens_per_s=0.0,
+        tokens_per_dollar=None,
+        chips=topo.num_chips,
+        price_per_chip_hour_usd=c.price_per_chip_hour_usd,
+        acceptance=options.acceptance,
+        batch=options.batch,
+        constants=c,
+        events=tuple(walk.events),
+    )
+    return result.at_acceptance(options.acceptance)
