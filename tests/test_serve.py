@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +32,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from cli_run import assert_user_error, mkgen
 from test_convert import FIXTURES, write_sharded
 from test_runner import PROMPT, _build, _convert, _with_tokenizer, _words
 
@@ -281,7 +283,8 @@ def test_bad_requests_are_400s_with_an_openai_error_and_the_server_keeps_serving
 def test_a_client_that_leaves_mid_stream_frees_its_slot(server: Server) -> None:
     cancelled = 'mkgen_requests_total{finish_reason="cancelled"}'
     before = server.metric(cancelled)
-    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 40, "stream": True}
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 40, "stream": True,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as stream:
         first = next(line for line in stream.iter_lines() if line.startswith("data: "))
         assert json.loads(first[6:])["choices"][0]["token_ids"]
@@ -324,6 +327,24 @@ def test_sigterm_lets_a_running_stream_finish_then_exits(server: Server) -> None
     # uvicorn ends by raising the signal again once it has shut down gracefully.
     assert server.process.wait(timeout=60) == -signal.SIGTERM
     assert "Traceback" not in "".join(server.stderr)
+
+
+def test_serve_refuses_what_it_cannot_serve_in_one_line(
+    prepared: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    build, weights, _ = prepared
+    assert_user_error(mkgen("serve", str(build)), "give --weights WEIGHTS", "--random-weights")
+    missing = mkgen("serve", str(tmp_path / "nothing"), "--random-weights", "0")
+    assert_user_error(missing, "nothing: no runner.py there")
+    drafting = _build(tmp_path, "qwen3", rows=2)
+    refused = mkgen("serve", str(drafting), "--random-weights", "0", "--interpret")
+    assert_user_error(refused, "rows 2", "build it with --rows 1")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        busy = mkgen("serve", str(build), "--weights", str(weights), "--port", port)
+        assert_user_error(busy, f"--port {port}: cannot listen there")
 
 
 # ---------------------------------------------------------------- no server

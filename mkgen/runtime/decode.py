@@ -228,9 +228,10 @@ def decode(
     Each call feeds ROWS rows per sequence at its cache position: the tokens known next
     (prompt tokens not yet in the cache, or the last generated token), then drafts. The
     kernel's token after the last known row is generated, and so is its token after every
-    further row whose draft is accepted (accept). Greedy decoding without drafts runs up
-    to --steps-per-call steps per device call once every sequence generates
-    (chunk_decoder). `stream` (batch 1) gets the generated ids after every call."""
+    further row whose draft is accepted (accept). Decoding without drafts (greedy, or
+    sampled on the device) runs up to --steps-per-call steps per device call once every
+    sequence generates (chunk_decoder). `stream` (batch 1) gets the generated ids after
+    every call."""
     build, layout, kernel, placed = model.build, model.layout, model.kernel, model.placed
     batch, rows_per_call = build.batch, build.rows
     step_fn = kernel.make_decode_step(model.mesh)

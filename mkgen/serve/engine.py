@@ -4,10 +4,10 @@ slots; requests join free slots between device calls and leave when done.
 Each loop turn: drop cancelled requests (their slots free at once), admit queued prompts
 into free slots (each prompt's tokens but the last prefilled in XLA through
 decode.prefill_sequence and written into its slot with slots.insert_sequence; while other
-sequences are running only one prompt is admitted per turn, so they keep streaming), then
-one device call of up to STEPS_PER_CALL kernel steps for every running sequence
-(decode.chunk_decoder), each at its own position with its own sampling parameters,
-sampled on the device. Results go back to each request's `deliver` callback (called on
+sequences are running, only PREFILL_TOKENS_PER_TURN prompt tokens per turn, so they keep
+streaming), then one device call of up to STEPS_PER_CALL kernel steps for every running
+sequence (decode.chunk_decoder), each at its own position with its own sampling
+parameters, sampled on the device. Results go back to each request's `deliver` callback (called on
 the engine thread) at call boundaries only.
 
 Imports JAX: imported after the device environment is set.
@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from mkgen.errors import MkgenError
 from mkgen.runtime.decode import (
     Model,
     SamplingParams,
@@ -42,6 +41,9 @@ from mkgen.serve.metrics import Metrics
 
 STEPS_PER_CALL = 8  # kernel steps per device call: the host round trip is paid once per call
 QUEUE_LIMIT = 64  # requests waiting beyond the free slots; more are answered 429
+# Prompt tokens prefilled between two device calls while sequences run: what a running
+# sequence waits for at most (beyond one prompt) before its next tokens.
+PREFILL_TOKENS_PER_TURN = 256
 RETRY_AFTER_S = 1  # what a 429 or 503 tells the client to wait
 
 log = logging.getLogger("mkgen.serve")
@@ -115,11 +117,7 @@ class Engine:
         queue_limit: int = QUEUE_LIMIT,
     ) -> None:
         build = model.build
-        if build.rows != 1:
-            raise MkgenError(
-                f"serve: {build.name} verifies {build.rows - 1} drafts per call (rows "
-                f"{build.rows}); the server decodes without drafts: build it with --rows 1"
-            )
+        assert build.rows == 1, "serve.server refuses builds with drafts"
         self.model, self.metrics, self.interpret = model, metrics, interpret
         self.steps_per_call, self.queue_limit = steps_per_call, queue_limit
         step_fn = model.kernel.make_decode_step(model.mesh)
@@ -210,9 +208,11 @@ class Engine:
             return True
 
     def _admit(self) -> None:
-        """Prefill queued prompts into free slots: all of them while nothing runs, else
-        one per turn between device calls."""
+        """Prefill queued prompts into free slots: as many as fit while nothing runs,
+        else up to PREFILL_TOKENS_PER_TURN prompt tokens (at least one prompt) between
+        two device calls, so that running sequences keep streaming."""
         busy = any(self._slots)
+        prefilled = 0
         for slot in range(len(self._slots)):
             if self._slots[slot] is not None:
                 continue
@@ -228,7 +228,8 @@ class Engine:
             self._slots[slot] = _Running(request, position=len(prompt) - 1, feed=prompt[-1])
             self.metrics.prompt_tokens.inc(len(prompt))
             self.metrics.slots_in_use.set(sum(s is not None for s in self._slots))
-            if busy:
+            prefilled += len(prompt)
+            if busy and prefilled >= PREFILL_TOKENS_PER_TURN:
                 return
 
     def _decode_call(self) -> None:

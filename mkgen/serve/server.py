@@ -31,6 +31,11 @@ def serve(
     """Serve `build` on http://HOST:PORT/v1 until stopped. Bad inputs (a port taken,
     weights that do not fit, too few devices, a broken tokenizer_config.json) are
     MkgenErrors before any request is taken."""
+    if build.rows != 1:
+        raise MkgenError(
+            f"{build.name} verifies {build.rows - 1} drafts per call (rows {build.rows}); "
+            "mkgen serve decodes without drafts: build it with --rows 1"
+        )
     from mkgen.codegen.convert import TOKENIZER_CONFIG_FILE
     from mkgen.serve.chat import load_tokenizer_config
 
