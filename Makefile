@@ -44,8 +44,11 @@ regen-measure: $(STAMP)
 docs: $(STAMP)
 	$(PY) scripts/make_docs.py
 
+# How long mkgen's commands take (scripts/bench.py), then a bounded load test of mkgen serve
+# on loopback: 32 clients, 200 requests, the tiny qwen3 fixture in interpret mode.
 bench: $(STAMP)
 	$(PY) scripts/bench.py
+	$(PY) scripts/serve_load.py --clients 32 --requests 200
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -874,10 +874,12 @@ def convert_command(
         _prepare_jax()
         source = convert.InventorySource(stored_random_weights(spec, random_weights))
         identity["random_weights"] = random_weights
-    tokenizer = Path(checkpoint) / convert.TOKENIZER_FILE if checkpoint is not None else None
+    tokenizer_files = [
+        Path(checkpoint) / name for name in convert.TOKENIZER_FILES if checkpoint is not None
+    ]
     result = convert.convert(
         spec, layout, source, output, identity=identity, force=force, progress=True,
-        tokenizer=tokenizer if tokenizer is not None and tokenizer.is_file() else None,
+        tokenizer_files=[path for path in tokenizer_files if path.is_file()],
     )  # fmt: skip
     if result.skipped == ["all"]:
         click.echo(f"{_shown(output)}/ is up to date ({result.files} files verified)")
@@ -907,8 +909,14 @@ def run_command(ctx: click.Context, build: str, runner_args: tuple[str, ...]) ->
     if build in ("-h", "--help"):
         click.echo(ctx.get_help())
         return
-    from mkgen.codegen.package import GENERATED
     from mkgen.runtime import run
+
+    run(_runner_build(build), list(runner_args), prog="mkgen run", usage=f"mkgen run {build}")
+
+
+def _runner_build(build: str) -> Any:
+    """The runtime Build of BUILD: a build directory, or a build's name in generated/."""
+    from mkgen.codegen.package import GENERATED
     from mkgen.runtime.build import RUNNER_FILE, runner_build
 
     directory = Path(build)
@@ -916,7 +924,52 @@ def run_command(ctx: click.Context, build: str, runner_args: tuple[str, ...]) ->
         directory = GENERATED / build
     if not (directory / RUNNER_FILE).exists():
         raise MkgenError(f"{build}: no {RUNNER_FILE} there nor in generated/{build}")
-    run(runner_build(directory), list(runner_args), prog="mkgen run", usage=f"mkgen run {build}")
+    return runner_build(directory)
+
+
+@cli.command("serve")
+@click.argument("build", metavar="BUILD")
+@click.option(
+    "--weights", type=click.Path(path_type=Path), help="Converted weights (mkgen convert)."
+)
+@click.option(
+    "--random-weights", type=SEED, default=None, metavar="SEED",
+    help="The reference's random weights instead of --weights (the mini/ build on CPU).",
+)  # fmt: skip
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+    help="Port to listen on (0: a free one, printed).",
+)  # fmt: skip
+@click.option("--interpret", is_flag=True, help="TPU interpret mode on virtual CPU devices.")
+@click.option(
+    "--steps-per-call", type=click.IntRange(min=1), default=8, show_default=True,
+    help="Kernel steps per device call.",
+)  # fmt: skip
+@click.option(
+    "--queue-limit", type=click.IntRange(min=0), default=64, show_default=True,
+    help="Requests waiting for a slot before new ones get 429.",
+)  # fmt: skip
+@click.option("--trust-weights", is_flag=True, help="Skip the sha256 check of the weights.")
+def serve_command(
+    build: str, weights: Path | None, random_weights: int | None, host: str, port: int,
+    interpret: bool, steps_per_call: int, queue_limit: int, trust_weights: bool,
+) -> None:  # fmt: skip
+    """Serve a build behind an OpenAI-compatible API (docs/serving.md#serve): BUILD is a
+    build directory (made with --rows 1) or a build's name in generated/; the `openai`
+    client talks to http://HOST:PORT/v1 with any api key. SIGTERM or Ctrl-C lets running
+    requests finish, then stops."""
+    if (weights is None) == (random_weights is None):
+        raise MkgenError("give --weights WEIGHTS (mkgen convert) or --random-weights SEED")
+    if trust_weights and weights is None:
+        raise MkgenError("--trust-weights: only with --weights (converted weights)")
+    from mkgen.serve.server import serve
+
+    serve(
+        _runner_build(build), weights=weights, random_weights=random_weights, host=host,
+        port=port, interpret=interpret, steps_per_call=steps_per_call,
+        queue_limit=queue_limit, trust_weights=trust_weights,
+    )  # fmt: skip
 
 
 @cli.command(

@@ -14,6 +14,7 @@ formats), and writes::
       core-000/layer-000.experts-0.npy ...   its routed experts of layer 0 (MoE layers)
       core-000/head.stream.npy               its lm_head banks
       tokenizer.json                         the checkpoint's tokenizer, when it has one
+      tokenizer_config.json                  its chat template and special tokens (mkgen serve)
       ...
 
 A core's stream is its layers' banks then the head's, in that order
@@ -56,7 +57,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,9 @@ from mkgen.spec.weights import model_weights
 CONTAINER_FORMAT = 1
 LAYOUT_FILE = "layout.json"
 TOKENIZER_FILE = "tokenizer.json"  # Hugging Face `tokenizers` format
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # chat template, bos and eos (transformers)
+# The checkpoint files copied beside the weights when the checkpoint has them.
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
 PROGRESS_FILE = "progress.json"
 # How an array is stored in a .npy file: numpy has no bf16 / fp8 descriptors, so those are
 # kept as their bits and viewed back on load (the dtype is recorded in layout.json).
@@ -231,7 +235,7 @@ def checkpoint_source(spec: ModelSpec, checkpoint: Path) -> tuple[Any, dict[str,
 # Every file name mkgen convert writes in a weights directory, besides layout.json and
 # progress.json: only these are ever listed, trusted or removed.
 _OUR_FILE = re.compile(
-    r"(embedding|final_norm)\.npy|tokenizer\.json"
+    r"(embedding|final_norm)\.npy|tokenizer\.json|tokenizer_config\.json"
     r"|core-\d{3,}/(layer-\d{3,}|head)\.(stream|vectors|experts-\d+)\.npy"
 )
 
@@ -266,7 +270,7 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def _copy_file(source: Path, path: Path) -> dict[str, Any]:
-    """Copy a checkpoint file (the tokenizer) into place; its entry for layout.json."""
+    """Copy a checkpoint file (a tokenizer file) into place; its entry for layout.json."""
     _renamed_into_place(path, lambda tmp: tmp.write_bytes(source.read_bytes()))
     return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
 
@@ -482,10 +486,10 @@ def convert(
     identity: Mapping[str, Any],
     force: bool = False,
     progress: bool = False,
-    tokenizer: Path | None = None,
+    tokenizer_files: Sequence[Path] = (),
 ) -> ConvertResult:
     """Pack `source` (HFMapping or InventorySource) for `layout` into `output`, with a
-    copy of the checkpoint's `tokenizer` (tokenizer.json) when there is one; `progress`:
+    copy of each of the checkpoint's `tokenizer_files` (TOKENIZER_FILES); `progress`:
     a progress bar on stderr (tqdm: bytes/s and ETA).
 
     `identity` describes the inputs (build and checkpoint); a progress.json with the same
@@ -564,8 +568,8 @@ def convert(
                 _write_json(progress_path, {"identity": identity, "units": done})
                 bar.update(size)
         source.check_complete()
-        if tokenizer is not None:
-            files[TOKENIZER_FILE] = _copy_file(tokenizer, output / TOKENIZER_FILE)
+        for tokenizer_file in tokenizer_files:
+            files[tokenizer_file.name] = _copy_file(tokenizer_file, output / tokenizer_file.name)
         total = sum(e["bytes"] for e in files.values())
         manifest = {
             "identity": identity,

@@ -7,15 +7,18 @@ calls `run`; `mkgen run BUILD` calls the same function. The work is split by con
     arguments.py    the options, all checked before any expensive work (one-line errors)
     devices.py      JAX's environment, the mesh, jax.distributed, host values
     weights.py      converted or random weights, placed per core on the mesh
-    decode.py       the XLA prefill into the kernel's caches, the decode loop
-    sampling.py     sampling probabilities from a row of logits
+    decode.py       loading the model, the XLA prefill into the kernel's caches, the
+                    decode loop (several steps per device call, sampling on the device)
+    slots.py        one sequence's caches into and out of a batch slot (mkgen serve)
+    sampling.py     sampling from logits: on the host (speculation) or in a jitted step
     speculation.py  drafters (prompt lookup or a user callable) and draft acceptance
     bench.py        step-time medians and tokens/s
     main.py         run: the steps above in order, and what is printed
 
 JAX reads its environment (interpret mode's virtual CPU devices) when it is imported, so
 nothing imports it before `run` has set that: devices.py imports it inside its functions,
-weights.py and decode.py at their top, and `run` imports those two only afterwards.
+weights.py, decode.py, sampling.py and slots.py at their top, and `run` imports them only
+afterwards.
 """
 
 from mkgen.runtime.build import Build

@@ -11,6 +11,7 @@ import time
 from argparse import Namespace
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -21,9 +22,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mkgen.runtime.build import Build
-from mkgen.runtime.devices import host_value
-from mkgen.runtime.sampling import Sampler
+from mkgen.runtime.build import Build, load_build
+from mkgen.runtime.devices import host_value, make_mesh
+from mkgen.runtime.sampling import Sampler, sample_on_device
 from mkgen.runtime.speculation import Drafter, accept
 from mkgen.runtime.weights import embedding_on_devices, progress_bar
 
@@ -40,6 +41,24 @@ class Model:
     mesh: Mesh
     weights: Any
     placed: dict[str, Any]
+
+
+def load_model(
+    build: Build, weights: Path | None, random_weights: int | None, *, verify: bool = True
+) -> Model:
+    """The build's kernel on its mesh with the converted `weights` (checked against
+    layout.json's sha256 when `verify`), or the reference's random weights drawn with
+    seed `random_weights` when `weights` is None, placed on the devices."""
+    from mkgen.runtime.weights import ConvertedWeights, RandomWeights, place_weights
+
+    spec, layout, kernel = load_build(build)
+    mesh = make_mesh(build, kernel, layout)
+    if weights is not None:
+        loaded: Any = ConvertedWeights(spec, layout, weights, build, verify)
+    else:
+        loaded = RandomWeights(spec, layout, random_weights or 0)
+    placed = place_weights(build, loaded, mesh, kernel)
+    return Model(build, spec, layout, kernel, mesh, loaded, placed)
 
 
 @dataclass(frozen=True)
@@ -81,12 +100,33 @@ def prefill(model: Model, prompts: list[list[int]], where: str) -> tuple[list[ja
                 model.weights.embedding, tokens, progress=layer_done,
             )  # fmt: skip
         return caches, held
-    sharded = NamedSharding(model.mesh, P(axis))
-    zeros = [
-        np.zeros((model.build.devices, *shape), np.dtype(dtype))
-        for shape, dtype in model.kernel.cache_shapes()
-    ]
-    return [jax.make_array_from_callback(c.shape, sharded, lambda i, c=c: c[i]) for c in zeros], 0
+    return empty_caches(model, model.build.batch), 0
+
+
+def empty_caches(model: Model, batch: int) -> list[jax.Array]:
+    """The kernel's cache arrays for `batch` sequences, all zero, sharded as the kernel
+    takes them ([devices, layers, batch, ...])."""
+    sharded = NamedSharding(model.mesh, P(model.kernel.AXIS))
+    zeros = []
+    for shape, dtype in model.kernel.cache_shapes():
+        layers, _, *rest = shape
+        zeros.append(np.zeros((model.build.devices, layers, batch, *rest), np.dtype(dtype)))
+    return [jax.make_array_from_callback(c.shape, sharded, lambda i, c=c: c[i]) for c in zeros]
+
+
+def prefill_sequence(model: Model, prompt_ids: list[int]) -> list[jax.Array]:
+    """One sequence's kernel cache arrays (batch 1: [devices, layers, 1, ...]) holding
+    `prompt_ids` at positions 0..len - 1, through the XLA prefill (zeros when there are
+    none); mkgen.runtime.slots.insert_sequence puts them in a slot of the decode caches.
+    The server's engine prefills every admitted prompt through this one function."""
+    from mkgen.codegen.prefill import prefill as xla_prefill
+
+    if not prompt_ids:
+        return empty_caches(model, 1)
+    return xla_prefill(
+        model.spec, model.layout, model.mesh, model.kernel.AXIS, model.placed,
+        model.weights.embedding, np.asarray([prompt_ids], np.int32),
+    )  # fmt: skip
 
 
 def snapshot_keeper(model: Model) -> Callable[..., list[jax.Array]] | None:
@@ -111,25 +151,58 @@ def snapshot_keeper(model: Model) -> Callable[..., list[jax.Array]] | None:
     return jax.jit(keep, donate_argnums=0)
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-sequence sampling inputs of a device call, each [BATCH]: temperature (0:
+    greedy, the kernel's own argmax), top_k (0: all), top_p in (0, 1], seed."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seed: jax.Array
+
+    @classmethod
+    def create(
+        cls, temperature: list[float], top_k: list[int], top_p: list[float], seed: list[int]
+    ) -> SamplingParams:
+        return cls(
+            jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
+            jnp.asarray(top_p, jnp.float32), jnp.asarray(seed, jnp.uint32),
+        )  # fmt: skip
+
+
+jax.tree_util.register_dataclass(
+    SamplingParams, data_fields=["temperature", "top_k", "top_p", "seed"], meta_fields=[]
+)
+
+
 def chunk_decoder(model: Model, step_fn: Callable[..., Any], steps_per_call: int) -> Any:
-    """A jitted greedy loop of up to `steps_per_call` kernel steps in one device call
-    (ROWS 1): (feed [BATCH] tokens, positions, budget [BATCH] steps each sequence may
-    still take, count, the embedding on the devices (embedding_on_devices), placed
+    """A jitted loop of up to `steps_per_call` kernel steps in one device call (ROWS 1):
+    (feed [BATCH] tokens, positions, budget [BATCH] steps each sequence may still take,
+    count, SamplingParams, the embedding on the devices (embedding_on_devices), placed
     weights, caches) -> (tokens [steps_per_call, BATCH], caches). Step i feeds each
     sequence's token from step i - 1, embedded on the device, at the next position; a
-    sequence whose budget is spent repeats its last step in place."""
+    sequence whose budget is spent repeats its last step in place. A sequence with a
+    temperature samples its token on the device (sample_on_device), the others keep the
+    kernel's greedy one, so the host is visited once per call either way."""
     layout = model.layout
     tables = jnp.asarray(model.kernel.LAYER_TABLES, jnp.int32)
+    vocab_used = model.build.vocab_used
 
-    def run(feed, positions, budget, count, embedding, placed, caches):
+    def run(feed, positions, budget, count, sampling, embedding, placed, caches):
         def step(i, carry):
             feed, positions, caches, out = carry
             x = jnp.zeros((layout.tokens_padded, layout.hidden), jnp.float32)
             x = x.at[: layout.tokens].set(embedding[feed].astype(jnp.float32))
-            tokens, _, *caches = step_fn(
+            greedy, logits, *caches = step_fn(
                 tables, positions, x, placed["final_norm"], placed["stream"],
                 placed["vectors"], *placed["experts"], *caches,
             )  # fmt: skip
+            sampled = sample_on_device(
+                logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed,
+                positions, vocab_used,
+            )  # fmt: skip
+            tokens = jnp.where(sampling.temperature > 0, sampled, greedy)
             active = i < budget
             feed = jnp.where(active, tokens, feed)
             return feed, positions + active, caches, out.at[i].set(tokens)
@@ -139,7 +212,7 @@ def chunk_decoder(model: Model, step_fn: Callable[..., Any], steps_per_call: int
         _, _, caches, out = jax.lax.fori_loop(0, count, step, carry)
         return out, caches
 
-    return jax.jit(run, donate_argnums=6)
+    return jax.jit(run, donate_argnums=7)
 
 
 def decode(
@@ -155,16 +228,21 @@ def decode(
     Each call feeds ROWS rows per sequence at its cache position: the tokens known next
     (prompt tokens not yet in the cache, or the last generated token), then drafts. The
     kernel's token after the last known row is generated, and so is its token after every
-    further row whose draft is accepted (accept). Greedy decoding without drafts runs up
-    to --steps-per-call steps per device call once every sequence generates
-    (chunk_decoder). `stream` (batch 1) gets the generated ids after every call."""
+    further row whose draft is accepted (accept). Decoding without drafts (greedy, or
+    sampled on the device) runs up to --steps-per-call steps per device call once every
+    sequence generates (chunk_decoder). `stream` (batch 1) gets the generated ids after
+    every call."""
     build, layout, kernel, placed = model.build, model.layout, model.kernel, model.placed
     batch, rows_per_call = build.batch, build.rows
     step_fn = kernel.make_decode_step(model.mesh)
     chunked = None
-    if rows_per_call == 1 and args.temperature == 0 and args.steps_per_call > 1:
+    if rows_per_call == 1 and args.steps_per_call > 1:
         chunked = chunk_decoder(model, step_fn, args.steps_per_call)
         embedding_placed = embedding_on_devices(build, model.weights.embedding, model.mesh, kernel)
+        sampling = SamplingParams.create(
+            [args.temperature] * batch, [args.top_k] * batch, [args.top_p] * batch,
+            [args.seed] * batch,
+        )  # fmt: skip
     keep_snapshots = snapshot_keeper(model)
     tables = jnp.asarray(kernel.LAYER_TABLES, jnp.int32)
     embedding = model.weights.embedding
@@ -208,7 +286,8 @@ def decode(
                 start = time.perf_counter()
                 out, caches = chunked(
                     jnp.asarray(feed, jnp.int32), jnp.asarray(positions, jnp.int32),
-                    jnp.asarray(budget, jnp.int32), count, embedding_placed, placed, caches,
+                    jnp.asarray(budget, jnp.int32), count, sampling, embedding_placed, placed,
+                    caches,
                 )  # fmt: skip
                 out = host_value(jax.block_until_ready(out))
                 seconds.append((time.perf_counter() - start) / count)

@@ -12,7 +12,7 @@ from mkgen.errors import MkgenError
 from mkgen.runtime import devices
 from mkgen.runtime.arguments import parse_args
 from mkgen.runtime.bench import bench_summary, describe
-from mkgen.runtime.build import Build, load_build
+from mkgen.runtime.build import Build
 from mkgen.runtime.speculation import load_drafter
 
 EXIT_USAGE = 2  # bad arguments or weights that do not fit the build (argparse's status)
@@ -58,18 +58,10 @@ def _generate(build: Build, args: Namespace) -> None:
     devices.start_distributed(args)
     import jax
 
-    from mkgen.runtime.decode import Model, decode, prefill
-    from mkgen.runtime.weights import ConvertedWeights, RandomWeights, place_weights
+    from mkgen.runtime.decode import decode, load_model, prefill
 
     start = time.perf_counter()
-    spec, layout, kernel = load_build(build)
-    mesh = devices.make_mesh(build, kernel, layout)
-    if args.weights is not None:
-        weights = ConvertedWeights(spec, layout, args.weights, build, not args.trust_weights)
-    else:
-        weights = RandomWeights(spec, layout, args.random_weights)
-    placed = place_weights(build, weights, mesh, kernel)
-    model = Model(build, spec, layout, kernel, mesh, weights, placed)
+    model = load_model(build, args.weights, args.random_weights, verify=not args.trust_weights)
     caches, held = prefill(model, args.prompts, args.prefill)
     ready = time.perf_counter()
     stream = None

@@ -1,9 +1,14 @@
-"""Sampling on the host from the kernel's logits: temperature, top-k, top-p."""
+"""Sampling from the kernel's logits: temperature, top-k, top-p, on the host (Sampler: the
+rejection rule of speculative decoding) or inside a jitted step (sample_on_device).
+
+Imports JAX: imported by decode.py after the device environment is set."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -32,3 +37,37 @@ class Sampler:
             p = np.where(keep, p, 0.0)
             p /= p.sum()
         return p
+
+
+def sample_on_device(
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    seed: jax.Array,
+    position: jax.Array,
+    vocab_used: int,
+) -> jax.Array:
+    """One token per row of `logits` [B, vocab] drawn inside a jitted step, each row with
+    its own temperature (> 0), top_k (0: all), top_p in (0, 1] and seed; the draw's key
+    is the seed folded with the row's cache `position`, so a sequence's tokens depend on
+    its seed and its own positions only, not on the batch it shares a call with. The same
+    rules as Sampler: top-k on the tempered logits, then the smallest set of likeliest
+    tokens whose mass reaches top_p (tokens tied with the last one kept are kept too).
+    Rows with temperature 0 get an arbitrary token: the caller keeps its greedy one."""
+
+    def one(row, temperature, top_k, top_p, seed, position):
+        z = row[:vocab_used] / jnp.where(temperature > 0, temperature, 1.0)
+        ordered = jnp.sort(z)[::-1]
+        kth = ordered[jnp.clip(top_k, 1, vocab_used) - 1]
+        z = jnp.where((top_k > 0) & (z < kth), -jnp.inf, z)
+        p = jax.nn.softmax(z)
+        ordered_p = jnp.sort(p)[::-1]
+        before = jnp.cumsum(ordered_p) - ordered_p  # mass of the likelier tokens
+        # The least probability kept: the last sorted token whose predecessors miss top_p.
+        least = jnp.min(jnp.where(before < top_p, ordered_p, jnp.inf))
+        z = jnp.where(p >= least, z, -jnp.inf)
+        key = jax.random.fold_in(jax.random.key(seed), position)
+        return jax.random.categorical(key, z).astype(jnp.int32)
+
+    return jax.vmap(one)(logits.astype(jnp.float32), temperature, top_k, top_p, seed, position)

@@ -1,0 +1,11 @@
+"""`mkgen serve`: a build's kernel behind an OpenAI-compatible HTTP API.
+
+    app.py      the HTTP layer (FastAPI): requests checked, responses and SSE streams
+    engine.py   the continuous-batching engine over the kernel's batch slots
+    chat.py     chat messages to a prompt with the checkpoint's chat template (jinja2)
+    metrics.py  Prometheus metrics
+    server.py   serve: load the model, start the engine, run uvicorn
+
+Only server.py's `serve` is imported by the CLI; it sets JAX's device environment before
+it imports the engine (which imports JAX).
+"""

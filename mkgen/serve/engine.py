@@ -1,0 +1,317 @@
+"""The continuous-batching engine: one thread owns the model and the kernel's BATCH cache
+slots; requests join free slots between device calls and leave when done.
+
+Each loop turn: drop cancelled requests (their slots free at once), admit queued prompts
+into free slots (each prompt's tokens but the last prefilled in XLA through
+decode.prefill_sequence and written into its slot with slots.insert_sequence; while other
+sequences are running, only PREFILL_TOKENS_PER_TURN prompt tokens per turn, so they keep
+streaming), then one device call of up to STEPS_PER_CALL kernel steps for every running
+sequence (decode.chunk_decoder), each at its own position with its own sampling
+parameters, sampled on the device. Results go back to each request's `deliver` callback (called on
+the engine thread) at call boundaries only.
+
+Imports JAX: imported after the device environment is set.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from mkgen.runtime.decode import (
+    Model,
+    SamplingParams,
+    chunk_decoder,
+    empty_caches,
+    prefill_sequence,
+)
+from mkgen.runtime.devices import host_value
+from mkgen.runtime.slots import insert_sequence
+from mkgen.runtime.weights import embedding_on_devices
+from mkgen.serve.metrics import Metrics
+
+STEPS_PER_CALL = 8  # kernel steps per device call: the host round trip is paid once per call
+QUEUE_LIMIT = 64  # requests waiting beyond the free slots; more are answered 429
+# Prompt tokens prefilled between two device calls while sequences run: what a running
+# sequence waits for at most (beyond one prompt) before its next tokens.
+PREFILL_TOKENS_PER_TURN = 256
+RETRY_AFTER_S = 1  # what a 429 or 503 tells the client to wait
+
+log = logging.getLogger("mkgen.serve")
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """What a request asks of the decoding: at most max_tokens tokens; temperature 0 is
+    greedy (the kernel's argmax); top_k 0 keeps every token; stop ids end the sequence
+    (the stop id is counted but not returned)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class Update:
+    """What one device call gave a request: its new tokens, and why it ended (None while
+    it runs; "stop": a stop id, "length": max_tokens, "abort": the server stopped,
+    "error": the device call failed)."""
+
+    tokens: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt waiting for or holding a slot. `deliver` is called on the engine thread
+    after every device call that gave it tokens, and once with a finish_reason."""
+
+    prompt: list[int]
+    params: GenerationParams
+    deliver: Callable[[Update], None]
+    arrival: float = field(default_factory=time.perf_counter)
+    generated: int = 0  # tokens the kernel produced for it, a stop id included
+    cancelled: bool = False
+
+
+@dataclass(eq=False)
+class _Running:
+    """A request in a slot: the tokens in its cache, the token to feed next."""
+
+    request: Request
+    position: int
+    feed: int
+    first_token_at: float | None = None
+
+
+class QueueFull(Exception):
+    """Every slot is taken and QUEUE_LIMIT requests wait: try again later (HTTP 429)."""
+
+
+class EngineStopped(Exception):
+    """The engine is stopping (SIGTERM) and takes no new requests (HTTP 503)."""
+
+
+class Engine:
+    """The long-lived decoding engine over `model` (a build with rows 1)."""
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        interpret: bool,
+        metrics: Metrics,
+        steps_per_call: int = STEPS_PER_CALL,
+        queue_limit: int = QUEUE_LIMIT,
+    ) -> None:
+        build = model.build
+        assert build.rows == 1, "serve.server refuses builds with drafts"
+        self.model, self.metrics, self.interpret = model, metrics, interpret
+        self.steps_per_call, self.queue_limit = steps_per_call, queue_limit
+        step_fn = model.kernel.make_decode_step(model.mesh)
+        self._decoder = chunk_decoder(model, step_fn, steps_per_call)
+        self._embedding = embedding_on_devices(
+            build, model.weights.embedding, model.mesh, model.kernel
+        )
+        self._caches = empty_caches(model, build.batch)
+        self._slots: list[_Running | None] = [None] * build.batch
+        self._queue: collections.deque[Request] = collections.deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="mkgen-engine", daemon=True)
+        metrics.slots.set(build.batch)
+
+    # ------------------------------------------------------------ the HTTP side
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: Request) -> None:
+        """Queue `request`; QueueFull when queue_limit requests already wait beyond the
+        free slots, EngineStopped once stop() was called."""
+        with self._wake:
+            if self._stopping:
+                raise EngineStopped
+            free = sum(running is None for running in self._slots)
+            if len(self._queue) >= self.queue_limit + free:
+                raise QueueFull
+            self._queue.append(request)
+            self.metrics.queue_depth.set(len(self._queue))
+            self._wake.notify()
+
+    def cancel(self, request: Request) -> None:
+        """Give up `request` (its client left, or a stop string ended it): its slot is
+        free before the next device call; it gets no more updates."""
+        with self._wake:
+            request.cancelled = True
+            self._wake.notify()
+
+    def stop(self) -> None:
+        """Cancel whatever is still queued or running (each gets an "abort" update) and
+        end the engine thread; new requests get EngineStopped. The server calls it after
+        uvicorn's graceful shutdown has let in-flight requests finish."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    # ------------------------------------------------------------ the engine thread
+
+    def _loop(self) -> None:
+        mode = (
+            pltpu.force_tpu_interpret_mode(pltpu.InterpretParams())
+            if self.interpret
+            else contextlib.nullcontext()
+        )
+        with mode:
+            while self._next_turn():
+                try:
+                    self._admit()
+                    if any(self._slots):
+                        self._decode_call()
+                except Exception:  # a failed call must not take the server down
+                    log.exception("device call failed; its requests end with an error")
+                    self._end_all("error")
+                    # The failed call may have consumed the donated caches: start afresh.
+                    self._caches = empty_caches(self.model, len(self._slots))
+        self._end_all("abort")
+
+    def _next_turn(self) -> bool:
+        """Wait for work; drop cancelled requests. False once the engine is stopping."""
+        with self._wake:
+            while not self._stopping and not self._queue and not any(self._slots):
+                self._wake.wait()
+            if self._stopping:
+                return False
+            self._queue = collections.deque(r for r in self._queue if not r.cancelled)
+            for slot, running in enumerate(self._slots):
+                if running is not None and running.request.cancelled:
+                    self._finish(slot, None)
+            self.metrics.queue_depth.set(len(self._queue))
+            return True
+
+    def _admit(self) -> None:
+        """Prefill queued prompts into free slots: as many as fit while nothing runs,
+        else up to PREFILL_TOKENS_PER_TURN prompt tokens (at least one prompt) between
+        two device calls, so that running sequences keep streaming."""
+        busy = any(self._slots)
+        prefilled = 0
+        for slot in range(len(self._slots)):
+            if self._slots[slot] is not None:
+                continue
+            with self._wake:
+                if not self._queue:
+                    return
+                request = self._queue.popleft()
+                self.metrics.queue_depth.set(len(self._queue))
+            prompt = request.prompt
+            self._caches = insert_sequence(
+                self._caches, slot, prefill_sequence(self.model, prompt[:-1])
+            )
+            self._slots[slot] = _Running(request, position=len(prompt) - 1, feed=prompt[-1])
+            self.metrics.prompt_tokens.inc(len(prompt))
+            self.metrics.slots_in_use.set(sum(s is not None for s in self._slots))
+            prefilled += len(prompt)
+            if busy and prefilled >= PREFILL_TOKENS_PER_TURN:
+                return
+
+    def _decode_call(self) -> None:
+        """One device call for every running sequence; each gets its tokens."""
+        batch = len(self._slots)
+        budget, feed, positions = [0] * batch, [0] * batch, [0] * batch
+        temperature, top_k, top_p, seed = [0.0] * batch, [0] * batch, [1.0] * batch, [0] * batch
+        for b, running in enumerate(self._slots):
+            if running is None:
+                continue  # a free slot: budget 0, it repeats its step in place
+            params = running.request.params
+            budget[b] = params.max_tokens - running.request.generated
+            feed[b], positions[b] = running.feed, running.position
+            temperature[b], top_k[b], top_p[b] = params.temperature, params.top_k, params.top_p
+            seed[b] = params.seed
+        count = min(self.steps_per_call, max(budget))
+        start = time.perf_counter()
+        out, self._caches = self._decoder(
+            jnp.asarray(feed, jnp.int32), jnp.asarray(positions, jnp.int32),
+            jnp.asarray(budget, jnp.int32), count,
+            SamplingParams.create(temperature, top_k, top_p, seed), self._embedding,
+            self.model.placed, self._caches,
+        )  # fmt: skip
+        out = host_value(jax.block_until_ready(out))
+        done = time.perf_counter()
+        for b, running in enumerate(self._slots):
+            if running is None:
+                continue
+            steps = min(count, budget[b])
+            tokens = [int(t) for t in out[:steps, b]]
+            self._advance(b, running, tokens, (done - start) / count, done)
+
+    def _advance(
+        self, slot: int, running: _Running, tokens: list[int], step_s: float, now: float
+    ) -> None:
+        """Slot `slot`'s sequence gained `tokens` (one per kernel step of `step_s`)."""
+        request = running.request
+        stops = [i for i, t in enumerate(tokens) if t in request.params.stop_ids]
+        if stops:
+            tokens = tokens[: stops[0] + 1]
+        request.generated += len(tokens)
+        running.position += len(tokens)
+        running.feed = tokens[-1]
+        self.metrics.generation_tokens.inc(len(tokens))
+        self.metrics.accepted_length.observe(1)  # one token per step: no drafts (rows 1)
+        if running.first_token_at is None:
+            running.first_token_at = now
+            self.metrics.time_to_first_token.observe(now - request.arrival)
+            later = len(tokens) - 1
+        else:
+            later = len(tokens)
+        for _ in range(later):
+            self.metrics.inter_token_latency.observe(step_s)
+        shown = tokens[: stops[0]] if stops else tokens
+        if stops:
+            self._finish(slot, Update(shown, "stop"))
+        elif request.generated >= request.params.max_tokens:
+            self._finish(slot, Update(shown, "length"))
+        else:
+            request.deliver(Update(shown))
+
+    def _finish(self, slot: int, last: Update | None) -> None:
+        """Free `slot`; its request gets `last` (None: it was cancelled, nobody listens)."""
+        running = self._slots[slot]
+        assert running is not None
+        self._slots[slot] = None
+        self.metrics.slots_in_use.set(sum(s is not None for s in self._slots))
+        if last is not None:
+            self.metrics.requests.labels(last.finish_reason).inc()
+            running.request.deliver(last)
+        else:
+            self.metrics.requests.labels("cancelled").inc()
+
+    def _end_all(self, reason: str) -> None:
+        """End every running and queued request with `reason`."""
+        for slot, running in enumerate(self._slots):
+            if running is not None:
+                self._finish(slot, None if running.request.cancelled else Update([], reason))
+        with self._wake:
+            waiting, self._queue = list(self._queue), collections.deque()
+            self.metrics.queue_depth.set(0)
+        for request in waiting:
+            if not request.cancelled:
+                self.metrics.requests.labels(reason).inc()
+                request.deliver(Update([], reason))

@@ -1,0 +1,90 @@
+"""serve: the model loaded once, its engine and the HTTP API run by uvicorn until SIGINT or
+SIGTERM (uvicorn stops taking connections and lets in-flight requests finish for up to
+GRACEFUL_SHUTDOWN_S, then the engine cancels what is left)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+from mkgen.errors import MkgenError
+from mkgen.runtime import devices
+from mkgen.runtime.arguments import load_tokenizer
+from mkgen.runtime.build import Build
+
+GRACEFUL_SHUTDOWN_S = 30  # how long SIGTERM waits for in-flight requests
+
+
+def serve(
+    build: Build,
+    *,
+    weights: Path | None,
+    random_weights: int | None,
+    host: str,
+    port: int,
+    interpret: bool,
+    steps_per_call: int,
+    queue_limit: int,
+    trust_weights: bool = False,
+) -> None:
+    """Serve `build` on http://HOST:PORT/v1 until stopped. Bad inputs (a port taken,
+    weights that do not fit, too few devices, a broken tokenizer_config.json) are
+    MkgenErrors before any request is taken."""
+    if build.rows != 1:
+        raise MkgenError(
+            f"{build.name} verifies {build.rows - 1} drafts per call (rows {build.rows}); "
+            "mkgen serve decodes without drafts: build it with --rows 1"
+        )
+    from mkgen.codegen.convert import TOKENIZER_CONFIG_FILE
+    from mkgen.serve.chat import load_tokenizer_config
+
+    tokenizer = load_tokenizer(None, str(weights) if weights is not None else None)
+    chat, eos = load_tokenizer_config(weights / TOKENIZER_CONFIG_FILE) if weights else (None, None)
+    eos_id = tokenizer.token_to_id(eos) if tokenizer is not None and eos else None
+    listening = _bind(host, port)
+    port = listening.getsockname()[1]  # the one the system chose for --port 0
+    devices.configure(build, interpret)
+    import uvicorn
+
+    from mkgen.runtime.decode import load_model
+    from mkgen.serve.app import ServedModel, create_app
+    from mkgen.serve.engine import Engine
+    from mkgen.serve.metrics import Metrics
+
+    model = load_model(build, weights, random_weights, verify=not trust_weights)
+    engine = Engine(
+        model, interpret=interpret, metrics=Metrics(), steps_per_call=steps_per_call,
+        queue_limit=queue_limit,
+    )  # fmt: skip
+    served = ServedModel(
+        name=build.name, context=build.context, vocab_used=build.vocab_used,
+        tokenizer=tokenizer, chat=chat,
+        eos_ids=frozenset() if eos_id is None else frozenset({eos_id}),
+    )  # fmt: skip
+    print(
+        f"serving {build.name} at http://{host}:{port}/v1 (batch {build.batch}, context "
+        f"{build.context}{', TPU interpret mode' if interpret else ''})",
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
+    config = uvicorn.Config(
+        create_app(engine, served), log_level="warning",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )  # fmt: skip
+    uvicorn.Server(config).run(sockets=[listening])
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before uvicorn starts so that a taken port is a
+    one-line error (and --port 0 gets a free port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listening = socket.socket(family, socket.SOCK_STREAM)
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listening.bind((host, port))
+    except OSError as error:
+        listening.close()
+        raise MkgenError(
+            f"--host {host} --port {port}: cannot listen there ({error.strerror})"
+        ) from None
+    return listening

@@ -1,0 +1,387 @@
+"""`mkgen serve` on loopback, talked to with the official `openai` client.
+
+One server per module (a subprocess, `mkgen serve --interpret --port 0`) over the qwen3
+transformers fixture re-published as the hub does, with the word-level tokenizer of
+tests/test_runner.py and the hand-written chat template of tests/fixtures/chat, built for
+tpu7x:1x1x1 at batch 4 and converted with `mkgen convert --build`. Greedy tokens are held
+to transformers' own (the fixture's) and to the plain-JAX reference model's; requests run
+concurrently in the kernel's batch slots; bad requests are 400s that leave the server
+serving; a client that leaves mid-stream frees its slot; SIGTERM lets a running stream
+finish. The engine's pieces without a server (slots, text assembly) are checked last.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from cli_run import assert_user_error, mkgen
+from test_convert import FIXTURES, write_sharded
+from test_runner import PROMPT, _build, _convert, _with_tokenizer, _words
+
+CHAT = Path(__file__).parent / "fixtures" / "chat"
+BATCH = 4  # the build's slots
+EOS = 2  # tokenizer_config.json's eos_token t2: every request stops at it
+NAME = "config-1x1x1"  # the served model: the build's name
+STARTUP_S = 240  # convert, load and place the weights, first compiles: bounded
+
+
+@dataclass
+class Server:
+    """A running `mkgen serve` and what it serves."""
+
+    process: subprocess.Popen
+    url: str
+    checkpoint: Path
+    stderr: list[str] = field(default_factory=list)
+
+    @property
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="any", max_retries=0, timeout=300)
+
+    def metric(self, name: str) -> float:
+        """A metric's value from GET /metrics (0 when it has none yet)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+        return float(found.group(1)) if found else 0.0
+
+
+def _start(build: Path, weights: Path, checkpoint: Path) -> Server:
+    command = [
+        sys.executable, "-m", "mkgen.cli", "serve", str(build), "--weights", str(weights),
+        "--interpret", "--port", "0", "--queue-limit", "0",
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )  # fmt: skip
+    server = Server(process, "", checkpoint)
+
+    def drain() -> None:  # JAX's warnings must not fill the pipe
+        assert process.stderr is not None
+        for line in process.stderr:
+            server.stderr.append(line)
+
+    threading.Thread(target=drain, daemon=True).start()
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline and process.poll() is None:
+        found = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", "".join(server.stderr))
+        if found:
+            server.url = found.group(1)
+            try:
+                if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
+                    return server
+            except httpx.TransportError:
+                pass
+        time.sleep(0.2)
+    process.kill()
+    raise AssertionError("the server did not start:\n" + "".join(server.stderr)[-3000:])
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """(build, weights, checkpoint): qwen3 at batch 4, converted with its tokenizer files."""
+    tmp = tmp_path_factory.mktemp("serve")
+    checkpoint = _with_tokenizer(write_sharded(FIXTURES / "qwen3", tmp / "ckpt"))
+    shutil.copy(CHAT / "tokenizer_config.json", checkpoint)
+    build = _build(tmp, "qwen3", batch=BATCH)
+    return build, _convert(checkpoint, build, tmp / "w"), checkpoint
+
+
+@pytest.fixture(scope="module")
+def servers(prepared: tuple[Path, Path, Path]) -> Iterator[list[Server]]:
+    started: list[Server] = []
+    yield started
+    for server in started:
+        if server.process.poll() is None:
+            server.process.kill()
+            server.process.wait(timeout=60)
+
+
+@pytest.fixture
+def server(prepared: tuple[Path, Path, Path], servers: list[Server]) -> Server:
+    """The module's server; started again if a test (SIGTERM) stopped it."""
+    if not servers or servers[-1].process.poll() is not None:
+        servers.append(_start(*prepared))
+    return servers[-1]
+
+
+@functools.cache
+def _checkpoint(checkpoint: Path) -> tuple:
+    from mkgen.reference.hf_weights import load_hf_checkpoint
+
+    return load_hf_checkpoint(checkpoint)
+
+
+def _reference(checkpoint: Path, prompt: list[int], steps: int) -> list[int]:
+    """The plain-JAX reference's greedy tokens on the checkpoint, cut after EOS as the
+    server stops there (the EOS itself is not returned)."""
+    from mkgen.reference import model as reference
+
+    spec, inventory = _checkpoint(checkpoint)
+    ids = reference.generate(spec, inventory, np.array(prompt), steps).tolist()
+    return ids[: ids.index(EOS)] if EOS in ids else ids
+
+
+def _stream_text(stream: openai.Stream) -> tuple[str, list[int], str | None]:
+    """The text, token ids and finish reason of a streamed completion or chat completion."""
+    text, ids, finish = "", [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta.content if hasattr(choice, "delta") else choice.text
+            text += delta or ""
+            ids += choice.model_extra.get("token_ids") or []
+            finish = choice.finish_reason or finish
+    return text, ids, finish
+
+
+def test_completions_from_ids_and_text_are_transformers_greedy_tokens(server: Server) -> None:
+    """The fixture's prompt as ids, as text, and streamed, sent at once (one batch): each
+    gives transformers' greedy tokens; the streamed text is the non-streamed text."""
+    client, name = server.client, NAME
+    expected = np.load(FIXTURES / "qwen3" / "expected.npz")["greedy_ids"].tolist()
+    asks = {"model": name, "max_tokens": 8, "temperature": 0}
+    with ThreadPoolExecutor(3) as pool:
+        from_ids = pool.submit(client.completions.create, prompt=PROMPT, **asks)
+        from_text = pool.submit(client.completions.create, prompt=_words(PROMPT), **asks)
+        streamed = pool.submit(
+            lambda: _stream_text(
+                client.completions.create(
+                    prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **asks
+                )
+            )
+        )
+    for result in (from_ids.result(), from_text.result()):
+        choice = result.choices[0]
+        assert choice.model_extra["token_ids"] == expected
+        assert choice.text == _words(expected)
+        assert choice.finish_reason == "length"
+        assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (12, 8)
+    assert streamed.result() == (_words(expected), expected, "length")
+
+
+def test_chat_completions_render_the_checkpoint_chat_template(server: Server) -> None:
+    """A chat through tokenizer_config.json's template (bos, roles, the generation prompt;
+    tokenized without adding special tokens): the reference's greedy tokens for exactly
+    those ids, streamed and not."""
+    client = server.client
+    messages = [{"role": "user", "content": "t3 t17 t42 t99 t5"}]
+    # t1 bos, t4 t5 t9 t2 the default system turn, t4 t6 ... t2 the user's, t4 t7 the reply's
+    rendered = [1, 4, 5, 9, 2, 4, 6, 3, 17, 42, 99, 5, 2, 4, 7]
+    expected = _reference(server.checkpoint, rendered, 6)
+    asks = {"model": NAME, "messages": messages, "max_tokens": 6, "temperature": 0}
+    with ThreadPoolExecutor(2) as pool:
+        whole = pool.submit(client.chat.completions.create, **asks)
+        streamed = pool.submit(lambda: _stream_text(client.chat.completions.create(
+            stream=True, **asks)))  # fmt: skip
+    result = whole.result()
+    assert result.usage.prompt_tokens == len(rendered)
+    assert result.choices[0].model_extra["token_ids"] == expected
+    assert result.choices[0].message.content == _words(expected)
+    assert result.choices[0].message.role == "assistant"
+    assert streamed.result()[:2] == (_words(expected), expected)
+
+
+def test_concurrent_requests_each_get_their_own_tokens(server: Server) -> None:
+    """Four prompts of different lengths and lengths to generate fill the four slots at
+    once; each gets the reference's greedy tokens for its own prompt, and a seeded sampled
+    request gets the same tokens in a full batch as alone (the draw depends on the seed
+    and the sequence's positions only). A fifth request meanwhile finds every slot taken
+    (--queue-limit 0): 429 with Retry-After; the server keeps serving."""
+    client, name = server.client, NAME
+    prompts = [PROMPT[:5], PROMPT[3:12], [7, 8, 9]]
+    steps = [8, 5, 7]
+    sampled_asks = {"model": name, "prompt": PROMPT, "max_tokens": 6, "temperature": 0.9,
+                    "top_p": 0.95, "seed": 7, "extra_body": {"top_k": 20}}  # fmt: skip
+    with ThreadPoolExecutor(4) as pool:
+        greedy = [
+            pool.submit(client.completions.create, model=name, prompt=p, max_tokens=n,
+                        temperature=0)
+            for p, n in zip(prompts, steps, strict=True)
+        ]  # fmt: skip
+        in_batch = pool.submit(client.completions.create, **sampled_asks)
+        deadline = time.monotonic() + 60
+        while server.metric("mkgen_slots_in_use") + server.metric("mkgen_queue_depth") < 4:
+            assert time.monotonic() < deadline, "the four requests never held the slots"
+            time.sleep(0.05)
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.completions.create(model=name, prompt=PROMPT, max_tokens=1)
+        assert refused.value.response.headers["retry-after"] == "1"
+        assert refused.value.body["type"] == "rate_limit_error"
+    for future, prompt, n in zip(greedy, prompts, steps, strict=True):
+        assert future.result().choices[0].model_extra["token_ids"] == _reference(
+            server.checkpoint, prompt, n
+        )
+    alone = client.completions.create(**sampled_asks).choices[0].model_extra["token_ids"]
+    assert in_batch.result().choices[0].model_extra["token_ids"] == alone
+    assert len(alone) == 6 and all(0 <= t < 128 for t in alone)
+
+
+BAD_REQUESTS = [
+    # (endpoint, raw body, the param named, a fragment of the message)
+    ("completions", b"{not json", None, "not valid JSON"),
+    ("completions", b"[1, 2]", None, "a JSON object"),
+    ("completions", {"model": "gpt-4", "prompt": [1]}, "model", "serves 'config-1x1x1'"),
+    ("completions", {"prompt": [1]}, "model", "Field required"),
+    ("completions", {"model": NAME, "prompt": [1] * 64}, "prompt", "context of 64"),
+    ("completions", {"model": NAME, "prompt": [1] * 60, "max_tokens": 5}, "max_tokens", "at most 4"),
+    ("completions", {"model": NAME, "prompt": [1], "max_tokens": 0}, "max_tokens", "at least 1"),
+    ("completions", {"model": NAME, "prompt": [1], "max_tokens": -3}, "max_tokens", "at least 1"),
+    ("completions", {"model": NAME, "prompt": [1], "temperature": -0.5}, "temperature", ">= 0"),
+    ("completions", b'{"model": "config-1x1x1", "prompt": [1], "temperature": NaN}', "temperature", "nan"),
+    ("completions", {"model": NAME, "prompt": [1], "top_p": 0}, "top_p", "(0, 1]"),
+    ("completions", {"model": NAME, "prompt": [1], "top_p": 1.5}, "top_p", "(0, 1]"),
+    ("completions", b'{"model": "config-1x1x1", "prompt": [1], "top_p": NaN}', "top_p", "(0, 1]"),
+    ("completions", {"model": NAME, "prompt": [1, 128]}, "prompt", "token id 128"),
+    ("completions", {"model": NAME, "prompt": [-1]}, "prompt", "token id -1"),
+    ("completions", {"model": NAME, "prompt": [1], "stop": [5, 999]}, "stop", "token id 999"),
+    ("completions", {"model": NAME, "prompt": []}, "prompt", "empty"),
+    ("completions", {"model": NAME, "prompt": [1], "seed": -1}, "seed", "[0, 2^32)"),
+    ("completions", {"model": NAME, "prompt": [1], "n": 2}, "n", "only 1"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "tool", "content": "t1"}]},
+     "messages", "roles are system, user and assistant, got tool"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user"}]}, "messages", "content"),
+]  # fmt: skip
+
+
+def test_bad_requests_are_400s_with_an_openai_error_and_the_server_keeps_serving(
+    server: Server,
+) -> None:
+    for endpoint, body, param, fragment in BAD_REQUESTS:
+        if isinstance(body, dict):
+            body = json.dumps(body).encode()
+        response = httpx.post(
+            f"{server.url}/v1/{endpoint}", content=body, timeout=30,
+            headers={"content-type": "application/json"},
+        )  # fmt: skip
+        assert response.status_code == 400, (body, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param, error
+        assert fragment in error["message"], (body, error)
+    with pytest.raises(openai.BadRequestError, match="top_p: must be in"):
+        server.client.completions.create(model=NAME, prompt=[1], top_p=2)
+    assert httpx.get(f"{server.url}/health", timeout=30).json() == {"status": "ok"}
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot(server: Server) -> None:
+    cancelled = 'mkgen_requests_total{finish_reason="cancelled"}'
+    before = server.metric(cancelled)
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 40, "stream": True,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as stream:
+        first = next(line for line in stream.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["token_ids"]
+    deadline = time.monotonic() + 120
+    while server.metric(cancelled) == before or server.metric("mkgen_slots_in_use"):
+        assert time.monotonic() < deadline, httpx.get(f"{server.url}/metrics").text
+        time.sleep(0.1)
+    assert server.metric("mkgen_generation_tokens_total") < 100  # not all 40 of it
+
+
+def test_models_health_and_metrics(server: Server) -> None:
+    client = server.client
+    assert [m.id for m in client.models.list()] == [NAME]
+    client.completions.create(model=NAME, prompt=[5, 6], max_tokens=3)
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    for name in ("mkgen_time_to_first_token_seconds_count", "mkgen_generation_tokens_total",
+                 "mkgen_inter_token_latency_seconds_count", "mkgen_accepted_length_count",
+                 "mkgen_prompt_tokens_total"):  # fmt: skip
+        assert server.metric(name) > 0, name
+    assert server.metric("mkgen_slots") == BATCH
+    assert "mkgen_queue_depth 0.0" in text and "mkgen_slots_in_use 0.0" in text
+
+
+def test_sigterm_lets_a_running_stream_finish_then_exits(server: Server) -> None:
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 12, "stream": True,
+            "temperature": 0}  # fmt: skip
+    events = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as stream:
+        for line in stream.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 1:
+                server.process.send_signal(signal.SIGTERM)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    expected = np.load(FIXTURES / "qwen3" / "expected.npz")["greedy_ids"].tolist()
+    assert [t for c in chunks for t in c["token_ids"]][:8] == expected
+    assert chunks[-1]["finish_reason"] == "length"
+    # uvicorn ends by raising the signal again once it has shut down gracefully.
+    assert server.process.wait(timeout=60) == -signal.SIGTERM
+    assert "Traceback" not in "".join(server.stderr)
+
+
+def test_serve_refuses_what_it_cannot_serve_in_one_line(
+    prepared: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    build, weights, _ = prepared
+    assert_user_error(mkgen("serve", str(build)), "give --weights WEIGHTS", "--random-weights")
+    missing = mkgen("serve", str(tmp_path / "nothing"), "--random-weights", "0")
+    assert_user_error(missing, "nothing: no runner.py there")
+    drafting = _build(tmp_path, "qwen3", rows=2)
+    refused = mkgen("serve", str(drafting), "--random-weights", "0", "--interpret")
+    assert_user_error(refused, "rows 2", "build it with --rows 1")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        busy = mkgen("serve", str(build), "--weights", str(weights), "--port", port)
+        assert_user_error(busy, f"--port {port}: cannot listen there")
+
+
+# ---------------------------------------------------------------- no server
+
+
+def test_a_sequence_goes_into_its_slot_and_comes_back_out() -> None:
+    import jax.numpy as jnp
+
+    from mkgen.runtime.slots import extract_sequence, insert_sequence
+
+    caches = [jnp.zeros((2, 3, 4, 5), jnp.bfloat16), jnp.ones((2, 3, 4, 2, 6), jnp.float32)]
+    sequence = [jnp.full((2, 3, 1, 5), 7, jnp.float32), jnp.full((2, 3, 1, 2, 6), 9.0)]
+    caches = insert_sequence(caches, 2, sequence)
+    back = extract_sequence(caches, 2)
+    assert [b.dtype for b in back] == [jnp.bfloat16, jnp.float32]
+    for b, s in zip(back, sequence, strict=True):
+        np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(s, np.float32))
+    np.testing.assert_array_equal(np.asarray(caches[0][:, :, [0, 1, 3]], np.float32), 0)
+    np.testing.assert_array_equal(np.asarray(caches[1][:, :, [0, 1, 3]]), 1)
+
+
+def test_text_is_released_without_stop_strings_or_unfinished_characters() -> None:
+    from tokenizers import Tokenizer, decoders, models
+
+    from mkgen.serve.app import TextAssembler
+
+    vocab = {"a": 0, "b": 1, "<0xC3>": 2, "<0xA9>": 3, "S": 4, "T": 5}
+    tokenizer = Tokenizer(models.BPE(vocab, [], byte_fallback=True))
+    tokenizer.decoder = decoders.ByteFallback()
+    text = TextAssembler(tokenizer, ["ST"])
+    assert text.add([0, 2]) == "a"  # é is half decoded
+    assert text.add([3, 1]) == "éb"
+    assert text.add([4]) == ""  # maybe the stop string's start
+    assert text.add([0]) == "Sa"  # it was not
+    assert not text.stopped
+    assert text.add([4, 5, 0]) == "" and text.stopped
+    assert text.released == "aébSa"
+    held = TextAssembler(tokenizer, ["ST"])
+    assert held.add([1, 4]) == "b" and held.add([], final=True) == "S"
+    assert held.ids == [1, 4]
