@@ -4,7 +4,8 @@ Unpacking what the packer wrote gives back every tensor the kernel stores (every
 attention and FFN kind, the stream's int8 / fp8 segments, int4 / mxfp4 / fp8 experts,
 MLA's transposed and de-interleaved views). The sharded prefill on 8 virtual devices
 leaves in the kernel's cache arrays exactly what the reference model's prefill caches
-hold, core by core, and a different prompt does not. The runner's generation through
+hold, core by core, and a different prompt does not; prompts go in power-of-two chunks,
+whose layer steps compile once per chunk size. The runner's generation through
 the XLA prefill and then the kernel is in tests/test_runner.py.
 """
 
@@ -128,15 +129,16 @@ CACHE_RTOL = 2e-2  # bf16 caches; the same f32 computation summed in another ord
 
 def _prefill_child(spec_refs: list[str]) -> dict:
     """Per spec: the largest relative difference between the sharded prefill's kernel
-    caches and the reference prefill's, cut per core; and the same against the caches of
-    the prompts reversed (must differ)."""
+    caches and the reference prefill's, cut per core; the same against the caches of the
+    prompts reversed (must differ); and the compilations of each layer step after
+    prompts of 9 and 3 tokens."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from mkgen.codegen import pack
-    from mkgen.codegen.prefill import kernel_cache_pieces, prefill
+    from mkgen.codegen.prefill import kernel_cache_pieces, prefill, prefill_steps
     from mkgen.reference import model as reference
 
     results = {}
@@ -154,7 +156,10 @@ def _prefill_child(spec_refs: list[str]) -> dict:
         placed = jax.tree.map(lambda a, to=sharded: jax.device_put(a, to), placed)
         tokens = np.array(PROMPTS, np.int32)
         caches = prefill(spec, layout, mesh, "cores", placed, weights["embedding"], tokens)
-        out = {}
+        # A prompt of 3 tokens (chunks 2 and 1) reuses the steps compiled for 9 (8 and 1).
+        prefill(spec, layout, mesh, "cores", placed, weights["embedding"], tokens[:, :3])
+        steps = prefill_steps(spec, layout, mesh, "cores").steps.values()
+        out = {"compiles": sorted({step._cache_size() for step in steps})}
         for label, prompt in (("same", tokens), ("reversed", tokens[:, ::-1])):
             _, ref = reference.prefill(spec, weights, prompt, CONTEXT, jnp.bfloat16)
             worst, arrays = 0.0, iter(caches)
@@ -188,7 +193,21 @@ def test_sharded_prefill_writes_the_reference_caches() -> None:
     for spec_ref in PREFILL_CASES:
         assert results[spec_ref]["same"] <= CACHE_RTOL, (spec_ref, results[spec_ref])
         assert results[spec_ref]["reversed"] > 10 * CACHE_RTOL, (spec_ref, results[spec_ref])
+        assert results[spec_ref]["compiles"] == [3], results[spec_ref]  # chunks of 8, 2 and 1
 
 
-if __name__ == "__main__":
-    print(json.dumps(_prefill_child(sys.argv[1:])))
+def test_prompts_go_in_power_of_two_chunks() -> None:
+    """Any prompt length is covered, in order and largest first, by chunks whose sizes
+    are distinct powers of two, so a context of 64 compiles at most 7 chunk sizes."""
+    from mkgen.codegen.prefill import prompt_chunks
+
+    assert prompt_chunks(11) == [(0, 8), (8, 2), (10, 1)]
+    sizes = set()
+    for length in range(1, 65):
+        chunks = prompt_chunks(length)
+        starts = np.cumsum([0] + [n for _, n in chunks])
+        assert [start for start, _ in chunks] == starts[:-1].tolist()
+        assert starts[-1] == length
+        assert [n for _, n in chunks] == sorted({n for _, n in chunks}, reverse=True)
+        sizes |= {n for _, n in chunks}
+    assert sizes == {1, 2, 4, 8, 16, 32, 64}

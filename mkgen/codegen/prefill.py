@@ -10,6 +10,11 @@ cores' shares. Each core then cuts its share of the
 reference caches the layer wrote into the kernel's cache layout (kernel_cache_pieces), so
 decoding continues in the megakernel at the position after the prompt.
 
+Prompt lengths are bucketed: a layer runs over the prompt in chunks of powers of two
+(prompt_chunks: 11 tokens go as 8, 2 and 1), each continuing the layer's reference
+cache, so a build compiles a layer step only for the powers of two up to its context,
+whatever the prompts' lengths.
+
 Memory: besides the weights already placed, a device holds the prompt's activations,
 one layer's tensors other than routed experts (f32), one expert's activations and the
 layer's reference cache. Compute for everything but the routed experts is replicated on
@@ -115,6 +120,19 @@ def _routed_on_this_core(ffn: MoELayout, experts: Mapping[str, jax.Array], axis:
     return routed
 
 
+def prompt_chunks(length: int) -> list[tuple[int, int]]:
+    """(start, size) of the pieces a prompt of `length` tokens is prefilled in: the powers
+    of two of its binary form, largest first. A prompt of any length compiles a layer
+    step only for chunk sizes among the powers of two up to the build's context (at most
+    log2(context) + 1 of them), never for its own length."""
+    chunks, start = [], 0
+    for bit in reversed(range(length.bit_length())):
+        if length >> bit & 1:
+            chunks.append((start, 1 << bit))
+            start += 1 << bit
+    return chunks
+
+
 def _layer_step(
     spec: ModelSpec,
     layout: KernelLayout,
@@ -123,17 +141,16 @@ def _layer_step(
     layer: int,
     shapes: Mapping[str, tuple[int, ...]],
 ):
-    """A jitted pass through one layer of `layer`'s kinds (layers of the same attention
-    and FFN kinds share it): (stream, vectors, the FFN kind's expert arrays, h [B, T,
-    hidden], the layer's first bank, its index, its FFN slot) -> (h after the layer, its
-    kernel cache pieces, each [devices, B, ...])."""
+    """A jitted pass of one prompt chunk through one layer of `layer`'s kinds (layers of
+    the same attention and FFN kinds share it, one compilation per chunk size): (stream,
+    vectors, the FFN kind's expert arrays, h [B, chunk, hidden], the layer's reference
+    cache, the chunk's first position, the layer's first bank, its index, its FFN slot) ->
+    (h after the layer, the cache holding the chunk too)."""
     start, end = layer_bank_range(layout, layer)
     banks = end - start
-    attention = layout.attention[layout.attention_table[layer]]
     ffn = layout.ffn[layout.ffn_table[layer]]
 
-    def body(stream, vectors, experts, h, first, index, slot):
-        rank = jax.lax.axis_index(axis)
+    def body(stream, vectors, experts, h, cache, position, first, index, slot):
         layer_banks = jax.lax.dynamic_slice_in_dim(stream[0], first, banks, axis=0)
         slab = vectors[0, index]
         own = [array[0, slot] for array in experts]
@@ -143,37 +160,38 @@ def _layer_step(
         w = unpack.assemble(layout, layer, gathered, shapes)
         zero_centered = layout.zero_centered
         x = rms_norm(h, w["attn_norm"], layout.norm_eps, zero_centered)
-        cache = reference.init_layer_cache(spec, layer, h.shape[0], layout.context, jnp.bfloat16)
         attn = reference.layer_weights(w, "attn.")
-        out, cache = reference.attention(spec, layer, attn, x, cache, jnp.int32(0))
+        out, cache = reference.attention(spec, layer, attn, x, cache, position)
         h = h + out
         x = rms_norm(h, w["ffn_norm"], layout.norm_eps, zero_centered)
         weights = reference.layer_weights(w, "ffn.")
         kwargs = {}
         if isinstance(ffn, MoELayout):
             kwargs["routed"] = _routed_on_this_core(ffn, routed, axis)
-        h = h + reference.ffn(spec, layer, weights, x, **kwargs)
-        mine = kernel_cache_pieces(spec, attention, cache, rank)
-        return h, {n: v[None] for n, v in mine.items()}
+        return h + reference.ffn(spec, layer, weights, x, **kwargs), cache
 
     replicated, sharded = P(), P(axis)
     n_experts = len(_expert_arrays(layout, layer))
     step = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(
-            sharded,
-            sharded,
-            (sharded,) * n_experts,
-            replicated,
-            replicated,
-            replicated,
-            replicated,
-        ),
-        out_specs=(replicated, sharded),
+        in_specs=(sharded, sharded, (sharded,) * n_experts, *(replicated,) * 6),
+        out_specs=(replicated, replicated),
         check_vma=False,
     )
-    return jax.jit(step)
+    return jax.jit(step, donate_argnums=4)  # not h: the attention residual keeps snapshots
+
+
+def _cache_cutter(spec: ModelSpec, layout: KernelLayout, mesh: Mesh, axis: str, layer: int):
+    """A jitted cut of layer `layer`'s reference cache (replicated) into its kernel cache
+    pieces, each [devices, B, ...] sharded on `axis`: every core keeps its own share."""
+    attention = layout.attention[layout.attention_table[layer]]
+
+    def body(cache):
+        mine = kernel_cache_pieces(spec, attention, cache, jax.lax.axis_index(axis))
+        return {n: v[None] for n, v in mine.items()}
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(axis), check_vma=False))
 
 
 def _expert_arrays(layout: KernelLayout, layer: int) -> list[int]:
@@ -181,6 +199,97 @@ def _expert_arrays(layout: KernelLayout, layer: int) -> list[int]:
     FFN kind's arrays; [] for a dense layer."""
     kind = layout.ffn_table[layer]
     return [i for i, (index, _) in enumerate(expert_arrays(layout)) if index == kind]
+
+
+class XlaPrefill:
+    """The XLA prefill of one build's layout on one mesh. Its layer steps compile once
+    per pair of kinds and chunk size (prompt_chunks) and are kept for later prompts:
+    prefill_steps hands out one per build and mesh."""
+
+    def __init__(self, spec: ModelSpec, layout: KernelLayout, mesh: Mesh, axis: str) -> None:
+        self.spec, self.layout, self.mesh, self.axis = spec, layout, mesh, axis
+        self.shapes = {w.name: w.shape for w in model_weights(spec)}
+        self.steps: dict[tuple[int, int], Callable[..., tuple[jax.Array, dict]]] = {}
+        self.cutters: dict[int, Callable[..., dict[str, jax.Array]]] = {}
+
+    def _step(self, layer: int) -> Callable[..., tuple[jax.Array, dict]]:
+        pair = (self.layout.attention_table[layer], self.layout.ffn_table[layer])
+        if pair not in self.steps:
+            shapes = reference.layer_weights(self.shapes, f"layers.{layer}.")
+            self.steps[pair] = _layer_step(
+                self.spec, self.layout, self.mesh, self.axis, layer, shapes
+            )
+            self.cutters[pair[0]] = _cache_cutter(
+                self.spec, self.layout, self.mesh, self.axis, layer
+            )
+        return self.steps[pair]
+
+    def __call__(
+        self,
+        placed: Mapping[str, object],
+        embedding: np.ndarray,
+        tokens: np.ndarray,
+        progress: Callable[[jax.Array], None] | None = None,
+    ) -> list[jax.Array]:
+        """prefill's caches of tokens [B, T] (prefill)."""
+        spec, layout = self.spec, self.layout
+        replicated = NamedSharding(self.mesh, P())
+        embedded = np.asarray(embedding, np.float32)[np.asarray(tokens)]
+        chunks = prompt_chunks(tokens.shape[1])
+        h = [jax.device_put(embedded[:, a : a + n], replicated) for a, n in chunks]
+        written: dict[tuple[int, str], list[jax.Array]] = {}
+        snapshots: list[list[jax.Array]] = [[] for _ in chunks]  # per chunk
+        residual = layout.attention_residual
+        batch = tokens.shape[0]
+        for layer in range(len(layout.attention_table)):
+            if residual and layer % residual.block_size == 0:
+                logits = placed["vectors"][0, layer, residual.logits_row]
+                h = [
+                    reference.mix_snapshots(spec, layer, piece, kept, logits)
+                    for piece, kept in zip(h, snapshots, strict=True)
+                ]
+            step = self._step(layer)
+            experts = tuple(placed["experts"][i] for i in _expert_arrays(layout, layer))
+            first = layer_bank_range(layout, layer)[0]
+            empty = jax.eval_shape(  # zeros made on the host: each process places the same
+                lambda layer=layer: reference.init_layer_cache(
+                    spec, layer, batch, layout.context, jnp.bfloat16
+                )
+            )
+            cache = jax.tree.map(
+                lambda a: jax.device_put(np.zeros(a.shape, a.dtype), replicated), empty
+            )
+            for c, (position, _) in enumerate(chunks):
+                h[c], cache = step(
+                    placed["stream"], placed["vectors"], experts, h[c], cache, jnp.int32(position),
+                    jnp.int32(first), jnp.int32(layer), jnp.int32(layout.ffn_slot[layer]),
+                )  # fmt: skip
+            kind = layout.attention_table[layer]
+            for name, value in self.cutters[kind](cache).items():
+                written.setdefault((kind, name), []).append(value)
+            if progress is not None:
+                progress(h[-1])
+        sharded = NamedSharding(self.mesh, P(self.axis))
+        caches = []
+        for kind in layout.attention:
+            for array in kind.caches:
+                stacked = jnp.stack(written[(kind.index, array.name)], axis=1)
+                caches.append(jax.device_put(stacked.astype(array.dtype), sharded))
+        return caches
+
+
+# prefill_steps' prefills by (id(spec), id(layout), mesh, axis); each entry keeps its spec
+# and layout alive, so their ids are not reused while it stands.
+_PREFILLS: dict[tuple[int, int, Mesh, str], tuple[ModelSpec, KernelLayout, XlaPrefill]] = {}
+
+
+def prefill_steps(spec: ModelSpec, layout: KernelLayout, mesh: Mesh, axis: str) -> XlaPrefill:
+    """The XlaPrefill of a build's (spec, layout) on `mesh`, made once: a server's prompts
+    reuse its compiled steps."""
+    key = (id(spec), id(layout), mesh, axis)
+    if key not in _PREFILLS:
+        _PREFILLS[key] = (spec, layout, XlaPrefill(spec, layout, mesh, axis))
+    return _PREFILLS[key][2]
 
 
 def prefill(
@@ -196,37 +305,8 @@ def prefill(
     """The kernel's cache arrays (in kernel.cache_shapes() order, [devices, ...] sharded on
     `axis`) holding tokens [B, T] at positions 0..T - 1. `placed` holds the build's
     stream, vectors and experts as the runner places them; `progress` gets each layer's
-    output as it is dispatched (the runner's progress bar waits for it)."""
-    shapes = {w.name: w.shape for w in model_weights(spec)}
-    replicated = NamedSharding(mesh, P())
-    h = jax.device_put(np.asarray(embedding, np.float32)[np.asarray(tokens)], replicated)
-    steps: dict[tuple[int, int], object] = {}
-    written: dict[tuple[int, str], list[jax.Array]] = {}
-    snapshots: list[jax.Array] = []
-    residual = layout.attention_residual
-    for layer in range(len(layout.attention_table)):
-        if residual and layer % residual.block_size == 0:
-            logits = placed["vectors"][0, layer, residual.logits_row]
-            h = reference.mix_snapshots(spec, layer, h, snapshots, logits)
-        pair = (layout.attention_table[layer], layout.ffn_table[layer])
-        if pair not in steps:
-            steps[pair] = _layer_step(
-                spec, layout, mesh, axis, layer, reference.layer_weights(shapes, f"layers.{layer}.")
-            )
-        experts = tuple(placed["experts"][i] for i in _expert_arrays(layout, layer))
-        first = layer_bank_range(layout, layer)[0]
-        h, pieces = steps[pair](
-            placed["stream"], placed["vectors"], experts, h, jnp.int32(first),
-            jnp.int32(layer), jnp.int32(layout.ffn_slot[layer]),
-        )  # fmt: skip
-        for name, value in pieces.items():
-            written.setdefault((pair[0], name), []).append(value)
-        if progress is not None:
-            progress(h)
-    sharded = NamedSharding(mesh, P(axis))
-    caches = []
-    for kind in layout.attention:
-        for array in kind.caches:
-            stacked = jnp.stack(written[(kind.index, array.name)], axis=1)
-            caches.append(jax.device_put(stacked.astype(array.dtype), sharded))
-    return caches
+    output as it is dispatched (the runner's progress bar waits for it).
+
+    Layer by layer, the prompt goes through in chunks (prompt_chunks), each continuing
+    the layer's reference cache, which is then cut into the kernel's layout."""
+    return prefill_steps(spec, layout, mesh, axis)(placed, embedding, tokens, progress)

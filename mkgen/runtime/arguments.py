@@ -125,6 +125,13 @@ def option_parser(build: Build, prog: str) -> OptionParser:
         "through the kernel, ROWS tokens per call",
     )
     parser.add_argument(
+        "--disaggregate",
+        action="store_true",
+        help=f"prefill on a mesh of its own: {build.devices} more devices (with --interpret, "
+        f"{2 * build.devices} virtual ones), holding their own copy of the weights; the caches "
+        "then move to the decoding devices",
+    )
+    parser.add_argument(
         "--steps",
         type=integer(1),
         default=build.default_steps,
@@ -285,10 +292,16 @@ def _check_drafting(args: argparse.Namespace, build: Build) -> None:
     args.steps_per_call = args.steps_per_call or STEPS_PER_CALL_DEFAULT
 
 
-def _check_companions(args: argparse.Namespace) -> None:
+def _check_companions(args: argparse.Namespace, build: Build) -> None:
     """Flags that mean something only beside another one."""
     if args.trust_weights and args.weights is None:
         raise MkgenError("--trust-weights: only with --weights (converted weights)")
+    if args.disaggregate and args.prefill != "xla":
+        raise MkgenError("--disaggregate: only with --prefill xla (the kernel prefills in place)")
+    if args.disaggregate and args.multi_host:
+        raise MkgenError(
+            "--disaggregate: not with --multi-host (a prefill mesh is tested in one process only)"
+        )
     if args.warmup is not None and not args.bench:
         raise MkgenError("--warmup: only with --bench")
     args.warmup = WARMUP_DEFAULT if args.warmup is None else args.warmup
@@ -297,6 +310,18 @@ def _check_companions(args: argparse.Namespace) -> None:
     for flag, value in given.items():
         if value is not None and not args.multi_host:
             raise MkgenError(f"{flag}: only with --multi-host")
+    if args.multi_host and args.interpret:
+        missing = [flag for flag, value in given.items() if value is None]
+        if missing:
+            raise MkgenError(
+                f"--multi-host --interpret: give {', '.join(missing)} (only a TPU pod tells "
+                "its processes their peers)"
+            )
+        if build.devices % args.num_processes:
+            raise MkgenError(
+                f"--num-processes: must divide the build's {build.devices} devices in "
+                f"interpret mode, got {args.num_processes}"
+            )
     if None not in (args.num_processes, args.process_id) and args.process_id >= args.num_processes:
         raise MkgenError(
             f"--process-id: must be below --num-processes ({args.num_processes}), "
@@ -309,7 +334,7 @@ def parse_args(build: Build, argv: list[str] | None, prog: str) -> argparse.Name
     (a set of ids) and the loaded `tokenizer` (or None)."""
     args = option_parser(build, prog).parse_args(argv)
     _check_drafting(args, build)
-    _check_companions(args)
+    _check_companions(args, build)
     args.tokenizer = load_tokenizer(args.tokenizer, args.weights)
     args.prompts = _prompts(args, build)
     args.stop = set(token_ids(args.stop_ids, "--stop-ids", build.vocab_used))

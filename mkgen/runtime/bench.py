@@ -28,11 +28,23 @@ def bench_summary(build: Build, seconds: list[float], warmup: int, acceptance: f
     }
 
 
+def prefill_summary(tokens: int, seconds: float) -> dict:
+    """The XLA prefill's tokens (every sequence's), its seconds (a prefill after the
+    one that compiled) and their rate."""
+    return {
+        "prefill_tokens": tokens,
+        "prefill_s": seconds,
+        "prefill_tokens_per_s": tokens / seconds if tokens else 0.0,
+    }
+
+
 def describe(bench: dict[str, Any]) -> str:
     """The summary as the line the runner prints without --json."""
     return (
         f"bench: {bench['ms_per_step']:.3f} ms/step (median of {bench['calls']} calls, "
         f"p10 {bench['ms_p10']:.3f}, p90 {bench['ms_p90']:.3f}); "
         f"{bench['tokens_per_s_per_user']:.1f} tokens/s per user, "
-        f"{bench['tokens_per_s']:.1f} tokens/s in all (batch {bench['batch']})"
+        f"{bench['tokens_per_s']:.1f} tokens/s in all (batch {bench['batch']}); prefill "
+        f"{bench['prefill_tokens']} tokens in {bench['prefill_s']:.2f} s "
+        f"({bench['prefill_tokens_per_s']:.1f} tokens/s)"
     )

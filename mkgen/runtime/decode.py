@@ -44,15 +44,21 @@ class Model:
 
 
 def load_model(
-    build: Build, weights: Path | None, random_weights: int | None, *, verify: bool = True
+    build: Build,
+    weights: Path | None,
+    random_weights: int | None,
+    *,
+    verify: bool = True,
+    meshes: int = 1,
 ) -> Model:
     """The build's kernel on its mesh with the converted `weights` (checked against
     layout.json's sha256 when `verify`), or the reference's random weights drawn with
-    seed `random_weights` when `weights` is None, placed on the devices."""
+    seed `random_weights` when `weights` is None, placed on the devices. Of `meshes`
+    meshes (a disaggregated prefill's and the decode's), the decode takes the first."""
     from mkgen.runtime.weights import ConvertedWeights, RandomWeights, place_weights
 
     spec, layout, kernel = load_build(build)
-    mesh = make_mesh(build, kernel, layout)
+    mesh = make_mesh(build, kernel, layout, meshes=meshes)
     if weights is not None:
         loaded: Any = ConvertedWeights(spec, layout, weights, build, verify)
     else:

@@ -11,12 +11,15 @@ from mkgen.errors import MkgenError
 from mkgen.runtime.build import Build
 
 
-def configure(build: Build, interpret: bool) -> None:
-    """Before JAX is imported: interpret mode runs on virtual CPU devices."""
+def configure(build: Build, interpret: bool, meshes: int = 1, processes: int = 1) -> None:
+    """Before JAX is imported: interpret mode runs on virtual CPU devices, the build's
+    devices for each of `meshes` meshes (a disaggregated prefill has its own), shared
+    evenly by the `processes` of a multi-host job."""
     if interpret:
         os.environ["JAX_PLATFORMS"] = "cpu"
         flags = os.environ.get("XLA_FLAGS", "")
-        count = f"--xla_force_host_platform_device_count={build.devices}"
+        per_process = build.devices * meshes // processes
+        count = f"--xla_force_host_platform_device_count={per_process}"
         os.environ["XLA_FLAGS"] = f"{flags} {count}".strip()
 
 
@@ -27,12 +30,35 @@ def start_distributed(args: Namespace) -> None:
         return
     import jax
 
+    if args.interpret:  # the processes' CPU devices reach each other through gloo
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
     given = {
         "coordinator_address": args.coordinator,
         "num_processes": args.num_processes,
         "process_id": args.process_id,
     }
     jax.distributed.initialize(**{k: v for k, v in given.items() if v is not None})
+
+
+def broadcast_prompts(prompts: list[list[int]]) -> list[list[int]]:
+    """Process 0's prompts in every process of a multi-host job (each process passes its
+    own, of the same count: what it read, or placeholders): process 0 reads a request,
+    the others receive it, so every process feeds its devices the same tokens."""
+    import jax
+    import numpy as np
+
+    if jax.process_count() == 1:
+        return prompts
+    from jax.experimental.multihost_utils import broadcast_one_to_all
+
+    lengths = broadcast_one_to_all(np.array([len(p) for p in prompts], np.int32))
+    padded = np.zeros((len(prompts), int(lengths.max())), np.int32)
+    if jax.process_index() == 0:
+        for row, prompt in zip(padded, prompts, strict=True):
+            row[: len(prompt)] = prompt
+    padded = broadcast_one_to_all(padded)
+    return [row[:length].tolist() for row, length in zip(padded, lengths, strict=True)]
 
 
 def visible_devices() -> list[Any]:
@@ -52,9 +78,11 @@ def visible_devices() -> list[Any]:
     return sorted(devices, key=lambda d: d.id)
 
 
-def make_mesh(build: Build, kernel: Any, layout: Any) -> Any:
+def make_mesh(build: Build, kernel: Any, layout: Any, group: int = 0, meshes: int = 1) -> Any:
     """The build's devices in the plan's mesh order (sibling cores adjacent, then chips x,
-    y, z: the collectives' stages), on the kernel's one mesh axis."""
+    y, z: the collectives' stages), on the kernel's one mesh axis. Of `meshes` meshes
+    (a disaggregated prefill's and the decode's), mesh `group` takes the group-th
+    build.devices devices in id order."""
     import numpy as np
     from jax.sharding import Mesh
 
@@ -62,11 +90,18 @@ def make_mesh(build: Build, kernel: Any, layout: Any) -> Any:
     from mkgen.spec.topology import parse_topology
 
     devices = visible_devices()
-    if len(devices) < build.devices:
+    needed = build.devices * meshes
+    if len(devices) < needed:
+        what = f"this build needs {build.devices} devices"
+        where = f"a {build.topology} slice"
+        if meshes > 1:
+            what = f"a prefill mesh and a decode mesh need {needed} devices"
+            where = f"two {build.topology} slices"
         raise MkgenError(
-            f"this build needs {build.devices} devices, JAX sees {len(devices)} "
-            f"{devices[0].platform} device(s): run on a {build.topology} slice or pass --interpret"
+            f"{what}, JAX sees {len(devices)} {devices[0].platform} device(s): "
+            f"run on {where} or pass --interpret"
         )
+    devices = devices[group * build.devices : (group + 1) * build.devices]
     order = arrange_devices(devices, parse_topology(build.topology), layout.collectives.mesh_order)
     return Mesh(np.array(order), (kernel.AXIS,))
 

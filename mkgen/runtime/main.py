@@ -11,7 +11,7 @@ from typing import Any
 from mkgen.errors import MkgenError
 from mkgen.runtime import devices
 from mkgen.runtime.arguments import parse_args
-from mkgen.runtime.bench import bench_summary, describe
+from mkgen.runtime.bench import bench_summary, describe, prefill_summary
 from mkgen.runtime.build import Build
 from mkgen.runtime.speculation import load_drafter
 
@@ -54,15 +54,27 @@ def run(
 
 def _generate(build: Build, args: Namespace) -> None:
     drafter = load_drafter(args.drafter, args.ngram)  # a user's module: before the slow work
-    devices.configure(build, args.interpret)
+    meshes = 2 if args.disaggregate else 1  # disaggregation.MESHES (it imports JAX)
+    devices.configure(build, args.interpret, meshes, args.num_processes or 1)
     devices.start_distributed(args)
+    args.prompts = devices.broadcast_prompts(args.prompts)
     import jax
 
+    from mkgen.runtime import disaggregation
     from mkgen.runtime.decode import decode, load_model, prefill
 
     start = time.perf_counter()
-    model = load_model(build, args.weights, args.random_weights, verify=not args.trust_weights)
-    caches, held = prefill(model, args.prompts, args.prefill)
+    model = load_model(
+        build, args.weights, args.random_weights, verify=not args.trust_weights, meshes=meshes
+    )
+    prefiller = disaggregation.prefill_model(model) if args.disaggregate else model
+    for _ in range(2 if args.bench and args.prefill == "xla" else 1):
+        # --bench times the second prefill, the first having compiled its layer steps.
+        prefill_start = time.perf_counter()
+        caches, held = jax.block_until_ready(prefill(prefiller, args.prompts, args.prefill))
+        prefill_seconds = time.perf_counter() - prefill_start
+    if prefiller is not model:
+        caches = disaggregation.hand_over(caches, model)
     ready = time.perf_counter()
     stream = None
     if build.batch == 1 and not args.json and jax.process_index() == 0:
@@ -72,9 +84,10 @@ def _generate(build: Build, args: Namespace) -> None:
     done = time.perf_counter()
     if jax.process_index() != 0:
         return
-    bench = (
-        bench_summary(build, result.seconds, args.warmup, result.acceptance) if args.bench else None
-    )
+    bench = None
+    if args.bench:
+        bench = bench_summary(build, result.seconds, args.warmup, result.acceptance)
+        bench |= prefill_summary(build.batch * held, prefill_seconds)
     if args.json:
         out: dict[str, Any] = {"tokens": result.tokens, "calls": result.calls}
         if args.tokenizer is not None:

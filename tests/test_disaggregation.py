@@ -1,0 +1,168 @@
+"""Prefill/decode disaggregation and cache offload (mkgen/runtime/disaggregation.py), in TPU
+interpret mode on virtual CPU devices.
+
+A child process with twice a build's devices puts the decode mesh on the first half and
+the prefill mesh, with its own copy of the weights, on the other. For an MLA + KDA model
+(latent caches and recurrent state) and a GQA + Gated DeltaNet one (KV caches and
+recurrent state): the caches prefilled on the prefill mesh and handed over are the
+colocated prefill's bit for bit, on the decode mesh's devices; offloaded to numpy and
+restored they are still; and decoding from the handed-over, offloaded and restored caches
+gives the colocated path's tokens. The runner's --disaggregate gives a checkpoint's
+transformers tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cli_run import assert_user_error, mkgen
+from test_convert import FIXTURES, write_sharded
+
+from mkgen.codegen.package import make_build
+from mkgen.plan.options import BuildOptions
+from mkgen.spec.loader import load_spec
+from mkgen.spec.topology import parse_topology
+
+PROMPT = [3, 17, 42, 99, 5, 64, 127, 23, 88, 11, 70, 36]  # the fixtures' prompt
+TOPOLOGY = "1x1x1"  # 2 cores
+FAMILIES = ["kimi_linear", "qwen3_next"]  # MLA + KDA; GQA + Gated DeltaNet
+
+
+def _build(tmp: Path, folder: str) -> Path:
+    directory = tmp / f"{folder}-build"
+    spec = load_spec(FIXTURES / folder / "config.json")
+    make_build(spec, parse_topology(TOPOLOGY), BuildOptions.create(context=64), output=directory)
+    return directory
+
+
+def _child(build_dirs: list[str]) -> dict:
+    """Per build: the colocated tokens, the tokens after a disaggregated prefill whose
+    caches were offloaded and restored, whether the caches matched bit for bit at each
+    hand-off, and which devices each mesh and the handed-over caches used."""
+    from mkgen.runtime import devices
+    from mkgen.runtime.arguments import parse_args
+    from mkgen.runtime.build import runner_build
+
+    builds = [runner_build(Path(directory)) for directory in build_dirs]
+    devices.configure(builds[0], True, meshes=2)  # every build here has 2 cores
+    import numpy as np
+
+    from mkgen.runtime import disaggregation
+    from mkgen.runtime.decode import decode, load_model, prefill_sequence
+    from mkgen.runtime.speculation import load_drafter
+
+    results = {}
+    for directory, build in zip(build_dirs, builds, strict=True):
+        argv = ["--interpret", "--random-weights", "0", "--prompt-ids", ",".join(map(str, PROMPT))]
+        args = parse_args(build, [*argv, "--steps", "4", "--steps-per-call", "1"], "child")
+        model = load_model(build, None, args.random_weights, meshes=2)
+        prefiller = disaggregation.prefill_model(model)
+        known = PROMPT[:-1]  # the last prompt token is the kernel's first row
+        colocated = prefill_sequence(model, known)
+        on_prefill_mesh = prefill_sequence(prefiller, known)
+        handed = disaggregation.hand_over(on_prefill_mesh, model)
+        host = disaggregation.offload(handed)
+        restored = disaggregation.restore(host, model)
+
+        def same(ours, theirs):
+            return all(
+                np.array_equal(np.asarray(a), np.asarray(b))
+                for a, b in zip(ours, theirs, strict=True)
+            )
+
+        def ids(arrays):
+            return sorted({d.id for a in arrays for d in a.sharding.device_set})
+
+        out = {  # before decoding, which donates the caches it is given
+            "handed_equal": same(handed, colocated),
+            "restored_equal": same(restored, colocated),
+            "host_types": sorted({type(a).__name__ for a in host}),
+            "decode_devices": ids([model.placed["stream"]]),
+            "prefill_devices": ids([prefiller.placed["stream"]]),
+            "prefilled_on": ids(on_prefill_mesh),
+            "handed_on": ids(handed),
+            "restored_on": ids(restored),
+        }
+        drafter = load_drafter(args.drafter, args.ngram)
+        out["colocated"] = decode(model, colocated, len(known), args, drafter).tokens
+        out["restored"] = decode(model, restored, len(known), args, drafter).tokens
+        results[directory] = out
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_prefill_mesh_hands_the_decode_mesh_the_colocated_caches(tmp_path: Path) -> None:
+    builds = [str(_build(tmp_path, folder)) for folder in FAMILIES]
+    child = subprocess.run(
+        [sys.executable, __file__, *builds], capture_output=True, text=True, timeout=840,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}, cwd=Path(__file__).parent,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-3000:]
+    results = json.loads(child.stdout.strip().splitlines()[-1])
+    for build in builds:
+        out = results[build]
+        assert out["decode_devices"] == [0, 1] and out["prefill_devices"] == [2, 3], out
+        assert out["prefilled_on"] == [2, 3] and out["handed_on"] == out["restored_on"] == [0, 1]
+        assert out["handed_equal"] and out["restored_equal"], out
+        assert out["host_types"] == ["ndarray"]
+        assert out["restored"] == out["colocated"] and len(out["colocated"][0]) == 4, out
+
+
+@pytest.mark.slow
+def test_the_runner_disaggregated_gives_the_transformers_tokens(tmp_path: Path) -> None:
+    """--disaggregate with converted weights: the greedy tokens the colocated runner gives
+    on this checkpoint (tests/test_runner.py), transformers' own; --bench reports the
+    prefill's tokens/s."""
+    import numpy as np
+
+    from mkgen.cli import main
+
+    checkpoint = write_sharded(FIXTURES / "kimi_linear", tmp_path / "ckpt")
+    build = _build(tmp_path, "kimi_linear")
+    main(
+        [
+            "convert",
+            "--checkpoint",
+            str(checkpoint),
+            "-o",
+            str(tmp_path / "w"),
+            "--build",
+            str(build),
+        ]
+    )
+    expected = np.load(FIXTURES / "kimi_linear" / "expected.npz")["greedy_ids"].tolist()
+    result = mkgen(
+        "run", str(build), "--interpret", "--disaggregate", "--weights", str(tmp_path / "w"),
+        "--prompt-ids", ",".join(map(str, PROMPT)), "--steps", "8", "--json", "--bench",
+        timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout)
+    assert out["tokens"] == [expected]
+    assert out["bench"]["prefill_tokens"] == len(PROMPT) - 1
+    assert out["bench"]["prefill_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--prefill", "kernel"], "--disaggregate: only with --prefill xla"),
+        (["--multi-host"], "--disaggregate: not with --multi-host"),
+    ],
+)
+def test_disaggregate_refuses_what_it_cannot_do(
+    tmp_path: Path, args: list[str], fragment: str
+) -> None:
+    build = _build(tmp_path, "qwen3")
+    result = mkgen("run", str(build), "--random-weights", "0", "--disaggregate", *args, timeout=120)
+    assert_user_error(result, f"mkgen run: error: {fragment}")
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(sys.argv[1:])))
