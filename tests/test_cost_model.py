@@ -162,10 +162,12 @@ def test_planning_kimi_k3_fits():
 
 
 def test_the_step_is_the_larger_of_the_dma_and_compute_timelines() -> None:
-    """Kimi K3's mxfp4 experts, dequantized on the VPU, outlast its DMA timeline; a bf16
-    MoE does not; a chip without issue rates in the catalog has no compute timeline."""
-    kimi = plan_build(load_spec("kimi-k3"), parse_topology("2x2x4"), BuildOptions.create(rows=8))
-    est = kimi.estimate
+    """Muse Spark's nvfp4 experts at batch 4 x rows 8 (32 token rows reach most experts,
+    each chunk's 16 scale groups summed on the VPU) outlast its DMA timeline; a bf16 MoE
+    does not; a chip without issue rates in the catalog has no compute timeline."""
+    options = BuildOptions.create(batch=4, rows=8, quant=["experts=nvfp4"])
+    muse = plan_build(load_spec("muse-spark-1.2"), parse_topology("2x2x1"), options)
+    est = muse.estimate
     assert est.compute_bound and est.step_ms == est.compute_timeline_ms > est.dma_timeline_ms
     assert sum(est.breakdown_ms.values()) == pytest.approx(est.step_ms)
     assert est.tokens_per_s_per_user == pytest.approx(1e3 / est.step_ms)

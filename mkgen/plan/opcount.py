@@ -64,19 +64,34 @@ class OpCounts:
 
 # Measured with scripts/measure_chunk_ops.py (libtpu 0.0.50.1; the template's Ring and
 # chunk products compiled alone for one TPU7x core with Mosaic's LLO dump), per format
-# as a spec writes it: ops of one 256 x 256 chunk product with its accumulate, of
-# one input chunk (_to_chunks) and of one output block (zeroed, read back), for 8 and
-# 16 token rows. With the weights passed as an input block instead of scratch, bf16
-# came to 171 vector ALU ops a chunk (an input block gets another VMEM tiling than the
-# ring's slots); that is likely why an earlier single-chunk compile of a bare dot gave
-# 269 for bf16 and 1,287 for mxfp4 (39 MXU ops, as here).
+# as a spec writes it (routed experts; "stream:" the weight stream's quantized banks,
+# read through a bitcast of the ring's bf16 rows): ops of one 256 x 256 chunk product
+# with its accumulate, of one input chunk (_to_chunks) and of one output block (zeroed,
+# read back), for 8 and 16 token rows. Every quantized format multiplies on the MXU in
+# its codes' dtype (bf16 x int8 / int4 / fp8 e4m3; mxfp4 and nvfp4 codes turned into
+# e4m3 by word ops), with group scales on a block-diagonal dot's partial products
+# (docs/quantized-paths.md); dequantizing to bf16 on the VPU first cost 1,221 vector
+# ALU ops a chunk for mxfp4 and 245 for int4:128. With the weights passed as an input
+# block instead of scratch, bf16 came to 171 vector ALU ops a chunk (an input block gets
+# another VMEM tiling than the ring's slots); that is likely why an earlier single-chunk
+# compile of a bare dot gave 269 for bf16 and 1,287 for mxfp4 (39 MXU ops, as here).
 CHUNK_OPS: dict[tuple[str, int], OpCounts] = {
     ("bf16", 8): OpCounts(vpu=11, mxu=39, loads=35, stores=2),
     ("bf16", 16): OpCounts(vpu=8, mxu=39, loads=38, stores=4),
-    ("mxfp4", 8): OpCounts(vpu=1221, mxu=39, loads=13.3, stores=2),
-    ("mxfp4", 16): OpCounts(vpu=1218, mxu=39, loads=16.3, stores=4),
-    ("int4:128", 8): OpCounts(vpu=245.3, mxu=78, loads=12, stores=2),
-    ("int4:128", 16): OpCounts(vpu=255.3, mxu=78, loads=15, stores=4),
+    ("int8", 8): OpCounts(vpu=50, mxu=39, loads=20, stores=2),
+    ("int8", 16): OpCounts(vpu=49, mxu=39, loads=23, stores=4),
+    ("int4:128", 8): OpCounts(vpu=80, mxu=23, loads=12, stores=2),
+    ("int4:128", 16): OpCounts(vpu=84, mxu=29, loads=15, stores=4),
+    ("mxfp4", 8): OpCounts(vpu=218, mxu=41, loads=12, stores=2),
+    ("mxfp4", 16): OpCounts(vpu=264, mxu=65, loads=15, stores=4),
+    ("nvfp4", 8): OpCounts(vpu=334, mxu=65, loads=14, stores=2),
+    ("nvfp4", 16): OpCounts(vpu=438, mxu=113, loads=17, stores=4),
+    ("fp8:128", 8): OpCounts(vpu=38, mxu=23, loads=20, stores=2),
+    ("fp8:128", 16): OpCounts(vpu=42, mxu=29, loads=23, stores=4),
+    ("stream:int8", 8): OpCounts(vpu=65, mxu=39, loads=21, stores=2),
+    ("stream:int8", 16): OpCounts(vpu=64, mxu=39, loads=24, stores=4),
+    ("stream:fp8:128", 8): OpCounts(vpu=57, mxu=23, loads=21, stores=2),
+    ("stream:fp8:128", 16): OpCounts(vpu=61, mxu=29, loads=24, stores=4),
 }
 INPUT_CHUNK_OPS = {8: OpCounts(vpu=8, stores=1), 16: OpCounts(vpu=2, stores=2)}
 OUTPUT_BLOCK_OPS = {8: OpCounts(loads=4, stores=4), 16: OpCounts(loads=8, stores=8)}
@@ -174,6 +189,11 @@ def model_op_counts(
         except KeyError:
             unpriced.add(fmt)
 
+    def stream_matmul(seg: Any, times: float) -> None:
+        # A quantized bank is read through a bitcast of the ring's bf16 rows.
+        fmt = seg.format if seg.format == "bf16" else f"stream:{seg.format}"
+        matmul("stream matmul", fmt, seg.k_chunks, seg.col_blocks, times)
+
     layer_kinds = [tuple(k.split("/")) for k in schedule.layer_kinds]
     attention_layers = {a: sum(1 for x, _ in layer_kinds if x == a) for a, _ in layer_kinds}
     ffn_layers = {f: sum(1 for _, y in layer_kinds if y == f) for _, f in layer_kinds}
@@ -181,12 +201,12 @@ def model_op_counts(
     # ---- stream matmul
     for name, n in attention_layers.items():
         for seg in stream.attention[name].segments:
-            matmul("stream matmul", seg.format, seg.k_chunks, seg.col_blocks, n)
+            stream_matmul(seg, n)
     for name, n in ffn_layers.items():
         for seg in stream.ffn[name].segments:
-            matmul("stream matmul", seg.format, seg.k_chunks, seg.col_blocks, n)
+            stream_matmul(seg, n)
     for seg in stream.tail:
-        matmul("stream matmul", seg.format, seg.k_chunks, seg.col_blocks, 1)
+        stream_matmul(seg, 1)
 
     # ---- experts: the plan's expected experts per core in each MoE layer
     for layer, (n, _pieces) in schedule.experts_per_layer.items():
