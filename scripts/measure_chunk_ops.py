@@ -13,6 +13,9 @@ accumulate), of one input chunk (`_to_chunks`) and of one output block (zeroing 
 Formats named on the command line are measured alone.
 
     PYTHONPATH=. .venv/bin/python scripts/measure_chunk_ops.py [bf16 mxfp4 stream:int8 ...]
+
+`measure_chunk_ops.py delta_rule` measures one row of the recurrent kinds' delta rule
+on one head's state the same way.
 """
 
 from __future__ import annotations
@@ -50,12 +53,10 @@ def main() -> None:
 
     device = compile_only_devices(parse_topology("1x1x1"))[0]
 
-    def rendered(quant: str):  # noqa: ANN202
+    def rendered(quant: str, spec: str = "muse-spark-1.2"):  # noqa: ANN202
         options = BuildOptions.create(rows=1, quant=[quant])
-        plan = plan_build(
-            options.apply(load_spec("muse-spark-1.2")), parse_topology("2x2x4"), options
-        )
-        name = "chunk_ops_" + "".join(c if c.isalnum() else "_" for c in quant)
+        plan = plan_build(options.apply(load_spec(spec)), parse_topology("2x2x4"), options)
+        name = "chunk_ops_" + "".join(c if c.isalnum() else "_" for c in spec + quant)
         return load_module(render_kernel(plan.kernel, "chunk ops"), name), plan.kernel
 
     def stream_slot_and_product(fmt: str, chunks: int):  # noqa: ANN202
@@ -103,31 +104,16 @@ def main() -> None:
         }[e.kind]
         return kernel, shapes, product
 
-    def compile_one(fmt: str, rows: int, k: int, c: int) -> dict[str, dict[str, float]]:
-        kernel, shapes, product = slots_and_product(fmt, UNIT_CHUNKS)
-        chunk = kernel.CHUNK
-
-        def body(x_ref, out_ref, xk, acc, *weights):  # noqa: ANN001, ANN202
-            units = k * c // UNIT_CHUNKS
-            ring = kernel.Ring(lambda q: [], 1, UNIT_CHUNKS, units, product(weights, rows), xk, acc)
-            segment = kernel.Segment(
-                offset=0, fan_in=k * chunk, fan_out=c * kernel.LANES, k_chunks=k, col_blocks=c
-            )
-            out_ref[...] = ring.matmul(x_ref[...], 0, segment)
-
+    def compiled_counts(body, x_shape, out_shape, scratch, name):  # noqa: ANN001, ANN202
+        """(frames, group) -> ops of a one-core Pallas kernel body(x_ref, out_ref,
+        *scratch) compiled for TPU7x."""
         call = pl.pallas_call(
             body,
-            out_shape=jax.ShapeDtypeStruct((rows, c * kernel.LANES), jnp.float32),
+            out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
             in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
             out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
-            scratch_shapes=[
-                pltpu.VMEM((k, rows, chunk), jnp.bfloat16),
-                pltpu.VMEM((c, rows, kernel.LANES), jnp.float32),
-            ]
-            # The slots are scratch, as the kernel's ring and expert slots are (an input
-            # block would get another VMEM tiling); compiling needs no weight values.
-            + [pltpu.VMEM(s.shape, s.dtype) for s in shapes],
-            name=f"chunk_{fmt.replace(':', '_')}_{rows}_{k}x{c}",
+            scratch_shapes=[pltpu.VMEM(shape, dtype) for shape, dtype in scratch],
+            name=name,
         )
         # Through shard_map over the compile-only device, as the megakernel is: Mosaic
         # then knows which TPU it lowers for.
@@ -142,13 +128,30 @@ def main() -> None:
                 check_vma=False,
             )  # fmt: skip
         )
-        x = jax.ShapeDtypeStruct((rows, k * chunk), jnp.float32, sharding=sharding)
+        x = jax.ShapeDtypeStruct(x_shape, jnp.float32, sharding=sharding)
         with quiet_stderr():
             step.trace(x).lower(lowering_platforms=("tpu",)).compile()
-        dump = next(
-            Path(DUMP).glob(f"*chunk_{fmt.replace(':', '_')}_{rows}_{k}x{c}*post-finalize-llo.txt")
-        )
-        counts = StepCounter(parse_llo(dump.read_text()), lambda frames: None).count()
+        dump = next(Path(DUMP).glob(f"*{name}*post-finalize-llo.txt"))
+        return StepCounter(parse_llo(dump.read_text()), lambda frames: None).count()
+
+    def compile_one(fmt: str, rows: int, k: int, c: int) -> dict[str, dict[str, float]]:
+        kernel, shapes, product = slots_and_product(fmt, UNIT_CHUNKS)
+        chunk = kernel.CHUNK
+
+        def body(x_ref, out_ref, xk, acc, *weights):  # noqa: ANN001, ANN202
+            units = k * c // UNIT_CHUNKS
+            ring = kernel.Ring(lambda q: [], 1, UNIT_CHUNKS, units, product(weights, rows), xk, acc)
+            segment = kernel.Segment(
+                offset=0, fan_in=k * chunk, fan_out=c * kernel.LANES, k_chunks=k, col_blocks=c
+            )
+            out_ref[...] = ring.matmul(x_ref[...], 0, segment)
+
+        # The slots are scratch, as the kernel's ring and expert slots are (an input
+        # block would get another VMEM tiling); compiling needs no weight values.
+        scratch = [((k, rows, chunk), jnp.bfloat16), ((c, rows, kernel.LANES), jnp.float32)]
+        scratch += [(s.shape, s.dtype) for s in shapes]
+        name = f"chunk_{fmt.replace(':', '_')}_{rows}_{k}x{c}"
+        counts = compiled_counts(body, (rows, k * chunk), (rows, c * kernel.LANES), scratch, name)
         parts: dict[str, dict[str, float]] = {}
         for (frames, group), n in counts.items():
             names = " ".join(frames)
@@ -157,6 +160,39 @@ def main() -> None:
             )
             parts.setdefault(part, dict.fromkeys(GROUPS, 0.0))[group] += n
         return parts
+
+    def delta_rule_ops(per_key_decay: bool) -> dict[str, float]:
+        """Ops of one row of the template's _delta_rule_step on one head's 128 x 128 f32
+        state (KDA: a decay per key dim, read from a row as the template does; Gated
+        DeltaNet: one decay): 2 rows less 1."""
+        kernel, _ = rendered("experts=mxfp4", "kimi-k3")  # KDA layers
+        dk = dv = 128
+        totals = []
+        for n in (1, 2):
+
+            def body(x_ref, out_ref, state_ref, n=n):  # noqa: ANN001, ANN202
+                state = state_ref[...]
+                for i in range(n):
+                    x = x_ref[i : i + 1]
+                    q, k, v = x[:, :dk], x[:, dk : 2 * dk], x[:, 2 * dk : 3 * dk]
+                    decay = (
+                        jnp.transpose(x[:, 3 * dk :]) if per_key_decay else x[:, 3 * dk :][:, :1]
+                    )
+                    state, out = kernel._delta_rule_step(state, q, k, v, decay, x[:, :1])
+                    out_ref[i : i + 1, :] = out
+                state_ref[...] = state
+
+            name = f"delta_{'kda' if per_key_decay else 'gdn'}_{n}"
+            counts = compiled_counts(body, (8, 4 * dk), (8, dv), [((dk, dv), jnp.float32)], name)
+            totals.append(dict.fromkeys(GROUPS, 0.0))
+            for (_frames, group), ops in counts.items():
+                totals[-1][group] += ops
+        return {g: totals[1][g] - totals[0][g] for g in GROUPS}
+
+    if sys.argv[1:] == ["delta_rule"]:
+        print(f"delta rule, per-key decay (KDA): {delta_rule_ops(True)}")
+        print(f"delta rule, one decay (Gated DeltaNet): {delta_rule_ops(False)}")
+        return
 
     for fmt in sys.argv[1:] or (
         "bf16",

@@ -15,6 +15,7 @@ What `mkgen compile --profile` holds the compiled kernel's LLO against
   ops; each dot costs the MXU ops of the 256 x 256 weight tiles it loads.
 - routing, vector, collectives: the plan's compute nodes priced by their elementwise
   flops over (8, 128) f32 vregs, the routing's top-k by its argmax loop.
+- recurrent: the delta rule's measured ops per row and head.
 - DMAs: the schedule's DMAs of each category, per step.
 
 A vector op works on one (8, 128) 32-bit vreg: a [rows, width] f32 elementwise op
@@ -108,6 +109,12 @@ SOFTMAX_OPS = 5  # per router score vreg: max, subtract, exp, sum, divide
 # (compare, select, sum, select)
 TOP_K_OPS = 16
 ACTIVATION_OPS = 6  # per vreg of an expert's activation (silu: exp, add, recip, muls)
+# One row of the template's _delta_rule_step on one head's 128 x 128 f32 state (16 vregs),
+# compiled alone (scripts/measure_chunk_ops.py delta_rule): the per-key decay (KDA) is
+# broadcast along lanes, the single one (Gated DeltaNet) along both. The conv and the
+# layout changes around it are not priced.
+DELTA_RULE_OPS = {"kda": 498, "gated_deltanet": 377}
+DELTA_RULE_STATE_VREGS = 16
 COMBINE_OPS = 2  # per vreg of an expert's output: weight x y, + acc
 
 # A schedule DMA category -> the phase whose code issues it.
@@ -176,7 +183,7 @@ def model_op_counts(
     """(phase -> the model's ops per step, formats the model has no measurement for), from
     a build's schedule, weight stream, VMEM plan and sharding (the plan's pieces)."""
     from mkgen.plan.schedule import kv_tiles
-    from mkgen.plan.vmem import q_rows
+    from mkgen.plan.vmem import q_rows, recurrent_dims
 
     out = {p: OpCounts() for p in PHASES}
     unpriced: set[str] = set()
@@ -256,6 +263,12 @@ def model_op_counts(
         if node.cat == "routing":
             kind = spec.ffn_kinds[layer_kinds[node.layer][1]]
             ops = (SOFTMAX_OPS + TOP_K_OPS * kind.top_k) * vregs(tp, kind.num_experts)
+        elif node.cat == "recurrent":  # one sequence's rows, one head after another
+            name = layer_kinds[node.layer][0]
+            kind = spec.attention_kinds[name]
+            heads, dk, dv, _ = recurrent_dims(kind, sharding.attention[name])
+            per_row = DELTA_RULE_OPS[kind.type] * vregs(dk, dv) / DELTA_RULE_STATE_VREGS
+            ops = dims.rows * heads * per_row
         elif node.cat == "collective":
             # A sum adds each stage's other members' slots; a concatenation only copies.
             width = node.flops // (slots * tp)  # the schedule's: slots x padded rows x width
