@@ -161,37 +161,44 @@ def main() -> None:
             parts.setdefault(part, dict.fromkeys(GROUPS, 0.0))[group] += n
         return parts
 
-    def delta_rule_ops(per_key_decay: bool) -> dict[str, float]:
-        """Ops of one row of the template's _delta_rule_step on one head's 128 x 128 f32
-        state (KDA: a decay per key dim, read from a row as the template does; Gated
-        DeltaNet: one decay): 2 rows less 1."""
+    def delta_rule_ops(per_key_decay: bool, heads: int) -> dict[str, float]:
+        """Ops of one row of the template's _delta_rule_step on `heads` heads' 128 x 128
+        f32 states that share one query and key (Gated DeltaNet's value heads of one key
+        head; Mosaic computes the shared normalisation once): 2 rows less 1. KDA: a decay
+        per key dim, read from a row as the template does; Gated DeltaNet: one decay."""
         kernel, _ = rendered("experts=mxfp4", "kimi-k3")  # KDA layers
         dk = dv = 128
         totals = []
         for n in (1, 2):
 
             def body(x_ref, out_ref, state_ref, n=n):  # noqa: ANN001, ANN202
-                state = state_ref[...]
+                states = [state_ref[j] for j in range(heads)]
                 for i in range(n):
                     x = x_ref[i : i + 1]
                     q, k, v = x[:, :dk], x[:, dk : 2 * dk], x[:, 2 * dk : 3 * dk]
-                    decay = (
-                        jnp.transpose(x[:, 3 * dk :]) if per_key_decay else x[:, 3 * dk :][:, :1]
-                    )
-                    state, out = kernel._delta_rule_step(state, q, k, v, decay, x[:, :1])
-                    out_ref[i : i + 1, :] = out
-                state_ref[...] = state
+                    row = x[:, 3 * dk :]
+                    decay = jnp.transpose(row) if per_key_decay else row[:, :1]
+                    for j in range(heads):
+                        states[j], out = kernel._delta_rule_step(
+                            states[j], q, k, v, decay, row[:, j + 1 : j + 2]
+                        )
+                        out_ref[i : i + 1, :] += out
+                for j in range(heads):
+                    state_ref[j] = states[j]
 
-            name = f"delta_{'kda' if per_key_decay else 'gdn'}_{n}"
-            counts = compiled_counts(body, (8, 4 * dk), (8, dv), [((dk, dv), jnp.float32)], name)
+            name = f"delta_{'kda' if per_key_decay else 'gdn'}_{heads}_{n}"
+            scratch = [((heads, dk, dv), jnp.float32)]
+            counts = compiled_counts(body, (8, 4 * dk), (8, dv), scratch, name)
             totals.append(dict.fromkeys(GROUPS, 0.0))
             for (_frames, group), ops in counts.items():
                 totals[-1][group] += ops
         return {g: totals[1][g] - totals[0][g] for g in GROUPS}
 
     if sys.argv[1:] == ["delta_rule"]:
-        print(f"delta rule, per-key decay (KDA): {delta_rule_ops(True)}")
-        print(f"delta rule, one decay (Gated DeltaNet): {delta_rule_ops(False)}")
+        print(f"delta rule, per-key decay (KDA), 1 head: {delta_rule_ops(True, 1)}")
+        for heads in (1, 2):
+            ops = delta_rule_ops(False, heads)
+            print(f"delta rule, one decay (Gated DeltaNet), {heads} heads of a key: {ops}")
         return
 
     for fmt in sys.argv[1:] or (

@@ -109,11 +109,12 @@ SOFTMAX_OPS = 5  # per router score vreg: max, subtract, exp, sum, divide
 # (compare, select, sum, select)
 TOP_K_OPS = 16
 ACTIVATION_OPS = 6  # per vreg of an expert's activation (silu: exp, add, recip, muls)
-# One row of the template's _delta_rule_step on one head's 128 x 128 f32 state (16 vregs),
-# compiled alone (scripts/measure_chunk_ops.py delta_rule): the per-key decay (KDA) is
-# broadcast along lanes, the single one (Gated DeltaNet) along both. The conv and the
-# layout changes around it are not priced.
-DELTA_RULE_OPS = {"kda": 498, "gated_deltanet": 377}
+# One row of the template's _delta_rule_step on 128 x 128 f32 states (16 vregs), compiled
+# alone (scripts/measure_chunk_ops.py delta_rule): (ops per head, ops per key head for
+# what a key's heads share: Mosaic normalises the query and key once). Gated DeltaNet:
+# one head 378 ops, two heads of a key 503; KDA: a key and a decay per key dim for every
+# head. The conv and the layout changes around the rule are not priced.
+DELTA_RULE_OPS = {"kda": (499, 0), "gated_deltanet": (125, 253)}
 DELTA_RULE_STATE_VREGS = 16
 COMBINE_OPS = 2  # per vreg of an expert's output: weight x y, + acc
 
@@ -266,9 +267,12 @@ def model_op_counts(
         elif node.cat == "recurrent":  # one sequence's rows, one head after another
             name = layer_kinds[node.layer][0]
             kind = spec.attention_kinds[name]
-            heads, dk, dv, _ = recurrent_dims(kind, sharding.attention[name])
-            per_row = DELTA_RULE_OPS[kind.type] * vregs(dk, dv) / DELTA_RULE_STATE_VREGS
-            ops = dims.rows * heads * per_row
+            a = sharding.attention[name]
+            heads, dk, dv, _ = recurrent_dims(kind, a)
+            keys = a.kv_heads_per_rank if kind.type == "gated_deltanet" else heads
+            per_head, per_key = DELTA_RULE_OPS[kind.type]
+            per_row = (heads * per_head + keys * per_key) * vregs(dk, dv) / DELTA_RULE_STATE_VREGS
+            ops = dims.rows * per_row
         elif node.cat == "collective":
             # A sum adds each stage's other members' slots; a concatenation only copies.
             width = node.flops // (slots * tp)  # the schedule's: slots x padded rows x width
