@@ -1,14 +1,21 @@
 """Measure the ops one ring matmul compiles to, per weight format (mkgen/plan/opcount.py).
 
-Renders kernels whose experts are mxfp4 (kimi-k3 on 2x2x4) and int4:128 (muse-spark-1.2
-on 2x2x1), takes the template's own `Ring` and chunk products from them, and compiles a one-ring-matmul
-Pallas kernel for one TPU7x core through libtpu's compile-only devices with Mosaic's
-LLO dump on, for k_chunks x col_blocks of 1 x 1 and 2 x 2 and 8 and 16 token rows. It
-prints, per format and row count, the ops of one chunk (the guarded product and
+Renders muse-spark-1.2 on 2x2x4 (where it fits in every format) with its routed
+experts (or, for "stream:FORMAT", its dense weights) in each format, takes the
+template's own `Ring` and chunk product from that kernel, and compiles a
+one-ring-matmul Pallas kernel for one TPU7x core through libtpu's compile-only devices
+with Mosaic's LLO dump on, for k_chunks x col_blocks of 2 x 2 and 4 x 4 in units of
+UNIT_CHUNKS chunks (several units, so that the chunks' guards are decided at run time
+as in the kernel, where a unit is an expert piece or a bank) and 8 and 16 token rows.
+It prints, per format and row count, the ops of one chunk (the guarded product and
 accumulate), of one input chunk (`_to_chunks`) and of one output block (zeroing and
 `_from_blocks`). The figures in mkgen/plan/opcount.py were printed by this script.
+Formats named on the command line are measured alone.
 
-    PYTHONPATH=. .venv/bin/python scripts/measure_chunk_ops.py
+    PYTHONPATH=. .venv/bin/python scripts/measure_chunk_ops.py [bf16 mxfp4 stream:int8 ...]
+
+`measure_chunk_ops.py delta_rule` measures one row of the recurrent kinds' delta rule
+on one head's state the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+UNIT_CHUNKS = 2
 DUMP = tempfile.mkdtemp(prefix="mkgen-chunk-ops-")
 os.environ["LIBTPU_INIT_ARGS"] = (
     f"--xla_mosaic_dump_to={DUMP} --xla_mosaic_enable_dump_debug_info=true"
@@ -43,62 +51,69 @@ def main() -> None:
     from mkgen.verify.llo import GROUPS, StepCounter, parse_llo
     from mkgen.verify.tpu_compile import compile_only_devices, quiet_stderr
 
-    def rendered(spec_name: str, shape: str, rows: int):  # noqa: ANN202
-        options = BuildOptions.create(rows=rows)
-        spec = options.apply(load_spec(spec_name))
-        plan = plan_build(spec, parse_topology(shape), options)
-        return load_module(render_kernel(plan.kernel, "chunk ops"), f"chunk_ops_{spec_name}")
-
-    # kimi-k3's experts are mxfp4, muse-spark-1.2's int4 with a scale per 128 rows.
-    kimi = rendered("kimi-k3", "2x2x4", 8)
-    muse = rendered("muse-spark-1.2", "2x2x1", 1)
     device = compile_only_devices(parse_topology("1x1x1"))[0]
-    chunk = kimi.CHUNK
-    lanes = kimi.LANES
 
-    def slots(fmt: str, chunks: int) -> list[jax.ShapeDtypeStruct]:  # one slot's arrays
-        if fmt == "bf16":
-            return [jax.ShapeDtypeStruct((1, chunks * chunk, lanes), jnp.bfloat16)]
-        if fmt == "mxfp4":
-            return [
-                jax.ShapeDtypeStruct((1, chunks * chunk // 2, lanes), jnp.int8),
-                jax.ShapeDtypeStruct((1, chunks * chunk // 32, lanes), jnp.int8),
-            ]
-        return [  # int4:128
-            jax.ShapeDtypeStruct((1, chunks * chunk // 2, lanes), jnp.int8),
-            jax.ShapeDtypeStruct((1, chunks * chunk // 128, lanes), jnp.bfloat16),
+    def rendered(quant: str, spec: str = "muse-spark-1.2"):  # noqa: ANN202
+        options = BuildOptions.create(rows=1, quant=[quant])
+        plan = plan_build(options.apply(load_spec(spec)), parse_topology("2x2x4"), options)
+        name = "chunk_ops_" + "".join(c if c.isalnum() else "_" for c in spec + quant)
+        return load_module(render_kernel(plan.kernel, "chunk ops"), name), plan.kernel
+
+    def stream_slot_and_product(fmt: str, chunks: int):  # noqa: ANN202
+        """A weight-stream bank of `chunks` chunks of a dense format (codes, then their
+        scales) and the stream's chunk product over it."""
+        kernel, layout = rendered(f"projections={fmt}")  # the latent projections
+        sf = layout.features.stream_formats[0]
+        scale_row = chunks * kernel.CHUNK // 2
+        region = -(-chunks * sf.scale_rows // 16) * 16
+        shape = jax.ShapeDtypeStruct((1, scale_row + region, kernel.LANES), jnp.bfloat16)
+        code = getattr(jnp, sf.code)
+
+        def product(refs, rows):  # noqa: ANN001, ANN202
+            return kernel._stream_product(
+                *refs, code, chunks, scale_row, sf.scale_rows, sf.block, rows
+            )
+
+        return kernel, [shape], product
+
+    def slots_and_product(fmt: str, chunks: int):  # noqa: ANN202
+        """The kernel rendered with experts in `fmt`, one slot's arrays as it declares an
+        expert slot's (for a unit of `chunks` chunks) and its chunk product over them;
+        "stream:FORMAT" a weight-stream bank of a dense format."""
+        if fmt.startswith("stream:"):
+            return stream_slot_and_product(fmt.removeprefix("stream:"), chunks)
+        kernel, layout = rendered(f"experts={fmt}")
+        e = next(f for f in layout.ffn if f.type == "moe").experts
+        arrays = [(e.code_rows // e.piece_chunks, e.code_jnp)]
+        if e.scale_dtype:
+            arrays.append((e.scale_rows // e.piece_chunks, e.scale_jnp))
+        shapes = [
+            jax.ShapeDtypeStruct((1, chunks * rows, kernel.LANES), getattr(jnp, dtype))
+            for rows, dtype in arrays
         ]
+        product = {
+            "bf16": lambda refs, rows: kernel._bf16_product(*refs),
+            "int8": lambda refs, rows: kernel._int8_product(*refs),
+            "int4": lambda refs, rows: kernel._int4_product(*refs, e.group, rows),
+            "mxfp4": lambda refs, rows: kernel._mxfp4_product(*refs, rows),
+            # a slot of `chunks` chunks: their block scales, then their tensor-scale rows
+            "nvfp4": lambda refs, rows: kernel._nvfp4_product(
+                *refs, chunks * kernel.CHUNK // 16, rows
+            ),
+            "fp8": lambda refs, rows: kernel._fp8_product(*refs, e.group, rows),
+        }[e.kind]
+        return kernel, shapes, product
 
-    def product(fmt: str, refs):  # noqa: ANN001, ANN202
-        if fmt == "bf16":
-            return kimi._bf16_product(*refs)
-        if fmt == "mxfp4":
-            return kimi._mxfp4_product(*refs)
-        return muse._int4_product(*refs, 128)
-
-    kernel = kimi  # the ring and constants (CHUNK, LANES) are the same in every build
-
-    def compile_one(fmt: str, rows: int, k: int, c: int) -> dict[str, dict[str, float]]:
-        chunks = k * c
-        shapes = slots(fmt, chunks)
-
-        def body(x_ref, out_ref, xk, acc, *weights):  # noqa: ANN001, ANN202
-            ring = kernel.Ring(lambda q: [], 1, chunks, 1, product(fmt, weights), xk, acc)
-            out_ref[...] = ring.matmul(x_ref[...], 0, k * chunk, k, c, c * kernel.LANES)
-
+    def compiled_counts(body, x_shape, out_shape, scratch, name):  # noqa: ANN001, ANN202
+        """(frames, group) -> ops of a one-core Pallas kernel body(x_ref, out_ref,
+        *scratch) compiled for TPU7x."""
         call = pl.pallas_call(
             body,
-            out_shape=jax.ShapeDtypeStruct((rows, c * kernel.LANES), jnp.float32),
+            out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
             in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
             out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
-            scratch_shapes=[
-                pltpu.VMEM((k, rows, chunk), jnp.bfloat16),
-                pltpu.VMEM((c, rows, kernel.LANES), jnp.float32),
-            ]
-            # The slots are scratch, as the kernel's ring and expert slots are (an input
-            # block would get another VMEM tiling); compiling needs no weight values.
-            + [pltpu.VMEM(s.shape, s.dtype) for s in shapes],
-            name=f"chunk_{fmt.replace(':', '_')}_{rows}_{k}x{c}",
+            scratch_shapes=[pltpu.VMEM(shape, dtype) for shape, dtype in scratch],
+            name=name,
         )
         # Through shard_map over the compile-only device, as the megakernel is: Mosaic
         # then knows which TPU it lowers for.
@@ -113,13 +128,30 @@ def main() -> None:
                 check_vma=False,
             )  # fmt: skip
         )
-        x = jax.ShapeDtypeStruct((rows, k * chunk), jnp.float32, sharding=sharding)
+        x = jax.ShapeDtypeStruct(x_shape, jnp.float32, sharding=sharding)
         with quiet_stderr():
             step.trace(x).lower(lowering_platforms=("tpu",)).compile()
-        dump = next(
-            Path(DUMP).glob(f"*chunk_{fmt.replace(':', '_')}_{rows}_{k}x{c}*post-finalize-llo.txt")
-        )
-        counts = StepCounter(parse_llo(dump.read_text()), lambda frames: None).count()
+        dump = next(Path(DUMP).glob(f"*{name}*post-finalize-llo.txt"))
+        return StepCounter(parse_llo(dump.read_text()), lambda frames: None).count()
+
+    def compile_one(fmt: str, rows: int, k: int, c: int) -> dict[str, dict[str, float]]:
+        kernel, shapes, product = slots_and_product(fmt, UNIT_CHUNKS)
+        chunk = kernel.CHUNK
+
+        def body(x_ref, out_ref, xk, acc, *weights):  # noqa: ANN001, ANN202
+            units = k * c // UNIT_CHUNKS
+            ring = kernel.Ring(lambda q: [], 1, UNIT_CHUNKS, units, product(weights, rows), xk, acc)
+            segment = kernel.Segment(
+                offset=0, fan_in=k * chunk, fan_out=c * kernel.LANES, k_chunks=k, col_blocks=c
+            )
+            out_ref[...] = ring.matmul(x_ref[...], 0, segment)
+
+        # The slots are scratch, as the kernel's ring and expert slots are (an input
+        # block would get another VMEM tiling); compiling needs no weight values.
+        scratch = [((k, rows, chunk), jnp.bfloat16), ((c, rows, kernel.LANES), jnp.float32)]
+        scratch += [(s.shape, s.dtype) for s in shapes]
+        name = f"chunk_{fmt.replace(':', '_')}_{rows}_{k}x{c}"
+        counts = compiled_counts(body, (rows, k * chunk), (rows, c * kernel.LANES), scratch, name)
         parts: dict[str, dict[str, float]] = {}
         for (frames, group), n in counts.items():
             names = " ".join(frames)
@@ -129,15 +161,64 @@ def main() -> None:
             parts.setdefault(part, dict.fromkeys(GROUPS, 0.0))[group] += n
         return parts
 
-    for fmt in ("bf16", "mxfp4", "int4:128"):
+    def delta_rule_ops(per_key_decay: bool, heads: int) -> dict[str, float]:
+        """Ops of one row of the template's _delta_rule_step on `heads` heads' 128 x 128
+        f32 states that share one query and key (Gated DeltaNet's value heads of one key
+        head; Mosaic computes the shared normalisation once): 2 rows less 1. KDA: a decay
+        per key dim, read from a row as the template does; Gated DeltaNet: one decay."""
+        kernel, _ = rendered("experts=mxfp4", "kimi-k3")  # KDA layers
+        dk = dv = 128
+        totals = []
+        for n in (1, 2):
+
+            def body(x_ref, out_ref, state_ref, n=n):  # noqa: ANN001, ANN202
+                states = [state_ref[j] for j in range(heads)]
+                for i in range(n):
+                    x = x_ref[i : i + 1]
+                    q, k, v = x[:, :dk], x[:, dk : 2 * dk], x[:, 2 * dk : 3 * dk]
+                    row = x[:, 3 * dk :]
+                    decay = jnp.transpose(row) if per_key_decay else row[:, :1]
+                    for j in range(heads):
+                        states[j], out = kernel._delta_rule_step(
+                            states[j], q, k, v, decay, row[:, j + 1 : j + 2]
+                        )
+                        out_ref[i : i + 1, :] += out
+                for j in range(heads):
+                    state_ref[j] = states[j]
+
+            name = f"delta_{'kda' if per_key_decay else 'gdn'}_{heads}_{n}"
+            scratch = [((heads, dk, dv), jnp.float32)]
+            counts = compiled_counts(body, (8, 4 * dk), (8, dv), scratch, name)
+            totals.append(dict.fromkeys(GROUPS, 0.0))
+            for (_frames, group), ops in counts.items():
+                totals[-1][group] += ops
+        return {g: totals[1][g] - totals[0][g] for g in GROUPS}
+
+    if sys.argv[1:] == ["delta_rule"]:
+        print(f"delta rule, per-key decay (KDA), 1 head: {delta_rule_ops(True, 1)}")
+        for heads in (1, 2):
+            ops = delta_rule_ops(False, heads)
+            print(f"delta rule, one decay (Gated DeltaNet), {heads} heads of a key: {ops}")
+        return
+
+    for fmt in sys.argv[1:] or (
+        "bf16",
+        "int8",
+        "int4:128",
+        "mxfp4",
+        "nvfp4",
+        "fp8:128",
+        "stream:int8",
+        "stream:fp8:128",
+    ):
         for rows in (8, 16):
-            one = compile_one(fmt, rows, 1, 1)
-            two = compile_one(fmt, rows, 2, 2)
-            # 2 x 2 has 3 more chunks, 1 more input chunk and 1 more output block than 1 x 1.
-            per_chunk = {g: (two["chunk"][g] - one["chunk"][g]) / 3 for g in GROUPS}
-            per_k = {g: two.get("k_chunk", {}).get(g, 0) - one.get("k_chunk", {}).get(g, 0)
+            one = compile_one(fmt, rows, 2, 2)
+            two = compile_one(fmt, rows, 4, 4)
+            # 4 x 4 has 12 more chunks, 2 more input chunks and 2 more output blocks.
+            per_chunk = {g: (two["chunk"][g] - one["chunk"][g]) / 12 for g in GROUPS}
+            per_k = {g: (two.get("k_chunk", {}).get(g, 0) - one.get("k_chunk", {}).get(g, 0)) / 2
                      for g in GROUPS}  # fmt: skip
-            per_block = {g: two.get("block", {}).get(g, 0) - one.get("block", {}).get(g, 0)
+            per_block = {g: (two.get("block", {}).get(g, 0) - one.get("block", {}).get(g, 0)) / 2
                          for g in GROUPS}  # fmt: skip
             print(f"{fmt} rows {rows}: chunk {per_chunk}")
             print(f"{fmt} rows {rows}: input chunk {per_k}")

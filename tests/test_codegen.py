@@ -223,6 +223,8 @@ FULL_SIZE = [
     ("qwen3-30b-a3b", "2x2x1", {}),
     ("mixtral-8x7b", "2x2x1", {}),
     ("muse-spark-1.2", "2x2x1", {}),  # int4:128 experts, as its spec stores them
+    # Muse Spark's fastest published configuration: nvfp4 experts, int8 dense and lm_head.
+    ("muse-spark-1.2", "2x2x1", {"quant": ["experts=nvfp4", "dense=int8", "lm_head=int8"]}),
     ("qwen3.8-27b", "2x2x1", {}),  # Gated DeltaNet + gated GQA
     ("qwen3-30b-a3b", "1x1x1", {}),
     ("qwen3-30b-a3b", "2x2x2", {}),
@@ -245,7 +247,12 @@ FULL_SIZE = [
 def _id(case) -> str:
     name, topology, options = case
     return "-".join(
-        [Path(name).stem, topology, *(f"{k}{v}" for k, v in options.items() if k == "rows")]
+        [
+            Path(name).stem,
+            topology,
+            *(f"{k}{v}" for k, v in options.items() if k == "rows"),
+            *options.get("quant", []),
+        ]
     )
 
 

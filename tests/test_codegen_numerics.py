@@ -39,6 +39,11 @@ CASES = [
     ("qwen3.8-27b", "eager"),  # Gated DeltaNet: conv tail and f32 state in place
     (str(SPECS / "kda-hybrid.yaml"), "on_wait"),  # both KDA forms
     (str(SPECS / "formats-int8.yaml"), "on_wait"),  # int8 dense weights in the stream
+    # nvfp4 experts with int8 dense weights and lm_head; int8 experts: both DMA modes.
+    (str(SPECS / "formats-nvfp4.yaml"), "on_wait"),
+    (str(SPECS / "formats-nvfp4.yaml"), "eager"),
+    (str(SPECS / "formats-int8-experts.yaml"), "on_wait"),
+    (str(SPECS / "formats-int8-experts.yaml"), "eager"),
 ]
 
 
@@ -166,9 +171,21 @@ def test_first_diverging_layer_is_named() -> None:
             "preferred_element_type=jnp.float32) * scale * 1.5\n",
         ),
         # mxfp4 E8M0 scales one binade too high (2^(byte - 126)).
-        ("formats-mxfp4", "(biased << 23", "((biased + 1) << 23"),
+        (
+            "formats-mxfp4",
+            "(biased.astype(jnp.int32) & 255) << 23",
+            "((biased.astype(jnp.int32) & 255) + 1) << 23",
+        ),
+        # nvfp4's per-chunk tensor scales left out.
+        ("formats-nvfp4", "return dot(x, w, block) * tensor", "return dot(x, w, block)"),
+        # int8 experts' column scales twice too large.
+        (
+            "formats-int8-experts",
+            "scales[slot, pl.ds(j, 1), :])",
+            "scales[slot, pl.ds(j, 1), :] * 2)",
+        ),
     ],
-    ids=["int8-stream-scale", "mxfp4-expert-scale"],
+    ids=["int8-stream-scale", "mxfp4-expert-scale", "nvfp4-tensor-scale", "int8-expert-scale"],
 )
 def test_a_wrong_scale_is_caught(spec: str, old: str, new: str) -> None:
     path = str(SPECS / f"{spec}.yaml")

@@ -19,7 +19,10 @@ from mkgen.codegen.quantize import (
     e2m1_codes,
     e2m1_values,
     fake_quantize,
+    nvfp4_quantize,
+    pack_nibble_pairs,
     pack_nibbles,
+    pack_nvfp4_chunks,
     quantize,
 )
 from mkgen.errors import SpecError
@@ -32,7 +35,7 @@ from mkgen.spec.quant import parse_format
 from mkgen.spec.topology import parse_topology
 
 SPECS = Path(__file__).parent / "specs"
-FORMATS = ["int4:32", "int8", "fp8:128", "fp8:32", "mxfp4"]
+FORMATS = ["int4:32", "int8", "fp8:128", "fp8:32", "mxfp4", "nvfp4"]
 
 
 def _weights(shape, seed=0):
@@ -52,7 +55,7 @@ def test_values_on_the_grid_quantize_exactly(text: str) -> None:
     assert np.abs(once - w).max() <= 0.25 * np.abs(w).max()  # and close to the weights
 
 
-@pytest.mark.parametrize("text", ["int8", "fp8:128", "mxfp4"])
+@pytest.mark.parametrize("text", ["int8", "fp8:128", "mxfp4", "nvfp4"])
 def test_a_cores_slice_requantizes_to_the_same_values(text: str) -> None:
     """Power-of-two scales: the packer may re-quantize one core's rows / columns (whole
     blocks of the tensor) and gets exactly what the reference was fed."""
@@ -62,7 +65,7 @@ def test_a_cores_slice_requantizes_to_the_same_values(text: str) -> None:
         np.testing.assert_array_equal(dequantize(*quantize(piece, fmt), fmt), piece)
 
 
-@pytest.mark.parametrize("text", ["int8", "fp8:128", "mxfp4"])
+@pytest.mark.parametrize("text", ["int8", "fp8:128", "mxfp4", "nvfp4"])
 def test_dequantized_values_are_exact_in_bf16(text: str) -> None:
     fmt = parse_format(text)
     once = dequantize(*quantize(_weights((512, 256)), fmt), fmt)
@@ -89,6 +92,73 @@ def test_mxfp4_scales_are_e8m0_bytes() -> None:
     assert scales.dtype == np.int8 and scales.shape == (2, 256)
     assert int(scales.view(np.uint8)[0, 0]) == 127 - 5
     assert int(codes[0, 0]) == 7  # e2m1 code of 6.0
+
+
+def test_nvfp4_scales_are_e4m3_blocks_over_a_power_of_two() -> None:
+    w = _weights((64, 256))
+    codes, block, tensor = nvfp4_quantize(w)
+    assert block.dtype == ml_dtypes.float8_e4m3fn and block.shape == (4, 256)
+    assert tensor.shape == (1, 1) and np.log2(tensor[0, 0]) == np.rint(np.log2(tensor[0, 0]))
+    largest = np.abs(block.astype(np.float32)).max()
+    assert 224 < largest <= 448  # the smallest power of two that keeps them in e4m3
+    # Every block's largest value gets the largest code (6.0 is code 7).
+    assert ((codes.reshape(4, 16, 256) & 7).max(axis=1) == 7).all()
+
+
+def test_nvfp4_chunks_carry_their_tensor_scale_as_e8m0_bytes() -> None:
+    chunks = _weights((2, CHUNK, LANES))
+    chunks[1] *= 2.0**-10
+    _, _, tensor = nvfp4_quantize(chunks)
+    packed, block, tensor_bytes = pack_nvfp4_chunks(chunks)
+    assert packed.shape == (2, CHUNK // 2, LANES) and block.shape == (2, CHUNK // 16, LANES)
+    assert tensor_bytes.shape == (2, 1, LANES)
+    exponent = tensor_bytes.view(np.uint8).astype(int) - 127
+    np.testing.assert_array_equal(np.exp2(exponent), np.broadcast_to(tensor, (2, 1, LANES)))
+    assert exponent[0, 0, 0] - exponent[1, 0, 0] == 10
+
+
+def test_e2m1_codes_placed_as_e4m3_bits_are_e2m1_times_2_to_the_minus_6() -> None:
+    """The kernel's conversion (_e2m1_as_e4m3): sign bit 3 to bit 7, magnitude bits 2-0
+    to bits 4-2, for every code, subnormal 0.5 and both zeros included."""
+    n = np.arange(16)
+    bits = ((n & 8) << 4) | ((n & 7) << 2)
+    as_e4m3 = bits.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(as_e4m3, e2m1_values(n) * 2.0**-6)
+    np.testing.assert_array_equal(np.signbit(as_e4m3), n >= 8)
+
+
+def test_the_kernels_e2m1_conversion_reads_every_byte_exactly() -> None:
+    """The template's _e2m1_as_e4m3 in TPU interpret mode on all 256 bytes (both nibbles
+    of each, in the packer's rows r and r + CHUNK / 2)."""
+    from jax.experimental import pallas as pl
+
+    from mkgen.codegen.build import load_module, render_kernel
+
+    spec = load_spec(str(SPECS / "formats-mxfp4.yaml"))
+    layout = plan_build(spec, parse_topology("2x2x1"), BuildOptions.create()).kernel
+    kernel = load_module(render_kernel(layout, "e2m1 test"), "e2m1_test")
+    lane = np.broadcast_to(np.arange(LANES), (CHUNK // 2, LANES))
+    codes = np.concatenate([lane % 16, lane // 16])  # byte r, lane c: low c % 16, high c // 16
+    packed = pack_nibbles(codes[None])[0]
+
+    def body(packed_ref, out_ref):
+        out_ref[...] = kernel._e2m1_as_e4m3(packed_ref[...]).astype(jnp.float32)
+
+    out = pl.pallas_call(
+        body,
+        out_shape=jax.ShapeDtypeStruct((CHUNK, LANES), jnp.float32),
+        interpret=pltpu.InterpretParams(),
+    )(jnp.asarray(packed))
+    np.testing.assert_array_equal(np.asarray(out), e2m1_values(codes) * 2.0**-6)
+    assert set(np.unique(packed.view(np.uint8))) == set(range(256))
+
+
+def test_int4_nibbles_pack_rows_2a_and_2a_plus_1_as_mosaic_bitcasts_them() -> None:
+    codes = np.random.default_rng(1).integers(-8, 8, (2, CHUNK, LANES)).astype(np.int8)
+    packed = pack_nibble_pairs(codes)
+    assert packed.shape == (2, CHUNK // 2, LANES)
+    unpacked = jax.jit(lambda x: pltpu.bitcast(x, jnp.int4).astype(jnp.int8))(packed[0])
+    np.testing.assert_array_equal(np.asarray(unpacked), codes[0])
 
 
 def test_nibbles_pack_rows_r_and_r_plus_half() -> None:
@@ -183,8 +253,7 @@ def test_tensors_in_different_formats_are_not_fused() -> None:
 @pytest.mark.parametrize(
     ("quant", "what"),
     [
-        (["experts=nvfp4"], "routed experts in nvfp4"),
-        (["experts=int8"], "routed experts in int8"),
+        (["experts=int4:512"], "routed experts in int4:512"),
         (["attention=int4:128"], "dense weights (attn.wq, attn.wk, attn.wv) in int4:128"),
         (["mlp=mxfp4"], "in mxfp4"),
     ],

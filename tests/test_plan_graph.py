@@ -404,6 +404,8 @@ RENDERED = [
     ("tests/specs/formats-mxfp4.yaml", "2x2x1", {}),
     ("tests/specs/formats-fp8.yaml", "2x2x1", {}),
     ("tests/specs/formats-int8.yaml", "2x2x1", {}),
+    ("tests/specs/formats-nvfp4.yaml", "2x2x1", {}),
+    ("tests/specs/formats-int8-experts.yaml", "2x2x1", {}),
 ]
 _DTYPES = {
     "bfloat16": "bf16",

@@ -1,8 +1,8 @@
 """The XLA prefill over per-core layouts (mkgen/codegen/prefill.py, mkgen/codegen/unpack.py).
 
 Unpacking what the packer wrote gives back every tensor the kernel stores (every
-attention and FFN kind, the stream's int8 / fp8 segments, int4 / mxfp4 / fp8 experts,
-MLA's transposed and de-interleaved views). The sharded prefill on 8 virtual devices
+attention and FFN kind, the stream's int8 / fp8 segments, int4 / int8 / mxfp4 / nvfp4 /
+fp8 experts, MLA's transposed and de-interleaved views). The sharded prefill on 8 virtual devices
 leaves in the kernel's cache arrays exactly what the reference model's prefill caches
 hold, core by core, and a different prompt does not; prompts go in power-of-two chunks,
 whose layer steps compile once per chunk size. The runner's generation through
@@ -58,6 +58,8 @@ UNPACK_CASES = [
     str(SPECS / "formats-int8.yaml"),
     str(SPECS / "formats-fp8.yaml"),
     str(SPECS / "formats-mxfp4.yaml"),
+    str(SPECS / "formats-nvfp4.yaml"),  # and int8 dense weights and lm_head
+    str(SPECS / "formats-int8-experts.yaml"),
 ]
 
 

@@ -18,7 +18,9 @@ from mkgen.codegen.quantize import (
     int8_quantize,
     pack_fp8_chunks,
     pack_int4_chunks,
+    pack_int8_chunks,
     pack_mxfp4_chunks,
+    pack_nvfp4_chunks,
 )
 from mkgen.plan.layout import KernelLayout, MoELayout
 from mkgen.plan.stream import CHUNK, LANES, Part, Segment, TensorView
@@ -259,8 +261,9 @@ def pack_experts_layer(
 ) -> list[np.ndarray]:
     """One core's routed experts of one layer: [] for a dense layer, else the arrays of its
     MoE kind (expert_arrays), each [experts_per_rank, pieces, rows, LANES]: bf16, or codes
-    and scales as ExpertChunks describes them (int4 / mxfp4: nibbles two rows a byte, bf16
-    / E8M0 scales; fp8: e4m3 codes, f32 block scales). Rank r holds experts [g * E_r,
+    and scales as ExpertChunks describes them (int4 / mxfp4 / nvfp4: nibbles two rows a
+    byte, bf16 / E8M0 / e4m3 and E8M0 tensor scales; fp8: e4m3 codes, f32 block scales;
+    int8: int8 codes, f32 column scales). Rank r holds experts [g * E_r,
     (g + 1) * E_r) of group g = r // width_parts and of each the columns of width part
     r % width_parts (MoELayout). Every chunk is quantized on its own, so packing a layer at
     a time gives the same bytes as packing the kind at once."""
@@ -297,6 +300,13 @@ def pack_experts_layer(
         codes, scales = pack_mxfp4_chunks(flat)
     elif e.kind == "fp8":
         codes, scales = pack_fp8_chunks(flat, e.group)
+    elif e.kind == "int8":
+        codes, scales = pack_int8_chunks(flat)
+    elif e.kind == "nvfp4":  # a piece's block scales, then its chunks' tensor-scale rows
+        codes, block, tensor = pack_nvfp4_chunks(flat)
+        per_piece = (*lead, e.piece_chunks * block.shape[-2], LANES)
+        tensor = tensor.reshape(*lead, e.piece_chunks, LANES)
+        scales = np.concatenate([block.reshape(per_piece), tensor], axis=-2)
     else:
         raise NotImplementedError(f"packing {e.format} experts")
     return [codes.reshape(*lead, e.code_rows, LANES), scales.reshape(*lead, e.scale_rows, LANES)]

@@ -9,8 +9,12 @@ leading axes (stacked experts, chunks).
 - fp8:B: float8_e4m3fn codes, one f32 scale per B x B block.
 - mxfp4 (OCP MX): e2m1 codes, one E8M0 scale (a power of two) per 32 input rows and
   column: 2^(floor(log2 max |w|) - 2), values beyond 6 x scale saturate to 6.
+- nvfp4: e2m1 codes, one e4m3 scale per 16 input rows and column, max |w| / 6 over the
+  tensor scale, and one f32 tensor scale per matrix: the smallest power of two that
+  keeps the block scales within e4m3's 448. The block's largest value always gets code
+  6 (its scale is rounded to e4m3 within 1/16), so re-quantizing is exact as below.
 
-mkgen's own int8 and fp8 scales are powers of two (the smallest that keeps every code
+mkgen's own int8, fp8 and nvfp4 tensor scales are powers of two (the smallest that keeps every code
 in range: 2^ceil(log2(max |w| / 127 or 448))), as mxfp4's are. Then dequantization is
 exact in bf16, and quantizing dequantized weights again over any sub-block of an
 original block (a core's slice, a 256-row chunk) gives back exactly the same values:
@@ -39,6 +43,7 @@ MX_BLOCK = 32  # OCP MX: values per E8M0 scale
 E8M0_BIAS = 127
 # e2m1 code (sign bit 3, exponent bits 2-1, mantissa bit 0) -> value, codes 0..7
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+NV_BLOCK = 16  # nvfp4: values per e4m3 scale
 
 
 def _groups(w: np.ndarray, group: int) -> np.ndarray:
@@ -159,6 +164,30 @@ def mxfp4_dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return _ungroup(grouped, codes.shape[-2]).astype(np.float32)
 
 
+# ---------------------------------------------------------------- nvfp4 (e2m1 + e4m3 per 16 + tensor)
+
+
+def nvfp4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes int8 [..., K, N] in [0, 15], block scales float8_e4m3fn [..., ceil(K / 16),
+    N], tensor scales f32 [..., 1, 1], powers of two): w ~ code x block x tensor."""
+    w = np.asarray(w, np.float32)
+    grouped = _groups(w, NV_BLOCK)
+    amax = np.abs(grouped).max(axis=-2)  # [..., K / 16, N]
+    tensor = _pow2_at_least(amax.max(axis=(-2, -1), keepdims=True) / (E2M1_MAX * FP8_MAX))
+    block = (amax / (E2M1_MAX * tensor)).astype(ml_dtypes.float8_e4m3fn)
+    full = block.astype(np.float32) * tensor
+    safe = np.where(full == 0, 1.0, full)
+    scaled = np.clip(grouped / safe[..., None, :], -E2M1_MAX, E2M1_MAX)
+    values = scaled.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    return _ungroup(e2m1_codes(values), w.shape[-2]), block, tensor
+
+
+def nvfp4_dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Codes times `scales` [..., ceil(K / 16), N] f32: block x tensor scale."""
+    grouped = _groups(e2m1_values(codes), NV_BLOCK) * scales[..., None, :]
+    return _ungroup(grouped, codes.shape[-2])
+
+
 # ---------------------------------------------------------------- by format
 
 
@@ -172,6 +201,9 @@ def quantize(w: np.ndarray, fmt: QuantFormat) -> tuple[np.ndarray, np.ndarray]:
         return fp8_quantize(w, fmt.group)
     if fmt.kind == "mxfp4":
         return mxfp4_quantize(w)
+    if fmt.kind == "nvfp4":  # scales: block x tensor, exact in f32
+        codes, block, tensor = nvfp4_quantize(w)
+        return codes, block.astype(np.float32) * tensor
     raise NotImplementedError(f"quantization to {fmt}")
 
 
@@ -184,6 +216,8 @@ def dequantize(codes: np.ndarray, scales: np.ndarray, fmt: QuantFormat) -> np.nd
         return fp8_dequantize(codes, scales, fmt.group)
     if fmt.kind == "mxfp4":
         return mxfp4_dequantize(codes, scales)
+    if fmt.kind == "nvfp4":
+        return nvfp4_dequantize(codes, scales)
     raise NotImplementedError(f"dequantization of {fmt}")
 
 
@@ -217,19 +251,49 @@ def stored_random_weights(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
 # ---------------------------------------------------------------- chunk packing
 
 
+def _nibble_bytes(low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    return (((high.astype(np.uint8) & 0xF) << 4) | (low.astype(np.uint8) & 0xF)).view(np.int8)
+
+
 def pack_nibbles(codes: np.ndarray) -> np.ndarray:
     """4-bit codes [n, CHUNK, LANES] -> bytes int8 [n, CHUNK / 2, LANES]: byte r of a
-    chunk holds row r in its low nibble and row r + CHUNK / 2 in its high one."""
+    chunk holds row r in its low nibble and row r + CHUNK / 2 in its high one (e2m1: the
+    kernel turns the two halves into e4m3 with the same word ops)."""
     half = codes.shape[1] // 2
-    low = codes[:, :half].astype(np.uint8) & 0xF  # host-side bit packing
-    high = codes[:, half:].astype(np.uint8) & 0xF
-    return ((high << 4) | low).view(np.int8)
+    return _nibble_bytes(codes[:, :half], codes[:, half:])
+
+
+def pack_nibble_pairs(codes: np.ndarray) -> np.ndarray:
+    """4-bit codes [n, CHUNK, LANES] -> bytes int8 [n, CHUNK / 2, LANES]: byte a holds row
+    2a in its low nibble and row 2a + 1 in its high one, as Mosaic packs int4 (the kernel
+    bitcasts the bytes to int4)."""
+    return _nibble_bytes(codes[:, 0::2], codes[:, 1::2])
 
 
 def pack_int4_chunks(chunks: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
     """Chunks [n, CHUNK, LANES] -> (packed int8 [n, CHUNK / 2, LANES], scales [n, CHUNK / G, LANES])."""
     codes, scales = int4_quantize(chunks, group)
-    return pack_nibbles(codes), scales
+    return pack_nibble_pairs(codes), scales
+
+
+def pack_int8_chunks(chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Chunks [n, CHUNK, LANES] -> (int8 codes [n, CHUNK, LANES], f32 column scales [n, 1,
+    LANES])."""
+    return int8_quantize(chunks)
+
+
+def pack_nvfp4_chunks(chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Chunks [n, CHUNK, LANES] -> (packed e2m1 int8 [n, CHUNK / 2, LANES], e4m3 block
+    scale bytes int8 [n, CHUNK / 16, LANES], E8M0 tensor-scale bytes int8 [n, 1, LANES]:
+    each chunk quantized as one tensor, its scale repeated over the columns)."""
+    codes, block, tensor = nvfp4_quantize(chunks)
+    exponent = np.rint(np.log2(tensor)).astype(np.int32) + E8M0_BIAS
+    tensor_bytes = np.broadcast_to(exponent, (*tensor.shape[:-1], chunks.shape[-1]))
+    return (
+        pack_nibbles(codes),
+        block.view(np.int8),
+        tensor_bytes.astype(np.uint8).view(np.int8),
+    )
 
 
 def pack_mxfp4_chunks(chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

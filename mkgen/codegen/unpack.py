@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from mkgen.codegen.quantize import E2M1_VALUES, E8M0_BIAS
+from mkgen.codegen.quantize import E2M1_VALUES
 from mkgen.plan.layout import ExpertChunks, KernelLayout, MoELayout
 from mkgen.plan.stream import CHUNK, LANES, Part, Segment, TensorView
 from mkgen.spec.quant import parse_format
@@ -60,6 +60,25 @@ def _nibbles(packed: jax.Array) -> jax.Array:
     return jnp.concatenate([byte & 0xF, byte >> 4], axis=-2)
 
 
+def _nibble_pairs(packed: jax.Array) -> jax.Array:
+    """int8 bytes [..., CHUNK / 2, LANES] -> 4-bit codes [..., CHUNK, LANES] in [0, 15]
+    (mkgen.codegen.quantize.pack_nibble_pairs: low nibble row 2a, high nibble row 2a + 1)."""
+    byte = jax.lax.bitcast_convert_type(packed, jnp.uint8).astype(jnp.int32)
+    pairs = jnp.stack([byte & 0xF, byte >> 4], axis=-2)  # [..., CHUNK / 2, 2, LANES]
+    return pairs.reshape(*byte.shape[:-2], 2 * byte.shape[-2], byte.shape[-1])
+
+
+def _e2m1(nibbles: jax.Array) -> jax.Array:
+    magnitude = jnp.asarray(E2M1_VALUES)[nibbles & 7]
+    return jnp.where(nibbles & 8, -magnitude, magnitude)
+
+
+def _powers_of_two(e8m0: jax.Array) -> jax.Array:
+    """E8M0 bytes -> 2^(byte - 127), built as f32 bits (exact, where exp2 may not be)."""
+    biased = jax.lax.bitcast_convert_type(e8m0, jnp.uint8).astype(jnp.int32)
+    return jax.lax.bitcast_convert_type(biased << 23, jnp.float32)
+
+
 # ---------------------------------------------------------------- chunks and segments
 
 
@@ -100,18 +119,24 @@ def expert_values(experts: ExpertChunks, arrays: list[jax.Array]) -> jax.Array:
     lead = (codes.shape[0], experts.pieces * experts.piece_chunks)
     if experts.kind == "bf16":
         return codes.reshape(*lead, CHUNK, LANES).astype(jnp.float32)
-    scales = arrays[1].reshape(count, -1, LANES)
-    if experts.kind == "fp8":
-        values = _scaled(codes.reshape(count, CHUNK, LANES), scales)
+    if experts.kind == "nvfp4":  # per piece: block scales, then a tensor-scale row a chunk
+        pieces = arrays[1].reshape(-1, experts.scale_rows, LANES)
+        at = experts.tensor_scale_row
+        block = jax.lax.bitcast_convert_type(pieces[:, :at], jnp.float8_e4m3fn)
+        tensor = _powers_of_two(pieces[:, at:]).reshape(count, 1, LANES)
+        scales = block.astype(jnp.float32).reshape(count, -1, LANES) * tensor
     else:
+        scales = arrays[1].reshape(count, -1, LANES)
+    if experts.kind in ("fp8", "int8"):
+        values = _scaled(codes.reshape(count, CHUNK, LANES), scales)
+    elif experts.kind == "int4":  # two's complement nibbles
+        nibbles = _nibble_pairs(codes.reshape(count, CHUNK // 2, LANES))
+        values = _scaled(nibbles - 16 * (nibbles >= 8), scales)
+    else:  # mxfp4 / nvfp4: e2m1 codes; E8M0 power-of-two scales / block x tensor scales
         nibbles = _nibbles(codes.reshape(count, CHUNK // 2, LANES))
-        if experts.kind == "int4":  # two's complement nibbles
-            values = _scaled(nibbles - 16 * (nibbles >= 8), scales)
-        else:  # mxfp4: e2m1 codes, E8M0 power-of-two scales
-            magnitude = jnp.asarray(E2M1_VALUES)[nibbles & 7]
-            exponent = jax.lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.int32)
-            powers = jnp.exp2((exponent - E8M0_BIAS).astype(jnp.float32))
-            values = _scaled(jnp.where(nibbles & 8, -magnitude, magnitude), powers)
+        values = _scaled(
+            _e2m1(nibbles), _powers_of_two(scales) if experts.kind == "mxfp4" else scales
+        )
     return values.reshape(*lead, CHUNK, LANES)
 
 

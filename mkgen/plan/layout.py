@@ -202,11 +202,13 @@ class ExpertChunks(PlanModel):
     for the template, the packer and the VMEM plan (mkgen.plan.vmem).
 
     Per format, a chunk's codes / scales (rows x LANES):
-    bf16 CHUNK bf16 / -; int4:G CHUNK / 2 int8 (two codes a byte: rows r and
-    r + CHUNK / 2) / CHUNK / G bf16; mxfp4 CHUNK / 2 int8 (e2m1, packed as int4) /
-    CHUNK / 32 E8M0 bytes (int8); fp8:B CHUNK e4m3 / CHUNK / B f32 (each block's scale
-    repeated over its B columns); planned only (not generated): int8 CHUNK int8 / 1 f32
-    row, nvfp4 CHUNK / 2 int8 / CHUNK / 16 e4m3 bytes."""
+    bf16 CHUNK bf16 / -; int4:G CHUNK / 2 int8 (two codes a byte: rows 2a and 2a + 1,
+    Mosaic's int4 packing) / CHUNK / G bf16; mxfp4 CHUNK / 2 int8 (two e2m1 codes a
+    byte: rows r and r + CHUNK / 2) / CHUNK / 32 E8M0 bytes (int8); fp8:B CHUNK e4m3 /
+    CHUNK / B f32 (each block's scale repeated over its B columns); int8 CHUNK int8 / 1
+    f32 row of column scales; nvfp4 codes as mxfp4's / CHUNK / 16 e4m3 bytes, and after
+    the piece's block scales (row `tensor_scale_row` on) one row of E8M0 bytes a chunk,
+    its columns' tensor scales."""
 
     d: int  # the dimension experts read and write (latent width or hidden)
     width: int  # intermediate columns per rank
@@ -218,6 +220,7 @@ class ExpertChunks(PlanModel):
     scale_dtype: str  # "" without scales
     scale_rows: int  # rows of one piece's scales
     scale_cols: int
+    tensor_scale_row: int = 0  # nvfp4: the first of its tensor-scale rows (0: none)
     gate_up_k_chunks: int
     gate_up_col_blocks: int
     down_k_chunks: int
@@ -261,8 +264,7 @@ def piece_chunks(gate_up: int, down: int, largest: int) -> int:
 
 
 def expert_chunks(fmt_text: str, d: int, width: int, max_piece_chunks: int) -> ExpertChunks:
-    """How one expert slice in `fmt_text` streams in pieces (every format: the ones the
-    template does not read yet as their design implies; `_moe_layout` rejects them)."""
+    """How one expert slice in `fmt_text` streams in pieces."""
     from mkgen.spec.quant import parse_format
 
     fmt = parse_format(fmt_text)
@@ -271,13 +273,15 @@ def expert_chunks(fmt_text: str, d: int, width: int, max_piece_chunks: int) -> E
     piece = piece_chunks(gate_up, down, max_piece_chunks)
     rows = piece * CHUNK
     group = fmt.block or 0
-    code_dtype, code_rows, scale_dtype, scale_rows = "int8", rows, "", 0
+    code_dtype, code_rows, scale_dtype, scale_rows, tensor_scale_row = "int8", rows, "", 0, 0
     if fmt.kind == "bf16":
         code_dtype = "bf16"
     elif fmt.code_bits == 4:
-        code_rows = rows // 2  # two codes a byte: rows r and r + CHUNK / 2 of a chunk
+        code_rows = rows // 2  # two codes a byte
         scale_dtype = "bf16" if fmt.kind == "int4" else "int8"  # E8M0 / e4m3 scale bytes
         scale_rows = rows // group
+        if fmt.kind == "nvfp4":  # then a row of E8M0 tensor-scale bytes a chunk
+            tensor_scale_row, scale_rows = scale_rows, scale_rows + piece
     elif fmt.kind == "int8":
         scale_dtype, scale_rows = "f32", piece  # per-column scales, one row per chunk
     else:  # fp8:B, B x B blocks, each scale repeated over its B columns
@@ -293,6 +297,7 @@ def expert_chunks(fmt_text: str, d: int, width: int, max_piece_chunks: int) -> E
         scale_dtype=scale_dtype,
         scale_rows=scale_rows,
         scale_cols=LANES if scale_dtype else 0,
+        tensor_scale_row=tensor_scale_row,
         gate_up_k_chunks=cdiv(d, CHUNK),
         gate_up_col_blocks=cdiv(2 * width, LANES),
         down_k_chunks=cdiv(width, CHUNK),
@@ -372,9 +377,10 @@ class KernelFeatures(PlanModel):
     activations: list[str]  # the FFN kinds' gated activations (_activation's branches)
     recurrent: bool  # Gated DeltaNet or KDA kinds: causal conv and delta rule
     softplus: bool  # Gated DeltaNet's decay, or KDA's without a lower bound
-    expert_formats: list[str]  # routed-expert storage kinds: bf16, int4, mxfp4, fp8
+    expert_formats: list[str]  # routed-expert storage kinds: bf16, int8, int4, mxfp4, nvfp4, fp8
     stream_formats: list[StreamFormat]  # quantized weight-stream formats, in stream order
-    block_scales: bool  # mxfp4 / fp8 experts or fp8 stream segments: scales repeated over rows
+    block_scales: bool  # scaled experts or fp8 stream segments: scales on partial products
+    e2m1: bool  # mxfp4 / nvfp4 experts: e2m1 codes read as e4m3
 
 
 class KernelLayout(PlanModel):
@@ -624,7 +630,7 @@ MAX_PIECE_CHUNKS = 16  # 2 MiB bf16 pieces, the size of a weight-stream bank
 
 
 # Routed-expert formats the template reads, with the groups it can unpack.
-GENERATED_EXPERT_FORMATS = ("bf16", "int4", "mxfp4", "fp8")
+GENERATED_EXPERT_FORMATS = ("bf16", "int8", "int4", "mxfp4", "nvfp4", "fp8")
 # Dense (weight-stream) formats the template reads.
 GENERATED_STREAM_FORMATS = ("bf16", "int8", "fp8")
 
@@ -633,14 +639,12 @@ def _check_expert_format(text: str, name: str, width: int) -> None:
     from mkgen.spec.quant import parse_format
 
     fmt = parse_format(text)
-    if (
-        fmt.kind not in GENERATED_EXPERT_FORMATS
-        or (fmt.kind == "int4" and (CHUNK // 2) % fmt.group)
-        or (fmt.kind == "fp8" and CHUNK % fmt.group)
+    if fmt.kind not in GENERATED_EXPERT_FORMATS or (
+        fmt.kind in ("int4", "fp8") and CHUNK % fmt.group
     ):
         _unsupported(
-            f"ffn_kinds.{name}: routed experts in {text} (bf16, int4:G with G | 128, mxfp4 "
-            "and fp8:B with B | 256 are)"
+            f"ffn_kinds.{name}: routed experts in {text} (bf16, int8, int4:G and fp8:B with "
+            "G, B | 256, mxfp4 and nvfp4 are)"
         )
     if fmt.block and width % fmt.block:
         raise SpecError(
@@ -802,8 +806,9 @@ def _features(
         softplus=any(a.type == "gated_deltanet" or a.gate_lower_bound is None for a in recurrent),
         expert_formats=expert_formats,
         stream_formats=stream_formats,
-        block_scales=bool({"mxfp4", "fp8"} & set(expert_formats))
+        block_scales=bool(set(expert_formats) - {"bf16"})
         or any(f.block is not None for f in stream_formats),
+        e2m1=bool({"mxfp4", "nvfp4"} & set(expert_formats)),
     )
 
 

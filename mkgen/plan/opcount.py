@@ -15,6 +15,7 @@ What `mkgen compile --profile` holds the compiled kernel's LLO against
   ops; each dot costs the MXU ops of the 256 x 256 weight tiles it loads.
 - routing, vector, collectives: the plan's compute nodes priced by their elementwise
   flops over (8, 128) f32 vregs, the routing's top-k by its argmax loop.
+- recurrent: the delta rule's measured ops per row and head.
 - DMAs: the schedule's DMAs of each category, per step.
 
 A vector op works on one (8, 128) 32-bit vreg: a [rows, width] f32 elementwise op
@@ -65,19 +66,34 @@ class OpCounts:
 
 # Measured with scripts/measure_chunk_ops.py (libtpu 0.0.50.1; the template's Ring and
 # chunk products compiled alone for one TPU7x core with Mosaic's LLO dump), per format
-# as a spec writes it: ops of one 256 x 256 chunk product with its accumulate, of
-# one input chunk (_to_chunks) and of one output block (zeroed, read back), for 8 and
-# 16 token rows. With the weights passed as an input block instead of scratch, bf16
-# came to 171 vector ALU ops a chunk (an input block gets another VMEM tiling than the
-# ring's slots); that is likely why an earlier single-chunk compile of a bare dot gave
-# 269 for bf16 and 1,287 for mxfp4 (39 MXU ops, as here).
+# as a spec writes it (routed experts; "stream:" the weight stream's quantized banks,
+# read through a bitcast of the ring's bf16 rows): ops of one 256 x 256 chunk product
+# with its accumulate, of one input chunk (_to_chunks) and of one output block (zeroed,
+# read back), for 8 and 16 token rows. Every quantized format multiplies on the MXU in
+# its codes' dtype (bf16 x int8 / int4 / fp8 e4m3; mxfp4 and nvfp4 codes turned into
+# e4m3 by word ops), with group scales on a block-diagonal dot's partial products
+# (docs/quantized-paths.md); dequantizing to bf16 on the VPU first cost 1,221 vector
+# ALU ops a chunk for mxfp4 and 245 for int4:128. With the weights passed as an input
+# block instead of scratch, bf16 came to 171 vector ALU ops a chunk (an input block gets
+# another VMEM tiling than the ring's slots); that is likely why an earlier single-chunk
+# compile of a bare dot gave 269 for bf16 and 1,287 for mxfp4 (39 MXU ops, as here).
 CHUNK_OPS: dict[tuple[str, int], OpCounts] = {
     ("bf16", 8): OpCounts(vpu=11, mxu=39, loads=35, stores=2),
     ("bf16", 16): OpCounts(vpu=8, mxu=39, loads=38, stores=4),
-    ("mxfp4", 8): OpCounts(vpu=1221, mxu=39, loads=13.3, stores=2),
-    ("mxfp4", 16): OpCounts(vpu=1218, mxu=39, loads=16.3, stores=4),
-    ("int4:128", 8): OpCounts(vpu=245.3, mxu=78, loads=12, stores=2),
-    ("int4:128", 16): OpCounts(vpu=255.3, mxu=78, loads=15, stores=4),
+    ("int8", 8): OpCounts(vpu=50, mxu=39, loads=20, stores=2),
+    ("int8", 16): OpCounts(vpu=49, mxu=39, loads=23, stores=4),
+    ("int4:128", 8): OpCounts(vpu=80, mxu=23, loads=12, stores=2),
+    ("int4:128", 16): OpCounts(vpu=84, mxu=29, loads=15, stores=4),
+    ("mxfp4", 8): OpCounts(vpu=218, mxu=41, loads=12, stores=2),
+    ("mxfp4", 16): OpCounts(vpu=264, mxu=65, loads=15, stores=4),
+    ("nvfp4", 8): OpCounts(vpu=334, mxu=65, loads=14, stores=2),
+    ("nvfp4", 16): OpCounts(vpu=438, mxu=113, loads=17, stores=4),
+    ("fp8:128", 8): OpCounts(vpu=38, mxu=23, loads=20, stores=2),
+    ("fp8:128", 16): OpCounts(vpu=42, mxu=29, loads=23, stores=4),
+    ("stream:int8", 8): OpCounts(vpu=65, mxu=39, loads=21, stores=2),
+    ("stream:int8", 16): OpCounts(vpu=64, mxu=39, loads=24, stores=4),
+    ("stream:fp8:128", 8): OpCounts(vpu=57, mxu=23, loads=21, stores=2),
+    ("stream:fp8:128", 16): OpCounts(vpu=61, mxu=29, loads=24, stores=4),
 }
 INPUT_CHUNK_OPS = {8: OpCounts(vpu=8, stores=1), 16: OpCounts(vpu=2, stores=2)}
 OUTPUT_BLOCK_OPS = {8: OpCounts(loads=4, stores=4), 16: OpCounts(loads=8, stores=8)}
@@ -94,6 +110,14 @@ SOFTMAX_OPS = 5  # per router score vreg: max, subtract, exp, sum, divide
 # (compare, select, sum, select)
 TOP_K_OPS = 16
 ACTIVATION_OPS = 6  # per vreg of an expert's activation (silu: exp, add, recip, muls)
+
+# One row of the template's _delta_rule_step on 128 x 128 f32 states (16 vregs), compiled
+# alone (scripts/measure_chunk_ops.py delta_rule): (ops per head, ops per key head for
+# what a key's heads share: Mosaic normalises the query and key once). Gated DeltaNet:
+# one head 378 ops, two heads of a key 503; KDA: a key and a decay per key dim for every
+# head. The conv and the layout changes around the rule are not priced.
+DELTA_RULE_OPS = {"kda": (499, 0), "gated_deltanet": (125, 253)}
+DELTA_RULE_STATE_VREGS = 16
 COMBINE_OPS = 2  # per vreg of an expert's output: weight x y, + acc
 
 # A schedule DMA category -> the phase whose code issues it.
@@ -169,7 +193,7 @@ def node_op_counts(
     A stream segment's and an expert's ring matmul is spread over its banks or pieces by
     the chunks each holds; a node's ops times its ``repeat`` summed per phase is
     `model_op_counts`. The cost model (mkgen.plan.cost) prices each node from these."""
-    from mkgen.plan.vmem import q_rows
+    from mkgen.plan.vmem import q_rows, recurrent_dims
 
     unpriced: set[str] = set()
     dims = vmem.dims
@@ -189,7 +213,9 @@ def node_op_counts(
 
     def spread(first: int, segments: Any) -> None:
         for seg in segments:
-            whole = ring_matmul(seg.format, seg.k_chunks, seg.col_blocks)
+            # A quantized bank is read through a bitcast of the ring's bf16 rows.
+            fmt = seg.format if seg.format == "bf16" else f"stream:{seg.format}"
+            whole = ring_matmul(fmt, seg.k_chunks, seg.col_blocks)
             for j in range(seg.banks):
                 held = min(seg.chunks_per_bank, seg.chunks - j * seg.chunks_per_bank)
                 share = OpCounts()
@@ -263,6 +289,14 @@ def node_op_counts(
             kind = spec.ffn_kinds[ffn]
             ops = (SOFTMAX_OPS + TOP_K_OPS * kind.top_k) * vregs(tp, kind.num_experts)
             out.append(("routing", OpCounts(vpu=ops)))
+        elif node.cat == "recurrent":  # one sequence's rows, one head after another
+            kind = spec.attention_kinds[attn]
+            a = sharding.attention[attn]
+            heads, dk, dv, _ = recurrent_dims(kind, a)
+            keys = a.kv_heads_per_rank if kind.type == "gated_deltanet" else heads
+            per_head, per_key = DELTA_RULE_OPS[kind.type]
+            per_row = (heads * per_head + keys * per_key) * vregs(dk, dv) / DELTA_RULE_STATE_VREGS
+            out.append((COMPUTE_PHASE.get(node.cat, "vector"), OpCounts(vpu=dims.rows * per_row)))
         elif node.cat == "collective":
             # A sum adds each stage's other members' slots; a concatenation only copies.
             width = node.flops // (slots * tp)  # the schedule's: slots x padded rows x width
