@@ -5,9 +5,11 @@ calls `run`; `mkgen run BUILD` calls the same function. The work is split by con
 
     build.py        Build (the constants), loading plan.json and megakernel.py
     arguments.py    the options, all checked before any expensive work (one-line errors)
-    devices.py      JAX's environment, the mesh, jax.distributed, host values
+    devices.py      JAX's environment, the mesh, jax.distributed, prompts broadcast,
+                    host values
     weights.py      converted or random weights, placed per core on the mesh
     decode.py       the XLA prefill into the kernel's caches, the decode loop
+    disaggregation.py  prefill on its own mesh, caches handed over, offloaded and restored
     sampling.py     sampling probabilities from a row of logits
     speculation.py  drafters (prompt lookup or a user callable) and draft acceptance
     bench.py        step-time medians and tokens/s
@@ -15,7 +17,8 @@ calls `run`; `mkgen run BUILD` calls the same function. The work is split by con
 
 JAX reads its environment (interpret mode's virtual CPU devices) when it is imported, so
 nothing imports it before `run` has set that: devices.py imports it inside its functions,
-weights.py and decode.py at their top, and `run` imports those two only afterwards.
+weights.py, decode.py and disaggregation.py at their top, and `run` imports those only
+afterwards.
 """
 
 from mkgen.runtime.build import Build
