@@ -63,7 +63,8 @@ def _generate(build: Build, args: Namespace) -> None:
     meshes = 2 if args.disaggregate else 1  # disaggregation.MESHES (it imports JAX)
     devices.configure(build, args.interpret, meshes, args.num_processes or 1)
     devices.start_distributed(args)
-    args.prompts = devices.broadcast_prompts(args.prompts)
+    if args.multi_host:  # (asking JAX for the process count would start its backends here)
+        args.prompts = devices.broadcast_prompts(args.prompts)
     import jax
 
     from mkgen.runtime import disaggregation
