@@ -8,17 +8,19 @@ calls `run`; `mkgen run BUILD` calls the same function. The work is split by con
     devices.py      JAX's environment, the mesh, jax.distributed, prompts broadcast,
                     host values
     weights.py      converted or random weights, placed per core on the mesh
-    decode.py       the XLA prefill into the kernel's caches, the decode loop
+    decode.py       loading the model, the XLA prefill into the kernel's caches, the
+                    decode loop (several steps per device call, sampling on the device)
     disaggregation.py  prefill on its own mesh, caches handed over, offloaded and restored
-    sampling.py     sampling probabilities from a row of logits
+    slots.py        one sequence's caches into and out of a batch slot (mkgen serve)
+    sampling.py     sampling from logits: on the host (speculation) or in a jitted step
     speculation.py  drafters (prompt lookup or a user callable) and draft acceptance
     bench.py        step-time medians and tokens/s
     main.py         run: the steps above in order, and what is printed
 
 JAX reads its environment (interpret mode's virtual CPU devices) when it is imported, so
 nothing imports it before `run` has set that: devices.py imports it inside its functions,
-weights.py, decode.py and disaggregation.py at their top, and `run` imports those only
-afterwards.
+weights.py, decode.py, disaggregation.py, sampling.py and slots.py at their top, and
+`run` imports them only afterwards.
 """
 
 from mkgen.runtime.build import Build
