@@ -5,8 +5,8 @@ Each process parses the runner's own options (--multi-host --interpret --coordin
 --num-processes --process-id), places only its own core's weights, receives process 0's
 prompt (process 1 is given another one), and runs the XLA prefill across both processes:
 each process's share of the kernel caches equals its core's cut of the reference
-model's caches. The kernel itself across processes is not covered here (see
-docs/disaggregation.md).
+model's caches. The interpret-mode kernel cannot run across processes (its simulated
+memory is per process): the runner refuses that in one line (docs/disaggregation.md).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_run import assert_user_error, mkgen
 from test_convert import FIXTURES
 
 from mkgen.codegen.package import make_build
@@ -144,6 +145,42 @@ def test_two_processes_load_their_own_weights_and_prefill_together(tmp_path: Pat
         assert r["read"] == [r["rank"]]  # its own core's weights only
         assert r["prompt"] == PROMPT  # process 0's, broadcast
         assert r["worst"] <= CACHE_RTOL, r
+
+
+def test_the_runner_refuses_to_decode_across_processes_in_interpret_mode(tmp_path: Path) -> None:
+    """Interpret mode simulates the cores' memory and semaphores per process: across
+    processes the kernel's first remote DMA would wait forever, so the runner says so
+    before connecting to anyone."""
+    spec = load_spec(FIXTURES / "qwen3" / "config.json")
+    make_build(spec, parse_topology("1x1x1"), BuildOptions.create(context=64), output=tmp_path)
+    result = mkgen(
+        "run", str(tmp_path), "--interpret", "--random-weights", "0", "--multi-host",
+        "--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", "2", "--process-id", "0",
+        timeout=120,
+    )  # fmt: skip
+    assert_user_error(result, "--multi-host --interpret:", "cannot decode across processes")
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--num-processes", "2"], "--multi-host --interpret: give --coordinator, --process-id"),
+        (
+            ["--coordinator", "127.0.0.1:1", "--num-processes", "3", "--process-id", "0"],
+            "--num-processes: must divide the build's 2 devices in interpret mode, got 3",
+        ),
+    ],
+)
+def test_multi_host_interpret_flags_are_checked(
+    tmp_path: Path, args: list[str], fragment: str
+) -> None:
+    spec = load_spec(FIXTURES / "qwen3" / "config.json")
+    make_build(spec, parse_topology("1x1x1"), BuildOptions.create(context=64), output=tmp_path)
+    result = mkgen(
+        "run", str(tmp_path), "--interpret", "--random-weights", "0", "--multi-host", *args,
+        timeout=120,
+    )  # fmt: skip
+    assert_user_error(result, f"mkgen run: error: {fragment}")
 
 
 if __name__ == "__main__":

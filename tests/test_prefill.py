@@ -198,6 +198,18 @@ def test_sharded_prefill_writes_the_reference_caches() -> None:
         assert results[spec_ref]["compiles"] == [3], results[spec_ref]  # chunks of 8, 2 and 1
 
 
+def test_dense_mlps_split_by_columns_are_computed_in_pieces() -> None:
+    """The dense MLPs of these specs are split as tensor parallelism splits them, so the
+    prefill computes each core's columns alone (the cache test above checks the result);
+    a MoE kind is not."""
+    from mkgen.codegen.prefill import _columns_split
+
+    for spec_ref in ("qwen3.8-27b", str(SPECS / "mla-hybrid.yaml")):
+        _, layout, _ = _setup(spec_ref)
+        assert [_columns_split(f) for f in layout.ffn if f.type == "dense"] == [True]
+        assert not any(_columns_split(f) for f in layout.ffn if f.type == "moe")
+
+
 def test_prompts_go_in_power_of_two_chunks() -> None:
     """Any prompt length is covered, in order and largest first, by chunks whose sizes
     are distinct powers of two, so a context of 64 compiles at most 7 chunk sizes."""
@@ -213,3 +225,7 @@ def test_prompts_go_in_power_of_two_chunks() -> None:
         assert [n for _, n in chunks] == sorted({n for _, n in chunks}, reverse=True)
         sizes |= {n for _, n in chunks}
     assert sizes == {1, 2, 4, 8, 16, 32, 64}
+
+
+if __name__ == "__main__":
+    print(json.dumps(_prefill_child(sys.argv[1:])))

@@ -17,8 +17,9 @@ whatever the prompts' lengths.
 
 Memory: besides the weights already placed, a device holds the prompt's activations,
 one layer's tensors other than routed experts (f32), one expert's activations and the
-layer's reference cache. Compute for everything but the routed experts is replicated on
-every core (a head-split prefill would divide it).
+layer's reference cache. Routed experts and dense MLPs split by columns (_columns_split)
+are computed by their own cores, each on its share; the rest (attention, shared experts,
+the router) is still computed whole on every core (a head split would divide it).
 """
 
 from __future__ import annotations
@@ -33,7 +34,14 @@ from jax.sharding import PartitionSpec as P
 
 from mkgen.codegen import unpack
 from mkgen.codegen.pack import expert_arrays, layer_bank_range
-from mkgen.plan.layout import GQALayout, KernelLayout, MLALayout, MoELayout, RecurrentLayout
+from mkgen.plan.layout import (
+    DenseLayout,
+    GQALayout,
+    KernelLayout,
+    MLALayout,
+    MoELayout,
+    RecurrentLayout,
+)
 from mkgen.reference import model as reference
 from mkgen.reference.layers import gated_activation, mm, rms_norm
 from mkgen.spec.schema import ModelSpec
@@ -133,6 +141,24 @@ def prompt_chunks(length: int) -> list[tuple[int, int]]:
     return chunks
 
 
+def _columns_split(ffn: DenseLayout | MoELayout) -> bool:
+    """Whether a dense FFN kind is split over the cores as tensor parallelism splits it:
+    W_gate and W_up by columns, W_down by rows, each core its own piece, no biases. Each
+    core then runs the MLP on its columns alone and a psum adds the cores' outputs, so
+    no core computes the whole MLP."""
+    if not isinstance(ffn, DenseLayout) or ffn.vectors:
+        return False
+    parts = {p.tensor: p for segment in ffn.segments for p in segment.parts}
+    down = parts.get("ffn.w_down")
+    inputs = [parts[n] for n in ("ffn.w_gate", "ffn.w_up") if n in parts]
+    if down is None or not inputs or len(parts) != len(inputs) + 1:
+        return False
+    return all(
+        p.view is None and p.rank_divisor == 1 and p.size == down.size and p.axis == axis
+        for p, axis in [(down, -2), *((p, -1) for p in inputs)]
+    )
+
+
 def _layer_step(
     spec: ModelSpec,
     layout: KernelLayout,
@@ -149,6 +175,7 @@ def _layer_step(
     start, end = layer_bank_range(layout, layer)
     banks = end - start
     ffn = layout.ffn[layout.ffn_table[layer]]
+    columns_split = _columns_split(ffn)
 
     def body(stream, vectors, experts, h, cache, position, first, index, slot):
         layer_banks = jax.lax.dynamic_slice_in_dim(stream[0], first, banks, axis=0)
@@ -156,6 +183,9 @@ def _layer_step(
         own = [array[0, slot] for array in experts]
         pieces = unpack.layer_pieces(layout, layer, layer_banks, slab, own, shapes)
         routed = {n: pieces.pop(f"ffn.{n}") for n in unpack.EXPERT_TENSORS if f"ffn.{n}" in pieces}
+        mine = {}  # the MLP's pieces of this core, when they are used unassembled
+        if columns_split:
+            mine = {n.removeprefix("ffn."): pieces.pop(n) for n in list(pieces) if "ffn.w_" in n}
         gathered = {n: jax.lax.all_gather(v, axis) for n, v in pieces.items()}
         w = unpack.assemble(layout, layer, gathered, shapes)
         zero_centered = layout.zero_centered
@@ -164,6 +194,8 @@ def _layer_step(
         out, cache = reference.attention(spec, layer, attn, x, cache, position)
         h = h + out
         x = rms_norm(h, w["ffn_norm"], layout.norm_eps, zero_centered)
+        if columns_split:
+            return h + jax.lax.psum(reference.ffn(spec, layer, mine, x), axis), cache
         weights = reference.layer_weights(w, "ffn.")
         kwargs = {}
         if isinstance(ffn, MoELayout):

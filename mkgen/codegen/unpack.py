@@ -260,7 +260,8 @@ def assemble(
     """Layer `layer`'s tensors (not its routed experts, which stay split: prefill.py) from
     every rank's pieces, `gathered[name]` [ranks, *piece] (layer_pieces of every rank,
     stacked). Tensors seen through several views (MLA's wkv_b: uk and uv) are put back
-    together from all of them."""
+    together from all of them. A tensor whose pieces `gathered` lacks (one the caller
+    computes with piece by piece) is left out."""
     attention = layout.attention[layout.attention_table[layer]]
     ffn = layout.ffn[layout.ffn_table[layer]]
     parts = [p for s in attention.segments + ffn.segments for p in s.parts]
@@ -270,7 +271,7 @@ def assemble(
     for part in parts:
         if part.view is not None:
             viewed.setdefault(part.tensor, []).append(part)
-        else:
+        elif piece_key(part) in gathered:
             tensors[part.tensor] = _joined(part, gathered[piece_key(part)])
     for name, views in viewed.items():
         k, n = shapes[name]

@@ -5,10 +5,12 @@ calls `run`; `mkgen run BUILD` calls the same function. The work is split by con
 
     build.py        Build (the constants), loading plan.json and megakernel.py
     arguments.py    the options, all checked before any expensive work (one-line errors)
-    devices.py      JAX's environment, the mesh, jax.distributed, host values
+    devices.py      JAX's environment, the mesh, jax.distributed, prompts broadcast,
+                    host values
     weights.py      converted or random weights, placed per core on the mesh
     decode.py       loading the model, the XLA prefill into the kernel's caches, the
                     decode loop (several steps per device call, sampling on the device)
+    disaggregation.py  prefill on its own mesh, caches handed over, offloaded and restored
     slots.py        one sequence's caches into and out of a batch slot (mkgen serve)
     sampling.py     sampling from logits: on the host (speculation) or in a jitted step
     speculation.py  drafters (prompt lookup or a user callable) and draft acceptance
@@ -17,8 +19,8 @@ calls `run`; `mkgen run BUILD` calls the same function. The work is split by con
 
 JAX reads its environment (interpret mode's virtual CPU devices) when it is imported, so
 nothing imports it before `run` has set that: devices.py imports it inside its functions,
-weights.py, decode.py, sampling.py and slots.py at their top, and `run` imports them only
-afterwards.
+weights.py, decode.py, disaggregation.py, sampling.py and slots.py at their top, and
+`run` imports them only afterwards.
 """
 
 from mkgen.runtime.build import Build

@@ -47,9 +47,6 @@ def broadcast_prompts(prompts: list[list[int]]) -> list[list[int]]:
     the others receive it, so every process feeds its devices the same tokens."""
     import jax
     import numpy as np
-
-    if jax.process_count() == 1:
-        return prompts
     from jax.experimental.multihost_utils import broadcast_one_to_all
 
     lengths = broadcast_one_to_all(np.array([len(p) for p in prompts], np.int32))
