@@ -31,7 +31,8 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr
 from mkgen.hardware import ISSUE_RATES
 from mkgen.plan.cost import CostConstants, Estimate, TraceEvent, estimate, to_chrome_trace
 from mkgen.plan.graph import GraphSummary, ScheduleCheckError, analyse
-from mkgen.plan.layout import FULL_BANK_ROWS, MAX_PIECE_CHUNKS, KernelLayout, build_layout
+from mkgen.plan.kernel import build_layout
+from mkgen.plan.layout import FULL_BANK_ROWS, MAX_PIECE_CHUNKS, KernelLayout
 from mkgen.plan.memory import MemoryPlan, check_fit, plan_memory
 from mkgen.plan.opcount import compute_timeline_us, model_op_counts
 from mkgen.plan.options import BuildOptions

@@ -160,8 +160,7 @@ def model_op_counts(
 ) -> tuple[dict[str, OpCounts], list[str]]:
     """(phase -> the model's ops per step, formats the model has no measurement for), from
     a build's schedule, weight stream, VMEM plan and sharding (the plan's pieces)."""
-    from mkgen.plan.schedule import kv_tiles
-    from mkgen.plan.vmem import q_rows
+    from mkgen.kinds.cache_attention import kv_tiles, q_rows
 
     out = {p: OpCounts() for p in PHASES}
     unpriced: set[str] = set()

@@ -1,0 +1,100 @@
+"""GQA: grouped-query attention over a k and a v cache (templates/kinds/gqa.py.j2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mkgen.kinds import cache_attention
+from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
+from mkgen.plan.layout import CacheArray, GQALayout, VectorRow, rope_layout, segment_columns
+from mkgen.plan.options import kv_tile
+from mkgen.plan.stream import part_of
+
+TEMPLATE = "kinds/gqa.py.j2"
+# The small vectors a GQA layer reads from its slab, in slab order (the VMEM plan counts
+# only these rows; other kinds keep every vector-family tensor in the slab).
+SLAB_VECTORS = ("q_norm", "k_norm", "bq", "bk", "bv", "bo", "sinks")
+
+
+def layout(i: LayoutInputs) -> GQALayout:
+    kind, shard = i.kind, i.shard
+    context, batch = i.options.context, i.options.batch
+    parts = {t.name: part_of(t, i.devices) for t in shard.tensors}
+    heads, kv_heads = shard.heads_per_rank, shard.kv_heads_per_rank
+    d = kind.head_dim
+    present = [n for n in SLAB_VECTORS if f"attn.{n}" in parts]
+    # Rows 0 and 1 of a layer's slab hold its attn_norm and ffn_norm.
+    vectors = [
+        VectorRow(name=n, row=2 + j, part=parts[f"attn.{n}"], length=parts[f"attn.{n}"].size)
+        for j, n in enumerate(present)
+    ]
+    group = heads // kv_heads  # q heads per kv head on a core
+    return GQALayout(
+        name=i.name,
+        index=i.index,
+        layers=i.layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        kv_rank_divisor=parts["attn.wk"].rank_divisor,
+        group=group,
+        head_dim=d,
+        value_dim=d,
+        q_cols=heads * d,
+        kv_cols=kv_heads * d,
+        q_rows=cache_attention.q_rows(group, i.options.rows),
+        columns=segment_columns(i.segments, "qkv", "attn."),
+        gate=kind.output_gate == "sigmoid",
+        qk_norm=kind.qk_norm,
+        sinks=kind.sinks,
+        qkv_bias=kind.qkv_bias,
+        o_bias=kind.o_bias,
+        window=kind.sliding_window,
+        softmax_scale=kind.softmax_scale or d**-0.5,
+        rope=rope_layout(kind.rope, kind.rotary_dim) if kind.rope else None,
+        segments=i.segments,
+        vectors=vectors,
+        kv_tile=kv_tile(context),
+        cache_arrays=2,
+        caches=[
+            CacheArray(name=n, shape=[len(i.layers), batch, kv_heads, context, d], dtype="bfloat16")
+            for n in ("k", "v")
+        ],
+    )
+
+
+def rotary_dim(kind: Any) -> int:
+    return kind.rotary_dim
+
+
+def buffers(out: Any, i: BufferInputs) -> None:
+    kvh, d = i.shard.kv_heads_per_rank, i.kind.head_dim
+    qr = cache_attention.q_rows(i.shard.heads_per_rank // kvh, i.dims.rows)
+    cache_attention.buffers(out, i.name, i.dims, kvh, qr, (2, d, d), i.kind.sinks)
+
+
+def program(b: Any, s: Step) -> int:
+    """Norm, q|k|v, q/k norm and RoPE, cache write, attention over the tiles of every
+    (sequence, kv head), output gate, output projection, all-reduce."""
+    layer, name, kind, a = s.layer, s.name, s.kind, s.shard
+    dims = b.dims
+    y = b.segment(layer, name, s.segments["qkv"], s.first_bank, s.x)
+    y = b.vec(layer, f"{name}: q/k norm, rope, new rows", y, 8 * b.t * dims.hidden,
+              ((s.vectors, None, 0),))  # fmt: skip
+    g = a.kv_heads_per_rank
+    wrote = cache_attention.cache_write(b, layer, name, 2, g, kind.head_dim, y)
+    n = cache_attention.kv_tiles(dims.context, dims.kv_tile, kind.sliding_window, dims.rows)
+    qr = cache_attention.q_rows(a.heads_per_rank // g, dims.rows)
+    sems = [(f"{name}_tile_sems[0,{buf}]", f"{name}_tile_sems[1,{buf}]") for buf in range(2)]
+    flops = 4 * qr * dims.kv_tile * kind.head_dim
+    out = {}
+
+    def pair() -> None:
+        out["o"] = cache_attention.tiles(b, layer, name, wrote, y, n,
+                                         2 * dims.kv_tile * kind.head_dim * 2, sems, flops)  # fmt: skip
+
+    b.folded(dims.batch * g, pair)  # for each (sequence, kv head)
+    gate = ", output gate" if kind.output_gate != "none" else ""
+    o = b.vec(layer, f"{name}: heads -> rows{gate}", out["o"],
+              b.t * a.heads_per_rank * kind.head_dim, ((y, None, 0),))  # fmt: skip
+    y = b.segment(layer, name, s.segments["o"], s.first_bank, o)
+    return b.collective(layer, s.collectives.get("attn_out"), y)

@@ -1,0 +1,120 @@
+"""MLA, absorbed: one latent cache row per token, read by every q head
+(templates/kinds/mla.py.j2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mkgen.kinds import cache_attention
+from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
+from mkgen.plan.layout import (
+    CacheArray,
+    MLALayout,
+    VectorRow,
+    rope_layout,
+    segment_columns,
+    unsupported,
+)
+from mkgen.plan.options import kv_tile
+from mkgen.plan.stream import CHUNK, LANES, part_of
+from mkgen.spec.rope import mla_softmax_scale
+
+TEMPLATE = "kinds/mla.py.j2"
+SLAB_VECTORS = None  # every vector-family tensor (q_norm, kv_norm) takes its rows
+
+
+def layout(i: LayoutInputs) -> MLALayout:
+    kind, shard = i.kind, i.shard
+    context, batch = i.options.context, i.options.batch
+    if shard.latent == "split":
+        unsupported(f"attention_kinds.{i.name}: MLA latent projections split over cores")
+    parts = {t.name: part_of(t, i.devices) for t in shard.tensors}
+    present = [n for n in ("q_norm", "kv_norm") if f"attn.{n}" in parts]
+    vectors = [
+        VectorRow(name=n, row=2 + j, part=parts[f"attn.{n}"], length=parts[f"attn.{n}"].size)
+        for j, n in enumerate(present)
+    ]
+    width = kind.kv_lora_rank + kind.qk_rope_head_dim
+    return MLALayout(
+        name=i.name,
+        index=i.index,
+        layers=i.layers,
+        heads=shard.heads_per_rank,
+        group=shard.heads_per_rank,
+        q_rows=cache_attention.q_rows(shard.heads_per_rank, i.options.rows),
+        q_lora_rank=kind.q_lora_rank or 0,
+        kv_lora_rank=kind.kv_lora_rank,
+        nope_dim=kind.qk_nope_head_dim,
+        rope_dim=kind.qk_rope_head_dim,
+        v_dim=kind.v_head_dim,
+        head_dim=width,
+        value_dim=kind.kv_lora_rank,
+        gate=kind.output_gate == "sigmoid",
+        latent_eps=kind.latent_norm_eps if kind.latent_norm_eps is not None else i.dims.norm_eps,
+        softmax_scale=mla_softmax_scale(kind),
+        rope=rope_layout(kind.rope, kind.qk_rope_head_dim).model_copy(
+            update={"interleaved": False}  # the views store rotary pairs as halves
+        )
+        if kind.rope
+        else None,
+        columns=segment_columns(i.segments, "down", "attn."),
+        segments=i.segments,
+        vectors=vectors,
+        kv_tile=kv_tile(context),
+        caches=[
+            CacheArray(
+                name="latent", shape=[len(i.layers), batch, 1, context, width], dtype="bfloat16"
+            )
+        ],
+    )
+
+
+def rotary_dim(kind: Any) -> int:
+    return kind.qk_rope_head_dim if kind.rope is not None else 0
+
+
+def buffers(out: Any, i: BufferInputs) -> None:
+    kind, heads, dims = i.kind, i.shard.heads_per_rank, i.dims
+    row = kind.kv_lora_rank + kind.qk_rope_head_dim
+    qr = cache_attention.q_rows(heads, dims.rows)
+    cache_attention.buffers(out, i.name, dims, 1, qr, (1, row, kind.kv_lora_rank))
+    uk, uv = i.stream.attention[i.name].segment("uk"), i.stream.attention[i.name].segment("uv")
+    stacked = heads * dims.tokens_padded
+    out.add(f"{i.name}_xk_heads_vmem", "attention",
+            (max(uk.k_chunks, uv.k_chunks), stacked, CHUNK), "bf16",
+            why="uk / uv inputs, one row block per head")  # fmt: skip
+    out.add(f"{i.name}_acc_heads_vmem", "attention",
+            (max(uk.col_blocks, uv.col_blocks), stacked, LANES), "f32",
+            why="uk / uv outputs, one row block per head")  # fmt: skip
+
+
+def program(b: Any, s: Step) -> int:
+    """Norm, the down projection (q and kv latents), latent norms, q up-projection, q_nope
+    into latent space (uk), cache write, attention over the latent cache's tiles, latent
+    -> values (uv), output projection, all-reduce."""
+    layer, name, kind, segs, first = s.layer, s.name, s.kind, s.segments, s.first_bank
+    dims = b.dims
+    y = b.segment(layer, name, segs["down"], first, s.x)
+    y = b.collective(layer, s.collectives.get("mla_latent"), y)
+    y = b.vec(layer, f"{name}: latent norms", y, 5 * b.t * (
+        (kind.q_lora_rank or 0) + kind.kv_lora_rank), ((s.vectors, None, 0),))  # fmt: skip
+    if "q_b" in segs:
+        y = b.segment(layer, name, segs["q_b"], first, y)
+    # Absorbed: q_nope -> latent space (uk), attention, latent -> values (uv).
+    y = b.segment(layer, name, segs["uk"], first, y)
+    lat = kind.kv_lora_rank + kind.qk_rope_head_dim
+    wrote = cache_attention.cache_write(b, layer, name, 1, 1, lat, y)
+    n = cache_attention.kv_tiles(dims.context, dims.kv_tile, None, dims.rows)
+    qr = cache_attention.q_rows(s.shard.heads_per_rank, dims.rows)
+    sems = [(f"{name}_tile_sems[0,{buf}]",) for buf in range(2)]
+    flops = 2 * qr * dims.kv_tile * (lat + kind.kv_lora_rank)
+    out = {}
+
+    def sequence() -> None:
+        out["o"] = cache_attention.tiles(b, layer, name, wrote, y, n, dims.kv_tile * lat * 2,
+                                         sems, flops)  # fmt: skip
+
+    b.folded(dims.batch, sequence)
+    o = b.segment(layer, name, segs["uv"], first, out["o"])
+    y = b.segment(layer, name, segs["o"], first, o)
+    return b.collective(layer, s.collectives.get("attn_out"), y)

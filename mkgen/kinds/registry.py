@@ -1,0 +1,30 @@
+"""Layer kind type -> the module holding its rules (and naming its template macros).
+
+Every kind's module provides the same names: ``TEMPLATE`` (its macros' file under
+mkgen/templates/), ``SLAB_VECTORS`` (the vector-family tensors its layers keep in their
+vector slab, None: all), ``layout(LayoutInputs)``, ``buffers(out, BufferInputs)``,
+``program(builder, Step)`` and, for attention kinds, ``rotary_dim(kind)``.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from mkgen.errors import SpecError
+from mkgen.kinds import dense, gated_deltanet, gqa, kda, mla, moe
+
+ATTENTION: dict[str, ModuleType] = {
+    "gqa": gqa,
+    "mla": mla,
+    "gated_deltanet": gated_deltanet,
+    "kda": kda,
+}
+FFN: dict[str, ModuleType] = {"dense": dense, "moe": moe}
+KINDS = {**ATTENTION, **FFN}
+
+
+def kind_module(type_: str, where: str) -> ModuleType:
+    """The module of the layer kind of type `type_` (`where` names the kind in the spec)."""
+    if type_ not in KINDS:
+        raise SpecError(f"{where} ({type_}) is not supported by the code generator yet")
+    return KINDS[type_]
