@@ -10,10 +10,15 @@ import typing
 import pytest
 from jinja2 import nodes
 
+from mkgen.codegen.build import render_kernel
+from mkgen.codegen.conformance import consumed_segments
 from mkgen.codegen.render import TEMPLATES, environment
 from mkgen.errors import SpecError
-from mkgen.kinds import registry
+from mkgen.kinds import moe, registry
+from mkgen.plan import BuildOptions, plan_build
+from mkgen.spec.loader import load_spec
 from mkgen.spec.schema import AttentionKind, FFNKind
+from mkgen.spec.topology import parse_topology
 
 KERNEL_TEMPLATE = "megakernel.py.j2"
 # Macros every kind's template defines (the kernel places their output).
@@ -114,3 +119,30 @@ def test_a_kinds_module_imports_on_its_own(module: str) -> None:
         [sys.executable, "-c", f"import mkgen.kinds.{module}"], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr.strip().splitlines()[-1:]
+
+
+def test_the_moe_kernel_and_program_follow_one_op_list(monkeypatch) -> None:
+    """MoE's op order lives in one place (mkgen.kinds.moe.ops): swap two of its ops and
+    the program and the rendered kernel both consume the stream in the new order."""
+    plan = _kimi_plan()
+    moe_kernel = next(f for f in plan.kernel.ffn if f.name == "moe")
+    assert moe_kernel.ops.index("shared") < moe_kernel.ops.index("latent_out")
+    assert plan.schedule.segment_order["moe"] == ["in", "shared_down", "latent_out"]
+    original = moe.ops
+
+    def swapped(kind: object) -> list[str]:
+        order = original(kind)
+        i, j = order.index("shared"), order.index("latent_out")
+        order[i], order[j] = order[j], order[i]
+        return order
+
+    monkeypatch.setattr(moe, "ops", swapped)
+    plan = _kimi_plan()
+    consumed = consumed_segments(render_kernel(plan.kernel, ""), plan.kernel)
+    assert plan.schedule.segment_order["moe"] == consumed["moe"]
+    assert consumed["moe"] == ["in", "latent_out", "shared_down"]
+
+
+def _kimi_plan():  # the program unchecked: a swapped order may wait on the ring
+    options = BuildOptions.create(rows=8)
+    return plan_build(load_spec("kimi-k3"), parse_topology("2x2x4"), options, enforce=False)

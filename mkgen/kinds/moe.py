@@ -85,6 +85,7 @@ def layout(i: LayoutInputs) -> MoELayout:
         columns=columns,
         segments=i.segments,
         in_segments=[s.name for s in i.segments if s.name.split(".")[0] == "in"],
+        ops=ops(kind),
         vectors=vectors,
         bias_row=i.first_row + len(vectors) if kind.expert_bias else None,
     )
@@ -123,35 +124,48 @@ def buffers(out: Any, i: BufferInputs) -> None:
             why="expert matmul output blocks")  # fmt: skip
 
 
+def ops(kind: Any) -> list[str]:
+    """The MoE layer's ops in the order its kernel function runs them: `program` emits
+    them in this order and the template prints them in it (MoELayout.ops)."""
+    latent, shared = ["latent_in"] if kind.latent else [], ["shared"] if kind.shared_experts else []
+    tail = ["latent_out"] if kind.latent else []
+    return ["in", "route", *latent, "experts", *shared, *tail, "combine"]
+
+
 def program(b: Any, s: Step) -> int:
-    """The "in" segments (router, latent_in, shared gate|up), routing, the latent's
-    all-gather and norm, the chosen experts, the shared experts' down projection, the
-    latent's way back to hidden, the combine."""
+    """The layer's ops (`ops`): the "in" segments (router, latent_in, shared gate|up),
+    routing, the latent's all-gather and norm, the chosen experts, the shared experts'
+    down projection, the latent's way back to hidden, the combine."""
     layer, name, kind, segs, first = s.layer, s.name, s.kind, s.segments, s.first_bank
-    v, x, colls = s.vectors, s.x, s.collectives
-    y = x
-    for seg in (seg for n, seg in segs.items() if n.split(".")[0] == "in"):
-        y = b.segment(layer, name, seg, first, y)  # one segment per format of "in"
-    route = b.run("routing", f"L{layer} {name}: router scores, top-{kind.top_k}", layer,
-                  4 * b.t * kind.num_experts * kind.top_k, ((y, None, 0), (v, None, 0)))  # fmt: skip
-    lat = x
-    if kind.latent:
-        lat = b.collective(layer, colls.get("latent_in"), y)
-        lat = b.vec(layer, f"{name}: latent norm", lat, 5 * b.t * kind.latent.width,
-                    ((v, None, 0),))  # fmt: skip
-    out = _experts(b, layer, name, kind, s.shard, route, lat)
+    v, colls = s.vectors, s.collectives
+    y = route = lat = out = s.x
     shared = None
-    if kind.shared_experts:
-        width = next(t.rank_shape[-1] for t in s.shard.tensors if t.name == "ffn.shared_up")
-        act = b.vec(layer, f"{name}: shared activation", y, 8 * b.t * width)
-        shared = b.segment(layer, name, segs["shared_down"], first, act)
-    if kind.latent:
-        out = b.collective(layer, colls.get("expert_out"), out)
-        out = b.segment(layer, name, segs["latent_out"], first, out)
-    if shared is not None:
-        out = b.vec(layer, f"{name}: experts + shared experts", out, b.t * b.dims.hidden,
-                    ((shared, None, 0),))  # fmt: skip
-    return b.collective(layer, colls.get("ffn_out"), out)
+    for op in ops(kind):
+        if op == "in":
+            for seg in (seg for n, seg in segs.items() if n.split(".")[0] == "in"):
+                y = b.segment(layer, name, seg, first, y)  # one segment per format of "in"
+        elif op == "route":
+            route = b.run("routing", f"L{layer} {name}: router scores, top-{kind.top_k}", layer,
+                          4 * b.t * kind.num_experts * kind.top_k, ((y, None, 0), (v, None, 0)))  # fmt: skip
+        elif op == "latent_in":
+            lat = b.collective(layer, colls.get("latent_in"), y)
+            lat = b.vec(layer, f"{name}: latent norm", lat, 5 * b.t * kind.latent.width,
+                        ((v, None, 0),))  # fmt: skip
+        elif op == "experts":
+            out = _experts(b, layer, name, kind, s.shard, route, lat)
+        elif op == "shared":
+            width = next(t.rank_shape[-1] for t in s.shard.tensors if t.name == "ffn.shared_up")
+            act = b.vec(layer, f"{name}: shared activation", y, 8 * b.t * width)
+            shared = b.segment(layer, name, segs["shared_down"], first, act)
+        elif op == "latent_out":
+            out = b.collective(layer, colls.get("expert_out"), out)
+            out = b.segment(layer, name, segs["latent_out"], first, out)
+        else:  # combine
+            if shared is not None:
+                out = b.vec(layer, f"{name}: experts + shared experts", out, b.t * b.dims.hidden,
+                            ((shared, None, 0),))  # fmt: skip
+            out = b.collective(layer, colls.get("ffn_out"), out)
+    return out
 
 
 def _experts(b: Any, layer: int, name: str, kind: Any, f: Any, route: int, x: int) -> int:

@@ -334,6 +334,7 @@ class MoELayout(PlanModel):
     columns: dict[str, Columns]  # outputs of the "in" segment: router, latent_in, shared_*
     segments: list[Segment]  # in, latent_out, shared_down
     in_segments: list[str]  # the "in" tensors' segments: one per format, outputs side by side
+    ops: list[str]  # the layer's ops in program order (mkgen.kinds.moe.ops): the kernel's order
     vectors: list[VectorRow]
     # Expert biases (gpt-oss), in the layer's vector slab from this row: one row per expert
     # the core holds with its gate | up biases (its width part's columns), then one row per
