@@ -10,6 +10,9 @@ from mkgen.plan.stream import part_of
 
 TEMPLATE = "kinds/dense.py.j2"
 SLAB_VECTORS = None
+# The layer's ops in the order its kernel function runs them: `program` emits them in this
+# order and the template prints them in it (DenseLayout.ops).
+OPS = ["gate_up", "activation", "down", "combine"]
 
 
 def layout(i: LayoutInputs) -> DenseLayout:
@@ -28,6 +31,7 @@ def layout(i: LayoutInputs) -> DenseLayout:
         activation_params=activation_params(kind.activation),
         bias=kind.bias,
         segments=i.segments,
+        ops=OPS,
         vectors=[],
     )
 
@@ -37,9 +41,14 @@ def buffers(out: Any, i: BufferInputs) -> None:
 
 
 def program(b: Any, s: Step) -> int:
-    """gate|up, the activation, down, all-reduce."""
+    """The layer's ops (OPS): gate|up, the activation, down, all-reduce."""
     layer, name, segs, first = s.layer, s.name, s.segments, s.first_bank
-    y = b.segment(layer, name, segs["gate_up"], first, s.x)
-    y = b.vec(layer, f"{name}: activation", y, 8 * b.t * segs["gate_up"].fan_out)
-    y = b.segment(layer, name, segs["down"], first, y)
-    return b.collective(layer, s.collectives.get("ffn_out"), y)
+    y = s.x
+    for op in OPS:
+        if op == "activation":
+            y = b.vec(layer, f"{name}: activation", y, 8 * b.t * segs["gate_up"].fan_out)
+        elif op == "combine":
+            y = b.collective(layer, s.collectives.get("ffn_out"), y)
+        else:  # gate_up, down: stream matmuls
+            y = b.segment(layer, name, segs[op], first, y)
+    return y

@@ -10,6 +10,7 @@ from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
 from mkgen.plan.layout import RecurrentLayout
 
 TEMPLATE = "kinds/gated_deltanet.py.j2"
+OPS = recurrent.ops(["gates"])  # its decay and gates from the input projection alone
 SLAB_VECTORS = recurrent.SLAB_VECTORS
 rotary_dim = recurrent.rotary_dim
 
@@ -27,7 +28,7 @@ def layout(i: LayoutInputs) -> RecurrentLayout:
         key_heads=key_heads, value_heads=value_heads, group=value_heads // key_heads,
         key_dim=i.kind.key_head_dim, value_dim=i.kind.value_head_dim,
     )  # fmt: skip
-    return recurrent.layout(i, dims, {})
+    return recurrent.layout(i, dims, {"ops": OPS})
 
 
 def buffers(out: Any, i: BufferInputs) -> None:
@@ -35,4 +36,4 @@ def buffers(out: Any, i: BufferInputs) -> None:
 
 
 def program(b: Any, s: Step) -> int:
-    return recurrent.program(b, s, state_dims(s.kind, s.shard))
+    return recurrent.program(b, s, state_dims(s.kind, s.shard), OPS)

@@ -11,6 +11,9 @@ from mkgen.plan.options import kv_tile
 from mkgen.plan.stream import part_of
 
 TEMPLATE = "kinds/gqa.py.j2"
+# The layer's ops in the order its kernel function runs them: `program` emits them in this
+# order and the template prints them in it (GQALayout.ops).
+OPS = ["qkv", "heads", "cache_write", "attend", "rows", "o", "combine"]
 # The small vectors a GQA layer reads from its slab, in slab order (the VMEM plan counts
 # only these rows; other kinds keep every vector-family tensor in the slab).
 SLAB_VECTORS = ("q_norm", "k_norm", "bq", "bk", "bv", "bo", "sinks")
@@ -52,6 +55,7 @@ def layout(i: LayoutInputs) -> GQALayout:
         softmax_scale=kind.softmax_scale or d**-0.5,
         rope=rope_layout(kind.rope, kind.rotary_dim) if kind.rope else None,
         segments=i.segments,
+        ops=OPS,
         vectors=vectors,
         kv_tile=kv_tile(context),
         cache_arrays=2,
@@ -73,15 +77,35 @@ def buffers(out: Any, i: BufferInputs) -> None:
 
 
 def program(b: Any, s: Step) -> int:
-    """Norm, q|k|v, q/k norm and RoPE, cache write, attention over the tiles of every
-    (sequence, kv head), output gate, output projection, all-reduce."""
+    """The layer's ops (OPS): q|k|v, q/k norm and RoPE, cache write, attention over the
+    tiles of every (sequence, kv head), output gate, output projection, all-reduce."""
     layer, name, kind, a = s.layer, s.name, s.kind, s.shard
     dims = b.dims
-    y = b.segment(layer, name, s.segments["qkv"], s.first_bank, s.x)
-    y = b.vec(layer, f"{name}: q/k norm, rope, new rows", y, 8 * b.t * dims.hidden,
-              ((s.vectors, None, 0),))  # fmt: skip
     g = a.kv_heads_per_rank
-    wrote = cache_attention.cache_write(b, layer, name, 2, g, kind.head_dim, y)
+    y = wrote = s.x
+    for op in OPS:
+        if op in ("qkv", "o"):
+            y = b.segment(layer, name, s.segments[op], s.first_bank, y)
+        elif op == "heads":
+            qkv = y = b.vec(layer, f"{name}: q/k norm, rope, new rows", y, 8 * b.t * dims.hidden,
+                            ((s.vectors, None, 0),))  # fmt: skip
+        elif op == "cache_write":
+            wrote = cache_attention.cache_write(b, layer, name, 2, g, kind.head_dim, y)
+        elif op == "attend":
+            y = _attend(b, s, qkv, wrote)
+        elif op == "rows":
+            gate = ", output gate" if kind.output_gate != "none" else ""
+            y = b.vec(layer, f"{name}: heads -> rows{gate}", y,
+                      b.t * a.heads_per_rank * kind.head_dim, ((qkv, None, 0),))  # fmt: skip
+        else:  # combine
+            y = b.collective(layer, s.collectives.get("attn_out"), y)
+    return y
+
+
+def _attend(b: Any, s: Step, q: int, wrote: int) -> int:
+    """Online-softmax attention of each (sequence, kv head) over its cache's tiles."""
+    layer, name, kind, a, dims = s.layer, s.name, s.kind, s.shard, b.dims
+    g = a.kv_heads_per_rank
     n = cache_attention.kv_tiles(dims.context, dims.kv_tile, kind.sliding_window, dims.rows)
     qr = cache_attention.q_rows(a.heads_per_rank // g, dims.rows)
     sems = [(f"{name}_tile_sems[0,{buf}]", f"{name}_tile_sems[1,{buf}]") for buf in range(2)]
@@ -89,12 +113,8 @@ def program(b: Any, s: Step) -> int:
     out = {}
 
     def pair() -> None:
-        out["o"] = cache_attention.tiles(b, layer, name, wrote, y, n,
+        out["o"] = cache_attention.tiles(b, layer, name, wrote, q, n,
                                          2 * dims.kv_tile * kind.head_dim * 2, sems, flops)  # fmt: skip
 
     b.folded(dims.batch * g, pair)  # for each (sequence, kv head)
-    gate = ", output gate" if kind.output_gate != "none" else ""
-    o = b.vec(layer, f"{name}: heads -> rows{gate}", out["o"],
-              b.t * a.heads_per_rank * kind.head_dim, ((y, None, 0),))  # fmt: skip
-    y = b.segment(layer, name, s.segments["o"], s.first_bank, o)
-    return b.collective(layer, s.collectives.get("attn_out"), y)
+    return out["o"]

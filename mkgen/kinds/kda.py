@@ -20,10 +20,19 @@ def state_dims(kind: Any, shard: Any) -> tuple[int, int, int, int]:
     return h, kind.head_dim, kind.head_dim, 3 * h * kind.head_dim
 
 
+def ops(kind: Any) -> list[str]:
+    """The decay's low-rank second half, the output gate's when it is low rank, the gates."""
+    return recurrent.ops(["f_b", *(["g_b"] if kind.output_gate_rank else []), "gates"])
+
+
 def layout(i: LayoutInputs) -> RecurrentLayout:
     heads, d = i.shard.heads_per_rank, i.kind.head_dim
     dims = dict(key_heads=heads, value_heads=heads, group=1, key_dim=d, value_dim=d)
-    extra = dict(gate_lower_bound=i.kind.gate_lower_bound, output_gate_rank=i.kind.output_gate_rank)
+    extra = dict(
+        gate_lower_bound=i.kind.gate_lower_bound,
+        output_gate_rank=i.kind.output_gate_rank,
+        ops=ops(i.kind),
+    )
     return recurrent.layout(i, dims, extra)
 
 
@@ -32,4 +41,4 @@ def buffers(out: Any, i: BufferInputs) -> None:
 
 
 def program(b: Any, s: Step) -> int:
-    return recurrent.program(b, s, state_dims(s.kind, s.shard))
+    return recurrent.program(b, s, state_dims(s.kind, s.shard), ops(s.kind))

@@ -59,6 +59,7 @@ def layout(i: LayoutInputs) -> MLALayout:
         else None,
         columns=segment_columns(i.segments, "down", "attn."),
         segments=i.segments,
+        ops=ops(kind),
         vectors=vectors,
         kv_tile=kv_tile(context),
         caches=[
@@ -88,22 +89,41 @@ def buffers(out: Any, i: BufferInputs) -> None:
             why="uk / uv outputs, one row block per head")  # fmt: skip
 
 
+def ops(kind: Any) -> list[str]:
+    """The layer's ops in the order its kernel function runs them: `program` emits them in
+    this order and the template prints them in it (MLALayout.ops)."""
+    q_b = ["q_b"] if kind.q_lora_rank else []
+    return ["down", "latent_norms", *q_b, "uk", "cache_write", "attend", "uv", "o", "combine"]
+
+
 def program(b: Any, s: Step) -> int:
-    """Norm, the down projection (q and kv latents), latent norms, q up-projection, q_nope
-    into latent space (uk), cache write, attention over the latent cache's tiles, latent
-    -> values (uv), output projection, all-reduce."""
-    layer, name, kind, segs, first = s.layer, s.name, s.kind, s.segments, s.first_bank
-    dims = b.dims
-    y = b.segment(layer, name, segs["down"], first, s.x)
-    y = b.collective(layer, s.collectives.get("mla_latent"), y)
-    y = b.vec(layer, f"{name}: latent norms", y, 5 * b.t * (
-        (kind.q_lora_rank or 0) + kind.kv_lora_rank), ((s.vectors, None, 0),))  # fmt: skip
-    if "q_b" in segs:
-        y = b.segment(layer, name, segs["q_b"], first, y)
-    # Absorbed: q_nope -> latent space (uk), attention, latent -> values (uv).
-    y = b.segment(layer, name, segs["uk"], first, y)
+    """The layer's ops (`ops`): the down projection (q and kv latents), latent norms, q
+    up-projection, q_nope into latent space (uk), cache write, attention over the latent
+    cache's tiles, latent -> values (uv), output projection, all-reduce."""
+    layer, name, kind = s.layer, s.name, s.kind
     lat = kind.kv_lora_rank + kind.qk_rope_head_dim
-    wrote = cache_attention.cache_write(b, layer, name, 1, 1, lat, y)
+    y = wrote = s.x
+    for op in ops(kind):
+        if op in ("down", "q_b", "uk", "uv", "o"):
+            y = b.segment(layer, name, s.segments[op], s.first_bank, y)
+            if op == "down":  # the latent projections' all-gather when they are split
+                y = b.collective(layer, s.collectives.get("mla_latent"), y)
+        elif op == "latent_norms":
+            y = b.vec(layer, f"{name}: latent norms", y, 5 * b.t * (
+                (kind.q_lora_rank or 0) + kind.kv_lora_rank), ((s.vectors, None, 0),))  # fmt: skip
+        elif op == "cache_write":
+            wrote = cache_attention.cache_write(b, layer, name, 1, 1, lat, y)
+        elif op == "attend":
+            y = _attend(b, s, y, wrote)
+        else:  # combine
+            y = b.collective(layer, s.collectives.get("attn_out"), y)
+    return y
+
+
+def _attend(b: Any, s: Step, q: int, wrote: int) -> int:
+    """Online-softmax attention of each sequence's q heads over the latent cache's tiles."""
+    layer, name, kind, dims = s.layer, s.name, s.kind, b.dims
+    lat = kind.kv_lora_rank + kind.qk_rope_head_dim
     n = cache_attention.kv_tiles(dims.context, dims.kv_tile, None, dims.rows)
     qr = cache_attention.q_rows(s.shard.heads_per_rank, dims.rows)
     sems = [(f"{name}_tile_sems[0,{buf}]",) for buf in range(2)]
@@ -111,10 +131,8 @@ def program(b: Any, s: Step) -> int:
     out = {}
 
     def sequence() -> None:
-        out["o"] = cache_attention.tiles(b, layer, name, wrote, y, n, dims.kv_tile * lat * 2,
+        out["o"] = cache_attention.tiles(b, layer, name, wrote, q, n, dims.kv_tile * lat * 2,
                                          sems, flops)  # fmt: skip
 
     b.folded(dims.batch, sequence)
-    o = b.segment(layer, name, segs["uv"], first, out["o"])
-    y = b.segment(layer, name, segs["o"], first, o)
-    return b.collective(layer, s.collectives.get("attn_out"), y)
+    return out["o"]

@@ -17,9 +17,16 @@ def rotary_dim(kind: Any) -> int:
     return 0  # no positions: the recurrence carries order
 
 
+def ops(own: list[str]) -> list[str]:
+    """A recurrent layer's ops in the order its kernel function runs them, with the kind's
+    `own` (its low-rank projections and gates) after the input projection: the program
+    emits them in this order and the template prints them in it (RecurrentLayout.ops)."""
+    return ["in", *own, "state", "output", "o", "combine"]
+
+
 def layout(i: LayoutInputs, dims: dict[str, int], extra: dict[str, Any]) -> RecurrentLayout:
     """The layout of a recurrent kind with per-core head `dims` (key_heads, value_heads,
-    group, key_dim, value_dim) and the kind's own fields `extra`."""
+    group, key_dim, value_dim) and the kind's own fields `extra` (its `ops` among them)."""
     kind, shard = i.kind, i.shard
     batch, rows = i.options.batch, i.options.rows
     if shard.latent == "split":
@@ -75,23 +82,28 @@ def buffers(out: Any, i: BufferInputs, state: tuple[int, int, int, int]) -> None
     out.sems(f"{name}_cache_sems", (2, b))
 
 
-def program(b: Any, s: Step, state: tuple[int, int, int, int]) -> int:
-    """The input projection (and KDA's low-rank up-projections), conv and gates, the
-    current conv tails and states of every sequence in, the rows in order, the snapshot
-    after every row out, output norm and gate, output projection, all-reduce."""
-    layer, name, segs, first, v = s.layer, s.name, s.segments, s.first_bank, s.vectors
+def program(b: Any, s: Step, state: tuple[int, int, int, int], ops: list[str]) -> int:
+    """The layer's `ops`: the input projection (and KDA's low-rank up-projections), conv
+    and gates, the current conv tails and states of every sequence in, the rows in order,
+    the snapshot after every row out, output norm and gate, output projection, all-reduce;
+    `state` is the kind's (state heads, key dim, value dim, conv channels) per core."""
+    layer, name, v = s.layer, s.name, s.vectors
     h = b.dims.hidden
-    order = list(segs)
-    y = b.segment(layer, name, segs[order[0]], first, s.x)
-    if "kda_gate_rank" in s.collectives:
-        y = b.collective(layer, s.collectives["kda_gate_rank"], y)
-    for sname in order[1:-1]:  # KDA: the decay / output gate up-projections
-        y = b.segment(layer, name, segs[sname], first, y)
-    y = b.vec(layer, f"{name}: conv, gates", y, 8 * b.t * h, ((v, None, 0),))
-    o = _state_update(b, layer, name, s.shard, y, state)
-    o = b.vec(layer, f"{name}: output norm, gate", o, 6 * b.t * h, ((v, None, 0),))
-    y = b.segment(layer, name, segs[order[-1]], first, o)
-    return b.collective(layer, s.collectives.get("attn_out"), y)
+    y = s.x
+    for op in ops:
+        if op == "gates":
+            y = b.vec(layer, f"{name}: conv, gates", y, 8 * b.t * h, ((v, None, 0),))
+        elif op == "state":
+            y = _state_update(b, layer, name, s.shard, y, state)
+        elif op == "output":
+            y = b.vec(layer, f"{name}: output norm, gate", y, 6 * b.t * h, ((v, None, 0),))
+        elif op == "combine":
+            y = b.collective(layer, s.collectives.get("attn_out"), y)
+        else:  # in, KDA's f_b and g_b: stream matmuls
+            y = b.segment(layer, name, s.segments[op], s.first_bank, y)
+            if op == "in":  # KDA's low-rank gate inputs' all-gather when they are split
+                y = b.collective(layer, s.collectives.get("kda_gate_rank"), y)
+    return y
 
 
 def _state_update(b: Any, layer: int, name: str, a: Any, y: int,

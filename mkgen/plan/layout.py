@@ -98,6 +98,7 @@ class GQALayout(PlanModel):
     softmax_scale: float
     rope: Rope | None
     segments: list[Segment]  # qkv (q | k | v | gate), o
+    ops: list[str]  # the layer's ops in program order (mkgen.kinds.gqa.OPS): the kernel's order
     cache_arrays: int  # k and v
     vectors: list[VectorRow]
     kv_tile: int  # cache tokens per streamed tile
@@ -137,6 +138,7 @@ class MLALayout(PlanModel):
     rope: Rope | None  # rope columns are stored de-interleaved (TensorView.rotary)
     columns: dict[str, Columns]  # outputs of the down segment: wq_a | wq, wkv_a, wgate
     segments: list[Segment]  # down, (q_b), uk, uv, o
+    ops: list[str]  # the layer's ops in program order (mkgen.kinds.mla.ops): the kernel's order
     vectors: list[VectorRow]  # q_norm, kv_norm
     kv_tile: int
     caches: list[CacheArray]  # latent: [layers, batch, 1, context, head_dim] bf16
@@ -165,6 +167,7 @@ class RecurrentLayout(PlanModel):
     output_gate_rank: int | None = None  # KDA: low-rank output gate (None: full rank)
     columns: dict[str, Columns]  # outputs of the "in" segment
     segments: list[Segment]  # in, (f_b, g_b for KDA), o
+    ops: list[str]  # the layer's ops in program order (the kind module's ops): the kernel's order
     vectors: list[VectorRow]
     caches: list[CacheArray]  # conv tail (bf16), recurrent state (f32): after each row
     rope: None = None  # no positions: the recurrence carries order
@@ -181,6 +184,7 @@ class DenseLayout(PlanModel):
     activation_params: dict[str, float]
     bias: bool
     segments: list[Segment]  # gate_up (gate | up), down
+    ops: list[str]  # the layer's ops in program order (mkgen.kinds.dense.OPS): the kernel's order
     vectors: list[VectorRow]
 
 
