@@ -16,6 +16,7 @@ from mkgen.codegen.render import TEMPLATES, environment
 from mkgen.errors import SpecError
 from mkgen.kinds import moe, registry
 from mkgen.plan import BuildOptions, plan_build
+from mkgen.plan.layout import GENERATED_EXPERT_FORMATS
 from mkgen.spec.loader import load_spec
 from mkgen.spec.schema import AttentionKind, FFNKind
 from mkgen.spec.topology import parse_topology
@@ -146,3 +147,7 @@ def test_the_moe_kernel_and_program_follow_one_op_list(monkeypatch) -> None:
 def _kimi_plan():  # the program unchecked: a swapped order may wait on the ring
     options = BuildOptions.create(rows=8)
     return plan_build(load_spec("kimi-k3"), parse_topology("2x2x4"), options, enforce=False)
+
+
+def test_every_generated_expert_format_has_a_note_for_the_kernel() -> None:
+    assert set(GENERATED_EXPERT_FORMATS) == set(moe.FORMAT_NOTES)
