@@ -24,7 +24,7 @@ from mkgen.spec.topology import parse_topology
 KERNEL_TEMPLATE = "megakernel.py.j2"
 # Macros every kind's template defines (the kernel places their output).
 ATTENTION_MACROS = {"constants", "functions", "kernel_args", "scratch", "scratch_shapes"}
-FFN_MACROS = ATTENTION_MACROS | {"hbm_args", "hbm_entry", "expert_shapes"}
+FFN_MACROS = ATTENTION_MACROS | {"hbm_args", "hbm_entry", "expert_shapes", "trace"}
 # What a kind's module gives the plan's generic machinery (mkgen.kinds.registry).
 MODULE_NAMES = {"TEMPLATE", "SLAB_VECTORS", "layout", "buffers", "program"}
 ARITHMETIC = (nodes.Add, nodes.Sub, nodes.Mul, nodes.Div, nodes.FloorDiv, nodes.Mod,
