@@ -6,13 +6,37 @@ from typing import Any
 
 from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
 from mkgen.plan.layout import DenseLayout, activation_params, unsupported
+from mkgen.plan.sharding import FFNSharding, KindShards
 from mkgen.plan.stream import part_of
+from mkgen.spec.weights import ffn_weights
 
 TEMPLATE = "kinds/dense.py.j2"
 SLAB_VECTORS = None
 # The layer's ops in the order its kernel function runs them: `program` emits them in this
 # order and the template prints them in it (DenseLayout.ops).
 OPS = ["gate_up", "activation", "down", "combine"]
+
+
+def shard(ctx: Any, kind_name: str, f: Any) -> FFNSharding:
+    """How the kind's tensors split over the cores (mkgen.plan.sharding's context `ctx`):
+    the width split over the cores; the down projection's partial sums all-reduced."""
+    h, d = ctx.h, ctx.d
+    s = KindShards(ctx, "ffn.", f"ffn_kinds.{kind_name}: ")
+    weights = ffn_weights(f, h)
+    for w in weights:
+        if w.name in ("w_gate", "w_up"):
+            s.add(w.name, w.shape, w.family, split_axis=1, parts=d, why="width")
+        elif w.name == "w_down":
+            s.add(w.name, w.shape, w.family, split_axis=0, parts=d, why="input rows by width")
+        elif w.name in ("b_gate", "b_up"):
+            s.add(w.name, w.shape, w.family, split_axis=0, parts=d, why="width")
+        else:  # b_down: added once after the all-reduce
+            s.add(w.name, w.shape, w.family, why="replicated (added after the all-reduce)")
+    s.collectives.append(ctx.collective("ffn_out", "all_reduce", "ffn.w_down", h))
+    return FFNSharding(
+        kind=kind_name, type=f.type, tensors=tuple(s.tensors), collectives=tuple(s.collectives),
+        experts=None, latent_design="none", why=f"width {f.width} split {d} ways",
+    )  # fmt: skip
 
 
 def layout(i: LayoutInputs) -> DenseLayout:

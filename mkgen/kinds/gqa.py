@@ -8,7 +8,10 @@ from mkgen.kinds import cache_attention
 from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
 from mkgen.plan.layout import CacheArray, GQALayout, VectorRow, rope_layout, segment_columns
 from mkgen.plan.options import kv_tile
+from mkgen.plan.sharding import AttentionSharding, CacheShard, KindShards, group_map, heads_error
 from mkgen.plan.stream import part_of
+from mkgen.spec.figures import CACHE_BYTES
+from mkgen.spec.weights import attention_weights
 
 TEMPLATE = "kinds/gqa.py.j2"
 # The layer's ops in the order its kernel function runs them: `program` emits them in this
@@ -17,6 +20,67 @@ OPS = ["qkv", "heads", "cache_write", "attend", "rows", "o", "combine"]
 # The small vectors a GQA layer reads from its slab, in slab order (the VMEM plan counts
 # only these rows; other kinds keep every vector-family tensor in the slab).
 SLAB_VECTORS = ("q_norm", "k_norm", "bq", "bk", "bv", "bo", "sinks")
+
+
+def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
+    """How the kind's tensors split over the cores (mkgen.plan.sharding's context `ctx`):
+    q heads split over the cores; kv heads split, or each core holds the ones its q heads read."""
+    h, d = ctx.h, ctx.d
+    s = KindShards(ctx, "attn.", f"attention_kinds.{kind_name}: ")
+    specs = attention_weights(a, h)
+    if a.num_heads % d:
+        raise heads_error(ctx, kind_name, "query heads", a.num_heads)
+    hpr = a.num_heads // d
+    group = a.num_heads // a.num_kv_heads
+    if a.num_kv_heads % d == 0:
+        kv_pr, kv_copies, kv_why = a.num_kv_heads // d, 1.0, "KV heads split"
+    else:
+        kv_pr, kv_copies = group_map(ctx, a.num_heads, group)
+        kv_why = (
+            f"{a.num_kv_heads} KV heads < or not divisible by {d}: each rank holds "
+            f"the {kv_pr} its {hpr} q heads use (x{kv_copies:g} copies)"
+        )
+    for name, shape, family in specs:
+        if name in ("wq", "wgate"):
+            s.add(name, shape, family, split_axis=1, parts=d, why="q heads")
+        elif name in ("wk", "wv"):
+            if kv_copies == 1:
+                s.add(name, shape, family, split_axis=1, parts=d, why="KV heads")
+            else:
+                s.add(
+                    name, shape, family, split_axis=1, parts=a.num_kv_heads // kv_pr,
+                    rank_extent=kv_pr * a.head_dim, why=kv_why,
+                )  # fmt: skip
+        elif name == "wo":
+            s.add(name, shape, family, split_axis=0, parts=d, why="input rows by q head")
+        elif name == "bq" or name == "sinks":
+            s.add(name, shape, family, split_axis=0, parts=d, why="per q head")
+        elif name in ("bk", "bv"):
+            if kv_copies == 1:
+                s.add(name, shape, family, split_axis=0, parts=d, why="per KV head")
+            else:
+                s.add(
+                    name, shape, family, split_axis=0, parts=a.num_kv_heads // kv_pr,
+                    rank_extent=kv_pr * a.head_dim, why=kv_why,
+                )  # fmt: skip
+        else:  # bo (added once after the all-reduce), q_norm, k_norm
+            s.add(name, shape, family, why="replicated")
+    s.collectives.append(ctx.collective("attn_out", "all_reduce", "attn.wo", h))
+    cache = CacheShard(
+        kind="kv",
+        bytes_per_token=2 * kv_pr * a.head_dim * CACHE_BYTES,
+        fixed_bytes=0,
+        window=a.sliding_window,
+        heads_per_rank=kv_pr,
+        copies=kv_copies,
+        why=kv_why,
+    )
+    return AttentionSharding(
+        kind=kind_name, type=a.type, heads_per_rank=hpr, kv_heads_per_rank=kv_pr,
+        kv_copies=kv_copies, latent="none", tensors=tuple(s.tensors),
+        collectives=tuple(s.collectives), cache=cache,
+        why=f"{hpr} q heads per rank; {kv_why}",
+    )  # fmt: skip
 
 
 def layout(i: LayoutInputs) -> GQALayout:

@@ -16,11 +16,61 @@ from mkgen.plan.layout import (
     unsupported,
 )
 from mkgen.plan.options import kv_tile
+from mkgen.plan.sharding import (
+    AttentionSharding,
+    CacheShard,
+    KindShards,
+    heads_error,
+    latent_choice,
+)
 from mkgen.plan.stream import CHUNK, LANES, part_of
+from mkgen.spec.figures import CACHE_BYTES
 from mkgen.spec.rope import mla_softmax_scale
+from mkgen.spec.weights import attention_weights
 
 TEMPLATE = "kinds/mla.py.j2"
 SLAB_VECTORS = None  # every vector-family tensor (q_norm, kv_norm) takes its rows
+
+
+def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
+    """How the kind's tensors split over the cores (mkgen.plan.sharding's context `ctx`):
+    heads split over the cores; the low-rank latent projections replicated or split (latent_choice); the latent cache on every core."""
+    h, d = ctx.h, ctx.d
+    s = KindShards(ctx, "attn.", f"attention_kinds.{kind_name}: ")
+    specs = attention_weights(a, h)
+    if a.num_heads % d:
+        raise heads_error(ctx, kind_name, "heads", a.num_heads)
+    hpr = a.num_heads // d
+    a_names = [n for n, _, _ in specs if n in ("wq_a", "wkv_a")]
+    latent, why_latent = latent_choice(ctx, specs, a_names, "mla_latent")
+    for name, shape, family in specs:
+        if name in a_names:
+            if latent == "split":
+                s.add(name, shape, family, split_axis=1, parts=d, why=why_latent)
+            else:
+                s.add(name, shape, family, why=why_latent)
+        elif name in ("wq", "wq_b", "wkv_b", "wgate"):
+            s.add(name, shape, family, split_axis=1, parts=d, why="heads")
+        elif name == "wo":
+            s.add(name, shape, family, split_axis=0, parts=d, why="input rows by head")
+        else:  # q_norm, kv_norm: applied to the full latent
+            s.add(name, shape, family, why="replicated (norm of the full latent)")
+    if latent == "split":
+        width = sum(shape[1] for n, shape, _ in specs if n in a_names)
+        s.collectives.append(ctx.collective("mla_latent", "all_gather", "attn.wq_a", width))
+    s.collectives.append(ctx.collective("attn_out", "all_reduce", "attn.wo", h))
+    per_token = (a.kv_lora_rank + a.qk_rope_head_dim) * CACHE_BYTES
+    cache = CacheShard(
+        kind="mla_latent", bytes_per_token=per_token, fixed_bytes=0, window=None,
+        heads_per_rank=1, copies=float(d),
+        why="every head reads the whole latent: the latent cache is replicated",
+    )  # fmt: skip
+    return AttentionSharding(
+        kind=kind_name, type=a.type, heads_per_rank=hpr, kv_heads_per_rank=0,
+        kv_copies=float(d), latent=latent, tensors=tuple(s.tensors),
+        collectives=tuple(s.collectives), cache=cache,
+        why=f"{hpr} heads per rank; latent projections {latent} ({why_latent})",
+    )  # fmt: skip
 
 
 def layout(i: LayoutInputs) -> MLALayout:

@@ -4,8 +4,9 @@ latent pre/post projections (templates/kinds/moe.py.j2)."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
+from mkgen.errors import SpecError
 from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
 from mkgen.plan.layout import (
     MoELayout,
@@ -17,7 +18,9 @@ from mkgen.plan.layout import (
     segment_columns,
     unsupported,
 )
+from mkgen.plan.sharding import FFNSharding, KindShards, choose_expert_split
 from mkgen.plan.stream import CHUNK, LANES, part_of
+from mkgen.spec.weights import ffn_weights
 
 TEMPLATE = "kinds/moe.py.j2"
 SLAB_VECTORS = None
@@ -28,6 +31,128 @@ FORMAT_NOTES = {
     "mxfp4": "e2m1 codes, one E8M0 scale byte per 32 input rows",
     "fp8": "e4m3 codes, one f32 scale per {group} x {group} block",
 }
+
+
+def shard(ctx: Any, kind_name: str, f: Any) -> FFNSharding:
+    """How the kind's tensors split over the cores (mkgen.plan.sharding's context `ctx`):
+    experts split in groups x width parts (choose_expert_split); the latent design (rs_ar or ar_ag) priced; router, norms and biases replicated."""
+    h, d = ctx.h, ctx.d
+    s = KindShards(ctx, "ffn.", f"ffn_kinds.{kind_name}: ")
+    weights = ffn_weights(f, h)
+    d_in = f.latent.width if f.latent else h
+    split = choose_expert_split(ctx, f, d_in)
+    g, wparts = split.groups, split.width_parts
+    design: Literal["rs_ar", "ar_ag", "none"] = "none"
+    if f.latent:
+        rs_ar = ctx.collective("expert_out", "reduce_scatter", "ffn.experts_down", d_in).time_s
+        rs_ar += ctx.collective("ffn_out", "all_reduce", "ffn.latent_out", h).time_s
+        ar_ag = ctx.collective("expert_out", "all_reduce", "ffn.experts_down", d_in).time_s
+        ar_ag += ctx.collective("ffn_out", "all_gather", "ffn.latent_out", h).time_s
+        # Shared experts add partial sums of hidden: with ar_ag they would need their own
+        # all-reduce, so they force rs_ar.
+        design = "ar_ag" if ar_ag < rs_ar and not f.shared_experts else "rs_ar"
+    for w in weights:
+        n = w.name
+        if n in ("router", "router_bias", "selection_bias", "latent_norm", "shared_gate_proj"):
+            s.add(
+                w.name,
+                w.shape,
+                w.family,
+                why="replicated (routing is computed redundantly on every rank)",
+            )
+        elif n == "latent_in":
+            s.add(
+                w.name,
+                w.shape,
+                w.family,
+                split_axis=1,
+                parts=d,
+                why="output split + all-gather of the latent",
+            )
+        elif n == "latent_out":
+            if design == "ar_ag":
+                s.add(
+                    w.name,
+                    w.shape,
+                    w.family,
+                    split_axis=1,
+                    parts=d,
+                    why="output split + all-gather of hidden",
+                )
+            else:
+                s.add(
+                    w.name,
+                    w.shape,
+                    w.family,
+                    split_axis=0,
+                    parts=d,
+                    why="input rows (the reduce-scattered latent)",
+                )
+        elif n in ("experts_gate", "experts_up"):
+            s.add(
+                w.name,
+                w.shape,
+                w.family,
+                split_axis=2,
+                parts=wparts,
+                expert_groups=g,
+                why=split.why,
+            )
+        elif n == "experts_down":
+            s.add(
+                w.name,
+                w.shape,
+                w.family,
+                split_axis=1,
+                parts=wparts,
+                expert_groups=g,
+                why=split.why,
+            )
+        elif n in ("experts_b_gate", "experts_b_up"):
+            s.add(
+                w.name,
+                w.shape,
+                w.family,
+                split_axis=1,
+                parts=wparts,
+                expert_groups=g,
+                why="per expert width",
+            )
+        elif n == "experts_b_down":
+            s.add(
+                w.name,
+                w.shape,
+                w.family,
+                expert_groups=g,
+                why="per expert group, added by width part 0",
+            )
+        elif n in ("shared_gate", "shared_up"):
+            s.add(w.name, w.shape, w.family, split_axis=1, parts=d, why="shared width")
+        elif n == "shared_down":
+            s.add(
+                w.name, w.shape, w.family, split_axis=0, parts=d, why="input rows by shared width"
+            )
+        else:  # pragma: no cover - the inventory has no other MoE tensors
+            raise SpecError(f"{s.where}tensor {n!r}: no sharding rule")
+    if f.latent:
+        s.collectives.append(ctx.collective("latent_in", "all_gather", "ffn.latent_in", d_in))
+        if design == "ar_ag":
+            s.collectives.append(
+                ctx.collective("expert_out", "all_reduce", "ffn.experts_down", d_in)
+            )
+            s.collectives.append(ctx.collective("ffn_out", "all_gather", "ffn.latent_out", h))
+        else:
+            s.collectives.append(
+                ctx.collective("expert_out", "reduce_scatter", "ffn.experts_down", d_in)
+            )
+            s.collectives.append(ctx.collective("ffn_out", "all_reduce", "ffn.latent_out", h))
+    else:
+        s.collectives.append(ctx.collective("ffn_out", "all_reduce", "ffn.experts_down", h))
+    why = split.why + (f"; latent design {design}" if f.latent else "")
+    return FFNSharding(
+        kind=kind_name, type=f.type, tensors=tuple(s.tensors), collectives=tuple(s.collectives),
+        experts=split, latent_design=design, why=why,
+    )  # fmt: skip
 
 
 def layout(i: LayoutInputs) -> MoELayout:

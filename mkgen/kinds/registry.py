@@ -3,7 +3,8 @@
 Every kind's module provides the same names: ``TEMPLATE`` (its macros' file under
 mkgen/templates/), ``SLAB_VECTORS`` (the vector-family tensors its layers keep in their
 vector slab, None: all), ``layout(LayoutInputs)``, ``buffers(out, BufferInputs)``,
-``program(builder, Step)`` and, for attention kinds, ``rotary_dim(kind)``.
+``program(builder, Step)``, ``shard(ctx, kind name, kind)`` (registered into
+mkgen.plan.sharding.SHARDING_RULES below) and, for attention kinds, ``rotary_dim(kind)``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from types import ModuleType
 
 from mkgen.errors import SpecError
 from mkgen.kinds import dense, gated_deltanet, gqa, kda, mla, moe
+from mkgen.plan.sharding import SHARDING_RULES
 
 ATTENTION: dict[str, ModuleType] = {
     "gqa": gqa,
@@ -28,3 +30,8 @@ def kind_module(type_: str, where: str) -> ModuleType:
     if type_ not in KINDS:
         raise SpecError(f"{where} ({type_}) is not supported by the code generator yet")
     return KINDS[type_]
+
+
+# The sharding rules sit below the kinds' modules in the plan (the kinds build on its
+# records), so the plan's sharding reads them from its own table.
+SHARDING_RULES.update({type_: module.shard for type_, module in KINDS.items()})
