@@ -26,7 +26,7 @@ KERNEL_TEMPLATE = "megakernel.py.j2"
 ATTENTION_MACROS = {"constants", "functions", "kernel_args", "scratch", "scratch_shapes"}
 FFN_MACROS = ATTENTION_MACROS | {"hbm_args", "hbm_entry", "expert_shapes", "trace"}
 # What a kind's module gives the plan's generic machinery (mkgen.kinds.registry).
-MODULE_NAMES = {"TEMPLATE", "SLAB_VECTORS", "layout", "buffers", "program"}
+MODULE_NAMES = {"TEMPLATE", "SLAB_VECTORS", "SEGMENTS", "shard", "layout", "buffers", "program"}
 ARITHMETIC = (nodes.Add, nodes.Sub, nodes.Mul, nodes.Div, nodes.FloorDiv, nodes.Mod,
               nodes.Pow, nodes.Neg)  # fmt: skip
 COUNTING_FILTERS = {"length", "count", "sum", "max", "min", "round", "int", "float", "abs"}

@@ -11,6 +11,9 @@ from mkgen.plan.stream import part_of
 from mkgen.spec.weights import ffn_weights
 
 TEMPLATE = "kinds/dense.py.j2"
+# Its weight-stream segments, in the order its ops consume them: tensors fused into one
+# segment read the same input.
+SEGMENTS = [("gate_up", ["ffn.w_gate", "ffn.w_up"]), ("down", ["ffn.w_down"])]
 SLAB_VECTORS = None
 # The layer's ops in the order its kernel function runs them: `program` emits them in this
 # order and the template prints them in it (DenseLayout.ops).

@@ -13,6 +13,12 @@ from mkgen.spec.figures import CACHE_BYTES, STATE_BYTES
 from mkgen.spec.weights import attention_weights
 
 TEMPLATE = "kinds/gated_deltanet.py.j2"
+# Its weight-stream segments, in the order its ops consume them: tensors fused into one
+# segment read the same input.
+SEGMENTS = [
+    ("in", ["attn.wq", "attn.wk", "attn.wv", "attn.wz", "attn.wb", "attn.wa"]),
+    ("o", ["attn.wo"]),
+]
 OPS = recurrent.ops(["gates"])  # its decay and gates from the input projection alone
 SLAB_VECTORS = recurrent.SLAB_VECTORS
 rotary_dim = recurrent.rotary_dim

@@ -14,6 +14,9 @@ from mkgen.spec.figures import CACHE_BYTES
 from mkgen.spec.weights import attention_weights
 
 TEMPLATE = "kinds/gqa.py.j2"
+# Its weight-stream segments, in the order its ops consume them: tensors fused into one
+# segment read the same input.
+SEGMENTS = [("qkv", ["attn.wq", "attn.wk", "attn.wv", "attn.wgate"]), ("o", ["attn.wo"])]
 # The layer's ops in the order its kernel function runs them: `program` emits them in this
 # order and the template prints them in it (GQALayout.ops).
 OPS = ["qkv", "heads", "cache_write", "attend", "rows", "o", "combine"]

@@ -19,6 +19,14 @@ from mkgen.spec.figures import CACHE_BYTES, STATE_BYTES
 from mkgen.spec.weights import attention_weights
 
 TEMPLATE = "kinds/kda.py.j2"
+# Its weight-stream segments, in the order its ops consume them: tensors fused into one
+# segment read the same input.
+SEGMENTS = [
+    ("in", ["attn.wq", "attn.wk", "attn.wv", "attn.wf_a", "attn.wbeta", "attn.wg", "attn.wg_a"]),
+    ("f_b", ["attn.wf_b"]),
+    ("g_b", ["attn.wg_b"]),
+    ("o", ["attn.wo"]),
+]
 SLAB_VECTORS = recurrent.SLAB_VECTORS
 rotary_dim = recurrent.rotary_dim
 

@@ -29,6 +29,17 @@ from mkgen.spec.rope import mla_softmax_scale
 from mkgen.spec.weights import attention_weights
 
 TEMPLATE = "kinds/mla.py.j2"
+# Its weight-stream segments, in the order its ops consume them: tensors fused into one
+# segment read the same input. Absorbed, wkv_b streams twice as views, its key half
+# transposed (uk: q_nope -> latent) and its value half (uv: latent -> values); see
+# mkgen.plan.stream.mla_views.
+SEGMENTS = [
+    ("down", ["attn.wq_a", "attn.wq", "attn.wkv_a", "attn.wgate"]),
+    ("q_b", ["attn.wq_b"]),
+    ("uk", ["attn.wkv_b"]),
+    ("uv", ["attn.wkv_b"]),
+    ("o", ["attn.wo"]),
+]
 SLAB_VECTORS = None  # every vector-family tensor (q_norm, kv_norm) takes its rows
 
 

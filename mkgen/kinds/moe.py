@@ -23,6 +23,17 @@ from mkgen.plan.stream import CHUNK, LANES, part_of
 from mkgen.spec.weights import ffn_weights
 
 TEMPLATE = "kinds/moe.py.j2"
+# Its weight-stream segments, in the order its ops consume them (the shared experts'
+# down projection right after the routed experts, then the latent back to hidden):
+# tensors fused into one segment read the same input.
+SEGMENTS = [
+    (
+        "in",
+        ["ffn.router", "ffn.latent_in", "ffn.shared_gate", "ffn.shared_up", "ffn.shared_gate_proj"],
+    ),
+    ("shared_down", ["ffn.shared_down"]),
+    ("latent_out", ["ffn.latent_out"]),
+]
 SLAB_VECTORS = None
 # How each expert format the template reads stores a chunk (the EXPERT_FORMAT comment).
 FORMAT_NOTES = {

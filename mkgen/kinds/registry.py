@@ -3,8 +3,9 @@
 Every kind's module provides the same names: ``TEMPLATE`` (its macros' file under
 mkgen/templates/), ``SLAB_VECTORS`` (the vector-family tensors its layers keep in their
 vector slab, None: all), ``layout(LayoutInputs)``, ``buffers(out, BufferInputs)``,
-``program(builder, Step)``, ``shard(ctx, kind name, kind)`` (registered into
-mkgen.plan.sharding.SHARDING_RULES below) and, for attention kinds, ``rotary_dim(kind)``.
+``program(builder, Step)``, ``shard(ctx, kind name, kind)`` and ``SEGMENTS`` (its fused
+weight-stream segments; both registered into mkgen.plan.sharding and mkgen.plan.stream
+below) and, for attention kinds, ``rotary_dim(kind)``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from types import ModuleType
 from mkgen.errors import SpecError
 from mkgen.kinds import dense, gated_deltanet, gqa, kda, mla, moe
 from mkgen.plan.sharding import SHARDING_RULES
+from mkgen.plan.stream import FUSED_SEGMENTS
 
 ATTENTION: dict[str, ModuleType] = {
     "gqa": gqa,
@@ -32,6 +34,7 @@ def kind_module(type_: str, where: str) -> ModuleType:
     return KINDS[type_]
 
 
-# The sharding rules sit below the kinds' modules in the plan (the kinds build on its
-# records), so the plan's sharding reads them from its own table.
+# The sharding rules and the stream's fused segments sit below the kinds' modules in the
+# plan (the kinds build on their records), so the plan reads them from its own tables.
 SHARDING_RULES.update({type_: module.shard for type_, module in KINDS.items()})
+FUSED_SEGMENTS.update({type_: module.SEGMENTS for type_, module in KINDS.items()})
