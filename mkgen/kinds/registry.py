@@ -17,14 +17,15 @@ from mkgen.kinds import dense, gated_deltanet, gqa, kda, mla, moe
 from mkgen.plan.sharding import SHARDING_RULES
 from mkgen.plan.stream import FUSED_SEGMENTS
 
-ATTENTION: dict[str, ModuleType] = {
+# Attention kinds, then FFN kinds.
+KINDS: dict[str, ModuleType] = {
     "gqa": gqa,
     "mla": mla,
     "gated_deltanet": gated_deltanet,
     "kda": kda,
+    "dense": dense,
+    "moe": moe,
 }
-FFN: dict[str, ModuleType] = {"dense": dense, "moe": moe}
-KINDS = {**ATTENTION, **FFN}
 
 
 def kind_module(type_: str, where: str) -> ModuleType:
