@@ -108,12 +108,16 @@ def test_inputs_hash_covers_the_templates(tmp_path: Path, monkeypatch) -> None:
     args = {"bank_rows": 4096, "ring_depth": 12}
     before = inputs_digest(spec, topo, options, args)
     for name in package.TEMPLATE_FILES:
+        (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_bytes((package.TEMPLATES / name).read_bytes())
     monkeypatch.setattr(package, "TEMPLATES", tmp_path)
     assert inputs_digest(spec, topo, options, args) == before
-    with open(tmp_path / "runner.py.j2", "a") as handle:
-        handle.write("\n")
-    assert inputs_digest(spec, topo, options, args) != before
+    digests = set()
+    for name in ("runner.py.j2", "kinds/moe.py.j2"):  # a layer kind's macros too
+        with open(tmp_path / name, "a") as handle:
+            handle.write("\n")
+        digests.add(inputs_digest(spec, topo, options, args))
+    assert before not in digests and len(digests) == 2
 
 
 def test_inputs_hash_covers_the_formatter_version(monkeypatch) -> None:

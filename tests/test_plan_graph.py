@@ -10,9 +10,10 @@ import pytest
 
 from mkgen.errors import MkgenError, SpecError
 from mkgen.hardware import MiB
+from mkgen.kinds.moe import expert_iterations
 from mkgen.plan import BuildOptions, BuildPlan, plan_build
 from mkgen.plan.graph import CHECKS, analyse
-from mkgen.plan.schedule import RUN, START, WAIT, Node, Schedule, expert_iterations
+from mkgen.plan.schedule import RUN, START, WAIT, Node, Schedule
 from mkgen.spec.loader import list_spec_names, load_spec
 from mkgen.spec.topology import parse_topology
 

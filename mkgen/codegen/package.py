@@ -88,7 +88,10 @@ MANIFEST = ".mkgen-manifest.json"
 MEASUREMENTS = "measurements.json"
 MINI_DIR = "mini"
 PLAN_FORMAT = 1
-TEMPLATE_FILES = ("megakernel.py.j2", "runner.py.j2", "REPORT.md.j2")
+# Every template a build renders: the kernel's includes its layer kinds' macros (kinds/).
+TEMPLATE_FILES = ("megakernel.py.j2", "runner.py.j2", "REPORT.md.j2") + tuple(
+    f"kinds/{t.name}" for t in sorted((TEMPLATES / "kinds").iterdir(), key=lambda t: t.name)
+)
 # Measurements are keyed by what compile and verify measure: the kernels' code (full and
 # mini, without their headers), so a change to the runner, the report or another kind's
 # kernel code leaves them valid.

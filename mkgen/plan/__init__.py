@@ -33,7 +33,8 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr
 from mkgen.plan.cost import CostConstants, Estimate, TraceEvent, to_chrome_trace
 from mkgen.plan.floor import IdealFloor, ideal_floor
 from mkgen.plan.graph import GraphSummary, ScheduleCheckError, analyse
-from mkgen.plan.layout import FULL_BANK_ROWS, MAX_PIECE_CHUNKS, KernelLayout, build_layout
+from mkgen.plan.kernel import build_layout
+from mkgen.plan.layout import FULL_BANK_ROWS, MAX_PIECE_CHUNKS, KernelLayout
 from mkgen.plan.memory import MemoryPlan, check_fit, plan_memory
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.published import HandWritten, hand_written_for

@@ -10,9 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 from mkgen.errors import SpecError
-from mkgen.plan.collectives import CollectivePlan, layer_uses, plan_collectives
-from mkgen.plan.options import BuildOptions, kv_tile
-from mkgen.plan.sharding import ShardingPlan
+from mkgen.plan.collectives import CollectivePlan
 from mkgen.plan.stream import (
     CHUNK,
     LANES,
@@ -21,18 +19,10 @@ from mkgen.plan.stream import (
     Segment,
     StreamPlan,
     cdiv,
-    part_of,
-    round_up,
 )
 from mkgen.spec.schema import (
-    GatedDeltaNetAttention,
-    GQAAttention,
-    KDAAttention,
-    MLAAttention,
     ModelSpec,
-    MoEFFN,
 )
-from mkgen.spec.topology import Topology
 
 SUBLANES_F32 = 8
 CACHE_ALIGN = 16  # bf16 rows of an HBM array are tiled by 16
@@ -77,6 +67,7 @@ class Rope(PlanModel):
     """Rotary tables the wrapper builds in XLA: cos/sin of positions x inv_freq."""
 
     rotary_dim: int
+    half: int  # rotary_dim // 2: the rotated halves' width, the cos/sin tables' columns
     inv_freq: list[float]
     attention_factor: float  # YaRN's cos/sin multiplier (1.0 without YaRN)
     interleaved: bool
@@ -96,6 +87,7 @@ class GQALayout(PlanModel):
     values_in_keys: bool = False  # False: separate k and v caches
     q_cols: int
     kv_cols: int
+    q_rows: int  # query rows of a kv head in the attention scratch: group x rows, padded to 8
     columns: dict[str, Columns]  # outputs of the qkv segment: wq, wk, wv, (wgate)
     gate: bool
     qk_norm: Literal["none", "rms", "rms_noparam"]
@@ -106,6 +98,8 @@ class GQALayout(PlanModel):
     softmax_scale: float
     rope: Rope | None
     segments: list[Segment]  # qkv (q | k | v | gate), o
+    ops: list[str]  # the layer's ops in program order (mkgen.kinds.gqa.OPS): the kernel's order
+    cache_arrays: int  # k and v
     vectors: list[VectorRow]
     kv_tile: int  # cache tokens per streamed tile
     caches: list[CacheArray]
@@ -127,6 +121,7 @@ class MLALayout(PlanModel):
     heads: int  # q heads per core
     kv_heads: Literal[1] = 1  # the latent, shared by every head
     group: int  # q heads reading the latent: all of them
+    q_rows: int  # query rows of the latent in the attention scratch: heads x rows, padded to 8
     q_lora_rank: int  # 0: q straight from the hidden state (segment down)
     kv_lora_rank: int
     nope_dim: int
@@ -143,9 +138,11 @@ class MLALayout(PlanModel):
     rope: Rope | None  # rope columns are stored de-interleaved (TensorView.rotary)
     columns: dict[str, Columns]  # outputs of the down segment: wq_a | wq, wkv_a, wgate
     segments: list[Segment]  # down, (q_b), uk, uv, o
+    ops: list[str]  # the layer's ops in program order (mkgen.kinds.mla.ops): the kernel's order
     vectors: list[VectorRow]  # q_norm, kv_norm
     kv_tile: int
     caches: list[CacheArray]  # latent: [layers, batch, 1, context, head_dim] bf16
+    cache_arrays: Literal[1] = 1  # the latent row
 
 
 class RecurrentLayout(PlanModel):
@@ -170,6 +167,7 @@ class RecurrentLayout(PlanModel):
     output_gate_rank: int | None = None  # KDA: low-rank output gate (None: full rank)
     columns: dict[str, Columns]  # outputs of the "in" segment
     segments: list[Segment]  # in, (f_b, g_b for KDA), o
+    ops: list[str]  # the layer's ops in program order (the kind module's ops): the kernel's order
     vectors: list[VectorRow]
     caches: list[CacheArray]  # conv tail (bf16), recurrent state (f32): after each row
     rope: None = None  # no positions: the recurrence carries order
@@ -186,6 +184,7 @@ class DenseLayout(PlanModel):
     activation_params: dict[str, float]
     bias: bool
     segments: list[Segment]  # gate_up (gate | up), down
+    ops: list[str]  # the layer's ops in program order (mkgen.kinds.dense.OPS): the kernel's order
     vectors: list[VectorRow]
 
 
@@ -322,6 +321,9 @@ class MoELayout(PlanModel):
     width_parts: int
     experts_per_rank: int
     experts: ExpertChunks
+    expert_layers: int  # layers of this kind: the expert arrays' first dim
+    expert_format_note: str  # how the experts' format stores them
+    packed_codes: bool  # two 4-bit codes a byte
     expert_slots: int  # expert pieces in flight: issued as soon as routing names them
     activation: str
     activation_params: dict[str, float]
@@ -340,6 +342,8 @@ class MoELayout(PlanModel):
     shared_gate: bool
     columns: dict[str, Columns]  # outputs of the "in" segment: router, latent_in, shared_*
     segments: list[Segment]  # in, latent_out, shared_down
+    in_segments: list[str]  # the "in" tensors' segments: one per format, outputs side by side
+    ops: list[str]  # the layer's ops in program order (mkgen.kinds.moe.ops): the kernel's order
     vectors: list[VectorRow]
     # Expert biases (gpt-oss), in the layer's vector slab from this row: one row per expert
     # the core holds with its gate | up biases (its width part's columns), then one row per
@@ -420,73 +424,43 @@ class KernelLayout(PlanModel):
     max_k_chunks: int
     max_col_blocks: int
     features: KernelFeatures
+    num_layers: int
+    bank_mib: float  # MiB of one weight bank
+    collective_buffers: int  # landing buffers: one per collective of a layer (at most)
+    cache_arrays: int  # the attention kinds' cache arrays, aliased in place
+    expert_arrays: int  # the MoE kinds' expert arrays (bf16 pieces, or codes and scales)
+    # pallas_call operands before the caches: the 2 scalar tables, x, final norm, the RoPE
+    # tables (cos, sin of each kind with rotary positions), stream, vectors, the experts
+    operands_before_caches: int
     vmem_limit_bytes: int  # Mosaic's scoped VMEM limit: the chip catalog's (mkgen.hardware)
 
 
 # ---------------------------------------------------------------- building a layout
 
 
-def _unsupported(what: str) -> None:
+def unsupported(what: str) -> None:
     raise SpecError(f"{what} is not supported by the code generator yet")
 
 
-def _rope_layout(rope: object, rotary_dim: int) -> Rope:
+def rope_layout(rope: object, rotary_dim: int) -> Rope:
     from mkgen.spec.rope import rope_frequencies
 
     inv_freq, factor = rope_frequencies(rope, rotary_dim)
     return Rope(
         rotary_dim=rotary_dim,
+        half=rotary_dim // 2,
         inv_freq=[float(f) for f in inv_freq],
         attention_factor=float(factor),
         interleaved=rope.interleaved,
     )
 
 
-def _gqa_layout(name, index, layers, kind, shard, segments, devices, options, dims) -> GQALayout:
-    context, batch = options.context, options.batch
-    parts = {t.name: part_of(t, devices) for t in shard.tensors}
-    heads, kv_heads = shard.heads_per_rank, shard.kv_heads_per_rank
-    d = kind.head_dim
-    q_cols, kv_cols = heads * d, kv_heads * d
-    names = ("q_norm", "k_norm", "bq", "bk", "bv", "bo", "sinks")
-    present = [n for n in names if f"attn.{n}" in parts]
-    # Rows 0 and 1 of a layer's slab hold its attn_norm and ffn_norm.
-    vectors = [
-        VectorRow(name=n, row=2 + i, part=parts[f"attn.{n}"], length=parts[f"attn.{n}"].size)
-        for i, n in enumerate(present)
-    ]
-    return GQALayout(
-        name=name,
-        index=index,
-        layers=layers,
-        heads=heads,
-        kv_heads=kv_heads,
-        kv_rank_divisor=parts["attn.wk"].rank_divisor,
-        group=heads // kv_heads,  # q heads per kv head on a core
-        head_dim=d,
-        value_dim=d,
-        q_cols=q_cols,
-        kv_cols=kv_cols,
-        columns=_segment_columns(segments, "qkv", "attn."),
-        gate=kind.output_gate == "sigmoid",
-        qk_norm=kind.qk_norm,
-        sinks=kind.sinks,
-        qkv_bias=kind.qkv_bias,
-        o_bias=kind.o_bias,
-        window=kind.sliding_window,
-        softmax_scale=kind.softmax_scale or d**-0.5,
-        rope=_rope_layout(kind.rope, kind.rotary_dim) if kind.rope else None,
-        segments=segments,
-        vectors=vectors,
-        kv_tile=kv_tile(context),
-        caches=[
-            CacheArray(name=n, shape=[len(layers), batch, kv_heads, context, d], dtype="bfloat16")
-            for n in ("k", "v")
-        ],
-    )
+def activation_params(act: object) -> dict[str, float]:
+    """A gated activation's caps and slopes (those it sets)."""
+    return {k: v for k, v in act.model_dump().items() if k != "kind" and v is not None}
 
 
-def _segment_columns(segments: list[Segment], name: str, prefix: str) -> dict[str, Columns]:
+def segment_columns(segments: list[Segment], name: str, prefix: str) -> dict[str, Columns]:
     """Where each fused tensor's output lies in the columns of segment `name` (and of its
     format splits name.1, ..., whose outputs the kernel places side by side)."""
     columns, start = {}, 0
@@ -495,135 +469,6 @@ def _segment_columns(segments: list[Segment], name: str, prefix: str) -> dict[st
             columns[part.tensor.removeprefix(prefix)] = Columns(start=start, size=part.size)
             start += part.size
     return columns
-
-
-def _mla_layout(name, index, layers, kind, shard, segments, devices, options, dims) -> MLALayout:
-    from mkgen.spec.rope import mla_softmax_scale
-
-    context, batch = options.context, options.batch
-
-    if shard.latent == "split":
-        _unsupported(f"attention_kinds.{name}: MLA latent projections split over cores")
-    parts = {t.name: part_of(t, devices) for t in shard.tensors}
-    present = [n for n in ("q_norm", "kv_norm") if f"attn.{n}" in parts]
-    vectors = [
-        VectorRow(name=n, row=2 + i, part=parts[f"attn.{n}"], length=parts[f"attn.{n}"].size)
-        for i, n in enumerate(present)
-    ]
-    width = kind.kv_lora_rank + kind.qk_rope_head_dim
-    return MLALayout(
-        name=name,
-        index=index,
-        layers=layers,
-        heads=shard.heads_per_rank,
-        group=shard.heads_per_rank,
-        q_lora_rank=kind.q_lora_rank or 0,
-        kv_lora_rank=kind.kv_lora_rank,
-        nope_dim=kind.qk_nope_head_dim,
-        rope_dim=kind.qk_rope_head_dim,
-        v_dim=kind.v_head_dim,
-        head_dim=width,
-        value_dim=kind.kv_lora_rank,
-        gate=kind.output_gate == "sigmoid",
-        latent_eps=kind.latent_norm_eps if kind.latent_norm_eps is not None else dims.norm_eps,
-        softmax_scale=mla_softmax_scale(kind),
-        rope=_rope_layout(kind.rope, kind.qk_rope_head_dim).model_copy(
-            update={"interleaved": False}  # the views store rotary pairs as halves
-        )
-        if kind.rope
-        else None,
-        columns=_segment_columns(segments, "down", "attn."),
-        segments=segments,
-        vectors=vectors,
-        kv_tile=kv_tile(context),
-        caches=[
-            CacheArray(
-                name="latent", shape=[len(layers), batch, 1, context, width], dtype="bfloat16"
-            )
-        ],
-    )
-
-
-def _recurrent_layout(
-    name, index, layers, kind, shard, segments, devices, options, dims
-) -> RecurrentLayout:
-    batch, rows = options.batch, options.rows
-    if shard.latent == "split":
-        _unsupported(f"attention_kinds.{name}: low-rank gate projections split over cores")
-    parts = {t.name: part_of(t, devices) for t in shard.tensors}
-    columns = _segment_columns(segments, "in", "attn.")
-    width = kind.conv_width
-    vectors, row = [], 2  # rows 0 and 1 hold the layer's attn_norm and ffn_norm
-    for n in ("conv_q", "conv_k", "conv_v"):
-        size = parts[f"attn.{n}"].size
-        vectors.append(VectorRow(name=n, row=row, part=parts[f"attn.{n}"], length=size, rows=width))
-        row += width
-    for n in ("A_log", "dt_bias", "o_norm"):
-        size = parts[f"attn.{n}"].size
-        vectors.append(VectorRow(name=n, row=row, part=parts[f"attn.{n}"], length=size))
-        row += 1
-    channels = sum(parts[f"attn.{n}"].size for n in ("conv_q", "conv_k", "conv_v"))
-    if kind.type == "kda":
-        heads = shard.heads_per_rank
-        dims = dict(
-            key_heads=heads,
-            value_heads=heads,
-            group=1,
-            key_dim=kind.head_dim,
-            value_dim=kind.head_dim,
-        )
-        extra = dict(gate_lower_bound=kind.gate_lower_bound, output_gate_rank=kind.output_gate_rank)
-    else:
-        key_heads, value_heads = shard.kv_heads_per_rank, shard.heads_per_rank
-        dims = dict(
-            key_heads=key_heads, value_heads=value_heads, group=value_heads // key_heads,
-            key_dim=kind.key_head_dim, value_dim=kind.value_head_dim,
-        )  # fmt: skip
-        extra = {}
-    # One snapshot after each row of a step: the runner keeps the one after the last
-    # accepted draft row (a rejected draft must not advance the recurrence).
-    state = [len(layers), batch, rows, dims["value_heads"], dims["key_dim"], dims["value_dim"]]
-    return RecurrentLayout(
-        type=kind.type,
-        name=name,
-        index=index,
-        layers=layers,
-        conv_width=width,
-        channels=channels,
-        columns=columns,
-        segments=segments,
-        vectors=vectors,
-        caches=[
-            CacheArray(
-                name="conv", shape=[len(layers), batch, rows, width - 1, channels], dtype="bfloat16"
-            ),
-            CacheArray(name="state", shape=state, dtype="float32"),
-        ],
-        **dims,
-        **extra,
-    )
-
-
-def _dense_layout(name, index, layers, kind, shard, segments, devices) -> DenseLayout:
-    if kind.bias or not kind.gated:
-        _unsupported(f"ffn_kinds.{name}: a dense MLP with bias or without a gate")
-    parts = {t.name: part_of(t, devices) for t in shard.tensors}
-    width = parts["ffn.w_gate"].size
-    act = kind.activation
-    return DenseLayout(
-        name=name,
-        index=index,
-        layers=layers,
-        width=width,
-        gated=kind.gated,
-        activation=act.kind,
-        activation_params={
-            k: v for k, v in act.model_dump().items() if k != "kind" and v is not None
-        },
-        bias=kind.bias,
-        segments=segments,
-        vectors=[],
-    )
 
 
 MAX_PIECE_CHUNKS = 16  # 2 MiB bf16 pieces, the size of a weight-stream bank
@@ -635,14 +480,14 @@ GENERATED_EXPERT_FORMATS = ("bf16", "int8", "int4", "mxfp4", "nvfp4", "fp8")
 GENERATED_STREAM_FORMATS = ("bf16", "int8", "fp8")
 
 
-def _check_expert_format(text: str, name: str, width: int) -> None:
+def check_expert_format(text: str, name: str, width: int) -> None:
     from mkgen.spec.quant import parse_format
 
     fmt = parse_format(text)
     if fmt.kind not in GENERATED_EXPERT_FORMATS or (
         fmt.kind in ("int4", "fp8") and CHUNK % fmt.group
     ):
-        _unsupported(
+        unsupported(
             f"ffn_kinds.{name}: routed experts in {text} (bf16, int8, int4:G and fp8:B with "
             "G, B | 256, mxfp4 and nvfp4 are)"
         )
@@ -653,7 +498,7 @@ def _check_expert_format(text: str, name: str, width: int) -> None:
         )
 
 
-def _check_stream_formats(where: str, segments: list[Segment], fused: bool = True) -> None:
+def check_stream_formats(where: str, segments: list[Segment], fused: bool = True) -> None:
     """Every segment in a format the template reads, its fp8 blocks whole in each part."""
     from mkgen.spec.quant import parse_format
 
@@ -661,100 +506,32 @@ def _check_stream_formats(where: str, segments: list[Segment], fused: bool = Tru
         fmt = parse_format(seg.format)
         if fmt.kind not in GENERATED_STREAM_FORMATS or (fmt.kind == "fp8" and CHUNK % fmt.group):
             tensors = ", ".join(p.tensor for p in seg.parts)
-            _unsupported(
+            unsupported(
                 f"{where}: dense weights ({tensors}) in {seg.format} (bf16, int8 and fp8:B "
                 "with B | 256 are)"
             )
         if fmt.kind == "fp8" and any(p.size % fmt.group for p in seg.parts[:-1]):
-            _unsupported(f"{where}.{seg.name}: fp8 blocks of {fmt.group} straddling fused tensors")
+            unsupported(f"{where}.{seg.name}: fp8 blocks of {fmt.group} straddling fused tensors")
         if not fused and "." in seg.name:
-            _unsupported(f"{where}: fused tensors of {seg.name.split('.')[0]} in different formats")
+            unsupported(f"{where}: fused tensors of {seg.name.split('.')[0]} in different formats")
 
 
-def _check_formats(spec: ModelSpec, stream: StreamPlan) -> None:
+def check_formats(spec: ModelSpec, stream: StreamPlan) -> None:
     """Weight formats the template does not read are an error, never a bf16 fallback.
     (MoE kinds check their experts and their "in" group, which may mix formats.)"""
     from mkgen.spec.quant import parse_format
 
     if parse_format(spec.quantization.embedding).kind != "bf16":
-        _unsupported(f"an embedding in {spec.quantization.embedding}")
+        unsupported(f"an embedding in {spec.quantization.embedding}")
     for name, kind in stream.attention.items():
-        _check_stream_formats(f"attention_kinds.{name}", kind.segments, fused=False)
+        check_stream_formats(f"attention_kinds.{name}", kind.segments, fused=False)
     for name, kind in stream.ffn.items():
         if kind.type != "moe":
-            _check_stream_formats(f"ffn_kinds.{name}", kind.segments, fused=False)
-    _check_stream_formats("lm_head", stream.tail)
+            check_stream_formats(f"ffn_kinds.{name}", kind.segments, fused=False)
+    check_stream_formats("lm_head", stream.tail)
 
 
-def _moe_layout(
-    name,
-    index,
-    layers,
-    kind,
-    shard,
-    segments,
-    devices,
-    first_row,
-    expert_format,
-    max_piece_chunks,
-    expert_slots,
-) -> MoELayout:
-    if kind.activation.kind == "gelu":
-        _unsupported(f"ffn_kinds.{name}: exact gelu (use gelu_tanh)")
-    if shard.latent_design == "ar_ag" and kind.shared_experts:
-        _unsupported(f"ffn_kinds.{name}: shared experts beside a latent MoE combined by all-gather")
-    parts = {t.name: part_of(t, devices) for t in shard.tensors}
-    split = shard.experts
-    gate = next(t for t in shard.tensors if t.name == "ffn.experts_gate")
-    d = gate.global_shape[1]
-    width = split.width_per_rank
-    _check_expert_format(expert_format, name, width)
-    _check_stream_formats(f"ffn_kinds.{name}", segments)
-    chunks = expert_chunks(expert_format, d, width, max_piece_chunks)
-    columns = _segment_columns(segments, "in", "ffn.")
-    names = [n for n in ("router_bias", "selection_bias", "latent_norm") if f"ffn.{n}" in parts]
-    vectors = [
-        VectorRow(name=n, row=first_row + i, part=parts[f"ffn.{n}"], length=parts[f"ffn.{n}"].size)
-        for i, n in enumerate(names)
-    ]
-    act = kind.activation
-    r = kind.router
-    return MoELayout(
-        name=name,
-        index=index,
-        layers=layers,
-        num_experts=kind.num_experts,
-        top_k=kind.top_k,
-        groups=split.groups,
-        width_parts=split.width_parts,
-        experts_per_rank=split.experts_per_rank,
-        experts=chunks,
-        expert_slots=expert_slots,
-        activation=act.kind,
-        activation_params={
-            k: v for k, v in act.model_dump().items() if k != "kind" and v is not None
-        },
-        score=r.score,
-        router_bias=r.bias,
-        selection_bias=r.selection_bias,
-        renormalize=r.renormalize,
-        routed_scaling=r.routed_scaling,
-        n_group=r.n_group,
-        topk_group=r.topk_group,
-        latent_width=kind.latent.width if kind.latent else 0,
-        latent_norm=bool(kind.latent and kind.latent.norm),
-        latent_design=shard.latent_design,
-        latent_per_rank=columns["latent_in"].size if "latent_in" in columns else 0,
-        shared_width=columns["shared_gate"].size if "shared_gate" in columns else 0,
-        shared_gate="shared_gate_proj" in columns,
-        columns=columns,
-        segments=segments,
-        vectors=vectors,
-        bias_row=first_row + len(vectors) if kind.expert_bias else None,
-    )
-
-
-def _slab_rows(kind: DenseLayout | MoELayout) -> int:
+def slab_rows(kind: DenseLayout | MoELayout) -> int:
     """Rows of a layer's vector slab an FFN kind uses after its first row."""
     rows = sum(v.rows for v in kind.vectors)
     if isinstance(kind, MoELayout) and kind.bias_row is not None:
@@ -762,7 +539,7 @@ def _slab_rows(kind: DenseLayout | MoELayout) -> int:
     return rows
 
 
-def _slab_width(kind: DenseLayout | MoELayout) -> int:
+def slab_width(kind: DenseLayout | MoELayout) -> int:
     """The widest row an FFN kind puts in a layer's vector slab."""
     widths = [v.length for v in kind.vectors]
     if isinstance(kind, MoELayout) and kind.bias_row is not None:
@@ -770,7 +547,7 @@ def _slab_width(kind: DenseLayout | MoELayout) -> int:
     return max(widths, default=0)
 
 
-def _stream_formats(segments: list[Segment]) -> list[StreamFormat]:
+def stream_formats(segments: list[Segment]) -> list[StreamFormat]:
     """The quantized formats of the weight stream, each read as its first segment stores it."""
     from mkgen.spec.quant import parse_format
 
@@ -790,7 +567,7 @@ def _stream_formats(segments: list[Segment]) -> list[StreamFormat]:
     return list(out.values())
 
 
-def _features(
+def kernel_features(
     attention: list[GQALayout | MLALayout | RecurrentLayout],
     ffn: list[DenseLayout | MoELayout],
     stream_formats: list[StreamFormat],
@@ -809,148 +586,6 @@ def _features(
         block_scales=bool(set(expert_formats) - {"bf16"})
         or any(f.block is not None for f in stream_formats),
         e2m1=bool({"mxfp4", "nvfp4"} & set(expert_formats)),
-    )
-
-
-def build_layout(
-    spec: ModelSpec,
-    topology: Topology,
-    sharding: ShardingPlan,
-    stream: StreamPlan,
-    options: BuildOptions,
-    *,
-    max_piece_chunks: int,
-    expert_slots: int,
-    trace_residuals: bool = False,
-) -> KernelLayout:
-    """The kernel layout of `spec` on `topology`: per-rank pieces as `sharding` decided, the
-    stream as planned, `expert_slots` as the VMEM plan chose them."""
-    _check_formats(spec, stream)
-    devices = topology.num_devices
-    hidden = spec.dims.hidden
-    attention_names = list(spec.attention_kinds)
-    ffn_names = list(spec.ffn_kinds)
-    attn_table = [attention_names.index(n) for n in spec.attention_table()]
-    ffn_table = [ffn_names.index(n) for n in spec.ffn_table()]
-
-    def members(table: list[int], index: int) -> list[int]:
-        return [i for i, k in enumerate(table) if k == index]
-
-    builders = {
-        GQAAttention: _gqa_layout,
-        MLAAttention: _mla_layout,
-        GatedDeltaNetAttention: _recurrent_layout,
-        KDAAttention: _recurrent_layout,
-    }
-    attention = []
-    for i, name in enumerate(attention_names):
-        kind = spec.attention_kinds[name]
-        builder = builders.get(type(kind))
-        if builder is None:
-            _unsupported(f"attention_kinds.{name} ({kind.type})")
-        attention.append(
-            builder(
-                name,
-                i,
-                members(attn_table, i),
-                kind,
-                sharding.attention[name],
-                stream.attention[name].segments,
-                devices,
-                options,
-                spec.dims,
-            )
-        )
-    ffn: list[DenseLayout | MoELayout] = []
-    first_ffn_row = 2 + max(sum(v.rows for v in a.vectors) for a in attention)
-    for i, name in enumerate(ffn_names):
-        kind = spec.ffn_kinds[name]
-        if isinstance(kind, MoEFFN):
-            ffn.append(
-                _moe_layout(
-                    name,
-                    i,
-                    members(ffn_table, i),
-                    kind,
-                    sharding.ffn[name],
-                    stream.ffn[name].segments,
-                    devices,
-                    first_ffn_row,
-                    spec.quantization.experts,
-                    max_piece_chunks,
-                    expert_slots,
-                )
-            )
-            continue
-        ffn.append(
-            _dense_layout(
-                name,
-                i,
-                members(ffn_table, i),
-                kind,
-                sharding.ffn[name],
-                stream.ffn[name].segments,
-                devices,
-            )
-        )
-    if spec.dims.tie_embeddings:
-        _unsupported("tied embeddings")
-    ffn_rows_end = first_ffn_row + max(_slab_rows(f) for f in ffn)
-    residual = None
-    if spec.attention_residual:
-        r = spec.attention_residual
-        residual = AttentionResidualLayout(
-            block_size=r.block_size, max_snapshots=r.max_snapshots, logits_row=ffn_rows_end
-        )
-
-    globals_ = {t.name: part_of(t, devices) for t in sharding.globals}
-    segments = [s for a in attention for s in a.segments] + [s for f in ffn for s in f.segments]
-    segments += stream.tail
-    stream_formats = _stream_formats(segments)
-    tokens = options.batch * options.rows
-    return KernelLayout(
-        model=spec.name,
-        topology=topology.name,
-        devices=devices,
-        batch=options.batch,
-        rows=options.rows,
-        tokens=tokens,
-        tokens_padded=round_up(tokens, SUBLANES_F32),
-        context=options.context,
-        cache_block=round_up(options.rows + CACHE_ALIGN - 1, CACHE_ALIGN),
-        hidden=hidden,
-        hidden_chunks=cdiv(hidden, CHUNK),
-        vocab=spec.dims.vocab,
-        vocab_used=spec.dims.vocab_used or spec.dims.vocab,
-        vocab_per_core=stream.tail[0].fan_out,
-        norm_eps=spec.dims.norm_eps,
-        zero_centered=spec.dims.norm_style == "zero_centered",
-        logit_multiplier=spec.dims.logit_multiplier,
-        logit_softcap=spec.dims.logit_softcap,
-        stream=stream,
-        attention=attention,
-        ffn=ffn,
-        attention_table=attn_table,
-        ffn_table=ffn_table,
-        attention_slot=[attention[k].layers.index(i) for i, k in enumerate(attn_table)],
-        ffn_slot=[ffn[k].layers.index(i) for i, k in enumerate(ffn_table)],
-        vector_rows=ffn_rows_end + (1 if residual else 0),
-        vector_width=round_up(
-            max(
-                [hidden]
-                + [v.length for a in attention for v in a.vectors]
-                + [_slab_width(f) for f in ffn]
-            ),
-            128,
-        ),  # fmt: skip
-        collectives=plan_collectives(topology, layer_uses(sharding)),
-        attention_residual=residual,
-        final_norm=globals_["final_norm"],
-        max_k_chunks=max(s.k_chunks for s in segments),
-        max_col_blocks=max(s.col_blocks for s in segments),
-        trace_residuals=trace_residuals,
-        features=_features(attention, ffn, stream_formats),
-        vmem_limit_bytes=topology.chip_info.vmem_limit_bytes,
     )
 
 

@@ -193,7 +193,8 @@ def node_op_counts(
     A stream segment's and an expert's ring matmul is spread over its banks or pieces by
     the chunks each holds; a node's ops times its ``repeat`` summed per phase is
     `model_op_counts`. The cost model (mkgen.plan.cost) prices each node from these."""
-    from mkgen.plan.vmem import q_rows, recurrent_dims
+    from mkgen.kinds.cache_attention import q_rows
+    from mkgen.kinds.registry import kind_module
 
     unpriced: set[str] = set()
     dims = vmem.dims
@@ -292,7 +293,7 @@ def node_op_counts(
         elif node.cat == "recurrent":  # one sequence's rows, one head after another
             kind = spec.attention_kinds[attn]
             a = sharding.attention[attn]
-            heads, dk, dv, _ = recurrent_dims(kind, a)
+            heads, dk, dv, _ = kind_module(kind.type, attn).state_dims(kind, a)
             keys = a.kv_heads_per_rank if kind.type == "gated_deltanet" else heads
             per_head, per_key = DELTA_RULE_OPS[kind.type]
             per_row = (heads * per_head + keys * per_key) * vregs(dk, dv) / DELTA_RULE_STATE_VREGS

@@ -39,7 +39,7 @@ Runtime loops whose iterations use the same buffers are not unrolled in full: a 
 whose body starts and waits all its own DMAs (the (sequence, kv head) pairs of
 attention) is kept once with ``repeat`` = its trip count; a double-buffered loop (KV
 tiles) keeps four iterations, the third standing for the steady state (``repeat`` =
-n - 3); the expert loop keeps whole periods of its slot pattern (expert_iterations).
+n - 3); the expert loop keeps whole periods of its slot pattern (mkgen.kinds.moe.expert_iterations).
 The buffer pattern of every iteration is still checked, bytes are counted per step,
 and the node count barely grows with batch or context. Banks and vector slabs are
 never folded.
@@ -47,21 +47,18 @@ never folded.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict
 
+from mkgen.kinds.common import Step
+from mkgen.kinds.registry import kind_module
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.sharding import Collective, ShardingPlan
 from mkgen.plan.stream import CHUNK, LANES, Segment, StreamPlan
-from mkgen.plan.vmem import VmemPlan, q_rows, recurrent_dims
+from mkgen.plan.vmem import VmemPlan
 from mkgen.spec.schema import (
-    DenseFFN,
-    GQAAttention,
-    MLAAttention,
     ModelSpec,
-    MoEFFN,
 )
 
 START, WAIT, RUN = 0, 1, 2
@@ -360,14 +357,6 @@ def _sent_bytes(c: Collective) -> int:
     return sum(c.bytes_by_level.values())
 
 
-def kv_tiles(context: int, tile: int, window: int | None, rows: int) -> int:
-    """Tiles one (sequence, kv head) reads in the worst case (a full cache)."""
-    full = -(-context // tile)
-    if window is None:
-        return full
-    return min(full, -(-(window + rows - 1) // tile) + 1)
-
-
 class _Builder:
     """Emits the step's program: prologue, every layer, the lm_head and sampling."""
 
@@ -661,60 +650,38 @@ class _Builder:
                  2 * self.coll_slots * self.t,
                  ((g, "greedy", 0),))  # fmt: skip
 
-    # --- attention kinds ---
+    # --- the layer kinds (mkgen.kinds: each kind's module emits its ops) ---
     def attention(self, layer: int, name: str, v: int) -> int:
+        x = self.vec(layer, f"{name}: attn_norm", self.res, 5 * self.t * self.dims.hidden,
+                     ((v, None, 0),))  # fmt: skip
         kind = self.spec.attention_kinds[name]
-        a = self.sh.attention[name]
-        ks = self.stream.attention[name]
-        segs = {s.name: s for s in ks.segments}
-        first = self.stream.attention_banks[layer]
-        h = self.dims.hidden
-        colls = {c.name: c for c in a.collectives}
-        x = self.vec(layer, f"{name}: attn_norm", self.res, 5 * self.t * h, ((v, None, 0),))
-        lbl = name
-        if isinstance(kind, GQAAttention):
-            y = self.segment(layer, lbl, segs["qkv"], first, x)
-            y = self.vec(layer, f"{name}: q/k norm, rope, new rows", y, 8 * self.t * h,
-                         ((v, None, 0),))  # fmt: skip
-            wrote = self._gqa_cache(layer, name, kind, a, y)
-            o = self._gqa_attend(layer, name, kind, a, y, wrote)
-            gate = ", output gate" if kind.output_gate != "none" else ""
-            o = self.vec(layer, f"{name}: heads -> rows{gate}", o,
-                         self.t * a.heads_per_rank * kind.head_dim, ((y, None, 0),))  # fmt: skip
-            y = self.segment(layer, lbl, segs["o"], first, o)
-            return self.collective(layer, colls.get("attn_out"), y)
-        if isinstance(kind, MLAAttention):
-            y = self.segment(layer, lbl, segs["down"], first, x)
-            y = self.collective(layer, colls.get("mla_latent"), y)
-            y = self.vec(layer, f"{name}: latent norms", y, 5 * self.t * (
-                (kind.q_lora_rank or 0) + kind.kv_lora_rank), ((v, None, 0),))  # fmt: skip
-            if "q_b" in segs:
-                y = self.segment(layer, lbl, segs["q_b"], first, y)
-            # Absorbed: q_nope -> latent space (uk), attention, latent -> values (uv).
-            y = self.segment(layer, lbl, segs["uk"], first, y)
-            wrote = self._mla_cache(layer, name, kind, y)
-            o = self._mla_attend(layer, name, kind, a, y, wrote)
-            o = self.segment(layer, lbl, segs["uv"], first, o)
-            y = self.segment(layer, lbl, segs["o"], first, o)
-            return self.collective(layer, colls.get("attn_out"), y)
-        # KDA and Gated DeltaNet: the recurrent state replaces the cache.
-        order = [s.name for s in ks.segments]
-        y = self.segment(layer, lbl, segs[order[0]], first, x)
-        if "kda_gate_rank" in colls:
-            y = self.collective(layer, colls["kda_gate_rank"], y)
-        for sname in order[1:-1]:  # KDA: the decay / output gate up-projections
-            y = self.segment(layer, lbl, segs[sname], first, y)
-        y = self.vec(layer, f"{name}: conv, gates", y, 8 * self.t * h, ((v, None, 0),))
-        o = self._recurrent(layer, name, kind, a, y)
-        o = self.vec(layer, f"{name}: output norm, gate", o, 6 * self.t * h, ((v, None, 0),))
-        y = self.segment(layer, lbl, segs[order[-1]], first, o)
-        return self.collective(layer, colls.get("attn_out"), y)
+        shard = self.sh.attention[name]
+        return kind_module(kind.type, name).program(self, Step(
+            layer=layer, name=name, kind=kind, shard=shard,
+            segments={s.name: s for s in self.stream.attention[name].segments},
+            first_bank=self.stream.attention_banks[layer],
+            collectives={c.name: c for c in shard.collectives}, vectors=v, x=x,
+        ))  # fmt: skip
 
-    def _cache_slot(self, layer: int, name: str) -> int:
+    def ffn(self, layer: int, name: str, v: int) -> int:
+        x = self.vec(layer, f"{name}: ffn_norm", self.res, 5 * self.t * self.dims.hidden,
+                     ((v, None, 0),))  # fmt: skip
+        kind = self.spec.ffn_kinds[name]
+        shard = self.sh.ffn[name]
+        return kind_module(kind.type, name).program(self, Step(
+            layer=layer, name=name, kind=kind, shard=shard,
+            segments={s.name: s for s in self.stream.ffn[name].segments},
+            first_bank=self.stream.ffn_banks[layer],
+            collectives={c.name: c for c in shard.collectives}, vectors=v, x=x,
+        ))  # fmt: skip
+
+    # --- what the kinds' ops share ---
+    def cache_slot(self, layer: int) -> int:
         """The layer's position among the layers of its attention kind (its cache slot)."""
         return self.cache_slots[layer]
 
-    def _block_sems(self, name: str, shape: tuple[int, ...]) -> tuple[str, ...]:
+    def block_sems(self, name: str, shape: tuple[int, ...]) -> tuple[str, ...]:
+        """The semaphores of a DMA group over an array of `shape`, one per copy."""
         key = (name, shape)
         cache = self.sem_cache
         if key not in cache:
@@ -724,10 +691,10 @@ class _Builder:
             cache[key] = tuple(f"{name}[{','.join(map(str, i))}]" for i in idx)
         return cache[key]
 
-    def _write_block(self, layer: int, name: str, sems: tuple[str, ...], nbytes: int,
-                     new_rows: int) -> int:  # fmt: skip
+    def write_block(self, layer: int, name: str, sems: tuple[str, ...], nbytes: int,
+                    new_rows: int) -> int:  # fmt: skip
         """Read the tile-aligned block around the new rows, merge them, write it back."""
-        cslot = self._cache_slot(layer, name)
+        cslot = self.cache_slot(layer)
         hbm = f"hbm:{name}.cache"
         rd = self.dma("cache_read", f"L{layer} {name}: cache block read", layer, f"{name}.block",
                       0, sems, nbytes, count=len(sems), reads=((INIT, hbm, cslot),))  # fmt: skip
@@ -741,227 +708,6 @@ class _Builder:
         self.start(wr)
         self.wait(wr)
         return wr
-
-    def _cache_write(self, layer, name, caches: int, kv_heads: int, width: int, y: int) -> int:
-        """The aligned cache blocks around the new rows: `caches` arrays (GQA k and v, the
-        MLA latent row) of `kv_heads` heads, rows `width` wide."""
-        b = self.dims.batch
-        sems = self._block_sems(f"{name}_write_sems", (caches, b, kv_heads))
-        nbytes = caches * b * kv_heads * self.dims.cache_block * width * 2
-        return self._write_block(layer, name, sems, nbytes, y)
-
-    def _gqa_cache(self, layer, name, kind: GQAAttention, a, y: int) -> int:
-        return self._cache_write(layer, name, 2, a.kv_heads_per_rank, kind.head_dim, y)
-
-    def _mla_cache(self, layer, name, kind: MLAAttention, y: int) -> int:
-        width = kind.kv_lora_rank + kind.qk_rope_head_dim
-        return self._cache_write(layer, name, 1, 1, width, y)
-
-    def _tiles(self, layer: int, name: str, wrote: int, q: int, n: int, tile_bytes: int,
-               sems: list[tuple[str, ...]], flops: int) -> int:  # fmt: skip
-        """One pair's KV tiles through two buffers under an online softmax."""
-        res, hbm = f"{name}.tiles", f"hbm:{name}.cache"
-        cslot = self._cache_slot(layer, name)
-        tiles: dict[int, int] = {}
-        state = {"prev": q}
-
-        def tile(i: int, rep: int) -> int:
-            return self.dma("kv_tile", f"L{layer} {name}: kv tile {i}", layer, res, i % 2,
-                            sems[i % 2], tile_bytes, count=len(sems[i % 2]),
-                            reads=((wrote, hbm, cslot),), repeat=rep)  # fmt: skip
-
-        tiles[0] = tile(0, self.repeat)
-        self.start(tiles[0])
-
-        def body(i: int, last: bool, rep: Callable[[int], int]) -> None:
-            self.wait(tiles[i])
-            if not last:
-                tiles[i + 1] = tile(i + 1, rep(i + 1))
-                self.start(tiles[i + 1])
-            state["prev"] = self.run(
-                "attention", f"L{layer} {name}: scores, online softmax, tile {i}", layer, flops,
-                ((tiles[i], res, i % 2), (state["prev"], None, 0)),
-            )  # fmt: skip
-
-        self.loop(n, body)
-        return state["prev"]
-
-    def _gqa_attend(self, layer, name, kind: GQAAttention, a, y: int, wrote: int) -> int:
-        dims = self.dims
-        g = a.kv_heads_per_rank
-        n = kv_tiles(dims.context, dims.kv_tile, kind.sliding_window, dims.rows)
-        qr = q_rows(a.heads_per_rank // g, dims.rows)
-        sems = [(f"{name}_tile_sems[0,{buf}]", f"{name}_tile_sems[1,{buf}]") for buf in range(2)]
-        flops = 4 * qr * dims.kv_tile * kind.head_dim
-        out = {}
-
-        def pair() -> None:
-            out["o"] = self._tiles(layer, name, wrote, y, n, 2 * dims.kv_tile * kind.head_dim * 2,
-                                   sems, flops)  # fmt: skip
-
-        self.folded(dims.batch * g, pair)  # for each (sequence, kv head)
-        return out["o"]
-
-    def _mla_attend(self, layer, name, kind: MLAAttention, a, y: int, wrote: int) -> int:
-        dims = self.dims
-        lat = kind.kv_lora_rank + kind.qk_rope_head_dim
-        n = kv_tiles(dims.context, dims.kv_tile, None, dims.rows)
-        qr = q_rows(a.heads_per_rank, dims.rows)
-        sems = [(f"{name}_tile_sems[0,{buf}]",) for buf in range(2)]
-        flops = 2 * qr * dims.kv_tile * (lat + kind.kv_lora_rank)
-        out = {}
-
-        def sequence() -> None:
-            out["o"] = self._tiles(layer, name, wrote, y, n, dims.kv_tile * lat * 2, sems, flops)
-
-        self.folded(dims.batch, sequence)
-        return out["o"]
-
-    def _recurrent(self, layer: int, name: str, kind, a, y: int) -> int:
-        """The current conv tail and state of every sequence in, the rows in order, the
-        snapshot after every row written back (the template's Gated DeltaNet; KDA the same
-        way)."""
-        b = self.dims.batch
-        heads, dk, dv, _ = recurrent_dims(kind, a)
-        res = f"{name}.state"
-        sems = self._block_sems(f"{name}_cache_sems", (2, b))
-        nbytes = b * a.cache.fixed_bytes
-        rd = self.dma("state_read", f"L{layer} {name}: conv tails and states in", layer, res,
-                      0, sems, nbytes, count=len(sems))  # fmt: skip
-        self.start(rd)
-        self.wait(rd)
-        prev = rd
-        for seq in range(b):  # each sequence updates its own part of the buffers
-            prev = self.run(
-                "recurrent", f"L{layer} {name}: conv, delta rule, sequence {seq}", layer,
-                8 * self.o.rows * heads * dk * dv, ((prev, res, 0), (y, None, 0)),
-                writes=(res, 0),
-            )  # fmt: skip
-        wr = self.dma("state_write", f"L{layer} {name}: snapshots after each row out", layer,
-                      None, 0, sems, nbytes * self.dims.rows, count=len(sems),
-                      reads=((prev, res, 0),))  # fmt: skip
-        self.start(wr)
-        self.wait(wr)
-        return prev
-
-    # --- FFN kinds ---
-    def ffn(self, layer: int, name: str, v: int) -> int:
-        kind = self.spec.ffn_kinds[name]
-        f = self.sh.ffn[name]
-        ks = self.stream.ffn[name]
-        segs = {s.name: s for s in ks.segments}
-        first = self.stream.ffn_banks[layer]
-        h = self.dims.hidden
-        colls = {c.name: c for c in f.collectives}
-        x = self.vec(layer, f"{name}: ffn_norm", self.res, 5 * self.t * h, ((v, None, 0),))
-        if isinstance(kind, DenseFFN):
-            y = self.segment(layer, name, segs["gate_up"], first, x)
-            y = self.vec(layer, f"{name}: activation", y, 8 * self.t * segs["gate_up"].fan_out)
-            y = self.segment(layer, name, segs["down"], first, y)
-            return self.collective(layer, colls.get("ffn_out"), y)
-        assert isinstance(kind, MoEFFN)
-        y = x
-        for seg in ks.group("in"):  # one segment per format of the fused "in" tensors
-            y = self.segment(layer, name, seg, first, y)
-        route = self.run("routing", f"L{layer} {name}: router scores, top-{kind.top_k}", layer,
-                         4 * self.t * kind.num_experts * kind.top_k, ((y, None, 0), (v, None, 0)))  # fmt: skip
-        lat = x
-        if kind.latent:
-            lat = self.collective(layer, colls.get("latent_in"), y)
-            lat = self.vec(layer, f"{name}: latent norm", lat, 5 * self.t * kind.latent.width,
-                           ((v, None, 0),))  # fmt: skip
-        out = self._experts(layer, name, kind, f, route, lat)
-        shared = None
-        if kind.shared_experts:
-            width = next(t.rank_shape[-1] for t in f.tensors if t.name == "ffn.shared_up")
-            act = self.vec(layer, f"{name}: shared activation", y, 8 * self.t * width)
-            shared = self.segment(layer, name, segs["shared_down"], first, act)
-        if kind.latent:
-            out = self.collective(layer, colls.get("expert_out"), out)
-            out = self.segment(layer, name, segs["latent_out"], first, out)
-        if shared is not None:
-            out = self.vec(layer, f"{name}: experts + shared experts", out, self.t * h,
-                           ((shared, None, 0),))  # fmt: skip
-        return self.collective(layer, colls.get("ffn_out"), out)
-
-    def _experts(self, layer: int, name: str, kind: MoEFFN, f, route: int, x: int) -> int:
-        """Expert ids to SMEM, the list of this core's chosen experts, then their pieces
-        through the slots: piece q (of expert q // P) in slot q % S, the first S issued at
-        once, piece q + S right after piece q is used (the template's expert ring)."""
-        split = f.experts
-        e = self.vmem.experts[name]
-        n = max(1, min(split.experts_per_rank, math.ceil(split.expected_max_experts_per_rank)))
-        pieces = e.pieces
-        self.experts_per_layer[layer] = (n, pieces)
-        slots = self.vmem.expert_slots
-        res = f"{name}.experts"
-        ids = self.dma("ids", f"L{layer} {name}: expert ids -> SMEM", layer, f"smem:{name}.ids",
-                       0, (f"{name}_ids_sem",), self.dims.tokens_padded * 128 * 4,
-                       reads=((route, None, 0),))  # fmt: skip
-        self.start(ids)
-        self.wait(ids)
-        listing = self.run("scalar", f"L{layer} {name}: list this core's chosen experts", layer,
-                           self.t * kind.top_k, ((ids, f"smem:{name}.ids", 0),))  # fmt: skip
-        kept = expert_iterations(n, pieces, slots)
-        units = len(kept) * pieces  # over the kept iterations (see expert_iterations)
-        sems = [tuple(f"{name}_slot_sems[{k},{s}]" for k in range(e.arrays)) for s in range(slots)]
-        nodes: dict[int, int] = {}
-        outer = self.repeat
-
-        def fetch(q: int) -> None:
-            if q >= units:
-                return
-            (i, rep), p = kept[q // pieces], q % pieces
-            nodes[q] = self.dma("expert", f"L{layer} {name}: expert {i} piece {p}", layer, res,
-                                q % slots, sems[q % slots], e.piece_bytes, count=e.arrays,
-                                reads=((listing, None, 0),), key=("expert", layer, i, p),
-                                repeat=outer * rep)  # fmt: skip
-            self.start(nodes[q])
-
-        for q in range(slots):
-            fetch(q)
-        flops = 2 * split.rows_per_expert * e.piece_chunks * CHUNK * LANES
-        acc = x
-        for k, (i, rep) in enumerate(kept):
-            self.repeat = outer * rep
-            prev = x
-            for p in range(pieces):
-                q = k * pieces + p
-                self.wait(nodes[q])
-                part = "gate/up" if p < e.gate_up_pieces else "down"
-                prev = self.run(
-                    "expert_mm", f"L{layer} {name}: expert {i} {part} piece {p}", layer, flops,
-                    ((nodes[q], res, q % slots), (prev, None, 0), (route, None, 0)),
-                )  # fmt: skip
-                fetch(q + slots)
-                if p == e.gate_up_pieces - 1:
-                    prev = self.vec(layer, f"{name}: expert {i} activation", prev,
-                                    8 * self.t * e.width)  # fmt: skip
-            acc = self.vec(layer, f"{name}: += weight x expert {i}", acc, 2 * self.t * e.d,
-                           ((prev, None, 0),))  # fmt: skip
-        self.repeat = outer
-        return acc
-
-
-def expert_iterations(n: int, pieces: int, slots: int) -> list[tuple[int, int]]:
-    """(expert index, repeat) of the expert loop's iterations the schedule keeps.
-
-    Piece q of the loop lives in slot q % slots, so iteration i meets the slots in phase
-    i x pieces mod slots, which repeats every ``period`` iterations. Kept: the first
-    period (the ring fills), one period standing for the steady state (repeat = the
-    middle periods), and the last iterations where prefetching stops (the ring drains).
-    Consecutive kept iterations stay in phase, so every slot pattern is checked.
-    """
-    period = slots // math.gcd(pieces, slots)
-    drain = max(period, -(-slots // pieces))
-    if n <= 2 * period + drain:
-        return [(i, 1) for i in range(n)]
-    tail = drain + (n - period - drain) % period
-    middle = n - period - tail  # a whole number of periods, at least one
-    kept = [(i, 1) for i in range(period)]
-    kept += [(i, middle // period) for i in range(period, 2 * period)]
-    kept += [(i, 1) for i in range(n - tail, n)]
-    return kept
 
 
 def build_schedule(

@@ -27,8 +27,9 @@ collectives it needs. Decisions (docs/cost-model.md has the reasoning):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import cache
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -42,19 +43,13 @@ from mkgen.plan.cost import (
     widest_level,
 )
 from mkgen.plan.options import BuildOptions
-from mkgen.spec.figures import CACHE_BYTES, STATE_BYTES
 from mkgen.spec.quant import parse_format
 from mkgen.spec.schema import (
-    DenseFFN,
-    GatedDeltaNetAttention,
-    GQAAttention,
-    KDAAttention,
-    MLAAttention,
     ModelSpec,
     MoEFFN,
 )
 from mkgen.spec.topology import Topology
-from mkgen.spec.weights import VECTORS, attention_weights, ffn_weights
+from mkgen.spec.weights import VECTORS
 
 LANES = 128
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter"]
@@ -504,6 +499,23 @@ class _Ctx:
         return self.c.dma_s(nbytes)
 
 
+class KindShards:
+    """What a layer kind's sharding rule fills: the per-rank pieces of its tensors (named
+    `prefix` + tensor, errors prefixed by `where`) and its collectives."""
+
+    def __init__(self, ctx: _Ctx, prefix: str, where: str) -> None:
+        self.ctx = ctx
+        self.prefix = prefix
+        self.where = where
+        self.tensors: list[TensorShard] = []
+        self.collectives: list[Collective] = []
+
+    def add(self, name: str, shape: tuple[int, ...], family: str, **kw: Any) -> None:
+        self.tensors.append(
+            self.ctx.shard(self.prefix + name, shape, family, where=self.where, **kw)
+        )
+
+
 def _suggest_topologies(ctx: _Ctx, count: int) -> str:
     chip = ctx.topo.chip_info
     fits = [
@@ -514,7 +526,7 @@ def _suggest_topologies(ctx: _Ctx, count: int) -> str:
     return ", ".join(fits) if fits else "none of the catalog's slices"
 
 
-def _heads_error(ctx: _Ctx, kind: str, what: str, count: int) -> SpecError:
+def heads_error(ctx: _Ctx, kind: str, what: str, count: int) -> SpecError:
     return SpecError(
         f"attention_kinds.{kind}: {count} {what} do not split over {ctx.d} devices of "
         f"{ctx.topo.name} ({count} % {ctx.d} = {count % ctx.d}); heads are not padded or "
@@ -523,7 +535,7 @@ def _heads_error(ctx: _Ctx, kind: str, what: str, count: int) -> SpecError:
     )
 
 
-def _group_map(ctx: _Ctx, units: int, per_unit_group: int) -> tuple[int, float]:
+def group_map(ctx: _Ctx, units: int, per_unit_group: int) -> tuple[int, float]:
     """Rank r holds units [r*u, (r+1)*u); each needs group unit // per_unit_group.
 
     Returns (groups held per rank, copies of each group) for a uniform per-rank shape.
@@ -540,206 +552,10 @@ def _group_map(ctx: _Ctx, units: int, per_unit_group: int) -> tuple[int, float]:
 # --------------------------------------------------------------------------- attention
 
 
-def _shard_attention(ctx: _Ctx, kind_name: str, a: object) -> AttentionSharding:
-    h, d = ctx.h, ctx.d
-    where = f"attention_kinds.{kind_name}: "
-    specs = attention_weights(a, h)
-    tensors: list[TensorShard] = []
-    collectives: list[Collective] = []
-    latent: Literal["split", "replicated", "none"] = "none"
-
-    def add(name: str, shape: tuple[int, ...], family: str, **kw) -> None:
-        tensors.append(ctx.shard(f"attn.{name}", shape, family, where=where, **kw))
-
-    if isinstance(a, GQAAttention):
-        if a.num_heads % d:
-            raise _heads_error(ctx, kind_name, "query heads", a.num_heads)
-        hpr = a.num_heads // d
-        group = a.num_heads // a.num_kv_heads
-        if a.num_kv_heads % d == 0:
-            kv_pr, kv_copies, kv_why = a.num_kv_heads // d, 1.0, "KV heads split"
-        else:
-            kv_pr, kv_copies = _group_map(ctx, a.num_heads, group)
-            kv_why = (
-                f"{a.num_kv_heads} KV heads < or not divisible by {d}: each rank holds "
-                f"the {kv_pr} its {hpr} q heads use (x{kv_copies:g} copies)"
-            )
-        for name, shape, family in specs:
-            if name in ("wq", "wgate"):
-                add(name, shape, family, split_axis=1, parts=d, why="q heads")
-            elif name in ("wk", "wv"):
-                if kv_copies == 1:
-                    add(name, shape, family, split_axis=1, parts=d, why="KV heads")
-                else:
-                    add(
-                        name, shape, family, split_axis=1, parts=a.num_kv_heads // kv_pr,
-                        rank_extent=kv_pr * a.head_dim, why=kv_why,
-                    )  # fmt: skip
-            elif name == "wo":
-                add(name, shape, family, split_axis=0, parts=d, why="input rows by q head")
-            elif name == "bq" or name == "sinks":
-                add(name, shape, family, split_axis=0, parts=d, why="per q head")
-            elif name in ("bk", "bv"):
-                if kv_copies == 1:
-                    add(name, shape, family, split_axis=0, parts=d, why="per KV head")
-                else:
-                    add(
-                        name, shape, family, split_axis=0, parts=a.num_kv_heads // kv_pr,
-                        rank_extent=kv_pr * a.head_dim, why=kv_why,
-                    )  # fmt: skip
-            else:  # bo (added once after the all-reduce), q_norm, k_norm
-                add(name, shape, family, why="replicated")
-        collectives.append(ctx.collective("attn_out", "all_reduce", "attn.wo", h))
-        cache = CacheShard(
-            kind="kv",
-            bytes_per_token=2 * kv_pr * a.head_dim * CACHE_BYTES,
-            fixed_bytes=0,
-            window=a.sliding_window,
-            heads_per_rank=kv_pr,
-            copies=kv_copies,
-            why=kv_why,
-        )
-        return AttentionSharding(
-            kind=kind_name, type=a.type, heads_per_rank=hpr, kv_heads_per_rank=kv_pr,
-            kv_copies=kv_copies, latent=latent, tensors=tuple(tensors),
-            collectives=tuple(collectives), cache=cache,
-            why=f"{hpr} q heads per rank; {kv_why}",
-        )  # fmt: skip
-
-    if isinstance(a, MLAAttention):
-        if a.num_heads % d:
-            raise _heads_error(ctx, kind_name, "heads", a.num_heads)
-        hpr = a.num_heads // d
-        a_names = [n for n, _, _ in specs if n in ("wq_a", "wkv_a")]
-        latent, why_latent = _latent_choice(ctx, specs, a_names, "mla_latent")
-        for name, shape, family in specs:
-            if name in a_names:
-                if latent == "split":
-                    add(name, shape, family, split_axis=1, parts=d, why=why_latent)
-                else:
-                    add(name, shape, family, why=why_latent)
-            elif name in ("wq", "wq_b", "wkv_b", "wgate"):
-                add(name, shape, family, split_axis=1, parts=d, why="heads")
-            elif name == "wo":
-                add(name, shape, family, split_axis=0, parts=d, why="input rows by head")
-            else:  # q_norm, kv_norm: applied to the full latent
-                add(name, shape, family, why="replicated (norm of the full latent)")
-        if latent == "split":
-            width = sum(shape[1] for n, shape, _ in specs if n in a_names)
-            collectives.append(ctx.collective("mla_latent", "all_gather", "attn.wq_a", width))
-        collectives.append(ctx.collective("attn_out", "all_reduce", "attn.wo", h))
-        per_token = (a.kv_lora_rank + a.qk_rope_head_dim) * CACHE_BYTES
-        cache = CacheShard(
-            kind="mla_latent", bytes_per_token=per_token, fixed_bytes=0, window=None,
-            heads_per_rank=1, copies=float(d),
-            why="every head reads the whole latent: the latent cache is replicated",
-        )  # fmt: skip
-        return AttentionSharding(
-            kind=kind_name, type=a.type, heads_per_rank=hpr, kv_heads_per_rank=0,
-            kv_copies=float(d), latent=latent, tensors=tuple(tensors),
-            collectives=tuple(collectives), cache=cache,
-            why=f"{hpr} heads per rank; latent projections {latent} ({why_latent})",
-        )  # fmt: skip
-
-    if isinstance(a, KDAAttention):
-        if a.num_heads % d:
-            raise _heads_error(ctx, kind_name, "heads", a.num_heads)
-        hpr = a.num_heads // d
-        a_names = [n for n, _, _ in specs if n in ("wf_a", "wg_a")]
-        latent, why_latent = _latent_choice(ctx, specs, a_names, "kda_gate_rank")
-        for name, shape, family in specs:
-            if name in a_names:
-                if latent == "split":
-                    add(name, shape, family, split_axis=1, parts=d, why=why_latent)
-                else:
-                    add(name, shape, family, why=why_latent)
-            elif (
-                name in ("wq", "wk", "wv", "wf_b", "wg_b", "wg", "wbeta", "conv_q", "conv_k")
-                or name == "conv_v"
-            ):
-                add(name, shape, family, split_axis=1, parts=d, why="heads")
-            elif name in ("A_log", "dt_bias"):
-                add(name, shape, family, split_axis=0, parts=d, why="heads")
-            elif name == "wo":
-                add(name, shape, family, split_axis=0, parts=d, why="input rows by head")
-            else:  # o_norm (per head dim)
-                add(name, shape, family, why="replicated")
-        if latent == "split":
-            width = sum(shape[1] for n, shape, _ in specs if n in a_names)
-            collectives.append(ctx.collective("kda_gate_rank", "all_gather", "attn.wf_a", width))
-        collectives.append(ctx.collective("attn_out", "all_reduce", "attn.wo", h))
-        dim = hpr * a.head_dim
-        cache = CacheShard(
-            kind="state",
-            bytes_per_token=0,
-            fixed_bytes=hpr * a.head_dim * a.head_dim * STATE_BYTES
-            + (a.conv_width - 1) * 3 * dim * CACHE_BYTES,
-            window=None,
-            heads_per_rank=hpr,
-            copies=1.0,
-            why="state heads split with the heads",
-        )
-        return AttentionSharding(
-            kind=kind_name, type=a.type, heads_per_rank=hpr, kv_heads_per_rank=hpr,
-            kv_copies=1.0, latent=latent, tensors=tuple(tensors),
-            collectives=tuple(collectives), cache=cache,
-            why=f"{hpr} heads per rank; low-rank gate projections {latent} ({why_latent})",
-        )  # fmt: skip
-
-    assert isinstance(a, GatedDeltaNetAttention)
-    if a.num_value_heads % d:
-        raise _heads_error(ctx, kind_name, "value heads", a.num_value_heads)
-    vpr = a.num_value_heads // d
-    ratio = a.num_value_heads // a.num_key_heads
-    if a.num_key_heads % d == 0:
-        kpr, k_copies, k_why = a.num_key_heads // d, 1.0, "key heads split"
-    else:
-        kpr, k_copies = _group_map(ctx, a.num_value_heads, ratio)
-        k_why = (
-            f"{a.num_key_heads} key heads over {d}: each rank holds the {kpr} its "
-            f"value heads use (x{k_copies:g} copies)"
-        )
-    for name, shape, family in specs:
-        if name in ("wq", "wk", "conv_q", "conv_k"):
-            if k_copies == 1:
-                add(name, shape, family, split_axis=1, parts=d, why="key heads")
-            else:
-                add(
-                    name, shape, family, split_axis=1, parts=a.num_key_heads // kpr,
-                    rank_extent=kpr * a.key_head_dim, why=k_why,
-                )  # fmt: skip
-        elif name in ("wv", "wz", "wb", "wa", "conv_v"):
-            add(name, shape, family, split_axis=1, parts=d, why="value heads")
-        elif name in ("A_log", "dt_bias"):
-            add(name, shape, family, split_axis=0, parts=d, why="value heads")
-        elif name == "wo":
-            add(name, shape, family, split_axis=0, parts=d, why="input rows by value head")
-        else:  # o_norm
-            add(name, shape, family, why="replicated")
-    collectives.append(ctx.collective("attn_out", "all_reduce", "attn.wo", h))
-    k_dim, v_dim = kpr * a.key_head_dim, vpr * a.value_head_dim
-    cache = CacheShard(
-        kind="state",
-        bytes_per_token=0,
-        fixed_bytes=vpr * a.key_head_dim * a.value_head_dim * STATE_BYTES
-        + (a.conv_width - 1) * (2 * k_dim + v_dim) * CACHE_BYTES,
-        window=None,
-        heads_per_rank=vpr,
-        copies=1.0,
-        why="state per value head, split with the value heads",
-    )
-    return AttentionSharding(
-        kind=kind_name, type=a.type, heads_per_rank=vpr, kv_heads_per_rank=kpr,
-        kv_copies=k_copies, latent=latent, tensors=tuple(tensors),
-        collectives=tuple(collectives), cache=cache,
-        why=f"{vpr} value heads per rank; {k_why}",
-    )  # fmt: skip
-
-
 LATENT_PIECE_ALIGN = 128  # lanes of a VMEM tile
 
 
-def _latent_choice(
+def latent_choice(
     ctx: _Ctx, specs: list[tuple[str, tuple[int, ...], str]], names: list[str], what: str
 ) -> tuple[Literal["split", "replicated", "none"], str]:
     """Replicate low-rank A projections, or split them along the output + one all-gather.
@@ -822,7 +638,7 @@ def expected_max(pmf: list[float], count: int) -> float:
     return sum(1.0 - cdf[x - 1] ** count for x in range(1, len(pmf)))
 
 
-def _choose_expert_split(ctx: _Ctx, f: MoEFFN, d_in: int) -> ExpertSplit:
+def choose_expert_split(ctx: _Ctx, f: MoEFFN, d_in: int) -> ExpertSplit:
     e, k, width = f.num_experts, f.top_k, f.expert_width
     fmt_text = ctx.fmt("experts")
     fmt = parse_format(fmt_text)
@@ -950,90 +766,19 @@ def _expert_slice(
 # --------------------------------------------------------------------------- FFN
 
 
-def _shard_ffn(ctx: _Ctx, kind_name: str, f: object) -> FFNSharding:
-    h, d = ctx.h, ctx.d
-    where = f"ffn_kinds.{kind_name}: "
-    tensors: list[TensorShard] = []
-    collectives: list[Collective] = []
-
-    def add(w, **kw) -> None:
-        tensors.append(ctx.shard(f"ffn.{w.name}", w.shape, w.family, where=where, **kw))
-
-    weights = ffn_weights(f, h)
-    if isinstance(f, DenseFFN):
-        for w in weights:
-            if w.name in ("w_gate", "w_up"):
-                add(w, split_axis=1, parts=d, why="width")
-            elif w.name == "w_down":
-                add(w, split_axis=0, parts=d, why="input rows by width")
-            elif w.name in ("b_gate", "b_up"):
-                add(w, split_axis=0, parts=d, why="width")
-            else:  # b_down: added once after the all-reduce
-                add(w, why="replicated (added after the all-reduce)")
-        collectives.append(ctx.collective("ffn_out", "all_reduce", "ffn.w_down", h))
-        return FFNSharding(
-            kind=kind_name, type=f.type, tensors=tuple(tensors), collectives=tuple(collectives),
-            experts=None, latent_design="none", why=f"width {f.width} split {d} ways",
-        )  # fmt: skip
-
-    assert isinstance(f, MoEFFN)
-    d_in = f.latent.width if f.latent else h
-    split = _choose_expert_split(ctx, f, d_in)
-    g, wparts = split.groups, split.width_parts
-    design: Literal["rs_ar", "ar_ag", "none"] = "none"
-    if f.latent:
-        rs_ar = ctx.collective("expert_out", "reduce_scatter", "ffn.experts_down", d_in).time_s
-        rs_ar += ctx.collective("ffn_out", "all_reduce", "ffn.latent_out", h).time_s
-        ar_ag = ctx.collective("expert_out", "all_reduce", "ffn.experts_down", d_in).time_s
-        ar_ag += ctx.collective("ffn_out", "all_gather", "ffn.latent_out", h).time_s
-        # Shared experts add partial sums of hidden: with ar_ag they would need their own
-        # all-reduce, so they force rs_ar.
-        design = "ar_ag" if ar_ag < rs_ar and not f.shared_experts else "rs_ar"
-    for w in weights:
-        n = w.name
-        if n in ("router", "router_bias", "selection_bias", "latent_norm", "shared_gate_proj"):
-            add(w, why="replicated (routing is computed redundantly on every rank)")
-        elif n == "latent_in":
-            add(w, split_axis=1, parts=d, why="output split + all-gather of the latent")
-        elif n == "latent_out":
-            if design == "ar_ag":
-                add(w, split_axis=1, parts=d, why="output split + all-gather of hidden")
-            else:
-                add(w, split_axis=0, parts=d, why="input rows (the reduce-scattered latent)")
-        elif n in ("experts_gate", "experts_up"):
-            add(w, split_axis=2, parts=wparts, expert_groups=g, why=split.why)
-        elif n == "experts_down":
-            add(w, split_axis=1, parts=wparts, expert_groups=g, why=split.why)
-        elif n in ("experts_b_gate", "experts_b_up"):
-            add(w, split_axis=1, parts=wparts, expert_groups=g, why="per expert width")
-        elif n == "experts_b_down":
-            add(w, expert_groups=g, why="per expert group, added by width part 0")
-        elif n in ("shared_gate", "shared_up"):
-            add(w, split_axis=1, parts=d, why="shared width")
-        elif n == "shared_down":
-            add(w, split_axis=0, parts=d, why="input rows by shared width")
-        else:  # pragma: no cover - the inventory has no other MoE tensors
-            raise SpecError(f"{where}tensor {n!r}: no sharding rule")
-    if f.latent:
-        collectives.append(ctx.collective("latent_in", "all_gather", "ffn.latent_in", d_in))
-        if design == "ar_ag":
-            collectives.append(ctx.collective("expert_out", "all_reduce", "ffn.experts_down", d_in))
-            collectives.append(ctx.collective("ffn_out", "all_gather", "ffn.latent_out", h))
-        else:
-            collectives.append(
-                ctx.collective("expert_out", "reduce_scatter", "ffn.experts_down", d_in)
-            )
-            collectives.append(ctx.collective("ffn_out", "all_reduce", "ffn.latent_out", h))
-    else:
-        collectives.append(ctx.collective("ffn_out", "all_reduce", "ffn.experts_down", h))
-    why = split.why + (f"; latent design {design}" if f.latent else "")
-    return FFNSharding(
-        kind=kind_name, type=f.type, tensors=tuple(tensors), collectives=tuple(collectives),
-        experts=split, latent_design=design, why=why,
-    )  # fmt: skip
-
-
 # --------------------------------------------------------------------------- entry
+
+# Each layer kind's sharding rule, by type: shard(ctx, kind name, spec kind) -> its
+# AttentionSharding or FFNSharding. The rules live in the kinds' modules (mkgen/kinds),
+# which build on this module's records, so mkgen.kinds.registry registers them here when
+# the plan package loads.
+SHARDING_RULES: dict[str, Callable[[_Ctx, str, Any], AttentionSharding | FFNSharding]] = {}
+
+
+def _rule(type_: str, where: str) -> Callable[[_Ctx, str, Any], AttentionSharding | FFNSharding]:
+    if type_ not in SHARDING_RULES:
+        raise SpecError(f"{where} ({type_}) has no sharding rule")
+    return SHARDING_RULES[type_]
 
 
 def plan_sharding(spec: ModelSpec, topo: Topology, options: BuildOptions) -> ShardingPlan:
@@ -1047,12 +792,12 @@ def plan_sharding(spec: ModelSpec, topo: Topology, options: BuildOptions) -> Sha
     used_attn = {a for a, _ in table}
     used_ffn = {f for _, f in table}
     attention = {
-        name: _shard_attention(ctx, name, kind)
+        name: _rule(kind.type, f"attention_kinds.{name}")(ctx, name, kind)
         for name, kind in spec.attention_kinds.items()
         if name in used_attn
     }
-    ffn = {name: _shard_ffn(ctx, name, kind) for name, kind in spec.ffn_kinds.items()
-           if name in used_ffn}  # fmt: skip
+    ffn = {name: _rule(kind.type, f"ffn_kinds.{name}")(ctx, name, kind)
+           for name, kind in spec.ffn_kinds.items() if name in used_ffn}  # fmt: skip
     vocab_pr = -(-v // d)  # rows of the vocabulary per rank (the last rank's are padded)
     glob = [
         make_shard(

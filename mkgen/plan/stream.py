@@ -32,49 +32,10 @@ CHUNK = 256  # rows of one matmul step inside a bank
 BF16_BYTES = 2
 BF16_TILE_ROWS = 16  # bf16 VMEM tiles are (16, 128): a bank's scale region starts on one
 
-# Tensors fused into one segment read the same input; the order is the kernel's.
-FUSED_SEGMENTS: dict[str, list[tuple[str, list[str]]]] = {
-    "gqa": [("qkv", ["attn.wq", "attn.wk", "attn.wv", "attn.wgate"]), ("o", ["attn.wo"])],
-    # MLA runs absorbed: wkv_b streams twice as views, its key half transposed (uk: q_nope
-    # -> latent) and its value half (uv: latent -> values); see mla_views.
-    "mla": [
-        ("down", ["attn.wq_a", "attn.wq", "attn.wkv_a", "attn.wgate"]),
-        ("q_b", ["attn.wq_b"]),
-        ("uk", ["attn.wkv_b"]),
-        ("uv", ["attn.wkv_b"]),
-        ("o", ["attn.wo"]),
-    ],
-    "kda": [
-        (
-            "in",
-            ["attn.wq", "attn.wk", "attn.wv", "attn.wf_a", "attn.wbeta", "attn.wg", "attn.wg_a"],
-        ),
-        ("f_b", ["attn.wf_b"]),
-        ("g_b", ["attn.wg_b"]),
-        ("o", ["attn.wo"]),
-    ],
-    "gated_deltanet": [
-        ("in", ["attn.wq", "attn.wk", "attn.wv", "attn.wz", "attn.wb", "attn.wa"]),
-        ("o", ["attn.wo"]),
-    ],
-    "dense": [("gate_up", ["ffn.w_gate", "ffn.w_up"]), ("down", ["ffn.w_down"])],
-    "moe": [
-        (
-            "in",
-            [
-                "ffn.router",
-                "ffn.latent_in",
-                "ffn.shared_gate",
-                "ffn.shared_up",
-                "ffn.shared_gate_proj",
-            ],
-        ),
-        # The kernel's order: the shared experts' down projection right after the routed
-        # experts, then the latent back to hidden (after the reduce-scatter).
-        ("shared_down", ["ffn.shared_down"]),
-        ("latent_out", ["ffn.latent_out"]),
-    ],
-}
+# Tensors fused into one segment read the same input; the order is the kernel's. Each
+# layer kind's list is its module's SEGMENTS (mkgen/kinds/<kind>.py): the kinds build on
+# this module's records, so mkgen.kinds.registry registers them here when the plan loads.
+FUSED_SEGMENTS: dict[str, list[tuple[str, list[str]]]] = {}
 
 
 class PlanModel(BaseModel):

@@ -32,18 +32,15 @@ from pydantic import BaseModel, ConfigDict
 
 from mkgen.errors import SpecError
 from mkgen.hardware import MiB, vmem_padded_bytes
+from mkgen.kinds.common import BufferInputs
+from mkgen.kinds.registry import kind_module
 from mkgen.plan.collectives import CollectivePlan, layer_uses, plan_collectives
-from mkgen.plan.layout import MAX_PIECE_CHUNKS, ExpertChunks, expert_chunks
+from mkgen.plan.layout import MAX_PIECE_CHUNKS, ExpertChunks
 from mkgen.plan.options import BuildOptions, kv_tile
 from mkgen.plan.sharding import ShardingPlan, TensorShard
 from mkgen.plan.stream import CHUNK, LANES, StreamPlan, choose_ring, round_up
 from mkgen.spec.schema import (
-    GatedDeltaNetAttention,
-    GQAAttention,
-    KDAAttention,
-    MLAAttention,
     ModelSpec,
-    MoEFFN,
 )
 from mkgen.spec.topology import Topology, parse_topology
 
@@ -220,18 +217,21 @@ class VmemPlan(_Frozen):
 # --------------------------------------------------------------------------- dims
 
 
-def _vector_rows(shards: tuple[TensorShard, ...], gqa: bool) -> tuple[int, list[int]]:
+def _vector_rows(
+    shards: tuple[TensorShard, ...], kept: tuple[str, ...] | None
+) -> tuple[int, list[int]]:
     """(rows in the layer's vector slab, lengths) of one kind's small vectors.
 
-    GQA keeps exactly the rows the template reads (q_norm, k_norm, biases, sinks); other
-    kinds one row per vector-family tensor row (a conv kernel [width, dim] takes width rows).
+    A kind keeps the rows its module's SLAB_VECTORS names (GQA: q_norm, k_norm, biases,
+    sinks) or, None, one row per vector-family tensor row (a conv kernel [width, dim]
+    takes width rows).
     """
     rows, lengths = 0, []
     for t in shards:
         if t.family != "vectors":
             continue
         name = t.name.split(".", 1)[1]
-        if gqa and name not in ("q_norm", "k_norm", "bq", "bk", "bv", "bo", "sinks"):
+        if kept is not None and name not in kept:
             continue
         rows += math.prod(t.rank_shape[:-1]) if len(t.rank_shape) > 1 else 1
         lengths.append(t.rank_shape[-1])
@@ -253,11 +253,13 @@ def kernel_dims(
     segments += [s for k in stream.ffn.values() for s in k.segments] + list(stream.tail)
     attn_rows, lengths = 0, []
     for name, a in sharding.attention.items():
-        r, ls = _vector_rows(a.tensors, isinstance(spec.attention_kinds[name], GQAAttention))
+        kind = spec.attention_kinds[name]
+        slab = kind_module(kind.type, f"attention_kinds.{name}").SLAB_VECTORS
+        r, ls = _vector_rows(a.tensors, slab)
         attn_rows, lengths = max(attn_rows, r), lengths + ls
     ffn_rows = 0
     for f in sharding.ffn.values():
-        r, ls = _vector_rows(f.tensors, False)
+        r, ls = _vector_rows(f.tensors, None)
         ffn_rows, lengths = max(ffn_rows, r), lengths + ls
     collectives = plan_collectives(parse_topology(sharding.topology), layer_uses(sharding))
     tokens = options.tokens
@@ -284,11 +286,6 @@ def kernel_dims(
         collective_buffers=len(collectives.buffers),
         collectives=collectives,
     )
-
-
-def q_rows(heads: int, rows: int) -> int:
-    """Query rows of one kv head (or latent) in the attention scratch: padded to 8."""
-    return round_up(heads * rows, SUBLANES_F32)
 
 
 # --------------------------------------------------------------------------- buffers
@@ -344,111 +341,8 @@ class _List:
         self.order.append(name)
 
 
-def _cached_attention_buffers(
-    out: _List,
-    name: str,
-    dims: KernelDims,
-    kvh: int,
-    qr: int,
-    widths: tuple[int, int, int],
-    sinks: bool = False,
-) -> None:
-    """Exactly the template's scratch of a kind with a KV cache (same order, same shapes).
-
-    widths: cache arrays (k and v: 2; the MLA latent row: 1), key width, value width."""
-    b, r = dims.batch, dims.rows
-    caches, d, dv = widths
-    out.add(f"{name}_kv_new_vmem", "attention", (caches, b, kvh, r, d), "bf16",
-            why="the step's new cache rows")  # fmt: skip
-    out.add(f"{name}_q_vmem", "attention", (b, kvh, qr, d), "f32", why="q rows per kv head")
-    out.add(f"{name}_o_vmem", "attention", (b, kvh, qr, dv), "f32", why="attention outputs")
-    out.add(f"{name}_tiles_vmem", "attention", (caches, 2, dims.kv_tile, d), "bf16",
-            resource=f"{name}.tiles", slots=2, why="cache tiles, double buffered")  # fmt: skip
-    out.sems(f"{name}_tile_sems", (caches, 2))
-    out.sems(f"{name}_write_sems", (caches, b, kvh))
-    out.add(f"{name}_block_vmem", "attention", (caches, b, kvh, dims.cache_block, d), "bf16",
-            resource=f"{name}.block", why="cache rows rewritten around the new entries")  # fmt: skip
-    if sinks:
-        out.add(f"{name}_sinks_vmem", "attention", (kvh, qr, 128), "f32", why="sink logits")
-
-
-def _gqa_buffers(out: _List, name: str, kind: GQAAttention, a, dims: KernelDims) -> None:
-    kvh, d = a.kv_heads_per_rank, kind.head_dim
-    qr = q_rows(a.heads_per_rank // kvh, dims.rows)
-    _cached_attention_buffers(out, name, dims, kvh, qr, (2, d, d), kind.sinks)
-
-
-def _mla_buffers(
-    out: _List, name: str, kind: MLAAttention, a, dims: KernelDims, stream: StreamPlan
-) -> None:
-    heads = a.heads_per_rank
-    row = kind.kv_lora_rank + kind.qk_rope_head_dim
-    qr = q_rows(heads, dims.rows)
-    _cached_attention_buffers(out, name, dims, 1, qr, (1, row, kind.kv_lora_rank))
-    uk, uv = stream.attention[name].segment("uk"), stream.attention[name].segment("uv")
-    stacked = heads * dims.tokens_padded
-    out.add(f"{name}_xk_heads_vmem", "attention", (max(uk.k_chunks, uv.k_chunks), stacked, CHUNK),
-            "bf16", why="uk / uv inputs, one row block per head")  # fmt: skip
-    out.add(f"{name}_acc_heads_vmem", "attention",
-            (max(uk.col_blocks, uv.col_blocks), stacked, LANES), "f32",
-            why="uk / uv outputs, one row block per head")  # fmt: skip
-
-
-def recurrent_dims(kind: object, a) -> tuple[int, int, int, int]:
-    """(state heads, key dim, value dim, conv channels) per rank of a KDA / GDN layer."""
-    if isinstance(kind, KDAAttention):
-        h = a.heads_per_rank
-        return h, kind.head_dim, kind.head_dim, 3 * h * kind.head_dim
-    assert isinstance(kind, GatedDeltaNetAttention)
-    v, k = a.heads_per_rank, a.kv_heads_per_rank
-    conv = 2 * k * kind.key_head_dim + v * kind.value_head_dim
-    return v, kind.key_head_dim, kind.value_head_dim, conv
-
-
-def _recurrent_buffers(out: _List, name: str, kind: object, a, dims: KernelDims) -> None:
-    """Gated DeltaNet exactly as the template keeps it (KDA the same way): the conv tail
-    and state of every sequence after each of its rows, the current ones read at the top
-    of the layer, all written back at its end."""
-    heads, dk, dv, conv = recurrent_dims(kind, a)
-    b, rows = dims.batch, dims.rows
-    out.add(f"{name}_conv_vmem", "attention", (b, rows, kind.conv_width - 1, conv), "bf16",
-            resource=f"{name}.state", why="conv tail of every sequence after each row")  # fmt: skip
-    out.add(f"{name}_state_vmem", "attention", (b, rows, heads, dk, dv), "f32",
-            resource=f"{name}.state", why="recurrent state of every sequence after each row")  # fmt: skip
-    out.sems(f"{name}_cache_sems", (2, b))
-
-
-def _moe_buffers(
-    out: _List, name: str, kind: MoEFFN, f, dims: KernelDims, slots: int, fmt: str
-) -> int:
-    """The template's MoE scratch (expert ids, piece slots, expert matmul staging);
-    returns the bytes of one slot."""
-    tp = dims.tokens_padded
-    gate = next(t for t in f.tensors if t.name == "ffn.experts_gate")
-    e = expert_chunks(fmt, gate.global_shape[1], f.experts.width_per_rank, dims.max_piece_chunks)
-    out.experts[name] = e
-    out.add(f"{name}_ids_vmem", "activations", (tp, 128), "int32", why="chosen experts")
-    out.scalar(f"{name}_ids_smem", (tp, 128))
-    out.sems(f"{name}_ids_sem", ())
-    out.scalar(f"{name}_seen_smem", (kind.num_experts,))
-    out.scalar(f"{name}_chosen_smem", (dims.tokens * kind.top_k,))
-    res, why = f"{name}.experts", f"{slots} expert piece slot(s), {fmt}"
-    if e.code_dtype == "bf16":
-        out.add(f"{name}_slots_vmem", "expert_slots", (slots, e.code_rows, LANES), "bf16",
-                resource=res, slots=slots, why=why)  # fmt: skip
-    else:
-        out.add(f"{name}_code_slots_vmem", "expert_slots", (slots, e.code_rows, LANES),
-                e.code_dtype, resource=res, slots=slots, why=why)  # fmt: skip
-        out.add(f"{name}_scale_slots_vmem", "expert_slots", (slots, e.scale_rows, e.scale_cols),
-                e.scale_dtype, resource=res, slots=slots, why=why)  # fmt: skip
-    out.sems(f"{name}_slot_sems", (2, slots))
-    out.add(f"{name}_in_vmem", "activations", (e.gate_up_k_chunks, tp, CHUNK), "bf16",
-            why="expert input, chunked")  # fmt: skip
-    out.add(f"{name}_mid_vmem", "activations", (e.down_k_chunks, tp, CHUNK), "bf16",
-            why="expert activation, chunked")  # fmt: skip
-    out.add(f"{name}_acc_vmem", "activations",
-            (max(e.gate_up_col_blocks, e.down_col_blocks), tp, LANES), "f32",
-            why="expert matmul output blocks")  # fmt: skip
+def _slot_bytes(e: ExpertChunks) -> int:
+    """VMEM bytes of one expert piece slot (codes, and scales when the format has them)."""
     one = vmem_padded_bytes((e.code_rows, LANES), DTYPE_BITS[e.code_dtype])
     if e.scale_dtype:
         one += vmem_padded_bytes((e.scale_rows, e.scale_cols), DTYPE_BITS[e.scale_dtype])
@@ -494,20 +388,15 @@ def _buffers(
 ) -> tuple[_List, int]:
     out = _List()
     _base(out, dims, depth)
-    for name, a in sharding.attention.items():  # used kinds, in spec order
-        kind = spec.attention_kinds[name]
-        if isinstance(kind, GQAAttention):
-            _gqa_buffers(out, name, kind, a, dims)
-        elif isinstance(kind, MLAAttention):
-            _mla_buffers(out, name, kind, a, dims, stream)
-        else:
-            _recurrent_buffers(out, name, kind, a, dims)
-    slot_bytes = 0
-    for name, f in sharding.ffn.items():
-        kind = spec.ffn_kinds[name]
-        if isinstance(kind, MoEFFN) and f.experts is not None:
-            fmt = sharding.quantization["experts"]
-            slot_bytes += _moe_buffers(out, name, kind, f, dims, max(slots, 1), fmt)
+    kinds = [(n, spec.attention_kinds[n], a) for n, a in sharding.attention.items()]
+    kinds += [(n, spec.ffn_kinds[n], f) for n, f in sharding.ffn.items()]
+    for name, kind, shard in kinds:  # used kinds, in spec order: attention, then FFN
+        inputs = BufferInputs(
+            name=name, kind=kind, shard=shard, dims=dims, stream=stream,
+            expert_slots=max(slots, 1), expert_format=sharding.quantization["experts"],
+        )  # fmt: skip
+        kind_module(kind.type, name).buffers(out, inputs)
+    slot_bytes = sum(_slot_bytes(e) for e in out.experts.values())
     tp, h = dims.tokens_padded, dims.hidden
     if spec.attention_residual:
         r = spec.attention_residual
@@ -518,7 +407,7 @@ def _buffers(
     out.add("final_norm_vmem", "vectors", (1, h), "f32", "input")
     for name in sharding.attention:
         kind = spec.attention_kinds[name]
-        rot = _rotary_dim(kind)
+        rot = kind_module(kind.type, name).rotary_dim(kind)
         if rot:
             out.add(f"{name}_cos_vmem", "attention", (tp, rot // 2), "f32", "input")
             out.add(f"{name}_sin_vmem", "attention", (tp, rot // 2), "f32", "input")
@@ -529,10 +418,11 @@ def _buffers(
     widest = max(dims.max_col_blocks * LANES, h)
     out.add("mosaic_values", "internal", (2, tp, widest), "f32", "internal",
             why="estimate: two live matmul outputs")  # fmt: skip
-    states = [
-        recurrent_dims(spec.attention_kinds[n], a)
+    modules = {n: kind_module(spec.attention_kinds[n].type, n) for n in sharding.attention}
+    states = [  # the recurrent kinds' (state heads, key dim, value dim, channels)
+        modules[n].state_dims(spec.attention_kinds[n], a)
         for n, a in sharding.attention.items()
-        if isinstance(spec.attention_kinds[n], KDAAttention | GatedDeltaNetAttention)
+        if hasattr(modules[n], "state_dims")
     ]
     if states:  # the delta rule keeps one sequence's head states as values
         heads, dk, dv, _ = max(states, key=lambda x: x[0] * x[1] * x[2])
@@ -541,14 +431,6 @@ def _buffers(
     out.add("mosaic_hidden", "internal", (2, tp, h), "f32", "internal",
             why="estimate: residual and normed rows")  # fmt: skip
     return out, slot_bytes
-
-
-def _rotary_dim(kind: object) -> int:
-    if isinstance(kind, GQAAttention):
-        return kind.rotary_dim
-    if isinstance(kind, MLAAttention) and kind.rope is not None:
-        return kind.qk_rope_head_dim
-    return 0
 
 
 # --------------------------------------------------------------------------- the plan

@@ -105,7 +105,7 @@ def _attach_kinds(block: list, kinds: set[str]) -> None:
 
 def compiled_op_counts(llo_text: str, plan: Any, spec: ModelSpec) -> dict[str, OpCounts]:
     """Per-step op counts of each phase from an LLO dump of `plan`'s kernel."""
-    from mkgen.plan.schedule import kv_tiles
+    from mkgen.kinds.cache_attention import kv_tiles
 
     schedule = plan.step_graph.schedule
     dims = plan.vmem.dims

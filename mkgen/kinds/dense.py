@@ -1,0 +1,81 @@
+"""A dense gated MLP, width split over cores (templates/kinds/dense.py.j2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
+from mkgen.plan.layout import DenseLayout, activation_params, unsupported
+from mkgen.plan.sharding import FFNSharding, KindShards
+from mkgen.plan.stream import part_of
+from mkgen.spec.weights import ffn_weights
+
+TEMPLATE = "kinds/dense.py.j2"
+# Its weight-stream segments, in the order its ops consume them: tensors fused into one
+# segment read the same input.
+SEGMENTS = [("gate_up", ["ffn.w_gate", "ffn.w_up"]), ("down", ["ffn.w_down"])]
+SLAB_VECTORS = None
+# The layer's ops in the order its kernel function runs them: `program` emits them in this
+# order and the template prints them in it (DenseLayout.ops).
+OPS = ["gate_up", "activation", "down", "combine"]
+
+
+def shard(ctx: Any, kind_name: str, f: Any) -> FFNSharding:
+    """How the kind's tensors split over the cores (mkgen.plan.sharding's context `ctx`):
+    the width split over the cores; the down projection's partial sums all-reduced."""
+    h, d = ctx.h, ctx.d
+    s = KindShards(ctx, "ffn.", f"ffn_kinds.{kind_name}: ")
+    weights = ffn_weights(f, h)
+    for w in weights:
+        if w.name in ("w_gate", "w_up"):
+            s.add(w.name, w.shape, w.family, split_axis=1, parts=d, why="width")
+        elif w.name == "w_down":
+            s.add(w.name, w.shape, w.family, split_axis=0, parts=d, why="input rows by width")
+        elif w.name in ("b_gate", "b_up"):
+            s.add(w.name, w.shape, w.family, split_axis=0, parts=d, why="width")
+        else:  # b_down: added once after the all-reduce
+            s.add(w.name, w.shape, w.family, why="replicated (added after the all-reduce)")
+    s.collectives.append(ctx.collective("ffn_out", "all_reduce", "ffn.w_down", h))
+    return FFNSharding(
+        kind=kind_name, type=f.type, tensors=tuple(s.tensors), collectives=tuple(s.collectives),
+        experts=None, latent_design="none", why=f"width {f.width} split {d} ways",
+    )  # fmt: skip
+
+
+def layout(i: LayoutInputs) -> DenseLayout:
+    kind = i.kind
+    if kind.bias or not kind.gated:
+        unsupported(f"ffn_kinds.{i.name}: a dense MLP with bias or without a gate")
+    parts = {t.name: part_of(t, i.devices) for t in i.shard.tensors}
+    width = parts["ffn.w_gate"].size
+    return DenseLayout(
+        name=i.name,
+        index=i.index,
+        layers=i.layers,
+        width=width,
+        gated=kind.gated,
+        activation=kind.activation.kind,
+        activation_params=activation_params(kind.activation),
+        bias=kind.bias,
+        segments=i.segments,
+        ops=OPS,
+        vectors=[],
+    )
+
+
+def buffers(out: Any, i: BufferInputs) -> None:
+    """Nothing beyond the stream's: its matmuls use the ring's staging buffers."""
+
+
+def program(b: Any, s: Step) -> int:
+    """The layer's ops (OPS): gate|up, the activation, down, all-reduce."""
+    layer, name, segs, first = s.layer, s.name, s.segments, s.first_bank
+    y = s.x
+    for op in OPS:
+        if op == "activation":
+            y = b.vec(layer, f"{name}: activation", y, 8 * b.t * segs["gate_up"].fan_out)
+        elif op == "combine":
+            y = b.collective(layer, s.collectives.get("ffn_out"), y)
+        else:  # gate_up, down: stream matmuls
+            y = b.segment(layer, name, segs[op], first, y)
+    return y

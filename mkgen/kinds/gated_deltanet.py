@@ -1,0 +1,103 @@
+"""Gated DeltaNet: value heads split over cores, each core with the key heads they read;
+one scalar decay per head; the output gated by silu(z) (templates/kinds/gated_deltanet.py.j2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mkgen.kinds import recurrent
+from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
+from mkgen.plan.layout import RecurrentLayout
+from mkgen.plan.sharding import AttentionSharding, CacheShard, KindShards, group_map, heads_error
+from mkgen.spec.figures import CACHE_BYTES, STATE_BYTES
+from mkgen.spec.weights import attention_weights
+
+TEMPLATE = "kinds/gated_deltanet.py.j2"
+# Its weight-stream segments, in the order its ops consume them: tensors fused into one
+# segment read the same input.
+SEGMENTS = [
+    ("in", ["attn.wq", "attn.wk", "attn.wv", "attn.wz", "attn.wb", "attn.wa"]),
+    ("o", ["attn.wo"]),
+]
+OPS = recurrent.ops(["gates"])  # its decay and gates from the input projection alone
+SLAB_VECTORS = recurrent.SLAB_VECTORS
+rotary_dim = recurrent.rotary_dim
+
+
+def state_dims(kind: Any, shard: Any) -> tuple[int, int, int, int]:
+    """(state heads, key dim, value dim, conv channels) per core."""
+    v, k = shard.heads_per_rank, shard.kv_heads_per_rank
+    conv = 2 * k * kind.key_head_dim + v * kind.value_head_dim
+    return v, kind.key_head_dim, kind.value_head_dim, conv
+
+
+def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
+    """How the kind's tensors split over the cores (mkgen.plan.sharding's context `ctx`):
+    value heads (and their state) split over the cores; key heads split, or each core holds the ones its value heads read."""
+    h, d = ctx.h, ctx.d
+    s = KindShards(ctx, "attn.", f"attention_kinds.{kind_name}: ")
+    specs = attention_weights(a, h)
+    if a.num_value_heads % d:
+        raise heads_error(ctx, kind_name, "value heads", a.num_value_heads)
+    vpr = a.num_value_heads // d
+    ratio = a.num_value_heads // a.num_key_heads
+    if a.num_key_heads % d == 0:
+        kpr, k_copies, k_why = a.num_key_heads // d, 1.0, "key heads split"
+    else:
+        kpr, k_copies = group_map(ctx, a.num_value_heads, ratio)
+        k_why = (
+            f"{a.num_key_heads} key heads over {d}: each rank holds the {kpr} its "
+            f"value heads use (x{k_copies:g} copies)"
+        )
+    for name, shape, family in specs:
+        if name in ("wq", "wk", "conv_q", "conv_k"):
+            if k_copies == 1:
+                s.add(name, shape, family, split_axis=1, parts=d, why="key heads")
+            else:
+                s.add(
+                    name, shape, family, split_axis=1, parts=a.num_key_heads // kpr,
+                    rank_extent=kpr * a.key_head_dim, why=k_why,
+                )  # fmt: skip
+        elif name in ("wv", "wz", "wb", "wa", "conv_v"):
+            s.add(name, shape, family, split_axis=1, parts=d, why="value heads")
+        elif name in ("A_log", "dt_bias"):
+            s.add(name, shape, family, split_axis=0, parts=d, why="value heads")
+        elif name == "wo":
+            s.add(name, shape, family, split_axis=0, parts=d, why="input rows by value head")
+        else:  # o_norm
+            s.add(name, shape, family, why="replicated")
+    s.collectives.append(ctx.collective("attn_out", "all_reduce", "attn.wo", h))
+    k_dim, v_dim = kpr * a.key_head_dim, vpr * a.value_head_dim
+    cache = CacheShard(
+        kind="state",
+        bytes_per_token=0,
+        fixed_bytes=vpr * a.key_head_dim * a.value_head_dim * STATE_BYTES
+        + (a.conv_width - 1) * (2 * k_dim + v_dim) * CACHE_BYTES,
+        window=None,
+        heads_per_rank=vpr,
+        copies=1.0,
+        why="state per value head, split with the value heads",
+    )
+    return AttentionSharding(
+        kind=kind_name, type=a.type, heads_per_rank=vpr, kv_heads_per_rank=kpr,
+        kv_copies=k_copies, latent="none", tensors=tuple(s.tensors),
+        collectives=tuple(s.collectives), cache=cache,
+        why=f"{vpr} value heads per rank; {k_why}",
+    )  # fmt: skip
+
+
+def layout(i: LayoutInputs) -> RecurrentLayout:
+    key_heads, value_heads = i.shard.kv_heads_per_rank, i.shard.heads_per_rank
+    dims = dict(
+        key_heads=key_heads, value_heads=value_heads, group=value_heads // key_heads,
+        key_dim=i.kind.key_head_dim, value_dim=i.kind.value_head_dim,
+    )  # fmt: skip
+    return recurrent.layout(i, dims, {"ops": OPS})
+
+
+def buffers(out: Any, i: BufferInputs) -> None:
+    recurrent.buffers(out, i, state_dims(i.kind, i.shard))
+
+
+def program(b: Any, s: Step) -> int:
+    return recurrent.program(b, s, state_dims(s.kind, s.shard), OPS)

@@ -1,0 +1,187 @@
+"""GQA: grouped-query attention over a k and a v cache (templates/kinds/gqa.py.j2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mkgen.kinds import cache_attention
+from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
+from mkgen.plan.layout import CacheArray, GQALayout, VectorRow, rope_layout, segment_columns
+from mkgen.plan.options import kv_tile
+from mkgen.plan.sharding import AttentionSharding, CacheShard, KindShards, group_map, heads_error
+from mkgen.plan.stream import part_of
+from mkgen.spec.figures import CACHE_BYTES
+from mkgen.spec.weights import attention_weights
+
+TEMPLATE = "kinds/gqa.py.j2"
+# Its weight-stream segments, in the order its ops consume them: tensors fused into one
+# segment read the same input.
+SEGMENTS = [("qkv", ["attn.wq", "attn.wk", "attn.wv", "attn.wgate"]), ("o", ["attn.wo"])]
+# The layer's ops in the order its kernel function runs them: `program` emits them in this
+# order and the template prints them in it (GQALayout.ops).
+OPS = ["qkv", "heads", "cache_write", "attend", "rows", "o", "combine"]
+# The small vectors a GQA layer reads from its slab, in slab order (the VMEM plan counts
+# only these rows; other kinds keep every vector-family tensor in the slab).
+SLAB_VECTORS = ("q_norm", "k_norm", "bq", "bk", "bv", "bo", "sinks")
+
+
+def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
+    """How the kind's tensors split over the cores (mkgen.plan.sharding's context `ctx`):
+    q heads split over the cores; kv heads split, or each core holds the ones its q heads read."""
+    h, d = ctx.h, ctx.d
+    s = KindShards(ctx, "attn.", f"attention_kinds.{kind_name}: ")
+    specs = attention_weights(a, h)
+    if a.num_heads % d:
+        raise heads_error(ctx, kind_name, "query heads", a.num_heads)
+    hpr = a.num_heads // d
+    group = a.num_heads // a.num_kv_heads
+    if a.num_kv_heads % d == 0:
+        kv_pr, kv_copies, kv_why = a.num_kv_heads // d, 1.0, "KV heads split"
+    else:
+        kv_pr, kv_copies = group_map(ctx, a.num_heads, group)
+        kv_why = (
+            f"{a.num_kv_heads} KV heads < or not divisible by {d}: each rank holds "
+            f"the {kv_pr} its {hpr} q heads use (x{kv_copies:g} copies)"
+        )
+    for name, shape, family in specs:
+        if name in ("wq", "wgate"):
+            s.add(name, shape, family, split_axis=1, parts=d, why="q heads")
+        elif name in ("wk", "wv"):
+            if kv_copies == 1:
+                s.add(name, shape, family, split_axis=1, parts=d, why="KV heads")
+            else:
+                s.add(
+                    name, shape, family, split_axis=1, parts=a.num_kv_heads // kv_pr,
+                    rank_extent=kv_pr * a.head_dim, why=kv_why,
+                )  # fmt: skip
+        elif name == "wo":
+            s.add(name, shape, family, split_axis=0, parts=d, why="input rows by q head")
+        elif name == "bq" or name == "sinks":
+            s.add(name, shape, family, split_axis=0, parts=d, why="per q head")
+        elif name in ("bk", "bv"):
+            if kv_copies == 1:
+                s.add(name, shape, family, split_axis=0, parts=d, why="per KV head")
+            else:
+                s.add(
+                    name, shape, family, split_axis=0, parts=a.num_kv_heads // kv_pr,
+                    rank_extent=kv_pr * a.head_dim, why=kv_why,
+                )  # fmt: skip
+        else:  # bo (added once after the all-reduce), q_norm, k_norm
+            s.add(name, shape, family, why="replicated")
+    s.collectives.append(ctx.collective("attn_out", "all_reduce", "attn.wo", h))
+    cache = CacheShard(
+        kind="kv",
+        bytes_per_token=2 * kv_pr * a.head_dim * CACHE_BYTES,
+        fixed_bytes=0,
+        window=a.sliding_window,
+        heads_per_rank=kv_pr,
+        copies=kv_copies,
+        why=kv_why,
+    )
+    return AttentionSharding(
+        kind=kind_name, type=a.type, heads_per_rank=hpr, kv_heads_per_rank=kv_pr,
+        kv_copies=kv_copies, latent="none", tensors=tuple(s.tensors),
+        collectives=tuple(s.collectives), cache=cache,
+        why=f"{hpr} q heads per rank; {kv_why}",
+    )  # fmt: skip
+
+
+def layout(i: LayoutInputs) -> GQALayout:
+    kind, shard = i.kind, i.shard
+    context, batch = i.options.context, i.options.batch
+    parts = {t.name: part_of(t, i.devices) for t in shard.tensors}
+    heads, kv_heads = shard.heads_per_rank, shard.kv_heads_per_rank
+    d = kind.head_dim
+    present = [n for n in SLAB_VECTORS if f"attn.{n}" in parts]
+    # Rows 0 and 1 of a layer's slab hold its attn_norm and ffn_norm.
+    vectors = [
+        VectorRow(name=n, row=2 + j, part=parts[f"attn.{n}"], length=parts[f"attn.{n}"].size)
+        for j, n in enumerate(present)
+    ]
+    group = heads // kv_heads  # q heads per kv head on a core
+    return GQALayout(
+        name=i.name,
+        index=i.index,
+        layers=i.layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        kv_rank_divisor=parts["attn.wk"].rank_divisor,
+        group=group,
+        head_dim=d,
+        value_dim=d,
+        q_cols=heads * d,
+        kv_cols=kv_heads * d,
+        q_rows=cache_attention.q_rows(group, i.options.rows),
+        columns=segment_columns(i.segments, "qkv", "attn."),
+        gate=kind.output_gate == "sigmoid",
+        qk_norm=kind.qk_norm,
+        sinks=kind.sinks,
+        qkv_bias=kind.qkv_bias,
+        o_bias=kind.o_bias,
+        window=kind.sliding_window,
+        softmax_scale=kind.softmax_scale or d**-0.5,
+        rope=rope_layout(kind.rope, kind.rotary_dim) if kind.rope else None,
+        segments=i.segments,
+        ops=OPS,
+        vectors=vectors,
+        kv_tile=kv_tile(context),
+        cache_arrays=2,
+        caches=[
+            CacheArray(name=n, shape=[len(i.layers), batch, kv_heads, context, d], dtype="bfloat16")
+            for n in ("k", "v")
+        ],
+    )
+
+
+def rotary_dim(kind: Any) -> int:
+    return kind.rotary_dim
+
+
+def buffers(out: Any, i: BufferInputs) -> None:
+    kvh, d = i.shard.kv_heads_per_rank, i.kind.head_dim
+    qr = cache_attention.q_rows(i.shard.heads_per_rank // kvh, i.dims.rows)
+    cache_attention.buffers(out, i.name, i.dims, kvh, qr, (2, d, d), i.kind.sinks)
+
+
+def program(b: Any, s: Step) -> int:
+    """The layer's ops (OPS): q|k|v, q/k norm and RoPE, cache write, attention over the
+    tiles of every (sequence, kv head), output gate, output projection, all-reduce."""
+    layer, name, kind, a = s.layer, s.name, s.kind, s.shard
+    dims = b.dims
+    g = a.kv_heads_per_rank
+    y = wrote = s.x
+    for op in OPS:
+        if op in ("qkv", "o"):
+            y = b.segment(layer, name, s.segments[op], s.first_bank, y)
+        elif op == "heads":
+            qkv = y = b.vec(layer, f"{name}: q/k norm, rope, new rows", y, 8 * b.t * dims.hidden,
+                            ((s.vectors, None, 0),))  # fmt: skip
+        elif op == "cache_write":
+            wrote = cache_attention.cache_write(b, layer, name, 2, g, kind.head_dim, y)
+        elif op == "attend":
+            y = _attend(b, s, qkv, wrote)
+        elif op == "rows":
+            gate = ", output gate" if kind.output_gate != "none" else ""
+            y = b.vec(layer, f"{name}: heads -> rows{gate}", y,
+                      b.t * a.heads_per_rank * kind.head_dim, ((qkv, None, 0),))  # fmt: skip
+        else:  # combine
+            y = b.collective(layer, s.collectives.get("attn_out"), y)
+    return y
+
+
+def _attend(b: Any, s: Step, q: int, wrote: int) -> int:
+    """Online-softmax attention of each (sequence, kv head) over its cache's tiles."""
+    layer, name, kind, a, dims = s.layer, s.name, s.kind, s.shard, b.dims
+    g = a.kv_heads_per_rank
+    n = cache_attention.kv_tiles(dims.context, dims.kv_tile, kind.sliding_window, dims.rows)
+    qr = cache_attention.q_rows(a.heads_per_rank // g, dims.rows)
+    sems = [(f"{name}_tile_sems[0,{buf}]", f"{name}_tile_sems[1,{buf}]") for buf in range(2)]
+    flops = 4 * qr * dims.kv_tile * kind.head_dim
+    out = {}
+
+    def pair() -> None:
+        out["o"] = cache_attention.tiles(b, layer, name, wrote, q, n,
+                                         2 * dims.kv_tile * kind.head_dim * 2, sems, flops)  # fmt: skip
+
+    b.folded(dims.batch * g, pair)  # for each (sequence, kv head)
+    return out["o"]

@@ -1,0 +1,112 @@
+"""KDA (Kimi Delta Attention): as many key as value heads, a per-key-dim decay from a
+low-rank projection, an output gated by a sigmoid gate (templates/kinds/kda.py.j2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mkgen.kinds import recurrent
+from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
+from mkgen.plan.layout import RecurrentLayout
+from mkgen.plan.sharding import (
+    AttentionSharding,
+    CacheShard,
+    KindShards,
+    heads_error,
+    latent_choice,
+)
+from mkgen.spec.figures import CACHE_BYTES, STATE_BYTES
+from mkgen.spec.weights import attention_weights
+
+TEMPLATE = "kinds/kda.py.j2"
+# Its weight-stream segments, in the order its ops consume them: tensors fused into one
+# segment read the same input.
+SEGMENTS = [
+    ("in", ["attn.wq", "attn.wk", "attn.wv", "attn.wf_a", "attn.wbeta", "attn.wg", "attn.wg_a"]),
+    ("f_b", ["attn.wf_b"]),
+    ("g_b", ["attn.wg_b"]),
+    ("o", ["attn.wo"]),
+]
+SLAB_VECTORS = recurrent.SLAB_VECTORS
+rotary_dim = recurrent.rotary_dim
+
+
+def state_dims(kind: Any, shard: Any) -> tuple[int, int, int, int]:
+    """(state heads, key dim, value dim, conv channels) per core."""
+    h = shard.heads_per_rank
+    return h, kind.head_dim, kind.head_dim, 3 * h * kind.head_dim
+
+
+def ops(kind: Any) -> list[str]:
+    """The decay's low-rank second half, the output gate's when it is low rank, the gates."""
+    return recurrent.ops(["f_b", *(["g_b"] if kind.output_gate_rank else []), "gates"])
+
+
+def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
+    """How the kind's tensors split over the cores (mkgen.plan.sharding's context `ctx`):
+    heads (and their state) split over the cores; the low-rank gate projections replicated or split (latent_choice)."""
+    h, d = ctx.h, ctx.d
+    s = KindShards(ctx, "attn.", f"attention_kinds.{kind_name}: ")
+    specs = attention_weights(a, h)
+    if a.num_heads % d:
+        raise heads_error(ctx, kind_name, "heads", a.num_heads)
+    hpr = a.num_heads // d
+    a_names = [n for n, _, _ in specs if n in ("wf_a", "wg_a")]
+    latent, why_latent = latent_choice(ctx, specs, a_names, "kda_gate_rank")
+    for name, shape, family in specs:
+        if name in a_names:
+            if latent == "split":
+                s.add(name, shape, family, split_axis=1, parts=d, why=why_latent)
+            else:
+                s.add(name, shape, family, why=why_latent)
+        elif (
+            name in ("wq", "wk", "wv", "wf_b", "wg_b", "wg", "wbeta", "conv_q", "conv_k")
+            or name == "conv_v"
+        ):
+            s.add(name, shape, family, split_axis=1, parts=d, why="heads")
+        elif name in ("A_log", "dt_bias"):
+            s.add(name, shape, family, split_axis=0, parts=d, why="heads")
+        elif name == "wo":
+            s.add(name, shape, family, split_axis=0, parts=d, why="input rows by head")
+        else:  # o_norm (per head dim)
+            s.add(name, shape, family, why="replicated")
+    if latent == "split":
+        width = sum(shape[1] for n, shape, _ in specs if n in a_names)
+        s.collectives.append(ctx.collective("kda_gate_rank", "all_gather", "attn.wf_a", width))
+    s.collectives.append(ctx.collective("attn_out", "all_reduce", "attn.wo", h))
+    dim = hpr * a.head_dim
+    cache = CacheShard(
+        kind="state",
+        bytes_per_token=0,
+        fixed_bytes=hpr * a.head_dim * a.head_dim * STATE_BYTES
+        + (a.conv_width - 1) * 3 * dim * CACHE_BYTES,
+        window=None,
+        heads_per_rank=hpr,
+        copies=1.0,
+        why="state heads split with the heads",
+    )
+    return AttentionSharding(
+        kind=kind_name, type=a.type, heads_per_rank=hpr, kv_heads_per_rank=hpr,
+        kv_copies=1.0, latent=latent, tensors=tuple(s.tensors),
+        collectives=tuple(s.collectives), cache=cache,
+        why=f"{hpr} heads per rank; low-rank gate projections {latent} ({why_latent})",
+    )  # fmt: skip
+
+
+def layout(i: LayoutInputs) -> RecurrentLayout:
+    heads, d = i.shard.heads_per_rank, i.kind.head_dim
+    dims = dict(key_heads=heads, value_heads=heads, group=1, key_dim=d, value_dim=d)
+    extra = dict(
+        gate_lower_bound=i.kind.gate_lower_bound,
+        output_gate_rank=i.kind.output_gate_rank,
+        ops=ops(i.kind),
+    )
+    return recurrent.layout(i, dims, extra)
+
+
+def buffers(out: Any, i: BufferInputs) -> None:
+    recurrent.buffers(out, i, state_dims(i.kind, i.shard))
+
+
+def program(b: Any, s: Step) -> int:
+    return recurrent.program(b, s, state_dims(s.kind, s.shard), ops(s.kind))

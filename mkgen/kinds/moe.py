@@ -1,0 +1,386 @@
+"""MoE: a router, routed experts streamed in pieces through expert slots, shared experts,
+latent pre/post projections (templates/kinds/moe.py.j2)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from mkgen.errors import SpecError
+from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
+from mkgen.plan.layout import (
+    MoELayout,
+    VectorRow,
+    activation_params,
+    check_expert_format,
+    check_stream_formats,
+    expert_chunks,
+    segment_columns,
+    unsupported,
+)
+from mkgen.plan.sharding import FFNSharding, KindShards, choose_expert_split
+from mkgen.plan.stream import CHUNK, LANES, part_of
+from mkgen.spec.weights import ffn_weights
+
+TEMPLATE = "kinds/moe.py.j2"
+# Its weight-stream segments, in the order its ops consume them (the shared experts'
+# down projection right after the routed experts, then the latent back to hidden):
+# tensors fused into one segment read the same input.
+SEGMENTS = [
+    (
+        "in",
+        ["ffn.router", "ffn.latent_in", "ffn.shared_gate", "ffn.shared_up", "ffn.shared_gate_proj"],
+    ),
+    ("shared_down", ["ffn.shared_down"]),
+    ("latent_out", ["ffn.latent_out"]),
+]
+SLAB_VECTORS = None
+# How each expert format the template reads stores a chunk (the EXPERT_FORMAT comment).
+FORMAT_NOTES = {
+    "bf16": "",
+    "int4": "symmetric, one bf16 scale per {group} input rows",
+    "int8": "symmetric, one f32 scale per 256 input rows and column",
+    "mxfp4": "e2m1 codes, one E8M0 scale byte per 32 input rows",
+    "nvfp4": "e2m1 codes, one e4m3 scale per 16 input rows and an E8M0 tensor scale",
+    "fp8": "e4m3 codes, one f32 scale per {group} x {group} block",
+}
+
+
+def shard(ctx: Any, kind_name: str, f: Any) -> FFNSharding:
+    """How the kind's tensors split over the cores (mkgen.plan.sharding's context `ctx`):
+    experts split in groups x width parts (choose_expert_split); the latent design (rs_ar or ar_ag) priced; router, norms and biases replicated."""
+    h, d = ctx.h, ctx.d
+    s = KindShards(ctx, "ffn.", f"ffn_kinds.{kind_name}: ")
+    weights = ffn_weights(f, h)
+    d_in = f.latent.width if f.latent else h
+    split = choose_expert_split(ctx, f, d_in)
+    g, wparts = split.groups, split.width_parts
+    design: Literal["rs_ar", "ar_ag", "none"] = "none"
+    if f.latent:
+        rs_ar = ctx.collective("expert_out", "reduce_scatter", "ffn.experts_down", d_in).time_s
+        rs_ar += ctx.collective("ffn_out", "all_reduce", "ffn.latent_out", h).time_s
+        ar_ag = ctx.collective("expert_out", "all_reduce", "ffn.experts_down", d_in).time_s
+        ar_ag += ctx.collective("ffn_out", "all_gather", "ffn.latent_out", h).time_s
+        # Shared experts add partial sums of hidden: with ar_ag they would need their own
+        # all-reduce, so they force rs_ar.
+        design = "ar_ag" if ar_ag < rs_ar and not f.shared_experts else "rs_ar"
+    for w in weights:
+        n = w.name
+        if n in ("router", "router_bias", "selection_bias", "latent_norm", "shared_gate_proj"):
+            s.add(
+                w.name,
+                w.shape,
+                w.family,
+                why="replicated (routing is computed redundantly on every rank)",
+            )
+        elif n == "latent_in":
+            s.add(
+                w.name,
+                w.shape,
+                w.family,
+                split_axis=1,
+                parts=d,
+                why="output split + all-gather of the latent",
+            )
+        elif n == "latent_out":
+            if design == "ar_ag":
+                s.add(
+                    w.name,
+                    w.shape,
+                    w.family,
+                    split_axis=1,
+                    parts=d,
+                    why="output split + all-gather of hidden",
+                )
+            else:
+                s.add(
+                    w.name,
+                    w.shape,
+                    w.family,
+                    split_axis=0,
+                    parts=d,
+                    why="input rows (the reduce-scattered latent)",
+                )
+        elif n in ("experts_gate", "experts_up"):
+            s.add(
+                w.name,
+                w.shape,
+                w.family,
+                split_axis=2,
+                parts=wparts,
+                expert_groups=g,
+                why=split.why,
+            )
+        elif n == "experts_down":
+            s.add(
+                w.name,
+                w.shape,
+                w.family,
+                split_axis=1,
+                parts=wparts,
+                expert_groups=g,
+                why=split.why,
+            )
+        elif n in ("experts_b_gate", "experts_b_up"):
+            s.add(
+                w.name,
+                w.shape,
+                w.family,
+                split_axis=1,
+                parts=wparts,
+                expert_groups=g,
+                why="per expert width",
+            )
+        elif n == "experts_b_down":
+            s.add(
+                w.name,
+                w.shape,
+                w.family,
+                expert_groups=g,
+                why="per expert group, added by width part 0",
+            )
+        elif n in ("shared_gate", "shared_up"):
+            s.add(w.name, w.shape, w.family, split_axis=1, parts=d, why="shared width")
+        elif n == "shared_down":
+            s.add(
+                w.name, w.shape, w.family, split_axis=0, parts=d, why="input rows by shared width"
+            )
+        else:  # pragma: no cover - the inventory has no other MoE tensors
+            raise SpecError(f"{s.where}tensor {n!r}: no sharding rule")
+    if f.latent:
+        s.collectives.append(ctx.collective("latent_in", "all_gather", "ffn.latent_in", d_in))
+        if design == "ar_ag":
+            s.collectives.append(
+                ctx.collective("expert_out", "all_reduce", "ffn.experts_down", d_in)
+            )
+            s.collectives.append(ctx.collective("ffn_out", "all_gather", "ffn.latent_out", h))
+        else:
+            s.collectives.append(
+                ctx.collective("expert_out", "reduce_scatter", "ffn.experts_down", d_in)
+            )
+            s.collectives.append(ctx.collective("ffn_out", "all_reduce", "ffn.latent_out", h))
+    else:
+        s.collectives.append(ctx.collective("ffn_out", "all_reduce", "ffn.experts_down", h))
+    why = split.why + (f"; latent design {design}" if f.latent else "")
+    return FFNSharding(
+        kind=kind_name, type=f.type, tensors=tuple(s.tensors), collectives=tuple(s.collectives),
+        experts=split, latent_design=design, why=why,
+    )  # fmt: skip
+
+
+def layout(i: LayoutInputs) -> MoELayout:
+    kind, shard, name = i.kind, i.shard, i.name
+    if kind.activation.kind == "gelu":
+        unsupported(f"ffn_kinds.{name}: exact gelu (use gelu_tanh)")
+    if shard.latent_design == "ar_ag" and kind.shared_experts:
+        unsupported(f"ffn_kinds.{name}: shared experts beside a latent MoE combined by all-gather")
+    parts = {t.name: part_of(t, i.devices) for t in shard.tensors}
+    split = shard.experts
+    gate = next(t for t in shard.tensors if t.name == "ffn.experts_gate")
+    d = gate.global_shape[1]
+    width = split.width_per_rank
+    check_expert_format(i.expert_format, name, width)
+    check_stream_formats(f"ffn_kinds.{name}", i.segments)
+    chunks = expert_chunks(i.expert_format, d, width, i.max_piece_chunks)
+    columns = segment_columns(i.segments, "in", "ffn.")
+    names = [n for n in ("router_bias", "selection_bias", "latent_norm") if f"ffn.{n}" in parts]
+    vectors = [
+        VectorRow(
+            name=n, row=i.first_row + j, part=parts[f"ffn.{n}"], length=parts[f"ffn.{n}"].size
+        )
+        for j, n in enumerate(names)
+    ]
+    r = kind.router
+    return MoELayout(
+        name=name,
+        index=i.index,
+        layers=i.layers,
+        num_experts=kind.num_experts,
+        top_k=kind.top_k,
+        groups=split.groups,
+        width_parts=split.width_parts,
+        experts_per_rank=split.experts_per_rank,
+        experts=chunks,
+        expert_layers=len(i.layers),
+        expert_format_note=FORMAT_NOTES[chunks.kind].format(group=chunks.group),
+        packed_codes=chunks.code_rows < chunks.piece_chunks * CHUNK,
+        expert_slots=i.expert_slots,
+        activation=kind.activation.kind,
+        activation_params=activation_params(kind.activation),
+        score=r.score,
+        router_bias=r.bias,
+        selection_bias=r.selection_bias,
+        renormalize=r.renormalize,
+        routed_scaling=r.routed_scaling,
+        n_group=r.n_group,
+        topk_group=r.topk_group,
+        latent_width=kind.latent.width if kind.latent else 0,
+        latent_norm=bool(kind.latent and kind.latent.norm),
+        latent_design=shard.latent_design,
+        latent_per_rank=columns["latent_in"].size if "latent_in" in columns else 0,
+        shared_width=columns["shared_gate"].size if "shared_gate" in columns else 0,
+        shared_gate="shared_gate_proj" in columns,
+        columns=columns,
+        segments=i.segments,
+        in_segments=[s.name for s in i.segments if s.name.split(".")[0] == "in"],
+        ops=ops(kind),
+        vectors=vectors,
+        bias_row=i.first_row + len(vectors) if kind.expert_bias else None,
+    )
+
+
+def buffers(out: Any, i: BufferInputs) -> None:
+    """Expert ids (VMEM, then SMEM for the scalar pass), the piece slots, the expert
+    matmuls' staging; the pieces' shapes (ExpertChunks) go to `out.experts`."""
+    name, kind, dims, slots, fmt = i.name, i.kind, i.dims, i.expert_slots, i.expert_format
+    tp = dims.tokens_padded
+    gate = next(t for t in i.shard.tensors if t.name == "ffn.experts_gate")
+    e = expert_chunks(fmt, gate.global_shape[1], i.shard.experts.width_per_rank,
+                      dims.max_piece_chunks)  # fmt: skip
+    out.experts[name] = e
+    out.add(f"{name}_ids_vmem", "activations", (tp, 128), "int32", why="chosen experts")
+    out.scalar(f"{name}_ids_smem", (tp, 128))
+    out.sems(f"{name}_ids_sem", ())
+    out.scalar(f"{name}_seen_smem", (kind.num_experts,))
+    out.scalar(f"{name}_chosen_smem", (dims.tokens * kind.top_k,))
+    res, why = f"{name}.experts", f"{slots} expert piece slot(s), {fmt}"
+    if e.code_dtype == "bf16":
+        out.add(f"{name}_slots_vmem", "expert_slots", (slots, e.code_rows, LANES), "bf16",
+                resource=res, slots=slots, why=why)  # fmt: skip
+    else:
+        out.add(f"{name}_code_slots_vmem", "expert_slots", (slots, e.code_rows, LANES),
+                e.code_dtype, resource=res, slots=slots, why=why)  # fmt: skip
+        out.add(f"{name}_scale_slots_vmem", "expert_slots", (slots, e.scale_rows, e.scale_cols),
+                e.scale_dtype, resource=res, slots=slots, why=why)  # fmt: skip
+    out.sems(f"{name}_slot_sems", (2, slots))
+    out.add(f"{name}_in_vmem", "activations", (e.gate_up_k_chunks, tp, CHUNK), "bf16",
+            why="expert input, chunked")  # fmt: skip
+    out.add(f"{name}_mid_vmem", "activations", (e.down_k_chunks, tp, CHUNK), "bf16",
+            why="expert activation, chunked")  # fmt: skip
+    out.add(f"{name}_acc_vmem", "activations",
+            (max(e.gate_up_col_blocks, e.down_col_blocks), tp, LANES), "f32",
+            why="expert matmul output blocks")  # fmt: skip
+
+
+def ops(kind: Any) -> list[str]:
+    """The MoE layer's ops in the order its kernel function runs them: `program` emits
+    them in this order and the template prints them in it (MoELayout.ops)."""
+    latent, shared = ["latent_in"] if kind.latent else [], ["shared"] if kind.shared_experts else []
+    tail = ["latent_out"] if kind.latent else []
+    return ["in", "route", *latent, "experts", *shared, *tail, "combine"]
+
+
+def program(b: Any, s: Step) -> int:
+    """The layer's ops (`ops`): the "in" segments (router, latent_in, shared gate|up),
+    routing, the latent's all-gather and norm, the chosen experts, the shared experts'
+    down projection, the latent's way back to hidden, the combine."""
+    layer, name, kind, segs, first = s.layer, s.name, s.kind, s.segments, s.first_bank
+    v, colls = s.vectors, s.collectives
+    y = route = lat = out = s.x
+    shared = None
+    for op in ops(kind):
+        if op == "in":
+            for seg in (seg for n, seg in segs.items() if n.split(".")[0] == "in"):
+                y = b.segment(layer, name, seg, first, y)  # one segment per format of "in"
+        elif op == "route":
+            route = b.run("routing", f"L{layer} {name}: router scores, top-{kind.top_k}", layer,
+                          4 * b.t * kind.num_experts * kind.top_k, ((y, None, 0), (v, None, 0)))  # fmt: skip
+        elif op == "latent_in":
+            lat = b.collective(layer, colls.get("latent_in"), y)
+            lat = b.vec(layer, f"{name}: latent norm", lat, 5 * b.t * kind.latent.width,
+                        ((v, None, 0),))  # fmt: skip
+        elif op == "experts":
+            out = _experts(b, layer, name, kind, s.shard, route, lat)
+        elif op == "shared":
+            width = next(t.rank_shape[-1] for t in s.shard.tensors if t.name == "ffn.shared_up")
+            act = b.vec(layer, f"{name}: shared activation", y, 8 * b.t * width)
+            shared = b.segment(layer, name, segs["shared_down"], first, act)
+        elif op == "latent_out":
+            out = b.collective(layer, colls.get("expert_out"), out)
+            out = b.segment(layer, name, segs["latent_out"], first, out)
+        else:  # combine
+            if shared is not None:
+                out = b.vec(layer, f"{name}: experts + shared experts", out, b.t * b.dims.hidden,
+                            ((shared, None, 0),))  # fmt: skip
+            out = b.collective(layer, colls.get("ffn_out"), out)
+    return out
+
+
+def _experts(b: Any, layer: int, name: str, kind: Any, f: Any, route: int, x: int) -> int:
+    """Expert ids to SMEM, the list of this core's chosen experts, then their pieces
+    through the slots: piece q (of expert q // P) in slot q % S, the first S issued at
+    once, piece q + S right after piece q is used (the template's expert ring)."""
+    split = f.experts
+    e = b.vmem.experts[name]
+    n = max(1, min(split.experts_per_rank, math.ceil(split.expected_max_experts_per_rank)))
+    pieces = e.pieces
+    b.experts_per_layer[layer] = (n, pieces)
+    slots = b.vmem.expert_slots
+    res = f"{name}.experts"
+    ids = b.dma("ids", f"L{layer} {name}: expert ids -> SMEM", layer, f"smem:{name}.ids",
+                0, (f"{name}_ids_sem",), b.dims.tokens_padded * 128 * 4,
+                reads=((route, None, 0),))  # fmt: skip
+    b.start(ids)
+    b.wait(ids)
+    listing = b.run("scalar", f"L{layer} {name}: list this core's chosen experts", layer,
+                    b.t * kind.top_k, ((ids, f"smem:{name}.ids", 0),))  # fmt: skip
+    kept = expert_iterations(n, pieces, slots)
+    units = len(kept) * pieces  # over the kept iterations (see expert_iterations)
+    sems = [tuple(f"{name}_slot_sems[{k},{s}]" for k in range(e.arrays)) for s in range(slots)]
+    nodes: dict[int, int] = {}
+    outer = b.repeat
+
+    def fetch(q: int) -> None:
+        if q >= units:
+            return
+        (i, rep), p = kept[q // pieces], q % pieces
+        nodes[q] = b.dma("expert", f"L{layer} {name}: expert {i} piece {p}", layer, res,
+                         q % slots, sems[q % slots], e.piece_bytes, count=e.arrays,
+                         reads=((listing, None, 0),), key=("expert", layer, i, p),
+                         repeat=outer * rep)  # fmt: skip
+        b.start(nodes[q])
+
+    for q in range(slots):
+        fetch(q)
+    flops = 2 * split.rows_per_expert * e.piece_chunks * CHUNK * LANES
+    acc = x
+    for k, (i, rep) in enumerate(kept):
+        b.repeat = outer * rep
+        prev = x
+        for p in range(pieces):
+            q = k * pieces + p
+            b.wait(nodes[q])
+            part = "gate/up" if p < e.gate_up_pieces else "down"
+            prev = b.run(
+                "expert_mm", f"L{layer} {name}: expert {i} {part} piece {p}", layer, flops,
+                ((nodes[q], res, q % slots), (prev, None, 0), (route, None, 0)),
+            )  # fmt: skip
+            fetch(q + slots)
+            if p == e.gate_up_pieces - 1:
+                prev = b.vec(layer, f"{name}: expert {i} activation", prev,
+                             8 * b.t * e.width)  # fmt: skip
+        acc = b.vec(layer, f"{name}: += weight x expert {i}", acc, 2 * b.t * e.d,
+                    ((prev, None, 0),))  # fmt: skip
+    b.repeat = outer
+    return acc
+
+
+def expert_iterations(n: int, pieces: int, slots: int) -> list[tuple[int, int]]:
+    """(expert index, repeat) of the expert loop's iterations the schedule keeps.
+
+    Piece q of the loop lives in slot q % slots, so iteration i meets the slots in phase
+    i x pieces mod slots, which repeats every ``period`` iterations. Kept: the first
+    period (the ring fills), one period standing for the steady state (repeat = the
+    middle periods), and the last iterations where prefetching stops (the ring drains).
+    Consecutive kept iterations stay in phase, so every slot pattern is checked.
+    """
+    period = slots // math.gcd(pieces, slots)
+    drain = max(period, -(-slots // pieces))
+    if n <= 2 * period + drain:
+        return [(i, 1) for i in range(n)]
+    tail = drain + (n - period - drain) % period
+    middle = n - period - tail  # a whole number of periods, at least one
+    kept = [(i, 1) for i in range(period)]
+    kept += [(i, middle // period) for i in range(period, 2 * period)]
+    kept += [(i, 1) for i in range(n - tail, n)]
+    return kept

@@ -1,0 +1,134 @@
+"""What Gated DeltaNet and KDA share: a causal conv with its tail, then the delta rule on
+an f32 state per head, rows in order (templates/kinds/recurrent.py.j2). Each kind's
+module gives its per-core head dims and its layout's own fields."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
+from mkgen.plan.layout import CacheArray, RecurrentLayout, VectorRow, segment_columns, unsupported
+from mkgen.plan.stream import part_of
+
+SLAB_VECTORS = None  # every vector-family tensor takes its rows (conv taps: one per tap)
+
+
+def rotary_dim(kind: Any) -> int:
+    return 0  # no positions: the recurrence carries order
+
+
+def ops(own: list[str]) -> list[str]:
+    """A recurrent layer's ops in the order its kernel function runs them, with the kind's
+    `own` (its low-rank projections and gates) after the input projection: the program
+    emits them in this order and the template prints them in it (RecurrentLayout.ops)."""
+    return ["in", *own, "state", "output", "o", "combine"]
+
+
+def layout(i: LayoutInputs, dims: dict[str, int], extra: dict[str, Any]) -> RecurrentLayout:
+    """The layout of a recurrent kind with per-core head `dims` (key_heads, value_heads,
+    group, key_dim, value_dim) and the kind's own fields `extra` (its `ops` among them)."""
+    kind, shard = i.kind, i.shard
+    batch, rows = i.options.batch, i.options.rows
+    if shard.latent == "split":
+        unsupported(f"attention_kinds.{i.name}: low-rank gate projections split over cores")
+    parts = {t.name: part_of(t, i.devices) for t in shard.tensors}
+    width = kind.conv_width
+    vectors, row = [], 2  # rows 0 and 1 hold the layer's attn_norm and ffn_norm
+    for n in ("conv_q", "conv_k", "conv_v"):
+        size = parts[f"attn.{n}"].size
+        vectors.append(VectorRow(name=n, row=row, part=parts[f"attn.{n}"], length=size, rows=width))
+        row += width
+    for n in ("A_log", "dt_bias", "o_norm"):
+        size = parts[f"attn.{n}"].size
+        vectors.append(VectorRow(name=n, row=row, part=parts[f"attn.{n}"], length=size))
+        row += 1
+    channels = sum(parts[f"attn.{n}"].size for n in ("conv_q", "conv_k", "conv_v"))
+    # One snapshot after each row of a step: the runner keeps the one after the last
+    # accepted draft row (a rejected draft must not advance the recurrence).
+    state = [len(i.layers), batch, rows, dims["value_heads"], dims["key_dim"], dims["value_dim"]]
+    return RecurrentLayout(
+        type=kind.type,
+        name=i.name,
+        index=i.index,
+        layers=i.layers,
+        conv_width=width,
+        channels=channels,
+        columns=segment_columns(i.segments, "in", "attn."),
+        segments=i.segments,
+        vectors=vectors,
+        caches=[
+            CacheArray(
+                name="conv",
+                shape=[len(i.layers), batch, rows, width - 1, channels],
+                dtype="bfloat16",
+            ),
+            CacheArray(name="state", shape=state, dtype="float32"),
+        ],  # fmt: skip
+        **dims,
+        **extra,
+    )
+
+
+def buffers(out: Any, i: BufferInputs, state: tuple[int, int, int, int]) -> None:
+    """The conv tail and state of every sequence after each of its rows, the current ones
+    read at the top of the layer, all written back at its end; `state` is the kind's
+    (state heads, key dim, value dim, conv channels) per core."""
+    heads, dk, dv, conv = state
+    name, b, rows = i.name, i.dims.batch, i.dims.rows
+    out.add(f"{name}_conv_vmem", "attention", (b, rows, i.kind.conv_width - 1, conv), "bf16",
+            resource=f"{name}.state", why="conv tail of every sequence after each row")  # fmt: skip
+    out.add(f"{name}_state_vmem", "attention", (b, rows, heads, dk, dv), "f32",
+            resource=f"{name}.state", why="recurrent state of every sequence after each row")  # fmt: skip
+    out.sems(f"{name}_cache_sems", (2, b))
+
+
+def program(b: Any, s: Step, state: tuple[int, int, int, int], ops: list[str]) -> int:
+    """The layer's `ops`: the input projection (and KDA's low-rank up-projections), conv
+    and gates, the current conv tails and states of every sequence in, the rows in order,
+    the snapshot after every row out, output norm and gate, output projection, all-reduce;
+    `state` is the kind's (state heads, key dim, value dim, conv channels) per core."""
+    layer, name, v = s.layer, s.name, s.vectors
+    h = b.dims.hidden
+    y = s.x
+    for op in ops:
+        if op == "gates":
+            y = b.vec(layer, f"{name}: conv, gates", y, 8 * b.t * h, ((v, None, 0),))
+        elif op == "state":
+            y = _state_update(b, layer, name, s.shard, y, state)
+        elif op == "output":
+            y = b.vec(layer, f"{name}: output norm, gate", y, 6 * b.t * h, ((v, None, 0),))
+        elif op == "combine":
+            y = b.collective(layer, s.collectives.get("attn_out"), y)
+        else:  # in, KDA's f_b and g_b: stream matmuls
+            y = b.segment(layer, name, s.segments[op], s.first_bank, y)
+            if op == "in":  # KDA's low-rank gate inputs' all-gather when they are split
+                y = b.collective(layer, s.collectives.get("kda_gate_rank"), y)
+    return y
+
+
+def _state_update(b: Any, layer: int, name: str, a: Any, y: int,
+                  state: tuple[int, int, int, int]) -> int:  # fmt: skip
+    """The current conv tail and state of every sequence in, the rows in order, the
+    snapshot after every row written back."""
+    batch = b.dims.batch
+    heads, dk, dv, _ = state
+    res = f"{name}.state"
+    sems = b.block_sems(f"{name}_cache_sems", (2, batch))
+    nbytes = batch * a.cache.fixed_bytes
+    rd = b.dma("state_read", f"L{layer} {name}: conv tails and states in", layer, res,
+               0, sems, nbytes, count=len(sems))  # fmt: skip
+    b.start(rd)
+    b.wait(rd)
+    prev = rd
+    for seq in range(batch):  # each sequence updates its own part of the buffers
+        prev = b.run(
+            "recurrent", f"L{layer} {name}: conv, delta rule, sequence {seq}", layer,
+            8 * b.o.rows * heads * dk * dv, ((prev, res, 0), (y, None, 0)),
+            writes=(res, 0),
+        )  # fmt: skip
+    wr = b.dma("state_write", f"L{layer} {name}: snapshots after each row out", layer,
+               None, 0, sems, nbytes * b.dims.rows, count=len(sems),
+               reads=((prev, res, 0),))  # fmt: skip
+    b.start(wr)
+    b.wait(wr)
+    return prev
