@@ -66,7 +66,7 @@ class BuildPlan(BaseModel):
     # The op list of every layer kind, the prologue and the epilogue (Schedule.program).
     program: dict[str, list[dict[str, Any]]]
     graph: GraphSummary
-    estimate: Estimate
+    estimate: Estimate | None  # None: a plan forced past failed checks (enforce=False)
     # The bar the estimate is held against: what any kernel must read, and the published
     # hand-written kernel doing the same work (None where none is published).
     ideal_floor: IdealFloor
@@ -137,7 +137,8 @@ def plan_build(
     enforce: bool = True,
 ) -> BuildPlan:
     """Plan one build. Raises a one-line SpecError when it does not fit in HBM or VMEM,
-    and (``enforce``) a ScheduleCheckError when a schedule check fails.
+    and (``enforce``) a ScheduleCheckError when a schedule check fails; forced past a
+    failed check (tests), the plan has no estimate.
 
     `bank_rows` and `max_piece_chunks` size the weight banks and expert pieces (the mini
     twin's are small); `ring_depth` forces the ring's depth unless --ring-depth does (a
@@ -178,7 +179,8 @@ def plan_build(
         schedule=schedule.summary(),
         program=schedule.program(),
         graph=step.summary(),
-        estimate=estimate(topo, options, program, trace=trace),
+        # A program that fails a check may wait for ever: only a checked one is priced.
+        estimate=estimate(topo, options, program, trace=trace) if step.ok else None,
         ideal_floor=ideal_floor(spec, topo, options),
         hand_written=hand_written_for(base, spec, topo, options),
     )

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from mkgen.plan.cost import CATEGORIES, US, CostConstants, Estimate, KindTime, TraceEvent
+from mkgen.plan.graph import ScheduleCheckError
 from mkgen.plan.memory import MemoryPlan
 from mkgen.plan.opcount import bound_us, node_op_counts
 from mkgen.plan.options import BuildOptions
@@ -169,6 +170,10 @@ class _Walk:
                 for q in QUEUES
                 if self.head[q] < len(self.queues[q])
             ]
+            if not heads:  # the checks refuse such a program; a forced one cannot be walked
+                raise ScheduleCheckError(
+                    f"the program waits for {nodes[target].name!r}, which it never starts"
+                )
             at = max(self.engine_free, min(self.issued_at[i] for _, i in heads))
             queue, i = next((q, i) for q, i in heads if self.issued_at[i] <= at)
             self.head[queue] += 1
