@@ -177,10 +177,16 @@ def test_completions_from_ids_and_text_are_transformers_greedy_tokens(server: Se
     assert streamed.result() == (_words(expected), expected, "length")
 
 
-def test_chat_completions_render_the_checkpoint_chat_template(server: Server) -> None:
-    """A chat through tokenizer_config.json's template (bos, roles, the generation prompt;
-    tokenized without adding special tokens): the reference's greedy tokens for exactly
-    those ids, streamed and not."""
+def test_chat_completions_render_the_checkpoint_chat_template(
+    server: Server, prepared: tuple[Path, Path, Path]
+) -> None:
+    """A chat through tokenizer_config.json's template (which mkgen convert copied beside
+    the weights; bos, roles, the generation prompt; tokenized without adding special
+    tokens): the reference's greedy tokens for exactly those ids, streamed and not."""
+    weights = prepared[1]
+    config = (CHAT / "tokenizer_config.json").read_bytes()
+    assert (weights / "tokenizer_config.json").read_bytes() == config
+    assert "tokenizer_config.json" in json.loads((weights / "layout.json").read_text())["files"]
     client = server.client
     messages = [{"role": "user", "content": "t3 t17 t42 t99 t5"}]
     # t1 bos, t4 t5 t9 t2 the default system turn, t4 t6 ... t2 the user's, t4 t7 the reply's
@@ -296,9 +302,13 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(server: Server) -> None:
 
 
 def test_models_health_and_metrics(server: Server) -> None:
+    """/v1/models lists the build; after a request of one prompt token (nothing to
+    prefill: its slot's caches are zeroed, and it still gets the reference's tokens) the
+    metrics count it and no slot stays taken."""
     client = server.client
     assert [m.id for m in client.models.list()] == [NAME]
-    client.completions.create(model=NAME, prompt=[5, 6], max_tokens=3)
+    result = client.completions.create(model=NAME, prompt=[5], max_tokens=3, temperature=0)
+    assert result.choices[0].model_extra["token_ids"] == _reference(server.checkpoint, [5], 3)
     text = httpx.get(f"{server.url}/metrics", timeout=30).text
     for name in ("mkgen_time_to_first_token_seconds_count", "mkgen_generation_tokens_total",
                  "mkgen_inter_token_latency_seconds_count", "mkgen_accepted_length_count",
