@@ -177,6 +177,24 @@ def test_completions_from_ids_and_text_are_transformers_greedy_tokens(server: Se
     assert streamed.result() == (_words(expected), expected, "length")
 
 
+def test_stop_strings_and_stop_ids_end_a_completion(server: Server) -> None:
+    """The fixture's greedy tokens are t63 t70 t97 t127 t97 ...: a stop string ends the
+    text before it (streamed), a stop id ends the tokens before it (it is counted in
+    usage, not returned); both finish with "stop"."""
+    client = server.client
+    asks = {"model": NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    with ThreadPoolExecutor(2) as pool:
+        by_text = pool.submit(lambda: _stream_text(client.completions.create(
+            stream=True, stop=["t97 t127"], **asks)))  # fmt: skip
+        by_id = pool.submit(client.completions.create, stop=[127], **asks)
+    text, _, finish = by_text.result()
+    assert (text, finish) == ("t63 t70 ", "stop")
+    result = by_id.result()
+    assert result.choices[0].model_extra["token_ids"] == [63, 70, 97]
+    assert (result.choices[0].text, result.choices[0].finish_reason) == ("t63 t70 t97", "stop")
+    assert result.usage.completion_tokens == 4
+
+
 def test_chat_completions_render_the_checkpoint_chat_template(
     server: Server, prepared: tuple[Path, Path, Path]
 ) -> None:
