@@ -4,8 +4,10 @@ The tiny qwen3 transformers fixture (tests/fixtures/hf/qwen3) is built for tpu7x
 batch 8 in a temporary directory, converted, and served in TPU interpret mode on the CPU;
 CLIENTS concurrent clients then send REQUESTS streamed completions (random prompts of
 4-12 token ids, 4-16 tokens each, greedy or sampled). Printed: p50 / p99 time to first
-token and inter-token latency as the clients see them, tokens/s over the run, and the
-errors, which must be zero (the exit status is 1 otherwise).
+token and inter-token latency as the clients see them (a device call brings up to 8
+tokens at once: the latency of a later event is its gap over its tokens), the server's
+mean seconds per kernel step (GET /metrics), tokens/s over the run, and the errors, which
+must be zero (the exit status is 1 otherwise).
 
     python scripts/serve_load.py [--clients 32] [--requests 200]
 """
@@ -68,8 +70,9 @@ def start_server(build: Path, weights: Path, log: Path) -> tuple[subprocess.Pope
 async def one_request(
     client: httpx.AsyncClient, url: str, model: str, rng: random.Random
 ) -> tuple[float, list[float], int]:
-    """One streamed completion: (time to first token, the gaps between later tokens'
-    arrivals spread over the tokens each event brought, tokens)."""
+    """One streamed completion: (time to first token, the inter-token latencies of the
+    later events: each event's gap since the one before over the tokens it brought,
+    tokens). Tokens that arrive together with the first have no gap of their own."""
     body = {
         "model": model, "prompt": [rng.randrange(128) for _ in range(rng.randint(4, 12))],
         "max_tokens": rng.randint(4, 16), "stream": True,
@@ -89,13 +92,23 @@ async def one_request(
             now = time.perf_counter()
             if first is None:
                 first = now - start
-                gaps += [0.0] * (len(ids) - 1)  # arrived with the first token
             else:
                 gaps += [(now - last) / len(ids)] * len(ids)
             last, tokens = now, tokens + len(ids)
     if first is None:
         raise RuntimeError("no token came back")
     return first, gaps, tokens
+
+
+def mean_step_seconds(url: str) -> float:
+    """The server's mean inter-token latency: seconds per kernel step of its calls."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    value = {
+        name: float(re.search(rf"^mkgen_inter_token_latency_seconds_{name} (\S+)$", text,
+                              re.MULTILINE).group(1))
+        for name in ("sum", "count")
+    }  # fmt: skip
+    return value["sum"] / max(value["count"], 1)
 
 
 async def load(url: str, model: str, clients: int, requests: int) -> dict:
@@ -139,6 +152,7 @@ def main() -> None:
         try:
             model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
             result = asyncio.run(load(url, model, args.clients, args.requests))
+            result["step_s"] = mean_step_seconds(url)
         finally:
             process.terminate()
             process.wait(timeout=120)
@@ -154,6 +168,7 @@ def main() -> None:
     if len(gaps):
         print(f"  inter-token latency  p50 {np.percentile(gaps, 50):7.3f} s   "
               f"p99 {np.percentile(gaps, 99):7.3f} s")  # fmt: skip
+    print(f"  server: mean {result['step_s']:.3f} s per kernel step (all slots at once)")
     print(f"  tokens/s {result['tokens'] / result['seconds']:.2f} ({result['tokens']} tokens)")
     print(f"  errors {len(result['errors'])}")
     for error in result["errors"][:5]:

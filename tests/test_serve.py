@@ -177,10 +177,34 @@ def test_completions_from_ids_and_text_are_transformers_greedy_tokens(server: Se
     assert streamed.result() == (_words(expected), expected, "length")
 
 
-def test_chat_completions_render_the_checkpoint_chat_template(server: Server) -> None:
-    """A chat through tokenizer_config.json's template (bos, roles, the generation prompt;
-    tokenized without adding special tokens): the reference's greedy tokens for exactly
-    those ids, streamed and not."""
+def test_stop_strings_and_stop_ids_end_a_completion(server: Server) -> None:
+    """The fixture's greedy tokens are t63 t70 t97 t127 t97 ...: a stop string ends the
+    text before it (streamed), a stop id ends the tokens before it (it is counted in
+    usage, not returned); both finish with "stop"."""
+    client = server.client
+    asks = {"model": NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    with ThreadPoolExecutor(2) as pool:
+        by_text = pool.submit(lambda: _stream_text(client.completions.create(
+            stream=True, stop=["t97 t127"], **asks)))  # fmt: skip
+        by_id = pool.submit(client.completions.create, stop=[127], **asks)
+    text, _, finish = by_text.result()
+    assert (text, finish) == ("t63 t70 ", "stop")
+    result = by_id.result()
+    assert result.choices[0].model_extra["token_ids"] == [63, 70, 97]
+    assert (result.choices[0].text, result.choices[0].finish_reason) == ("t63 t70 t97", "stop")
+    assert result.usage.completion_tokens == 4
+
+
+def test_chat_completions_render_the_checkpoint_chat_template(
+    server: Server, prepared: tuple[Path, Path, Path]
+) -> None:
+    """A chat through tokenizer_config.json's template (which mkgen convert copied beside
+    the weights; bos, roles, the generation prompt; tokenized without adding special
+    tokens): the reference's greedy tokens for exactly those ids, streamed and not."""
+    weights = prepared[1]
+    config = (CHAT / "tokenizer_config.json").read_bytes()
+    assert (weights / "tokenizer_config.json").read_bytes() == config
+    assert "tokenizer_config.json" in json.loads((weights / "layout.json").read_text())["files"]
     client = server.client
     messages = [{"role": "user", "content": "t3 t17 t42 t99 t5"}]
     # t1 bos, t4 t5 t9 t2 the default system turn, t4 t6 ... t2 the user's, t4 t7 the reply's
@@ -296,9 +320,13 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(server: Server) -> None:
 
 
 def test_models_health_and_metrics(server: Server) -> None:
+    """/v1/models lists the build; after a request of one prompt token (nothing to
+    prefill: its slot's caches are zeroed, and it still gets the reference's tokens) the
+    metrics count it and no slot stays taken."""
     client = server.client
     assert [m.id for m in client.models.list()] == [NAME]
-    client.completions.create(model=NAME, prompt=[5, 6], max_tokens=3)
+    result = client.completions.create(model=NAME, prompt=[5], max_tokens=3, temperature=0)
+    assert result.choices[0].model_extra["token_ids"] == _reference(server.checkpoint, [5], 3)
     text = httpx.get(f"{server.url}/metrics", timeout=30).text
     for name in ("mkgen_time_to_first_token_seconds_count", "mkgen_generation_tokens_total",
                  "mkgen_inter_token_latency_seconds_count", "mkgen_accepted_length_count",

@@ -187,11 +187,12 @@ class Engine:
                     if any(self._slots):
                         self._decode_call()
                 except Exception:  # a failed call must not take the server down
-                    log.exception("device call failed; its requests end with an error")
-                    self._end_all("error")
+                    log.exception("device call failed; the running requests end with an error")
+                    self._end_running("error")
                     # The failed call may have consumed the donated caches: start afresh.
                     self._caches = empty_caches(self.model, len(self._slots))
-        self._end_all("abort")
+        self._end_running("abort")
+        self._end_queued("abort")
 
     def _next_turn(self) -> bool:
         """Wait for work; drop cancelled requests. False once the engine is stopping."""
@@ -222,9 +223,14 @@ class Engine:
                 request = self._queue.popleft()
                 self.metrics.queue_depth.set(len(self._queue))
             prompt = request.prompt
-            self._caches = insert_sequence(
-                self._caches, slot, prefill_sequence(self.model, prompt[:-1])
-            )
+            try:
+                sequence = prefill_sequence(self.model, prompt[:-1])
+            except Exception:  # this request fails; the others are untouched
+                log.exception("prefill failed; its request ends with an error")
+                self.metrics.requests.labels("error").inc()
+                request.deliver(Update([], "error"))
+                continue
+            self._caches = insert_sequence(self._caches, slot, sequence)
             self._slots[slot] = _Running(request, position=len(prompt) - 1, feed=prompt[-1])
             self.metrics.prompt_tokens.inc(len(prompt))
             self.metrics.slots_in_use.set(sum(s is not None for s in self._slots))
@@ -303,11 +309,14 @@ class Engine:
         else:
             self.metrics.requests.labels("cancelled").inc()
 
-    def _end_all(self, reason: str) -> None:
-        """End every running and queued request with `reason`."""
+    def _end_running(self, reason: str) -> None:
+        """End every request in a slot with `reason`."""
         for slot, running in enumerate(self._slots):
             if running is not None:
                 self._finish(slot, None if running.request.cancelled else Update([], reason))
+
+    def _end_queued(self, reason: str) -> None:
+        """End every request still waiting for a slot with `reason`."""
         with self._wake:
             waiting, self._queue = list(self._queue), collections.deque()
             self.metrics.queue_depth.set(0)
