@@ -134,9 +134,9 @@ def test_plan_options_reach_the_plan() -> None:
 
 
 def test_a_plan_is_the_kernels_plan_so_an_ungenerated_format_is_refused() -> None:
-    """The plan describes the kernel mkgen emits: a quantized embedding is not generated."""
-    result = mkgen("plan", "muse-spark-1.2", "--topology", "2x2x1", "--quant", "embedding=int8")
-    assert_user_error(result, "embedding in int8", "not supported by the code generator yet")
+    """The plan describes the kernel mkgen emits: 4-bit dense weights are not generated yet."""
+    result = mkgen("plan", "muse-spark-1.2", "--topology", "2x2x1", "--quant", "attention=int4:128")
+    assert_user_error(result, "int4:128", "not supported by the code generator yet")
 
 
 def test_estimate_writes_the_table_csv_and_charts_with_the_umask(tmp_path) -> None:
