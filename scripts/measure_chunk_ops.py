@@ -20,13 +20,16 @@ on one head's state the same way.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 UNIT_CHUNKS = 2
 DUMP = tempfile.mkdtemp(prefix="mkgen-chunk-ops-")
+atexit.register(shutil.rmtree, DUMP, ignore_errors=True)  # the LLO dumps are only read here
 os.environ["LIBTPU_INIT_ARGS"] = (
     f"--xla_mosaic_dump_to={DUMP} --xla_mosaic_enable_dump_debug_info=true"
 )
