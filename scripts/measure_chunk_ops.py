@@ -15,12 +15,15 @@ Formats named on the command line are measured alone.
     PYTHONPATH=. .venv/bin/python scripts/measure_chunk_ops.py [bf16 mxfp4 stream:int8 ...]
 
 `measure_chunk_ops.py delta_rule` measures one row of the recurrent kinds' delta rule
-on one head's state the same way.
+on one head's state the same way; `measure_chunk_ops.py attend` the cache attention kinds'
+`_write_cache_<kind>` and `_attend_<kind>` of the builds tests/test_profile.py holds to
+the compiled kernel, per KV tile and per (sequence, kv head) pair.
 """
 
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import shutil
 import sys
@@ -196,6 +199,116 @@ def main() -> None:
             for (_frames, group), ops in counts.items():
                 totals[-1][group] += ops
         return {g: totals[1][g] - totals[0][g] for g in GROUPS}
+
+    def attend_counts(kernel, a, rows: int, q_rows: int, tile: int) -> dict[str, dict[str, float]]:  # noqa: ANN001
+        """Ops of `_write_cache_<kind>` ("write", per pair and cache array), one KV tile
+        ("tile") and the rest of `_attend_<kind>` ("pair", per pair) of attention kind `a`
+        of `kernel`, compiled alone for one core with ROWS = rows, the kind's query rows
+        q_rows and KV tile `tile` (the template reads them as module constants when it is
+        traced)."""
+        align = kernel.CACHE_ALIGN
+        kernel.ROWS = rows
+        kernel.CACHE_BLOCK = -(-(rows + align - 1) // align) * align
+        prefix = a.name.upper()
+        setattr(kernel, f"{prefix}_Q_ROWS", q_rows)
+        setattr(kernel, f"{prefix}_KV_TILE", tile)
+        caches, kvh = getattr(kernel, f"{prefix}_CACHES"), getattr(kernel, f"{prefix}_KV_HEADS")
+        d, dv = getattr(kernel, f"{prefix}_HEAD_DIM"), getattr(kernel, f"{prefix}_VALUE_DIM")
+        batch = kernel.BATCH
+        cache = jax.ShapeDtypeStruct((1, 1, batch, kvh, kernel.CONTEXT, d), jnp.bfloat16)
+        sinks = bool(getattr(a, "sinks", False))
+        scratch = [
+            pltpu.VMEM((caches, batch, kvh, rows, d), jnp.bfloat16),
+            pltpu.VMEM((batch, kvh, q_rows, d), jnp.float32),
+            pltpu.VMEM((batch, kvh, q_rows, dv), jnp.float32),
+            pltpu.VMEM((caches, 2, tile, d), jnp.bfloat16),
+            pltpu.SemaphoreType.DMA((caches, 2)),
+            pltpu.SemaphoreType.DMA((caches, batch, kvh)),
+            pltpu.VMEM((caches, batch, kvh, kernel.CACHE_BLOCK, d), jnp.bfloat16),
+        ] + ([pltpu.VMEM((kvh, q_rows, 128), jnp.float32)] if sinks else [])
+
+        def body(positions, *refs):  # noqa: ANN001, ANN202
+            cache_refs = refs[caches : 2 * caches]
+            kv, q, o, tiles, tile_sems, write_sems, block, *sink = refs[2 * caches :]
+            parts = {
+                a.name: (kv, q, o),
+                f"{a.name}_tiles": (tiles, tile_sems),
+                f"{a.name}_write_sems": write_sems,
+                f"{a.name}_block": block,
+            }
+            if sinks:
+                parts[f"{a.name}_sinks"] = sink[0]
+            ctx = kernel._Context(positions=positions, caches={a.name: cache_refs}, scratch=parts)
+            getattr(kernel, f"_write_cache_{a.name}")(ctx, 0)
+            getattr(kernel, f"_attend_{a.name}")(ctx, 0)
+
+        name = f"attend_{a.name}_{d}_{rows}_{q_rows}_{tile}"
+        hbm = pl.BlockSpec(memory_space=pl.ANY)
+        call = pl.pallas_call(
+            body,
+            out_shape=[cache] * caches,
+            in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)] + [hbm] * caches,
+            out_specs=[hbm] * caches,
+            scratch_shapes=scratch,
+            input_output_aliases={1 + j: j for j in range(caches)},
+            name=name,
+        )
+        mesh = Mesh(np.array([device]), ("d",))
+        sharding = NamedSharding(mesh, P())
+        step = jax.jit(jax.shard_map(call, mesh=mesh, in_specs=(P(),) * (1 + caches),
+                                     out_specs=(P(),) * caches, check_vma=False))  # fmt: skip
+        positions = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=sharding)
+        cache_in = jax.ShapeDtypeStruct(cache.shape, cache.dtype, sharding=sharding)
+        with quiet_stderr():
+            step.trace(positions, *[cache_in] * caches).lower(lowering_platforms=("tpu",)).compile()
+        llo = parse_llo(next(Path(DUMP).glob(f"*{name}*post-finalize-llo.txt")).read_text())
+
+        def counted(tiles: int) -> dict[str, dict[str, float]]:
+            """The tile loop (the only runtime-bounded one) run `tiles` times."""
+            parts: dict[str, dict[str, float]] = {}
+            for (frames, group), n in StepCounter(llo, lambda frames: tiles).count().items():
+                part = "write" if any("_write_cache_" in f for f in frames) else "attend"
+                parts.setdefault(part, dict.fromkeys(GROUPS, 0.0))[group] += n
+            return parts
+
+        one, two = counted(1), counted(2)
+        pairs = batch * kvh
+        per_tile = {g: (two["attend"][g] - one["attend"][g]) / pairs for g in GROUPS}
+        return {
+            "tile": per_tile,
+            "pair": {g: one["attend"][g] / pairs - per_tile[g] for g in GROUPS},
+            "write": {g: one["write"][g] / pairs / caches for g in GROUPS},
+        }
+
+    if sys.argv[1:] == ["attend"]:
+        # One build of each shipped attention geometry (key and value widths, window).
+        for spec, topology in (("qwen3-30b-a3b", "2x2x1"), ("muse-spark-1.2", "2x2x1"),
+                               ("qwen3.8-27b", "2x2x1"), ("kimi-k3", "2x2x4")):  # fmt: skip
+            options = BuildOptions.create()
+            plan = plan_build(options.apply(load_spec(spec)), parse_topology(topology), options)
+            module = "attend_" + "".join(c if c.isalnum() else "_" for c in spec)
+            kernel = load_module(render_kernel(plan.kernel, "attend ops"), module)
+            for a in plan.kernel.attention:
+                if not hasattr(kernel, f"_attend_{a.name}"):
+                    continue  # a recurrent kind
+                # 128-token tiles as the template's, 256 as the calibrated kernel's; 8 and
+                # 24 query rows (24: Kimi K3's MLA at 8 rows on 2x2x4).
+                for rows, tile in itertools.product((1, 8), (128, 256)):
+                    low = attend_counts(kernel, a, rows, 8, tile)
+                    high = attend_counts(kernel, a, rows, 24, tile)
+                    entry = []
+                    for part in ("tile", "pair", "write"):
+                        more = {g: (high[part][g] - low[part][g]) / 2 for g in GROUPS}
+                        entry += [low[part]] + ([more] if part != "write" else [])
+                    ops = ", ".join(
+                        "(" + ", ".join(f"{e[g]:g}" for g in ("vpu", "mxu", "loads", "stores")) + ")"
+                        for e in entry
+                    )  # fmt: skip
+                    kind = "mla" if a.values_in_keys else "gqa"
+                    key = f"{kind}, {a.head_dim}, {a.value_dim}, {a.window is not None}, {rows}"
+                    print(f"    ({key}, {tile}): ({ops}),".replace(kind, f'"{kind}"', 1))
+        sys.stdout.flush()
+        return
 
     if sys.argv[1:] == ["delta_rule"]:
         print(f"delta rule, per-key decay (KDA), 1 head: {delta_rule_ops(True, 1)}")

@@ -252,8 +252,8 @@ class Estimate(_Frozen):
     # rates: the core's ops are then not priced). The step is at least the larger.
     dma_timeline_ms: float
     compute_timeline_ms: float | None = None
-    # Weight formats the op-count model has no measurement for: their compute is missing
-    # from compute_timeline_ms, a lower bound then.
+    # Weight formats and attention geometries the op-count model has no measurement for:
+    # their compute is missing from compute_timeline_ms, a lower bound then.
     compute_unpriced_formats: tuple[str, ...] = ()
     # The walked timeline (only when asked for); not part of saved plans.
     events: tuple[TraceEvent, ...] = Field(default=(), exclude=True)

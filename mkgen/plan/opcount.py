@@ -10,9 +10,9 @@ What `mkgen compile --profile` holds the compiled kernel's LLO against
 - experts: each MoE layer runs the experts the plan expects a core to hold, each a
   gate|up and a down ring matmul in the experts' format, plus its activation and
   weighted sum (elementwise, below).
-- attention: per KV tile of each (sequence, kv head) pair over a full cache (the
-  plan's tile count), two dots (scores, values) and the online softmax's elementwise
-  ops; each dot costs the MXU ops of the 256 x 256 weight tiles it loads.
+- attention: the template's `_attend_<kind>` and `_write_cache_<kind>` compiled alone
+  (measured, below): per KV tile of each (sequence, kv head) pair over a full cache (the
+  plan's tile count), per pair, and per pair and cache array for the cache write.
 - routing, vector, collectives: the plan's compute nodes priced by their elementwise
   flops over (8, 128) f32 vregs, the routing's top-k by its argmax loop.
 - recurrent: the delta rule's measured ops per row and head.
@@ -97,13 +97,42 @@ CHUNK_OPS: dict[tuple[str, int], OpCounts] = {
 }
 INPUT_CHUNK_OPS = {8: OpCounts(vpu=8, stores=1), 16: OpCounts(vpu=2, stores=2)}
 OUTPUT_BLOCK_OPS = {8: OpCounts(loads=4, stores=4), 16: OpCounts(loads=8, stores=8)}
-MXU_OPS_PER_WEIGHT_TILE = 39  # one 256 x 256 weight tile, up to 16 rows (measured above)
 
-# Elementwise ops per vreg, counted from the template's source (one VPU op per jnp
-# elementwise op and per lane reduction), not measured:
-SCORE_OPS = 12  # per score vreg of a KV tile: scale, key positions, mask, max, exp, sum, cast
-VALUE_OPS = 2  # per output vreg of a KV tile: rescale and add
-TILE_STATE_OPS = 6  # per KV tile: the running max and sum ([rows, 1])
+# Measured with `scripts/measure_chunk_ops.py attend` (libtpu 0.0.50.1): the template's
+# _write_cache_<kind> and _attend_<kind> of each shipped cache attention geometry compiled
+# alone for one TPU7x core with Mosaic's LLO dump, the KV-tile loop counted at 1 and 2
+# tiles, at 8 and 24 query rows (24: Kimi K3's MLA at 8 rows on 2x2x4), 1 and 8 rows, and
+# KV tiles of 128 tokens (the template's) and 256 (the calibrated kernel's).
+# Key: (kind, key width, value width, windowed, rows, tile tokens); value: (vpu, mxu, loads, stores) of
+# one KV tile at 8 query rows, more per further 8 query rows; the same per (sequence, kv
+# head) pair outside the tile loop; the cache write per pair and cache array. 2 to 7 rows
+# and more than 8 are priced as 8 (an assumption; the cache write's block grows with the
+# rows). A 64-wide head costs twice a 128-wide one per tile: Mosaic's bitcasts and selects
+# for half-lane rows.
+# fmt: off
+ATTEND_OPS: dict[tuple[str, int, int, bool, int, int], tuple[tuple[float, ...], ...]] = {
+    ("gqa", 128, 128, False, 1, 128): ((22, 78, 16, 0), (18.5, 6, 0, 0), (6, 0, 1, 1), (6, 0, 1, 1), (26, 0, 2, 1)),
+    ("gqa", 128, 128, False, 1, 256): ((35, 78, 32, 0), (28, 6, 0, 0), (6, 0, 1, 1), (6, 0, 1, 1), (26, 0, 2, 1)),
+    ("gqa", 128, 128, False, 8, 128): ((22, 78, 16, 0), (19.5, 6, 0, 0), (13, 0, 1, 1), (12.5, 0, 1, 1), (43.5, 0, 3, 2)),
+    ("gqa", 128, 128, False, 8, 256): ((35, 78, 32, 0), (30, 6, 0, 0), (13, 0, 1, 1), (12.5, 0, 1, 1), (43.5, 0, 3, 2)),
+    ("gqa", 64, 64, True, 1, 128): ((53, 78, 16, 0), (21, 6, 0, 0), (6, 0, 1, 1), (6, 0, 1, 1), (20.75, 0, 2, 1)),
+    ("gqa", 64, 64, True, 1, 256): ((92, 78, 32, 0), (31.5, 6, 0, 0), (6, 0, 1, 1), (6, 0, 1, 1), (20.75, 0, 2, 1)),
+    ("gqa", 64, 64, True, 8, 128): ((53, 78, 16, 0), (24, 6, 0, 0), (13, 0, 1, 1), (12.5, 0, 1, 1), (34, 0, 3, 2)),
+    ("gqa", 64, 64, True, 8, 256): ((92, 78, 32, 0), (36.5, 6, 0, 0), (13, 0, 1, 1), (12.5, 0, 1, 1), (34, 0, 3, 2)),
+    ("gqa", 64, 64, False, 1, 128): ((50, 78, 16, 0), (20, 6, 0, 0), (6, 0, 1, 1), (6, 0, 1, 1), (20.75, 0, 2, 1)),
+    ("gqa", 64, 64, False, 1, 256): ((87, 78, 32, 0), (29.5, 6, 0, 0), (6, 0, 1, 1), (6, 0, 1, 1), (20.75, 0, 2, 1)),
+    ("gqa", 64, 64, False, 8, 128): ((50, 78, 16, 0), (21, 6, 0, 0), (13, 0, 1, 1), (12.5, 0, 1, 1), (34, 0, 3, 2)),
+    ("gqa", 64, 64, False, 8, 256): ((87, 78, 32, 0), (31.5, 6, 0, 0), (13, 0, 1, 1), (12.5, 0, 1, 1), (34, 0, 3, 2)),
+    ("gqa", 256, 256, False, 1, 128): ((25, 78, 32, 0), (21.5, 6, 0, 0), (8, 0, 2, 2), (7.5, 0, 2, 2), (45, 0, 3, 2)),
+    ("gqa", 256, 256, False, 1, 256): ((38, 78, 64, 0), (31, 6, 0, 0), (8, 0, 2, 2), (7.5, 0, 2, 2), (45, 0, 3, 2)),
+    ("gqa", 256, 256, False, 8, 128): ((25, 78, 32, 0), (22.5, 6, 0, 0), (15, 0, 2, 2), (14, 0, 2, 2), (67.5, 0, 5, 4)),
+    ("gqa", 256, 256, False, 8, 256): ((38, 78, 64, 0), (33, 6, 0, 0), (15, 0, 2, 2), (14, 0, 2, 2), (67.5, 0, 5, 4)),
+    ("mla", 576, 512, False, 1, 128): ((61, 195, 40, 0), (31, 15, 0, 0), (13, 0, 5, 4), (11, 0, 5, 4), (98, 0, 6, 5)),
+    ("mla", 576, 512, False, 1, 256): ((100, 195, 80, 0), (42.5, 15, 0, 0), (13, 0, 5, 4), (11, 0, 5, 4), (98, 0, 6, 5)),
+    ("mla", 576, 512, False, 8, 128): ((61, 195, 40, 0), (32, 15, 0, 0), (20, 0, 5, 4), (17.5, 0, 5, 4), (143, 0, 13, 10)),
+    ("mla", 576, 512, False, 8, 256): ((100, 195, 80, 0), (44.5, 15, 0, 0), (20, 0, 5, 4), (17.5, 0, 5, 4), (143, 0, 13, 10)),
+}
+# fmt: on
 SOFTMAX_OPS = 5  # per router score vreg: max, subtract, exp, sum, divide
 # per score vreg and pick: the argmax (max, compare, select, index min, the index
 # broadcast along lanes as 3 permute ops, compare, three selects) and the weight pick
@@ -133,6 +162,8 @@ DMA_PHASE = {
 # The schedule's names of an expert's activation and of its weighted sum into the output.
 EXPERT_ACTIVATION = re.compile(r": expert [0-9]+ activation$")
 EXPERT_COMBINE = "+= weight x expert"
+# The schedule's name of a cache write's merge of the new rows (the attention's code).
+CACHE_MERGE = "merge new rows into the block"
 # A schedule compute category -> the phase whose code runs it (the rest: vector).
 COMPUTE_PHASE = {"routing": "routing", "collective": "collectives", "recurrent": "recurrent"}
 
@@ -159,10 +190,6 @@ def ring_matmul_ops(fmt: str, k_chunks: int, col_blocks: int, tokens_padded: int
     return out
 
 
-def _weight_tiles(k: int, n: int) -> int:
-    return math.ceil(k / 256) * math.ceil(n / 256)
-
-
 def bound_us(counts: OpCounts, rates: IssueRates) -> dict[str, float]:
     """Microseconds per step `counts` need at each unit's issue rate."""
     cycle_us = 1e6 / rates.clock_hz
@@ -187,13 +214,13 @@ def node_op_counts(
     schedule: Any, stream: Any, vmem: Any, sharding: Any, spec: Any
 ) -> tuple[list[tuple[str, OpCounts]], list[str]]:
     """(phase, the model's ops of one run of the node) for every node of `schedule`, in
-    node order, and the formats the model has no measurement for (their chunks count no
-    ops): a build's schedule, weight stream, VMEM plan and sharding (the plan's pieces).
+    node order, and the formats and attention geometries the model has no measurement
+    for (their chunks and tiles count no ops): a build's schedule, weight stream, VMEM plan and sharding (the plan's pieces).
 
     A stream segment's and an expert's ring matmul is spread over its banks or pieces by
     the chunks each holds; a node's ops times its ``repeat`` summed per phase is
     `model_op_counts`. The cost model (mkgen.plan.cost) prices each node from these."""
-    from mkgen.kinds.cache_attention import q_rows
+    from mkgen.kinds.cache_attention import kv_tiles, q_rows
     from mkgen.kinds.registry import kind_module
 
     unpriced: set[str] = set()
@@ -239,23 +266,39 @@ def node_op_counts(
             share.add_all(ring_matmul(e.format, k, c), 1 / max(1, pieces))
             piece_ops[(name, gate_up)] = share
 
-    # One KV tile of each attention kind: two dots and the online softmax.
+    # Each cache attention kind's KV tile (with its pair's share of the per-pair ops) and
+    # its cache write (the block merge of every pair and cache array), as measured.
     tile_ops: dict[str, OpCounts] = {}
+    write_ops: dict[str, OpCounts] = {}
     for name, kind in spec.attention_kinds.items():
+        if kind.type not in ("gqa", "mla"):
+            continue  # recurrent kinds read no KV tiles
         a = sharding.attention[name]
-        tile = dims.kv_tile
         if kind.type == "gqa":
             rows = q_rows(a.heads_per_rank // a.kv_heads_per_rank, dims.rows)
-            key, value = kind.head_dim, kind.head_dim
-        elif kind.type == "mla":
+            key = value = kind.head_dim
+            window, caches, kv_heads = kind.sliding_window, 2, a.kv_heads_per_rank
+        else:
             rows = q_rows(a.heads_per_rank, dims.rows)
             key, value = kind.kv_lora_rank + kind.qk_rope_head_dim, kind.kv_lora_rank
-        else:
-            continue  # recurrent kinds read no KV tiles
-        tile_ops[name] = OpCounts(
-            vpu=SCORE_OPS * vregs(rows, tile) + VALUE_OPS * vregs(rows, value) + TILE_STATE_OPS,
-            mxu=MXU_OPS_PER_WEIGHT_TILE * (_weight_tiles(key, tile) + _weight_tiles(tile, value)),
-        )
+            window, caches, kv_heads = None, 1, 1
+        sinks = getattr(kind, "sinks", False)
+        rows_key = 1 if dims.rows == 1 else 8
+        measured = ATTEND_OPS.get((kind.type, key, value, bool(window), rows_key, dims.kv_tile))
+        tile_ops[name], write_ops[name] = OpCounts(), OpCounts()
+        if measured is None or sinks:
+            unpriced.add(f"attention {name} ({kind.type}, keys {key}, values {value}"
+                         f"{', window' if window else ''}{', sinks' if sinks else ''}, "
+                         f"{dims.rows} rows, {dims.kv_tile}-token tiles)")  # fmt: skip
+            continue
+        tile, tile_more, pair, pair_more, write = (OpCounts(*ops) for ops in measured)
+        more = rows / 8 - 1  # query rows beyond the measured 8, in 8-row groups
+        tiles = kv_tiles(dims.context, dims.kv_tile, window, dims.rows)
+        tile_ops[name].add_all(tile)
+        tile_ops[name].add_all(tile_more, more)
+        tile_ops[name].add_all(pair, 1 / tiles)
+        tile_ops[name].add_all(pair_more, more / tiles)
+        write_ops[name].add_all(write, caches * dims.batch * kv_heads)
 
     tokens = dims.tokens
     stages = dims.collectives.stages
@@ -278,6 +321,8 @@ def node_op_counts(
             out.append(("experts", piece_ops[(ffn, piece < vmem.experts[ffn].gate_up_pieces)]))
         elif node.cat == "attention":
             out.append(("attention", tile_ops[attn]))
+        elif node.cat == "vector" and node.name.endswith(CACHE_MERGE):
+            out.append(("attention", write_ops[attn]))
         elif node.cat == "vector" and EXPERT_ACTIVATION.search(node.name):
             out.append(
                 ("experts", OpCounts(vpu=ACTIVATION_OPS * vregs(tp, vmem.experts[ffn].width)))

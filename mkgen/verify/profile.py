@@ -239,7 +239,7 @@ class PhaseProfile:
 class Profile:
     build: str
     phases: list[PhaseProfile]
-    unpriced: list[str]  # weight formats the model has no chunk measurement for
+    unpriced: list[str]  # weight formats and attention geometries the model has not measured
     predicted_step_us: float  # the plan's DMA timeline (its step unless compute-bound)
     rates: IssueRates
 
@@ -284,7 +284,7 @@ class Profile:
                 f"{bound['load']:>8.1f}  ({100 * c.vpu / total:.1f} % of VPU ops)"
             )
         if self.unpriced:
-            out.append(f"  the model has no chunk measurement for: {', '.join(self.unpriced)}")
+            out.append(f"  the model has no measurement for: {', '.join(self.unpriced)}")
         bound = "compute-bound" if self.compute_us > self.predicted_step_us else "DMA-bound"
         out.append(
             f"  compute timeline {self.compute_us:.1f} us vs the plan's step "
