@@ -17,7 +17,9 @@ Formats named on the command line are measured alone.
 `measure_chunk_ops.py delta_rule` measures one row of the recurrent kinds' delta rule
 on one head's state the same way; `measure_chunk_ops.py attend` the cache attention kinds'
 `_write_cache_<kind>` and `_attend_<kind>` of the builds tests/test_profile.py holds to
-the compiled kernel, per KV tile and per (sequence, kv head) pair.
+the compiled kernel, per KV tile and per (sequence, kv head) pair;
+`measure_chunk_ops.py vector` the vector phase's `_rms_norm` (per 128 lanes of width)
+and GQA's heads op (each head's q/k norm and RoPE) of each shipped GQA geometry.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def main() -> None:
 
     from mkgen.codegen.build import load_module, render_kernel
     from mkgen.plan import plan_build
+    from mkgen.plan.layout import GQALayout
     from mkgen.plan.options import BuildOptions
     from mkgen.spec.loader import load_spec
     from mkgen.spec.topology import parse_topology
@@ -307,6 +310,94 @@ def main() -> None:
                     kind = "mla" if a.values_in_keys else "gqa"
                     key = f"{kind}, {a.head_dim}, {a.value_dim}, {a.window is not None}, {rows}"
                     print(f"    ({key}, {tile}): ({ops}),".replace(kind, f'"{kind}"', 1))
+        sys.stdout.flush()
+        return
+
+    def vector_vpu_ops(  # noqa: ANN202
+        kernel,
+        op,
+        width: int,
+        rows: int,
+        vector_width: int,
+        scratch,
+        name: str,  # noqa: ANN001
+    ) -> float:
+        """Vector ALU ops of op(x, vectors, *scratch refs) -> [rows, width] on x [rows,
+        width] f32 with the layer's vectors slab as the kernel reads it (the slab of
+        `layer % 2` loaded in the layer loop, a norm's weight a row of it), per layer."""
+        layers = 2
+
+        def body(x_ref, out_ref, vec_ref, *refs):  # noqa: ANN001, ANN202
+            def layer_step(layer, carry):  # noqa: ANN001, ANN202
+                out_ref[...] = op(x_ref[...], vec_ref[layer % 2], *refs)
+                return carry
+
+            jax.lax.fori_loop(0, layers, layer_step, 0)
+
+        slab = ((2, kernel.VECTOR_ROWS, vector_width), jnp.float32)
+        counts = compiled_counts(body, (rows, width), (rows, width), [slab, *scratch], name)
+        return sum(n for (_frames, group), n in counts.items() if group == "vpu") / layers
+
+    def norm_ops(kernel, width: int, rows: int) -> float:  # noqa: ANN001
+        """The template's _rms_norm of [rows, width] by a row of the vectors slab."""
+        op = lambda x, vec: kernel._rms_norm(x, vec[0:1, :width])  # noqa: E731
+        return vector_vpu_ops(kernel, op, width, rows, width, [], f"norm_{width}_{rows}")
+
+    def heads_ops(kernel, a, heads: int, rows: int) -> float:  # noqa: ANN001
+        """GQA's heads op on `heads` heads of attention kind `a`: each head's q/k norm
+        (by a row of the vectors slab, or parameter-free) and RoPE, as
+        _attention_<kind> runs them (the new rows' bf16 copies are stores)."""
+        d = a.head_dim
+        rope = getattr(kernel, f"_rope_{a.name}", None)
+
+        def op(x, vec, *tables):  # noqa: ANN001, ANN202
+            out = [x[:, i * d : (i + 1) * d] for i in range(heads)]
+            if a.qk_norm != "none":
+                weight = vec[2:3, :d] if a.qk_norm == "rms" else jnp.ones((1, d), jnp.float32)
+                out = [kernel._rms_norm(t, weight) for t in out]
+            if rope is not None:
+                cos, sin = (t[...] for t in tables)
+                out = [rope(t, cos, sin) for t in out]
+            return jnp.concatenate(out, axis=1)
+
+        tables = [((rows, a.rope.half), jnp.float32)] * 2 if rope is not None else []
+        name = f"heads_{a.name}_{heads}_{rows}"
+        return vector_vpu_ops(kernel, op, heads * d, rows, max(d, 128), tables, name)
+
+    if sys.argv[1:] == ["vector"]:
+        # The vector phase's norms (per 128 lanes of width and once, from two widths) and
+        # GQA's heads op (per head and once, from 2 and 4 heads) of each shipped GQA
+        # geometry, at 8 and 16 token rows.
+        kernel, _ = rendered("experts=mxfp4", "qwen3-30b-a3b")
+        for rows in (8, 16):
+            low, high = norm_ops(kernel, 1024, rows), norm_ops(kernel, 2048, rows)
+            per_lanes = (high - low) / 8
+            print(f"norm rows {rows}: {per_lanes:g} per 128 lanes, {high - 16 * per_lanes:g} once"
+                  f" (8192 wide: {norm_ops(kernel, 8192, rows):g}, "
+                  f"linear: {high + 48 * per_lanes:g})")  # fmt: skip
+        measured = set()
+        for spec, topology in (("qwen3-30b-a3b", "2x2x1"), ("muse-spark-1.2", "2x2x1"),
+                               ("qwen3.8-27b", "2x2x1"), ("qwen3-32b", "2x2x1"),
+                               ("mixtral-8x7b", "2x2x1")):  # fmt: skip
+            options = BuildOptions.create()
+            plan = plan_build(options.apply(load_spec(spec)), parse_topology(topology), options)
+            module = "vector_" + "".join(c if c.isalnum() else "_" for c in spec)
+            kernel = load_module(render_kernel(plan.kernel, "vector ops"), module)
+            for a in plan.kernel.attention:
+                if not isinstance(a, GQALayout):
+                    continue
+                half = a.rope.half if a.rope else 0
+                key = (a.head_dim, a.qk_norm, half)
+                if key in measured:
+                    continue
+                measured.add(key)
+                for rows in (8, 16):
+                    two, four = heads_ops(kernel, a, 2, rows), heads_ops(kernel, a, 4, rows)
+                    per_head = (four - two) / 2
+                    print(
+                        f'    ({a.head_dim}, "{a.qk_norm}", {half}, {rows}): '
+                        f"({per_head:g}, {two - 2 * per_head:g}),  # {spec} {a.name}"
+                    )
         sys.stdout.flush()
         return
 

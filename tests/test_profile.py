@@ -7,6 +7,10 @@ import re
 
 import pytest
 
+from mkgen.plan import BuildOptions, plan_build
+from mkgen.plan.opcount import NORM_OPS, node_op_counts
+from mkgen.spec.loader import load_spec
+from mkgen.spec.topology import parse_topology
 from mkgen.verify.llo import StepCounter, op_group, parse_llo
 from mkgen.verify.profile import kind_of, phase_of
 from tests.cli_run import assert_user_error, mkgen
@@ -130,6 +134,35 @@ def test_json_needs_profile() -> None:
     assert_user_error(
         mkgen("compile", "qwen3-30b-a3b", "--topology", "2x2x1", "--json"), "--json", "--profile"
     )
+
+
+def _vector_node_ops(spec_name: str, topology: str) -> dict[str, float]:
+    """Vector ALU ops the model gives each vector-phase node of layer 0 (by the node's
+    name after its layer) in one step's plan."""
+    options = BuildOptions.create()
+    spec = options.apply(load_spec(spec_name))
+    plan = plan_build(spec, parse_topology(topology), options)
+    schedule = plan.step_graph.schedule
+    per_node, _ = node_op_counts(schedule, plan.stream, plan.vmem, plan.sharding, spec)
+    return {
+        node.name.removeprefix("L0 "): ops.vpu
+        for node, (phase, ops) in zip(schedule.nodes, per_node, strict=True)
+        if phase == "vector" and node.name.startswith("L0 ")
+    }
+
+
+def test_norms_and_heads_op_are_priced_by_the_measured_template_code() -> None:
+    ops = _vector_node_ops("qwen3-30b-a3b", "2x2x1")
+    per_lanes, once = NORM_OPS[8]
+    # hidden 2048 at 1 row (8 padded): 16 lanes-blocks of the measured norm
+    assert ops["gqa: attn_norm"] == ops["moe: ffn_norm"] == 16 * per_lanes + once
+    # 4 q heads and 1 kv head per core, 128 wide with RoPE on all of it: 5 x 21 + 10
+    assert ops["gqa: q/k norm, rope, new rows"] == 115
+
+
+def test_a_latent_the_template_does_not_norm_costs_no_vector_ops() -> None:
+    # Muse Spark's latent MoE has no latent norm weight: the template emits no norm.
+    assert _vector_node_ops("muse-spark-1.2", "2x2x1")["moe: latent norm"] == 0
 
 
 # Every phase with more than this share of the step's vector ALU ops is held to the model.

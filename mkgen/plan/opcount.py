@@ -13,8 +13,11 @@ What `mkgen compile --profile` holds the compiled kernel's LLO against
 - attention: the template's `_attend_<kind>` and `_write_cache_<kind>` compiled alone
   (measured, below): per KV tile of each (sequence, kv head) pair over a full cache (the
   plan's tile count), per pair, and per pair and cache array for the cache write.
-- routing, vector, collectives: the plan's compute nodes priced by their elementwise
-  flops over (8, 128) f32 vregs, the routing's top-k by its argmax loop.
+- vector: the norms (hidden rows, latents) and GQA's heads op (q/k norm and RoPE of
+  each head) by the template's code compiled alone (measured, below); the other vector
+  nodes (residual adds, heads -> rows, the greedy pick) by their elementwise flops.
+- routing, collectives: the plan's compute nodes priced by their elementwise flops
+  over (8, 128) f32 vregs, the routing's top-k by its argmax loop.
 - recurrent: the delta rule's measured ops per row and head.
 - DMAs: the schedule's DMAs of each category, per step.
 
@@ -133,6 +136,28 @@ ATTEND_OPS: dict[tuple[str, int, int, bool, int, int], tuple[tuple[float, ...], 
     ("mla", 576, 512, False, 8, 256): ((100, 195, 80, 0), (44.5, 15, 0, 0), (20, 0, 5, 4), (17.5, 0, 5, 4), (143, 0, 13, 10)),
 }
 # fmt: on
+# Measured with `scripts/measure_chunk_ops.py vector` (libtpu 0.0.50.1): the template's
+# _rms_norm of [rows, width] by a row of the layer's vectors slab (the slab loaded in a
+# layer loop as the kernel loads it: the weight row is replicated across sublanes),
+# compiled alone for one TPU7x core at widths 1024 and 2048 (8192 lies on the line):
+# token rows -> (ops per 128 lanes of width, ops once). More than 16 rows are priced as 16.
+NORM_OPS = {8: (8, 5), 16: (12, 9)}
+# GQA's heads op, the same way: each q and kv head's q/k norm and RoPE as
+# _attention_<kind> runs them, compiled alone at 2 and 4 heads (the new rows' bf16 copies
+# are stores). (head width, qk_norm, rotated half (0: no RoPE), token rows) -> (ops per
+# head, ops once). A geometry not measured is priced by its elementwise flops.
+# fmt: off
+HEADS_OPS: dict[tuple[int, str, int, int], tuple[float, float]] = {
+    (128, "rms", 64, 8): (21, 10),  # qwen3-30b-a3b
+    (128, "rms", 64, 16): (42, 16),
+    (64, "rms_noparam", 32, 8): (27, 17),  # muse-spark-1.2 local
+    (64, "rms_noparam", 32, 16): (54, 31),
+    (64, "rms_noparam", 0, 8): (9.5, 2),  # muse-spark-1.2 global (no RoPE)
+    (64, "rms_noparam", 0, 16): (19, 2),
+    (256, "rms", 32, 8): (26, 13),  # qwen3.8-27b full attention (RoPE on 64 of 256 dims)
+    (256, "rms", 32, 16): (52, 19),
+}
+# fmt: on
 SOFTMAX_OPS = 5  # per router score vreg: max, subtract, exp, sum, divide
 # per score vreg and pick: the argmax (max, compare, select, index min, the index
 # broadcast along lanes as 3 permute ops, compare, three selects) and the weight pick
@@ -164,6 +189,13 @@ EXPERT_ACTIVATION = re.compile(r": expert [0-9]+ activation$")
 EXPERT_COMBINE = "+= weight x expert"
 # The schedule's name of a cache write's merge of the new rows (the attention's code).
 CACHE_MERGE = "merge new rows into the block"
+# The schedule's names of the vector phase's nodes priced by measured template code: the
+# norms of the hidden rows, MoE's expert-input latent norm, MLA's q and kv latent norms
+# and GQA's heads op.
+HIDDEN_NORM = re.compile(r"(: attn_norm|: ffn_norm| final norm)$")
+MOE_LATENT_NORM = ": latent norm"
+MLA_LATENT_NORMS = ": latent norms"
+GQA_HEADS = ": q/k norm, rope, new rows"
 # A schedule compute category -> the phase whose code runs it (the rest: vector).
 COMPUTE_PHASE = {"routing": "routing", "collective": "collectives", "recurrent": "recurrent"}
 
@@ -175,6 +207,12 @@ def vregs(rows: int, width: int) -> int:
 def _rows_key(tokens_padded: int) -> int:
     # Measured at 8 and 16 rows; more rows are priced as 16 (an assumption).
     return 8 if tokens_padded <= 8 else 16
+
+
+def norm_ops(width: int, tokens_padded: int) -> OpCounts:
+    """One _rms_norm of [tokens_padded, width] (measured, NORM_OPS)."""
+    per_lanes, once = NORM_OPS[_rows_key(tokens_padded)]
+    return OpCounts(vpu=per_lanes * math.ceil(width / 128) + once)
 
 
 def ring_matmul_ops(fmt: str, k_chunks: int, col_blocks: int, tokens_padded: int) -> OpCounts:
@@ -208,6 +246,15 @@ def compute_timeline_us(counts: dict[str, OpCounts], rates: IssueRates) -> float
     """The step's compute timeline: each phase at its slowest unit, phases in turn (the
     units of one phase overlap; the phases of a layer depend on each other)."""
     return sum(max(bound_us(c, rates).values()) for c in counts.values())
+
+
+def _measured_heads_op(kind: Any, shard: Any, tokens_padded: int) -> OpCounts | None:
+    """GQA's heads op of a core's q and kv heads (HEADS_OPS), None if not measured."""
+    key = (kind.head_dim, kind.qk_norm, kind.rotary_dim // 2, _rows_key(tokens_padded))
+    if key not in HEADS_OPS:
+        return None
+    per_head, once = HEADS_OPS[key]
+    return OpCounts(vpu=per_head * (shard.heads_per_rank + shard.kv_heads_per_rank) + once)
 
 
 def node_op_counts(
@@ -301,6 +348,11 @@ def node_op_counts(
         write_ops[name].add_all(write, caches * dims.batch * kv_heads)
 
     tokens = dims.tokens
+
+    def elementwise(node: Any) -> OpCounts:
+        # flops count tokens x width x ops per element; a vreg holds 8 rows x 128 lanes
+        return OpCounts(vpu=node.flops / tokens / 128 * math.ceil(tp / 8))
+
     stages = dims.collectives.stages
     slots = sum(stage.size for stage in stages)
     nodes = schedule.nodes
@@ -329,6 +381,20 @@ def node_op_counts(
             )
         elif node.cat == "vector" and EXPERT_COMBINE in node.name:
             out.append(("experts", OpCounts(vpu=COMBINE_OPS * vregs(tp, vmem.experts[ffn].d))))
+        elif node.cat == "vector" and HIDDEN_NORM.search(node.name):
+            out.append(("vector", norm_ops(dims.hidden, tp)))
+        elif node.cat == "vector" and node.name.endswith(MOE_LATENT_NORM):
+            latent = spec.ffn_kinds[ffn].latent  # the template norms the latent if it has one
+            out.append(("vector", norm_ops(latent.width, tp) if latent.norm else OpCounts()))
+        elif node.cat == "vector" and node.name.endswith(MLA_LATENT_NORMS):
+            kind = spec.attention_kinds[attn]
+            ops = norm_ops(kind.kv_lora_rank, tp)
+            if kind.q_lora_rank:
+                ops.add_all(norm_ops(kind.q_lora_rank, tp))
+            out.append(("vector", ops))
+        elif node.cat == "vector" and node.name.endswith(GQA_HEADS):
+            heads_op = _measured_heads_op(spec.attention_kinds[attn], sharding.attention[attn], tp)
+            out.append(("vector", heads_op or elementwise(node)))
         elif node.cat == "scalar":
             out.append(("experts", OpCounts()))  # the scalar unit's expert list: no vector ops
         elif node.cat == "routing":
@@ -349,9 +415,7 @@ def node_op_counts(
             adds = slots - len(stages) if node.name.endswith(": sum") else 0
             out.append(("collectives", OpCounts(vpu=adds * vregs(tp, width))))
         else:
-            # flops count tokens x width x ops per element; a vreg holds 8 rows x 128 lanes
-            ops = node.flops / tokens / 128 * math.ceil(tp / 8)
-            out.append((COMPUTE_PHASE.get(node.cat, "vector"), OpCounts(vpu=ops)))
+            out.append((COMPUTE_PHASE.get(node.cat, "vector"), elementwise(node)))
     return out, sorted(unpriced)
 
 
