@@ -620,6 +620,7 @@ def report_context(
         "stream": stream,
         "bank_bytes": _mib(stream.bank_bytes),
         "stream_bytes": _mib(stream.bytes_per_step),
+        "stream_padding": _mib(stream.padding_bytes),
         "stream_rows": stream_rows,
         "estimate": est,
         "breakdown": [

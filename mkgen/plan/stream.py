@@ -194,6 +194,11 @@ class Segment(PlanModel):
     def chunks(self) -> int:
         return self.k_chunks * self.col_blocks
 
+    @property
+    def weight_bytes(self) -> int:
+        """The bytes of the weights it holds, in their format, without padding."""
+        return parse_format(self.format).matrix_bytes(self.fan_in, self.fan_out)
+
 
 class KindStream(PlanModel):
     kind: str
@@ -220,10 +225,28 @@ class StreamPlan(PlanModel):
     ffn_banks: list[int]  # first bank of each layer's FFN segments
     lm_head_bank: int
     total_banks: int
+    weight_bytes: int  # the weights the banks hold per step, in their formats, unpadded
 
     @property
     def bytes_per_step(self) -> int:
         return self.total_banks * self.bank_bytes
+
+    @property
+    def padding_bytes(self) -> int:
+        """Streamed bytes that carry no weight: chunk, column-block and bank padding."""
+        return self.bytes_per_step - self.weight_bytes
+
+    @property
+    def padding_percent(self) -> float:
+        return 100 * self.padding_bytes / self.bytes_per_step
+
+    def describe(self) -> str:
+        return (
+            f"stream: {self.total_banks} banks of {self.bank_bytes / 2**20:.2f} MiB per core "
+            f"per step ({self.bytes_per_step / 2**20:.1f} MiB), padding "
+            f"{self.padding_bytes / 2**20:.1f} MiB ({self.padding_percent:.2f} % of the "
+            "streamed bytes)"
+        )
 
 
 def chunk_rows(fmt_text: str) -> tuple[int, int]:
@@ -350,12 +373,14 @@ def plan_stream(spec, sharding: ShardingPlan, *, bank_rows: int, ring_depth: int
         name: _kind_stream(name, spec.ffn_kinds[name], s.tensors, devices, bank_rows)
         for name, s in sharding.ffn.items()
     }
-    attention_banks, ffn_banks, bank = [], [], 0
+    attention_banks, ffn_banks, bank, weight_bytes = [], [], 0, 0
     for attn_name, ffn_name in spec.layer_table():
         attention_banks.append(bank)
         bank += attention[attn_name].banks
         ffn_banks.append(bank)
         bank += ffn[ffn_name].banks
+        segments = attention[attn_name].segments + ffn[ffn_name].segments
+        weight_bytes += sum(s.weight_bytes for s in segments)
     lm_shard = next((t for t in sharding.globals if t.name == "lm_head"), None)
     if lm_shard is None:
         raise SpecError("tied embeddings are not supported by the weight stream yet")
@@ -374,4 +399,5 @@ def plan_stream(spec, sharding: ShardingPlan, *, bank_rows: int, ring_depth: int
         ffn_banks=ffn_banks,
         lm_head_bank=bank,
         total_banks=bank + lm_head.banks,
+        weight_bytes=weight_bytes + lm_head.weight_bytes,
     )
