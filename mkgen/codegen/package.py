@@ -100,9 +100,9 @@ RECURRENT = ("gated_deltanet", "kda")
 _MODEL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 
 
-# Mini twins use small banks and a shallow ring so that a few layers already wrap the
-# ring several times and segments span several banks.
-MINI_BANK_ROWS = 512
+# Mini twins use small banks (CHUNK rows: a chunk spans at most two) and a shallow ring so
+# that a few layers already wrap the ring several times and chunks straddle banks.
+MINI_BANK_ROWS = 256
 MINI_RING_DEPTH = 3
 MINI_PIECE_CHUNKS = 1  # expert slices in several pieces, the slots wrapping within a layer
 
@@ -556,7 +556,7 @@ def report_context(
                         "where": f"{section} {k.name} (x{len(k.layers)} layers)",
                         "segment": seg.name,
                         "shape": f"{seg.fan_in} x {seg.fan_out}",
-                        "banks": seg.banks,
+                        "rows": seg.rows,
                         "bytes": _mib(seg.bytes),
                     }
                 )
@@ -566,7 +566,7 @@ def report_context(
                 "where": "lm_head (once)",
                 "segment": seg.name,
                 "shape": f"{seg.fan_in} x {seg.fan_out}",
-                "banks": seg.banks,
+                "rows": seg.rows,
                 "bytes": _mib(seg.bytes),
             }
         )

@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mkgen.codegen import unpack
-from mkgen.codegen.pack import expert_arrays, layer_bank_range
+from mkgen.codegen.pack import expert_arrays
 from mkgen.plan.layout import GQALayout, KernelLayout, MLALayout, MoELayout, RecurrentLayout
 from mkgen.reference import model as reference
 from mkgen.reference.layers import gated_activation, mm, rms_norm
@@ -125,19 +125,22 @@ def _layer_step(
 ):
     """A jitted pass through one layer of `layer`'s kinds (layers of the same attention
     and FFN kinds share it): (stream, vectors, the FFN kind's expert arrays, h [B, T,
-    hidden], the layer's first bank, its index, its FFN slot) -> (h after the layer, its
+    hidden], the first stream rows of its attention and FFN kinds, its index, its FFN slot) -> (h after the layer, its
     kernel cache pieces, each [devices, B, ...])."""
-    start, end = layer_bank_range(layout, layer)
-    banks = end - start
     attention = layout.attention[layout.attention_table[layer]]
     ffn = layout.ffn[layout.ffn_table[layer]]
+    sizes = (layout.stream.attention[attention.name].rows, layout.stream.ffn[ffn.name].rows)
 
-    def body(stream, vectors, experts, h, first, index, slot):
+    def body(stream, vectors, experts, h, firsts, index, slot):
         rank = jax.lax.axis_index(axis)
-        layer_banks = jax.lax.dynamic_slice_in_dim(stream[0], first, banks, axis=0)
+        rows = stream[0].reshape(-1, stream.shape[-1])
+        kind_rows = tuple(
+            jax.lax.dynamic_slice_in_dim(rows, first, size, axis=0)
+            for first, size in zip(firsts, sizes, strict=True)
+        )
         slab = vectors[0, index]
         own = [array[0, slot] for array in experts]
-        pieces = unpack.layer_pieces(layout, layer, layer_banks, slab, own, shapes)
+        pieces = unpack.layer_pieces(layout, layer, kind_rows, slab, own, shapes)
         routed = {n: pieces.pop(f"ffn.{n}") for n in unpack.EXPERT_TENSORS if f"ffn.{n}" in pieces}
         gathered = {n: jax.lax.all_gather(v, axis) for n, v in pieces.items()}
         w = unpack.assemble(layout, layer, gathered, shapes)
@@ -214,9 +217,10 @@ def prefill(
                 spec, layout, mesh, axis, layer, reference.layer_weights(shapes, f"layers.{layer}.")
             )
         experts = tuple(placed["experts"][i] for i in _expert_arrays(layout, layer))
-        first = layer_bank_range(layout, layer)[0]
+        stream = layout.stream
+        firsts = (jnp.int32(stream.attention_rows[layer]), jnp.int32(stream.ffn_rows[layer]))
         h, pieces = steps[pair](
-            placed["stream"], placed["vectors"], experts, h, jnp.int32(first),
+            placed["stream"], placed["vectors"], experts, h, firsts,
             jnp.int32(layer), jnp.int32(layout.ffn_slot[layer]),
         )  # fmt: skip
         for name, value in pieces.items():
