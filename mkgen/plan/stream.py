@@ -313,28 +313,24 @@ def make_segment(
         shapes += [(CHUNK, edge)] if edge else []
         chunk, tail = min(shapes, key=lambda shape: rows_of(*shape))
         rows = rows_of(chunk, tail)
-        return Segment(
-            name=name,
-            parts=parts,
-            fan_in=fan_in,
-            fan_out=fan_out,
-            k_chunks=k_chunks,
-            col_blocks=col_blocks,
-            offset=offset,
-            rows=rows,
-            bytes=rows * LANES * BF16_BYTES,
-            chunk_rows=chunk,
-            tail_rows=tail,
-        )
-    code_rows, scale_rows = chunk_rows(fmt)
-    per_bank = bank_rows // code_rows
-    while per_bank and per_bank * code_rows + round_up(per_bank * scale_rows, BF16_TILE_ROWS) > (
-        bank_rows
-    ):
-        per_bank -= 1
-    if per_bank == 0:
-        raise SpecError(f"{name}: a {bank_rows}-row bank cannot hold one {fmt} chunk")
-    rows = cdiv(k_chunks * col_blocks, per_bank) * bank_rows
+        chunking = {"chunk_rows": chunk, "tail_rows": tail}
+    else:
+        code_rows, scale_rows = chunk_rows(fmt)
+        per_bank = bank_rows // code_rows
+        while per_bank and per_bank * code_rows + round_up(
+            per_bank * scale_rows, BF16_TILE_ROWS
+        ) > (bank_rows):
+            per_bank -= 1
+        if per_bank == 0:
+            raise SpecError(f"{name}: a {bank_rows}-row bank cannot hold one {fmt} chunk")
+        rows = cdiv(k_chunks * col_blocks, per_bank) * bank_rows
+        offset = round_up(offset, bank_rows)
+        chunking = {
+            "chunks_per_bank": per_bank,
+            "code_rows": code_rows,
+            "scale_rows": scale_rows,
+            "scale_row": per_bank * code_rows if scale_rows else 0,
+        }
     return Segment(
         name=name,
         parts=parts,
@@ -342,14 +338,11 @@ def make_segment(
         fan_out=fan_out,
         k_chunks=k_chunks,
         col_blocks=col_blocks,
-        offset=round_up(offset, bank_rows),
+        offset=offset,
         rows=rows,
         bytes=rows * LANES * BF16_BYTES,
         format=fmt,
-        chunks_per_bank=per_bank,
-        code_rows=code_rows,
-        scale_rows=scale_rows,
-        scale_row=per_bank * code_rows if scale_rows else 0,
+        **chunking,
     )
 
 
