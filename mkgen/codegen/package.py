@@ -105,9 +105,9 @@ RECURRENT = ("gated_deltanet", "kda")
 _MODEL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 
 
-# Mini twins use small banks and a shallow ring so that a few layers already wrap the
-# ring several times and segments span several banks.
-MINI_BANK_ROWS = 512
+# Mini twins use small banks (CHUNK rows: a chunk spans at most two) and a shallow ring so
+# that a few layers already wrap the ring several times and chunks straddle banks.
+MINI_BANK_ROWS = 256
 MINI_RING_DEPTH = 3
 MINI_PIECE_CHUNKS = 1  # expert slices in several pieces, the slots wrapping within a layer
 
@@ -557,7 +557,7 @@ def report_context(
                         "where": f"{section} {k.name} (x{len(k.layers)} layers)",
                         "segment": seg.name,
                         "shape": f"{seg.fan_in} x {seg.fan_out}",
-                        "banks": seg.banks,
+                        "rows": seg.rows,
                         "bytes": _mib(seg.bytes),
                     }
                 )
@@ -567,7 +567,7 @@ def report_context(
                 "where": "lm_head (once)",
                 "segment": seg.name,
                 "shape": f"{seg.fan_in} x {seg.fan_out}",
-                "banks": seg.banks,
+                "rows": seg.rows,
                 "bytes": _mib(seg.bytes),
             }
         )
@@ -621,6 +621,7 @@ def report_context(
         "stream": stream,
         "bank_bytes": _mib(stream.bank_bytes),
         "stream_bytes": _mib(stream.bytes_per_step),
+        "stream_padding": _mib(stream.padding_bytes),
         "stream_rows": stream_rows,
         "estimate": est,
         "bar": bar_text(est.step_ms, plan.ideal_floor, plan.hand_written),

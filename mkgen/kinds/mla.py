@@ -166,7 +166,7 @@ def program(b: Any, s: Step) -> int:
     y = wrote = s.x
     for op in ops(kind):
         if op in ("down", "q_b", "uk", "uv", "o"):
-            y = b.segment(layer, name, s.segments[op], s.first_bank, y)
+            y = b.segment(layer, name, s.segments[op], s.stream_row, y)
             if op == "down":  # the latent projections' all-gather when they are split
                 y = b.collective(layer, s.collectives.get("mla_latent"), y)
         elif op == "latent_norms":

@@ -274,7 +274,7 @@ def program(b: Any, s: Step) -> int:
     """The layer's ops (`ops`): the "in" segments (router, latent_in, shared gate|up),
     routing, the latent's all-gather and norm, the chosen experts, the shared experts'
     down projection, the latent's way back to hidden, the combine."""
-    layer, name, kind, segs, first = s.layer, s.name, s.kind, s.segments, s.first_bank
+    layer, name, kind, segs, first = s.layer, s.name, s.kind, s.segments, s.stream_row
     v, colls = s.vectors, s.collectives
     y = route = lat = out = s.x
     shared = None
