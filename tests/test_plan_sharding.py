@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -10,8 +11,9 @@ from mkgen.errors import SpecError
 from mkgen.plan import BuildOptions, plan_build
 from mkgen.plan.memory import check_fit, plan_memory
 from mkgen.plan.options import parse_quant_overrides, parse_size
-from mkgen.plan.sharding import expected_max, plan_sharding
+from mkgen.plan.sharding import expected_max, plan_sharding, split_routers
 from mkgen.spec.loader import load_spec
+from mkgen.spec.mini import mini_twin
 from mkgen.spec.topology import parse_topology
 from mkgen.spec.weights import model_weights
 
@@ -24,7 +26,11 @@ def _plan(model: str, topology: str, **options):
 
 def _rel(plan, kind: str, section: str = "attention"):
     table = plan.attention if section == "attention" else plan.ffn
-    return {t.name.split(".", 1)[1]: t for t in table[kind].tensors}
+    return _rel_of(table[kind])
+
+
+def _rel_of(kind_sharding):
+    return {t.name.split(".", 1)[1]: t for t in kind_sharding.tensors}
 
 
 # --------------------------------------------------------------------------- Kimi K3
@@ -85,7 +91,6 @@ def test_kimi_k3_experts_split_and_candidates_recorded():
     assert t["experts_up"].rank_shape == (112, 3584, 768)
     assert t["experts_down"].rank_shape == (112, 768, 3584)
     assert t["experts_gate"].format == "mxfp4"
-    assert t["router"].replicated
     assert t["latent_in"].rank_shape == (7168, 112)
     assert t["shared_gate"].rank_shape == (7168, 192)
     by_split = {(c.groups, c.width_parts): c for c in x.candidates}
@@ -103,6 +108,57 @@ def test_kimi_k3_experts_split_and_candidates_recorded():
     # Shared experts add partial sums, so the latent MoE reduce-scatters then all-reduces.
     assert moe.latent_design == "rs_ar"
     assert [c.op for c in moe.collectives] == ["all_gather", "reduce_scatter", "all_reduce"]
+
+
+def test_kimi_k3_router_split_with_its_scores_inside_the_latent_all_gather():
+    _, plan = _plan("kimi-k3", "2x2x4", rows=8)
+    moe = plan.ffn["moe"]
+    router = _rel(plan, "moe", "ffn")["router"]
+    assert moe.router == "split"
+    assert router.rank_shape == (7168, 896 // 32)
+    # Per core the router drops from the whole [7168, 896] bf16 (12.25 MiB) to 28 columns
+    # (stored transposed, [N, K], in HBM tiles of 32 rows).
+    assert router.padded_shape == (32, 7168)
+    assert router.rank_bytes == 7168 * 32 * 2
+    replicated = 7168 * 896 * 2
+    assert replicated == 12.25 * 2**20
+    assert plan.rank_bytes_by_family()["router"] == 92 * router.rank_bytes
+    # No collective of its own: the latent all-gather carries the scores too.
+    assert [(c.name, c.op, c.width) for c in moe.collectives] == [
+        ("latent_in", "all_gather", 3584 + 896),
+        ("expert_out", "reduce_scatter", 3584),
+        ("ffn_out", "all_reduce", 7168),
+    ]
+    # The reason, with both costs, is in the sharding plan the table prints.
+    assert router.why.startswith("router split: split + scores inside the latent all-gather")
+    assert "replicated 4.06 us per layer" in router.why and router.why in moe.why
+
+
+def test_router_of_a_moe_without_latent_stays_replicated_where_a_gather_costs_more():
+    _, plan = _plan("qwen3-30b-a3b", "2x2x1")
+    moe = plan.ffn["moe"]
+    router = _rel(plan, "moe", "ffn")["router"]
+    assert moe.router == "replicated" and router.replicated
+    assert router.why.startswith("router replicated: split + scores all-gathered")
+    split_us, replicated_us = (float(x) for x in re.findall(r"([\d.]+) us", router.why))
+    assert replicated_us <= split_us
+    assert [c.name for c in moe.collectives] == ["ffn_out"]
+
+
+def test_a_mini_twin_takes_its_full_size_builds_router_choice():
+    spec = BuildOptions.create().apply(load_spec("kimi-k3"))
+    topo = parse_topology("2x2x4")
+    options = BuildOptions.create(rows=8)
+    assert split_routers(spec, topo, options) == ("moe",)
+    mini = mini_twin(spec, topo.num_devices)
+    # At CPU sizes the planner would replicate the twin's router...
+    assert plan_sharding(mini, topo, options).ffn["moe"].router == "replicated"
+    # ...so the twin is planned with the full-size build's choice, whose kernel it proves.
+    forced = options.model_copy(update={"router_split": ("moe",)})
+    moe = plan_sharding(mini, topo, forced).ffn["moe"]
+    assert moe.router == "split"
+    assert "as in the full-size build" in moe.why
+    assert _rel_of(moe)["router"].rank_shape == (256, 1)
 
 
 def test_kimi_k3_vocabulary_split():
@@ -245,7 +301,7 @@ def test_kimi_k3_fits_only_with_quantized_experts():
         check_fit(spec, topo, opts, mem)
     message = str(info.value)
     assert "\n" not in message
-    assert "needs 176.2 GB of HBM per device but 94.7 GB are usable: over by 81.5 GB" in message
+    assert "needs 175.1 GB of HBM per device but 94.7 GB are usable: over by 80.4 GB" in message
     assert "--quant experts=mxfp4" in message and "--quant experts=int4:128" in message
 
 

@@ -331,6 +331,9 @@ class MoELayout(PlanModel):
     latent_norm: bool
     latent_design: Literal["rs_ar", "ar_ag", "none"]
     latent_per_rank: int
+    # The router's columns split over the cores: its scores are all-gathered beside the
+    # latent piece (one collective), then every core routes on all of them.
+    router_split: bool
     shared_width: int  # shared-expert columns per rank (0: none)
     shared_gate: bool
     columns: dict[str, Columns]  # outputs of the "in" segment: router, latent_in, shared_*
@@ -697,6 +700,8 @@ def _moe_layout(
 ) -> MoELayout:
     if kind.activation.kind == "gelu":
         _unsupported(f"ffn_kinds.{name}: exact gelu (use gelu_tanh)")
+    if shard.router == "split" and not kind.latent:
+        _unsupported(f"ffn_kinds.{name}: a router split over cores without a latent all-gather")
     if shard.latent_design == "ar_ag" and kind.shared_experts:
         _unsupported(f"ffn_kinds.{name}: shared experts beside a latent MoE combined by all-gather")
     parts = {t.name: part_of(t, devices) for t in shard.tensors}
@@ -741,6 +746,7 @@ def _moe_layout(
         latent_norm=bool(kind.latent and kind.latent.norm),
         latent_design=shard.latent_design,
         latent_per_rank=columns["latent_in"].size if "latent_in" in columns else 0,
+        router_split=shard.router == "split",
         shared_width=columns["shared_gate"].size if "shared_gate" in columns else 0,
         shared_gate="shared_gate_proj" in columns,
         columns=columns,

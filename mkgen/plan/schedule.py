@@ -863,11 +863,18 @@ class _Builder:
         y = x
         for seg in ks.group("in"):  # one segment per format of the fused "in" tensors
             y = self.segment(layer, name, seg, first, y)
+        # A split router's scores arrive with the latent's all-gather, which routing waits for.
+        gathered = self.collective(layer, colls["latent_in"], y) if f.router == "split" else None
+        scores = y if gathered is None else gathered
         route = self.run("routing", f"L{layer} {name}: router scores, top-{kind.top_k}", layer,
-                         4 * self.t * kind.num_experts * kind.top_k, ((y, None, 0), (v, None, 0)))  # fmt: skip
+                         4 * self.t * kind.num_experts * kind.top_k, ((scores, None, 0), (v, None, 0)))  # fmt: skip
         lat = x
         if kind.latent:
-            lat = self.collective(layer, colls.get("latent_in"), y)
+            lat = (
+                gathered
+                if gathered is not None
+                else self.collective(layer, colls.get("latent_in"), y)
+            )
             lat = self.vec(layer, f"{name}: latent norm", lat, 5 * self.t * kind.latent.width,
                            ((v, None, 0),))  # fmt: skip
         out = self._experts(layer, name, kind, f, route, lat)

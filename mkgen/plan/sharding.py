@@ -20,7 +20,10 @@ collectives it needs. Decisions (docs/cost-model.md has the reasoning):
   reduce-scatter, an input-split latent_out and an all-reduce of hidden, or an
   all-reduce of the latent, an output-split latent_out and an all-gather of
   hidden, whichever is cheaper (the first when shared experts add partial sums);
-- vocabulary (embedding rows, lm_head columns) split; router, norms, biases that
+- the router's columns split over the cores when that costs less per layer than
+  replicating them: with a latent, the per-core scores ride in the latent all-gather
+  (one collective carries both pieces), then every core routes on all the scores;
+- vocabulary (embedding rows, lm_head columns) split; norms, router biases, biases that
   are added after a reduction and small vectors replicated.
 """
 
@@ -264,6 +267,7 @@ class FFNSharding(_Frozen):
     experts: ExpertSplit | None
     latent_design: Literal["rs_ar", "ar_ag", "none"]
     why: str
+    router: Literal["split", "replicated", "none"] = "none"  # the router's columns
 
 
 class ShardingPlan(_Frozen):
@@ -989,9 +993,14 @@ def _shard_ffn(ctx: _Ctx, kind_name: str, f: object) -> FFNSharding:
         # Shared experts add partial sums of hidden: with ar_ag they would need their own
         # all-reduce, so they force rs_ar.
         design = "ar_ag" if ar_ag < rs_ar and not f.shared_experts else "rs_ar"
+    router, why_router = _router_choice(ctx, kind_name, f, d_in)
     for w in weights:
         n = w.name
-        if n in ("router", "router_bias", "selection_bias", "latent_norm", "shared_gate_proj"):
+        if n == "router" and router == "split":
+            add(w, split_axis=1, parts=d, why=why_router)
+        elif n == "router":
+            add(w, why=why_router)
+        elif n in ("router_bias", "selection_bias", "latent_norm", "shared_gate_proj"):
             add(w, why="replicated (routing is computed redundantly on every rank)")
         elif n == "latent_in":
             add(w, split_axis=1, parts=d, why="output split + all-gather of the latent")
@@ -1015,7 +1024,8 @@ def _shard_ffn(ctx: _Ctx, kind_name: str, f: object) -> FFNSharding:
         else:  # pragma: no cover - the inventory has no other MoE tensors
             raise SpecError(f"{where}tensor {n!r}: no sharding rule")
     if f.latent:
-        collectives.append(ctx.collective("latent_in", "all_gather", "ffn.latent_in", d_in))
+        gathered = d_in + (f.num_experts if router == "split" else 0)
+        collectives.append(ctx.collective("latent_in", "all_gather", "ffn.latent_in", gathered))
         if design == "ar_ag":
             collectives.append(ctx.collective("expert_out", "all_reduce", "ffn.experts_down", d_in))
             collectives.append(ctx.collective("ffn_out", "all_gather", "ffn.latent_out", h))
@@ -1026,11 +1036,50 @@ def _shard_ffn(ctx: _Ctx, kind_name: str, f: object) -> FFNSharding:
             collectives.append(ctx.collective("ffn_out", "all_reduce", "ffn.latent_out", h))
     else:
         collectives.append(ctx.collective("ffn_out", "all_reduce", "ffn.experts_down", h))
-    why = split.why + (f"; latent design {design}" if f.latent else "")
+    why = split.why + (f"; latent design {design}" if f.latent else "") + f"; {why_router}"
     return FFNSharding(
         kind=kind_name, type=f.type, tensors=tuple(tensors), collectives=tuple(collectives),
-        experts=split, latent_design=design, why=why,
+        experts=split, latent_design=design, why=why, router=router,
     )  # fmt: skip
+
+
+def _router_choice(
+    ctx: _Ctx, kind_name: str, f: MoEFFN, d_in: int
+) -> tuple[Literal["split", "replicated"], str]:
+    """Replicate the router, or split its columns over the cores and gather the scores.
+
+    Compares the router bytes a replica streams per layer against a split's bytes plus
+    what gathering the scores adds: with a latent only the wider latent all-gather (the
+    scores ride in it), without one a collective of its own."""
+    d, experts = ctx.d, f.num_experts
+    if d == 1:
+        return "replicated", "router replicated (one core)"
+    if experts % d:
+        return "replicated", f"router replicated ({experts} experts do not split {d} ways)"
+    shape = (ctx.h, experts)
+    try:
+        split = ctx.shard("ffn.router", shape, "router", split_axis=1, parts=d)
+    except SpecError as why:  # e.g. block-scaled formats whose blocks a split would cut
+        return "replicated", f"router replicated (a split is not possible: {why})"
+    full = ctx.shard("ffn.router", shape, "router")
+    if f.latent:
+        wider = ctx.collective("latent_in", "all_gather", "", d_in + experts).time_s
+        gather_s = wider - ctx.collective("latent_in", "all_gather", "", d_in).time_s
+        how = "scores inside the latent all-gather"
+    else:
+        gather_s = ctx.collective("router", "all_gather", "", experts).time_s
+        how = "scores all-gathered"
+    split_s = ctx.stream_s(split.rank_bytes) + gather_s
+    replicated_s = ctx.stream_s(full.rank_bytes)
+    costs = (
+        f"split + {how} {split_s * 1e6:.2f} us vs replicated {replicated_s * 1e6:.2f} us per layer"
+    )
+    forced = ctx.options.router_split
+    if forced is not None:
+        choice = "split" if kind_name in forced else "replicated"
+        return choice, f"router {choice} as in the full-size build ({costs})"
+    choice = "split" if split_s < replicated_s else "replicated"
+    return choice, f"router {choice}: {costs}"
 
 
 # --------------------------------------------------------------------------- entry
@@ -1096,3 +1145,11 @@ def plan_sharding(spec: ModelSpec, topo: Topology, options: BuildOptions) -> Sha
         step_collectives=step,
         layer_table=tuple(table),
     )
+
+
+def split_routers(full: ModelSpec, topo: Topology, options: BuildOptions) -> tuple[str, ...]:
+    """The MoE kinds whose router columns the full-size build of `full` splits: its mini
+    twin takes them (BuildOptions.router_split), since at CPU sizes replicating a router
+    always costs less, so that the twin proves the full-size build's kernel."""
+    plan = plan_sharding(full, topo, options)
+    return tuple(name for name, f in plan.ffn.items() if f.router == "split")

@@ -115,6 +115,10 @@ def _mini_ffn(kind: Any, shards: int, shared_block: int = 0) -> dict[str, Any]:
         return data
     assert isinstance(kind, MoEFFN)
     experts = min(kind.num_experts, MINI_EXPERTS)
+    if kind.num_experts % shards == 0 and experts % shards:
+        # As many whole columns per core as the full router has, so a twin can split its
+        # router the way the full-size build does (mkgen.plan.sharding.split_routers).
+        experts = -(-MINI_EXPERTS // shards) * shards
     router = data["router"]
     if kind.router.n_group > 1:
         router["n_group"] = min(kind.router.n_group, experts // 2)
