@@ -324,7 +324,7 @@ def render_build(
     mini_kernel_args(). The kernel, the checks, the report and plan.json all come from
     that one plan. `line` is how the printed commands name the build."""
     from mkgen.plan import plan_build
-    from mkgen.plan.sharding import split_routers
+    from mkgen.plan.sharding import full_size_splits
     from mkgen.spec.mini import mini_twin
 
     check_renderable(spec)
@@ -380,7 +380,7 @@ def render_build(
             context=MINI_CONTEXT,
             ring_depth=options.ring_depth,
             expert_slots=options.expert_slots,
-            router_split=split_routers(options.apply(spec), topology, options),
+            splits=full_size_splits(options.apply(spec), topology, options),
         )
         mini = render_build(
             mini_twin(options.apply(spec), topology.num_devices),

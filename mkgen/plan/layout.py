@@ -142,6 +142,8 @@ class MLALayout(PlanModel):
     sinks: Literal[False] = False
     rope: Rope | None  # rope columns are stored de-interleaved (TensorView.rotary)
     columns: dict[str, Columns]  # outputs of the down segment: wq_a | wq, wkv_a, wgate
+    # wq_a and wkv_a split over the cores: one all-gather joins each one's pieces.
+    latent_split: bool
     segments: list[Segment]  # down, (q_b), uk, uv, o
     vectors: list[VectorRow]  # q_norm, kv_norm
     kv_tile: int
@@ -499,8 +501,6 @@ def _mla_layout(name, index, layers, kind, shard, segments, devices, options, di
 
     context, batch = options.context, options.batch
 
-    if shard.latent == "split":
-        _unsupported(f"attention_kinds.{name}: MLA latent projections split over cores")
     parts = {t.name: part_of(t, devices) for t in shard.tensors}
     present = [n for n in ("q_norm", "kv_norm") if f"attn.{n}" in parts]
     vectors = [
@@ -530,6 +530,7 @@ def _mla_layout(name, index, layers, kind, shard, segments, devices, options, di
         if kind.rope
         else None,
         columns=_segment_columns(segments, "down", "attn."),
+        latent_split=shard.latent == "split",
         segments=segments,
         vectors=vectors,
         kv_tile=kv_tile(context),

@@ -615,7 +615,7 @@ def _shard_attention(ctx: _Ctx, kind_name: str, a: object) -> AttentionSharding:
             raise _heads_error(ctx, kind_name, "heads", a.num_heads)
         hpr = a.num_heads // d
         a_names = [n for n, _, _ in specs if n in ("wq_a", "wkv_a")]
-        latent, why_latent = _latent_choice(ctx, specs, a_names, "mla_latent")
+        latent, why_latent = _latent_choice(ctx, kind_name, specs, a_names, "mla_latent")
         for name, shape, family in specs:
             if name in a_names:
                 if latent == "split":
@@ -650,7 +650,7 @@ def _shard_attention(ctx: _Ctx, kind_name: str, a: object) -> AttentionSharding:
             raise _heads_error(ctx, kind_name, "heads", a.num_heads)
         hpr = a.num_heads // d
         a_names = [n for n, _, _ in specs if n in ("wf_a", "wg_a")]
-        latent, why_latent = _latent_choice(ctx, specs, a_names, "kda_gate_rank")
+        latent, why_latent = _latent_choice(ctx, kind_name, specs, a_names, "kda_gate_rank")
         for name, shape, family in specs:
             if name in a_names:
                 if latent == "split":
@@ -740,15 +740,18 @@ def _shard_attention(ctx: _Ctx, kind_name: str, a: object) -> AttentionSharding:
     )  # fmt: skip
 
 
-LATENT_PIECE_ALIGN = 128  # lanes of a VMEM tile
-
-
 def _latent_choice(
-    ctx: _Ctx, specs: list[tuple[str, tuple[int, ...], str]], names: list[str], what: str
+    ctx: _Ctx,
+    kind_name: str,
+    specs: list[tuple[str, tuple[int, ...], str]],
+    names: list[str],
+    what: str,
 ) -> tuple[Literal["split", "replicated", "none"], str]:
     """Replicate low-rank A projections, or split them along the output + one all-gather.
 
-    Compares the extra bytes a replica streams per layer against the all-gather.
+    Compares the extra bytes a replica streams per layer against the all-gather. The
+    kernel gathers each tensor's pieces side by side in one all-gather
+    (Collectives.all_gather_parts), so pieces need not be whole 128-lane tiles.
     """
     if not names:
         return "none", ""
@@ -757,13 +760,6 @@ def _latent_choice(
     width = sum(shapes[n][1] for n in names)
     if any(shapes[n][1] % d for n in names):
         return "replicated", f"output width {width} does not split {d} ways"
-    if any(shapes[n][1] // d % LATENT_PIECE_ALIGN for n in names):
-        # The kernel reassembles the gathered pieces side by side: Mosaic joins them
-        # along lanes only at whole 128-lane tiles.
-        return "replicated", (
-            f"per-rank pieces of {[shapes[n][1] // d for n in names]} columns are not whole "
-            f"{LATENT_PIECE_ALIGN}-lane tiles"
-        )
     full = sum(ctx.shard(f"attn.{n}", shapes[n], "attention").rank_bytes for n in names)
     try:
         split = sum(
@@ -774,15 +770,14 @@ def _latent_choice(
         return "replicated", f"a split is not possible ({why})"
     replicated_s = ctx.stream_s(full)
     split_s = ctx.stream_s(split) + ctx.collective(what, "all_gather", "", width).time_s
-    if split_s < replicated_s:
-        return "split", (
-            f"split + all-gather {split_s * 1e6:.1f} us < replicated {replicated_s * 1e6:.1f} us "
-            "per layer"
-        )
-    return "replicated", (
-        f"replicated {replicated_s * 1e6:.1f} us <= split + all-gather {split_s * 1e6:.1f} us "
+    costs = (
+        f"split + all-gather {split_s * 1e6:.1f} us vs replicated {replicated_s * 1e6:.1f} us "
         "per layer"
     )
+    if ctx.options.splits is not None:
+        choice = "split" if f"attention.{kind_name}.latent" in ctx.options.splits else "replicated"
+        return choice, f"{choice} as in the full-size build ({costs})"
+    return ("split" if split_s < replicated_s else "replicated"), costs
 
 
 # --------------------------------------------------------------------------- experts
@@ -1074,9 +1069,9 @@ def _router_choice(
     costs = (
         f"split + {how} {split_s * 1e6:.2f} us vs replicated {replicated_s * 1e6:.2f} us per layer"
     )
-    forced = ctx.options.router_split
+    forced = ctx.options.splits
     if forced is not None:
-        choice = "split" if kind_name in forced else "replicated"
+        choice = "split" if f"ffn.{kind_name}.router" in forced else "replicated"
         return choice, f"router {choice} as in the full-size build ({costs})"
     choice = "split" if split_s < replicated_s else "replicated"
     return choice, f"router {choice}: {costs}"
@@ -1147,9 +1142,11 @@ def plan_sharding(spec: ModelSpec, topo: Topology, options: BuildOptions) -> Sha
     )
 
 
-def split_routers(full: ModelSpec, topo: Topology, options: BuildOptions) -> tuple[str, ...]:
-    """The MoE kinds whose router columns the full-size build of `full` splits: its mini
-    twin takes them (BuildOptions.router_split), since at CPU sizes replicating a router
-    always costs less, so that the twin proves the full-size build's kernel."""
+def full_size_splits(full: ModelSpec, topo: Topology, options: BuildOptions) -> tuple[str, ...]:
+    """What the full-size build of `full` splits rather than replicates (BuildOptions.splits):
+    its mini twin takes these choices, since at CPU sizes replicating always costs less,
+    so that the twin proves the full-size build's kernel."""
     plan = plan_sharding(full, topo, options)
-    return tuple(name for name, f in plan.ffn.items() if f.router == "split")
+    routers = [f"ffn.{name}.router" for name, f in plan.ffn.items() if f.router == "split"]
+    latents = [f"attention.{n}.latent" for n, a in plan.attention.items() if a.latent == "split"]
+    return tuple(routers + latents)
