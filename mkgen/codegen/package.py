@@ -533,6 +533,18 @@ def report_context(
                     "us": f"{c.time_s * 1e6:.2f}",
                 }
             )
+    # Split or replicated, as the planner scored it: low-rank A-projections and routers.
+    choices = [
+        {"where": f"attention {k}", "what": "low-rank A-projections", "choice": a.latent,
+         "why": a.why}
+        for k, a in sharding.attention.items()
+        if a.latent != "none"
+    ] + [
+        {"where": f"ffn {k}", "what": "router", "choice": f.router,
+         "why": next(t.why for t in f.tensors if t.name == "ffn.router")}
+        for k, f in sharding.ffn.items()
+        if f.router != "none"
+    ]  # fmt: skip
     hbm = []
     for title, table in (
         ("weights", mem.weights_by_family),
@@ -609,6 +621,7 @@ def report_context(
         "quant": sorted((f, q) for f, q in quant.items() if mem.weights_by_family.get(f)),
         "kinds": kinds,
         "tensors": tensors,
+        "split_choices": choices,
         "collectives": collectives,
         "collective_stages": plan.vmem.dims.collectives.describe(),
         "hbm": hbm,
