@@ -57,6 +57,7 @@ from pydantic import BaseModel, ConfigDict
 
 from mkgen.kinds.common import Step
 from mkgen.kinds.registry import kind_module
+from mkgen.plan.collectives import collective_buffers
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.sharding import Collective, ShardingPlan
 from mkgen.plan.stream import Segment, StreamPlan, bank_visits
@@ -387,7 +388,7 @@ class _Builder:
         self.total = stream.total_banks
         self.d = sharding.devices
         self.t = options.tokens
-        self.layer_collectives = 0  # collectives of this layer so far: picks the buffer
+        self.buffers: dict[str, int] = {}  # the landing buffer of each collective of the layer
         self.res = INIT  # the node that last wrote the residual stream
         self.experts_per_layer: dict[int, tuple[int, int]] = {}
         self.segment_order: dict[str, list[str]] = {}
@@ -563,11 +564,10 @@ class _Builder:
         """Partial -> gather buffer, remote DMAs to every peer, the sum (in device order)."""
         if c is None or self.d == 1:
             return src
-        # Each collective of a layer has its own buffer: a peer cannot still be reading it
-        # when it is written again a layer later (it needed this core's contributions to
-        # the collectives in between first).
-        w = self.layer_collectives
-        self.layer_collectives += 1
+        # The buffer is the kernel's (collective_buffers): a peer cannot still be reading
+        # it when it is written again (it needed this core's contributions to the
+        # collectives in between first).
+        w = self.buffers[c.name]
         width = c.width * c.rows
         p = self.run("collective", f"L{layer} {c.name}: rows -> gather[{w}]", layer, 0,
                      ((src, None, 0),), writes=("gather", w))  # fmt: skip
@@ -607,7 +607,9 @@ class _Builder:
         self.start(vec[0])
         self.res = self.run("vector", "x rows -> residual", -1, 0, ((INIT, "x_vmem", 0),))
         for layer, (attn, ffn) in enumerate(self.sh.layer_table):
-            self.layer_collectives = 0
+            self.buffers = collective_buffers(
+                self.sh.attention[attn].collectives, self.sh.ffn[ffn].collectives
+            )
             self.wait(vec[layer])
             if layer + 1 < layers:
                 self.start(vec[layer + 1])
