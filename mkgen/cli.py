@@ -591,6 +591,7 @@ def verify_command(
     from mkgen.codegen.package import mini_kernel_args
     from mkgen.plan import plan_build
     from mkgen.plan.options import BuildOptions
+    from mkgen.plan.sharding import full_size_splits
     from mkgen.spec.mini import mini_twin
     from mkgen.verify import checks
 
@@ -608,7 +609,8 @@ def verify_command(
     plan_build(spec, topo, built)
     spec = built.apply(spec)
     mini = mini_twin(spec, topo.num_devices)
-    plan_build(mini, topo, options, **mini_kernel_args())
+    splits = full_size_splits(spec, topo, options)
+    plan_build(mini, topo, options.model_copy(update={"splits": splits}), **mini_kernel_args())
     directory = None
     if update_report:
         from mkgen.codegen.package import default_build_dir, load_build_inputs

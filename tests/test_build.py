@@ -410,3 +410,12 @@ def test_the_verify_table_counts_the_routing_near_ties_it_followed(tmp_path: Pat
         line for line in (target / "REPORT.md").read_text().splitlines() if "| on_wait |" in line
     )
     assert row.split("|")[-3].strip() == "3"  # 0 + 1 + 2 ties over the three steps
+
+
+def test_report_says_why_the_router_is_split_or_replicated() -> None:
+    report = render_build(*_inputs("qwen3-30b-a3b"), with_mini=False).files["REPORT.md"]
+    rows = [line for line in report.splitlines() if line.startswith("| ffn moe | router |")]
+    assert len(rows) == 1, rows
+    # Without a latent the scores would need an all-gather of their own: replicated wins.
+    assert rows[0].startswith("| ffn moe | router | replicated | router replicated: split + ")
+    assert "scores all-gathered" in rows[0] and rows[0].endswith(" us per layer |")

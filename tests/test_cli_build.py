@@ -106,7 +106,7 @@ def test_inspect_prints_the_outline_with_line_ranges(built) -> None:
         "attention 'gqa' (gqa): layers 0-63 (64)",
         "ffn 'dense' (dense): layers 0-63 (64)",
         "matmul qkv [5120 x 1280] from the weight stream",
-        "consumes banks +0..+6 of the layer's attention",
+        "consumes rows +0..+25599 of the layer's attention",
         "_write_cache_gqa",
         "K and V tiles of 128 tokens",
         "all-reduce across 8 cores",
@@ -116,7 +116,7 @@ def test_inspect_prints_the_outline_with_line_ranges(built) -> None:
         "make_decode_step ",
         "VMEM map",
         "ring_vmem",
-        "12x4096x256",
+        "49408x256",  # 12 banks of 4096 rows and the 256-row wrap
     ):
         assert fragment in out, fragment
     # Every phase's range lies inside its function.
@@ -133,13 +133,13 @@ def test_inspect_outlines_the_moe_phases_of_a_checked_in_build() -> None:
     assert "SMEM scratch:" in result.stdout
 
 
-def test_inspect_layer_shows_its_banks_slot_and_source(built) -> None:
+def test_inspect_layer_shows_its_rows_banks_slot_and_source(built) -> None:
     directory, _ = built
     result = mkgen("inspect", str(directory / "mini"), "--layer", "1")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "layer 1 of 2 (qwen3-32b-mini on tpu7x:2x2x1)" in out
-    assert "attention stream: first bank" in out and "in flight on entry (ring of 3)" in out
+    assert "attention stream: first row" in out and "in flight on entry (ring of 3)" in out
     assert "cache slot 1 of kind 'gqa'" in out
     assert re.search(r"^\s+\d+  def _attention_gqa\(", out, re.M)
     assert re.search(r"^\s+\d+  def _ffn_dense\(", out, re.M)

@@ -118,19 +118,16 @@ def test_single_core() -> None:
 # of 2x2x1's virtual devices keeps each case near a quarter of its time.
 MUTANT_TOPOLOGY = "1x1x1"
 
-RING_PREFETCH_LATE = """            self.start(q + self.depth)
-            return carry"""
-RING_WAIT = """            for copy in self.copies(q):
-                copy.wait()
+RING_RELEASE = """        @pl.when(q > 0)
+        def _():
+            self.start(q - 1 + self.depth)
 """
 
 
 def test_prefetch_into_the_slot_being_read_is_caught() -> None:
-    """The next bank's DMA started before the current bank's chunks are read, into the same slot."""
-    mutations = [
-        (RING_PREFETCH_LATE, "            return carry"),
-        (RING_WAIT, RING_WAIT + "            self.start(q + self.depth)\n"),
-    ]
+    """Reaching bank q starts bank q + depth (instead of q - 1 + depth): into the slot whose
+    bank the next chunks still read."""
+    mutations = [(RING_RELEASE, "        self.start(q + self.depth)\n")]
     report = verify_numerics(
         "qwen3-32b", MUTANT_TOPOLOGY, mode="eager", steps=1, timeout=TIMEOUT, mutations=mutations
     )

@@ -190,8 +190,8 @@ def test_an_int8_bank_holds_codes_then_scales() -> None:
     # 3 chunks of 128 code rows + 3 x 2 scale rows (one f32 row a chunk), tile-padded.
     assert (seg.chunks_per_bank, seg.code_rows, seg.scale_rows, seg.scale_row) == (3, 128, 2, 384)
     w = dequantize(*quantize(_weights((600, 300)), parse_format("int8")), parse_format("int8"))
-    banks = pack.segment_banks(seg, w, 512).view(np.uint16)
-    assert banks.shape == (seg.banks, 512, LANES) and seg.banks == 2  # 3 x 2 chunks
+    banks = pack.segment_rows(seg, w, 512).view(np.uint16).reshape(-1, 512, LANES)
+    assert banks.shape == (2, 512, LANES) and seg.rows == 2 * 512  # 3 x 2 chunks
     for c in range(seg.k_chunks * seg.col_blocks):
         bank, j = divmod(c, seg.chunks_per_bank)
         kc, cb = c % seg.k_chunks, c // seg.k_chunks
@@ -208,7 +208,7 @@ def test_an_fp8_bank_holds_block_scales_per_chunk() -> None:
     seg = make_segment("x", [], 512, 256, 0, 512, "fp8:32")
     assert (seg.chunks_per_bank, seg.scale_rows, seg.scale_row) == (3, 16, 384)
     w = dequantize(*quantize(_weights((512, 256)), fmt), fmt)
-    banks = pack.segment_banks(seg, w, 512).view(np.uint16)
+    banks = pack.segment_rows(seg, w, 512).view(np.uint16).reshape(-1, 512, LANES)
     for c in range(2):
         codes = _unpack_rows(banks[0, c * 128 : (c + 1) * 128], ml_dtypes.float8_e4m3fn)
         scales = _unpack_rows(banks[0, 384 + 16 * c : 400 + 16 * c], np.float32)  # [8, 256]

@@ -117,7 +117,7 @@ def test_kimi_k3_plan_has_ring_slots_tiles_and_states() -> None:
     slices = math.ceil(split.expected_max_experts_per_rank)
     assert s.dmas_by_category["expert"] == 92 * slices * pieces * 2  # codes + scales
     by_category = plan.vmem.by_category
-    assert by_category["ring"] == plan.vmem.ring_depth * 2 * MiB
+    assert by_category["ring"] == plan.vmem.ring_depth * 2 * MiB + 128 * 1024  # + the wrap
     assert by_category["expert_slots"] == 4 * plan.vmem.expert_slot_bytes
 
 
@@ -147,17 +147,22 @@ def test_the_ring_policy_is_the_kernels() -> None:
     depth = plan.vmem.ring_depth
     first, wait = schedule.positions()
     banks = [n for n in schedule.nodes if n.cat == "bank"]
+    first_use: dict[int, int] = {}  # bank -> position of its first reader
     last_use: dict[int, int] = {}  # bank -> position of its last reader
     for node in schedule.nodes:
         for read, _, _ in node.reads:
+            first_use[read] = min(first_use.get(read, first[node.id]), first[node.id])
             last_use[read] = max(last_use.get(read, -1), first[node.id])
     # Priming: banks 0..depth-1 start before any layer work.
     assert [schedule.events[i + 1] for i in range(depth)] == [(START, b.id) for b in banks[:depth]]
     for g, bank in enumerate(banks):
-        assert bank.slot == g % depth and bank.sems == (f"ring_sems[{g % depth}]",)
+        wrap = (f"ring_sems[{depth}]",) if g % depth == 0 else ()
+        assert bank.slot == g % depth and bank.sems == (f"ring_sems[{g % depth}]", *wrap)
         if g >= depth:
-            # Bank g starts right after the last use of bank g - depth, in the same slot.
-            assert first[bank.id] == last_use[g - depth] + 1
+            # Bank g starts right after the first use of bank g - depth + 1 (reaching it
+            # means bank g - depth is used up), into the slot bank g - depth has left.
+            assert first[bank.id] == first_use[banks[g - depth + 1].id] + 1
+            assert last_use[banks[g - depth].id] < first[bank.id]
         assert wait[bank.id] > first[bank.id]
 
 

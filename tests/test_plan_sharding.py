@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
 from mkgen.errors import SpecError
 from mkgen.plan import BuildOptions, plan_build
+from mkgen.plan.collectives import collective_buffers, layer_uses
 from mkgen.plan.memory import check_fit, plan_memory
 from mkgen.plan.options import parse_quant_overrides, parse_size
-from mkgen.plan.sharding import expected_max, plan_sharding
+from mkgen.plan.sharding import expected_max, full_size_splits, plan_sharding
 from mkgen.spec.loader import load_spec
+from mkgen.spec.mini import mini_twin
 from mkgen.spec.topology import parse_topology
 from mkgen.spec.weights import model_weights
 
@@ -24,7 +27,11 @@ def _plan(model: str, topology: str, **options):
 
 def _rel(plan, kind: str, section: str = "attention"):
     table = plan.attention if section == "attention" else plan.ffn
-    return {t.name.split(".", 1)[1]: t for t in table[kind].tensors}
+    return _rel_of(table[kind])
+
+
+def _rel_of(kind_sharding):
+    return {t.name.split(".", 1)[1]: t for t in kind_sharding.tensors}
 
 
 # --------------------------------------------------------------------------- Kimi K3
@@ -45,21 +52,41 @@ def test_kimi_k3_heads_split_three_per_core():
     assert plan.attention["kda"].cache.fixed_bytes == 3 * 128 * 128 * 4 + 3 * 3 * 384 * 2
 
 
-def test_kimi_k3_mla_latent_projections_replicated_not_cut_into_partial_tiles():
+def test_kimi_k3_mla_latent_projections_split_into_unaligned_pieces_and_gathered():
     _, plan = _plan("kimi-k3", "2x2x4", rows=8)
     mla = plan.attention["mla"]
-    # Split 32 ways, wq_a and wkv_a give 48- and 18-column pieces: the kernel would have
-    # to join them along lanes at offsets that are not whole 128-lane tiles.
-    assert mla.latent == "replicated"
-    assert "[48, 18] columns are not whole 128-lane tiles" in mla.why
+    # Split 32 ways, wq_a and wkv_a give 48- and 18-column pieces; one all-gather joins
+    # each tensor's pieces on its own, so they need not be whole 128-lane tiles.
+    assert mla.latent == "split"
     t = _rel(plan, "mla")
-    assert t["wq_a"].rank_shape == (7168, 1536)
+    assert t["wq_a"].rank_shape == (7168, 48) and t["wkv_a"].rank_shape == (7168, 18)
+    # Per core and MLA layer: 28.9 MiB replicated, 1.1 MiB split (HBM tiles of 16 rows).
+    replicated = 7168 * (1536 + 576) * 2
+    assert round(replicated / 2**20, 1) == 28.9
+    assert t["wq_a"].rank_bytes + t["wkv_a"].rank_bytes == 7168 * (48 + 32) * 2
+    split_us, replicated_us = (float(x) for x in re.findall(r"([\d.]+) us", t["wq_a"].why))
+    assert split_us < replicated_us and t["wq_a"].why in mla.why
+    assert [(c.name, c.op, c.width) for c in mla.collectives] == [
+        ("mla_latent", "all_gather", 1536 + 576),
+        ("attn_out", "all_reduce", 7168),
+    ]
     assert t["wq_b"].rank_shape == (1536, 3 * 192)
     assert t["wkv_b"].rank_shape == (512, 3 * 256)
-    assert [c.name for c in mla.collectives] == ["attn_out"]
     # Every head reads the whole latent: the MLA cache is replicated, bf16 per token.
     assert mla.cache.kind == "mla_latent" and mla.cache.bytes_per_token == 576 * 2
     assert mla.cache.copies == 32
+
+
+def test_mla_gather_borrows_the_ffn_buffer_the_attention_all_reduce_protects():
+    _, plan = _plan("kimi-k3", "2x2x4", rows=8)
+    mla, moe = plan.attention["mla"], plan.ffn["moe"]
+    assert collective_buffers(mla.collectives, moe.collectives) == {
+        "mla_latent": 1, "attn_out": 0, "latent_in": 1, "expert_out": 2, "ffn_out": 3,
+    }  # fmt: skip
+    uses = layer_uses(plan)
+    assert len(uses) == 4
+    assert ("mla.mla_latent", "all_gather", 2112) in uses[1]
+    assert ("moe.latent_in", "all_gather", 3584 + 896) in uses[1]
 
 
 def test_fp8_blocks_a_split_would_cut_are_reblocked_losslessly():
@@ -85,7 +112,6 @@ def test_kimi_k3_experts_split_and_candidates_recorded():
     assert t["experts_up"].rank_shape == (112, 3584, 768)
     assert t["experts_down"].rank_shape == (112, 768, 3584)
     assert t["experts_gate"].format == "mxfp4"
-    assert t["router"].replicated
     assert t["latent_in"].rank_shape == (7168, 112)
     assert t["shared_gate"].rank_shape == (7168, 192)
     by_split = {(c.groups, c.width_parts): c for c in x.candidates}
@@ -103,6 +129,61 @@ def test_kimi_k3_experts_split_and_candidates_recorded():
     # Shared experts add partial sums, so the latent MoE reduce-scatters then all-reduces.
     assert moe.latent_design == "rs_ar"
     assert [c.op for c in moe.collectives] == ["all_gather", "reduce_scatter", "all_reduce"]
+
+
+def test_kimi_k3_router_split_with_its_scores_inside_the_latent_all_gather():
+    _, plan = _plan("kimi-k3", "2x2x4", rows=8)
+    moe = plan.ffn["moe"]
+    router = _rel(plan, "moe", "ffn")["router"]
+    assert moe.router == "split"
+    assert router.rank_shape == (7168, 896 // 32)
+    # Per core the router drops from the whole [7168, 896] bf16 (12.25 MiB) to 28 columns
+    # (stored transposed, [N, K], in HBM tiles of 32 rows).
+    assert router.padded_shape == (32, 7168)
+    assert router.rank_bytes == 7168 * 32 * 2
+    replicated = 7168 * 896 * 2
+    assert replicated == 12.25 * 2**20
+    assert plan.rank_bytes_by_family()["router"] == 92 * router.rank_bytes
+    # No collective of its own: the latent all-gather carries the scores too.
+    assert [(c.name, c.op, c.width) for c in moe.collectives] == [
+        ("latent_in", "all_gather", 3584 + 896),
+        ("expert_out", "reduce_scatter", 3584),
+        ("ffn_out", "all_reduce", 7168),
+    ]
+    # The reason, with both costs, is in the sharding plan the table prints.
+    assert router.why.startswith("router split: split + scores inside the latent all-gather")
+    assert "replicated 4.06 us per layer" in router.why and router.why in moe.why
+
+
+def test_router_of_a_moe_without_latent_stays_replicated_where_a_gather_costs_more():
+    _, plan = _plan("qwen3-30b-a3b", "2x2x1")
+    moe = plan.ffn["moe"]
+    router = _rel(plan, "moe", "ffn")["router"]
+    assert moe.router == "replicated" and router.replicated
+    assert router.why.startswith("router replicated: split + scores all-gathered")
+    split_us, replicated_us = (float(x) for x in re.findall(r"([\d.]+) us", router.why))
+    assert replicated_us <= split_us
+    assert [c.name for c in moe.collectives] == ["ffn_out"]
+
+
+def test_a_mini_twin_takes_its_full_size_builds_split_choices():
+    spec = BuildOptions.create().apply(load_spec("kimi-k3"))
+    topo = parse_topology("2x2x4")
+    options = BuildOptions.create(rows=8)
+    splits = ("ffn.moe.router", "attention.mla.latent")
+    assert full_size_splits(spec, topo, options) == splits
+    mini = mini_twin(spec, topo.num_devices)
+    # At CPU sizes the planner would replicate the twin's router and A-projections...
+    planned = plan_sharding(mini, topo, options)
+    assert planned.ffn["moe"].router == "replicated"
+    assert planned.attention["mla"].latent == "replicated"
+    # ...so the twin is planned with the full-size build's choices, whose kernel it proves.
+    forced = plan_sharding(mini, topo, options.model_copy(update={"splits": splits}))
+    moe, mla = forced.ffn["moe"], forced.attention["mla"]
+    assert moe.router == "split" and mla.latent == "split"
+    assert "as in the full-size build" in moe.why and "as in the full-size build" in mla.why
+    assert _rel_of(moe)["router"].rank_shape == (256, 1)
+    assert _rel_of(mla)["wkv_a"].rank_shape == (256, 3)
 
 
 def test_kimi_k3_vocabulary_split():
@@ -245,7 +326,7 @@ def test_kimi_k3_fits_only_with_quantized_experts():
         check_fit(spec, topo, opts, mem)
     message = str(info.value)
     assert "\n" not in message
-    assert "needs 176.2 GB of HBM per device but 94.7 GB are usable: over by 81.5 GB" in message
+    assert "needs 174.4 GB of HBM per device but 94.7 GB are usable: over by 79.7 GB" in message
     assert "--quant experts=mxfp4" in message and "--quant experts=int4:128" in message
 
 

@@ -63,6 +63,16 @@ UNPACK_CASES = [
 ]
 
 
+def _kind_rows(layout, layer: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A layer's stream rows (pack.pack_stream_layer) cut into its attention kind's and
+    its FFN kind's rows, as the prefill slices them from the stream."""
+    s = layout.stream
+    attention = s.attention[layout.attention[layout.attention_table[layer]].name]
+    ffn = s.ffn[layout.ffn[layout.ffn_table[layer]].name]
+    at = s.ffn_rows[layer] - s.attention_rows[layer]
+    return rows[: attention.rows], rows[at : at + ffn.rows]
+
+
 @pytest.mark.parametrize(
     "spec_ref",
     UNPACK_CASES,
@@ -84,7 +94,7 @@ def test_unpacking_gives_back_the_stored_tensors(spec_ref: str) -> None:
         layer_shapes = layer_weights(shapes, prefix)
         pieces = [
             unpack.layer_pieces(
-                layout, layer, pack.pack_stream_layer(layout, weights, rank, layer),
+                layout, layer, _kind_rows(layout, layer, pack.pack_stream_layer(layout, weights, rank, layer)),
                 pack.pack_vectors_layer(layout, weights, rank, layer),
                 pack.pack_experts_layer(layout, weights, rank, layer), layer_shapes,
             )

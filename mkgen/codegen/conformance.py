@@ -2,9 +2,9 @@
 
 The schedule the checks prove (mkgen/plan/schedule.py) and the template that renders the
 kernel must consume every layer kind's stream segments in the same order: the ring starts
-bank g + depth only after bank g is used, so a kernel that waits for its banks out of the
+bank g - 1 + depth only once bank g is reached, so a kernel that waits for its banks out of the
 program's order hangs at a shallow enough depth while every check of the program passes.
-The rendered source is read back here (its `matmul(x, first_bank, SEGMENT)` calls, in
+The rendered source is read back here (its `matmul(x, first_row, SEGMENT)` calls, in
 source order, each SEGMENT a module-level `Segment(offset=...)`) and compared with the
 program before a build is written.
 """
@@ -16,7 +16,7 @@ import ast
 from mkgen.plan.graph import ScheduleCheckError
 from mkgen.plan.layout import KernelLayout
 
-STREAM_FIRST_BANK = "first_bank"  # the kernel's name for a layer kind's first bank
+STREAM_FIRST_ROW = "first_row"  # the kernel's name for a layer kind's first stream row
 STREAM_SEGMENT = "Segment"  # the kernel's record of a stream segment (offset, shape, format)
 
 
@@ -36,12 +36,12 @@ def consumed_segments(source: str, layout: KernelLayout) -> dict[str, list[str]]
     kinds = [("_attention_", k) for k in layout.attention] + [("_ffn_", k) for k in layout.ffn]
     out: dict[str, list[str]] = {}
     for prefix, kind in kinds:
-        by_offset = {s.bank_offset: s.name for s in kind.segments}
+        by_offset = {s.offset: s.name for s in kind.segments}
         function = functions.get(prefix + kind.name)
         if function is None:
             raise ScheduleCheckError(f"the rendered kernel has no {prefix}{kind.name} function")
         consumed = [_stream_offset(call, offsets) for call in _matmuls(function)]
-        out[kind.name] = [by_offset.get(o, f"bank +{o}") for o in consumed if o is not None]
+        out[kind.name] = [by_offset.get(o, f"row +{o}") for o in consumed if o is not None]
     return out
 
 
@@ -86,14 +86,14 @@ def _matmuls(function: ast.FunctionDef) -> list[ast.Call]:
 
 
 def _stream_offset(call: ast.Call, offsets: dict[str, int]) -> int | None:
-    """`matmul(x, first_bank, SEGMENT)` -> SEGMENT's offset; None for other units (expert
+    """`matmul(x, first_row, SEGMENT)` -> SEGMENT's offset; None for other units (expert
     slots)."""
     first, segment = call.args[1], call.args[2]
-    if not (isinstance(first, ast.Name) and first.id == STREAM_FIRST_BANK):
+    if not (isinstance(first, ast.Name) and first.id == STREAM_FIRST_ROW):
         return None
     if isinstance(segment, ast.Name) and segment.id in offsets:
         return offsets[segment.id]
     raise ScheduleCheckError(
-        f"the rendered kernel streams {ast.unparse(segment)} from first_bank: not a Segment "
+        f"the rendered kernel streams {ast.unparse(segment)} from first_row: not a Segment "
         "constant with a literal offset"
     )

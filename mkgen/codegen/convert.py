@@ -9,16 +9,16 @@ formats), and writes::
     WEIGHTS/
       layout.json                  written last: what was converted for which build
       embedding.npy  final_norm.npy          replicated (the runner embeds on the host)
-      core-000/layer-000.stream.npy          the core's banks of layer 0 (bf16 bits)
+      core-000/layer-000.stream.npy          the core's stream rows of layer 0 (bf16 bits)
       core-000/layer-000.vectors.npy         its vector slab row block (f32)
       core-000/layer-000.experts-0.npy ...   its routed experts of layer 0 (MoE layers)
-      core-000/head.stream.npy               its lm_head banks
+      core-000/head.stream.npy               its lm_head rows (to the last bank's end)
       tokenizer.json                         the checkpoint's tokenizer, when it has one
       tokenizer_config.json                  its chat template and special tokens (mkgen serve)
       ...
 
-A core's stream is its layers' banks then the head's, in that order
-(pack.layer_bank_range); its expert array of a MoE kind stacks the kind's layers.
+A core's stream is its layers' rows then the head's, in that order
+(pack.layer_row_range); its expert array of a MoE kind stacks the kind's layers.
 
 Properties:
 
@@ -678,10 +678,11 @@ def read_stream(
 ) -> np.ndarray:
     """One core's weight stream [total_banks, bank_rows, LANES] bf16, from its unit files."""
     stream = np.empty((layout.stream.total_banks, layout.stream.bank_rows, pack.LANES), pack.BF16)
+    rows = stream.reshape(-1, pack.LANES)
     for unit in units(layout)[1:]:
-        first, end = pack.layer_bank_range(layout, unit.layer)
+        first, end = pack.layer_row_range(layout, unit.layer)
         name = f"{core_dir(rank)}/{unit.name}.stream.npy"
-        stream[first:end] = read_array(directory, manifest["files"], name, verify=verify)
+        rows[first:end] = read_array(directory, manifest["files"], name, verify=verify)
     return stream
 
 

@@ -85,6 +85,21 @@ def chunked(matrix: np.ndarray, k_chunks: int, col_blocks: int) -> np.ndarray:
     return blocks.reshape(-1, CHUNK, LANES)
 
 
+def bf16_chunk_rows(segment: Segment, matrix: np.ndarray) -> np.ndarray:
+    """A bf16 segment's stream rows [segment.rows, LANES] (mkgen/plan/stream.py): each
+    column block's `chunk_rows`-row chunks of the fan-in, then the transposed tail block's
+    chunks (its columns as rows, LANES of the fan-in each)."""
+    k, rows, tail = segment.k_chunks, segment.chunk_rows, segment.tail_rows
+    padded = np.zeros((k * CHUNK, segment.col_blocks * LANES), np.float32)
+    padded[: matrix.shape[0], : matrix.shape[1]] = matrix
+    blocks = padded[: k * rows, : segment.blocks * LANES].reshape(k, rows, segment.blocks, LANES)
+    out = [blocks.transpose(2, 0, 1, 3).reshape(-1, LANES)]
+    if tail:
+        columns = padded[:, segment.blocks * LANES : segment.blocks * LANES + tail]  # [K, tail]
+        out.append(columns.reshape(k, LANES, tail).transpose(0, 2, 1).reshape(-1, LANES))
+    return np.concatenate(out)
+
+
 def _chunk_scales(segment: Segment, matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(codes [chunks, CHUNK, LANES], scales f32 [chunks, scale rows / 2, LANES]) of a
     quantized segment, chunks in stream order. int8: the column scales over the whole
@@ -109,16 +124,13 @@ def _chunk_scales(segment: Segment, matrix: np.ndarray) -> tuple[np.ndarray, np.
     ).astype(np.float32)
 
 
-def segment_banks(segment: Segment, matrix: np.ndarray, bank_rows: int) -> np.ndarray:
-    """A segment's chunks, padded to whole banks [banks, bank_rows, LANES] of bf16 bits
-    (uint16): bf16 chunks as they are; a quantized chunk's code bytes as bf16 rows, and
-    after the bank's chunks (Segment.scale_row) their scales."""
-    out = np.zeros((segment.banks, bank_rows, LANES), np.uint16)
+def segment_rows(segment: Segment, matrix: np.ndarray, bank_rows: int) -> np.ndarray:
+    """A segment's stream rows [segment.rows, LANES] of bf16 bits (uint16): bf16 chunks as
+    bf16_chunk_rows lays them out; a quantized segment's whole banks, a chunk's code bytes
+    as bf16 rows, and after the bank's chunks (Segment.scale_row) their scales."""
     if segment.format == "bf16":
-        rows = chunked(matrix, segment.k_chunks, segment.col_blocks).reshape(-1, LANES)
-        flat = out.reshape(-1, LANES)
-        flat[: rows.shape[0]] = rows.astype(BF16).view(np.uint16)
-        return out
+        return bf16_chunk_rows(segment, matrix).astype(BF16).view(np.uint16)
+    out = np.zeros((segment.rows // bank_rows, bank_rows, LANES), np.uint16)
     codes, scales = _chunk_scales(segment, matrix)
     code_rows = as_bf16_rows(codes).view(np.uint16)  # [chunks, code_rows, LANES]
     scale_rows = as_bf16_rows(scales).view(np.uint16)  # [chunks, scale_rows, LANES]
@@ -128,58 +140,57 @@ def segment_banks(segment: Segment, matrix: np.ndarray, bank_rows: int) -> np.nd
         out[bank, j * segment.code_rows : (j + 1) * segment.code_rows] = code_rows[c]
         at = segment.scale_row + j * segment.scale_rows
         out[bank, at : at + segment.scale_rows] = scale_rows[c]
-    return out
+    return out.reshape(-1, LANES)
 
 
-def layer_bank_range(layout: KernelLayout, layer: int) -> tuple[int, int]:
-    """[first, end) banks of the stream that hold layer `layer` (attention, then FFN
-    segments); layer -1 is the tail (the lm_head). Every layer's banks are contiguous and in
-    layer order, so a stream is the concatenation of its layers' ranges and the tail's."""
+def layer_row_range(layout: KernelLayout, layer: int) -> tuple[int, int]:
+    """[first, end) rows of the stream that hold layer `layer` (attention, then FFN
+    segments, and any rows before the next layer's); layer -1 is the tail (the lm_head, to
+    the end of the last bank). Every layer's rows are contiguous and in layer order, so a
+    stream is the concatenation of its layers' ranges and the tail's."""
     s = layout.stream
     count = len(layout.attention_table)
     if layer < 0:
-        return s.lm_head_bank, s.total_banks
-    end = s.attention_banks[layer + 1] if layer + 1 < count else s.lm_head_bank
-    return s.attention_banks[layer], end
+        return s.lm_head_row, s.total_banks * s.bank_rows
+    end = s.attention_rows[layer + 1] if layer + 1 < count else s.lm_head_row
+    return s.attention_rows[layer], end
 
 
 def _place(out: np.ndarray, layout: KernelLayout, first: int, segments, tensors, prefix, rank):
-    """Write `segments` into `out`, their first bank at out[first] (`first` relative to
-    out's bank 0)."""
+    """Write `segments` into the rows `out`, their kind's first row at out[first]."""
     for segment in segments:
-        start = first + segment.bank_offset
-        if start < 0 or start + segment.banks > len(out):
-            raise ValueError(f"{prefix}{segment.name}: banks outside the layer's range")
+        start = first + segment.offset
+        if start < 0 or start + segment.rows > len(out):
+            raise ValueError(f"{prefix}{segment.name}: rows outside the layer's range")
         matrix = segment_matrix(segment, tensors, prefix, rank)
-        out[start : start + segment.banks] = segment_banks(segment, matrix, layout.stream.bank_rows)
+        out[start : start + segment.rows] = segment_rows(segment, matrix, layout.stream.bank_rows)
 
 
 def pack_stream_layer(
     layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int, layer: int
 ) -> np.ndarray:
-    """One core's banks of one layer (layer -1: the lm_head tail) [banks, bank_rows, LANES]
-    in bf16, as they sit in its stream (layer_bank_range). Reads only that layer's tensors
-    (or the lm_head's)."""
-    first, end = layer_bank_range(layout, layer)
-    out = np.zeros((end - first, layout.stream.bank_rows, LANES), np.uint16)
+    """One core's stream rows of one layer (layer -1: the lm_head tail) [rows, LANES] in
+    bf16, as they sit in its stream (layer_row_range). Reads only that layer's tensors (or
+    the lm_head's)."""
+    first, end = layer_row_range(layout, layer)
+    out = np.zeros((end - first, LANES), np.uint16)
     if layer < 0:
         _place(out, layout, 0, layout.stream.tail, tensors, "", rank)
         return out.view(BF16)
     s, prefix = layout.stream, f"layers.{layer}."
     attention = layout.attention[layout.attention_table[layer]]
     ffn = layout.ffn[layout.ffn_table[layer]]
-    _place(out, layout, s.attention_banks[layer] - first, attention.segments, tensors, prefix, rank)
-    _place(out, layout, s.ffn_banks[layer] - first, ffn.segments, tensors, prefix, rank)
+    _place(out, layout, s.attention_rows[layer] - first, attention.segments, tensors, prefix, rank)
+    _place(out, layout, s.ffn_rows[layer] - first, ffn.segments, tensors, prefix, rank)
     return out.view(BF16)
 
 
 def pack_stream(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int) -> np.ndarray:
     """One core's weight stream [total_banks, bank_rows, LANES] in bf16 (quantized
-    segments: their bytes viewed as bf16): its layers' banks, then the lm_head's."""
+    segments: their bytes viewed as bf16): its layers' rows, then the lm_head's."""
     layers = range(len(layout.attention_table))
-    return np.concatenate(
-        [pack_stream_layer(layout, tensors, rank, layer) for layer in [*layers, -1]]
-    )
+    rows = [pack_stream_layer(layout, tensors, rank, layer) for layer in [*layers, -1]]
+    return np.concatenate(rows).reshape(-1, layout.stream.bank_rows, LANES)
 
 
 def pack_vectors_layer(

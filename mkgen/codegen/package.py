@@ -105,9 +105,9 @@ RECURRENT = ("gated_deltanet", "kda")
 _MODEL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 
 
-# Mini twins use small banks and a shallow ring so that a few layers already wrap the
-# ring several times and segments span several banks.
-MINI_BANK_ROWS = 512
+# Mini twins use small banks (CHUNK rows: a chunk spans at most two) and a shallow ring so
+# that a few layers already wrap the ring several times and chunks straddle banks.
+MINI_BANK_ROWS = 256
 MINI_RING_DEPTH = 3
 MINI_PIECE_CHUNKS = 1  # expert slices in several pieces, the slots wrapping within a layer
 
@@ -327,6 +327,7 @@ def render_build(
     mini_kernel_args(). The kernel, the checks, the report and plan.json all come from
     that one plan. `line` is how the printed commands name the build."""
     from mkgen.plan import plan_build
+    from mkgen.plan.sharding import full_size_splits
     from mkgen.spec.mini import mini_twin
 
     check_renderable(spec)
@@ -382,6 +383,7 @@ def render_build(
             context=MINI_CONTEXT,
             ring_depth=options.ring_depth,
             expert_slots=options.expert_slots,
+            splits=full_size_splits(options.apply(spec), topology, options),
         )
         mini = render_build(
             mini_twin(options.apply(spec), topology.num_devices),
@@ -534,6 +536,18 @@ def report_context(
                     "us": f"{c.time_s * 1e6:.2f}",
                 }
             )
+    # Split or replicated, as the planner scored it: low-rank A-projections and routers.
+    choices = [
+        {"where": f"attention {k}", "what": "low-rank A-projections", "choice": a.latent,
+         "why": a.why}
+        for k, a in sharding.attention.items()
+        if a.latent != "none"
+    ] + [
+        {"where": f"ffn {k}", "what": "router", "choice": f.router,
+         "why": next(t.why for t in f.tensors if t.name == "ffn.router")}
+        for k, f in sharding.ffn.items()
+        if f.router != "none"
+    ]  # fmt: skip
     hbm = []
     for title, table in (
         ("weights", mem.weights_by_family),
@@ -557,7 +571,7 @@ def report_context(
                         "where": f"{section} {k.name} (x{len(k.layers)} layers)",
                         "segment": seg.name,
                         "shape": f"{seg.fan_in} x {seg.fan_out}",
-                        "banks": seg.banks,
+                        "rows": seg.rows,
                         "bytes": _mib(seg.bytes),
                     }
                 )
@@ -567,7 +581,7 @@ def report_context(
                 "where": "lm_head (once)",
                 "segment": seg.name,
                 "shape": f"{seg.fan_in} x {seg.fan_out}",
-                "banks": seg.banks,
+                "rows": seg.rows,
                 "bytes": _mib(seg.bytes),
             }
         )
@@ -610,6 +624,7 @@ def report_context(
         "quant": sorted((f, q) for f, q in quant.items() if mem.weights_by_family.get(f)),
         "kinds": kinds,
         "tensors": tensors,
+        "split_choices": choices,
         "collectives": collectives,
         "collective_stages": plan.vmem.dims.collectives.describe(),
         "hbm": hbm,
@@ -621,6 +636,7 @@ def report_context(
         "stream": stream,
         "bank_bytes": _mib(stream.bank_bytes),
         "stream_bytes": _mib(stream.bytes_per_step),
+        "stream_padding": _mib(stream.padding_bytes),
         "stream_rows": stream_rows,
         "estimate": est,
         "bar": bar_text(est.step_ms, plan.ideal_floor, plan.hand_written),

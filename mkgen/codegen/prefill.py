@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mkgen.codegen import unpack
-from mkgen.codegen.pack import expert_arrays, layer_bank_range
+from mkgen.codegen.pack import expert_arrays
 from mkgen.plan.layout import (
     DenseLayout,
     GQALayout,
@@ -170,18 +170,23 @@ def _layer_step(
     """A jitted pass of one prompt chunk through one layer of `layer`'s kinds (layers of
     the same attention and FFN kinds share it, one compilation per chunk size): (stream,
     vectors, the FFN kind's expert arrays, h [B, chunk, hidden], the layer's reference
-    cache, the chunk's first position, the layer's first bank, its index, its FFN slot) ->
-    (h after the layer, the cache holding the chunk too)."""
-    start, end = layer_bank_range(layout, layer)
-    banks = end - start
+    cache, the chunk's first position, the first stream rows of the layer's attention and
+    FFN kinds, its index, its FFN slot) -> (h after the layer, the cache holding the chunk
+    too)."""
+    attention = layout.attention[layout.attention_table[layer]]
     ffn = layout.ffn[layout.ffn_table[layer]]
+    sizes = (layout.stream.attention[attention.name].rows, layout.stream.ffn[ffn.name].rows)
     columns_split = _columns_split(ffn)
 
-    def body(stream, vectors, experts, h, cache, position, first, index, slot):
-        layer_banks = jax.lax.dynamic_slice_in_dim(stream[0], first, banks, axis=0)
+    def body(stream, vectors, experts, h, cache, position, firsts, index, slot):
+        rows = stream[0].reshape(-1, stream.shape[-1])
+        kind_rows = tuple(
+            jax.lax.dynamic_slice_in_dim(rows, first, size, axis=0)
+            for first, size in zip(firsts, sizes, strict=True)
+        )
         slab = vectors[0, index]
         own = [array[0, slot] for array in experts]
-        pieces = unpack.layer_pieces(layout, layer, layer_banks, slab, own, shapes)
+        pieces = unpack.layer_pieces(layout, layer, kind_rows, slab, own, shapes)
         routed = {n: pieces.pop(f"ffn.{n}") for n in unpack.EXPERT_TENSORS if f"ffn.{n}" in pieces}
         mine = {}  # the MLP's pieces of this core, when they are used unassembled
         if columns_split:
@@ -282,7 +287,8 @@ class XlaPrefill:
                 ]
             step = self._step(layer)
             experts = tuple(placed["experts"][i] for i in _expert_arrays(layout, layer))
-            first = layer_bank_range(layout, layer)[0]
+            stream = layout.stream
+            firsts = (jnp.int32(stream.attention_rows[layer]), jnp.int32(stream.ffn_rows[layer]))
             empty = jax.eval_shape(  # zeros made on the host: each process places the same
                 lambda layer=layer: reference.init_layer_cache(
                     spec, layer, batch, layout.context, jnp.bfloat16
@@ -294,7 +300,7 @@ class XlaPrefill:
             for c, (position, _) in enumerate(chunks):
                 h[c], cache = step(
                     placed["stream"], placed["vectors"], experts, h[c], cache, jnp.int32(position),
-                    jnp.int32(first), jnp.int32(layer), jnp.int32(layout.ffn_slot[layer]),
+                    firsts, jnp.int32(layer), jnp.int32(layout.ffn_slot[layer]),
                 )  # fmt: skip
             kind = layout.attention_table[layer]
             for name, value in self.cutters[kind](cache).items():

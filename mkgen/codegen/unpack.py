@@ -90,14 +90,21 @@ def from_chunks(chunks: jax.Array, k_chunks: int, col_blocks: int, shape: tuple[
     return matrix[: shape[0], : shape[1]]
 
 
-def segment_matrix(segment: Segment, banks: jax.Array) -> jax.Array:
-    """A segment's banks [banks, bank_rows, LANES] (bf16) -> its f32 matrix [fan_in,
-    fan_out] (pack.segment_banks, inverted; quantized chunks times their scales)."""
+def segment_matrix(segment: Segment, rows: jax.Array, bank_rows: int) -> jax.Array:
+    """A segment's stream rows [segment.rows, LANES] (bf16) -> its f32 matrix [fan_in,
+    fan_out] (pack.segment_rows, inverted; quantized chunks times their scales)."""
     shape = (segment.fan_in, segment.fan_out)
     if segment.format == "bf16":
-        rows = banks.reshape(-1, LANES)[: segment.chunks * CHUNK]
-        chunks = rows.reshape(segment.chunks, CHUNK, LANES).astype(jnp.float32)
-        return from_chunks(chunks, segment.k_chunks, segment.col_blocks, shape)
+        k, size, tail = segment.k_chunks, segment.chunk_rows, segment.tail_rows
+        body = rows[: segment.blocks * k * size].astype(jnp.float32)
+        blocks = body.reshape(segment.blocks, k * size, LANES).transpose(1, 0, 2)
+        matrix = blocks.reshape(k * size, segment.blocks * LANES)[: segment.fan_in]
+        if tail:
+            columns = rows[segment.blocks * k * size :].astype(jnp.float32)
+            columns = columns.reshape(k, tail, LANES).transpose(0, 2, 1).reshape(k * LANES, tail)
+            matrix = jnp.concatenate([matrix, columns[: segment.fan_in]], axis=1)
+        return matrix[:, : segment.fan_out]
+    banks = rows.reshape(-1, bank_rows, LANES)
     per, n = segment.chunks_per_bank, len(banks) * segment.chunks_per_bank
     code_rows = banks[:, : per * segment.code_rows].reshape(n, segment.code_rows, LANES)
     at = segment.scale_row
@@ -165,29 +172,24 @@ def expert_matrices(experts: ExpertChunks, chunks: jax.Array) -> dict[str, jax.A
 def layer_pieces(
     layout: KernelLayout,
     layer: int,
-    banks: jax.Array,
+    kind_rows: tuple[jax.Array, jax.Array],
     slab: jax.Array,
     experts: list[jax.Array],
     shapes: Mapping[str, tuple[int, ...]],
 ) -> dict[str, jax.Array]:
     """One core's pieces of layer `layer`'s tensors, keyed by their names in the layer
-    (attn.wq, ffn.experts_up, attn_norm, ...): banks [layer banks, bank_rows, LANES] from
-    pack.layer_bank_range, its vector slab and (MoE layers) its expert arrays. Each piece
-    has the shape pack.part_slice cuts (in its part's view), routed-expert tensors
-    (EXPERT_TENSORS) the rank's experts and width part; `shapes` holds the layer's full
-    tensor shapes by the same names."""
-    s = layout.stream
-    first = s.attention_banks[layer]
+    (attn.wq, ffn.experts_up, attn_norm, ...): the stream rows of its attention kind and of
+    its FFN kind (each from the kind's first row, KindStream.rows of them), its vector slab
+    and (MoE layers) its expert arrays. Each piece has the shape pack.part_slice cuts (in
+    its part's view), routed-expert tensors (EXPERT_TENSORS) the rank's experts and width
+    part; `shapes` holds the layer's full tensor shapes by the same names."""
     attention = layout.attention[layout.attention_table[layer]]
     ffn = layout.ffn[layout.ffn_table[layer]]
     pieces = {"attn_norm": slab[0, : layout.hidden], "ffn_norm": slab[1, : layout.hidden]}
-    for kind_first, segments in (
-        (s.attention_banks[layer], attention.segments),
-        (s.ffn_banks[layer], ffn.segments),
-    ):
+    for rows, segments in zip(kind_rows, (attention.segments, ffn.segments), strict=True):
         for segment in segments:
-            start = kind_first - first + segment.bank_offset
-            matrix = segment_matrix(segment, banks[start : start + segment.banks])
+            own = rows[segment.offset : segment.offset + segment.rows]
+            matrix = segment_matrix(segment, own, layout.stream.bank_rows)
             column = 0
             for part in segment.parts:
                 width = piece_shape(part, shapes[part.tensor])[-1]

@@ -51,7 +51,7 @@ class Step:
     kind: Any  # the spec's kind
     shard: Any  # its AttentionSharding or FFNSharding
     segments: dict[str, Segment]  # its stream segments by name, in stream order
-    first_bank: int  # the layer's first bank of this kind
+    stream_row: int  # the layer's first stream row of this kind
     collectives: dict[str, Any]  # its collectives by name (mkgen.plan.sharding.Collective)
     vectors: int  # the op that loaded the layer's vector slab
     x: int  # the op that produced its normed input

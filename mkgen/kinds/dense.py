@@ -69,7 +69,7 @@ def buffers(out: Any, i: BufferInputs) -> None:
 
 def program(b: Any, s: Step) -> int:
     """The layer's ops (OPS): gate|up, the activation, down, all-reduce."""
-    layer, name, segs, first = s.layer, s.name, s.segments, s.first_bank
+    layer, name, segs, first = s.layer, s.name, s.segments, s.stream_row
     y = s.x
     for op in OPS:
         if op == "activation":

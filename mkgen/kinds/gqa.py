@@ -152,7 +152,7 @@ def program(b: Any, s: Step) -> int:
     y = wrote = s.x
     for op in OPS:
         if op in ("qkv", "o"):
-            y = b.segment(layer, name, s.segments[op], s.first_bank, y)
+            y = b.segment(layer, name, s.segments[op], s.stream_row, y)
         elif op == "heads":
             qkv = y = b.vec(layer, f"{name}: q/k norm, rope, new rows", y, 8 * b.t * dims.hidden,
                             ((s.vectors, None, 0),))  # fmt: skip

@@ -52,7 +52,7 @@ def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
         raise heads_error(ctx, kind_name, "heads", a.num_heads)
     hpr = a.num_heads // d
     a_names = [n for n, _, _ in specs if n in ("wf_a", "wg_a")]
-    latent, why_latent = latent_choice(ctx, specs, a_names, "kda_gate_rank")
+    latent, why_latent = latent_choice(ctx, kind_name, specs, a_names, "kda_gate_rank")
     for name, shape, family in specs:
         if name in a_names:
             if latent == "split":

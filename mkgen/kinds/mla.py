@@ -13,7 +13,6 @@ from mkgen.plan.layout import (
     VectorRow,
     rope_layout,
     segment_columns,
-    unsupported,
 )
 from mkgen.plan.options import kv_tile
 from mkgen.plan.sharding import (
@@ -53,7 +52,7 @@ def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
         raise heads_error(ctx, kind_name, "heads", a.num_heads)
     hpr = a.num_heads // d
     a_names = [n for n, _, _ in specs if n in ("wq_a", "wkv_a")]
-    latent, why_latent = latent_choice(ctx, specs, a_names, "mla_latent")
+    latent, why_latent = latent_choice(ctx, kind_name, specs, a_names, "mla_latent")
     for name, shape, family in specs:
         if name in a_names:
             if latent == "split":
@@ -87,8 +86,6 @@ def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
 def layout(i: LayoutInputs) -> MLALayout:
     kind, shard = i.kind, i.shard
     context, batch = i.options.context, i.options.batch
-    if shard.latent == "split":
-        unsupported(f"attention_kinds.{i.name}: MLA latent projections split over cores")
     parts = {t.name: part_of(t, i.devices) for t in shard.tensors}
     present = [n for n in ("q_norm", "kv_norm") if f"attn.{n}" in parts]
     vectors = [
@@ -119,6 +116,7 @@ def layout(i: LayoutInputs) -> MLALayout:
         if kind.rope
         else None,
         columns=segment_columns(i.segments, "down", "attn."),
+        latent_split=shard.latent == "split",
         segments=i.segments,
         ops=ops(kind),
         vectors=vectors,
@@ -166,7 +164,7 @@ def program(b: Any, s: Step) -> int:
     y = wrote = s.x
     for op in ops(kind):
         if op in ("down", "q_b", "uk", "uv", "o"):
-            y = b.segment(layer, name, s.segments[op], s.first_bank, y)
+            y = b.segment(layer, name, s.segments[op], s.stream_row, y)
             if op == "down":  # the latent projections' all-gather when they are split
                 y = b.collective(layer, s.collectives.get("mla_latent"), y)
         elif op == "latent_norms":

@@ -48,7 +48,7 @@ FORMAT_NOTES = {
 
 def shard(ctx: Any, kind_name: str, f: Any) -> FFNSharding:
     """How the kind's tensors split over the cores (mkgen.plan.sharding's context `ctx`):
-    experts split in groups x width parts (choose_expert_split); the latent design (rs_ar or ar_ag) priced; router, norms and biases replicated."""
+    experts split in groups x width parts (choose_expert_split); the latent design (rs_ar or ar_ag) priced; the router's columns split or replicated (_router_choice); norms and biases replicated."""
     h, d = ctx.h, ctx.d
     s = KindShards(ctx, "ffn.", f"ffn_kinds.{kind_name}: ")
     weights = ffn_weights(f, h)
@@ -64,9 +64,14 @@ def shard(ctx: Any, kind_name: str, f: Any) -> FFNSharding:
         # Shared experts add partial sums of hidden: with ar_ag they would need their own
         # all-reduce, so they force rs_ar.
         design = "ar_ag" if ar_ag < rs_ar and not f.shared_experts else "rs_ar"
+    router, why_router = _router_choice(ctx, kind_name, f, d_in)
     for w in weights:
         n = w.name
-        if n in ("router", "router_bias", "selection_bias", "latent_norm", "shared_gate_proj"):
+        if n == "router" and router == "split":
+            s.add(w.name, w.shape, w.family, split_axis=1, parts=d, why=why_router)
+        elif n == "router":
+            s.add(w.name, w.shape, w.family, why=why_router)
+        elif n in ("router_bias", "selection_bias", "latent_norm", "shared_gate_proj"):
             s.add(
                 w.name,
                 w.shape,
@@ -148,7 +153,8 @@ def shard(ctx: Any, kind_name: str, f: Any) -> FFNSharding:
         else:  # pragma: no cover - the inventory has no other MoE tensors
             raise SpecError(f"{s.where}tensor {n!r}: no sharding rule")
     if f.latent:
-        s.collectives.append(ctx.collective("latent_in", "all_gather", "ffn.latent_in", d_in))
+        gathered = d_in + (f.num_experts if router == "split" else 0)  # the scores ride along
+        s.collectives.append(ctx.collective("latent_in", "all_gather", "ffn.latent_in", gathered))
         if design == "ar_ag":
             s.collectives.append(
                 ctx.collective("expert_out", "all_reduce", "ffn.experts_down", d_in)
@@ -161,17 +167,58 @@ def shard(ctx: Any, kind_name: str, f: Any) -> FFNSharding:
             s.collectives.append(ctx.collective("ffn_out", "all_reduce", "ffn.latent_out", h))
     else:
         s.collectives.append(ctx.collective("ffn_out", "all_reduce", "ffn.experts_down", h))
-    why = split.why + (f"; latent design {design}" if f.latent else "")
+    why = split.why + (f"; latent design {design}" if f.latent else "") + f"; {why_router}"
     return FFNSharding(
         kind=kind_name, type=f.type, tensors=tuple(s.tensors), collectives=tuple(s.collectives),
-        experts=split, latent_design=design, why=why,
+        experts=split, latent_design=design, why=why, router=router,
     )  # fmt: skip
+
+
+def _router_choice(
+    ctx: Any, kind_name: str, f: Any, d_in: int
+) -> tuple[Literal["split", "replicated"], str]:
+    """Replicate the router, or split its columns over the cores and gather the scores.
+
+    Compares the router bytes a replica streams per layer against a split's bytes plus
+    what gathering the scores adds: with a latent only the wider latent all-gather (the
+    scores ride in it), without one a collective of its own."""
+    d, experts = ctx.d, f.num_experts
+    if d == 1:
+        return "replicated", "router replicated (one core)"
+    if experts % d:
+        return "replicated", f"router replicated ({experts} experts do not split {d} ways)"
+    shape = (ctx.h, experts)
+    try:
+        split = ctx.shard("ffn.router", shape, "router", split_axis=1, parts=d)
+    except SpecError as why:  # e.g. block-scaled formats whose blocks a split would cut
+        return "replicated", f"router replicated (a split is not possible: {why})"
+    full = ctx.shard("ffn.router", shape, "router")
+    if f.latent:
+        wider = ctx.collective("latent_in", "all_gather", "", d_in + experts).time_s
+        gather_s = wider - ctx.collective("latent_in", "all_gather", "", d_in).time_s
+        how = "scores inside the latent all-gather"
+    else:
+        gather_s = ctx.collective("router", "all_gather", "", experts).time_s
+        how = "scores all-gathered"
+    split_s = ctx.stream_s(split.rank_bytes) + gather_s
+    replicated_s = ctx.stream_s(full.rank_bytes)
+    costs = (
+        f"split + {how} {split_s * 1e6:.2f} us vs replicated {replicated_s * 1e6:.2f} us per layer"
+    )
+    forced = ctx.options.splits
+    if forced is not None:
+        choice = "split" if f"ffn.{kind_name}.router" in forced else "replicated"
+        return choice, f"router {choice} as in the full-size build ({costs})"
+    choice = "split" if split_s < replicated_s else "replicated"
+    return choice, f"router {choice}: {costs}"
 
 
 def layout(i: LayoutInputs) -> MoELayout:
     kind, shard, name = i.kind, i.shard, i.name
     if kind.activation.kind == "gelu":
         unsupported(f"ffn_kinds.{name}: exact gelu (use gelu_tanh)")
+    if shard.router == "split" and not kind.latent:
+        unsupported(f"ffn_kinds.{name}: a router split over cores without a latent all-gather")
     if shard.latent_design == "ar_ag" and kind.shared_experts:
         unsupported(f"ffn_kinds.{name}: shared experts beside a latent MoE combined by all-gather")
     parts = {t.name: part_of(t, i.devices) for t in shard.tensors}
@@ -218,6 +265,7 @@ def layout(i: LayoutInputs) -> MoELayout:
         latent_norm=bool(kind.latent and kind.latent.norm),
         latent_design=shard.latent_design,
         latent_per_rank=columns["latent_in"].size if "latent_in" in columns else 0,
+        router_split=shard.router == "split",
         shared_width=columns["shared_gate"].size if "shared_gate" in columns else 0,
         shared_gate="shared_gate_proj" in columns,
         columns=columns,
@@ -273,20 +321,26 @@ def ops(kind: Any) -> list[str]:
 def program(b: Any, s: Step) -> int:
     """The layer's ops (`ops`): the "in" segments (router, latent_in, shared gate|up),
     routing, the latent's all-gather and norm, the chosen experts, the shared experts'
-    down projection, the latent's way back to hidden, the combine."""
-    layer, name, kind, segs, first = s.layer, s.name, s.kind, s.segments, s.first_bank
+    down projection, the latent's way back to hidden, the combine. A split router's scores
+    ride in the latent's all-gather, which routing then waits for."""
+    layer, name, kind, segs, first = s.layer, s.name, s.kind, s.segments, s.stream_row
     v, colls = s.vectors, s.collectives
     y = route = lat = out = s.x
-    shared = None
+    shared = gathered = None
     for op in ops(kind):
         if op == "in":
             for seg in (seg for n, seg in segs.items() if n.split(".")[0] == "in"):
                 y = b.segment(layer, name, seg, first, y)  # one segment per format of "in"
         elif op == "route":
+            if s.shard.router == "split":
+                gathered = b.collective(layer, colls["latent_in"], y)
+            scores = y if gathered is None else gathered
             route = b.run("routing", f"L{layer} {name}: router scores, top-{kind.top_k}", layer,
-                          4 * b.t * kind.num_experts * kind.top_k, ((y, None, 0), (v, None, 0)))  # fmt: skip
+                          4 * b.t * kind.num_experts * kind.top_k, ((scores, None, 0), (v, None, 0)))  # fmt: skip
         elif op == "latent_in":
-            lat = b.collective(layer, colls.get("latent_in"), y)
+            lat = (
+                gathered if gathered is not None else b.collective(layer, colls.get("latent_in"), y)
+            )
             lat = b.vec(layer, f"{name}: latent norm", lat, 5 * b.t * kind.latent.width,
                         ((v, None, 0),))  # fmt: skip
         elif op == "experts":

@@ -100,7 +100,7 @@ def program(b: Any, s: Step, state: tuple[int, int, int, int], ops: list[str]) -
         elif op == "combine":
             y = b.collective(layer, s.collectives.get("attn_out"), y)
         else:  # in, KDA's f_b and g_b: stream matmuls
-            y = b.segment(layer, name, s.segments[op], s.first_bank, y)
+            y = b.segment(layer, name, s.segments[op], s.stream_row, y)
             if op == "in":  # KDA's low-rank gate inputs' all-gather when they are split
                 y = b.collective(layer, s.collectives.get("kda_gate_rank"), y)
     return y

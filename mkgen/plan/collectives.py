@@ -26,6 +26,7 @@ Pure data (pydantic): the template renders the stages, never decides them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -130,15 +131,27 @@ def _round_lanes(n: int) -> int:
     return max(LANES, -(-n // LANES) * LANES)
 
 
+def collective_buffers(attention: Sequence[Any], ffn: Sequence[Any]) -> dict[str, int]:
+    """The landing buffer of each collective of a layer, by name, as the kernel numbers
+    them: the attention's output all-reduce (its last) lands in buffer 0, the FFN's k-th
+    collective in 1 + k. An all-gather before the attention's all-reduce (MLA's split
+    A-projections) borrows buffer 1: the FFN writes a member's slot of it again only after
+    that all-reduce, which needs the member's contribution, sent after it read the slot."""
+    buffers = {c.name: 1 + k for k, c in enumerate(attention[:-1])}
+    buffers[attention[-1].name] = 0
+    return buffers | {c.name: 1 + k for k, c in enumerate(ffn)}
+
+
 def layer_uses(sharding: Any) -> list[list[tuple[str, Op, int]]]:
-    """(name, op, width) of the k-th collective of a layer, for every layer kind pair of
-    `sharding` (a ShardingPlan): the attention kind's collectives, then the FFN's."""
+    """(name, op, width) of the collectives landing in buffer k, for every layer kind pair
+    of `sharding` (a ShardingPlan), numbered by collective_buffers."""
     uses: list[list[tuple[str, Op, int]]] = []
     for attn, ffn in sorted(set(sharding.layer_table)):
-        seq = [(attn, c) for c in sharding.attention[attn].collectives]
-        seq += [(ffn, c) for c in sharding.ffn[ffn].collectives]
-        for k, (kind, c) in enumerate(seq):
-            if k == len(uses):
+        a, f = sharding.attention[attn], sharding.ffn[ffn]
+        buffers = collective_buffers(a.collectives, f.collectives)
+        for kind, c in [(attn, c) for c in a.collectives] + [(ffn, c) for c in f.collectives]:
+            k = buffers[c.name]
+            while k >= len(uses):
                 uses.append([])
             use = (f"{kind}.{c.name}", c.op, c.width)
             if use not in uses[k]:

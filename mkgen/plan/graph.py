@@ -440,11 +440,12 @@ def _check_deadlock(schedule: Schedule, fail: _Failures) -> None:
                 fail.add(
                     "deadlock_free",
                     f"at ring depth {depth}, '{user.get(node, nodes[node].name)}' waits for "
-                    f"bank {bank}, which the ring starts only after bank {bank - depth} is "
-                    "used, later in the program: the kernel would hang",
+                    f"bank {bank}, which the ring starts only once bank {bank - depth + 1} is "
+                    "reached, later in the program: the kernel would hang",
                 )
                 return
-            started.add(bank + depth)
+            if bank > 0:  # reaching bank b: bank b - 1 is used up, its slot takes b - 1 + depth
+                started.add(bank - 1 + depth)
 
 
 def _is_bank(node: Node) -> bool:
@@ -464,7 +465,7 @@ def _check_weights(schedule: Schedule, fail: _Failures) -> None:
         if op == START:
             starts[i] = starts.get(i, 0) + 1
     for node in schedule.nodes:
-        if node.key is None:
+        if node.key is None or not node.is_dma:
             continue
         times = starts.get(node.id, 0)
         kind = node.key[0]

@@ -137,6 +137,8 @@ class MLALayout(PlanModel):
     sinks: Literal[False] = False
     rope: Rope | None  # rope columns are stored de-interleaved (TensorView.rotary)
     columns: dict[str, Columns]  # outputs of the down segment: wq_a | wq, wkv_a, wgate
+    # wq_a and wkv_a split over the cores: one all-gather joins each one's pieces.
+    latent_split: bool
     segments: list[Segment]  # down, (q_b), uk, uv, o
     ops: list[str]  # the layer's ops in program order (mkgen.kinds.mla.ops): the kernel's order
     vectors: list[VectorRow]  # q_norm, kv_norm
@@ -338,6 +340,9 @@ class MoELayout(PlanModel):
     latent_norm: bool
     latent_design: Literal["rs_ar", "ar_ag", "none"]
     latent_per_rank: int
+    # The router's columns split over the cores: its scores are all-gathered beside the
+    # latent piece (one collective), then every core routes on all of them.
+    router_split: bool
     shared_width: int  # shared-expert columns per rank (0: none)
     shared_gate: bool
     columns: dict[str, Columns]  # outputs of the "in" segment: router, latent_in, shared_*

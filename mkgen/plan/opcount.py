@@ -283,24 +283,15 @@ def node_op_counts(
 
     layer_kinds = [tuple(k.split("/")) for k in schedule.layer_kinds]
 
-    # Each ring bank's share of its segment's matmul (by the chunks it holds).
-    bank_ops: dict[int, OpCounts] = {}
-
-    def spread(first: int, segments: Any) -> None:
-        for seg in segments:
-            # A quantized bank is read through a bitcast of the ring's bf16 rows.
-            fmt = seg.format if seg.format == "bf16" else f"stream:{seg.format}"
-            whole = ring_matmul(fmt, seg.k_chunks, seg.col_blocks)
-            for j in range(seg.banks):
-                held = min(seg.chunks_per_bank, seg.chunks - j * seg.chunks_per_bank)
-                share = OpCounts()
-                share.add_all(whole, held / seg.chunks)
-                bank_ops[first + seg.bank_offset + j] = share
-
-    for layer, (attn, ffn) in enumerate(layer_kinds):
-        spread(stream.attention_banks[layer], stream.attention[attn].segments)
-        spread(stream.ffn_banks[layer], stream.ffn[ffn].segments)
-    spread(stream.lm_head_bank, stream.tail)
+    # Each ring matmul node's share of its segment's matmul (by the chunks it reads): the
+    # schedule keys it ("matmul", format, k_chunks, col_blocks, chunks, chunks read).
+    def segment_share(key: tuple) -> OpCounts:
+        _, fmt, k_chunks, col_blocks, chunks, read = key
+        # A quantized bank is read through a bitcast of the ring's bf16 rows.
+        whole = ring_matmul(fmt if fmt == "bf16" else f"stream:{fmt}", k_chunks, col_blocks)
+        share = OpCounts()
+        share.add_all(whole, read / chunks)
+        return share
 
     # An expert piece's share of the expert's gate|up or down ring matmul.
     piece_ops: dict[tuple[str, bool], OpCounts] = {}
@@ -365,8 +356,7 @@ def node_op_counts(
             continue
         attn, ffn = layer_kinds[node.layer] if 0 <= node.layer < len(layer_kinds) else ("", "")
         if node.cat == "matmul":
-            bank = next(nodes[p].key[1] for p, res, _ in node.reads if res == "ring")
-            out.append(("stream matmul", bank_ops[bank]))
+            out.append(("stream matmul", segment_share(node.key)))
         elif node.cat == "expert_mm":
             piece = next(nodes[p].key[3] for p, res, _ in node.reads if res and p >= 0
                          and nodes[p].key and nodes[p].key[0] == "expert")  # fmt: skip

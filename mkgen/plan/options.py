@@ -149,6 +149,11 @@ class BuildOptions(BaseModel):
     # checked like a chosen one: it must fit VMEM and the schedule must not deadlock.
     ring_depth: int | None = None  # weight banks in flight
     expert_slots: int | None = None  # expert pieces in flight
+    # What is split over the cores rather than replicated, as "ffn.<kind>.router" and
+    # "attention.<kind>.latent" (None: the planner scores split against replicated). Set
+    # only for a mini twin, which takes its full-size build's choices
+    # (mkgen.plan.sharding.full_size_splits) so that it proves that kernel.
+    splits: tuple[str, ...] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> BuildOptions:

@@ -84,6 +84,9 @@ def plan_dict(plan: BuildPlan) -> dict[str, Any]:
             "bank_bytes": plan.stream.bank_bytes,
             "banks": plan.stream.total_banks,
             "bytes_per_step": plan.stream.bytes_per_step,
+            "weight_bytes": plan.stream.weight_bytes,
+            "padding_bytes": plan.stream.padding_bytes,
+            "padding_percent": round(plan.stream.padding_percent, 3),
         },
         "schedule": plan.schedule.model_dump(),
         "program": plan.program,
@@ -284,6 +287,7 @@ def plan_text(plan: BuildPlan) -> str:
             plan.vmem.dims.collectives.describe(),
             plan.memory.describe(),
             vmem_table(plan),
+            plan.stream.describe(),
             schedule_text(plan),
             "Estimate: " + plan.estimate.describe(),
             "Against the bar: "

@@ -17,9 +17,13 @@ for values. The policies are the kernel's (templates/megakernel.py.j2: GQA, Gate
 DeltaNet, KDA, dense, MoE) and, for what it does not render yet (MLA), the ones its
 design implies (docs/planner.md):
 
-- ring: banks 0..depth-1 start with the kernel; bank g lives in slot g % depth and is
-  waited just before its chunks are used; after its last use bank g + depth starts into
-  the same slot, whatever layer (or the lm_head) it belongs to;
+- ring: banks 0..depth-1 start with the kernel; bank g lives in slot g % depth (a bank
+  in slot 0 also copies its first CHUNK rows past the last slot, for a chunk that wraps
+  the ring) and is waited by the first chunk that reaches into it (a chunk may straddle
+  two banks and read both); once that chunk is used, bank g - 1 is used up and bank
+  g - 1 + depth starts into its slot, whatever layer (or the lm_head) it belongs to. The
+  schedule runs a bank's chunks as one node and starts the refill after it (the kernel
+  starts it after the first chunk: earlier, into another slot);
 - vector slabs: slab l in slot l % 2, waited at the top of layer l, slab l + 1 started
   right after;
 - KV tiles: per (sequence, kv head) pair, tiles double buffered (tile t in buffer
@@ -53,9 +57,10 @@ from pydantic import BaseModel, ConfigDict
 
 from mkgen.kinds.common import Step
 from mkgen.kinds.registry import kind_module
+from mkgen.plan.collectives import collective_buffers
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.sharding import Collective, ShardingPlan
-from mkgen.plan.stream import CHUNK, LANES, Segment, StreamPlan
+from mkgen.plan.stream import Segment, StreamPlan, bank_visits
 from mkgen.plan.vmem import VmemPlan
 from mkgen.spec.schema import (
     ModelSpec,
@@ -120,7 +125,9 @@ class Node:
         self.flops = flops
         self.repeat = repeat  # times the node runs per step (folded runtime loops)
         self.reads = reads
-        self.key = key  # weights: ("bank", g), ("vector", l), ("expert", l, i)
+        # weight DMAs: ("bank", g), ("vector", l), ("expert", l, i, piece); stream matmuls:
+        # ("matmul", format, k_chunks, col_blocks, chunks, chunks read) (mkgen.plan.opcount)
+        self.key = key
 
     @property
     def is_dma(self) -> bool:
@@ -381,7 +388,7 @@ class _Builder:
         self.total = stream.total_banks
         self.d = sharding.devices
         self.t = options.tokens
-        self.layer_collectives = 0  # collectives of this layer so far: picks the buffer
+        self.buffers: dict[str, int] = {}  # the landing buffer of each collective of the layer
         self.res = INIT  # the node that last wrote the residual stream
         self.experts_per_layer: dict[int, tuple[int, int]] = {}
         self.segment_order: dict[str, list[str]] = {}
@@ -442,7 +449,7 @@ class _Builder:
         self.events.append((WAIT, n))
 
     def run(self, cat: str, name: str, layer: int, flops: int = 0, reads: tuple = (),
-            writes: tuple[str, int] | None = None) -> int:  # fmt: skip
+            writes: tuple[str, int] | None = None, key: tuple | None = None) -> int:  # fmt: skip
         res, slot = writes if writes else (None, 0)
         n = len(self.nodes)
         self.nodes.append(
@@ -460,7 +467,7 @@ class _Builder:
                 flops,
                 self.repeat,
                 tuple(reads),
-                None,
+                key,
             )  # fmt: skip
         )
         self.events.append((RUN, n))
@@ -492,59 +499,64 @@ class _Builder:
 
     # --- the weight ring ---
     def _bank_nodes(self) -> list[int]:
-        owner = [""] * self.total
-        table = self.sh.layer_table
-        for layer, (attn, ffn) in enumerate(table):
+        bank_rows = self.stream.bank_rows
+        owners: list[list[str]] = [[] for _ in range(self.total)]
+
+        def own(first: int, seg: Segment, name: str) -> None:
+            lo, hi = seg.bank_span(first, bank_rows)
+            for g in range(lo, hi + 1):
+                owners[g].append(name)
+
+        for layer, (attn, ffn) in enumerate(self.sh.layer_table):
             for first, kind in (
-                (self.stream.attention_banks[layer], self.stream.attention[attn]),
-                (self.stream.ffn_banks[layer], self.stream.ffn[ffn]),
+                (self.stream.attention_rows[layer], self.stream.attention[attn]),
+                (self.stream.ffn_rows[layer], self.stream.ffn[ffn]),
             ):
                 for seg in kind.segments:
-                    for j in range(seg.banks):
-                        owner[first + seg.bank_offset + j] = f"L{layer} {kind.kind}.{seg.name}"
+                    own(first, seg, f"L{layer} {kind.kind}.{seg.name}")
         for seg in self.stream.tail:
-            for j in range(seg.banks):
-                owner[self.stream.lm_head_bank + seg.bank_offset + j] = seg.name
-        sems = [(f"ring_sems[{s}]",) for s in range(self.depth)]
+            own(self.stream.lm_head_row, seg, seg.name)
         ids = []
         for g in range(self.total):
+            slot = g % self.depth
+            # A bank in slot 0 also lands its first CHUNK rows past the last slot (the
+            # wrap, on its own semaphore): a second copy of bytes the bank brings.
+            wrap = (f"ring_sems[{self.depth}]",) if slot == 0 else ()
             ids.append(
                 self.dma(
                     "bank",
-                    f"bank {g} ({owner[g]})",
+                    f"bank {g} ({', '.join(owners[g])})",
                     -1,
                     "ring",
-                    g % self.depth,
-                    sems[g % self.depth],
+                    slot,
+                    (f"ring_sems[{slot}]", *wrap),
                     self.stream.bank_bytes,
+                    count=1 + len(wrap),
                     key=("bank", g),
                 )  # fmt: skip
             )
         return ids
 
-    def release(self, g: int) -> None:
-        """Bank g is used up: start bank g + depth into its slot."""
-        if g + self.depth < self.total:
-            self.start(self.banks[g + self.depth])
-
     def segment(self, layer: int, label: str, seg: Segment, first: int, x: int) -> int:
-        """x @ a stream segment, bank by bank; returns its last op."""
+        """x @ a stream segment, bank by bank as its chunks reach into them; returns its
+        last op."""
         order = self.segment_order.setdefault(label, [])
         if self.segment_layer.setdefault(label, layer) == layer:
             order.append(seg.name)
-        per_bank = seg.chunks_per_bank  # more chunks a bank in 8-bit formats
-        chunks = seg.k_chunks * seg.col_blocks
         prev = x
-        for j in range(seg.banks):
-            g = first + seg.bank_offset + j
-            used = min(per_bank, chunks - j * per_bank)
-            self.wait(self.banks[g])
+        for visit in bank_visits(seg, first + seg.offset, self.stream.bank_rows):
+            if visit.bank is not None:
+                self.wait(self.banks[visit.bank])
+            reads = tuple((self.banks[g], "ring", g % self.depth) for g in visit.banks)
+            where = f"bank {visit.bank}" if visit.bank is not None else f"bank {visit.banks[0]}"
             prev = self.run(
-                "matmul", f"L{layer} {label}.{seg.name} bank {g}", layer,
-                2 * self.t * used * CHUNK * LANES,
-                ((self.banks[g], "ring", g % self.depth), (prev, None, 0)),
+                "matmul", f"L{layer} {label}.{seg.name} {where}", layer,
+                2 * self.t * visit.macs, (*reads, (prev, None, 0)),
+                key=("matmul", seg.format, seg.k_chunks, seg.col_blocks, seg.chunks, visit.chunks),
             )  # fmt: skip
-            self.release(g)
+            # Reaching bank g means bank g - 1 is used up: its slot takes g - 1 + depth.
+            if visit.bank and visit.bank - 1 + self.depth < self.total:
+                self.start(self.banks[visit.bank - 1 + self.depth])
         return prev
 
     # --- collectives ---
@@ -552,11 +564,10 @@ class _Builder:
         """Partial -> gather buffer, remote DMAs to every peer, the sum (in device order)."""
         if c is None or self.d == 1:
             return src
-        # Each collective of a layer has its own buffer: a peer cannot still be reading it
-        # when it is written again a layer later (it needed this core's contributions to
-        # the collectives in between first).
-        w = self.layer_collectives
-        self.layer_collectives += 1
+        # The buffer is the kernel's (collective_buffers): a peer cannot still be reading
+        # it when it is written again (it needed this core's contributions to the
+        # collectives in between first).
+        w = self.buffers[c.name]
         width = c.width * c.rows
         p = self.run("collective", f"L{layer} {c.name}: rows -> gather[{w}]", layer, 0,
                      ((src, None, 0),), writes=("gather", w))  # fmt: skip
@@ -596,7 +607,9 @@ class _Builder:
         self.start(vec[0])
         self.res = self.run("vector", "x rows -> residual", -1, 0, ((INIT, "x_vmem", 0),))
         for layer, (attn, ffn) in enumerate(self.sh.layer_table):
-            self.layer_collectives = 0
+            self.buffers = collective_buffers(
+                self.sh.attention[attn].collectives, self.sh.ffn[ffn].collectives
+            )
             self.wait(vec[layer])
             if layer + 1 < layers:
                 self.start(vec[layer + 1])
@@ -634,7 +647,7 @@ class _Builder:
         x = self.vec(layers, "final norm", self.res, 5 * self.t * h,
                      ((INIT, "final_norm_vmem", 0),))  # fmt: skip
         for seg in self.stream.tail:
-            x = self.segment(layers, "lm_head", seg, self.stream.lm_head_bank, x)
+            x = self.segment(layers, "lm_head", seg, self.stream.lm_head_row, x)
         vpc = self.dims.vocab_per_core
         g = self.run("vector", "soft-cap, argmax of the shard -> greedy", layers, 4 * self.t * vpc,
                      ((x, None, 0),), writes=("greedy", 0))  # fmt: skip
@@ -659,7 +672,7 @@ class _Builder:
         return kind_module(kind.type, name).program(self, Step(
             layer=layer, name=name, kind=kind, shard=shard,
             segments={s.name: s for s in self.stream.attention[name].segments},
-            first_bank=self.stream.attention_banks[layer],
+            stream_row=self.stream.attention_rows[layer],
             collectives={c.name: c for c in shard.collectives}, vectors=v, x=x,
         ))  # fmt: skip
 
@@ -671,7 +684,7 @@ class _Builder:
         return kind_module(kind.type, name).program(self, Step(
             layer=layer, name=name, kind=kind, shard=shard,
             segments={s.name: s for s in self.stream.ffn[name].segments},
-            first_bank=self.stream.ffn_banks[layer],
+            stream_row=self.stream.ffn_rows[layer],
             collectives={c.name: c for c in shard.collectives}, vectors=v, x=x,
         ))  # fmt: skip
 

@@ -20,7 +20,10 @@ collectives it needs. Decisions (docs/cost-model.md has the reasoning):
   reduce-scatter, an input-split latent_out and an all-reduce of hidden, or an
   all-reduce of the latent, an output-split latent_out and an all-gather of
   hidden, whichever is cheaper (the first when shared experts add partial sums);
-- vocabulary (embedding rows, lm_head columns) split; router, norms, biases that
+- the router's columns split over the cores when that costs less per layer than
+  replicating them: with a latent, the per-core scores ride in the latent all-gather
+  (one collective carries both pieces), then every core routes on all the scores;
+- vocabulary (embedding rows, lm_head columns) split; norms, router biases, biases that
   are added after a reduction and small vectors replicated.
 """
 
@@ -259,6 +262,7 @@ class FFNSharding(_Frozen):
     experts: ExpertSplit | None
     latent_design: Literal["rs_ar", "ar_ag", "none"]
     why: str
+    router: Literal["split", "replicated", "none"] = "none"  # the router's columns
 
 
 class ShardingPlan(_Frozen):
@@ -552,15 +556,18 @@ def group_map(ctx: _Ctx, units: int, per_unit_group: int) -> tuple[int, float]:
 # --------------------------------------------------------------------------- attention
 
 
-LATENT_PIECE_ALIGN = 128  # lanes of a VMEM tile
-
-
 def latent_choice(
-    ctx: _Ctx, specs: list[tuple[str, tuple[int, ...], str]], names: list[str], what: str
+    ctx: _Ctx,
+    kind_name: str,
+    specs: list[tuple[str, tuple[int, ...], str]],
+    names: list[str],
+    what: str,
 ) -> tuple[Literal["split", "replicated", "none"], str]:
     """Replicate low-rank A projections, or split them along the output + one all-gather.
 
-    Compares the extra bytes a replica streams per layer against the all-gather.
+    Compares the extra bytes a replica streams per layer against the all-gather. The
+    kernel gathers each tensor's pieces side by side in one all-gather
+    (Collectives.all_gather_parts), so pieces need not be whole 128-lane tiles.
     """
     if not names:
         return "none", ""
@@ -569,13 +576,6 @@ def latent_choice(
     width = sum(shapes[n][1] for n in names)
     if any(shapes[n][1] % d for n in names):
         return "replicated", f"output width {width} does not split {d} ways"
-    if any(shapes[n][1] // d % LATENT_PIECE_ALIGN for n in names):
-        # The kernel reassembles the gathered pieces side by side: Mosaic joins them
-        # along lanes only at whole 128-lane tiles.
-        return "replicated", (
-            f"per-rank pieces of {[shapes[n][1] // d for n in names]} columns are not whole "
-            f"{LATENT_PIECE_ALIGN}-lane tiles"
-        )
     full = sum(ctx.shard(f"attn.{n}", shapes[n], "attention").rank_bytes for n in names)
     try:
         split = sum(
@@ -586,15 +586,14 @@ def latent_choice(
         return "replicated", f"a split is not possible ({why})"
     replicated_s = ctx.stream_s(full)
     split_s = ctx.stream_s(split) + ctx.collective(what, "all_gather", "", width).time_s
-    if split_s < replicated_s:
-        return "split", (
-            f"split + all-gather {split_s * 1e6:.1f} us < replicated {replicated_s * 1e6:.1f} us "
-            "per layer"
-        )
-    return "replicated", (
-        f"replicated {replicated_s * 1e6:.1f} us <= split + all-gather {split_s * 1e6:.1f} us "
+    costs = (
+        f"split + all-gather {split_s * 1e6:.1f} us vs replicated {replicated_s * 1e6:.1f} us "
         "per layer"
     )
+    if ctx.options.splits is not None:
+        choice = "split" if f"attention.{kind_name}.latent" in ctx.options.splits else "replicated"
+        return choice, f"{choice} as in the full-size build ({costs})"
+    return ("split" if split_s < replicated_s else "replicated"), costs
 
 
 # --------------------------------------------------------------------------- experts
@@ -841,3 +840,13 @@ def plan_sharding(spec: ModelSpec, topo: Topology, options: BuildOptions) -> Sha
         step_collectives=step,
         layer_table=tuple(table),
     )
+
+
+def full_size_splits(full: ModelSpec, topo: Topology, options: BuildOptions) -> tuple[str, ...]:
+    """What the full-size build of `full` splits rather than replicates (BuildOptions.splits):
+    its mini twin takes these choices, since at CPU sizes replicating always costs less,
+    so that the twin proves the full-size build's kernel."""
+    plan = plan_sharding(full, topo, options)
+    routers = [f"ffn.{name}.router" for name, f in plan.ffn.items() if f.router == "split"]
+    latents = [f"attention.{n}.latent" for n, a in plan.attention.items() if a.latent == "split"]
+    return tuple(routers + latents)

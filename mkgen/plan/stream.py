@@ -3,19 +3,24 @@
 Each core streams one HBM array of uniform banks ``[n_banks, bank_rows, LANES]``:
 layer 0's attention segments, layer 0's FFN segments, layer 1's, ..., then the
 lm_head. A *segment* is a per-rank matrix ``[K, N]`` (tensors that read the same
-input fused along N, e.g. q|k|v) padded to ``[k_chunks * CHUNK, col_blocks * LANES]``
-and stored column-block-major (the CHUNK-row chunks of column block 0, then of
-block 1, ...). Each segment starts on a bank boundary. The kernel keeps a ring of
-``ring_depth`` banks in VMEM and, after consuming bank g, starts the DMA of bank
-g + ring_depth wherever it lies, so the stream crosses layer boundaries and runs
-into the lm_head. Routed experts are not in the stream (they are fetched into
-expert slots once routing has chosen them).
+input fused along N, e.g. q|k|v) stored as chunks of at most CHUNK x LANES,
+column-block-major (the chunks of column block 0, then of block 1, ...). A bf16
+segment starts on the row where the previous one ends: chunks may straddle two banks
+and a bank may hold the end of one layer and the start of the next, so the stream
+carries no bank-alignment padding. Its chunks are as narrow as the matrix allows:
+``chunk_rows`` (a multiple of BF16_TILE_ROWS) is the fan-in spread evenly over its
+CHUNK-row chunks, and a last column block narrower than LANES is stored transposed
+(``tail_rows``: its columns as rows, rounded up to a tile, the fan-in along the lanes).
+The kernel keeps a ring of ``ring_depth`` banks in VMEM: a chunk that reaches into a
+new bank waits for it and then starts the DMA of the bank before it plus ring_depth,
+so the stream crosses layer boundaries and runs into the lm_head. Routed experts are
+not in the stream (they are fetched into expert slots once routing has chosen them).
 
-Segments keep their weights' format in the same bf16 byte stream. A bf16 chunk is
-CHUNK rows of a bank; a quantized chunk is its codes' bytes viewed as bf16 rows (8-bit
-codes: CHUNK / 2 rows) and each bank of a quantized segment ends with the scales of
-its chunks (``Segment.scale_row``), so a bank holds more chunks and the stream counts
-the real bytes. Tensors in different formats are never fused into one segment.
+Segments keep their weights' format in the same bf16 byte stream. A quantized chunk
+is its codes' bytes viewed as bf16 rows (8-bit codes: CHUNK / 2 rows) and each bank of
+a quantized segment ends with the scales of its chunks (``Segment.scale_row``), so a
+quantized segment occupies whole banks, and a layer kind holding one starts on a bank
+(``KindStream.aligned``). Tensors in different formats are never fused into one segment.
 """
 
 from __future__ import annotations
@@ -130,11 +135,15 @@ def mla_views(kind) -> dict[tuple[str, str], TensorView]:
 class Segment(PlanModel):
     """One per-rank matrix (or fused group) in the weight stream.
 
-    A bank of the segment holds ``chunks_per_bank`` chunks: their codes, ``code_rows``
-    bf16 rows each, from row 0; then (quantized formats) from ``scale_row`` on the
-    scales of those chunks, ``scale_rows`` bf16 rows a chunk (int8: the chunk's column
-    scales as one f32 row; fp8:B: CHUNK / B f32 rows, each block's scale repeated over
-    its B columns)."""
+    It occupies stream rows ``[offset, offset + rows)`` after its layer kind's first row.
+    bf16: ``col_blocks`` column blocks of LANES columns, each ``k_chunks`` chunks of
+    ``chunk_rows`` rows (the fan-in, zero padded), except a transposed tail block
+    (``tail_rows`` > 0): its columns as ``tail_rows`` rows, ``k_chunks`` chunks of LANES
+    fan-in each. Quantized: whole banks, each holding ``chunks_per_bank`` CHUNK x LANES
+    chunks: their codes, ``code_rows`` bf16 rows each, from row 0; then from
+    ``scale_row`` on the scales of those chunks, ``scale_rows`` bf16 rows a chunk (int8:
+    the chunk's column scales as one f32 row; fp8:B: CHUNK / B f32 rows, each block's
+    scale repeated over its B columns)."""
 
     name: str
     parts: list[Part]  # fused along N in this order
@@ -142,10 +151,12 @@ class Segment(PlanModel):
     fan_out: int
     k_chunks: int
     col_blocks: int
-    bank_offset: int  # first bank, relative to the start of its kind's segments
-    banks: int
-    bytes: int  # HBM bytes streamed (padded banks)
+    offset: int  # first stream row, relative to its kind's first row
+    rows: int  # stream rows it occupies
+    bytes: int  # HBM bytes streamed
     format: str = "bf16"  # the parts' storage format (one format a segment)
+    chunk_rows: int = CHUNK  # rows of one chunk of a (not transposed) column block
+    tail_rows: int = 0  # rows of a chunk of the transposed last column block (0: none)
     chunks_per_bank: int = 16
     code_rows: int = CHUNK  # bf16 rows of one chunk's codes
     scale_rows: int = 0  # bf16 rows of one chunk's scales
@@ -155,12 +166,28 @@ class Segment(PlanModel):
     def chunks(self) -> int:
         return self.k_chunks * self.col_blocks
 
+    @property
+    def blocks(self) -> int:
+        """Its column blocks of `chunk_rows`-row chunks (the tail block not counted)."""
+        return self.col_blocks - (self.tail_rows > 0)
+
+    def bank_span(self, kind_first: int, bank_rows: int) -> tuple[int, int]:
+        """The first and last bank it occupies when its kind starts at row `kind_first`."""
+        start = kind_first + self.offset
+        return start // bank_rows, (start + self.rows - 1) // bank_rows
+
+    @property
+    def weight_bytes(self) -> int:
+        """The bytes of the weights it holds, in their format, without padding."""
+        return parse_format(self.format).matrix_bytes(self.fan_in, self.fan_out)
+
 
 class KindStream(PlanModel):
     kind: str
     type: str
     segments: list[Segment]
-    banks: int
+    rows: int  # stream rows from its first row to the end of its last segment
+    aligned: bool  # it holds a quantized segment: it starts on a bank
 
     def segment(self, name: str) -> Segment:
         return next(s for s in self.segments if s.name == name)
@@ -177,14 +204,33 @@ class StreamPlan(PlanModel):
     attention: dict[str, KindStream]
     ffn: dict[str, KindStream]
     tail: list[Segment]  # lm_head
-    attention_banks: list[int]  # first bank of each layer's attention segments
-    ffn_banks: list[int]  # first bank of each layer's FFN segments
-    lm_head_bank: int
+    attention_rows: list[int]  # first stream row of each layer's attention segments
+    ffn_rows: list[int]  # first stream row of each layer's FFN segments
+    lm_head_row: int
+    total_rows: int  # rows that hold segments (the last bank is padded past them)
     total_banks: int
+    weight_bytes: int  # the weights the banks hold per step, in their formats, unpadded
 
     @property
     def bytes_per_step(self) -> int:
         return self.total_banks * self.bank_bytes
+
+    @property
+    def padding_bytes(self) -> int:
+        """Streamed bytes that carry no weight: chunk, column-block and bank padding."""
+        return self.bytes_per_step - self.weight_bytes
+
+    @property
+    def padding_percent(self) -> float:
+        return 100 * self.padding_bytes / self.bytes_per_step
+
+    def describe(self) -> str:
+        return (
+            f"stream: {self.total_banks} banks of {self.bank_bytes / 2**20:.2f} MiB per core "
+            f"per step ({self.bytes_per_step / 2**20:.1f} MiB), padding "
+            f"{self.padding_bytes / 2**20:.1f} MiB ({self.padding_percent:.2f} % of the "
+            "streamed bytes)"
+        )
 
 
 def chunk_rows(fmt_text: str) -> tuple[int, int]:
@@ -213,16 +259,39 @@ def make_segment(
     bank_rows: int,
     fmt: str = "bf16",
 ) -> Segment:
+    """A segment of `fmt` from stream row `offset` on (a quantized one rounds it up to a
+    bank: its banks end with their chunks' scales)."""
     k_chunks, col_blocks = cdiv(fan_in, CHUNK), cdiv(fan_out, LANES)
-    code_rows, scale_rows = chunk_rows(fmt)
-    per_bank = bank_rows // code_rows
-    while per_bank and per_bank * code_rows + round_up(per_bank * scale_rows, BF16_TILE_ROWS) > (
-        bank_rows
-    ):
-        per_bank -= 1
-    if per_bank == 0:
-        raise SpecError(f"{name}: a {bank_rows}-row bank cannot hold one {fmt} chunk")
-    banks = cdiv(k_chunks * col_blocks, per_bank)
+    if fmt == "bf16":
+        # As many chunks as CHUNK-row ones would need (as many dots), as few rows as that
+        # allows: the fan-in spread evenly over them, or CHUNK-row chunks with a narrow
+        # last column block stored transposed (its input chunks are CHUNK wide too).
+        def rows_of(chunk: int, tail: int) -> int:
+            return (col_blocks - (tail > 0)) * k_chunks * chunk + k_chunks * tail
+
+        edge = round_up(fan_out % LANES, BF16_TILE_ROWS)
+        shapes = [(round_up(cdiv(fan_in, k_chunks), BF16_TILE_ROWS), 0)]
+        shapes += [(CHUNK, edge)] if edge else []
+        chunk, tail = min(shapes, key=lambda shape: rows_of(*shape))
+        rows = rows_of(chunk, tail)
+        chunking = {"chunk_rows": chunk, "tail_rows": tail}
+    else:
+        code_rows, scale_rows = chunk_rows(fmt)
+        per_bank = bank_rows // code_rows
+        while per_bank and per_bank * code_rows + round_up(
+            per_bank * scale_rows, BF16_TILE_ROWS
+        ) > (bank_rows):
+            per_bank -= 1
+        if per_bank == 0:
+            raise SpecError(f"{name}: a {bank_rows}-row bank cannot hold one {fmt} chunk")
+        rows = cdiv(k_chunks * col_blocks, per_bank) * bank_rows
+        offset = round_up(offset, bank_rows)
+        chunking = {
+            "chunks_per_bank": per_bank,
+            "code_rows": code_rows,
+            "scale_rows": scale_rows,
+            "scale_row": per_bank * code_rows if scale_rows else 0,
+        }
     return Segment(
         name=name,
         parts=parts,
@@ -230,14 +299,11 @@ def make_segment(
         fan_out=fan_out,
         k_chunks=k_chunks,
         col_blocks=col_blocks,
-        bank_offset=offset,
-        banks=banks,
-        bytes=banks * bank_rows * LANES * BF16_BYTES,
+        offset=offset,
+        rows=rows,
+        bytes=rows * LANES * BF16_BYTES,
         format=fmt,
-        chunks_per_bank=per_bank,
-        code_rows=code_rows,
-        scale_rows=scale_rows,
-        scale_row=per_bank * code_rows if scale_rows else 0,
+        **chunking,
     )
 
 
@@ -280,8 +346,56 @@ def _kind_stream(
             label = name if i == 0 else f"{name}.{i}"
             segment = make_segment(label, parts, fan_in, fan_out, offset, bank_rows, run[0].format)
             segments.append(segment)
-            offset += segment.banks
-    return KindStream(kind=kind, type=spec_kind.type, segments=segments, banks=offset)
+            offset = segment.offset + segment.rows
+    aligned = any(s.format != "bf16" for s in segments)
+    return KindStream(
+        kind=kind, type=spec_kind.type, segments=segments, rows=offset, aligned=aligned
+    )
+
+
+class BankVisit(PlanModel):
+    """Chunks of a segment read in a row, from the one that first reaches into `bank`
+    (None: chunks in a bank an earlier chunk reached) to the next such chunk; the first
+    of them also reads `banks[0]` when it straddles into `bank` from the bank before."""
+
+    bank: int | None
+    banks: tuple[int, ...]  # every bank the chunks read, in order
+    chunks: int
+    macs: int  # multiply-adds per input row: chunk count x CHUNK x LANES (one dot each)
+
+
+def bank_visits(seg: Segment, first_row: int, bank_rows: int) -> list[BankVisit]:
+    """How the kernel reads `seg`, which starts at stream row `first_row`: bf16 chunk by
+    chunk (a chunk that reaches into a new bank waits for it), quantized bank by bank."""
+    if seg.format != "bf16":
+        first_bank = first_row // bank_rows
+        per = seg.chunks_per_bank
+        return [
+            BankVisit(
+                bank=first_bank + j,
+                banks=(first_bank + j,),
+                chunks=min(per, seg.chunks - j * per),
+                macs=min(per, seg.chunks - j * per) * CHUNK * LANES,
+            )
+            for j in range(cdiv(seg.chunks, per))
+        ]
+    sizes = [seg.chunk_rows] * (seg.blocks * seg.k_chunks) + [seg.tail_rows] * (
+        seg.k_chunks if seg.tail_rows else 0
+    )
+    visits: list[BankVisit] = []
+    row = first_row
+    for size in sizes:
+        lo, hi = row // bank_rows, (row + size - 1) // bank_rows
+        reached = hi * bank_rows >= row
+        if reached or not visits:
+            banks = tuple(range(lo, hi + 1))
+            visits.append(BankVisit(bank=hi if reached else None, banks=banks, chunks=0, macs=0))
+        visit = visits[-1]
+        visits[-1] = visit.model_copy(
+            update={"chunks": visit.chunks + 1, "macs": visit.macs + CHUNK * LANES}
+        )
+        row += size
+    return visits
 
 
 def choose_ring(bank_rows: int, vmem_for_ring: int) -> int:
@@ -311,12 +425,18 @@ def plan_stream(spec, sharding: ShardingPlan, *, bank_rows: int, ring_depth: int
         name: _kind_stream(name, spec.ffn_kinds[name], s.tensors, devices, bank_rows)
         for name, s in sharding.ffn.items()
     }
-    attention_banks, ffn_banks, bank = [], [], 0
+    attention_rows: list[int] = []
+    ffn_rows: list[int] = []
+    row, weight_bytes = 0, 0
+
+    def place(kind: KindStream) -> int:
+        return round_up(row, bank_rows) if kind.aligned else row
+
     for attn_name, ffn_name in spec.layer_table():
-        attention_banks.append(bank)
-        bank += attention[attn_name].banks
-        ffn_banks.append(bank)
-        bank += ffn[ffn_name].banks
+        for kind, firsts in ((attention[attn_name], attention_rows), (ffn[ffn_name], ffn_rows)):
+            firsts.append(place(kind))
+            row = firsts[-1] + kind.rows
+            weight_bytes += sum(s.weight_bytes for s in kind.segments)
     lm_shard = next((t for t in sharding.globals if t.name == "lm_head"), None)
     if lm_shard is None:
         raise SpecError("tied embeddings are not supported by the weight stream yet")
@@ -324,6 +444,9 @@ def plan_stream(spec, sharding: ShardingPlan, *, bank_rows: int, ring_depth: int
     lm_head = make_segment(
         "lm_head", [lm_part], spec.dims.hidden, lm_part.size, 0, bank_rows, lm_shard.format
     )
+    lm_head_row = round_up(row, bank_rows) if lm_head.format != "bf16" else row
+    total_rows = lm_head_row + lm_head.rows
+    total_banks = cdiv(total_rows, bank_rows)
     return StreamPlan(
         bank_rows=bank_rows,
         bank_bytes=bank_rows * LANES * BF16_BYTES,
@@ -331,8 +454,10 @@ def plan_stream(spec, sharding: ShardingPlan, *, bank_rows: int, ring_depth: int
         attention=attention,
         ffn=ffn,
         tail=[lm_head],
-        attention_banks=attention_banks,
-        ffn_banks=ffn_banks,
-        lm_head_bank=bank,
-        total_banks=bank + lm_head.banks,
+        attention_rows=attention_rows,
+        ffn_rows=ffn_rows,
+        lm_head_row=lm_head_row,
+        total_rows=total_rows,
+        total_banks=total_banks,
+        weight_bytes=weight_bytes + lm_head.weight_bytes,
     )

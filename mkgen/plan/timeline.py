@@ -246,15 +246,20 @@ def _bank_names(
     out: list[tuple[int, str, list[str]]] = [(0, "", [])] * stream.total_banks
 
     def name(layer: int, first: int, label: str, segments: list[Segment]) -> None:
+        # A bank segments share is named by the first of them and holds all their tensors.
         for seg in segments:
-            for j in range(seg.banks):
-                g = first + seg.bank_offset + j
-                out[g] = (layer, f"{label}.{seg.name} bank {g}", [p.tensor for p in seg.parts])
+            lo, hi = seg.bank_span(first, stream.bank_rows)
+            tensors = [p.tensor for p in seg.parts]
+            for g in range(lo, hi + 1):
+                user, bank, held = out[g]
+                if not bank:
+                    user, bank = layer, f"{label}.{seg.name} bank {g}"
+                out[g] = (user, bank, held + [t for t in tensors if t not in held])
 
     for layer, (attn, ffn) in enumerate(layer_table):
-        name(layer, stream.attention_banks[layer], attn, stream.attention[attn].segments)
-        name(layer, stream.ffn_banks[layer], ffn, stream.ffn[ffn].segments)
-    name(len(layer_table), stream.lm_head_bank, "lm_head", stream.tail)
+        name(layer, stream.attention_rows[layer], attn, stream.attention[attn].segments)
+        name(layer, stream.ffn_rows[layer], ffn, stream.ffn[ffn].segments)
+    name(len(layer_table), stream.lm_head_row, "lm_head", stream.tail)
     return out
 
 

@@ -353,9 +353,12 @@ def _base(out: _List, dims: KernelDims, depth: int) -> None:
     """The template's kind-independent scratch, in its order."""
     tp, h, cb = dims.tokens_padded, dims.hidden, dims.collective_buffers
     coll = dims.collectives
-    out.add("ring_vmem", "ring", (depth, dims.bank_rows, LANES), "bf16", resource="ring",
-            slots=depth, why=f"{depth} weight banks in flight")  # fmt: skip
-    out.sems("ring_sems", (depth,))
+    # The slots as one run of rows, then the first CHUNK rows of the bank in slot 0 again:
+    # a chunk that reaches from the last slot into the first reads on past the last slot.
+    out.add("ring_vmem", "ring", (depth * dims.bank_rows + CHUNK, LANES), "bf16",
+            resource="ring", slots=depth,
+            why=f"{depth} weight banks in flight, then the wrap")  # fmt: skip
+    out.sems("ring_sems", (depth + 1,))
     out.add("xk_vmem", "activations", (dims.max_k_chunks, tp, CHUNK), "bf16",
             why="a matmul's input, chunked")  # fmt: skip
     out.add("acc_vmem", "activations", (dims.max_col_blocks, tp, LANES), "f32",

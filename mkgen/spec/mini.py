@@ -76,12 +76,20 @@ def _mini_attention(kind: Any, shards: int) -> dict[str, Any]:
         if kind.softmax_scale:
             data["softmax_scale"] = head_dim**-0.5
     elif isinstance(kind, MLAAttention):
+        rope = MINI_HEAD_DIM // 2
+        q_lora, kv_lora = MINI_RANK, MINI_RANK
+        # Where the full wq_a and wkv_a split over the cores, the twin's do too, so that it
+        # can split them as the full-size build does (mkgen.plan.sharding.full_size_splits).
+        if kind.q_lora_rank and kind.q_lora_rank % shards == 0:
+            q_lora = -(-q_lora // shards) * shards
+        if (kind.kv_lora_rank + kind.qk_rope_head_dim) % shards == 0:
+            kv_lora = -(-(kv_lora + rope) // shards) * shards - rope
         data |= {
             "num_heads": _heads(kind.num_heads, shards),
-            "q_lora_rank": MINI_RANK if kind.q_lora_rank else None,
-            "kv_lora_rank": MINI_RANK,
+            "q_lora_rank": q_lora if kind.q_lora_rank else None,
+            "kv_lora_rank": kv_lora,
             "qk_nope_head_dim": MINI_HEAD_DIM,
-            "qk_rope_head_dim": MINI_HEAD_DIM // 2,
+            "qk_rope_head_dim": rope,
             "v_head_dim": MINI_HEAD_DIM,
         }
         if kind.rope and kind.rope.rotary_dim:
@@ -115,6 +123,10 @@ def _mini_ffn(kind: Any, shards: int, shared_block: int = 0) -> dict[str, Any]:
         return data
     assert isinstance(kind, MoEFFN)
     experts = min(kind.num_experts, MINI_EXPERTS)
+    if kind.num_experts % shards == 0 and experts % shards:
+        # As many whole columns per core as the full router has, so a twin can split its
+        # router the way the full-size build does (mkgen.plan.sharding.full_size_splits).
+        experts = -(-MINI_EXPERTS // shards) * shards
     router = data["router"]
     if kind.router.n_group > 1:
         router["n_group"] = min(kind.router.n_group, experts // 2)

@@ -8,7 +8,7 @@ to the `_kernel` parameters that receive those buffers and their shape comments.
 
 Phases of a layer-kind function (`_attention_<kind>`, `_ffn_<kind>`, `_lm_head`) are
 its top-level statements cut at *markers*: a weight-stream matmul
-(`ctx.stream.matmul(x, first_bank, SEGMENT)`, matched to the plan's segment at the bank
+(`ctx.stream.matmul(x, first_row, SEGMENT)`, matched to the plan's segment at the row
 offset of the module's `SEGMENT = Segment(offset=...)` constant), a collective
 (`ctx.collectives.<op>`) or a call of a helper made for the kind (`_<what>_<kind>`,
 labelled by its docstring). Statements between markers belong to the next marker's
@@ -35,6 +35,7 @@ from pydantic import ValidationError
 from mkgen.errors import MkgenError
 from mkgen.hardware import vmem_padded_bytes
 from mkgen.plan.layout import KernelLayout
+from mkgen.plan.stream import Segment
 
 # ---------------------------------------------------------------- source structure
 
@@ -94,7 +95,7 @@ def _segment_argument(call: ast.Call) -> str | None:
 
 @functools.cache
 def segment_offsets(source: str) -> dict[str, int]:
-    """Bank offsets of the module's `NAME = Segment(offset=N, ...)` constants, by name."""
+    """Row offsets of the module's `NAME = Segment(offset=N, ...)` constants, by name."""
     out = {}
     for node in ast.parse(source).body:
         if not (
@@ -320,7 +321,7 @@ def _describe_dmas(build: Build, kind: _Kind | None, phase: Phase, helper: Funct
     if phase.marker == "stream":
         segments = kind.segments if kind else stream.tail
         offset = segment_offsets(build.source).get(phase.detail)
-        seg = next((s for s in segments if s.bank_offset == offset), None)
+        seg = next((s for s in segments if s.offset == offset), None)
         if seg is None:
             phase.label = "weight-stream matmul"
             phase.dmas = [f"weight ring: {depth} banks of {bank} in flight"]
@@ -331,21 +332,18 @@ def _describe_dmas(build: Build, kind: _Kind | None, phase: Phase, helper: Funct
             "ffn": "the next layer's attention (or the lm_head)",
         }
         phase.label = f"matmul {seg.name} [{seg.fan_in} x {seg.fan_out}] from the weight stream"
-        last = seg.bank_offset + seg.banks - 1
-        total = sum(s.banks for s in segments)
-        ahead = last + depth - (total - 1)
-        reach = ""
-        if ahead > 0:
-            reach = "; the ring runs ahead into " + (
-                f"the first {ahead} bank(s) of {after.get(kind.section, 'what follows')}"
-                if kind
-                else "nothing (the lm_head ends the stream)"
-            )
+        reach = "; the ring runs ahead into " + (
+            f"{after.get(kind.section, 'what follows')}"
+            if kind
+            else "nothing (the lm_head ends the stream)"
+        )
+        tail = f", the last column block transposed ({seg.tail_rows} rows)" if seg.tail_rows else ""
         phase.dmas = [
-            f"consumes banks +{seg.bank_offset}..+{last} of {where} ({seg.banks} x {bank}, "
-            f"{seg.k_chunks} x {seg.col_blocks} chunks of 256 x 256)",
-            f"weight ring: waits bank g, then issues bank g + {depth} into its slot "
-            f"({depth} banks in flight){reach}",
+            f"consumes rows +{seg.offset}..+{seg.offset + seg.rows - 1} of {where} "
+            f"({seg.rows} rows of {bank} banks, {seg.k_chunks} x {seg.col_blocks} chunks of "
+            f"{seg.chunk_rows} x 256{tail})",
+            f"weight ring: the chunk that reaches bank g waits for it, then issues bank "
+            f"g - 1 + {depth} into the slot of g - 1 ({depth} banks in flight){reach}",
         ]
     elif phase.marker == "collective":
         op = str(phase.detail)
@@ -532,21 +530,23 @@ def outline(ref: str | Path) -> str:
 
 def _bank_owner(L: KernelLayout) -> list[str]:
     """What every bank of the stream holds, e.g. 'layer 3 attention gqa.qkv'."""
-    owner = [""] * L.stream.total_banks
+    owners: list[list[str]] = [[] for _ in range(L.stream.total_banks)]
+
+    def own(first: int, seg: Segment, name: str) -> None:
+        lo, hi = seg.bank_span(first, L.stream.bank_rows)
+        for b in range(lo, hi + 1):
+            owners[b].append(name)
+
     for layer, (a, f) in enumerate(zip(L.attention_table, L.ffn_table, strict=True)):
         for section, kind, first in (
-            ("attention", L.attention[a], L.stream.attention_banks[layer]),
-            ("ffn", L.ffn[f], L.stream.ffn_banks[layer]),
+            ("attention", L.attention[a], L.stream.attention_rows[layer]),
+            ("ffn", L.ffn[f], L.stream.ffn_rows[layer]),
         ):
             for seg in kind.segments:
-                for b in range(seg.banks):
-                    owner[first + seg.bank_offset + b] = (
-                        f"layer {layer} {section} {kind.name}.{seg.name}"
-                    )
+                own(first, seg, f"layer {layer} {section} {kind.name}.{seg.name}")
     for seg in L.stream.tail:
-        for b in range(seg.banks):
-            owner[L.stream.lm_head_bank + seg.bank_offset + b] = f"lm_head.{seg.name}"
-    return owner
+        own(L.stream.lm_head_row, seg, f"lm_head.{seg.name}")
+    return [" | ".join(names) for names in owners]
 
 
 def _summarise(owner: list[str], first: int, last: int) -> str:
@@ -576,19 +576,21 @@ def layer_view(ref: str | Path, layer: int) -> str:
         f"  layer tables: attention kind {L.attention_table[layer]}, slot "
         f"{L.attention_slot[layer]}; ffn kind {L.ffn_table[layer]}, slot {L.ffn_slot[layer]}",
     ]
+    bank_rows = L.stream.bank_rows
     for section, kind, first in (
-        ("attention", a, L.stream.attention_banks[layer]),
-        ("ffn", f, L.stream.ffn_banks[layer]),
+        ("attention", a, L.stream.attention_rows[layer]),
+        ("ffn", f, L.stream.ffn_rows[layer]),
     ):
-        out.append(f"  {section} stream: first bank {first}")
+        out.append(f"  {section} stream: first row {first} (bank {first // bank_rows})")
         for seg in kind.segments:
-            lo = first + seg.bank_offset
+            lo, hi = seg.bank_span(first, bank_rows)
             out.append(
-                f"    {seg.name:<12} banks {lo}-{lo + seg.banks - 1} ({seg.banks}), "
-                f"[{seg.fan_in} x {seg.fan_out}]"
+                f"    {seg.name:<12} rows {first + seg.offset}-{first + seg.offset + seg.rows - 1}"
+                f" (banks {lo}-{hi}), [{seg.fan_in} x {seg.fan_out}]"
             )
+        entry = first // bank_rows
         out.append(
-            f"    in flight on entry (ring of {depth}): {_summarise(owner, first, first + depth - 1)}"
+            f"    in flight on entry (ring of {depth}): {_summarise(owner, entry, entry + depth - 1)}"
         )
     if a.type == "gqa":
         out.append(

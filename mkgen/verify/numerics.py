@@ -401,6 +401,7 @@ def _run_child(
     from mkgen.plan import plan_build
     from mkgen.plan.collectives import arrange_devices
     from mkgen.plan.options import BuildOptions
+    from mkgen.plan.sharding import full_size_splits
     from mkgen.reference import model as reference
     from mkgen.spec.loader import load_spec
     from mkgen.spec.mini import mini_twin
@@ -412,6 +413,7 @@ def _run_child(
     built = BuildOptions.create(quant=quant).apply(load_spec(spec_ref))
     spec = mini_twin(built, devices)
     options = BuildOptions.create(batch=batch, rows=rows, context=context, **knobs)
+    options = options.model_copy(update={"splits": full_size_splits(built, topology, options)})
     layout = plan_build(spec, topology, options, **mini_kernel_args(), trace_residuals=True).kernel
     source = render_kernel(layout, "verify")
     for old, new in mutations:
