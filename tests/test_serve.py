@@ -63,10 +63,10 @@ class Server:
         return float(found.group(1)) if found else 0.0
 
 
-def _start(build: Path, weights: Path, checkpoint: Path) -> Server:
+def _start(build: Path, weights: Path, checkpoint: Path, *options: str) -> Server:
     command = [
         sys.executable, "-m", "mkgen.cli", "serve", str(build), "--weights", str(weights),
-        "--interpret", "--port", "0", "--queue-limit", "0",
+        "--interpret", "--port", "0", "--queue-limit", "0", *options,
     ]  # fmt: skip
     process = subprocess.Popen(
         command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
@@ -334,6 +334,37 @@ def test_models_health_and_metrics(server: Server) -> None:
         assert server.metric(name) > 0, name
     assert server.metric("mkgen_slots") == BATCH
     assert "mkgen_queue_depth 0.0" in text and "mkgen_slots_in_use 0.0" in text
+
+
+def test_a_disaggregated_server_gives_the_colocated_tokens(
+    prepared: tuple[Path, Path, Path], server: Server
+) -> None:
+    """--disaggregate prefills on devices of its own (the decode mesh's caches come from
+    another mesh): two greedy prompts and a seeded sampled one, sent at once, get what
+    the colocated server gives them, and the greedy ones the reference's tokens."""
+    asks = [
+        {"prompt": PROMPT, "max_tokens": 6, "temperature": 0},
+        {"prompt": PROMPT[2:9], "max_tokens": 5, "temperature": 0},
+        {"prompt": PROMPT[4:], "max_tokens": 6, "temperature": 0.8, "seed": 3},
+    ]
+
+    def tokens(client: openai.OpenAI) -> list[list[int]]:
+        with ThreadPoolExecutor(len(asks)) as pool:
+            results = [pool.submit(client.completions.create, model=NAME, **a) for a in asks]
+        return [r.result().choices[0].model_extra["token_ids"] for r in results]
+
+    disaggregated = _start(*prepared, "--disaggregate")
+    try:
+        assert "prefill on its own devices" in "".join(disaggregated.stderr)
+        split = tokens(disaggregated.client)
+    finally:
+        disaggregated.process.kill()
+        disaggregated.process.wait(timeout=60)
+    assert split == tokens(server.client)
+    assert split[:2] == [
+        _reference(server.checkpoint, a["prompt"], a["max_tokens"]) for a in asks[:2]
+    ]
+    assert len(split[2]) == 6
 
 
 def test_sigterm_lets_a_running_stream_finish_then_exits(server: Server) -> None:

@@ -3,7 +3,8 @@ slots; requests join free slots between device calls and leave when done.
 
 Each loop turn: drop cancelled requests (their slots free at once), admit queued prompts
 into free slots (each prompt's tokens but the last prefilled in XLA through
-decode.prefill_sequence and written into its slot with slots.insert_sequence; while other
+decode.prefill_sequence, on the prefill mesh when disaggregated and then handed over, and
+written into its slot with slots.insert_sequence; while other
 sequences are running, only PREFILL_TOKENS_PER_TURN prompt tokens per turn, so they keep
 streaming), then one device call of up to STEPS_PER_CALL kernel steps for every running
 sequence (decode.chunk_decoder), each at its own position with its own sampling
@@ -35,6 +36,7 @@ from mkgen.runtime.decode import (
     prefill_sequence,
 )
 from mkgen.runtime.devices import host_value
+from mkgen.runtime.disaggregation import hand_over
 from mkgen.runtime.slots import insert_sequence
 from mkgen.runtime.weights import embedding_on_devices
 from mkgen.serve.metrics import Metrics
@@ -105,7 +107,10 @@ class EngineStopped(Exception):
 
 
 class Engine:
-    """The long-lived decoding engine over `model` (a build with rows 1)."""
+    """The long-lived decoding engine over `model` (a build with rows 1). Prompts are
+    prefilled on `prefiller` (default `model` itself: colocated), a model of the same
+    build on its own devices (disaggregation.prefill_model), whose caches are handed over
+    to `model`'s mesh before they go into their slot."""
 
     def __init__(
         self,
@@ -115,10 +120,12 @@ class Engine:
         metrics: Metrics,
         steps_per_call: int = STEPS_PER_CALL,
         queue_limit: int = QUEUE_LIMIT,
+        prefiller: Model | None = None,
     ) -> None:
         build = model.build
         assert build.rows == 1, "serve.server refuses builds with drafts"
         self.model, self.metrics, self.interpret = model, metrics, interpret
+        self.prefiller = prefiller or model
         self.steps_per_call, self.queue_limit = steps_per_call, queue_limit
         step_fn = model.kernel.make_decode_step(model.mesh)
         self._decoder = chunk_decoder(model, step_fn, steps_per_call)
@@ -224,7 +231,9 @@ class Engine:
                 self.metrics.queue_depth.set(len(self._queue))
             prompt = request.prompt
             try:
-                sequence = prefill_sequence(self.model, prompt[:-1])
+                sequence = prefill_sequence(self.prefiller, prompt[:-1])
+                if self.prefiller is not self.model:
+                    sequence = hand_over(sequence, self.model)
             except Exception:  # this request fails; the others are untouched
                 log.exception("prefill failed; its request ends with an error")
                 self.metrics.requests.labels("error").inc()
