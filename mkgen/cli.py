@@ -961,7 +961,8 @@ def serve_command(
     disaggregate: bool,
 ) -> None:  # fmt: skip
     """Serve a build behind an OpenAI-compatible API (docs/serving.md#serve): BUILD is a
-    build directory (made with --rows 1) or a build's name in generated/; the `openai`
+    build directory or a build's name in generated/ (with --rows R > 1, R - 1 drafts
+    per step are verified); the `openai`
     client talks to http://HOST:PORT/v1 with any api key. SIGTERM or Ctrl-C lets running
     requests finish, then stops."""
     if (weights is None) == (random_weights is None):

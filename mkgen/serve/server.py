@@ -34,11 +34,6 @@ def serve(
     the weights, and their caches handed over to the decode devices. Bad inputs (a port taken,
     weights that do not fit, too few devices, a broken tokenizer_config.json) are
     MkgenErrors before any request is taken."""
-    if build.rows != 1:
-        raise MkgenError(
-            f"{build.name} verifies {build.rows - 1} drafts per call (rows {build.rows}); "
-            "mkgen serve decodes without drafts: build it with --rows 1"
-        )
     from mkgen.codegen.convert import TOKENIZER_CONFIG_FILE
     from mkgen.serve.chat import load_tokenizer_config
 
@@ -63,14 +58,17 @@ def serve(
         queue_limit=queue_limit,
         prefiller=disaggregation.prefill_model(model) if disaggregate else None,
     )  # fmt: skip
+    # A step writes its drafts' rows beyond a sequence's last token: they need room too.
+    context = build.context - (build.rows - 1)
     served = ServedModel(
-        name=build.name, context=build.context, vocab_used=build.vocab_used,
+        name=build.name, context=context, vocab_used=build.vocab_used,
         tokenizer=tokenizer, chat=chat,
         eos_ids=frozenset() if eos_id is None else frozenset({eos_id}),
     )  # fmt: skip
     print(
-        f"serving {build.name} at http://{host}:{port}/v1 (batch {build.batch}, context "
-        f"{build.context}{', prefill on its own devices' if disaggregate else ''}"
+        f"serving {build.name} at http://{host}:{port}/v1 (batch {build.batch}, rows "
+        f"{build.rows}, context "
+        f"{context}{', prefill on its own devices' if disaggregate else ''}"
         f"{', TPU interpret mode' if interpret else ''})",
         file=sys.stderr, flush=True,
     )  # fmt: skip
