@@ -172,6 +172,25 @@ def test_speculation_returns_the_plain_greedy_tokens(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_speculation_over_recurrent_layers_returns_the_plain_greedy_tokens(
+    tmp_path: Path,
+) -> None:
+    """kimi_linear (MLA + KDA) with rows of 3, drafts verified three steps per device
+    call: a rejected draft's row leaves no trace in the KDA conv tails and states (the
+    last accepted row's snapshot is kept inside the loop), so the tokens are
+    transformers' greedy ones."""
+    build = _build(tmp_path, "kimi_linear", rows=3)
+    weights = _convert(
+        write_sharded(FIXTURES / "kimi_linear", tmp_path / "ckpt"), build, tmp_path / "w"
+    )
+    expected = np.load(FIXTURES / "kimi_linear" / "expected.npz")["greedy_ids"].tolist()
+    args = ["--weights", str(weights), *_ids(PROMPT), "--steps", "8", "--steps-per-call", "3"]
+    out = _tokens(_run(build, *args, "--json"))
+    assert out["tokens"] == [expected]
+    assert out["calls"] <= 3  # 8 tokens, 3 steps per call: the host drafter would take 8 calls
+
+
+@pytest.mark.slow
 def test_weights_for_another_layout_are_refused(tmp_path: Path) -> None:
     build = _build(tmp_path, "qwen3")
     other = _convert(
