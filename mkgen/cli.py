@@ -953,12 +953,18 @@ def _runner_build(build: str) -> Any:
     help="Requests waiting for a slot before new ones get 429.",
 )  # fmt: skip
 @click.option("--trust-weights", is_flag=True, help="Skip the sha256 check of the weights.")
+@click.option(
+    "--disaggregate", is_flag=True,
+    help="Prefill on a second set of the build's device count, decode on the first.",
+)  # fmt: skip
 def serve_command(
     build: str, weights: Path | None, random_weights: int | None, host: str, port: int,
     interpret: bool, steps_per_call: int, queue_limit: int, trust_weights: bool,
+    disaggregate: bool,
 ) -> None:  # fmt: skip
     """Serve a build behind an OpenAI-compatible API (docs/serving.md#serve): BUILD is a
-    build directory (made with --rows 1) or a build's name in generated/; the `openai`
+    build directory or a build's name in generated/ (with --rows R > 1, R - 1 drafts
+    per step are verified); the `openai`
     client talks to http://HOST:PORT/v1 with any api key. SIGTERM or Ctrl-C lets running
     requests finish, then stops."""
     if (weights is None) == (random_weights is None):
@@ -970,7 +976,7 @@ def serve_command(
     serve(
         _runner_build(build), weights=weights, random_weights=random_weights, host=host,
         port=port, interpret=interpret, steps_per_call=steps_per_call,
-        queue_limit=queue_limit, trust_weights=trust_weights,
+        queue_limit=queue_limit, trust_weights=trust_weights, disaggregate=disaggregate,
     )  # fmt: skip
 
 

@@ -172,6 +172,25 @@ def test_speculation_returns_the_plain_greedy_tokens(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_speculation_over_recurrent_layers_returns_the_plain_greedy_tokens(
+    tmp_path: Path,
+) -> None:
+    """kimi_linear (MLA + KDA) with rows of 3, drafts verified three steps per device
+    call: a rejected draft's row leaves no trace in the KDA conv tails and states (the
+    last accepted row's snapshot is kept inside the loop), so the tokens are
+    transformers' greedy ones."""
+    build = _build(tmp_path, "kimi_linear", rows=3)
+    weights = _convert(
+        write_sharded(FIXTURES / "kimi_linear", tmp_path / "ckpt"), build, tmp_path / "w"
+    )
+    expected = np.load(FIXTURES / "kimi_linear" / "expected.npz")["greedy_ids"].tolist()
+    args = ["--weights", str(weights), *_ids(PROMPT), "--steps", "8", "--steps-per-call", "3"]
+    out = _tokens(_run(build, *args, "--json"))
+    assert out["tokens"] == [expected]
+    assert out["calls"] <= 3  # 8 tokens, 3 steps per call: the host drafter would take 8 calls
+
+
+@pytest.mark.slow
 def test_weights_for_another_layout_are_refused(tmp_path: Path) -> None:
     build = _build(tmp_path, "qwen3")
     other = _convert(
@@ -215,10 +234,11 @@ def test_sampling_filters() -> None:
 def test_sampling_on_the_device_draws_what_the_host_sampler_gives(
     temperature: float, top_k: int, top_p: float
 ) -> None:
-    """sample_on_device (inside the jitted multi-step call) draws from the distribution
-    Sampler gives on the host (4,000 draws, one seed each); a seed and position always
-    give the same token, and the padding ids beyond the vocabulary are never drawn."""
-    from mkgen.runtime.sampling import sample_on_device
+    """filtered_logits and draw (inside the jitted multi-step call) draw from the
+    distribution Sampler gives on the host (4,000 draws, one seed each); a seed and
+    position always give the same token, and the padding ids beyond the vocabulary are
+    never drawn."""
+    from mkgen.runtime.sampling import draw, filtered_logits
 
     logits = np.log(np.array([0.1, 0.4, 0.2, 0.3] + [1e-30] * (VOCAB - 4) + [5.0]))
     draws = 4000
@@ -228,10 +248,11 @@ def test_sampling_on_the_device_draws_what_the_host_sampler_gives(
         def full(value, dtype):
             return np.full(draws, value, dtype)
 
-        return np.asarray(sample_on_device(
+        z = filtered_logits(
             rows, full(temperature, np.float32), full(top_k, np.int32), full(top_p, np.float32),
-            seeds.astype(np.uint32), positions.astype(np.int32), VOCAB,
-        ))  # fmt: skip
+            VOCAB,
+        )  # fmt: skip
+        return np.asarray(draw(z, seeds.astype(np.uint32), positions.astype(np.int32)))
 
     seeds = np.arange(draws)
     tokens = sample(seeds, np.full(draws, 5))
@@ -277,6 +298,72 @@ def test_rejection_sampling_keeps_the_target_distribution() -> None:
     assert accept(rows, tokens, None, 1, [1, 2, 0], None, rng) == ([1, 2, 5], 3)
 
 
+def test_prompt_lookup_on_the_device_drafts_what_the_host_drafter_does() -> None:
+    """prompt_lookup_on_device, every sequence of a batch at once (zero-padded histories of
+    several lengths, small vocabularies so that suffixes recur), gives prompt_lookup's
+    drafts."""
+    from mkgen.runtime.decode import history_array
+    from mkgen.runtime.device_speculation import prompt_lookup_on_device
+
+    rng = np.random.default_rng(0)
+    histories = [[4], [5, 6, 5], [1, 2, 3, 9, 2, 3, 7, 1, 2, 3]]
+    histories += [
+        rng.integers(0, vocab, size=n).tolist() for vocab, n in [(3, 20), (2, 9), (5, 30)]
+    ]
+    lengths = np.array([len(h) for h in histories], np.int32)
+    for ngram, count in [(3, 3), (1, 2), (4, 5)]:
+        drafts = prompt_lookup_on_device(history_array(histories, 32), lengths, count, ngram)
+        expected = [prompt_lookup(h, count, ngram) for h in histories]
+        assert np.asarray(drafts).tolist() == expected, (ngram, count)
+
+
+def test_acceptance_on_the_device_is_the_host_rule() -> None:
+    """accept_on_device: greedy, the longest run of drafts equal to the kernel's tokens
+    before them, as accept gives it; sampled (a point-mass drafter: token 1, then 2, then 0)
+    the first two tokens are distributed as sampling without drafts gives them (p1, and p2
+    after a first token 1), one seed per draw; one row and a temperature is plain sampling
+    (draw)."""
+    from mkgen.runtime.decode import SamplingParams
+    from mkgen.runtime.device_speculation import accept_on_device
+    from mkgen.runtime.sampling import draw, filtered_logits
+
+    fed = np.array([[7, 1, 2, 0], [7, 3, 2, 0], [7, 1, 2, 6]], np.int32)
+    greedy = np.array([[1, 2, 5, 6]] * 3, np.int32)
+    logits = np.zeros((12, VOCAB), np.float32)
+    greedy_params = SamplingParams.create([0.0] * 3, [0] * 3, [1.0] * 3, [0] * 3)
+    new, accepted = accept_on_device(
+        fed, greedy, logits, greedy_params, np.zeros(3, np.int32), VOCAB
+    )
+    for b in range(3):
+        host_new, valid = accept(fed[b], greedy[b], None, 1, fed[b, 1:], None, None)
+        assert np.asarray(new)[b, : int(accepted[b]) + 1].tolist() == host_new
+        assert int(accepted[b]) + 1 == valid
+
+    draws = 20_000
+    p1, p2 = np.zeros(VOCAB), np.zeros(VOCAB)
+    p1[:3], p2[:3] = [0.5, 0.3, 0.2], [0.1, 0.1, 0.8]
+    one = np.full((4, VOCAB), -1e9, np.float32)
+    one[0], one[1] = np.log(np.maximum(p1, 1e-30)), np.log(np.maximum(p2, 1e-30))
+    one[2, :3] = one[3, :3] = 0.0
+    sampled = SamplingParams.create([1.0] * draws, [0] * draws, [1.0] * draws, list(range(draws)))
+    new, accepted = accept_on_device(
+        np.tile([[7, 1, 2, 0]], (draws, 1)).astype(np.int32), np.zeros((draws, 4), np.int32),
+        np.tile(one, (draws, 1)), sampled, np.full(draws, 5, np.int32), VOCAB,
+    )  # fmt: skip
+    new, accepted = np.asarray(new), np.asarray(accepted)
+    first = np.bincount(new[:, 0], minlength=3)[:3] / draws
+    np.testing.assert_allclose(first, p1[:3], atol=0.015)
+    after_one = new[(new[:, 0] == 1) & (accepted >= 1), 1]
+    np.testing.assert_allclose(
+        np.bincount(after_one, minlength=3)[:3] / len(after_one), p2[:3], atol=0.02
+    )
+    plain = SamplingParams.create([1.0] * 3, [0] * 3, [1.0] * 3, [4, 5, 6])
+    positions = np.array([3, 9, 11], np.int32)
+    alone, _ = accept_on_device(fed[:, :1], greedy[:, :1], logits[:3], plain, positions, VOCAB)
+    z = filtered_logits(logits[:3], plain.temperature, plain.top_k, plain.top_p, VOCAB)
+    assert np.asarray(alone)[:, 0].tolist() == np.asarray(draw(z, plain.seed, positions)).tolist()
+
+
 # ---------------------------------------------------------------- the runner's command line
 
 
@@ -316,7 +403,11 @@ def shims(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
         (1, ["--steps", "61"], ["--steps:", "exceed the build's context of 64"]),
         (1, ["--drafter", "ngram"], ["--drafter: this build verifies no drafts (rows 1)"]),
         (1, ["--ngram", "2"], ["--ngram: this build verifies no drafts (rows 1)"]),
-        (3, ["--steps-per-call", "4"], ["--steps-per-call: only decoding without drafts"]),
+        (
+            3,
+            ["--drafter", "os:getcwd", "--steps-per-call", "4"],
+            ["--steps-per-call: the os:getcwd drafter runs on the host, one step per call"],
+        ),
         (1, ["--warmup", "3"], ["--warmup: only with --bench"]),
         (3, ["--drafter", "os:sep"], ["--drafter os:sep: not callable"]),
         (3, ["--drafter", "no_such_module:f"], ["--drafter no_such_module:f:", "no_such_module"]),

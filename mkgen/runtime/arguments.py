@@ -169,10 +169,9 @@ def option_parser(build: Build, prog: str) -> OptionParser:
         "--steps-per-call",
         type=integer(1),
         metavar="N",
-        help="decoding without drafts (ROWS 1): up to N kernel steps in one device call, "
-        "each step's token chosen (greedy or sampled) and embedded on the device for the "
-        "next (1: a host round "
-        f"trip per step; default {STEPS_PER_CALL_DEFAULT})",
+        help="up to N kernel steps in one device call, each step's tokens drafted (ngram "
+        "drafter), accepted (greedy or sampled) and embedded on the device for the next (1: "
+        f"a host round trip per step; default {STEPS_PER_CALL_DEFAULT})",
     )
     parser.add_argument(
         "--drafter",
@@ -274,7 +273,7 @@ def _prompts(args: argparse.Namespace, build: Build) -> list[list[int]]:
 
 def _check_drafting(args: argparse.Namespace, build: Build) -> None:
     """Drafter flags only where drafts are verified, --ngram only for the ngram drafter,
-    several steps per call only where nothing is drafted."""
+    several steps per call only where drafts come from the device (the ngram drafter)."""
     for flag, value in (("--drafter", args.drafter), ("--ngram", args.ngram)):
         if value is not None and build.rows == 1:
             raise MkgenError(
@@ -285,9 +284,10 @@ def _check_drafting(args: argparse.Namespace, build: Build) -> None:
         raise MkgenError(f"--ngram: only the ngram drafter uses it, not {args.drafter}")
     args.drafter = args.drafter or "ngram"
     args.ngram = args.ngram or NGRAM_DEFAULT
-    if args.steps_per_call is not None and build.rows > 1:
+    if args.steps_per_call is not None and args.drafter != "ngram":
         raise MkgenError(
-            "--steps-per-call: only decoding without drafts (rows 1) runs several steps per call"
+            f"--steps-per-call: the {args.drafter} drafter runs on the host, one step per "
+            "call; the ngram drafter runs several steps per call"
         )
     args.steps_per_call = args.steps_per_call or STEPS_PER_CALL_DEFAULT
 

@@ -22,9 +22,11 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mkgen.runtime.arguments import NGRAM_DEFAULT
 from mkgen.runtime.build import Build, load_build
+from mkgen.runtime.device_speculation import accept_on_device, prompt_lookup_on_device
 from mkgen.runtime.devices import host_value, make_mesh
-from mkgen.runtime.sampling import Sampler, sample_on_device
+from mkgen.runtime.sampling import Sampler
 from mkgen.runtime.speculation import Drafter, accept
 from mkgen.runtime.weights import embedding_on_devices, progress_bar
 
@@ -182,43 +184,77 @@ jax.tree_util.register_dataclass(
 )
 
 
-def chunk_decoder(model: Model, step_fn: Callable[..., Any], steps_per_call: int) -> Any:
-    """A jitted loop of up to `steps_per_call` kernel steps in one device call (ROWS 1):
-    (feed [BATCH] tokens, positions, budget [BATCH] steps each sequence may still take,
-    count, SamplingParams, the embedding on the devices (embedding_on_devices), placed
-    weights, caches) -> (tokens [steps_per_call, BATCH], caches). Step i feeds each
-    sequence's token from step i - 1, embedded on the device, at the next position; a
-    sequence whose budget is spent repeats its last step in place. A sequence with a
-    temperature samples its token on the device (sample_on_device), the others keep the
-    kernel's greedy one, so the host is visited once per call either way."""
-    layout = model.layout
-    tables = jnp.asarray(model.kernel.LAYER_TABLES, jnp.int32)
-    vocab_used = model.build.vocab_used
+def chunk_decoder(
+    model: Model, step_fn: Callable[..., Any], steps_per_call: int, ngram: int = NGRAM_DEFAULT
+) -> Any:
+    """A jitted loop of up to `steps_per_call` kernel steps in one device call: (history
+    [BATCH, capacity] each sequence's tokens so far, positions [BATCH] (the tokens in its
+    cache: its history holds one more, the token to feed), budget [BATCH] tokens each
+    sequence may still gain, count, SamplingParams, the embedding on the devices
+    (embedding_on_devices), placed weights, caches) -> (tokens [steps_per_call, BATCH,
+    ROWS], gained [steps_per_call, BATCH], caches): step i gave sequence b
+    tokens[i, b, :gained[i, b]].
 
-    def run(feed, positions, budget, count, sampling, embedding, placed, caches):
+    Each step feeds every sequence's next token and ROWS - 1 prompt-lookup drafts from its
+    history (device_speculation), embedded on the device, at its position; the kernel's
+    outputs accept drafts (greedy, or the rejection rule for a sequence with a
+    temperature) and the gained tokens extend the history for the next step, so the host
+    is visited once per call. A rejected row's recurrent state is dropped (the snapshot
+    of the last accepted row is kept). A sequence whose budget is spent repeats its step
+    in place."""
+    layout, build = model.layout, model.build
+    batch, rows = build.batch, build.rows
+    tables = jnp.asarray(model.kernel.LAYER_TABLES, jnp.int32)
+    keep_snapshots = snapshot_keeper(model)
+
+    def run(history, positions, budget, count, sampling, embedding, placed, caches):
+        sequences, row = jnp.arange(batch), jnp.arange(rows)
+
         def step(i, carry):
-            feed, positions, caches, out = carry
+            history, positions, spent, caches, out, gained = carry
+            drafts = prompt_lookup_on_device(history, positions + 1, rows - 1, ngram)
+            fed = jnp.concatenate([history[sequences, positions][:, None], drafts], axis=1)
             x = jnp.zeros((layout.tokens_padded, layout.hidden), jnp.float32)
-            x = x.at[: layout.tokens].set(embedding[feed].astype(jnp.float32))
+            x = x.at[: layout.tokens].set(embedding[fed.reshape(-1)].astype(jnp.float32))
             greedy, logits, *caches = step_fn(
                 tables, positions, x, placed["final_norm"], placed["stream"],
                 placed["vectors"], *placed["experts"], *caches,
             )  # fmt: skip
-            sampled = sample_on_device(
-                logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed,
-                positions, vocab_used,
+            new, accepted = accept_on_device(
+                fed, greedy.reshape(batch, rows), logits, sampling, positions,
+                build.vocab_used,
             )  # fmt: skip
-            tokens = jnp.where(sampling.temperature > 0, sampled, greedy)
-            active = i < budget
-            feed = jnp.where(active, tokens, feed)
-            return feed, positions + active, caches, out.at[i].set(tokens)
+            # Beyond its budget a sequence gains nothing, so its cache never runs past
+            # the context the host checked.
+            taken = jnp.clip(jnp.minimum(accepted + 1, budget - spent), 0)
+            if keep_snapshots is not None:
+                caches = keep_snapshots(caches, jnp.where(taken > 0, taken - 1, rows - 1))
+            beyond = history.shape[1]  # an index the scatter drops
+            written = jnp.where(row < taken[:, None], positions[:, None] + 1 + row, beyond)
+            history = history.at[sequences[:, None], written].set(new, mode="drop")
+            out, gained = out.at[i].set(new), gained.at[i].set(taken)
+            return history, positions + taken, spent + taken, caches, out, gained
 
-        out = jnp.zeros((steps_per_call, model.build.batch), jnp.int32)
-        carry = (feed, positions, list(caches), out)
-        _, _, caches, out = jax.lax.fori_loop(0, count, step, carry)
-        return out, caches
+        out = jnp.zeros((steps_per_call, batch, rows), jnp.int32)
+        gained = jnp.zeros((steps_per_call, batch), jnp.int32)
+        carry = (history, positions, jnp.zeros_like(budget), list(caches), out, gained)
+        _, _, _, caches, out, gained = jax.lax.fori_loop(0, count, step, carry)
+        return out, gained, caches
 
     return jax.jit(run, donate_argnums=7)
+
+
+def history_array(histories: list[list[int]], capacity: int) -> jax.Array:
+    """chunk_decoder's history input: each sequence's tokens, zero-padded to `capacity`."""
+    padded = np.zeros((len(histories), capacity), np.int32)
+    for b, tokens in enumerate(histories):
+        padded[b, : len(tokens)] = tokens
+    return jnp.asarray(padded)
+
+
+def gained_tokens(out: np.ndarray, gained: np.ndarray, b: int) -> list[int]:
+    """Sequence b's tokens from chunk_decoder's outputs (on the host), in order."""
+    return [int(t) for step, n in enumerate(gained[:, b]) for t in out[step, b, :n]]
 
 
 def decode(
@@ -234,16 +270,17 @@ def decode(
     Each call feeds ROWS rows per sequence at its cache position: the tokens known next
     (prompt tokens not yet in the cache, or the last generated token), then drafts. The
     kernel's token after the last known row is generated, and so is its token after every
-    further row whose draft is accepted (accept). Decoding without drafts (greedy, or
-    sampled on the device) runs up to --steps-per-call steps per device call once every
-    sequence generates (chunk_decoder). `stream` (batch 1) gets the generated ids after
-    every call."""
+    further row whose draft is accepted (accept). Once every sequence generates, decoding
+    without drafts or with the built-in prompt-lookup drafter runs up to --steps-per-call
+    steps per device call, drafted, accepted and sampled on the device (chunk_decoder); a
+    MODULE:CALLABLE drafter drafts on the host, one step per call. `stream` (batch 1) gets
+    the generated ids after every call."""
     build, layout, kernel, placed = model.build, model.layout, model.kernel, model.placed
     batch, rows_per_call = build.batch, build.rows
     step_fn = kernel.make_decode_step(model.mesh)
     chunked = None
-    if rows_per_call == 1 and args.steps_per_call > 1:
-        chunked = chunk_decoder(model, step_fn, args.steps_per_call)
+    if args.steps_per_call > 1 and args.drafter == "ngram":
+        chunked = chunk_decoder(model, step_fn, args.steps_per_call, args.ngram)
         embedding_placed = embedding_on_devices(build, model.weights.embedding, model.mesh, kernel)
         sampling = SamplingParams.create(
             [args.temperature] * batch, [args.top_k] * batch, [args.top_p] * batch,
@@ -288,21 +325,21 @@ def decode(
             if chunked is not None and ready and max(budget) > 1:
                 # Every sequence generates: several steps in one device call.
                 count = min(args.steps_per_call, max(budget))
-                feed = [h[p] for h, p in zip(history, positions, strict=True)]
                 start = time.perf_counter()
-                out, caches = chunked(
-                    jnp.asarray(feed, jnp.int32), jnp.asarray(positions, jnp.int32),
+                out, gained, caches = chunked(
+                    history_array(history, build.context), jnp.asarray(positions, jnp.int32),
                     jnp.asarray(budget, jnp.int32), count, sampling, embedding_placed, placed,
                     caches,
                 )  # fmt: skip
-                out = host_value(jax.block_until_ready(out))
+                out, gained = host_value(jax.block_until_ready(out)), host_value(gained)
                 seconds.append((time.perf_counter() - start) / count)
                 calls += 1
                 for b in range(batch):
                     if not finished[b]:
-                        gained = take(b, [int(t) for t in out[:count, b]])
-                        produced, generating = produced + gained, generating + gained
-                        positions[b] += gained
+                        kept = take(b, gained_tokens(out, gained, b))
+                        produced += kept
+                        generating += int(np.count_nonzero(gained[:, b]))
+                        positions[b] += kept
                 continue
             rows, proposals = [], []
             for h, pos in zip(history, positions, strict=True):

@@ -3,11 +3,13 @@ slots; requests join free slots between device calls and leave when done.
 
 Each loop turn: drop cancelled requests (their slots free at once), admit queued prompts
 into free slots (each prompt's tokens but the last prefilled in XLA through
-decode.prefill_sequence and written into its slot with slots.insert_sequence; while other
+decode.prefill_sequence, on the prefill mesh when disaggregated and then handed over, and
+written into its slot with slots.insert_sequence; while other
 sequences are running, only PREFILL_TOKENS_PER_TURN prompt tokens per turn, so they keep
 streaming), then one device call of up to STEPS_PER_CALL kernel steps for every running
 sequence (decode.chunk_decoder), each at its own position with its own sampling
-parameters, sampled on the device. Results go back to each request's `deliver` callback (called on
+parameters; with ROWS > 1 each step verifies ROWS - 1 prompt-lookup drafts per sequence,
+drafted, accepted (greedy, or the rejection rule) and sampled on the device. Results go back to each request's `deliver` callback (called on
 the engine thread) at call boundaries only.
 
 Imports JAX: imported after the device environment is set.
@@ -32,9 +34,12 @@ from mkgen.runtime.decode import (
     SamplingParams,
     chunk_decoder,
     empty_caches,
+    gained_tokens,
+    history_array,
     prefill_sequence,
 )
 from mkgen.runtime.devices import host_value
+from mkgen.runtime.disaggregation import hand_over
 from mkgen.runtime.slots import insert_sequence
 from mkgen.runtime.weights import embedding_on_devices
 from mkgen.serve.metrics import Metrics
@@ -88,11 +93,11 @@ class Request:
 
 @dataclass(eq=False)
 class _Running:
-    """A request in a slot: the tokens in its cache, the token to feed next."""
+    """A request in a slot: its prompt and generated tokens, all in its cache but the last
+    (the token to feed next), which the drafts are looked up in."""
 
     request: Request
-    position: int
-    feed: int
+    history: list[int]
     first_token_at: float | None = None
 
 
@@ -105,7 +110,10 @@ class EngineStopped(Exception):
 
 
 class Engine:
-    """The long-lived decoding engine over `model` (a build with rows 1)."""
+    """The long-lived decoding engine over `model`. Prompts are
+    prefilled on `prefiller` (default `model` itself: colocated), a model of the same
+    build on its own devices (disaggregation.prefill_model), whose caches are handed over
+    to `model`'s mesh before they go into their slot."""
 
     def __init__(
         self,
@@ -115,10 +123,11 @@ class Engine:
         metrics: Metrics,
         steps_per_call: int = STEPS_PER_CALL,
         queue_limit: int = QUEUE_LIMIT,
+        prefiller: Model | None = None,
     ) -> None:
         build = model.build
-        assert build.rows == 1, "serve.server refuses builds with drafts"
         self.model, self.metrics, self.interpret = model, metrics, interpret
+        self.prefiller = prefiller or model
         self.steps_per_call, self.queue_limit = steps_per_call, queue_limit
         step_fn = model.kernel.make_decode_step(model.mesh)
         self._decoder = chunk_decoder(model, step_fn, steps_per_call)
@@ -224,14 +233,16 @@ class Engine:
                 self.metrics.queue_depth.set(len(self._queue))
             prompt = request.prompt
             try:
-                sequence = prefill_sequence(self.model, prompt[:-1])
+                sequence = prefill_sequence(self.prefiller, prompt[:-1])
+                if self.prefiller is not self.model:
+                    sequence = hand_over(sequence, self.model)
             except Exception:  # this request fails; the others are untouched
                 log.exception("prefill failed; its request ends with an error")
                 self.metrics.requests.labels("error").inc()
                 request.deliver(Update([], "error"))
                 continue
             self._caches = insert_sequence(self._caches, slot, sequence)
-            self._slots[slot] = _Running(request, position=len(prompt) - 1, feed=prompt[-1])
+            self._slots[slot] = _Running(request, list(prompt))
             self.metrics.prompt_tokens.inc(len(prompt))
             self.metrics.slots_in_use.set(sum(s is not None for s in self._slots))
             prefilled += len(prompt)
@@ -241,54 +252,54 @@ class Engine:
     def _decode_call(self) -> None:
         """One device call for every running sequence; each gets its tokens."""
         batch = len(self._slots)
-        budget, feed, positions = [0] * batch, [0] * batch, [0] * batch
+        budget, positions = [0] * batch, [0] * batch
         temperature, top_k, top_p, seed = [0.0] * batch, [0] * batch, [1.0] * batch, [0] * batch
+        histories: list[list[int]] = [[] for _ in range(batch)]
         for b, running in enumerate(self._slots):
             if running is None:
                 continue  # a free slot: budget 0, it repeats its step in place
             params = running.request.params
             budget[b] = params.max_tokens - running.request.generated
-            feed[b], positions[b] = running.feed, running.position
+            histories[b], positions[b] = running.history, len(running.history) - 1
             temperature[b], top_k[b], top_p[b] = params.temperature, params.top_k, params.top_p
             seed[b] = params.seed
         count = min(self.steps_per_call, max(budget))
         start = time.perf_counter()
-        out, self._caches = self._decoder(
-            jnp.asarray(feed, jnp.int32), jnp.asarray(positions, jnp.int32),
-            jnp.asarray(budget, jnp.int32), count,
+        out, gained, self._caches = self._decoder(
+            history_array(histories, self.model.build.context),
+            jnp.asarray(positions, jnp.int32), jnp.asarray(budget, jnp.int32), count,
             SamplingParams.create(temperature, top_k, top_p, seed), self._embedding,
             self.model.placed, self._caches,
         )  # fmt: skip
-        out = host_value(jax.block_until_ready(out))
+        out, gained = host_value(jax.block_until_ready(out)), host_value(gained)
         done = time.perf_counter()
         for b, running in enumerate(self._slots):
             if running is None:
                 continue
-            steps = min(count, budget[b])
-            tokens = [int(t) for t in out[:steps, b]]
-            self._advance(b, running, tokens, (done - start) / count, done)
+            per_step = gained[:count, b]
+            for tokens_in_step in per_step[per_step > 0]:
+                self.metrics.accepted_length.observe(int(tokens_in_step))
+            self._advance(b, running, gained_tokens(out, gained, b), done - start, done)
 
     def _advance(
-        self, slot: int, running: _Running, tokens: list[int], step_s: float, now: float
+        self, slot: int, running: _Running, tokens: list[int], call_s: float, now: float
     ) -> None:
-        """Slot `slot`'s sequence gained `tokens` (one per kernel step of `step_s`)."""
+        """Slot `slot`'s sequence gained `tokens` from a device call of `call_s` seconds."""
         request = running.request
         stops = [i for i, t in enumerate(tokens) if t in request.params.stop_ids]
         if stops:
             tokens = tokens[: stops[0] + 1]
         request.generated += len(tokens)
-        running.position += len(tokens)
-        running.feed = tokens[-1]
+        running.history += tokens
         self.metrics.generation_tokens.inc(len(tokens))
-        self.metrics.accepted_length.observe(1)  # one token per step: no drafts (rows 1)
         if running.first_token_at is None:
             running.first_token_at = now
             self.metrics.time_to_first_token.observe(now - request.arrival)
             later = len(tokens) - 1
         else:
             later = len(tokens)
-        for _ in range(later):
-            self.metrics.inter_token_latency.observe(step_s)
+        for _ in range(later):  # the call's tokens came at an even pace
+            self.metrics.inter_token_latency.observe(call_s / len(tokens))
         shown = tokens[: stops[0]] if stops else tokens
         if stops:
             self._finish(slot, Update(shown, "stop"))

@@ -27,15 +27,13 @@ def serve(
     steps_per_call: int,
     queue_limit: int,
     trust_weights: bool = False,
+    disaggregate: bool = False,
 ) -> None:
-    """Serve `build` on http://HOST:PORT/v1 until stopped. Bad inputs (a port taken,
+    """Serve `build` on http://HOST:PORT/v1 until stopped; with `disaggregate`, prompts
+    are prefilled on a second group of build.devices devices holding their own copy of
+    the weights, and their caches handed over to the decode devices. Bad inputs (a port taken,
     weights that do not fit, too few devices, a broken tokenizer_config.json) are
     MkgenErrors before any request is taken."""
-    if build.rows != 1:
-        raise MkgenError(
-            f"{build.name} verifies {build.rows - 1} drafts per call (rows {build.rows}); "
-            "mkgen serve decodes without drafts: build it with --rows 1"
-        )
     from mkgen.codegen.convert import TOKENIZER_CONFIG_FILE
     from mkgen.serve.chat import load_tokenizer_config
 
@@ -44,27 +42,34 @@ def serve(
     eos_id = tokenizer.token_to_id(eos) if tokenizer is not None and eos else None
     listening = _bind(host, port)
     port = listening.getsockname()[1]  # the one the system chose for --port 0
-    devices.configure(build, interpret)
+    meshes = 2 if disaggregate else 1  # disaggregation.MESHES (it imports JAX)
+    devices.configure(build, interpret, meshes)
     import uvicorn
 
+    from mkgen.runtime import disaggregation
     from mkgen.runtime.decode import load_model
     from mkgen.serve.app import ServedModel, create_app
     from mkgen.serve.engine import Engine
     from mkgen.serve.metrics import Metrics
 
-    model = load_model(build, weights, random_weights, verify=not trust_weights)
+    model = load_model(build, weights, random_weights, verify=not trust_weights, meshes=meshes)
     engine = Engine(
         model, interpret=interpret, metrics=Metrics(), steps_per_call=steps_per_call,
         queue_limit=queue_limit,
+        prefiller=disaggregation.prefill_model(model) if disaggregate else None,
     )  # fmt: skip
+    # A step writes its drafts' rows beyond a sequence's last token: they need room too.
+    context = build.context - (build.rows - 1)
     served = ServedModel(
-        name=build.name, context=build.context, vocab_used=build.vocab_used,
+        name=build.name, context=context, vocab_used=build.vocab_used,
         tokenizer=tokenizer, chat=chat,
         eos_ids=frozenset() if eos_id is None else frozenset({eos_id}),
     )  # fmt: skip
     print(
-        f"serving {build.name} at http://{host}:{port}/v1 (batch {build.batch}, context "
-        f"{build.context}{', TPU interpret mode' if interpret else ''})",
+        f"serving {build.name} at http://{host}:{port}/v1 (batch {build.batch}, rows "
+        f"{build.rows}, context "
+        f"{context}{', prefill on its own devices' if disaggregate else ''}"
+        f"{', TPU interpret mode' if interpret else ''})",
         file=sys.stderr, flush=True,
     )  # fmt: skip
     config = uvicorn.Config(
