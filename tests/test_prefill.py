@@ -210,6 +210,62 @@ def test_dense_mlps_split_by_columns_are_computed_in_pieces() -> None:
         assert not any(_columns_split(f) for f in layout.ffn if f.type == "moe")
 
 
+HEADS_CASES = [GPT_OSS, "qwen3.8-27b", str(SPECS / "mla-hybrid.yaml")]
+
+
+@pytest.mark.parametrize("spec_ref", HEADS_CASES, ids=["gpt_oss", "qwen3.8-27b", "mla-hybrid"])
+def test_attention_heads_are_computed_by_their_own_cores(spec_ref: str) -> None:
+    """Per GQA and MLA kind, each core computes attention from its own pieces alone: its
+    heads' columns of wq / wq_b / wkv_b / wgate and rows of wo (GQA: the kv heads its q
+    heads read; MLA: the latent projections, replicated). The cores' outputs summed, plus
+    bo, are the layer's attention; each GQA core's cache holds the reference cache's kv
+    heads of that core, each MLA core's the whole latent cache."""
+    import jax.numpy as jnp
+
+    from mkgen.codegen import pack, unpack
+    from mkgen.codegen.prefill import core_attention
+    from mkgen.reference import model as reference
+    from mkgen.spec.weights import model_weights
+
+    spec, layout, weights = _setup(spec_ref)
+    shapes = {w.name: w.shape for w in model_weights(spec)}
+    x = np.random.default_rng(0).standard_normal((BATCH, 5, spec.dims.hidden), np.float32)
+    kinds = [a for a in layout.attention if a.type in ("gqa", "mla")]
+    assert kinds
+    for attention in kinds:
+        layer = attention.layers[0]
+        kind = spec.attention_of(layer)
+        prefix = f"layers.{layer}."
+        layer_shapes = reference.layer_weights(shapes, prefix)
+        full = reference.layer_weights(weights, prefix + "attn.")
+        empty = reference.init_layer_cache(spec, layer, BATCH, CONTEXT)
+        expected, expected_cache = reference.attention(spec, layer, full, x, empty, 2)
+        total = full["bo"] if kind.type == "gqa" and kind.o_bias else 0.0
+        for rank in range(layout.devices):
+            pieces = unpack.layer_pieces(
+                layout, layer, pack.pack_stream_layer(layout, weights, rank, layer),
+                pack.pack_vectors_layer(layout, weights, rank, layer),
+                pack.pack_experts_layer(layout, weights, rank, layer), layer_shapes,
+            )  # fmt: skip
+            own = {n: v for n, v in pieces.items() if n.startswith("attn.")}
+            rows = unpack.own_tensors(layout, layer, own, layer_shapes)["wo"].shape[0]
+            assert rows * layout.devices == full["wo"].shape[0]
+            cache = empty
+            if kind.type == "gqa":
+                assert own["attn.wq"].shape[-1] * layout.devices == full["wq"].shape[-1]
+                kv_heads = (BATCH, CONTEXT, attention.kv_heads, kind.head_dim)
+                cache = {n: jnp.zeros(kv_heads) for n in "kv"}
+            out, cache = core_attention(spec, layout, layer, own, layer_shapes, x, cache, 2)
+            total = total + out
+            for name, value in cache.items():
+                theirs = expected_cache[name]
+                if kind.type == "gqa":
+                    kv = rank // attention.kv_rank_divisor * attention.kv_heads
+                    theirs = theirs[:, :, kv : kv + attention.kv_heads]
+                assert _relative(value, theirs) < 1e-5, (layer, rank, name)
+        assert _relative(total, expected) < 1e-4, layer
+
+
 def test_prompts_go_in_power_of_two_chunks() -> None:
     """Any prompt length is covered, in order and largest first, by chunks whose sizes
     are distinct powers of two, so a context of 64 compiles at most 7 chunk sizes."""

@@ -16,10 +16,12 @@ cache, so a build compiles a layer step only for the powers of two up to its con
 whatever the prompts' lengths.
 
 Memory: besides the weights already placed, a device holds the prompt's activations,
-one layer's tensors other than routed experts (f32), one expert's activations and the
-layer's reference cache. Routed experts and dense MLPs split by columns (_columns_split)
-are computed by their own cores, each on its share; the rest (attention, shared experts,
-the router) is still computed whole on every core (a head split would divide it).
+the layer's gathered tensors (f32), one expert's activations and the layer's cache. GQA
+and MLA attention (core_attention: a core's heads, its rows of wo), routed experts and
+dense MLPs split by columns (_columns_split) are computed by their own cores, each on its
+share, a psum adding the shares; a GQA core keeps only its own kv heads' cache. The rest
+(Gated DeltaNet / KDA attention, MLA's latent projections, shared experts, the router)
+is gathered and computed whole on every core.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ from mkgen.plan.layout import (
     RecurrentLayout,
 )
 from mkgen.reference import model as reference
+from mkgen.reference.attention import Cache, gqa_attention, init_gqa_cache, mla_attention
 from mkgen.reference.layers import gated_activation, mm, rms_norm
-from mkgen.spec.schema import ModelSpec
+from mkgen.spec.schema import GQAAttention, MLAAttention, ModelSpec
 from mkgen.spec.weights import attention_weights, model_weights
 
 AttentionLayout = GQALayout | MLALayout | RecurrentLayout
@@ -159,6 +162,55 @@ def _columns_split(ffn: DenseLayout | MoELayout) -> bool:
     )
 
 
+def _heads_split(attention: AttentionLayout) -> bool:
+    """Whether each core computes a kind's attention for its own heads alone, from its
+    own pieces (a psum adds the cores' output projections): GQA and MLA."""
+    return isinstance(attention, GQALayout | MLALayout)
+
+
+def _own_cache(attention: AttentionLayout) -> bool:
+    """Whether each core keeps its own prefill cache, of its own heads (GQA), rather than
+    the whole reference cache that every core computes alike."""
+    return isinstance(attention, GQALayout)
+
+
+def _own_heads_kind(
+    spec: ModelSpec, layer: int, attention: GQALayout | MLALayout
+) -> GQAAttention | MLAAttention:
+    """Layer `layer`'s attention kind cut to one core's heads: its q heads and (GQA) the
+    kv heads they read, kv heads shared by several cores computed by each of them; no
+    output bias (added once, after the cores' outputs are summed)."""
+    kind = spec.attention_of(layer)
+    if isinstance(attention, MLALayout):
+        return kind.model_copy(update={"num_heads": attention.heads})
+    own = {"num_heads": attention.heads, "num_kv_heads": attention.kv_heads, "o_bias": False}
+    return kind.model_copy(update=own)
+
+
+def core_attention(
+    spec: ModelSpec,
+    layout: KernelLayout,
+    layer: int,
+    pieces: Mapping[str, jax.Array],
+    shapes: Mapping[str, tuple[int, ...]],
+    x: jax.Array,
+    cache: Cache,
+    position: jax.Array | int,
+) -> tuple[jax.Array, Cache]:
+    """One core's share of layer `layer`'s attention of x [B, T, hidden] (normed), for a
+    kind split by heads (_heads_split): its heads' output through its rows of wo (summed
+    over the cores, plus bo, it is the layer's attention) and its cache holding the chunk
+    too (GQA: [B, context, its kv heads, head_dim]; MLA: the whole latent cache, its
+    latent projections being replicated). `pieces` are the core's attention pieces
+    (unpack.layer_pieces), `shapes` the layer's full tensor shapes."""
+    attention = layout.attention[layout.attention_table[layer]]
+    kind = _own_heads_kind(spec, layer, attention)
+    own = unpack.own_tensors(layout, layer, pieces, shapes)
+    if isinstance(kind, MLAAttention):
+        return mla_attention(kind, own, x, cache, position, spec.dims)
+    return gqa_attention(kind, own, x, cache, position, spec.dims)
+
+
 def _layer_step(
     spec: ModelSpec,
     layout: KernelLayout,
@@ -176,6 +228,10 @@ def _layer_step(
     banks = end - start
     ffn = layout.ffn[layout.ffn_table[layer]]
     columns_split = _columns_split(ffn)
+    attention = layout.attention[layout.attention_table[layer]]
+    heads_split, own_cache = _heads_split(attention), _own_cache(attention)
+    kind = spec.attention_of(layer)
+    o_bias = heads_split and isinstance(kind, GQAAttention) and kind.o_bias
 
     def body(stream, vectors, experts, h, cache, position, first, index, slot):
         layer_banks = jax.lax.dynamic_slice_in_dim(stream[0], first, banks, axis=0)
@@ -186,12 +242,23 @@ def _layer_step(
         mine = {}  # the MLP's pieces of this core, when they are used unassembled
         if columns_split:
             mine = {n.removeprefix("ffn."): pieces.pop(n) for n in list(pieces) if "ffn.w_" in n}
+        heads = {}  # the attention's pieces of this core, when it computes its heads alone
+        if heads_split:
+            heads = {n: pieces.pop(n) for n in list(pieces) if n.startswith("attn.")}
         gathered = {n: jax.lax.all_gather(v, axis) for n, v in pieces.items()}
         w = unpack.assemble(layout, layer, gathered, shapes)
         zero_centered = layout.zero_centered
         x = rms_norm(h, w["attn_norm"], layout.norm_eps, zero_centered)
-        attn = reference.layer_weights(w, "attn.")
-        out, cache = reference.attention(spec, layer, attn, x, cache, position)
+        if heads_split:
+            if own_cache:  # without the mesh axis
+                cache = {n: v[0] for n, v in cache.items()}
+            out, cache = core_attention(spec, layout, layer, heads, shapes, x, cache, position)
+            out = jax.lax.psum(out, axis) + (heads["attn.bo"] if o_bias else 0.0)
+            if own_cache:
+                cache = {n: v[None] for n, v in cache.items()}
+        else:
+            attn = reference.layer_weights(w, "attn.")
+            out, cache = reference.attention(spec, layer, attn, x, cache, position)
         h = h + out
         x = rms_norm(h, w["ffn_norm"], layout.norm_eps, zero_centered)
         if columns_split:
@@ -204,26 +271,55 @@ def _layer_step(
 
     replicated, sharded = P(), P(axis)
     n_experts = len(_expert_arrays(layout, layer))
+    cache_spec = sharded if own_cache else replicated
     step = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(sharded, sharded, (sharded,) * n_experts, *(replicated,) * 6),
-        out_specs=(replicated, replicated),
+        in_specs=(
+            sharded, sharded, (sharded,) * n_experts, replicated, cache_spec,
+            *(replicated,) * 4,
+        ),
+        out_specs=(replicated, cache_spec),
         check_vma=False,
-    )
+    )  # fmt: skip
     return jax.jit(step, donate_argnums=4)  # not h: the attention residual keeps snapshots
 
 
 def _cache_cutter(spec: ModelSpec, layout: KernelLayout, mesh: Mesh, axis: str, layer: int):
-    """A jitted cut of layer `layer`'s reference cache (replicated) into its kernel cache
-    pieces, each [devices, B, ...] sharded on `axis`: every core keeps its own share."""
+    """A jitted cut of layer `layer`'s prefill cache into its kernel cache pieces, each
+    [devices, B, ...] sharded on `axis`: every core keeps its own share. A kind whose
+    cores keep their own caches (_own_cache: GQA) comes as those, sharded on `axis`, whose
+    [context, kv heads] become the kernel's [kv heads, context]; another as the whole
+    reference cache, replicated, cut per core."""
     attention = layout.attention[layout.attention_table[layer]]
+    if _own_cache(attention):
+        return jax.jit(lambda cache: {n: v.transpose(0, 1, 3, 2, 4) for n, v in cache.items()})
 
     def body(cache):
         mine = kernel_cache_pieces(spec, attention, cache, jax.lax.axis_index(axis))
         return {n: v[None] for n, v in mine.items()}
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(axis), check_vma=False))
+
+
+def _empty_cache(
+    spec: ModelSpec, layout: KernelLayout, mesh: Mesh, axis: str, layer: int, batch: int
+) -> dict[str, jax.Array]:
+    """Layer `layer`'s empty prefill cache (bf16 entries, recurrent states f32), zeros made
+    on the host so that each process places the same: the reference cache, replicated; for
+    a kind whose cores keep their own (_own_cache: GQA), each core's own [devices, B, context, its kv heads, head_dim],
+    sharded on `axis`."""
+    attention = layout.attention[layout.attention_table[layer]]
+    if _own_cache(attention):
+        own = _own_heads_kind(spec, layer, attention)
+        empty = jax.eval_shape(lambda: init_gqa_cache(own, batch, layout.context, jnp.bfloat16))
+        to, lead = NamedSharding(mesh, P(axis)), (layout.devices,)
+    else:
+        empty = jax.eval_shape(
+            lambda: reference.init_layer_cache(spec, layer, batch, layout.context, jnp.bfloat16)
+        )
+        to, lead = NamedSharding(mesh, P()), ()
+    return {n: jax.device_put(np.zeros(lead + a.shape, a.dtype), to) for n, a in empty.items()}
 
 
 def _expert_arrays(layout: KernelLayout, layer: int) -> list[int]:
@@ -283,14 +379,7 @@ class XlaPrefill:
             step = self._step(layer)
             experts = tuple(placed["experts"][i] for i in _expert_arrays(layout, layer))
             first = layer_bank_range(layout, layer)[0]
-            empty = jax.eval_shape(  # zeros made on the host: each process places the same
-                lambda layer=layer: reference.init_layer_cache(
-                    spec, layer, batch, layout.context, jnp.bfloat16
-                )
-            )
-            cache = jax.tree.map(
-                lambda a: jax.device_put(np.zeros(a.shape, a.dtype), replicated), empty
-            )
+            cache = _empty_cache(spec, layout, self.mesh, self.axis, layer, batch)
             for c, (position, _) in enumerate(chunks):
                 h[c], cache = step(
                     placed["stream"], placed["vectors"], experts, h[c], cache, jnp.int32(position),
