@@ -49,6 +49,7 @@ def _relative(ours, theirs) -> float:
 
 
 GPT_OSS = str(Path(__file__).parent / "fixtures" / "hf" / "gpt_oss" / "config.json")
+QWEN3_NEXT = str(Path(__file__).parent / "fixtures" / "hf" / "qwen3_next" / "config.json")
 UNPACK_CASES = [
     GPT_OSS,  # expert biases, sinks, q/k/v/o biases
     "qwen3.8-27b",  # Gated DeltaNet + gated GQA
@@ -125,6 +126,7 @@ PREFILL_CASES = [
     str(SPECS / "kda-hybrid.yaml"),
     str(SPECS / "mla-hybrid.yaml"),
     str(SPECS / "latent-moe-shared.yaml"),
+    QWEN3_NEXT,  # gated shared experts
 ]
 CACHE_RTOL = 2e-2  # bf16 caches; the same f32 computation summed in another order
 
@@ -264,6 +266,41 @@ def test_attention_heads_are_computed_by_their_own_cores(spec_ref: str) -> None:
                     theirs = theirs[:, :, kv : kv + attention.kv_heads]
                 assert _relative(value, theirs) < 1e-5, (layer, rank, name)
         assert _relative(total, expected) < 1e-4, layer
+
+
+@pytest.mark.parametrize(
+    "spec_ref",
+    [str(SPECS / "latent-moe-shared.yaml"), "kimi-k3", QWEN3_NEXT],
+    ids=["latent-moe-shared", "kimi-k3", "qwen3_next"],
+)
+def test_shared_experts_split_by_columns_are_computed_in_pieces(spec_ref: str) -> None:
+    """These MoE kinds' shared experts are split by columns, so each core runs them on its
+    own pieces alone: the cores' outputs, summed, are the whole shared MLP's."""
+    from mkgen.codegen import pack, unpack
+    from mkgen.codegen.prefill import _shared_columns_split
+    from mkgen.reference import model as reference
+    from mkgen.reference.ffn import shared_mlp
+    from mkgen.spec.weights import model_weights
+
+    spec, layout, weights = _setup(spec_ref)
+    shapes = {w.name: w.shape for w in model_weights(spec)}
+    x = np.random.default_rng(0).standard_normal((BATCH, 3, spec.dims.hidden), np.float32)
+    assert [_shared_columns_split(f) for f in layout.ffn if f.type == "moe"] == [True]
+    layer = next(i for i in range(spec.layers.count) if spec.ffn_of(i).type == "moe")
+    kind, prefix = spec.ffn_of(layer), f"layers.{layer}."
+    total = 0.0
+    for rank in range(layout.devices):
+        pieces = unpack.layer_pieces(
+            layout, layer, pack.pack_stream_layer(layout, weights, rank, layer),
+            pack.pack_vectors_layer(layout, weights, rank, layer),
+            pack.pack_experts_layer(layout, weights, rank, layer),
+            reference.layer_weights(shapes, prefix),
+        )  # fmt: skip
+        own = {n.removeprefix("ffn."): v for n, v in pieces.items() if "shared_" in n}
+        assert own["shared_down"].shape[0] * layout.devices == kind.shared_experts.width
+        total = total + shared_mlp(kind, own, x)
+    expected = shared_mlp(kind, reference.layer_weights(weights, prefix + "ffn."), x)
+    assert _relative(total, expected) < 1e-4
 
 
 def test_prompts_go_in_power_of_two_chunks() -> None:

@@ -17,11 +17,12 @@ whatever the prompts' lengths.
 
 Memory: besides the weights already placed, a device holds the prompt's activations,
 the layer's gathered tensors (f32), one expert's activations and the layer's cache. GQA
-and MLA attention (core_attention: a core's heads, its rows of wo), routed experts and
-dense MLPs split by columns (_columns_split) are computed by their own cores, each on its
-share, a psum adding the shares; a GQA core keeps only its own kv heads' cache. The rest
-(Gated DeltaNet / KDA attention, MLA's latent projections, shared experts, the router)
-is gathered and computed whole on every core.
+and MLA attention (core_attention: a core's heads, its rows of wo), routed experts, and
+dense MLPs and shared experts split by columns (_columns_split, _shared_columns_split)
+are computed by their own cores, each on its share, a psum adding the shares; a GQA core
+keeps only its own kv heads' cache. The rest (Gated DeltaNet / KDA attention, MLA's
+latent projections, the router, MoE latent projections) is gathered and computed whole
+on every core.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ from mkgen.plan.layout import (
     MoELayout,
     RecurrentLayout,
 )
+from mkgen.plan.stream import Part
 from mkgen.reference import model as reference
 from mkgen.reference.attention import Cache, gqa_attention, init_gqa_cache, mla_attention
+from mkgen.reference.ffn import moe_ffn, shared_mlp
 from mkgen.reference.layers import gated_activation, mm, rms_norm
 from mkgen.spec.schema import GQAAttention, MLAAttention, ModelSpec
 from mkgen.spec.weights import attention_weights, model_weights
@@ -152,13 +155,28 @@ def _columns_split(ffn: DenseLayout | MoELayout) -> bool:
     if not isinstance(ffn, DenseLayout) or ffn.vectors:
         return False
     parts = {p.tensor: p for segment in ffn.segments for p in segment.parts}
-    down = parts.get("ffn.w_down")
-    inputs = [parts[n] for n in ("ffn.w_gate", "ffn.w_up") if n in parts]
-    if down is None or not inputs or len(parts) != len(inputs) + 1:
+    inputs = [n for n in ("ffn.w_gate", "ffn.w_up") if n in parts]
+    return len(parts) == len(inputs) + 1 and _split_as_mlp(parts, inputs, "ffn.w_down")
+
+
+def _shared_columns_split(ffn: DenseLayout | MoELayout) -> bool:
+    """Whether a MoE kind's shared experts are split over the cores by columns
+    (shared_gate and shared_up by columns, shared_down by rows, each core its own piece),
+    so each core runs them on its columns alone and a psum adds the cores' outputs."""
+    if not isinstance(ffn, MoELayout) or not ffn.shared_width:
+        return False
+    parts = {p.tensor: p for segment in ffn.segments for p in segment.parts}
+    return _split_as_mlp(parts, ["ffn.shared_gate", "ffn.shared_up"], "ffn.shared_down")
+
+
+def _split_as_mlp(parts: Mapping[str, Part], inputs: list[str], down: str) -> bool:
+    """Whether the `inputs` tensors are all split by columns and `down` by rows, in pieces
+    of one size, one per core, without views."""
+    if down not in parts or not inputs or any(n not in parts for n in inputs):
         return False
     return all(
-        p.view is None and p.rank_divisor == 1 and p.size == down.size and p.axis == axis
-        for p, axis in [(down, -2), *((p, -1) for p in inputs)]
+        p.view is None and p.rank_divisor == 1 and p.size == parts[down].size and p.axis == axis
+        for p, axis in [(parts[down], -2), *((parts[n], -1) for n in inputs)]
     )
 
 
@@ -227,7 +245,7 @@ def _layer_step(
     start, end = layer_bank_range(layout, layer)
     banks = end - start
     ffn = layout.ffn[layout.ffn_table[layer]]
-    columns_split = _columns_split(ffn)
+    columns_split, shared_split = _columns_split(ffn), _shared_columns_split(ffn)
     attention = layout.attention[layout.attention_table[layer]]
     heads_split, own_cache = _heads_split(attention), _own_cache(attention)
     kind = spec.attention_of(layer)
@@ -242,6 +260,13 @@ def _layer_step(
         mine = {}  # the MLP's pieces of this core, when they are used unassembled
         if columns_split:
             mine = {n.removeprefix("ffn."): pieces.pop(n) for n in list(pieces) if "ffn.w_" in n}
+        shared = {}  # the shared experts' pieces of this core, when split by columns
+        if shared_split:
+            shared = {
+                n.removeprefix("ffn."): pieces.pop(n)
+                for n in list(pieces)
+                if n.startswith("ffn.shared_")
+            }
         heads = {}  # the attention's pieces of this core, when it computes its heads alone
         if heads_split:
             heads = {n: pieces.pop(n) for n in list(pieces) if n.startswith("attn.")}
@@ -264,10 +289,17 @@ def _layer_step(
         if columns_split:
             return h + jax.lax.psum(reference.ffn(spec, layer, mine, x), axis), cache
         weights = reference.layer_weights(w, "ffn.")
-        kwargs = {}
-        if isinstance(ffn, MoELayout):
-            kwargs["routed"] = _routed_on_this_core(ffn, routed, axis)
-        return h + reference.ffn(spec, layer, weights, x, **kwargs), cache
+        if not isinstance(ffn, MoELayout):
+            return h + reference.ffn(spec, layer, weights, x), cache
+        moe, on_this_core = spec.ffn_of(layer), _routed_on_this_core(ffn, routed, axis)
+        if not shared_split:
+            return h + moe_ffn(moe, weights, x, spec.dims, on_this_core), cache
+        routed_only = moe.model_copy(update={"shared_experts": None})
+        out = moe_ffn(routed_only, weights, x, spec.dims, on_this_core)
+        mlp = jax.lax.psum(shared_mlp(moe, shared, x), axis)
+        if moe.shared_experts.gate:  # one scalar a token: gating the sum gates each share
+            mlp = mlp * jax.nn.sigmoid(mm(x, shared["shared_gate_proj"]))
+        return h + out + mlp, cache
 
     replicated, sharded = P(), P(axis)
     n_experts = len(_expert_arrays(layout, layer))
