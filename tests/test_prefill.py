@@ -212,29 +212,37 @@ def test_dense_mlps_split_by_columns_are_computed_in_pieces() -> None:
         assert not any(_columns_split(f) for f in layout.ffn if f.type == "moe")
 
 
-HEADS_CASES = [GPT_OSS, "qwen3.8-27b", str(SPECS / "mla-hybrid.yaml")]
+HEADS_CASES = [
+    GPT_OSS,
+    "qwen3.8-27b",
+    str(SPECS / "mla-hybrid.yaml"),
+    str(SPECS / "kda-hybrid.yaml"),
+]
 
 
-@pytest.mark.parametrize("spec_ref", HEADS_CASES, ids=["gpt_oss", "qwen3.8-27b", "mla-hybrid"])
+@pytest.mark.parametrize(
+    "spec_ref", HEADS_CASES, ids=["gpt_oss", "qwen3.8-27b", "mla-hybrid", "kda-hybrid"]
+)
 def test_attention_heads_are_computed_by_their_own_cores(spec_ref: str) -> None:
-    """Per GQA and MLA kind, each core computes attention from its own pieces alone: its
-    heads' columns of wq / wq_b / wkv_b / wgate and rows of wo (GQA: the kv heads its q
-    heads read; MLA: the latent projections, replicated). The cores' outputs summed, plus
-    bo, are the layer's attention; each GQA core's cache holds the reference cache's kv
-    heads of that core, each MLA core's the whole latent cache."""
-    import jax.numpy as jnp
-
+    """Per attention kind (GQA, MLA, Gated DeltaNet, KDA), each core computes attention
+    from its own pieces alone: its heads' columns and its rows of wo (GQA / Gated
+    DeltaNet: the kv / key heads its heads read; MLA: the latent projections, replicated).
+    The cores' outputs summed, plus bo, are the layer's attention; each core's cache, in
+    the kernel's layout, is its cut of the reference cache (MLA: the whole latent cache)."""
     from mkgen.codegen import pack, unpack
-    from mkgen.codegen.prefill import core_attention
+    from mkgen.codegen.prefill import (
+        _own_heads_kind,
+        core_attention,
+        kernel_cache_pieces,
+        own_kernel_cache_pieces,
+    )
     from mkgen.reference import model as reference
     from mkgen.spec.weights import model_weights
 
     spec, layout, weights = _setup(spec_ref)
     shapes = {w.name: w.shape for w in model_weights(spec)}
     x = np.random.default_rng(0).standard_normal((BATCH, 5, spec.dims.hidden), np.float32)
-    kinds = [a for a in layout.attention if a.type in ("gqa", "mla")]
-    assert kinds
-    for attention in kinds:
+    for attention in layout.attention:
         layer = attention.layers[0]
         kind = spec.attention_of(layer)
         prefix = f"layers.{layer}."
@@ -250,21 +258,20 @@ def test_attention_heads_are_computed_by_their_own_cores(spec_ref: str) -> None:
                 pack.pack_experts_layer(layout, weights, rank, layer), layer_shapes,
             )  # fmt: skip
             own = {n: v for n, v in pieces.items() if n.startswith("attn.")}
-            rows = unpack.own_tensors(layout, layer, own, layer_shapes)["wo"].shape[0]
-            assert rows * layout.devices == full["wo"].shape[0]
-            cache = empty
-            if kind.type == "gqa":
-                assert own["attn.wq"].shape[-1] * layout.devices == full["wq"].shape[-1]
-                kv_heads = (BATCH, CONTEXT, attention.kv_heads, kind.head_dim)
-                cache = {n: jnp.zeros(kv_heads) for n in "kv"}
+            tensors = unpack.own_tensors(layout, layer, own, layer_shapes)
+            assert tensors["wo"].shape[0] * layout.devices == full["wo"].shape[0]
+            # A GQA / Gated DeltaNet core keeps its own heads' cache, MLA the whole latent.
+            own_kind = _own_heads_kind(spec, layer, attention)
+            cache = reference.init_kind_cache(own_kind, BATCH, CONTEXT)
             out, cache = core_attention(spec, layout, layer, own, layer_shapes, x, cache, 2)
             total = total + out
-            for name, value in cache.items():
-                theirs = expected_cache[name]
-                if kind.type == "gqa":
-                    kv = rank // attention.kv_rank_divisor * attention.kv_heads
-                    theirs = theirs[:, :, kv : kv + attention.kv_heads]
-                assert _relative(value, theirs) < 1e-5, (layer, rank, name)
+            if kind.type == "mla":
+                ours, theirs = cache, expected_cache
+            else:
+                ours = own_kernel_cache_pieces(attention, cache)
+                theirs = kernel_cache_pieces(spec, attention, expected_cache, rank)
+            for name, value in ours.items():
+                assert _relative(value, theirs[name]) < 1e-5, (layer, rank, name)
         assert _relative(total, expected) < 1e-4, layer
 
 

@@ -2,13 +2,14 @@
 
 One jitted call a layer (one compilation per pair of attention and FFN kinds), a
 shard_map over the kernel's mesh axis. Every core unpacks its own banks, vector slab and
-expert arrays (mkgen.codegen.unpack), all-gathers the pieces of the layer's other
-tensors and runs the reference layer (mkgen.reference.model) on the whole prompt.
-Routed experts stay where they are: each core runs the experts it holds, one at a time
-over the prompt weighted by each token's combine weight for it, and a psum adds the
-cores' shares. Each core then cuts its share of the
-reference caches the layer wrote into the kernel's cache layout (kernel_cache_pieces), so
-decoding continues in the megakernel at the position after the prompt.
+expert arrays (mkgen.codegen.unpack), computes its heads of the attention from its own
+pieces (core_attention), all-gathers the pieces of the layer's other tensors and runs
+the reference layer's functions (mkgen.reference.model) on them. Routed experts stay
+where they are: each core runs the experts it holds, one at a time over the prompt
+weighted by each token's combine weight for it, and a psum adds the cores' shares. Each
+core then puts its share of the layer's cache into the kernel's cache layout
+(own_kernel_cache_pieces, kernel_cache_pieces), so decoding continues in the megakernel
+at the position after the prompt.
 
 Prompt lengths are bucketed: a layer runs over the prompt in chunks of powers of two
 (prompt_chunks: 11 tokens go as 8, 2 and 1), each continuing the layer's reference
@@ -16,13 +17,13 @@ cache, so a build compiles a layer step only for the powers of two up to its con
 whatever the prompts' lengths.
 
 Memory: besides the weights already placed, a device holds the prompt's activations,
-the layer's gathered tensors (f32), one expert's activations and the layer's cache. GQA
-and MLA attention (core_attention: a core's heads, its rows of wo), routed experts, and
-dense MLPs and shared experts split by columns (_columns_split, _shared_columns_split)
-are computed by their own cores, each on its share, a psum adding the shares; a GQA core
-keeps only its own kv heads' cache. The rest (Gated DeltaNet / KDA attention, MLA's
-latent projections, the router, MoE latent projections) is gathered and computed whole
-on every core.
+the layer's gathered tensors (f32), one expert's activations and the layer's cache.
+Attention (core_attention: a core's heads, its rows of wo), routed experts, and dense
+MLPs and shared experts split by columns (_columns_split, _shared_columns_split) are
+computed by their own cores, each on its share, a psum adding the shares; GQA and
+recurrent cores keep only their own heads' cache. The rest (the router, MoE latent
+projections, the attention kinds' replicated tensors) is gathered and computed whole on
+every core.
 """
 
 from __future__ import annotations
@@ -47,10 +48,10 @@ from mkgen.plan.layout import (
 )
 from mkgen.plan.stream import Part
 from mkgen.reference import model as reference
-from mkgen.reference.attention import Cache, gqa_attention, init_gqa_cache, mla_attention
+from mkgen.reference.attention import Cache
 from mkgen.reference.ffn import moe_ffn, shared_mlp
 from mkgen.reference.layers import gated_activation, mm, rms_norm
-from mkgen.spec.schema import GQAAttention, MLAAttention, ModelSpec
+from mkgen.spec.schema import AttentionKind, GQAAttention, ModelSpec
 from mkgen.spec.weights import attention_weights, model_weights
 
 AttentionLayout = GQALayout | MLALayout | RecurrentLayout
@@ -95,12 +96,32 @@ def kernel_cache_pieces(
         conv.append(channels)
         start += widths[name]
     state = _piece(cache["state"], 1, kind.value_heads, rank)
-    rows = next(c for c in kind.caches if c.name == "state").shape[2]
+    rows = _snapshot_rows(kind)
+    return {"conv": _current(jnp.concatenate(conv, axis=-1), rows), "state": _current(state, rows)}
 
-    def current(x):  # [B, ...] -> [B, rows, ...]: the snapshot a step starts from
-        return jnp.zeros((x.shape[0], rows, *x.shape[1:]), x.dtype).at[:, rows - 1].set(x)
 
-    return {"conv": current(jnp.concatenate(conv, axis=-1)), "state": current(state)}
+def _snapshot_rows(kind: RecurrentLayout) -> int:
+    """The snapshots a recurrent kind's kernel caches keep per sequence (one a row)."""
+    return next(c for c in kind.caches if c.name == "state").shape[2]
+
+
+def _current(x: jax.Array, rows: int) -> jax.Array:
+    """x [B, ...] -> [B, rows, ...]: x as the snapshot a step starts from (row rows - 1),
+    the others zero."""
+    return jnp.zeros((x.shape[0], rows, *x.shape[1:]), x.dtype).at[:, rows - 1].set(x)
+
+
+def own_kernel_cache_pieces(
+    kind: GQALayout | RecurrentLayout, cache: Mapping[str, jax.Array]
+) -> dict[str, jax.Array]:
+    """A core's own cache of its heads (core_attention) in the kernel's layout, what
+    kernel_cache_pieces cuts for that core from the whole reference cache: GQA's [B,
+    context, kv heads, head_dim] as [B, kv heads, context, head_dim]; a recurrent kind's
+    conv tail and state in the snapshot a step starts from."""
+    if isinstance(kind, GQALayout):
+        return {n: v.transpose(0, 2, 1, 3) for n, v in cache.items()}
+    rows = _snapshot_rows(kind)
+    return {n: _current(v, rows) for n, v in cache.items()}
 
 
 def _routed_on_this_core(ffn: MoELayout, experts: Mapping[str, jax.Array], axis: str):
@@ -182,26 +203,31 @@ def _split_as_mlp(parts: Mapping[str, Part], inputs: list[str], down: str) -> bo
 
 def _heads_split(attention: AttentionLayout) -> bool:
     """Whether each core computes a kind's attention for its own heads alone, from its
-    own pieces (a psum adds the cores' output projections): GQA and MLA."""
-    return isinstance(attention, GQALayout | MLALayout)
+    own pieces (a psum adds the cores' output projections): every kind the layouts have
+    (GQA, MLA, Gated DeltaNet, KDA)."""
+    return isinstance(attention, GQALayout | MLALayout | RecurrentLayout)
 
 
 def _own_cache(attention: AttentionLayout) -> bool:
-    """Whether each core keeps its own prefill cache, of its own heads (GQA), rather than
-    the whole reference cache that every core computes alike."""
-    return isinstance(attention, GQALayout)
+    """Whether each core keeps its own prefill cache, of its own heads (GQA kv heads, a
+    recurrent kind's conv channels and state), rather than the whole reference cache that
+    every core computes alike (MLA's latent cache, whole on every core)."""
+    return isinstance(attention, GQALayout | RecurrentLayout)
 
 
-def _own_heads_kind(
-    spec: ModelSpec, layer: int, attention: GQALayout | MLALayout
-) -> GQAAttention | MLAAttention:
-    """Layer `layer`'s attention kind cut to one core's heads: its q heads and (GQA) the
-    kv heads they read, kv heads shared by several cores computed by each of them; no
-    output bias (added once, after the cores' outputs are summed)."""
+def _own_heads_kind(spec: ModelSpec, layer: int, attention: AttentionLayout) -> AttentionKind:
+    """Layer `layer`'s attention kind cut to one core's heads: its q (value) heads and the
+    kv (key) heads they read, kv heads shared by several cores computed by each of them;
+    no output bias (added once, after the cores' outputs are summed)."""
     kind = spec.attention_of(layer)
     if isinstance(attention, MLALayout):
-        return kind.model_copy(update={"num_heads": attention.heads})
-    own = {"num_heads": attention.heads, "num_kv_heads": attention.kv_heads, "o_bias": False}
+        own = {"num_heads": attention.heads}
+    elif isinstance(attention, GQALayout):
+        own = {"num_heads": attention.heads, "num_kv_heads": attention.kv_heads, "o_bias": False}
+    elif attention.type == "kda":
+        own = {"num_heads": attention.value_heads}
+    else:
+        own = {"num_key_heads": attention.key_heads, "num_value_heads": attention.value_heads}
     return kind.model_copy(update=own)
 
 
@@ -215,18 +241,17 @@ def core_attention(
     cache: Cache,
     position: jax.Array | int,
 ) -> tuple[jax.Array, Cache]:
-    """One core's share of layer `layer`'s attention of x [B, T, hidden] (normed), for a
-    kind split by heads (_heads_split): its heads' output through its rows of wo (summed
-    over the cores, plus bo, it is the layer's attention) and its cache holding the chunk
-    too (GQA: [B, context, its kv heads, head_dim]; MLA: the whole latent cache, its
-    latent projections being replicated). `pieces` are the core's attention pieces
+    """One core's share of layer `layer`'s attention of x [B, T, hidden] (normed): its
+    heads' output through its rows of wo (summed over the cores, plus bo, it is the
+    layer's attention) and its cache holding the chunk too, the reference cache of its
+    heads (GQA: [B, context, its kv heads, head_dim]; Gated DeltaNet / KDA: its q | k | v
+    conv channels and its value heads' state; MLA: the whole latent cache, its latent
+    projections being replicated). `pieces` are the core's attention pieces
     (unpack.layer_pieces), `shapes` the layer's full tensor shapes."""
     attention = layout.attention[layout.attention_table[layer]]
     kind = _own_heads_kind(spec, layer, attention)
     own = unpack.own_tensors(layout, layer, pieces, shapes)
-    if isinstance(kind, MLAAttention):
-        return mla_attention(kind, own, x, cache, position, spec.dims)
-    return gqa_attention(kind, own, x, cache, position, spec.dims)
+    return reference.kind_attention(kind, own, x, cache, position, spec.dims)
 
 
 def _layer_step(
@@ -320,12 +345,12 @@ def _layer_step(
 def _cache_cutter(spec: ModelSpec, layout: KernelLayout, mesh: Mesh, axis: str, layer: int):
     """A jitted cut of layer `layer`'s prefill cache into its kernel cache pieces, each
     [devices, B, ...] sharded on `axis`: every core keeps its own share. A kind whose
-    cores keep their own caches (_own_cache: GQA) comes as those, sharded on `axis`, whose
-    [context, kv heads] become the kernel's [kv heads, context]; another as the whole
+    cores keep their own caches (_own_cache) comes as those, sharded on `axis`, each put in
+    the kernel's layout (own_kernel_cache_pieces); another as the whole
     reference cache, replicated, cut per core."""
     attention = layout.attention[layout.attention_table[layer]]
-    if _own_cache(attention):
-        return jax.jit(lambda cache: {n: v.transpose(0, 1, 3, 2, 4) for n, v in cache.items()})
+    if _own_cache(attention):  # vmapped over the cores' axis, which stays sharded
+        return jax.jit(jax.vmap(lambda cache: own_kernel_cache_pieces(attention, cache)))
 
     def body(cache):
         mine = kernel_cache_pieces(spec, attention, cache, jax.lax.axis_index(axis))
@@ -339,18 +364,17 @@ def _empty_cache(
 ) -> dict[str, jax.Array]:
     """Layer `layer`'s empty prefill cache (bf16 entries, recurrent states f32), zeros made
     on the host so that each process places the same: the reference cache, replicated; for
-    a kind whose cores keep their own (_own_cache: GQA), each core's own [devices, B, context, its kv heads, head_dim],
-    sharded on `axis`."""
+    a kind whose cores keep their own (_own_cache), each core's own reference cache of its
+    heads, [devices, ...] sharded on `axis`."""
     attention = layout.attention[layout.attention_table[layer]]
     if _own_cache(attention):
-        own = _own_heads_kind(spec, layer, attention)
-        empty = jax.eval_shape(lambda: init_gqa_cache(own, batch, layout.context, jnp.bfloat16))
+        kind = _own_heads_kind(spec, layer, attention)
         to, lead = NamedSharding(mesh, P(axis)), (layout.devices,)
     else:
-        empty = jax.eval_shape(
-            lambda: reference.init_layer_cache(spec, layer, batch, layout.context, jnp.bfloat16)
-        )
-        to, lead = NamedSharding(mesh, P()), ()
+        kind, to, lead = spec.attention_of(layer), NamedSharding(mesh, P()), ()
+    empty = jax.eval_shape(
+        lambda: reference.init_kind_cache(kind, batch, layout.context, jnp.bfloat16)
+    )
     return {n: jax.device_put(np.zeros(lead + a.shape, a.dtype), to) for n, a in empty.items()}
 
 
