@@ -212,6 +212,18 @@ def test_dense_mlps_split_by_columns_are_computed_in_pieces() -> None:
         assert not any(_columns_split(f) for f in layout.ffn if f.type == "moe")
 
 
+def _core_pieces(layout, weights, rank: int, layer: int, layer_shapes) -> dict:
+    """Core `rank`'s pieces of layer `layer` (unpack.layer_pieces of what the packer wrote
+    for it)."""
+    from mkgen.codegen import pack, unpack
+
+    return unpack.layer_pieces(
+        layout, layer, pack.pack_stream_layer(layout, weights, rank, layer),
+        pack.pack_vectors_layer(layout, weights, rank, layer),
+        pack.pack_experts_layer(layout, weights, rank, layer), layer_shapes,
+    )  # fmt: skip
+
+
 HEADS_CASES = [
     GPT_OSS,
     "qwen3.8-27b",
@@ -229,7 +241,7 @@ def test_attention_heads_are_computed_by_their_own_cores(spec_ref: str) -> None:
     DeltaNet: the kv / key heads its heads read; MLA: the latent projections, replicated).
     The cores' outputs summed, plus bo, are the layer's attention; each core's cache, in
     the kernel's layout, is its cut of the reference cache (MLA: the whole latent cache)."""
-    from mkgen.codegen import pack, unpack
+    from mkgen.codegen import unpack
     from mkgen.codegen.prefill import (
         _own_heads_kind,
         core_attention,
@@ -252,11 +264,7 @@ def test_attention_heads_are_computed_by_their_own_cores(spec_ref: str) -> None:
         expected, expected_cache = reference.attention(spec, layer, full, x, empty, 2)
         total = full["bo"] if kind.type == "gqa" and kind.o_bias else 0.0
         for rank in range(layout.devices):
-            pieces = unpack.layer_pieces(
-                layout, layer, pack.pack_stream_layer(layout, weights, rank, layer),
-                pack.pack_vectors_layer(layout, weights, rank, layer),
-                pack.pack_experts_layer(layout, weights, rank, layer), layer_shapes,
-            )  # fmt: skip
+            pieces = _core_pieces(layout, weights, rank, layer, layer_shapes)
             own = {n: v for n, v in pieces.items() if n.startswith("attn.")}
             tensors = unpack.own_tensors(layout, layer, own, layer_shapes)
             assert tensors["wo"].shape[0] * layout.devices == full["wo"].shape[0]
@@ -283,7 +291,6 @@ def test_attention_heads_are_computed_by_their_own_cores(spec_ref: str) -> None:
 def test_shared_experts_split_by_columns_are_computed_in_pieces(spec_ref: str) -> None:
     """These MoE kinds' shared experts are split by columns, so each core runs them on its
     own pieces alone: the cores' outputs, summed, are the whole shared MLP's."""
-    from mkgen.codegen import pack, unpack
     from mkgen.codegen.prefill import _shared_columns_split
     from mkgen.reference import model as reference
     from mkgen.reference.ffn import shared_mlp
@@ -297,12 +304,7 @@ def test_shared_experts_split_by_columns_are_computed_in_pieces(spec_ref: str) -
     kind, prefix = spec.ffn_of(layer), f"layers.{layer}."
     total = 0.0
     for rank in range(layout.devices):
-        pieces = unpack.layer_pieces(
-            layout, layer, pack.pack_stream_layer(layout, weights, rank, layer),
-            pack.pack_vectors_layer(layout, weights, rank, layer),
-            pack.pack_experts_layer(layout, weights, rank, layer),
-            reference.layer_weights(shapes, prefix),
-        )  # fmt: skip
+        pieces = _core_pieces(layout, weights, rank, layer, reference.layer_weights(shapes, prefix))
         own = {n.removeprefix("ffn."): v for n, v in pieces.items() if "shared_" in n}
         assert own["shared_down"].shape[0] * layout.devices == kind.shared_experts.width
         total = total + shared_mlp(kind, own, x)
