@@ -49,6 +49,7 @@ def _relative(ours, theirs) -> float:
 
 
 GPT_OSS = str(Path(__file__).parent / "fixtures" / "hf" / "gpt_oss" / "config.json")
+QWEN3_NEXT = str(Path(__file__).parent / "fixtures" / "hf" / "qwen3_next" / "config.json")
 UNPACK_CASES = [
     GPT_OSS,  # expert biases, sinks, q/k/v/o biases
     "qwen3.8-27b",  # Gated DeltaNet + gated GQA
@@ -135,6 +136,7 @@ PREFILL_CASES = [
     str(SPECS / "kda-hybrid.yaml"),
     str(SPECS / "mla-hybrid.yaml"),
     str(SPECS / "latent-moe-shared.yaml"),
+    QWEN3_NEXT,  # gated shared experts
 ]
 CACHE_RTOL = 2e-2  # bf16 caches; the same f32 computation summed in another order
 
@@ -218,6 +220,106 @@ def test_dense_mlps_split_by_columns_are_computed_in_pieces() -> None:
         _, layout, _ = _setup(spec_ref)
         assert [_columns_split(f) for f in layout.ffn if f.type == "dense"] == [True]
         assert not any(_columns_split(f) for f in layout.ffn if f.type == "moe")
+
+
+def _core_pieces(layout, weights, rank: int, layer: int, layer_shapes) -> dict:
+    """Core `rank`'s pieces of layer `layer` (unpack.layer_pieces of what the packer wrote
+    for it)."""
+    from mkgen.codegen import pack, unpack
+
+    return unpack.layer_pieces(
+        layout, layer, _kind_rows(layout, layer, pack.pack_stream_layer(layout, weights, rank, layer)),
+        pack.pack_vectors_layer(layout, weights, rank, layer),
+        pack.pack_experts_layer(layout, weights, rank, layer), layer_shapes,
+    )  # fmt: skip
+
+
+HEADS_CASES = [
+    GPT_OSS,
+    "qwen3.8-27b",
+    str(SPECS / "mla-hybrid.yaml"),
+    str(SPECS / "kda-hybrid.yaml"),
+]
+
+
+@pytest.mark.parametrize(
+    "spec_ref", HEADS_CASES, ids=["gpt_oss", "qwen3.8-27b", "mla-hybrid", "kda-hybrid"]
+)
+def test_attention_heads_are_computed_by_their_own_cores(spec_ref: str) -> None:
+    """Per attention kind (GQA, MLA, Gated DeltaNet, KDA), each core computes attention
+    from its own pieces alone: its heads' columns and its rows of wo (GQA / Gated
+    DeltaNet: the kv / key heads its heads read; MLA: the latent projections, replicated).
+    The cores' outputs summed, plus bo, are the layer's attention; each core's cache, in
+    the kernel's layout, is its cut of the reference cache (MLA: the whole latent cache)."""
+    from mkgen.codegen import unpack
+    from mkgen.codegen.prefill import (
+        _own_heads_kind,
+        core_attention,
+        kernel_cache_pieces,
+        own_kernel_cache_pieces,
+    )
+    from mkgen.reference import model as reference
+    from mkgen.spec.weights import model_weights
+
+    spec, layout, weights = _setup(spec_ref)
+    shapes = {w.name: w.shape for w in model_weights(spec)}
+    x = np.random.default_rng(0).standard_normal((BATCH, 5, spec.dims.hidden), np.float32)
+    for attention in layout.attention:
+        layer = attention.layers[0]
+        kind = spec.attention_of(layer)
+        prefix = f"layers.{layer}."
+        layer_shapes = reference.layer_weights(shapes, prefix)
+        full = reference.layer_weights(weights, prefix + "attn.")
+        empty = reference.init_layer_cache(spec, layer, BATCH, CONTEXT)
+        expected, expected_cache = reference.attention(spec, layer, full, x, empty, 2)
+        total = full["bo"] if kind.type == "gqa" and kind.o_bias else 0.0
+        for rank in range(layout.devices):
+            pieces = _core_pieces(layout, weights, rank, layer, layer_shapes)
+            own = {n: v for n, v in pieces.items() if n.startswith("attn.")}
+            tensors = unpack.own_tensors(layout, layer, own, layer_shapes)
+            assert tensors["wo"].shape[0] * layout.devices == full["wo"].shape[0]
+            # A GQA / Gated DeltaNet core keeps its own heads' cache, MLA the whole latent.
+            own_kind = _own_heads_kind(spec, layer, attention)
+            cache = reference.init_kind_cache(own_kind, BATCH, CONTEXT)
+            out, cache = core_attention(spec, layout, layer, own, layer_shapes, x, cache, 2)
+            total = total + out
+            if kind.type == "mla":
+                ours, theirs = cache, expected_cache
+            else:
+                ours = own_kernel_cache_pieces(attention, cache)
+                theirs = kernel_cache_pieces(spec, attention, expected_cache, rank)
+            for name, value in ours.items():
+                assert _relative(value, theirs[name]) < 1e-5, (layer, rank, name)
+        assert _relative(total, expected) < 1e-4, layer
+
+
+@pytest.mark.parametrize(
+    "spec_ref",
+    [str(SPECS / "latent-moe-shared.yaml"), "kimi-k3", QWEN3_NEXT],
+    ids=["latent-moe-shared", "kimi-k3", "qwen3_next"],
+)
+def test_shared_experts_split_by_columns_are_computed_in_pieces(spec_ref: str) -> None:
+    """These MoE kinds' shared experts are split by columns, so each core runs them on its
+    own pieces alone: the cores' outputs, summed, are the whole shared MLP's."""
+    from mkgen.codegen.prefill import _shared_columns_split
+    from mkgen.reference import model as reference
+    from mkgen.reference.ffn import shared_mlp
+    from mkgen.spec.weights import model_weights
+
+    spec, layout, weights = _setup(spec_ref)
+    shapes = {w.name: w.shape for w in model_weights(spec)}
+    x = np.random.default_rng(0).standard_normal((BATCH, 3, spec.dims.hidden), np.float32)
+    assert [_shared_columns_split(f) for f in layout.ffn if f.type == "moe"] == [True]
+    layer = next(i for i in range(spec.layers.count) if spec.ffn_of(i).type == "moe")
+    kind, prefix = spec.ffn_of(layer), f"layers.{layer}."
+    total = 0.0
+    for rank in range(layout.devices):
+        pieces = _core_pieces(layout, weights, rank, layer, reference.layer_weights(shapes, prefix))
+        own = {n.removeprefix("ffn."): v for n, v in pieces.items() if "shared_" in n}
+        assert own["shared_down"].shape[0] * layout.devices == kind.shared_experts.width
+        total = total + shared_mlp(kind, own, x)
+    expected = shared_mlp(kind, reference.layer_weights(weights, prefix + "ffn."), x)
+    assert _relative(total, expected) < 1e-4
 
 
 def test_prompts_go_in_power_of_two_chunks() -> None:

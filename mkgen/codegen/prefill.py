@@ -2,13 +2,14 @@
 
 One jitted call a layer (one compilation per pair of attention and FFN kinds), a
 shard_map over the kernel's mesh axis. Every core unpacks its own banks, vector slab and
-expert arrays (mkgen.codegen.unpack), all-gathers the pieces of the layer's other
-tensors and runs the reference layer (mkgen.reference.model) on the whole prompt.
-Routed experts stay where they are: each core runs the experts it holds, one at a time
-over the prompt weighted by each token's combine weight for it, and a psum adds the
-cores' shares. Each core then cuts its share of the
-reference caches the layer wrote into the kernel's cache layout (kernel_cache_pieces), so
-decoding continues in the megakernel at the position after the prompt.
+expert arrays (mkgen.codegen.unpack), computes its heads of the attention from its own
+pieces (core_attention), all-gathers the pieces of the layer's other tensors and runs
+the reference layer's functions (mkgen.reference.model) on them. Routed experts stay
+where they are: each core runs the experts it holds, one at a time over the prompt
+weighted by each token's combine weight for it, and a psum adds the cores' shares. Each
+core then puts its share of the layer's cache into the kernel's cache layout
+(own_kernel_cache_pieces, kernel_cache_pieces), so decoding continues in the megakernel
+at the position after the prompt.
 
 Prompt lengths are bucketed: a layer runs over the prompt in chunks of powers of two
 (prompt_chunks: 11 tokens go as 8, 2 and 1), each continuing the layer's reference
@@ -16,10 +17,13 @@ cache, so a build compiles a layer step only for the powers of two up to its con
 whatever the prompts' lengths.
 
 Memory: besides the weights already placed, a device holds the prompt's activations,
-one layer's tensors other than routed experts (f32), one expert's activations and the
-layer's reference cache. Routed experts and dense MLPs split by columns (_columns_split)
-are computed by their own cores, each on its share; the rest (attention, shared experts,
-the router) is still computed whole on every core (a head split would divide it).
+the layer's gathered tensors (f32), one expert's activations and the layer's cache.
+Attention (core_attention: a core's heads, its rows of wo), routed experts, and dense
+MLPs and shared experts split by columns (_columns_split, _shared_columns_split) are
+computed by their own cores, each on its share, a psum adding the shares; GQA and
+recurrent cores keep only their own heads' cache. The rest (the router, MoE latent
+projections, the attention kinds' replicated tensors) is gathered and computed whole on
+every core.
 """
 
 from __future__ import annotations
@@ -42,9 +46,12 @@ from mkgen.plan.layout import (
     MoELayout,
     RecurrentLayout,
 )
+from mkgen.plan.stream import Part
 from mkgen.reference import model as reference
+from mkgen.reference.attention import Cache
+from mkgen.reference.ffn import moe_ffn, shared_mlp
 from mkgen.reference.layers import gated_activation, mm, rms_norm
-from mkgen.spec.schema import ModelSpec
+from mkgen.spec.schema import AttentionKind, GQAAttention, ModelSpec
 from mkgen.spec.weights import attention_weights, model_weights
 
 AttentionLayout = GQALayout | MLALayout | RecurrentLayout
@@ -89,12 +96,32 @@ def kernel_cache_pieces(
         conv.append(channels)
         start += widths[name]
     state = _piece(cache["state"], 1, kind.value_heads, rank)
-    rows = next(c for c in kind.caches if c.name == "state").shape[2]
+    rows = _snapshot_rows(kind)
+    return {"conv": _current(jnp.concatenate(conv, axis=-1), rows), "state": _current(state, rows)}
 
-    def current(x):  # [B, ...] -> [B, rows, ...]: the snapshot a step starts from
-        return jnp.zeros((x.shape[0], rows, *x.shape[1:]), x.dtype).at[:, rows - 1].set(x)
 
-    return {"conv": current(jnp.concatenate(conv, axis=-1)), "state": current(state)}
+def _snapshot_rows(kind: RecurrentLayout) -> int:
+    """The snapshots a recurrent kind's kernel caches keep per sequence (one a row)."""
+    return next(c for c in kind.caches if c.name == "state").shape[2]
+
+
+def _current(x: jax.Array, rows: int) -> jax.Array:
+    """x [B, ...] -> [B, rows, ...]: x as the snapshot a step starts from (row rows - 1),
+    the others zero."""
+    return jnp.zeros((x.shape[0], rows, *x.shape[1:]), x.dtype).at[:, rows - 1].set(x)
+
+
+def own_kernel_cache_pieces(
+    kind: GQALayout | RecurrentLayout, cache: Mapping[str, jax.Array]
+) -> dict[str, jax.Array]:
+    """A core's own cache of its heads (core_attention) in the kernel's layout, what
+    kernel_cache_pieces cuts for that core from the whole reference cache: GQA's [B,
+    context, kv heads, head_dim] as [B, kv heads, context, head_dim]; a recurrent kind's
+    conv tail and state in the snapshot a step starts from."""
+    if isinstance(kind, GQALayout):
+        return {n: v.transpose(0, 2, 1, 3) for n, v in cache.items()}
+    rows = _snapshot_rows(kind)
+    return {n: _current(v, rows) for n, v in cache.items()}
 
 
 def _routed_on_this_core(ffn: MoELayout, experts: Mapping[str, jax.Array], axis: str):
@@ -149,14 +176,82 @@ def _columns_split(ffn: DenseLayout | MoELayout) -> bool:
     if not isinstance(ffn, DenseLayout) or ffn.vectors:
         return False
     parts = {p.tensor: p for segment in ffn.segments for p in segment.parts}
-    down = parts.get("ffn.w_down")
-    inputs = [parts[n] for n in ("ffn.w_gate", "ffn.w_up") if n in parts]
-    if down is None or not inputs or len(parts) != len(inputs) + 1:
+    inputs = [n for n in ("ffn.w_gate", "ffn.w_up") if n in parts]
+    return len(parts) == len(inputs) + 1 and _split_as_mlp(parts, inputs, "ffn.w_down")
+
+
+def _shared_columns_split(ffn: DenseLayout | MoELayout) -> bool:
+    """Whether a MoE kind's shared experts are split over the cores by columns
+    (shared_gate and shared_up by columns, shared_down by rows, each core its own piece),
+    so each core runs them on its columns alone and a psum adds the cores' outputs."""
+    if not isinstance(ffn, MoELayout) or not ffn.shared_width:
+        return False
+    parts = {p.tensor: p for segment in ffn.segments for p in segment.parts}
+    return _split_as_mlp(parts, ["ffn.shared_gate", "ffn.shared_up"], "ffn.shared_down")
+
+
+def _split_as_mlp(parts: Mapping[str, Part], inputs: list[str], down: str) -> bool:
+    """Whether the `inputs` tensors are all split by columns and `down` by rows, in pieces
+    of one size, one per core, without views."""
+    if down not in parts or not inputs or any(n not in parts for n in inputs):
         return False
     return all(
-        p.view is None and p.rank_divisor == 1 and p.size == down.size and p.axis == axis
-        for p, axis in [(down, -2), *((p, -1) for p in inputs)]
+        p.view is None and p.rank_divisor == 1 and p.size == parts[down].size and p.axis == axis
+        for p, axis in [(parts[down], -2), *((parts[n], -1) for n in inputs)]
     )
+
+
+def _heads_split(attention: AttentionLayout) -> bool:
+    """Whether each core computes a kind's attention for its own heads alone, from its
+    own pieces (a psum adds the cores' output projections): every kind the layouts have
+    (GQA, MLA, Gated DeltaNet, KDA)."""
+    return isinstance(attention, GQALayout | MLALayout | RecurrentLayout)
+
+
+def _own_cache(attention: AttentionLayout) -> bool:
+    """Whether each core keeps its own prefill cache, of its own heads (GQA kv heads, a
+    recurrent kind's conv channels and state), rather than the whole reference cache that
+    every core computes alike (MLA's latent cache, whole on every core)."""
+    return isinstance(attention, GQALayout | RecurrentLayout)
+
+
+def _own_heads_kind(spec: ModelSpec, layer: int, attention: AttentionLayout) -> AttentionKind:
+    """Layer `layer`'s attention kind cut to one core's heads: its q (value) heads and the
+    kv (key) heads they read, kv heads shared by several cores computed by each of them;
+    no output bias (added once, after the cores' outputs are summed)."""
+    kind = spec.attention_of(layer)
+    if isinstance(attention, MLALayout):
+        own = {"num_heads": attention.heads}
+    elif isinstance(attention, GQALayout):
+        own = {"num_heads": attention.heads, "num_kv_heads": attention.kv_heads, "o_bias": False}
+    elif attention.type == "kda":
+        own = {"num_heads": attention.value_heads}
+    else:
+        own = {"num_key_heads": attention.key_heads, "num_value_heads": attention.value_heads}
+    return kind.model_copy(update=own)
+
+
+def core_attention(
+    spec: ModelSpec,
+    layout: KernelLayout,
+    layer: int,
+    pieces: Mapping[str, jax.Array],
+    shapes: Mapping[str, tuple[int, ...]],
+    x: jax.Array,
+    cache: Cache,
+    position: jax.Array | int,
+) -> tuple[jax.Array, Cache]:
+    """One core's share of layer `layer`'s attention of x [B, T, hidden] (normed): its
+    heads' output through its rows of wo (summed over the cores, plus bo, it is the
+    layer's attention) and its cache holding the chunk too, the reference cache of its
+    heads (GQA: [B, context, its kv heads, head_dim]; Gated DeltaNet / KDA: its q | k | v
+    conv channels and its value heads' state; MLA: the whole latent cache, its latent
+    projections being replicated). `pieces` are the core's attention pieces
+    (unpack.layer_pieces), `shapes` the layer's full tensor shapes."""
+    attention = layout.attention[layout.attention_table[layer]]
+    kind = _own_heads_kind(spec, layer, attention)
+    own = unpack.own_tensors(layout, layer, pieces, shapes)
+    return reference.kind_attention(kind, own, x, cache, position, spec.dims)
 
 
 def _layer_step(
@@ -176,7 +271,10 @@ def _layer_step(
     attention = layout.attention[layout.attention_table[layer]]
     ffn = layout.ffn[layout.ffn_table[layer]]
     sizes = (layout.stream.attention[attention.name].rows, layout.stream.ffn[ffn.name].rows)
-    columns_split = _columns_split(ffn)
+    columns_split, shared_split = _columns_split(ffn), _shared_columns_split(ffn)
+    heads_split, own_cache = _heads_split(attention), _own_cache(attention)
+    kind = spec.attention_of(layer)
+    o_bias = heads_split and isinstance(kind, GQAAttention) and kind.o_bias
 
     def body(stream, vectors, experts, h, cache, position, firsts, index, slot):
         rows = stream[0].reshape(-1, stream.shape[-1])
@@ -191,44 +289,97 @@ def _layer_step(
         mine = {}  # the MLP's pieces of this core, when they are used unassembled
         if columns_split:
             mine = {n.removeprefix("ffn."): pieces.pop(n) for n in list(pieces) if "ffn.w_" in n}
+        shared = {}  # the shared experts' pieces of this core, when split by columns
+        if shared_split:
+            shared = {
+                n.removeprefix("ffn."): pieces.pop(n)
+                for n in list(pieces)
+                if n.startswith("ffn.shared_")
+            }
+        heads = {}  # the attention's pieces of this core, when it computes its heads alone
+        if heads_split:
+            heads = {n: pieces.pop(n) for n in list(pieces) if n.startswith("attn.")}
         gathered = {n: jax.lax.all_gather(v, axis) for n, v in pieces.items()}
         w = unpack.assemble(layout, layer, gathered, shapes)
         zero_centered = layout.zero_centered
         x = rms_norm(h, w["attn_norm"], layout.norm_eps, zero_centered)
-        attn = reference.layer_weights(w, "attn.")
-        out, cache = reference.attention(spec, layer, attn, x, cache, position)
+        if heads_split:
+            if own_cache:  # without the mesh axis
+                cache = {n: v[0] for n, v in cache.items()}
+            out, cache = core_attention(spec, layout, layer, heads, shapes, x, cache, position)
+            out = jax.lax.psum(out, axis) + (heads["attn.bo"] if o_bias else 0.0)
+            if own_cache:
+                cache = {n: v[None] for n, v in cache.items()}
+        else:
+            attn = reference.layer_weights(w, "attn.")
+            out, cache = reference.attention(spec, layer, attn, x, cache, position)
         h = h + out
         x = rms_norm(h, w["ffn_norm"], layout.norm_eps, zero_centered)
         if columns_split:
             return h + jax.lax.psum(reference.ffn(spec, layer, mine, x), axis), cache
         weights = reference.layer_weights(w, "ffn.")
-        kwargs = {}
-        if isinstance(ffn, MoELayout):
-            kwargs["routed"] = _routed_on_this_core(ffn, routed, axis)
-        return h + reference.ffn(spec, layer, weights, x, **kwargs), cache
+        if not isinstance(ffn, MoELayout):
+            return h + reference.ffn(spec, layer, weights, x), cache
+        moe, on_this_core = spec.ffn_of(layer), _routed_on_this_core(ffn, routed, axis)
+        if not shared_split:
+            return h + moe_ffn(moe, weights, x, spec.dims, on_this_core), cache
+        routed_only = moe.model_copy(update={"shared_experts": None})
+        out = moe_ffn(routed_only, weights, x, spec.dims, on_this_core)
+        mlp = jax.lax.psum(shared_mlp(moe, shared, x), axis)
+        if moe.shared_experts.gate:  # one scalar a token: gating the sum gates each share
+            mlp = mlp * jax.nn.sigmoid(mm(x, shared["shared_gate_proj"]))
+        return h + out + mlp, cache
 
     replicated, sharded = P(), P(axis)
     n_experts = len(_expert_arrays(layout, layer))
+    cache_spec = sharded if own_cache else replicated
     step = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(sharded, sharded, (sharded,) * n_experts, *(replicated,) * 6),
-        out_specs=(replicated, replicated),
+        in_specs=(
+            sharded, sharded, (sharded,) * n_experts, replicated, cache_spec,
+            *(replicated,) * 4,
+        ),
+        out_specs=(replicated, cache_spec),
         check_vma=False,
-    )
+    )  # fmt: skip
     return jax.jit(step, donate_argnums=4)  # not h: the attention residual keeps snapshots
 
 
 def _cache_cutter(spec: ModelSpec, layout: KernelLayout, mesh: Mesh, axis: str, layer: int):
-    """A jitted cut of layer `layer`'s reference cache (replicated) into its kernel cache
-    pieces, each [devices, B, ...] sharded on `axis`: every core keeps its own share."""
+    """A jitted cut of layer `layer`'s prefill cache into its kernel cache pieces, each
+    [devices, B, ...] sharded on `axis`: every core keeps its own share. A kind whose
+    cores keep their own caches (_own_cache) comes as those, sharded on `axis`, each put in
+    the kernel's layout (own_kernel_cache_pieces); another as the whole
+    reference cache, replicated, cut per core."""
     attention = layout.attention[layout.attention_table[layer]]
+    if _own_cache(attention):  # vmapped over the cores' axis, which stays sharded
+        return jax.jit(jax.vmap(lambda cache: own_kernel_cache_pieces(attention, cache)))
 
     def body(cache):
         mine = kernel_cache_pieces(spec, attention, cache, jax.lax.axis_index(axis))
         return {n: v[None] for n, v in mine.items()}
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(axis), check_vma=False))
+
+
+def _empty_cache(
+    spec: ModelSpec, layout: KernelLayout, mesh: Mesh, axis: str, layer: int, batch: int
+) -> dict[str, jax.Array]:
+    """Layer `layer`'s empty prefill cache (bf16 entries, recurrent states f32), zeros made
+    on the host so that each process places the same: the reference cache, replicated; for
+    a kind whose cores keep their own (_own_cache), each core's own reference cache of its
+    heads, [devices, ...] sharded on `axis`."""
+    attention = layout.attention[layout.attention_table[layer]]
+    if _own_cache(attention):
+        kind = _own_heads_kind(spec, layer, attention)
+        to, lead = NamedSharding(mesh, P(axis)), (layout.devices,)
+    else:
+        kind, to, lead = spec.attention_of(layer), NamedSharding(mesh, P()), ()
+    empty = jax.eval_shape(
+        lambda: reference.init_kind_cache(kind, batch, layout.context, jnp.bfloat16)
+    )
+    return {n: jax.device_put(np.zeros(lead + a.shape, a.dtype), to) for n, a in empty.items()}
 
 
 def _expert_arrays(layout: KernelLayout, layer: int) -> list[int]:
@@ -289,14 +440,7 @@ class XlaPrefill:
             experts = tuple(placed["experts"][i] for i in _expert_arrays(layout, layer))
             stream = layout.stream
             firsts = (jnp.int32(stream.attention_rows[layer]), jnp.int32(stream.ffn_rows[layer]))
-            empty = jax.eval_shape(  # zeros made on the host: each process places the same
-                lambda layer=layer: reference.init_layer_cache(
-                    spec, layer, batch, layout.context, jnp.bfloat16
-                )
-            )
-            cache = jax.tree.map(
-                lambda a: jax.device_put(np.zeros(a.shape, a.dtype), replicated), empty
-            )
+            cache = _empty_cache(spec, layout, self.mesh, self.axis, layer, batch)
             for c, (position, _) in enumerate(chunks):
                 h[c], cache = step(
                     placed["stream"], placed["vectors"], experts, h[c], cache, jnp.int32(position),

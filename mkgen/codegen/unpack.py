@@ -271,21 +271,52 @@ def assemble(
     tensors = {name: gathered[name][0] for name in ("attn_norm", "ffn_norm")}
     viewed: dict[str, list[Part]] = {}
     for part in parts:
+        if piece_key(part) not in gathered:
+            continue
         if part.view is not None:
             viewed.setdefault(part.tensor, []).append(part)
-        elif piece_key(part) in gathered:
+        else:
             tensors[part.tensor] = _joined(part, gathered[piece_key(part)])
     for name, views in viewed.items():
-        k, n = shapes[name]
-        stride = views[0].view.stride
-        heads = n // stride
-        full = jnp.zeros((k, heads, stride), jnp.float32)
-        for part in views:
-            view = part.view
-            kept = _unview(view, _joined(part, gathered[piece_key(part)]), heads, k)
-            full = full.at[:, :, view.start : view.start + view.size].set(kept)
-        tensors[name] = full.reshape(k, n)
+        joined = [(p.view, _joined(p, gathered[piece_key(p)])) for p in views]
+        tensors[name] = _from_views(joined, shapes[name][0])
     return tensors
+
+
+def _from_views(views: list[tuple[TensorView, jax.Array]], k: int) -> jax.Array:
+    """The [k, heads * stride] matrix (or its columns of some heads) that every view of a
+    tensor, each with the viewed values of the same heads, was taken from."""
+    first, values = views[0]
+    heads = values.shape[0 if first.transpose else -1] // first.size
+    full = jnp.zeros((k, heads, first.stride), jnp.float32)
+    for view, viewed in views:
+        kept = _unview(view, viewed, heads, k)
+        full = full.at[:, :, view.start : view.start + view.size].set(kept)
+    return full.reshape(k, heads * first.stride)
+
+
+def own_tensors(
+    layout: KernelLayout,
+    layer: int,
+    pieces: Mapping[str, jax.Array],
+    shapes: Mapping[str, tuple[int, ...]],
+) -> dict[str, jax.Array]:
+    """One core's attention tensors of layer `layer` from its own pieces (layer_pieces),
+    keyed without "attn.": a tensor split by heads as the columns (or rows) of the core's
+    heads, a replicated one whole; views undone (MLA's wkv_b from its uk and uv pieces,
+    rotary columns back in the model's order)."""
+    attention = layout.attention[layout.attention_table[layer]]
+    parts = [p for s in attention.segments for p in s.parts] + [r.part for r in attention.vectors]
+    tensors: dict[str, jax.Array] = {}
+    viewed: dict[str, list[tuple[TensorView, jax.Array]]] = {}
+    for part in parts:
+        if part.view is None:
+            tensors[part.tensor] = pieces[piece_key(part)]
+        else:
+            viewed.setdefault(part.tensor, []).append((part.view, pieces[piece_key(part)]))
+    for name, views in viewed.items():
+        tensors[name] = _from_views(views, shapes[name][0])
+    return {name.removeprefix("attn."): value for name, value in tensors.items()}
 
 
 def _view_key(view: TensorView) -> str:

@@ -141,9 +141,16 @@ def moe_ffn(
     if kind.latent:
         out = mm(out, w["latent_out"])
     if kind.shared_experts:
-        shared = gated_activation(kind.activation, mm(x, w["shared_gate"]), mm(x, w["shared_up"]))
-        shared = mm(shared, w["shared_down"])
+        shared = shared_mlp(kind, w, x)
         if kind.shared_experts.gate:
             shared = shared * jax.nn.sigmoid(mm(x, w["shared_gate_proj"]))
         out = out + shared
     return out.reshape(shape)
+
+
+def shared_mlp(kind: MoEFFN, w: Weights, x: jax.Array) -> jax.Array:
+    """The shared experts' gated MLP of x [..., hidden], before their sigmoid gate:
+    act(x shared_gate, x shared_up) shared_down (any columns of shared_gate and shared_up
+    with the same rows of shared_down give that slice's share of the sum)."""
+    hidden = gated_activation(kind.activation, mm(x, w["shared_gate"]), mm(x, w["shared_up"]))
+    return mm(hidden, w["shared_down"])

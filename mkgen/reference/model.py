@@ -64,7 +64,9 @@ from mkgen.reference.linear_attention import (
     kda_attention,
 )
 from mkgen.spec.schema import (
+    AttentionKind,
     DenseFFN,
+    Dims,
     GatedDeltaNetAttention,
     GQAAttention,
     KDAAttention,
@@ -188,7 +190,13 @@ def init_layer_cache(
     spec: ModelSpec, layer: int, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32
 ) -> dict[str, jax.Array]:
     """Layer `layer`'s empty cache (init_cache)."""
-    kind = spec.attention_of(layer)
+    return init_kind_cache(spec.attention_of(layer), batch, max_len, dtype)
+
+
+def init_kind_cache(
+    kind: AttentionKind, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32
+) -> dict[str, jax.Array]:
+    """An empty cache of attention `kind` (init_cache)."""
     if isinstance(kind, GQAAttention):
         return init_gqa_cache(kind, batch, max_len, dtype)
     if isinstance(kind, MLAAttention):
@@ -211,15 +219,27 @@ def attention(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Layer `layer`'s attention of x [B, T, hidden] (normed) at positions start_pos..:
     its output and updated cache."""
-    kind = spec.attention_of(layer)
+    return kind_attention(spec.attention_of(layer), w, x, cache, start_pos, spec.dims)
+
+
+def kind_attention(
+    kind: AttentionKind,
+    w: Weights,
+    x: jax.Array,
+    cache: dict[str, jax.Array],
+    start_pos: jax.Array | int,
+    dims: Dims,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Attention of `kind` of x [B, T, hidden] (normed) at positions start_pos..: its
+    output and updated cache."""
     if isinstance(kind, GQAAttention):
-        return gqa_attention(kind, w, x, cache, start_pos, spec.dims)
+        return gqa_attention(kind, w, x, cache, start_pos, dims)
     if isinstance(kind, MLAAttention):
-        return mla_attention(kind, w, x, cache, start_pos, spec.dims)
+        return mla_attention(kind, w, x, cache, start_pos, dims)
     if isinstance(kind, KDAAttention):
-        return kda_attention(kind, w, x, cache, spec.dims)
+        return kda_attention(kind, w, x, cache, dims)
     assert isinstance(kind, GatedDeltaNetAttention)
-    return gated_deltanet_attention(kind, w, x, cache, spec.dims)
+    return gated_deltanet_attention(kind, w, x, cache, dims)
 
 
 def ffn(
