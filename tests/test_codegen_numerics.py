@@ -11,6 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from mkgen.plan import plan_build
+from mkgen.plan.options import BuildOptions
+from mkgen.spec.loader import load_spec
+from mkgen.spec.mini import mini_twin
+from mkgen.spec.topology import parse_topology
 from mkgen.verify.numerics import NumericsReport, verify_numerics
 
 TIMEOUT = 600
@@ -72,14 +77,29 @@ def test_batch_and_verification_rows(
     )
 
 
+@pytest.mark.timeout(TIMEOUT_16)
+@pytest.mark.parametrize("mode", ["on_wait", "eager"])
+def test_a_round_across_hosts_with_bf16_on_the_wire(mode: str) -> None:
+    """2x2x2, 16 virtual devices: every collective runs a round among the 8 cores of a
+    host, then one across the 2 hosts, and the twin's hidden all-reduces put bf16 on the
+    wire in both (summed in f32), in both DMA modes."""
+    topology = parse_topology("2x2x2")
+    twin = mini_twin(load_spec("qwen3-30b-a3b"), topology.num_devices)
+    layout = plan_build(twin, topology, BuildOptions.create()).kernel
+    assert [r.name for r in layout.collectives.rounds] == ["host", "hosts"]
+    wires = [w for b in layout.collectives.buffers for _, _, ws in b.wires for w, _ in ws]
+    assert wires and set(wires) == {"bf16"}
+    _check(verify_numerics("qwen3-30b-a3b", "2x2x2", mode=mode, steps=1, timeout=TIMEOUT_16))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_16)
 @pytest.mark.parametrize(
     ("spec", "topology", "mode"), [("kimi-k3", "2x2x2", "on_wait"), ("kimi-k2", "2x2x1", "eager")]
 )
 def test_kimi(spec: str, topology: str, mode: str) -> None:
-    """Kimi K3 on 2x2x2, 16 virtual devices (four collective stages, the last across two
-    hosts): KDA and MLA (NoPE, gated) layers, latent MoE of mxfp4 experts combined by
+    """Kimi K3 on 2x2x2, 16 virtual devices (two one-shot collective rounds, the second
+    across two hosts; f32 and bf16 rounds in its latent all-gather and reduce-scatter): KDA and MLA (NoPE, gated) layers, latent MoE of mxfp4 experts combined by
     reduce-scatter, the attention residual. Its build's own slice, 2x2x4 on 32 devices,
     is verified by `mkgen verify kimi-k3 --topology 2x2x4 --rows 8` (recorded in
     generated/kimi-k3-2x2x4/REPORT.md: about 3 minutes on 2 cores, too long for every

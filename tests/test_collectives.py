@@ -1,132 +1,247 @@
-"""Collective stages planned from the topology, and why the staged sums are deterministic."""
+"""Collective rounds planned from the topology, their wire dtypes and error bound, their
+balance across cores and their price."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import ml_dtypes
 import numpy as np
 import pytest
 
+from mkgen.hardware import CATALOG
 from mkgen.plan import plan_build
 from mkgen.plan.collectives import (
+    BF16_UNIT_ROUNDOFF,
+    CollectivePlan,
     arrange_devices,
-    flat_sum,
+    check_rounds,
+    collective_time_us,
+    host_order,
     plan_collectives,
-    plan_stages,
-    stage_sum,
+    plan_rounds,
+    round_calls,
+    wire_dtype,
+    wire_error_bound,
+    wire_lanes,
 )
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.loader import load_spec
 from mkgen.spec.topology import parse_topology
 
-# topology -> (group sizes, strides, levels), sibling core first
-STAGES = {
-    "1x1x1": ([2], [1], ["core"]),
-    "2x2x1": ([2, 2, 2], [1, 2, 4], ["core", "chip", "chip"]),
-    "2x2x2": ([2, 2, 2, 2], [1, 2, 4, 8], ["core", "chip", "chip", "host"]),
-    "2x2x4": ([2, 2, 2, 4], [1, 2, 4, 8], ["core", "chip", "chip", "host"]),
-    "2x4x4": ([2, 2, 4, 4], [1, 2, 4, 16], ["core", "chip", "host", "host"]),
-    "v6e:2x2": ([2, 2], [1, 2], ["chip", "chip"]),
+# topology -> (group sizes, strides, peers of core 0 by level in each round)
+ROUNDS = {
+    "1x1x1": ([2], [1], [{"core": 1}]),
+    "2x2x1": ([8], [1], [{"core": 1, "chip": 6}]),
+    "2x2x2": ([8, 2], [1, 8], [{"core": 1, "chip": 6}, {"host": 1}]),
+    "2x2x4": ([8, 4], [1, 8], [{"core": 1, "chip": 6}, {"host": 3}]),
+    "2x4x4": ([8, 8], [1, 8], [{"core": 1, "chip": 6}, {"host": 7}]),
+    "4x4x4": ([8, 16], [1, 8], [{"core": 1, "chip": 6}, {"host": 15}]),
+    "v6e:2x2": ([4], [1], [{"chip": 3}]),
     "v6e:1x1": ([], [], []),
 }
 
 
-@pytest.mark.parametrize("topology", list(STAGES))
-def test_stages_follow_the_device_order(topology: str) -> None:
+def _peers(counts: dict[str, int]) -> dict[str, int]:
+    return {"core": 0, "chip": 0, "host": 0} | counts
+
+
+@pytest.mark.parametrize("topology", list(ROUNDS))
+def test_one_round_inside_a_host_then_one_across_hosts(topology: str) -> None:
     topo = parse_topology(topology)
-    stages = plan_stages(topo)
-    sizes, strides, levels = STAGES[topology]
-    assert [s.size for s in stages] == sizes
-    assert [s.stride for s in stages] == strides
-    assert [s.level for s in stages] == levels
+    rounds = plan_rounds(topo)
+    sizes, strides, peers = ROUNDS[topology]
+    assert [r.size for r in rounds] == sizes
+    assert [r.stride for r in rounds] == strides
+    assert [r.peers for r in rounds] == [_peers(p) for p in peers]
     assert int(np.prod(sizes or [1])) == topo.num_devices
-    # Members of a stage-1 group are the two cores of one chip.
-    if stages and stages[0].axis == "core":
-        for d in range(0, topo.num_devices, 2):
-            assert topo.level_between(d, d + 1) == "core"
+    # The first round's group is one host: its members are its cores, in mesh order.
+    order = host_order(topo)
+    if rounds and rounds[0].name == "host":
+        for p in range(topo.num_devices):
+            same = p // rounds[0].size == 0
+            assert (topo.devices[order[p]].host == topo.devices[order[0]].host) == same
 
 
-def test_kimi_k3_slice_sends_6_copies_instead_of_31_into_10_slots() -> None:
+def test_hosts_that_are_not_contiguous_in_device_order_are_made_so_by_the_mesh_order() -> None:
+    topo = parse_topology("4x4x4")  # hosts of 2x2x1 chips: x splits over two hosts
+    order = host_order(topo)
+    assert order != list(range(topo.num_devices))
+    assert sorted(order) == list(range(topo.num_devices))
+    hosts = [topo.devices[d].host for d in order]
+    assert hosts == sorted(hosts)  # each host's 8 cores side by side
+    for p in range(0, topo.num_devices, 2):  # sibling cores stay adjacent
+        assert topo.level_between(order[p], order[p + 1]) == "core"
+
+
+def test_kimi_k3_slice_sends_10_copies_in_two_rounds_into_12_slots() -> None:
     plan = plan_collectives(parse_topology("2x2x4"), [[("attn_out", "all_reduce", 7168)]])
-    assert plan.copies == 6 and plan.slots == 10
+    assert [r.size for r in plan.rounds] == [8, 4]
+    assert plan.copies == 10 and plan.slots == 12
     assert plan.mesh_order == list(range(32))
+    assert check_rounds(plan, 32) is None
 
 
-def test_buffers_are_as_wide_as_the_widest_piece_a_stage_lands() -> None:
-    topo = parse_topology("2x2x4")  # last stage: groups of 4
+def test_buffers_hold_the_widest_copy_a_round_lands_in_32_bit_words() -> None:
+    topo = parse_topology("2x2x4")  # rounds of 8 (in a host) and 4 (across hosts)
     uses = [
         [("attn_out", "all_reduce", 7168)],
         [("latent_in", "all_gather", 3584)],
         [("expert_out", "reduce_scatter", 3584)],
     ]
     plan = plan_collectives(topo, uses)
-    assert [b.width for b in plan.buffers] == [7168, 896, 896]
-    assert [b.send_rows for b in plan.buffers] == [0, 0, 4]
+    # all-reduce: 7168 bf16 values in 3584 words; all-gather: 112 f32 columns in one
+    # 128-lane row, then 896 bf16 in 512 words; reduce-scatter: the other way round.
+    assert [b.wires for b in plan.buffers] == [
+        [("all_reduce", 7168, [("bf16", 3584), ("bf16", 3584)])],
+        [("all_gather", 112, [("f32", 128), ("bf16", 512)])],
+        [("reduce_scatter", 3584, [("bf16", 512), ("f32", 128)])],
+    ]
+    assert [b.width for b in plan.buffers] == [3584, 512, 512]
+    assert [b.send_rows for b in plan.buffers] == [0, 0, 8]
 
 
-def _staged_all_gather(pieces: list[np.ndarray], stages) -> list[np.ndarray]:
-    cur = list(pieces)
-    for s in stages:
+@pytest.mark.parametrize(
+    ("columns", "wire", "lanes"),
+    [
+        (112, "f32", 128),
+        (128, "f32", 128),
+        (256, "bf16", 128),
+        (896, "bf16", 512),
+        (7168, "bf16", 3584),
+    ],
+)
+def test_bf16_only_where_it_moves_fewer_128_lane_rows(columns: int, wire: str, lanes: int) -> None:
+    assert wire_dtype(columns) == wire
+    assert wire_lanes(columns, wire) == lanes
+    assert wire_lanes(columns, "f32") >= lanes
+
+
+# --------------------------------------------------------------------------- the kernel's sums
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    return x.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _round_sums(values: list[np.ndarray], topology: str, width: int) -> list[np.ndarray]:
+    """What every core holds after the kernel's all-reduce: per round, each member's
+    running sum on its wire dtype, summed in f32 in member order."""
+    rounds = plan_rounds(parse_topology(topology))
+    calls = round_calls("x", "all_reduce", width, 8, rounds)
+    cur = [v.astype(np.float32) for v in values]
+    for r, call in zip(rounds, calls, strict=True):
+        sent = [_bf16(v) if call.wire == "bf16" else v for v in cur]
         nxt = []
         for me in range(len(cur)):
-            base = me - ((me // s.stride) % s.size) * s.stride
-            nxt.append(np.concatenate([cur[base + j * s.stride] for j in range(s.size)]))
-        cur = nxt
-    return cur
-
-
-def _staged_reduce_scatter(partials: list[np.ndarray], stages) -> list[np.ndarray]:
-    cur = list(partials)
-    for s in reversed(stages):
-        nxt = []
-        for me in range(len(cur)):
-            pos = (me // s.stride) % s.size
-            base = me - pos * s.stride
-            parts = [np.split(cur[base + j * s.stride], s.size)[pos] for j in range(s.size)]
-            total = parts[0]
-            for p in parts[1:]:
-                total = total + p
+            base = me - ((me // r.stride) % r.size) * r.stride
+            total = sent[base]
+            for j in range(1, r.size):
+                total = total + sent[base + j * r.stride]
             nxt.append(total)
         cur = nxt
     return cur
 
 
-@pytest.mark.parametrize("topology", ["2x2x1", "2x2x4", "2x4x4"])
-def test_staged_and_flat_sums_are_deterministic_and_every_core_is_identical(topology) -> None:
-    topo = parse_topology(topology)
-    stages = plan_stages(topo)
+@pytest.mark.parametrize("topology", ["2x2x1", "2x2x2", "2x2x4", "2x4x4"])
+def test_bf16_wire_sum_is_within_its_bound_and_bit_identical_on_every_core(topology) -> None:
+    d = parse_topology(topology).num_devices
+    width = 4096
     rng = np.random.default_rng(0)
-    partials = [rng.standard_normal(64).astype(np.float32) * 10.0**k for k in range(-3, 3)]
-    partials = [partials[d % 6] * (d + 1) for d in range(topo.num_devices)]
-    staged, again = stage_sum(partials, stages), stage_sum(partials, stages)
-    flat = flat_sum(partials)
-    for core in range(topo.num_devices):
-        assert np.array_equal(staged[core], staged[0])  # every core bit-identical
-        assert np.array_equal(staged[core], again[core])  # and the same run after run
-        assert np.array_equal(flat[core], flat[0])
+    # Partials of mixed scales and signs, so the sum cancels and the bound is relative to
+    # the magnitudes summed, not to the sum.
+    partials = [
+        rng.standard_normal(width).astype(np.float32) * 10.0 ** (k % 5 - 2) for k in range(d)
+    ]
+    out = _round_sums(partials, topology, width)
+    for core in range(d):
+        assert np.array_equal(out[core], out[0])
     exact = np.sum(np.asarray(partials, np.float64), axis=0)
-    np.testing.assert_allclose(staged[0], exact, rtol=1e-5, atol=1e-3)
-    # The staged order is another association than the flat one: close, not equal bits.
-    np.testing.assert_allclose(staged[0], flat[0], rtol=1e-5, atol=1e-3)
+    magnitude = np.sum(np.abs(np.asarray(partials, np.float64)), axis=0)
+    calls = round_calls("x", "all_reduce", width, 8, plan_rounds(parse_topology(topology)))
+    bound = wire_error_bound("all_reduce", calls)
+    error = np.abs(out[0] - exact) / magnitude
+    assert error.max() <= bound
+    # The bound is not loose: bf16 rounding shows at about a quarter of it or more.
+    assert error.max() > bound / 8
+    # And it is the bf16 unit roundoff per round plus the f32 sums' few ulps.
+    rounds = len(calls)
+    assert rounds * BF16_UNIT_ROUNDOFF < bound < rounds * BF16_UNIT_ROUNDOFF * 1.01
 
 
-@pytest.mark.parametrize("topology", ["2x2x1", "2x2x4"])
-def test_staged_all_gather_ends_in_device_order(topology) -> None:
-    topo = parse_topology(topology)
-    pieces = [np.full(3, d, np.float32) for d in range(topo.num_devices)]
-    for out in _staged_all_gather(pieces, plan_stages(topo)):
-        assert np.array_equal(out, np.repeat(np.arange(topo.num_devices, dtype=np.float32), 3))
+def test_f32_rounds_bound_only_the_f32_sums() -> None:
+    rounds = plan_rounds(parse_topology("2x2x4"))
+    narrow = round_calls("x", "all_reduce", 128, 8, rounds)
+    assert [c.wire for c in narrow] == ["f32", "f32"]
+    assert wire_error_bound("all_reduce", narrow) < 1e-6
+    gather = round_calls("x", "all_gather", 3584, 8, rounds)  # f32, then bf16
+    assert wire_error_bound("all_gather", gather) == pytest.approx(BF16_UNIT_ROUNDOFF)
 
 
-@pytest.mark.parametrize("topology", ["2x2x1", "2x2x4"])
-def test_staged_reduce_scatter_leaves_core_d_its_slice_d(topology) -> None:
-    topo = parse_topology(topology)
-    d = topo.num_devices
-    rng = np.random.default_rng(1)
-    partials = [rng.standard_normal(4 * d).astype(np.float32) for _ in range(d)]
-    exact = np.sum(np.asarray(partials, np.float64), axis=0)
-    for core, out in enumerate(_staged_reduce_scatter(partials, plan_stages(topo))):
-        np.testing.assert_allclose(out, exact[4 * core : 4 * (core + 1)], rtol=1e-5, atol=1e-5)
+# --------------------------------------------------------------------------- balance
+
+
+def _two_hosts(**second_round: int) -> CollectivePlan:
+    """2x2x2's rounds with fields of the second (across the hosts) replaced."""
+    plan = plan_collectives(parse_topology("2x2x2"), [[("attn_out", "all_reduce", 256)]])
+    host, hosts = plan.rounds
+    rounds = [host.model_dump(), hosts.model_dump() | second_round]
+    return CollectivePlan.model_validate(plan.model_dump() | {"rounds": rounds})
+
+
+@pytest.mark.parametrize(
+    ("second_round", "problem"),
+    [
+        ({}, None),
+        # Groups of 2 at stride 4 pair cores of one host: no partial crosses to the other.
+        ({"stride": 4}, "core 0 combines the partials of 8 of 16 cores"),
+        ({"size": 1}, "rounds of [8, 1] members do not cover 16 cores"),
+        ({"offset": 9}, "round hosts: slots 9..10 past 10"),
+    ],
+)
+def test_rounds_that_do_not_balance_across_the_cores_are_named(second_round, problem) -> None:
+    assert check_rounds(_two_hosts(**second_round), 16) == problem
+
+
+# --------------------------------------------------------------------------- price
+
+
+def test_a_round_costs_the_catalog_phase_or_its_copies_over_the_links_if_longer() -> None:
+    chip = CATALOG["tpu7x"]
+    rounds = plan_rounds(parse_topology("2x2x4"))
+    host, hosts = round_calls("attn_out", "all_reduce", 7168, 8, rounds)
+    assert host.bytes_per_peer == 8 * 3584 * 4  # bf16: half the f32 bytes
+    phase_us = chip.collective_phase_latency.cost_model * 1e6
+    chip_bw = chip.ici_level("chip").bandwidth_bytes_per_s
+    # In a host: 6 copies over the cross-chip links (the sibling's runs beside them), more
+    # than a latency-bound phase; across hosts: 3 copies, within one.
+    in_host = collective_time_us({"collective": host.model_dump()}, chip)
+    assert in_host == pytest.approx(6 * host.bytes_per_peer / chip_bw * 1e6)
+    assert in_host > phase_us
+    across = collective_time_us({"collective": hosts.model_dump()}, chip)
+    assert across == pytest.approx(phase_us) and 3 * hosts.bytes_per_peer / chip_bw * 1e6 < phase_us
+
+
+def test_the_program_carries_what_pricing_needs_for_every_round() -> None:
+    plan = plan_build(load_spec("kimi-k3"), parse_topology("2x2x4"), BuildOptions.create(rows=8))
+    program = plan.program
+    rounds = [e for e in program["kda/moe"] if e["event"] == "start" and "collective" in e]
+    # attn_out, latent_in, expert_out, ffn_out: two rounds each, in execution order.
+    assert [(e["collective"]["collective"], e["collective"]["round"]) for e in rounds] == [
+        ("attn_out", "host"), ("attn_out", "hosts"),
+        ("latent_in", "host"), ("latent_in", "hosts"),
+        ("expert_out", "hosts"), ("expert_out", "host"),
+        ("ffn_out", "host"), ("ffn_out", "hosts"),
+    ]  # fmt: skip
+    chip = CATALOG["tpu7x"]
+    layer_us = sum(collective_time_us(e, chip) for e in rounds)
+    priced = plan.sharding.attention["kda"].collectives + plan.sharding.ffn["moe"].collectives
+    assert layer_us == pytest.approx(sum(c.time_s for c in priced) * 1e6)
+    for e in rounds:
+        call = e["collective"]
+        assert e["bytes"] == (call["members"] - 1) * call["bytes_per_peer"]
+        assert e["dmas"] == 2 * (call["members"] - 1)
+    assert plan.graph.checks["collectives_balanced"]
 
 
 def test_mesh_order_puts_sibling_cores_side_by_side() -> None:
@@ -152,7 +267,7 @@ def test_latent_moe_designs_in_the_layout() -> None:
     assert moe.latent_design == "rs_ar" and moe.shared_width
     latent_out = next(s for s in moe.segments if s.name == "latent_out")
     assert latent_out.fan_in == moe.latent_width // layout.devices  # the scattered slice
-    assert layout.collectives.buffers[2].send_rows == 2
+    assert layout.collectives.buffers[2].send_rows == 8  # one round of 8 parts
     plain = plan_build(
         load_spec("tests/specs/latent-moe.yaml"), parse_topology("2x2x1"), BuildOptions.create()
     ).kernel

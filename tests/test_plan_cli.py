@@ -48,6 +48,20 @@ def test_plan_json_has_the_issue_keys(kimi_json) -> None:
     assert sum(est["breakdown_ms"].values()) == pytest.approx(est["step_ms"])
 
 
+def test_plan_shows_each_collectives_rounds_and_wire_dtype(kimi_json) -> None:
+    rounds = kimi_json["collectives"]["rounds"]
+    assert [(r["name"], r["size"]) for r in rounds] == [("host", 8), ("hosts", 4)]
+    attn_out = kimi_json["sharding"]["attention"]["kda"]["collectives"][0]
+    assert [(r["round"], r["wire"], r["bytes_per_peer"]) for r in attn_out["rounds"]] == [
+        ("host", "bf16", 8 * 7168 * 2), ("hosts", "bf16", 8 * 7168 * 2)
+    ]  # fmt: skip
+    assert 0 < attn_out["error_bound"] < 0.01
+    assert kimi_json["graph"]["checks"]["collectives_balanced"]
+    text = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8")
+    assert "collectives: 2 one-shot round(s) [host: groups of 8" in text.stdout
+    assert "2 round(s) [host x8 bf16 112.0 KiB/peer; hosts x4 bf16 112.0 KiB/peer]" in text.stdout
+
+
 def test_kimi_k3_fits_with_every_check_true(kimi_json) -> None:
     memory, graph = kimi_json["memory"], kimi_json["graph"]
     assert memory["hbm_bytes_per_device"] <= memory["hbm_usable_bytes_per_device"]
@@ -257,13 +271,13 @@ def test_heads_that_cannot_split_are_one_line() -> None:
 
 
 def test_a_vmem_budget_too_small_for_one_bank_is_one_line() -> None:
-    result = mkgen("plan", "qwen3-32b", "--topology", "2x2x1", "--vmem-budget", "6MiB")
-    assert_user_error(result, "--vmem-budget 6.0 MiB is too small for one 2.0 MiB weight bank")
+    result = mkgen("plan", "qwen3-32b", "--topology", "2x2x1", "--vmem-budget", "5MiB")
+    assert_user_error(result, "--vmem-budget 5.0 MiB is too small for one 2.0 MiB weight bank")
 
 
 def test_a_plan_over_the_vmem_budget_is_one_line() -> None:
     result = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--batch", "8")
-    assert_user_error(result, "VMEM:", "MiB it may use", "collective3_vmem")
+    assert_user_error(result, "VMEM:", "MiB it may use", "collective0_vmem")
 
 
 @pytest.mark.parametrize(
@@ -299,7 +313,8 @@ def test_bad_option_values_are_one_line(args, fragment) -> None:
 
 
 def test_mosaic_scratch_over_the_vmem_limit_is_said_without_a_negative_budget(tmp_path) -> None:
-    # 512 token rows of a 32768-wide residual: Mosaic's scratch alone is 256 MiB.
+    # 512 token rows of a 32768-wide residual: Mosaic's scratch alone is 320 MiB (two
+    # values and two hidden rows, plus a bf16 all-reduce piece unpacked).
     spec = tmp_path / "wide.yaml"
     spec.write_text(
         "name: wide\n"
@@ -309,7 +324,7 @@ def test_mosaic_scratch_over_the_vmem_limit_is_said_without_a_negative_budget(tm
         "layers: {count: 2, attention: {default: full}, ffn: {default: mlp}}\n"
     )
     result = mkgen("plan", str(spec), "--topology", "2x2x1", "--rows", "512")
-    assert_user_error(result, "Mosaic's own scratch for 512 token rows (estimated 256.0 MiB)")
+    assert_user_error(result, "Mosaic's own scratch for 512 token rows (estimated 320.0 MiB)")
     assert not re.search(r"\s-[0-9]", result.stderr)  # no negative budget
 
 

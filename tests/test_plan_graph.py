@@ -91,11 +91,11 @@ def test_kimi_k3_plan_has_ring_slots_tiles_and_states() -> None:
     assert plan.vmem.expert_slots == 4  # measurements.md: 4 was best
     # Four collectives a layer (attention out; latent MoE gather, reduce-scatter,
     # all-reduce; the MLA latent projections are replicated: their 48-column pieces are
-    # not whole lane tiles), each with its own buffer of 2 + 2 + 2 + 4 stage slots (not
-    # 32): under 9 MiB where a flat exchange needed 28 MiB.
+    # not whole lane tiles), each with its own buffer of 8 + 4 round slots (not 32) of
+    # 32-bit words holding bf16 pairs: under 5 MiB where a flat f32 exchange needed 28 MiB.
     assert plan.vmem.dims.collective_buffers == 4
-    assert plan.vmem.dims.collectives.slots == 10
-    assert plan.vmem.by_category["collectives"] < 9 * MiB
+    assert plan.vmem.dims.collectives.slots == 12
+    assert plan.vmem.by_category["collectives"] < 5 * MiB
     assert 6 <= plan.vmem.ring_depth <= 12
     assert {
         "bank",
@@ -320,13 +320,27 @@ def test_vmem_over_budget_fails(small) -> None:
     assert not checks["vmem_within_budget"]
 
 
+def test_collective_rounds_that_miss_a_core_fail(small) -> None:
+    rounds = small.vmem.dims.collectives
+    host = rounds.rounds[0]
+    # Groups of 4 where the 8 cores of the host need one group of 8: half the partials
+    # never reach a core.
+    half = rounds.model_copy(update={"rounds": [host.model_copy(update={"size": 4})]})
+    broken = small.vmem.model_copy(
+        update={"dims": small.vmem.dims.model_copy(update={"collectives": half})}
+    )
+    graph = analyse(small.step_graph.schedule, broken)
+    assert not graph.checks["collectives_balanced"]
+    assert graph.failures["collectives_balanced"] == "rounds of [4] members do not cover 8 cores"
+
+
 def test_every_check_can_fail() -> None:
     """The negative tests above (and tests/test_program.py for deadlock_free) cover every
     named check."""
     covered = {
         "acyclic", "reads_after_writes", "dma_waited_once", "no_slot_overwrite",
         "weights_fetched_once", "vmem_within_budget", "semaphores_unshared", "ops_run_once",
-        "deadlock_free",
+        "deadlock_free", "collectives_balanced",
     }  # fmt: skip
     assert covered == set(CHECKS)
 
@@ -359,12 +373,12 @@ def test_vmem_over_budget_is_a_one_line_error_with_numbers() -> None:
         _plan("kimi-k3", "2x2x4", rows=8, batch=8)
     message = str(info.value)
     assert "\n" not in message
-    assert "MiB" in message and "collective3_vmem" in message and "--batch" in message
+    assert "MiB" in message and "collective0_vmem" in message and "--batch" in message
 
 
 def test_a_budget_too_small_for_one_bank_is_its_own_error() -> None:
     with pytest.raises(SpecError, match=r"too small for one 2\.0 MiB weight bank"):
-        _plan("qwen3-32b", "2x2x1", vmem_budget_bytes="6MiB")
+        _plan("qwen3-32b", "2x2x1", vmem_budget_bytes="5MiB")
 
 
 def test_a_budget_above_the_limit_is_an_error() -> None:
@@ -417,6 +431,7 @@ _DTYPES = {
     "bfloat16": "bf16",
     "float32": "f32",
     "int32": "int32",
+    "uint32": "uint32",
     "int8": "int8",
     "float8_e4m3fn": "fp8",
 }

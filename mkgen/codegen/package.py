@@ -532,7 +532,8 @@ def report_context(
                     "name": c.name,
                     "op": c.op,
                     "payload": f"{c.payload_bytes:,} B",
-                    "algorithm": f"{c.algorithm}, {c.phases} phase(s), up to {c.level}",
+                    "rounds": "; ".join(r.describe() for r in c.rounds) or "none",
+                    "error": f"{c.error_bound:.1e}",
                     "us": f"{c.time_s * 1e6:.2f}",
                 }
             )
@@ -626,7 +627,7 @@ def report_context(
         "tensors": tensors,
         "split_choices": choices,
         "collectives": collectives,
-        "collective_stages": plan.vmem.dims.collectives.describe(),
+        "collective_rounds": plan.vmem.dims.collectives.describe(),
         "hbm": hbm,
         "hbm_total": _gb(mem.total_bytes),
         "hbm_usable": _gb(mem.usable_bytes),

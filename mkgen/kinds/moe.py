@@ -18,7 +18,7 @@ from mkgen.plan.layout import (
     segment_columns,
     unsupported,
 )
-from mkgen.plan.sharding import FFNSharding, KindShards, choose_expert_split
+from mkgen.plan.sharding import FFNSharding, KindShards, choose_expert_split, price
 from mkgen.plan.stream import CHUNK, LANES, part_of
 from mkgen.spec.weights import ffn_weights
 
@@ -57,10 +57,15 @@ def shard(ctx: Any, kind_name: str, f: Any) -> FFNSharding:
     g, wparts = split.groups, split.width_parts
     design: Literal["rs_ar", "ar_ag", "none"] = "none"
     if f.latent:
-        rs_ar = ctx.collective("expert_out", "reduce_scatter", "ffn.experts_down", d_in).time_s
-        rs_ar += ctx.collective("ffn_out", "all_reduce", "ffn.latent_out", h).time_s
-        ar_ag = ctx.collective("expert_out", "all_reduce", "ffn.experts_down", d_in).time_s
-        ar_ag += ctx.collective("ffn_out", "all_gather", "ffn.latent_out", h).time_s
+        # Time, then the bytes sent (latency-bound rounds cost the same phase either way).
+        rs_ar = price(
+            ctx.collective("expert_out", "reduce_scatter", "ffn.experts_down", d_in),
+            ctx.collective("ffn_out", "all_reduce", "ffn.latent_out", h),
+        )
+        ar_ag = price(
+            ctx.collective("expert_out", "all_reduce", "ffn.experts_down", d_in),
+            ctx.collective("ffn_out", "all_gather", "ffn.latent_out", h),
+        )
         # Shared experts add partial sums of hidden: with ar_ag they would need their own
         # all-reduce, so they force rs_ar.
         design = "ar_ag" if ar_ag < rs_ar and not f.shared_experts else "rs_ar"

@@ -1,134 +1,270 @@
-"""Topology-aware collectives: the stages every in-kernel collective runs, planned once.
+"""Topology-aware collectives: the rounds every in-kernel collective runs, planned once.
 
-The kernel's mesh is one axis of D cores. Its device order is the topology's
-(mkgen.spec.topology): sibling cores adjacent, then chips x fastest, then y, then z,
-so a core's flat index is a mixed-radix number whose digits are (core on chip, x, y,
-z). A collective runs one *stage* per digit of size > 1, sibling cores first: in a
-stage, each core exchanges with the few cores that differ from it in that digit only
-(its group: `size` members, `stride` apart in the flat index) and combines what they
-sent in member order. Every core of a group then holds the same bits, and by
-induction over the stages every core ends bit-identical (all-reduce, greedy) or
-with its exact share (reduce-scatter). D - 1 copies per collective become
-sum(size - 1) (31 -> 6 on a 2x2x4 slice of 32 cores), and the landing buffers hold
-sum(size) slots instead of D.
+The kernel's mesh is one axis of D cores, host by host: position p holds topology
+device `mesh_order[p]`, and each host's L cores (sibling cores adjacent, then its chips
+in device order) take L consecutive positions, so a position is a two-digit number
+(core in its host, host). A collective runs at most two *rounds*, one per digit of size
+> 1: first the L cores of a host, then the H cores holding the same place in every host.
+A round is one-shot: every member writes its piece straight into its own slot of every
+other member's landing buffer (one remote DMA per peer, each on its own semaphore) and
+combines the group's slots in member order once they have all landed, so a group ends
+bit-identical and, after the second round, every core does (all-reduce, greedy) or holds
+its exact share (reduce-scatter). 2x2x4 (32 cores, 4 hosts of 8): rounds of 8 and 4, two
+dependent rounds instead of the four of a stage per topology axis.
 
-- all-reduce: each stage exchanges the running sum and adds the group's in order;
-- all-gather: each stage exchanges the pieces gathered so far and concatenates them
-  in member order; with stages in ascending stride (least significant digit first)
-  the result is in device order;
-- reduce-scatter: the stages run in descending stride (most significant digit
-  first): each stage splits the running vector into `size` contiguous parts, sends
-  part j to member j and sums the parts it receives, so core d ends with columns
-  [d * W / D, (d + 1) * W / D) of the sum (latent_out's input rows on that core).
+- all-reduce: each round exchanges the running sum and adds the group's in order;
+- all-gather: each round exchanges the pieces gathered so far and places them in member
+  order; the host round first, so the result is in mesh order;
+- reduce-scatter: the host-crossing round first: it splits the running vector into H
+  contiguous parts, sends part j to member j and sums the parts it receives; the host
+  round does the same with L parts, so core p ends with columns [p * W / D, (p + 1) *
+  W / D) of the sum (latent_out's input rows on that core).
 
-Pure data (pydantic): the template renders the stages, never decides them.
+Wire dtype (`wire_dtype`): a round sends bf16 (two values in each 32-bit lane, summed in
+f32 on arrival) when its piece is whole 128-lane blocks of at least 256 columns, where
+that halves the rows a DMA moves; narrower pieces travel as f32 (a DMA moves whole
+128-lane rows, so bf16 would save nothing), and so does the greedy exchange (token ids
+are not exact in bf16). `wire_error_bound` is the rounding error this allows.
+
+Pure data (pydantic): the template renders the rounds, never decides them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Literal
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from mkgen.spec.topology import Topology
 
+if TYPE_CHECKING:
+    from mkgen.hardware import Chip
+
 Op = Literal["all_reduce", "all_gather", "reduce_scatter"]
-Axis = Literal["core", "x", "y", "z"]
-LANES = 128
-_LEVELS = ("core", "chip", "host")
+Level = Literal["core", "chip", "host"]
+WireDtype = Literal["bf16", "f32"]
+LANES = 128  # a remote DMA moves whole 128-lane rows of 32-bit words (512-byte runs)
+WORD_BYTES = 4  # the landing buffers hold 32-bit words: one f32 or two bf16
+_LEVELS: tuple[Level, ...] = ("core", "chip", "host")
+# Unit roundoff of bf16 (8 significant bits, round to nearest even) and of f32.
+BF16_UNIT_ROUNDOFF = 2.0**-8
+F32_UNIT_ROUNDOFF = 2.0**-24
 
 
 class _Plan(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class CollectiveStage(_Plan):
-    """One stage: the cores that differ only in one topology coordinate exchange."""
+class CollectiveRound(_Plan):
+    """One round: every member of a group writes its piece to every other member."""
 
-    axis: Axis  # the coordinate the members of a group differ in
-    level: Literal["core", "chip", "host"]  # widest interconnect level the group spans
+    name: Literal["host", "hosts"]  # the cores of one host / one core of every host
+    level: Level  # widest interconnect level the group spans
     size: int  # members of a group
-    stride: int  # flat device distance between consecutive members
-    offset: int  # first landing slot of this stage in a collective buffer
+    stride: int  # mesh distance between consecutive members
+    offset: int  # first landing slot of this round in a collective buffer
+    peers: dict[str, int]  # the other members by link level (core, chip, host)
 
     def describe(self) -> str:
-        return f"{self.axis}: groups of {self.size}, stride {self.stride} ({self.level})"
+        links = ", ".join(f"{n} {k}" for k, n in self.peers.items() if n)
+        return f"{self.name}: groups of {self.size}, stride {self.stride} ({links})"
+
+
+class RoundCall(_Plan):
+    """What one round of one collective moves: the program's collective op carries it."""
+
+    collective: str  # the collective's name (attn_out, latent_in, ...)
+    op: Op
+    round: str  # CollectiveRound.name
+    index: int  # 0-based position among the collective's rounds, in execution order
+    rounds: int  # rounds the collective runs
+    level: Level
+    members: int
+    peers: dict[str, int]  # other members by link level: one copy to each
+    columns: int  # values of the piece sent to each peer, per token row
+    wire: WireDtype
+    lanes: int  # 32-bit lanes of a copy (bf16: two values a lane), whole 128-lane rows
+    rows: int  # token rows
+    bytes_per_peer: int  # rows x lanes x 4: what one copy moves
+
+    @property
+    def bytes_by_level(self) -> dict[str, int]:
+        return {k: n * self.bytes_per_peer for k, n in self.peers.items()}
+
+    def describe(self) -> str:
+        return f"{self.round} x{self.members} {self.wire} {self.bytes_per_peer / 1024:.1f} KiB/peer"
 
 
 class CollectiveBuffer(_Plan):
-    """The landing buffer of the k-th collective of a layer: [rows, tokens, width] f32.
+    """The landing buffer of the k-th collective of a layer: [rows, tokens, width] uint32.
 
-    Rows are the stages' slots (`slots`), plus, for a reduce-scatter, `send_rows`
+    Rows are the rounds' slots (`slots`), plus, for a reduce-scatter, `send_rows`
     staging rows its outgoing parts are copied from."""
 
     index: int
     uses: list[str]  # "kind.collective op" of every layer kind that runs it
-    width: int  # f32 lanes of a slot: the widest piece any stage lands, 128-aligned
+    width: int  # 32-bit lanes of a slot: the widest copy any round lands, 128-aligned
     send_rows: int  # reduce-scatter staging rows (0 when no use scatters)
+    # (op, columns of the kernel's argument) -> (wire dtype, lanes) of each round, in
+    # execution order: what the kernel's call with that argument sends.
+    wires: list[tuple[Op, int, list[tuple[WireDtype, int]]]]
 
 
 class CollectivePlan(_Plan):
-    """The stages, the landing buffers and the mesh order of one build."""
+    """The rounds, the landing buffers and the mesh order of one build."""
 
-    stages: list[CollectiveStage]  # in ascending stride: sibling core first
+    rounds: list[CollectiveRound]  # host round first
     slots: int  # landing slots of one buffer: the sum of the group sizes
-    max_group: int  # the largest group (reduce-scatter staging rows)
     mesh_order: list[int]  # topology device index at each position of the 1-D mesh
     buffers: list[CollectiveBuffer]
 
     @property
     def copies(self) -> int:
         """Remote copies one core sends per collective: sum(size - 1)."""
-        return sum(s.size - 1 for s in self.stages)
+        return sum(r.size - 1 for r in self.rounds)
 
     def describe(self) -> str:
-        if not self.stages:
+        if not self.rounds:
             return "collectives: one core, none"
-        stages = "; ".join(s.describe() for s in self.stages)
+        rounds = "; ".join(r.describe() for r in self.rounds)
         bufs = ", ".join(
             f"{b.index}: [{self.slots + b.send_rows}, T, {b.width}] ({', '.join(b.uses)})"
             for b in self.buffers
         )
-        return f"collectives: {len(self.stages)} stage(s) [{stages}], {self.copies} copies; buffers {bufs}"
+        return (
+            f"collectives: {len(self.rounds)} one-shot round(s) [{rounds}], {self.copies} "
+            f"copies; buffers {bufs}"
+        )
 
 
-def plan_stages(topology: Topology) -> list[CollectiveStage]:
-    """The stages of `topology`, sibling core first, then chip axes x, y, z.
+def host_order(topology: Topology) -> list[int]:
+    """Topology device indices host by host (in device order within a host): the mesh
+    order, so a host's cores take consecutive positions. Identity wherever hosts are
+    already contiguous in device order (every TPU7x slice up to 2x4x4)."""
+    return sorted(range(topology.num_devices), key=lambda d: (topology.devices[d].host, d))
 
-    Sizes and strides follow the device order: a core's flat index is core + C * (x +
-    X * (y + Y * z)); axes of size 1 have no stage. 2x2x4 (32 cores): [2, 2, 2, 4]
-    with strides [1, 2, 4, 8]."""
-    radix = [
-        ("core", topology.devices_per_chip),
-        *zip(("x", "y", "z"), topology.shape, strict=False),
-    ]
-    stages, stride, offset = [], 1, 0
-    for axis, size in radix:
-        if size > 1:
-            members = [stride * j for j in range(1, size)]
-            level = max((topology.level_between(0, m) for m in members), key=_LEVELS.index)
-            stages.append(
-                CollectiveStage(axis=axis, level=level, size=size, stride=stride, offset=offset)
+
+def plan_rounds(topology: Topology) -> list[CollectiveRound]:
+    """The rounds of `topology` in mesh order (`host_order`): the cores of one host,
+    then one core of every host; a digit of size 1 has no round. 2x2x4 (4 hosts of 8
+    cores): [8, 4] with strides [1, 8]."""
+    order = host_order(topology)
+    per_host = topology.num_devices // topology.num_hosts
+    rounds: list[CollectiveRound] = []
+    offset = 0
+    for name, size, stride in (("host", per_host, 1), ("hosts", topology.num_hosts, per_host)):
+        if size == 1:
+            continue
+        peers = dict.fromkeys(_LEVELS, 0)
+        for m in range(1, size):
+            peers[topology.level_between(order[0], order[m * stride])] += 1
+        level = max((k for k, n in peers.items() if n), key=_LEVELS.index)
+        rounds.append(
+            CollectiveRound(
+                name=name, level=level, size=size, stride=stride, offset=offset, peers=peers
             )
-            offset += size
-        stride *= size
-    assert stride == topology.num_devices
-    return stages
+        )
+        offset += size
+    return rounds
 
 
-def slot_width(op: Op, width: int, stages: list[CollectiveStage]) -> int:
-    """The widest piece a stage of `op` lands for a payload of `width` columns (the
-    reduced or gathered result): a whole sum for an all-reduce; for an all-gather the
-    pieces gathered before the last stage; for a reduce-scatter the parts of its
-    first stage (the last in stride order)."""
-    if not stages or op == "all_reduce":
-        return width
-    return width // stages[-1].size
+def round_pieces(
+    op: Op, width: int, rounds: list[CollectiveRound]
+) -> list[tuple[CollectiveRound, int]]:
+    """(round, columns of the piece each member sends each peer) in execution order, for
+    a payload of `width` columns (the reduced or gathered result): the whole running sum
+    for an all-reduce; for an all-gather the pieces gathered so far (host round first);
+    for a reduce-scatter one part of the running vector (host-crossing round first)."""
+    if op == "all_reduce":
+        return [(r, width) for r in rounds]
+    if op == "all_gather":
+        piece = width // math.prod(r.size for r in rounds)
+        out = []
+        for r in rounds:
+            out.append((r, piece))
+            piece *= r.size
+        return out
+    running, out = width, []
+    for r in reversed(rounds):
+        running //= r.size
+        out.append((r, running))
+    return out
 
 
-def _round_lanes(n: int) -> int:
-    return max(LANES, -(-n // LANES) * LANES)
+def wire_dtype(columns: int) -> WireDtype:
+    """bf16 where it halves the 128-lane rows a copy moves: a piece of whole 128-lane
+    blocks and at least 256 columns; f32 for narrower pieces (a copy moves at least one
+    whole 128-lane row, so bf16 would save nothing)."""
+    return "bf16" if columns >= 2 * LANES and columns % LANES == 0 else "f32"
+
+
+def wire_lanes(columns: int, wire: WireDtype) -> int:
+    """32-bit lanes a copy of `columns` values moves: bf16 packs columns c and c + lanes
+    into one lane (a zero block pads an odd number of 128-lane blocks)."""
+    if wire == "bf16":
+        return -(-columns // (2 * LANES)) * LANES
+    return max(LANES, -(-columns // LANES) * LANES)
+
+
+def round_calls(
+    name: str, op: Op, width: int, rows: int, rounds: list[CollectiveRound]
+) -> list[RoundCall]:
+    """The rounds one collective runs, with what each copy moves, in execution order."""
+    pieces = round_pieces(op, width, rounds)
+    calls = []
+    for index, (r, columns) in enumerate(pieces):
+        wire = wire_dtype(columns)
+        lanes = wire_lanes(columns, wire)
+        calls.append(
+            RoundCall(
+                collective=name, op=op, round=r.name, index=index, rounds=len(pieces),
+                level=r.level, members=r.size, peers=r.peers, columns=columns, wire=wire,
+                lanes=lanes, rows=rows, bytes_per_peer=rows * lanes * WORD_BYTES,
+            )
+        )  # fmt: skip
+    return calls
+
+
+def wire_error_bound(op: Op, calls: list[RoundCall]) -> float:
+    """Bound on |kernel - exact| / sum(|partials|) per element of the result.
+
+    A round rounds each piece it sends to its wire dtype (bf16: 8 significant bits, unit roundoff u = 2^-8)
+    and sums the group's n pieces in f32 (gamma(n - 1), with eps = 2^-24); each round's
+    error scales with the magnitudes it sums, so over the rounds the bound is
+    prod_r (1 + u_r)(1 + gamma(n_r - 1)) - 1: 7.8e-3 for 2x2x4's bf16 rounds of 8 and 4
+    (an all-gather sums nothing: prod_r (1 + u_r) - 1, relative to each value)."""
+    bound = 1.0
+    for c in calls:
+        fan_in = 1 if op == "all_gather" else c.members
+        adds = (fan_in - 1) * F32_UNIT_ROUNDOFF
+        u = BF16_UNIT_ROUNDOFF if c.wire == "bf16" else 0.0
+        bound *= (1 + u) * (1 + adds / (1 - adds))
+    return bound - 1
+
+
+def round_time_s(call: RoundCall, chip: Chip) -> float:
+    """One round: the catalog's collective phase (measured on TPU7x for a one-shot round
+    over the 8 cores of a host at batch 1, its bf16 payload moved included; assumed the
+    same for a round across hosts), or, once its copies take longer over the links, that
+    time. The sibling link works beside the cross-chip links; chip- and host-level copies
+    share the chip's links, at the slower of their rates."""
+    bandwidth = {lv.name: lv.bandwidth_bytes_per_s for lv in chip.ici_levels}
+    sent = call.bytes_by_level
+    sibling = sent.get("core", 0) / bandwidth.get("core", bandwidth["chip"])
+    off_chip = sent.get("chip", 0) + sent.get("host", 0)
+    off_bandwidth = min(bandwidth.get("chip", math.inf), bandwidth.get("host", math.inf))
+    links = max(sibling, off_chip / off_bandwidth if off_chip else 0.0)
+    return max(chip.collective_phase_latency.cost_model, links)
+
+
+def collective_time_us(op: Mapping[str, Any], chip: Chip) -> float:
+    """Predicted microseconds of one collective round of the kernel program: `op` is the
+    program's start entry of the round, whose "collective" field holds its RoundCall
+    (rounds, peers by link level, bytes per peer, wire dtype); a collective costs the sum
+    of its rounds, which run one after the other."""
+    return round_time_s(RoundCall.model_validate(op["collective"]), chip) * 1e6
 
 
 def collective_buffers(attention: Sequence[Any], ffn: Sequence[Any]) -> dict[str, int]:
@@ -162,37 +298,97 @@ def layer_uses(sharding: Any) -> list[list[tuple[str, Op, int]]]:
 
 
 def plan_collectives(topology: Topology, uses: list[list[tuple[str, Op, int]]]) -> CollectivePlan:
-    """Stages, mesh order and landing buffers for the collectives each layer runs.
+    """Rounds, mesh order and landing buffers for the collectives each layer runs.
 
     `uses[k]` lists (name, op, width) of every layer kind whose k-th collective of a
     layer this is (each collective of a layer has its own buffer: a core cannot write
     a buffer again before every member of its groups has read it, since it first
     needs their contributions to the collectives in between)."""
-    stages = plan_stages(topology)
+    rounds = plan_rounds(topology)
     d = topology.num_devices
     buffers = []
     for k, group in enumerate(uses):
+        wires: list[tuple[Op, int, list[tuple[WireDtype, int]]]] = []
         for name, op, width in group:
             if width % d and op != "all_reduce":
                 raise ValueError(f"collective {name}: {op} of {width} columns over {d} cores")
+            argument = width // d if op == "all_gather" else width
+            calls = round_calls(name, op, width, 1, rounds)
+            entry = (op, argument, [(c.wire, c.lanes) for c in calls])
+            if entry not in wires:
+                wires.append(entry)
         scatter = any(op == "reduce_scatter" for _, op, _ in group)
         buffers.append(
             CollectiveBuffer(
                 index=k,
                 uses=[f"{name} {op}" for name, op, _ in group],
-                width=_round_lanes(
-                    max([slot_width(op, w, stages) for _, op, w in group], default=LANES)
-                ),
-                send_rows=max((s.size for s in stages), default=0) if scatter else 0,
+                width=max([lanes for *_, ws in wires for _, lanes in ws], default=LANES),
+                send_rows=max((r.size for r in rounds), default=0) if scatter else 0,
+                wires=wires,
             )
         )
     return CollectivePlan(
-        stages=stages,
-        slots=max(1, sum(s.size for s in stages)),
-        max_group=max((s.size for s in stages), default=1),
-        mesh_order=list(range(d)),
+        rounds=rounds,
+        slots=max(1, sum(r.size for r in rounds)),
+        mesh_order=host_order(topology),
         buffers=buffers,
     )
+
+
+def check_rounds(plan: CollectivePlan, devices: int) -> str | None:
+    """The first way the rounds fail to balance, or None.
+
+    Each round's groups must partition the mesh; every member sends one copy to every
+    other member of its group, into the slot (and onto the receive semaphore) of its own
+    position, and every core waits for one copy in each other slot of the round, so the
+    copies a core waits for are exactly those sent to it; the entry barrier's signals
+    balance the same way; and the rounds together bring every core's partial to every
+    core. Every core then reaches the rounds in the same order, with all its sends started
+    before its waits, so no round can wait forever."""
+    if math.prod(r.size for r in plan.rounds) != devices:
+        return f"rounds of {[r.size for r in plan.rounds]} members do not cover {devices} cores"
+    sent: dict[tuple[int, int], int] = {}
+    waited: dict[tuple[int, int], int] = {}
+    signals = dict.fromkeys(range(devices), 0)
+    for r in plan.rounds:
+        if r.offset + r.size > plan.slots:
+            return f"round {r.name}: slots {r.offset}..{r.offset + r.size - 1} past {plan.slots}"
+        for me in range(devices):
+            pos = (me // r.stride) % r.size
+            base = me - pos * r.stride
+            members = [base + j * r.stride for j in range(r.size)]
+            for j, m in enumerate(members):
+                if not 0 <= m < devices:
+                    return f"round {r.name}: core {me}'s member {j} is core {m}, not in the mesh"
+                if m == me:
+                    continue
+                sent[m, r.offset + pos] = sent.get((m, r.offset + pos), 0) + 1
+                waited[me, r.offset + j] = waited.get((me, r.offset + j), 0) + 1
+                signals[m] += 1
+    for key in sorted(sent.keys() | waited.keys()):
+        if sent.get(key, 0) != waited.get(key, 0):
+            core, slot = key
+            return (
+                f"core {core} slot {slot}: {sent.get(key, 0)} copies land on its semaphore, "
+                f"it waits for {waited.get(key, 0)}"
+            )
+    copies = sum(r.size - 1 for r in plan.rounds)
+    for core, n in signals.items():
+        if n != copies:
+            return f"core {core} gets {n} barrier signals, waits for {copies}"
+    # Every core's result must combine every core's partial (once: the sizes multiply to D).
+    reach = [{me} for me in range(devices)]
+    for r in plan.rounds:
+        reach = [
+            set().union(
+                *(reach[me - ((me // r.stride) % r.size - j) * r.stride] for j in range(r.size))
+            )
+            for me in range(devices)
+        ]
+    for core, cores in enumerate(reach):
+        if len(cores) != devices:
+            return f"core {core} combines the partials of {len(cores)} of {devices} cores"
+    return None
 
 
 def arrange_devices(devices: list[Any], topology: Topology, order: list[int]) -> list[Any]:
@@ -215,28 +411,3 @@ def arrange_devices(devices: list[Any], topology: Topology, order: list[int]) ->
     if len(ordered) < len(order):
         return ordered
     return [ordered[i] for i in order]
-
-
-def stage_sum(values: list[Any], stages: list[CollectiveStage]) -> list[Any]:
-    """Reference of the staged all-reduce on the host (one value per core, in mesh
-    order): what every core holds after the stages, summed in member order."""
-    cur = list(values)
-    for s in stages:
-        nxt = []
-        for me in range(len(cur)):
-            c = (me // s.stride) % s.size
-            base = me - c * s.stride
-            total = cur[base]
-            for j in range(1, s.size):
-                total = total + cur[base + j * s.stride]
-            nxt.append(total)
-        cur = nxt
-    return cur
-
-
-def flat_sum(values: list[Any]) -> list[Any]:
-    """The flat all-reduce (every core sums all D partials in device order)."""
-    total = values[0]
-    for v in values[1:]:
-        total = total + v
-    return [total] * len(values)

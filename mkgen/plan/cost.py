@@ -31,7 +31,6 @@ VPU_OPS_PER_S = 4.0e12
 # Token rows are padded to whole sublane groups of f32 vregs (8 rows) in every
 # vector op and collective payload (the Muse Spark kernel pads B to 8).
 ROW_BLOCK = 8
-WIRE_BYTES = 2  # collectives ship bf16 partials and sum in f32 (Muse Spark "bf16 wire")
 
 MxuPath = Literal["bf16", "fp8", "int8"]
 

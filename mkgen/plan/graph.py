@@ -35,8 +35,13 @@ boolean (``StepGraph.checks``) with the first offending node (``failures``):
 - ``deadlock_free``: the ring starts bank g + depth only once bank g is used, so a program
   that waits for its banks out of stream order hangs at a shallow enough depth; every bank
   wait must find its bank started at the chosen depth and at every depth the planner or
-  --ring-depth may pick (MIN_RING_DEPTH..MAX_RING_DEPTH). Every core runs the same
-  program, so the collectives, reached by all in the same order, cannot deadlock it.
+  --ring-depth may pick (MIN_RING_DEPTH..MAX_RING_DEPTH);
+- ``collectives_balanced``: across every core of the mesh, each one-shot round's groups
+  partition the cores and every copy a core waits for on a slot's semaphore is one a
+  member sends there, and the entry barrier's signals balance the same way
+  (mkgen.plan.collectives.check_rounds). Every core runs the same program, so the
+  rounds, reached by all in the same order with their sends started before their
+  waits, cannot deadlock it.
 
 ``StepGraph.enforce()`` raises a one-line MkgenError naming the first failed check and
 its node; plan_build calls it before anything is generated.
@@ -50,6 +55,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict
 
 from mkgen.errors import MkgenError
+from mkgen.plan.collectives import check_rounds
 from mkgen.plan.options import MAX_RING_DEPTH, MIN_RING_DEPTH
 from mkgen.plan.schedule import INIT, RUN, START, WAIT, Node, Schedule
 from mkgen.plan.vmem import VmemPlan
@@ -67,6 +73,7 @@ CHECKS = (
     "semaphores_unshared",
     "ops_run_once",
     "deadlock_free",
+    "collectives_balanced",
 )
 _SEM = re.compile(r"^(\w+)\[([0-9,]+)\]$")
 
@@ -355,6 +362,9 @@ def analyse(schedule: Schedule, vmem: VmemPlan) -> StepGraph:
 
     _check_weights(schedule, fail)
     _check_deadlock(schedule, fail)
+    unbalanced = check_rounds(vmem.dims.collectives, vmem.dims.devices)
+    if unbalanced:
+        fail.add("collectives_balanced", unbalanced)
     if vmem.explicit_bytes > vmem.budget_bytes or vmem.total_bytes > vmem.limit_bytes:
         fail.add(
             "vmem_within_budget",

@@ -34,6 +34,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from mkgen.hardware import IssueRates
+from mkgen.plan.collectives import RoundCall
 
 PHASES = (
     "stream matmul",
@@ -173,6 +174,12 @@ ACTIVATION_OPS = 6  # per vreg of an expert's activation (silu: exp, add, recip,
 DELTA_RULE_OPS = {"kda": (499, 0), "gated_deltanet": (125, 253)}
 DELTA_RULE_STATE_VREGS = 16
 COMBINE_OPS = 2  # per vreg of an expert's output: weight x y, + acc
+# A bf16 collective round (templates: _to_wire, _from_wire), fitted to the compiled
+# qwen3-30b-a3b 2x2x1 kernel (432 VPU ops per all-reduce of 16 f32 vregs over 8 members,
+# of which 112 adds): rounding to bf16 and packing pairs per f32 vreg sent, masking and
+# shifting the two halves per packed vreg received (every member's, this core's too).
+WIRE_PACK_OPS = 12
+WIRE_UNPACK_OPS = 2
 
 # A schedule DMA category -> the phase whose code issues it.
 DMA_PHASE = {
@@ -344,8 +351,6 @@ def node_op_counts(
         # flops count tokens x width x ops per element; a vreg holds 8 rows x 128 lanes
         return OpCounts(vpu=node.flops / tokens / 128 * math.ceil(tp / 8))
 
-    stages = dims.collectives.stages
-    slots = sum(stage.size for stage in stages)
     nodes = schedule.nodes
     out: list[tuple[str, OpCounts]] = []
     for node in nodes:
@@ -400,10 +405,7 @@ def node_op_counts(
             per_row = (heads * per_head + keys * per_key) * vregs(dk, dv) / DELTA_RULE_STATE_VREGS
             out.append((COMPUTE_PHASE.get(node.cat, "vector"), OpCounts(vpu=dims.rows * per_row)))
         elif node.cat == "collective":
-            # A sum adds each stage's other members' slots; a concatenation only copies.
-            width = node.flops // (slots * tp)  # the schedule's: slots x padded rows x width
-            adds = slots - len(stages) if node.name.endswith(": sum") else 0
-            out.append(("collectives", OpCounts(vpu=adds * vregs(tp, width))))
+            out.append(("collectives", OpCounts(vpu=_round_ops(node.collective, tp))))
         else:
             out.append((COMPUTE_PHASE.get(node.cat, "vector"), elementwise(node)))
     return out, sorted(unpriced)
@@ -419,3 +421,20 @@ def model_op_counts(
     for node, (phase, ops) in zip(schedule.nodes, per_node, strict=True):
         out[phase].add_all(ops, node.repeat)
     return out, unpriced
+
+
+def _round_ops(call: RoundCall | None, tp: int) -> float:
+    """VPU ops of a collective round's combine: a sum adds the other members' pieces (a
+    concatenation only copies); a bf16 round also packs what it sends (a reduce-scatter
+    every member's part) and unpacks every member's piece."""
+    if call is None:  # the partial's rows written into the buffer
+        return 0
+    adds = (call.members - 1) * vregs(tp, call.columns) if call.op != "all_gather" else 0
+    if call.wire != "bf16":
+        return adds
+    sent = call.columns * (call.members if call.op == "reduce_scatter" else 1)
+    return (
+        adds
+        + WIRE_PACK_OPS * vregs(tp, sent)
+        + WIRE_UNPACK_OPS * call.members * vregs(tp, call.lanes)
+    )

@@ -150,7 +150,8 @@ def _sharding_dict(plan: BuildPlan) -> dict[str, Any]:
     def collectives(cs) -> list[dict[str, Any]]:
         return [
             {"name": c.name, "op": c.op, "bytes": c.payload_bytes, "level": c.level,
-             "algorithm": c.algorithm, "us": c.time_s * 1e6}
+             "rounds": [r.model_dump() for r in c.rounds], "error_bound": c.error_bound,
+             "us": c.time_s * 1e6}
             for c in cs
         ]  # fmt: skip
 

@@ -57,7 +57,7 @@ from pydantic import BaseModel, ConfigDict
 
 from mkgen.kinds.common import Step
 from mkgen.kinds.registry import kind_module
-from mkgen.plan.collectives import collective_buffers
+from mkgen.plan.collectives import CollectiveRound, RoundCall, collective_buffers
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.sharding import Collective, ShardingPlan
 from mkgen.plan.stream import Segment, StreamPlan, bank_visits
@@ -92,6 +92,7 @@ class Node:
         "repeat",
         "reads",
         "key",
+        "collective",
     )
 
     def __init__(
@@ -110,6 +111,7 @@ class Node:
         repeat: int = 1,
         reads: tuple[Read, ...] = (),
         key: tuple | None = None,
+        collective: RoundCall | None = None,
     ) -> None:
         self.id = id
         self.op = op  # "dma" or "compute"
@@ -128,6 +130,8 @@ class Node:
         # weight DMAs: ("bank", g), ("vector", l), ("expert", l, i, piece); stream matmuls:
         # ("matmul", format, k_chunks, col_blocks, chunks, chunks read) (mkgen.plan.opcount)
         self.key = key
+        # A collective round's copies (DMA) or its combine (compute): what it moves.
+        self.collective = collective
 
     @property
     def is_dma(self) -> bool:
@@ -320,6 +324,8 @@ class Schedule:
             if op == START:
                 entry["bytes"], entry["dmas"] = node.nbytes, node.count
                 entry["semaphores"] = list(node.sems)
+                if node.collective is not None:  # what collective_time_us prices
+                    entry["collective"] = node.collective.model_dump()
             if node.repeat != 1:
                 entry["repeat"] = node.repeat
             out.setdefault(name, []).append(entry)
@@ -360,8 +366,14 @@ class Schedule:
 # =========================================================================== building
 
 
-def _sent_bytes(c: Collective) -> int:
-    return sum(c.bytes_by_level.values())
+def _round_sems(
+    send: str, recv: str, buffer: int | tuple[int, int], r: CollectiveRound
+) -> tuple[str, ...]:
+    """A round's semaphores from core 0's view: a send and a receive semaphore for each
+    other member's slot (`buffer`: the collective buffer, or greedy's send and receive rows)."""
+    sb, rb = buffer if isinstance(buffer, tuple) else (buffer, buffer)
+    slots = range(r.offset + 1, r.offset + r.size)
+    return tuple(f"{send}[{sb},{k}]" for k in slots) + tuple(f"{recv}[{rb},{k}]" for k in slots)
 
 
 class _Builder:
@@ -395,20 +407,17 @@ class _Builder:
         self.segment_layer: dict[str, int] = {}  # the layer that records a kind's order
         # Semaphore names of a DMA group, built once per array shape and shared.
         self.sem_cache: dict[tuple[str, tuple[int, ...]], tuple[str, ...]] = {}
-        # Core 0's view (position 0 in every group): a stage sends to members 1.. and
+        # Core 0's view (position 0 in every group): a round sends to members 1.. and
         # receives from them, each copy on its own slot's semaphore.
-        stages = vmem.dims.collectives.stages
-        self.coll_copies = sum(s.size - 1 for s in stages)
-        self.coll_slots = sum(s.size for s in stages)
-        peers = [s.offset + m for s in stages for m in range(1, s.size)]
-        self.coll_sems = [
-            tuple(f"send_sems[{w},{k}]" for k in peers)
-            + tuple(f"recv_sems[{w},{k}]" for k in peers)
+        rounds = vmem.dims.collectives.rounds
+        self.coll_sems = {
+            (w, r.name): _round_sems("send_sems", "recv_sems", w, r)
             for w in range(vmem.dims.collective_buffers)
-        ]
-        self.greedy_sems = tuple(f"greedy_sems[0,{k}]" for k in peers) + tuple(
-            f"greedy_sems[1,{k}]" for k in peers
-        )
+            for r in rounds
+        }
+        self.greedy_sems = {
+            r.name: _round_sems("greedy_sems", "greedy_sems", (0, 1), r) for r in rounds
+        }
         self.banks = self._bank_nodes()
         seen: dict[str, int] = {}
         self.cache_slots = []
@@ -561,24 +570,31 @@ class _Builder:
 
     # --- collectives ---
     def collective(self, layer: int, c: Collective | None, src: int) -> int:
-        """Partial -> gather buffer, remote DMAs to every peer, the sum (in device order)."""
+        """Per round: this core's piece into its slot of gather buffer k, one remote copy
+        to every other member of its group, the group's pieces combined in member order."""
         if c is None or self.d == 1:
             return src
         # The buffer is the kernel's (collective_buffers): a peer cannot still be reading
         # it when it is written again (it needed this core's contributions to the
         # collectives in between first).
         w = self.buffers[c.name]
-        width = c.width * c.rows
-        p = self.run("collective", f"L{layer} {c.name}: rows -> gather[{w}]", layer, 0,
-                     ((src, None, 0),), writes=("gather", w))  # fmt: skip
-        x = self.dma("collective", f"L{layer} {c.op} {c.name}", layer, "gather", w,
-                     self.coll_sems[w], _sent_bytes(c), count=2 * self.coll_copies,
-                     reads=((p, "gather", w),))  # fmt: skip
-        self.start(x)
-        self.wait(x)
         what = "concatenate" if c.op == "all_gather" else "sum"
-        return self.run("collective", f"L{layer} {c.name}: {what}", layer,
-                        self.coll_slots * width, ((x, "gather", w),))  # fmt: skip
+        x = self.run("collective", f"L{layer} {c.name}: rows -> gather[{w}]", layer, 0,
+                     ((src, None, 0),), writes=("gather", w))  # fmt: skip
+        for call in c.rounds:
+            copies = call.members - 1
+            d = self.dma("collective", f"L{layer} {c.op} {c.name} {call.round} round", layer,
+                         "gather", w, self.coll_sems[w, call.round], copies * call.bytes_per_peer,
+                         count=2 * copies, reads=((x, "gather", w),))  # fmt: skip
+            self.nodes[d].collective = call
+            self.start(d)
+            self.wait(d)
+            last = call.index == call.rounds - 1
+            x = self.run("collective", f"L{layer} {c.name}: {what} ({call.round})", layer,
+                         call.members * call.rows * call.columns, ((d, "gather", w),),
+                         writes=None if last else ("gather", w))  # fmt: skip
+            self.nodes[x].collective = call
+        return x
 
     def vec(self, layer: int, name: str, x: int, flops: int, extra: tuple = ()) -> int:
         return self.run("vector", f"L{layer} {name}", layer, flops,
@@ -651,17 +667,19 @@ class _Builder:
         vpc = self.dims.vocab_per_core
         g = self.run("vector", "soft-cap, argmax of the shard -> greedy", layers, 4 * self.t * vpc,
                      ((x, None, 0),), writes=("greedy", 0))  # fmt: skip
-        if self.d > 1:
-            coll = next(c for c in self.sh.step_collectives if c.name == "sampling")
-            x = self.dma("collective", "all_gather sampling", layers, "greedy", 0,
-                         self.greedy_sems, _sent_bytes(coll), count=2 * self.coll_copies,
-                         reads=((g, "greedy", 0),))  # fmt: skip
+        # Every round's choice (none on one core, which has no rounds).
+        coll = next(c for c in self.sh.step_collectives if c.name == "sampling")
+        for call in coll.rounds:
+            copies = call.members - 1
+            x = self.dma("collective", f"all_gather sampling {call.round} round", layers,
+                         "greedy", 0, self.greedy_sems[call.round], copies * call.bytes_per_peer,
+                         count=2 * copies, reads=((g, "greedy", 0),))  # fmt: skip
+            self.nodes[x].collective = call
             self.start(x)
             self.wait(x)
-            g = x
-        self.run("vector", "token: best of each stage group in member order", layers,
-                 2 * self.coll_slots * self.t,
-                 ((g, "greedy", 0),))  # fmt: skip
+            g = self.run("vector", f"token: best of the {call.round} group in member order",
+                         layers, 2 * call.members * self.t, ((x, "greedy", 0),),
+                         writes=("greedy", 0))  # fmt: skip
 
     # --- the layer kinds (mkgen.kinds: each kind's module emits its ops) ---
     def attention(self, layer: int, name: str, v: int) -> int:

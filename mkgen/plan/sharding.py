@@ -38,8 +38,14 @@ from pydantic import BaseModel, ConfigDict
 
 from mkgen.errors import SpecError
 from mkgen.hardware import vmem_tile
+from mkgen.plan.collectives import (
+    RoundCall,
+    plan_rounds,
+    round_calls,
+    round_time_s,
+    wire_error_bound,
+)
 from mkgen.plan.cost import (
-    WIRE_BYTES,
     CostConstants,
     matmul_cost,
     pad_rows,
@@ -108,24 +114,25 @@ class Collective(_Frozen):
     after: str  # what produces its input
     width: int  # elements per token row of the full (reduced / gathered) payload
     rows: int  # token rows, padded to sublane blocks
-    payload_bytes: int  # full payload (rows x width x wire bytes)
-    algorithm: Literal["flat", "staged"]  # staged: one exchange per topology level
-    phases: int
+    payload_bytes: int  # full payload (rows x width x 4: f32 in VMEM)
+    rounds: tuple[RoundCall, ...]  # one-shot rounds in execution order (mkgen.plan.collectives)
     level: str  # widest topology level crossed: core / chip / host
     bytes_by_level: dict[str, int]  # bytes one device sends at each level
+    error_bound: float  # |kernel - exact| / sum |partials| the wire dtypes allow
     time_s: float
 
     def describe(self) -> str:
         sent = ", ".join(f"{k} {v / 1024:.1f} KiB" for k, v in self.bytes_by_level.items() if v)
+        rounds = "; ".join(r.describe() for r in self.rounds) or "none"
+        relative = "|value|" if self.op == "all_gather" else "sum|partials|"
         return (
             f"{self.name:<16} {self.op:<14} after {self.after:<18} [{self.rows}, {self.width}] "
-            f"{self.algorithm} {self.phases} phase(s) up to {self.level}: {sent}; "
-            f"{self.time_s * 1e6:.2f} us"
+            f"{len(self.rounds)} round(s) [{rounds}] up to {self.level}: {sent}; "
+            f"error <= {self.error_bound:.1e} x {relative}; {self.time_s * 1e6:.2f} us"
         )
 
 
 def collective_cost(
-    c: CostConstants,
     topo: Topology,
     name: str,
     op: CollectiveOp,
@@ -133,67 +140,36 @@ def collective_cost(
     width: int,
     tokens: int,
 ) -> Collective:
-    """The kernel's staged algorithm (mkgen.plan.collectives) for this payload.
-
-    Stages run one after the other, sibling core first (a reduce-scatter in reverse).
-    Latency: the stages inside one host together cost one latency-bound phase (catalog
-    collective_phase_latency, measured for one in-kernel collective over the 8 cores
-    of a host: Muse Spark's four per layer cost ~14 us); each stage across hosts adds
-    one more phase (catalog cross_host_phase_latency, an assumption). Bytes: a stage's member
-    sends the running payload to each other member of its group (an all-reduce the
-    whole running sum, an all-gather the pieces gathered so far, a reduce-scatter one
-    part of the running vector), over the link of the stage's level.
-    """
-    from mkgen.plan.collectives import plan_stages
-
+    """The kernel's one-shot rounds (mkgen.plan.collectives) for this payload, each priced
+    by `round_time_s` (the catalog's collective phase plus its copies over the links),
+    one after the other."""
     rows = pad_rows(tokens)
-    payload = rows * width * WIRE_BYTES
-    d = topo.num_devices
-    level = widest_level(topo)
-    stages = plan_stages(topo)
-    if d == 1:
-        return Collective(
-            name=name, op=op, after=after, width=width, rows=rows, payload_bytes=payload,
-            algorithm="flat", phases=0, level="core", bytes_by_level={}, time_s=0.0,
-        )  # fmt: skip
+    calls = round_calls(name, op, width, rows, plan_rounds(topo))
     sent = {"core": 0, "chip": 0, "host": 0}
-    wire = 0.0
-    running = payload / d if op == "all_gather" else payload
-    order = reversed(stages) if op == "reduce_scatter" else stages
-    for st in order:
-        if op == "reduce_scatter":
-            running /= st.size
-        nbytes = running * (st.size - 1)
-        sent[st.level] += int(nbytes)
-        wire += _wire_s(c, {st.level: nbytes})
-        if op == "all_gather":
-            running *= st.size
-    host_stages = sum(1 for st in stages if st.level == "host")
-    phases = (1 if len(stages) > host_stages else 0) + host_stages
+    for call in calls:
+        for level, nbytes in call.bytes_by_level.items():
+            sent[level] += nbytes
     return Collective(
         name=name,
         op=op,
         after=after,
         width=width,
         rows=rows,
-        payload_bytes=payload,
-        algorithm="staged" if len(stages) > 1 else "flat",
-        phases=phases,
-        level=level,
-        bytes_by_level=sent,
-        time_s=(phases - host_stages) * c.collective_phase_s
-        + host_stages * c.cross_host_phase_s
-        + wire,
+        payload_bytes=rows * width * 4,
+        rounds=tuple(calls),
+        level=widest_level(topo),
+        bytes_by_level=sent if calls else {},
+        error_bound=wire_error_bound(op, calls),
+        time_s=sum(round_time_s(call, topo.chip_info) for call in calls),
     )
 
 
-def _wire_s(c: CostConstants, sent: dict[str, int]) -> float:
-    """Bytes over the links: the sibling link and the cross-chip links work in parallel;
-    chip- and host-level traffic share the chip's links (the slowest of the two rates)."""
-    core = sent.get("core", 0) / c.ici_bandwidth.get("core", c.ici_bandwidth["chip"])
-    off = sent.get("chip", 0) + sent.get("host", 0)
-    off_bw = min(c.ici_bandwidth.get("chip", math.inf), c.ici_bandwidth.get("host", math.inf))
-    return max(core, off / off_bw if off else 0.0)
+def price(*collectives: Collective) -> tuple[float, int]:
+    """(seconds, bytes one core sends) of collectives run one after the other."""
+    return (
+        sum(c.time_s for c in collectives),
+        sum(sum(c.bytes_by_level.values()) for c in collectives),
+    )
 
 
 class CacheShard(_Frozen):
@@ -497,7 +473,7 @@ class _Ctx:
         return make_shard(name, shape, family, self.fmt(family), self.d, **kw)
 
     def collective(self, name: str, op: CollectiveOp, after: str, width: int) -> Collective:
-        return collective_cost(self.c, self.topo, name, op, after, width, self.tokens)
+        return collective_cost(self.topo, name, op, after, width, self.tokens)
 
     def stream_s(self, nbytes: float) -> float:
         return self.c.dma_s(nbytes)

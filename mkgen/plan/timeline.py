@@ -13,9 +13,9 @@ in program order; the walk runs them on one core's engines (docs/cost-model.md):
   remote copies. Whenever the engine is free it takes the oldest DMA of the
   highest-priority queue that has one started by then (a started DMA is not
   interrupted);
-- the interconnect carries each collective's remote copies, once the engine has issued
-  them, after the collectives before it, at the collective's price (its stages' phase
-  latencies and wire time).
+- the interconnect carries each collective round's remote copies, once the engine has
+  issued them, after the rounds before it, at the round's price
+  (mkgen.plan.collectives.round_time_s: its phase latency or its copies' wire time).
 
 One walk gives the overlap of DMA and compute and the step. A folded runtime loop's op
 (``repeat`` > 1) is priced as its repeats back to back. Pure Python.
@@ -25,13 +25,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from mkgen.plan.collectives import round_time_s
 from mkgen.plan.cost import CATEGORIES, US, CostConstants, Estimate, KindTime, TraceEvent
 from mkgen.plan.graph import ScheduleCheckError
 from mkgen.plan.memory import MemoryPlan
 from mkgen.plan.opcount import bound_us, node_op_counts
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.schedule import START, WAIT, Node, Schedule
-from mkgen.plan.sharding import Collective, ShardingPlan
+from mkgen.plan.sharding import ShardingPlan
 from mkgen.plan.stream import Segment, StreamPlan
 from mkgen.plan.vmem import VmemPlan
 from mkgen.spec.schema import ModelSpec
@@ -92,13 +93,6 @@ CATEGORY = {
     "sync": "fixed",
     "vector": "compute",
 }
-
-
-def collective_time_s(c: CostConstants, collective: Collective) -> float:
-    """One collective of the program, priced by the collective pricing of the plan (its
-    stages' phase latencies and wire time: mkgen.plan.sharding.collective_cost)."""
-    del c  # the collective carries its price
-    return collective.time_s
 
 
 class _Walk:
@@ -263,23 +257,6 @@ def _bank_names(
     return out
 
 
-def _collectives_by_node(schedule: Schedule, sharding: ShardingPlan) -> dict[int, Collective]:
-    """The sharding's Collective of every collective DMA of the program (by its name)."""
-    out = {}
-    table = sharding.layer_table
-    for node in schedule.nodes:
-        if not (node.is_dma and node.cat == "collective"):
-            continue
-        if node.layer >= len(table):
-            pool = sharding.step_collectives
-        else:
-            attn, ffn = table[node.layer]
-            pool = sharding.attention[attn].collectives + sharding.ffn[ffn].collectives
-        name = node.name.rsplit(" ", 1)[1]
-        out[node.id] = next(c for c in pool if c.name == name)
-    return out
-
-
 def estimate(
     topo: Topology, options: BuildOptions, program: ProgramPlan, trace: bool = False
 ) -> Estimate:
@@ -310,8 +287,9 @@ def estimate(
             cat = "fixed"
         category.append(cat)
     colls = {
-        i: collective_time_s(c, coll)
-        for i, coll in _collectives_by_node(schedule, sharding).items()
+        node.id: round_time_s(node.collective, topo.chip_info)
+        for node in nodes
+        if node.is_dma and node.collective is not None
     }
     walk = _Walk(c, schedule, colls, names, [t for _, _, t in banks], category, trace)
     # The host dispatches one device call per steps_per_call steps.

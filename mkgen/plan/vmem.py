@@ -68,7 +68,7 @@ Category = Literal[
     "internal",
 ]
 CATEGORIES: tuple[str, ...] = get_args(Category)
-DTYPE_BITS = {"f32": 32, "int32": 32, "bf16": 16, "int8": 8, "fp8": 8}
+DTYPE_BITS = {"f32": 32, "int32": 32, "uint32": 32, "bf16": 16, "int8": 8, "fp8": 8}
 
 
 class _Frozen(BaseModel):
@@ -368,16 +368,17 @@ def _base(out: _List, dims: KernelDims, depth: int) -> None:
     out.sems("vec_sems", (2,))
     out.add("x_res_vmem", "activations", (tp, h), "f32", why="the residual stream")
     # One landing buffer per collective of a layer (the schedule's resource "gather",
-    # slot k), each with a slot per stage member (sum of the group sizes, not D).
+    # slot k), each with a slot per round member (sum of the group sizes, not D); 32-bit
+    # words: an f32 or two bf16 values each.
     for b in coll.buffers:
         out.add(f"collective{b.index}_vmem", "collectives", (coll.slots + b.send_rows, tp, b.width),
-                "f32", why=f"landing slots of every stage for {', '.join(b.uses) or 'nothing'}"
+                "uint32", why=f"landing slots of every round for {', '.join(b.uses) or 'nothing'}"
                 + (f", {b.send_rows} reduce-scatter staging rows" if b.send_rows else ""))  # fmt: skip
     out.resources["gather"] = cb
     out.sems("send_sems", (cb, coll.slots))
     out.sems("recv_sems", (cb, coll.slots))
     out.add("greedy_vmem", "logits", (coll.slots, tp, GREEDY_LANES), "f32", resource="greedy",
-            why="(max, argmax) of the stage members' vocabulary shards")  # fmt: skip
+            why="(max, argmax) of the round members' vocabulary shards")  # fmt: skip
     out.sems("greedy_sems", (2, coll.slots))
 
 
@@ -433,6 +434,11 @@ def _buffers(
                 why="estimate: one sequence's recurrent states")  # fmt: skip
     out.add("mosaic_hidden", "internal", (2, tp, h), "f32", "internal",
             why="estimate: residual and normed rows")  # fmt: skip
+    wires = [w for b in dims.collectives.buffers for *_, ws in b.wires for w in ws]
+    bf16_lanes = [lanes for wire, lanes in wires if wire == "bf16"]
+    if bf16_lanes:  # a bf16 piece unpacked: its high and low halves side by side
+        out.add("mosaic_wire", "internal", (1, tp, 2 * max(bf16_lanes)), "f32", "internal",
+                why="estimate: a bf16 wire piece unpacked to f32")  # fmt: skip
     return out, slot_bytes
 
 

@@ -350,12 +350,13 @@ def _describe_dmas(build: Build, kind: _Kind | None, phase: Phase, helper: Funct
         coll = L.collectives
         peers = coll.copies
         phase.label = f"{op.replace('_', '-')} across {L.devices} cores"
-        stages = " then ".join(f"{s.axis} x{s.size}" for s in coll.stages)
+        rounds = " then ".join(f"{r.name} x{r.size}" for r in coll.rounds)
         phase.dmas = (
             [
-                f"{peers} remote DMAs out and {peers} in over {len(coll.stages)} stage(s) "
-                f"({stages}), at most [{L.tokens_padded}, {max(b.width for b in coll.buffers)}] "
-                "f32 each, one semaphore per copy, combined in member order"
+                f"{peers} remote DMAs out and {peers} in over {len(coll.rounds)} one-shot "
+                f"round(s) ({rounds}), at most [{L.tokens_padded}, "
+                f"{max(b.width for b in coll.buffers)}] 32-bit words each (f32, or bf16 "
+                "pairs), one semaphore per copy, combined in member order"
             ]
             if peers
             else ["none (one core)"]
@@ -474,10 +475,12 @@ _STRUCTURE = {
     "(kinds chosen by pl.when on the SMEM layer tables), the lm_head",
     "Stream.prime": "start the first RING_DEPTH bank DMAs of the step",
     "Ring.prime": "start the first DMAs of a ring (weight banks or expert pieces)",
-    "Collectives.all_reduce": "staged: the running sum to the members of each stage group; "
-    "summed in member order",
-    "Collectives.all_gather": "staged: the pieces gathered so far to each stage group",
-    "Collectives.reduce_scatter": "staged in reverse: part j of the running sum to member j",
+    "Collectives.all_reduce": "one-shot rounds (host, then across hosts): the running sum "
+    "to every other member of the round's group; summed in f32 in member order",
+    "Collectives.all_gather": "one-shot rounds: the pieces gathered so far to every other "
+    "member of the round's group",
+    "Collectives.reduce_scatter": "one-shot rounds in reverse: part j of the running sum "
+    "to member j",
 }
 
 

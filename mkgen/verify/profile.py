@@ -41,7 +41,7 @@ _PHASE_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("_attend_", "_write_cache_", "_cache_block_copy_")),
     ("recurrent", ("_delta_rule_step", "_conv_step")),
     ("routing", ("_route_", "_top_k")),
-    ("collectives", ("Collectives.", "_stage_exchange", "_barrier")),
+    ("collectives", ("Collectives.", "_round_exchange", "_to_wire", "_from_wire", "_barrier")),
 )
 
 
