@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 Frames = tuple[str, ...]  # function names, innermost first
@@ -88,6 +88,7 @@ class If:
     then: list = field(default_factory=list)
     other: list = field(default_factory=list)
     loc: str = ""
+    frames: Frames = ()
 
 
 @dataclass
@@ -223,9 +224,9 @@ def _add_context(kernel: LloKernel, block: list, context: Frames) -> None:
             node.frames = kernel.frames(node.loc) + context
             _add_context(kernel, node.body, node.frames)
         else:
-            inner = kernel.frames(node.loc) + context
-            _add_context(kernel, node.then, inner)
-            _add_context(kernel, node.other, inner)
+            node.frames = kernel.frames(node.loc) + context
+            _add_context(kernel, node.then, node.frames)
+            _add_context(kernel, node.other, node.frames)
 
 
 _BINARY: dict[str, Callable[[int, int], int]] = {
@@ -251,16 +252,36 @@ _BINARY: dict[str, Callable[[int, int], int]] = {
 }
 
 
+def block_ops(block: list) -> Iterator[Op]:
+    """The ops of `block` in order, loops and guards included."""
+    for node in block:
+        if isinstance(node, Op):
+            yield node
+        elif isinstance(node, Loop):
+            yield from block_ops(node.body)
+        else:
+            yield from block_ops(node.then)
+            yield from block_ops(node.other)
+
+
 class StepCounter:
     """Counts a kernel's ops per step, by (frames, group), with the trip counts above.
 
     `trips(frames)` answers the trip count of a loop with runtime bounds, from the
     frames of the loop's location; None leaves it at one and lists it in `unresolved`.
+    `taken(frames)` answers how often a guard on runtime data is taken, from the frames
+    of the guard's location; None (or no `taken`) counts it as always taken.
     """
 
-    def __init__(self, kernel: LloKernel, trips: Callable[[Frames], float | None]) -> None:
+    def __init__(
+        self,
+        kernel: LloKernel,
+        trips: Callable[[Frames], float | None],
+        taken: Callable[[Frames], float | None] | None = None,
+    ) -> None:
         self.kernel = kernel
         self.trips = trips
+        self.taken = taken
         self.unresolved: list[Frames] = []
         self._memo: dict[tuple[int, tuple[int | None, ...]], Counter] = {}
         self._free: dict[int, tuple[str, ...]] = {}
@@ -326,6 +347,13 @@ class StepCounter:
                 total[(node.frames, node.group)] += 1
             elif isinstance(node, If):
                 cond = self._value(node.cond, env)
+                if cond is None and self.taken is not None:
+                    share = self.taken(node.frames)
+                    if share is not None:
+                        for key, n in self._block(node.then, env).items():
+                            total[key] += n * share
+                        total.update(self._block(node.other, env))
+                        continue
                 if cond is None or cond:
                     total.update(self._block(node.then, env))
                 if cond is None or not cond:

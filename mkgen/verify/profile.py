@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from mkgen.plan.opcount import PHASES, OpCounts, bound_us, model_op_counts
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology
-from mkgen.verify.llo import Frames, If, Loop, Op, StepCounter, parse_llo
+from mkgen.verify.llo import Frames, If, Loop, StepCounter, block_ops, parse_llo
 
 DUMP_FLAGS = "--xla_mosaic_dump_to={dir} --xla_mosaic_enable_dump_debug_info=true"
 LLO_SUFFIX = "post-finalize-llo.txt"
@@ -37,7 +36,7 @@ LLO_SUFFIX = "post-finalize-llo.txt"
 # stream wherever a layer calls them from.
 _PHASE_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("experts", ("_experts_",)),
-    ("stream matmul", ("Ring.", "_slot_matmul", "_to_chunks", "_from_blocks")),
+    ("stream matmul", ("Ring.", "WeightStream.", "_slot_matmul", "_to_chunks", "_from_blocks")),
     ("attention", ("_attend_", "_write_cache_", "_cache_block_copy_")),
     ("recurrent", ("_delta_rule_step", "_conv_step")),
     ("routing", ("_route_", "_top_k")),
@@ -74,17 +73,6 @@ def kind_of(frames: Frames, kinds: set[str]) -> str | None:
     return None
 
 
-def _ops(block: list) -> Iterator[Op]:
-    for node in block:
-        if isinstance(node, Op):
-            yield node
-        elif isinstance(node, Loop):
-            yield from _ops(node.body)
-        else:
-            yield from _ops(node.then)
-            yield from _ops(node.other)
-
-
 def _attach_kinds(block: list, kinds: set[str]) -> None:
     """Give every op of a guarded block that only one layer kind's code runs in (the
     layer loop's dispatch on the layer table) that kind. A ring loop of one unit is
@@ -94,10 +82,10 @@ def _attach_kinds(block: list, kinds: set[str]) -> None:
             _attach_kinds(node.body, kinds)
         elif isinstance(node, If):
             for branch in (node.then, node.other):
-                found = {kind_of(op.frames, kinds) for op in _ops(branch)} - {None}
+                found = {kind_of(op.frames, kinds) for op in block_ops(branch)} - {None}
                 if len(found) == 1:
                     marker = f"_layer_kind_{found.pop()}"
-                    for op in _ops(branch):
+                    for op in block_ops(branch):
                         op.frames = op.frames + (marker,)
                 else:
                     _attach_kinds(branch, kinds)
@@ -131,9 +119,25 @@ def compiled_op_counts(llo_text: str, plan: Any, spec: ModelSpec) -> dict[str, O
             return sum(experts[kind]) / len(experts[kind])
         return None
 
+    # The weight stream's chunks wait for and refill a bank only where a chunk first
+    # reaches it, and a bank copies its first rows past the ring only in slot 0: guards on
+    # runtime rows, taken as often as the plan reaches banks.
+    stream_chunks = sum(
+        n.key[5] * n.repeat for n in schedule.nodes if n.cat == "matmul" and n.key[1] == "bf16"
+    )
+    stream_banks = sum(n.repeat for n in schedule.nodes if n.cat == "bank")
+
+    def taken(frames: Frames) -> float | None:
+        where = _function(frames[0]) if frames else ""
+        if where in ("WeightStream.start", "WeightStream.wait"):  # the wrap copy: slot 0
+            return 1 / plan.vmem.ring_depth
+        if where == "WeightStream._chunk" and stream_chunks:
+            return min(1.0, stream_banks / stream_chunks)
+        return None
+
     kernel = parse_llo(llo_text)
     _attach_kinds(kernel.body, set(layers))
-    counter = StepCounter(kernel, trips)
+    counter = StepCounter(kernel, trips, taken)
     counts = counter.count()
     if counter.unresolved:
         where = ", ".join(sorted({" < ".join(f[:2]) for f in counter.unresolved}))
