@@ -291,7 +291,7 @@ class Profile:
             out.append(f"  the model has no measurement for: {', '.join(self.unpriced)}")
         bound = "compute-bound" if self.compute_us > self.predicted_step_us else "DMA-bound"
         out.append(
-            f"  compute timeline {self.compute_us:.1f} us vs the plan's step "
+            f"  compute timeline {self.compute_us:.1f} us vs the plan's DMA timeline "
             f"{self.predicted_step_us:.1f} us: {bound} (at {self.rates.clock_hz / 1e9:.2f} GHz, "
             f"{self.rates.vpu_ops_per_cycle:g} VPU / {self.rates.mxu_ops_per_cycle:g} MXU ops "
             "a cycle: mkgen/hardware.py TPU7X_ISSUE_RATES)"
