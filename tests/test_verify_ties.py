@@ -213,17 +213,17 @@ def test_the_reference_weighs_the_experts_a_choice_callback_returns() -> None:
 # ---------------------------------------------------------------- the kernel
 
 
-def test_the_published_qwen3_next_config_verifies_through_its_near_tie() -> None:
-    """Seed 0: the kernel takes expert 3 for 0 at step 0, layer 6 (the reference's scores
-    0.18737 and 0.18842); before the tie rule this failed with layer 6's residual off by
-    0.25 (tolerance 0.067). Seeds 0 to 4 pass by hand (the sweep below runs 0 to 2 on one
-    chip)."""
+def test_the_published_qwen3_next_config_verifies_and_reports_only_near_ties() -> None:
+    """The held-out Qwen3-Next config on 2x2x1, seed 0, which failed before the tie rule
+    (layer 6's residual off by 0.25 against 0.067, through a near tie of the reference's
+    scores 0.18737 and 0.18842). Its twin has changed since (the router keeps whole
+    columns per core) and need not meet that tie now; whatever routes differ must be
+    reported as near ties within the window (the rule's cases are held above)."""
     report = verify_numerics(QWEN3_NEXT, "2x2x1", mode="on_wait", steps=2, seed=0, timeout=TIMEOUT)
     assert report.passed, report.failure()
-    assert report.steps[0].route_ties == [
-        "layer 6 token 0: near tie, the kernel chose experts [3, 4] for the reference's [0, 4] "
-        "(gap 0.29% of the largest choice value, window 2%); the reference took the kernel's"
-    ]
+    for step in report.steps:
+        for tie in step.route_ties:
+            assert ": near tie, the kernel chose experts " in tie and "window 2%" in tie, tie
 
 
 def test_a_kernel_routing_to_the_weakest_experts_fails_naming_them() -> None:

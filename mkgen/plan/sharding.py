@@ -821,8 +821,12 @@ def plan_sharding(spec: ModelSpec, topo: Topology, options: BuildOptions) -> Sha
 def full_size_splits(full: ModelSpec, topo: Topology, options: BuildOptions) -> tuple[str, ...]:
     """What the full-size build of `full` splits rather than replicates (BuildOptions.splits):
     its mini twin takes these choices, since at CPU sizes replicating always costs less,
-    so that the twin proves the full-size build's kernel."""
-    plan = plan_sharding(full, topo, options)
+    so that the twin proves the full-size build's kernel. A spec with no full-size build
+    on `topo` (its heads do not split over the cores) has no choices to pass on."""
+    try:
+        plan = plan_sharding(full, topo, options)
+    except SpecError:
+        return ()
     routers = [f"ffn.{name}.router" for name, f in plan.ffn.items() if f.router == "split"]
     latents = [f"attention.{n}.latent" for n, a in plan.attention.items() if a.latent == "split"]
     return tuple(routers + latents)
