@@ -55,10 +55,7 @@ def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
     latent, why_latent = latent_choice(ctx, kind_name, specs, a_names, "kda_gate_rank")
     for name, shape, family in specs:
         if name in a_names:
-            if latent == "split":
-                s.add(name, shape, family, split_axis=1, parts=d, why=why_latent)
-            else:
-                s.add(name, shape, family, why=why_latent)
+            s.add_low_rank(name, shape, family, latent, why_latent)
         elif (
             name in ("wq", "wk", "wv", "wf_b", "wg_b", "wg", "wbeta", "conv_q", "conv_k")
             or name == "conv_v"
@@ -70,9 +67,7 @@ def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
             s.add(name, shape, family, split_axis=0, parts=d, why="input rows by head")
         else:  # o_norm (per head dim)
             s.add(name, shape, family, why="replicated")
-    if latent == "split":
-        width = sum(shape[1] for n, shape, _ in specs if n in a_names)
-        s.collectives.append(ctx.collective("kda_gate_rank", "all_gather", "attn.wf_a", width))
+    s.gather_low_rank(latent, specs, a_names, "kda_gate_rank", "attn.wf_a")
     s.collectives.append(ctx.collective("attn_out", "all_reduce", "attn.wo", h))
     dim = hpr * a.head_dim
     cache = CacheShard(

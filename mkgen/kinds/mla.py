@@ -55,19 +55,14 @@ def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
     latent, why_latent = latent_choice(ctx, kind_name, specs, a_names, "mla_latent")
     for name, shape, family in specs:
         if name in a_names:
-            if latent == "split":
-                s.add(name, shape, family, split_axis=1, parts=d, why=why_latent)
-            else:
-                s.add(name, shape, family, why=why_latent)
+            s.add_low_rank(name, shape, family, latent, why_latent)
         elif name in ("wq", "wq_b", "wkv_b", "wgate"):
             s.add(name, shape, family, split_axis=1, parts=d, why="heads")
         elif name == "wo":
             s.add(name, shape, family, split_axis=0, parts=d, why="input rows by head")
         else:  # q_norm, kv_norm: applied to the full latent
             s.add(name, shape, family, why="replicated (norm of the full latent)")
-    if latent == "split":
-        width = sum(shape[1] for n, shape, _ in specs if n in a_names)
-        s.collectives.append(ctx.collective("mla_latent", "all_gather", "attn.wq_a", width))
+    s.gather_low_rank(latent, specs, a_names, "mla_latent", "attn.wq_a")
     s.collectives.append(ctx.collective("attn_out", "all_reduce", "attn.wo", h))
     per_token = (a.kv_lora_rank + a.qk_rope_head_dim) * CACHE_BYTES
     cache = CacheShard(

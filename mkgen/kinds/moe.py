@@ -58,17 +58,20 @@ def shard(ctx: Any, kind_name: str, f: Any) -> FFNSharding:
     design: Literal["rs_ar", "ar_ag", "none"] = "none"
     if f.latent:
         # Time, then the bytes sent (latency-bound rounds cost the same phase either way).
-        rs_ar = price(
-            ctx.collective("expert_out", "reduce_scatter", "ffn.experts_down", d_in),
-            ctx.collective("ffn_out", "all_reduce", "ffn.latent_out", h),
-        )
-        ar_ag = price(
-            ctx.collective("expert_out", "all_reduce", "ffn.experts_down", d_in),
-            ctx.collective("ffn_out", "all_gather", "ffn.latent_out", h),
-        )
+        designs = {
+            "rs_ar": (
+                ctx.collective("expert_out", "reduce_scatter", "ffn.experts_down", d_in),
+                ctx.collective("ffn_out", "all_reduce", "ffn.latent_out", h),
+            ),
+            "ar_ag": (
+                ctx.collective("expert_out", "all_reduce", "ffn.experts_down", d_in),
+                ctx.collective("ffn_out", "all_gather", "ffn.latent_out", h),
+            ),
+        }
         # Shared experts add partial sums of hidden: with ar_ag they would need their own
         # all-reduce, so they force rs_ar.
-        design = "ar_ag" if ar_ag < rs_ar and not f.shared_experts else "rs_ar"
+        cheaper = price(*designs["ar_ag"]) < price(*designs["rs_ar"])
+        design = "ar_ag" if cheaper and not f.shared_experts else "rs_ar"
     router, why_router = _router_choice(ctx, kind_name, f, d_in)
     for w in weights:
         n = w.name
@@ -160,16 +163,7 @@ def shard(ctx: Any, kind_name: str, f: Any) -> FFNSharding:
     if f.latent:
         gathered = d_in + (f.num_experts if router == "split" else 0)  # the scores ride along
         s.collectives.append(ctx.collective("latent_in", "all_gather", "ffn.latent_in", gathered))
-        if design == "ar_ag":
-            s.collectives.append(
-                ctx.collective("expert_out", "all_reduce", "ffn.experts_down", d_in)
-            )
-            s.collectives.append(ctx.collective("ffn_out", "all_gather", "ffn.latent_out", h))
-        else:
-            s.collectives.append(
-                ctx.collective("expert_out", "reduce_scatter", "ffn.experts_down", d_in)
-            )
-            s.collectives.append(ctx.collective("ffn_out", "all_reduce", "ffn.latent_out", h))
+        s.collectives.extend(designs[design])
     else:
         s.collectives.append(ctx.collective("ffn_out", "all_reduce", "ffn.experts_down", h))
     why = split.why + (f"; latent design {design}" if f.latent else "") + f"; {why_router}"

@@ -99,10 +99,9 @@ def plan_program(
     kv_tile_tokens: int | None = None,
 ) -> ProgramPlan:
     """Stages 1 to 5 and the schedule (stage 7) of `plan_build`, without the kernel layout:
-    the program the cost model prices, also for weight formats the template does not
-    render yet (the calibration's nvfp4 rows). Arguments as `plan_build`'s; the KV tile is
-    the template's unless `kv_tile_tokens` says another (the calibration's measured kernel
-    streams 256-token tiles)."""
+    the program the cost model prices. Arguments as `plan_build`'s; the KV tile is the
+    template's unless `kv_tile_tokens` says another (the calibration prices the measured
+    kernel's 256-token tiles, which the template does not render)."""
     spec = options.apply(spec)
     sharding = plan_sharding(spec, topo, options)
     memory = plan_memory(spec, topo, options, sharding)

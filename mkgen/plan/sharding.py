@@ -495,6 +495,26 @@ class KindShards:
             self.ctx.shard(self.prefix + name, shape, family, where=self.where, **kw)
         )
 
+    def add_low_rank(
+        self, name: str, shape: tuple[int, ...], family: str, choice: str, why: str
+    ) -> None:
+        """A low-rank A projection, split along its output or replicated (latent_choice)."""
+        split: dict[str, Any] = {"split_axis": 1, "parts": self.ctx.d} if choice == "split" else {}
+        self.add(name, shape, family, why=why, **split)
+
+    def gather_low_rank(
+        self,
+        choice: str,
+        specs: list[tuple[str, tuple[int, ...], str]],
+        names: list[str],
+        what: str,
+        after: str,
+    ) -> None:
+        """The all-gather joining split A projections' outputs (none when replicated)."""
+        if choice == "split":
+            width = sum(shape[1] for n, shape, _ in specs if n in names)
+            self.collectives.append(self.ctx.collective(what, "all_gather", after, width))
+
 
 def _suggest_topologies(ctx: _Ctx, count: int) -> str:
     chip = ctx.topo.chip_info
