@@ -221,6 +221,12 @@ def _knob_options(command: Callable[..., Any]) -> Callable[..., Any]:
             click.option(
                 "--expert-slots", type=int, default=None, help="Expert pieces in flight [planner]."
             ),
+            click.option(
+                "--held-refills",
+                type=int,
+                default=None,
+                help="Ring refills held for the next collective [planner].",
+            ),
         ]
     ):
         command = decorator(command)
@@ -479,6 +485,7 @@ def build_command(
     quant: tuple[str, ...],
     ring_depth: int | None,
     expert_slots: int | None,
+    held_refills: int | None,
     output: Path | None,
     force: bool,
 ) -> None:
@@ -493,7 +500,7 @@ def build_command(
     _prepare_jax()
     spec, topo, options = _plan_inputs(
         spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,
-        quant=quant, ring_depth=ring_depth, expert_slots=expert_slots,
+        quant=quant, ring_depth=ring_depth, expert_slots=expert_slots, held_refills=held_refills,
     )  # fmt: skip
     # The printed commands name the build as the user did, so they run as printed.
     default_dir = output is None or output.resolve() == default_build_dir(spec.name, topo).resolve()
@@ -584,6 +591,7 @@ def verify_command(
     output: Path | None,
     ring_depth: int | None,
     expert_slots: int | None,
+    held_refills: int | None,
 ) -> None:
     """Run SPEC's mini twin on TOPOLOGY's mesh in TPU interpret mode (virtual CPU devices,
     race detection, uninitialised memory as NaN) against the reference model, in each DMA
@@ -595,7 +603,15 @@ def verify_command(
     from mkgen.spec.mini import mini_twin
     from mkgen.verify import checks
 
-    knobs = {k: v for k, v in (("ring_depth", ring_depth), ("expert_slots", expert_slots)) if v}
+    knobs = {
+        k: v
+        for k, v in (
+            ("ring_depth", ring_depth),
+            ("expert_slots", expert_slots),
+            ("held_refills", held_refills),
+        )
+        if v is not None
+    }
     spec, topo, built = _plan_inputs(spec_ref, topology, quant=quant, **knobs)
     options = BuildOptions.create(batch=batch, rows=rows, context=context, **knobs)
     if not 1 <= steps * rows <= context:
@@ -697,6 +713,7 @@ def compile_command(
     quant: tuple[str, ...],
     ring_depth: int | None,
     expert_slots: int | None,
+    held_refills: int | None,
     update_report: bool,
     output: Path | None,
     profile: bool,
@@ -710,7 +727,7 @@ def compile_command(
     _prepare_jax()
     spec, topo, options = _plan_inputs(
         spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,
-        quant=quant, ring_depth=ring_depth, expert_slots=expert_slots,
+        quant=quant, ring_depth=ring_depth, expert_slots=expert_slots, held_refills=held_refills,
     )  # fmt: skip
     directory = _build_dir_for(spec, topo, options, output) if update_report else None
     if profile:

@@ -142,7 +142,7 @@ def test_expert_loop_folding_keeps_every_slice_and_the_slot_phase(n, pieces, slo
 
 
 def test_the_ring_policy_is_the_kernels() -> None:
-    plan = _plan("qwen3-32b", "2x2x1")
+    plan = _plan("qwen3-32b", "2x2x1", held_refills=0)
     schedule = plan.step_graph.schedule
     depth = plan.vmem.ring_depth
     first, wait = schedule.positions()
@@ -164,6 +164,64 @@ def test_the_ring_policy_is_the_kernels() -> None:
             assert first[bank.id] == first_use[banks[g - depth + 1].id] + 1
             assert last_use[banks[g - depth].id] < first[bank.id]
         assert wait[bank.id] > first[bank.id]
+
+
+@pytest.mark.parametrize("held", [1, 6])
+def test_held_refills_start_once_the_next_collectives_copies_are_under_way(held) -> None:
+    """With refills held, a bank starts where the ring reaches it unless it is among the
+    last `held` refills, which start right after the next collective round's copies and
+    before the round is waited: every bank still starts before its wait."""
+    plan = _plan("qwen3-32b", "2x2x1", held_refills=held)
+    schedule = plan.step_graph.schedule
+    depth, nodes = plan.vmem.ring_depth, schedule.nodes
+    assert schedule.held_refills == plan.stream.held_refills == held
+    first, wait = schedule.positions()
+    bank_of = {n.id: n.key[1] for n in nodes if n.cat == "bank"}
+    expected: list[int] = []  # banks in the order the kernel's rule starts them
+    pending: list[int] = []
+    reached: set[int] = set()
+    for op, i in schedule.events:
+        node = nodes[i]
+        if op == START and node.cat == "collective":
+            expected += pending
+            pending = []
+        if op != RUN:
+            continue
+        for read, res, _ in node.reads:
+            bank = bank_of.get(read)
+            if res == "ring" and bank not in reached:
+                reached.add(bank)
+                if bank > 0:
+                    pending.append(bank - 1 + depth)
+                    if len(pending) > held:
+                        expected.append(pending.pop(0))
+    expected = [g for g in expected if g < schedule.total_banks]
+    started = [bank_of[i] for op, i in schedule.events if op == START and i in bank_of]
+    assert started[depth:] == expected
+    after_collective = sum(
+        1
+        for k, (op, i) in enumerate(schedule.events)
+        if op == START and i in bank_of and nodes[schedule.events[k - 1][1]].cat == "collective"
+    )
+    assert after_collective > 0
+    assert all(wait[b] > first[b] for b in bank_of)
+
+
+def test_the_planner_scores_held_refills_and_keeps_the_fastest() -> None:
+    plan = _plan("qwen3-30b-a3b", "2x2x1")
+    scored = plan.schedule.held_refills_scored
+    assert 0 in scored and len(scored) > 1
+    assert plan.schedule.held_refills == min(scored, key=scored.__getitem__)
+    assert plan.estimate.step_ms == pytest.approx(min(scored.values()))
+    # The walk prices what the hold buys: the ring streams under the collectives' flight.
+    assert min(scored.values()) < scored[0]
+
+
+def test_too_many_held_refills_for_the_ring_is_refused() -> None:
+    with pytest.raises(SpecError, match=r"--held-refills 11: a ring of 12 banks holds at most 10"):
+        _plan("qwen3-30b-a3b", "2x2x1", ring_depth=12, held_refills=11)
+    with pytest.raises(SpecError, match=r"--held-refills 2: one core has no collectives"):
+        _plan("qwen3-30b-a3b", "v6e:1x1", quant=["experts=mxfp4"], held_refills=2)
 
 
 def test_folded_loops_keep_the_bytes_of_every_iteration() -> None:

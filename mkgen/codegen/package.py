@@ -116,12 +116,14 @@ def mini_kernel_args() -> dict[str, int]:
     """plan_build's kernel arguments for a mini twin: the small banks, shallow ring and small
     expert pieces `mkgen verify` renders with too (mkgen/verify/numerics.py), so that
     mini/megakernel.py is the kernel verify proves (verify's copy may also return the
-    residual stream after every layer, for its per-layer check). --ring-depth, when given,
-    wins over the shallow ring."""
+    residual stream after every layer, for its per-layer check). --ring-depth and
+    --held-refills, when given, win over the shallow ring and its hold."""
     return {
         "bank_rows": MINI_BANK_ROWS,
         "ring_depth": MINI_RING_DEPTH,
         "max_piece_chunks": MINI_PIECE_CHUNKS,
+        # As many held refills as the shallow ring allows, so the twin proves the hold.
+        "held_refills": MINI_RING_DEPTH - 2,
     }
 
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
+from mkgen.errors import SpecError
 from mkgen.plan.cost import CostConstants, Estimate, TraceEvent, to_chrome_trace
 from mkgen.plan.floor import IdealFloor, ideal_floor
 from mkgen.plan.graph import GraphSummary, ScheduleCheckError, analyse
@@ -96,6 +97,7 @@ def plan_program(
     bank_rows: int = FULL_BANK_ROWS,
     ring_depth: int | None = None,
     max_piece_chunks: int = MAX_PIECE_CHUNKS,
+    held_refills: int | None = None,
     kv_tile_tokens: int | None = None,
 ) -> ProgramPlan:
     """Stages 1 to 5 and the schedule (stage 7) of `plan_build`, without the kernel layout:
@@ -119,8 +121,38 @@ def plan_program(
         kv_tile_tokens=kv_tile_tokens,
     )
     stream = stream.model_copy(update={"ring_depth": vmem.ring_depth})
-    schedule = build_schedule(spec, sharding, stream, vmem, options)
-    return ProgramPlan(spec, sharding, memory, stream, vmem, schedule)
+    if sharding.devices == 1 and options.held_refills:
+        raise SpecError(
+            f"--held-refills {options.held_refills}: one core has no collectives to hold ring "
+            "refills for; leave it out"
+        )
+    most = max(0, vmem.ring_depth - 2)
+    forced = options.held_refills
+    if forced is not None and forced > most:
+        raise SpecError(
+            f"--held-refills {forced}: a ring of {vmem.ring_depth} banks holds at most {most} "
+            "(a bank waited before its held refill starts would hang); lower it or raise "
+            "--ring-depth"
+        )
+
+    def program(held: int) -> ProgramPlan:
+        held_stream = stream.model_copy(update={"held_refills": held})
+        schedule = build_schedule(spec, sharding, held_stream, vmem, options)
+        return ProgramPlan(spec, sharding, memory, held_stream, vmem, schedule)
+
+    if sharding.devices == 1:
+        return program(0)
+    if forced is not None:
+        return program(forced)
+    if held_refills is not None:
+        return program(min(held_refills, most))
+    # Holding refills for the next collective moves ring traffic under its flight, but
+    # shortens the ring ahead of the core: the cost model scores a few holds.
+    scored = {held: program(held) for held in sorted({0, most // 2, 3 * most // 4, most})}
+    scores = {held: estimate(topo, options, p).step_ms for held, p in scored.items()}
+    best = scored[min(scores, key=scores.__getitem__)]
+    best.schedule.held_scores = scores
+    return best
 
 
 def plan_build(
@@ -131,6 +163,7 @@ def plan_build(
     bank_rows: int = FULL_BANK_ROWS,
     ring_depth: int | None = None,
     max_piece_chunks: int = MAX_PIECE_CHUNKS,
+    held_refills: int | None = None,
     trace_residuals: bool = False,
     trace: bool = False,
     enforce: bool = True,
@@ -141,7 +174,8 @@ def plan_build(
 
     `bank_rows` and `max_piece_chunks` size the weight banks and expert pieces (the mini
     twin's are small); `ring_depth` forces the ring's depth unless --ring-depth does (a
-    saved build records the depth it was rendered with); `trace_residuals` makes the
+    saved build records the depth it was rendered with), `held_refills` the refills held
+    for collectives unless --held-refills does; `trace_residuals` makes the
     kernel also return the residual stream after every layer (verify's per-layer check)."""
 
     base = spec
@@ -152,6 +186,7 @@ def plan_build(
         bank_rows=bank_rows,
         ring_depth=ring_depth,
         max_piece_chunks=max_piece_chunks,
+        held_refills=held_refills,
     )
     spec, sharding, _, stream, vmem, schedule = program
     kernel = build_layout(

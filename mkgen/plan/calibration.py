@@ -32,9 +32,11 @@ DISTINCT_EXPERTS = 8  # identical benchmark rows: top_k distinct experts at ever
 # The measured kernel's tuning choices (Inferact musespark/README.md: "a ring of 12 x 2 MiB
 # banks", 4 expert slots, 256-token KV tiles): the program priced for the rows mirrors
 # them (options_for, predict); the banks are plan_build's default 4096 rows x 256 lanes
-# of bf16 = 2 MiB, and collectives ship bf16 as the measured kernel's ("bf16 wire").
+# of bf16 = 2 MiB, and collectives ship bf16 as the measured kernel's ("bf16 wire"). It
+# refills a bank as soon as the one before it is used: it holds no refills for collectives.
 MEASURED_RING_DEPTH = 12
 MEASURED_EXPERT_SLOTS = 4
+MEASURED_HELD_REFILLS = 0
 MEASURED_KV_TILE_TOKENS = 256
 
 
@@ -71,7 +73,7 @@ class CalibrationRow(_Frozen):
 
 def options_for(config: str, batch: int) -> BuildOptions:
     """The build options whose program mirrors the measured kernel's (ring depth, expert
-    slots; its KV tile is predict's)."""
+    slots, no held refills; its KV tile is predict's)."""
     return BuildOptions.create(
         batch=batch,
         context=CONTEXT,
@@ -80,13 +82,14 @@ def options_for(config: str, batch: int) -> BuildOptions:
         steps_per_call=STEPS_PER_CALL,
         ring_depth=MEASURED_RING_DEPTH,
         expert_slots=MEASURED_EXPERT_SLOTS,
+        held_refills=MEASURED_HELD_REFILLS,
     )
 
 
 def predict(config: str, batch: int) -> Estimate:
     """The cost model's walk of the program the options above plan: the same code and
-    constants as every build's estimate (plan_program: nvfp4 experts are planned but
-    not rendered yet, so the kernel layout is not built)."""
+    constants as every build's estimate (plan_program: the measured kernel's 256-token
+    KV tiles are not the template's, so the kernel layout is not built)."""
     spec, topo, options = load_spec(MODEL), parse_topology(TOPOLOGY), options_for(config, batch)
     program = plan_program(spec, topo, options, kv_tile_tokens=MEASURED_KV_TILE_TOKENS)
     return estimate(topo, options, program)

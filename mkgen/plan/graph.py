@@ -32,10 +32,11 @@ boolean (``StepGraph.checks``) with the first offending node (``failures``):
 - ``semaphores_unshared``: no semaphore is used by two DMAs in flight at once, and every
   semaphore exists in the plan (a shared semaphore is a race);
 - ``ops_run_once``: every compute op runs exactly once;
-- ``deadlock_free``: the ring starts bank g + depth only once bank g is used, so a program
-  that waits for its banks out of stream order hangs at a shallow enough depth; every bank
-  wait must find its bank started at the chosen depth and at every depth the planner or
-  --ring-depth may pick (MIN_RING_DEPTH..MAX_RING_DEPTH);
+- ``deadlock_free``: the ring starts bank g + depth only once bank g is used (and, of
+  the refills held for collectives, only once the next collective's copies start), so a
+  program that waits for its banks out of stream order hangs at a shallow enough depth;
+  every bank wait must find its bank started at the chosen depth and at every depth the
+  planner or --ring-depth may pick (MIN_RING_DEPTH..MAX_RING_DEPTH);
 - ``collectives_balanced``: across every core of the mesh, each one-shot round's groups
   partition the cores and every copy a core waits for on a slot's semaphore is one a
   member sends there, and the entry barrier's signals balance the same way
@@ -435,7 +436,12 @@ class _AnySem:
 def _check_deadlock(schedule: Schedule, fail: _Failures) -> None:
     """Replay the program's bank waits against the ring's refill rule at every depth."""
     nodes = schedule.nodes
-    uses = [(nodes[i].key[1], i) for op, i in schedule.events if op == WAIT and _is_bank(nodes[i])]
+    # Bank waits in program order, and (None) the starts of collectives' copies.
+    uses = [
+        (nodes[i].key[1] if op == WAIT else None, i)
+        for op, i in schedule.events
+        if (op == WAIT and _is_bank(nodes[i])) or (op == START and nodes[i].cat == "collective")
+    ]
     user = {}  # bank node -> the op that runs on it first (what the error names)
     for op, i in schedule.events:
         if op == RUN:
@@ -444,8 +450,15 @@ def _check_deadlock(schedule: Schedule, fail: _Failures) -> None:
                     user.setdefault(p, nodes[i].name)
     depths = sorted({schedule.ring_depth, *range(MIN_RING_DEPTH, MAX_RING_DEPTH + 1)})
     for depth in depths:
+        # The program's holds, as many as this depth allows (plan_program's bound).
+        hold = min(schedule.held_refills, depth - 2)
         started = set(range(min(depth, schedule.total_banks)))
+        held: list[int] = []
         for bank, node in uses:
+            if bank is None:  # a collective's copies started: the held refills go
+                started.update(held)
+                held = []
+                continue
             if bank not in started:
                 fail.add(
                     "deadlock_free",
@@ -455,7 +468,9 @@ def _check_deadlock(schedule: Schedule, fail: _Failures) -> None:
                 )
                 return
             if bank > 0:  # reaching bank b: bank b - 1 is used up, its slot takes b - 1 + depth
-                started.add(bank - 1 + depth)
+                held.append(bank - 1 + depth)
+                if len(held) > hold:
+                    started.add(held.pop(0))
 
 
 def _is_bank(node: Node) -> bool:

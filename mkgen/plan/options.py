@@ -149,6 +149,9 @@ class BuildOptions(BaseModel):
     # checked like a chosen one: it must fit VMEM and the schedule must not deadlock.
     ring_depth: int | None = None  # weight banks in flight
     expert_slots: int | None = None  # expert pieces in flight
+    # Ring refills held back until the next collective's copies are under way, so that
+    # they stream while the collective travels (at most ring depth - 2).
+    held_refills: int | None = None
     # What is split over the cores rather than replicated, as "ffn.<kind>.router" and
     # "attention.<kind>.latent" (None: the planner scores split against replicated). Set
     # only for a mini twin, which takes its full-size build's choices
@@ -190,6 +193,11 @@ class BuildOptions(BaseModel):
             raise SpecError(
                 f"--expert-slots {self.expert_slots}: must be 1 to {EXPERT_SLOTS_LIMIT} pieces "
                 "in flight"
+            )
+        if self.held_refills is not None and not 0 <= self.held_refills <= MAX_RING_DEPTH - 2:
+            raise SpecError(
+                f"--held-refills {self.held_refills}: must be 0 to {MAX_RING_DEPTH - 2} refills "
+                "(at most the ring depth - 2)"
             )
         if not 0 < self.acceptance <= self.rows:
             raise SpecError(
@@ -261,6 +269,7 @@ class BuildOptions(BaseModel):
             for label, value in (
                 ("ring depth", self.ring_depth),
                 ("expert slots", self.expert_slots),
+                ("held refills", self.held_refills),
             )
             if value is not None
         )
@@ -276,4 +285,5 @@ _NULLABLE = (
     "distinct_experts_per_layer",
     "ring_depth",
     "expert_slots",
+    "held_refills",
 )

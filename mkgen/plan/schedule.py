@@ -168,6 +168,8 @@ class ScheduleSummary(BaseModel):
     bytes_by_category: dict[str, int]  # HBM / ICI bytes moved per step
     flops_per_step: int
     ring_depth: int
+    held_refills: int  # ring refills held back until the next collective's copies start
+    held_refills_scored: dict[int, float]  # predicted step ms of each count the planner tried
     bank_bytes: int
     banks: int
     expert_slots: int
@@ -182,9 +184,10 @@ class ScheduleSummary(BaseModel):
             for k, v in self.bytes_by_category.items()
         )
         slots = f", {self.expert_slots} expert slots" if self.expert_slots else ""
+        held = f" ({self.held_refills} refills held for collectives)" if self.held_refills else ""
         return (
             f"schedule: {self.events} events over {self.nodes} nodes; ring {self.ring_depth} x "
-            f"{self.bank_bytes / 2**20:.1f} MiB, {self.banks} banks per step{slots}; "
+            f"{self.bank_bytes / 2**20:.1f} MiB{held}, {self.banks} banks per step{slots}; "
             f"{self.dmas_per_step} DMAs per step ({moved}); at most {self.max_dmas_in_flight} "
             f"DMAs / {self.max_bytes_in_flight / 2**20:.1f} MiB in flight"
         )
@@ -200,6 +203,7 @@ class Schedule:
         *,
         resources: dict[str, int],
         ring_depth: int,
+        held_refills: int,
         total_banks: int,
         bank_bytes: int,
         expert_slots: int,
@@ -208,11 +212,13 @@ class Schedule:
         stream_bytes: int,
         segment_order: dict[str, list[str]],
         layer_kinds: list[str],
+        refills: dict[str, int],
     ) -> None:
         self.nodes = nodes
         self.events = events
         self.resources = resources  # VMEM resource -> slots (from the VMEM plan)
         self.ring_depth = ring_depth
+        self.held_refills = held_refills
         self.total_banks = total_banks
         self.bank_bytes = bank_bytes
         self.expert_slots = expert_slots
@@ -224,6 +230,9 @@ class Schedule:
         # the rendered kernel is held to: mkgen.codegen.conformance).
         self.segment_order = segment_order
         self.layer_kinds = layer_kinds  # "attention/ffn" kind names of every layer
+        self.refills = refills  # how the ring's refills went (_Builder.refills)
+        # The planner's predicted step (ms) for each held-refill count it scored.
+        self.held_scores: dict[int, float] = {}
 
     def copy(self) -> Schedule:
         """A deep copy (tests break copies to prove the checks fail)."""
@@ -232,6 +241,7 @@ class Schedule:
             list(self.events),
             resources=dict(self.resources),
             ring_depth=self.ring_depth,
+            held_refills=self.held_refills,
             total_banks=self.total_banks,
             bank_bytes=self.bank_bytes,
             expert_slots=self.expert_slots,
@@ -240,6 +250,7 @@ class Schedule:
             stream_bytes=self.stream_bytes,
             segment_order={k: list(v) for k, v in self.segment_order.items()},
             layer_kinds=list(self.layer_kinds),
+            refills=dict(self.refills),
         )
 
     def find(self, name: str) -> Node:
@@ -292,6 +303,8 @@ class Schedule:
             bytes_by_category=moved,
             flops_per_step=flops,
             ring_depth=self.ring_depth,
+            held_refills=self.held_refills,
+            held_refills_scored=self.held_scores,
             bank_bytes=self.bank_bytes,
             banks=self.total_banks,
             expert_slots=self.expert_slots,
@@ -397,6 +410,14 @@ class _Builder:
         self.events: list[tuple[int, int]] = []
         self.repeat = 1
         self.depth = stream.ring_depth
+        self.held_refills = stream.held_refills
+        self.held: list[int] = []  # refills (their banks) held back, oldest first
+        # How the ring's refills went (the compiled profile counts its guards by them):
+        # banks reached, refills started there, collective rounds releasing the held ones
+        # and the refills they started (also those past the last bank, which start nothing).
+        self.refills = dict.fromkeys(
+            ("reached", "started on reaching", "releases", "started by releases"), 0
+        )
         self.total = stream.total_banks
         self.d = sharding.devices
         self.t = options.tokens
@@ -563,10 +584,27 @@ class _Builder:
                 2 * self.t * visit.macs, (*reads, (prev, None, 0)),
                 key=("matmul", seg.format, seg.k_chunks, seg.col_blocks, seg.chunks, visit.chunks),
             )  # fmt: skip
-            # Reaching bank g means bank g - 1 is used up: its slot takes g - 1 + depth.
-            if visit.bank and visit.bank - 1 + self.depth < self.total:
-                self.start(self.banks[visit.bank - 1 + self.depth])
+            # Reaching bank g means bank g - 1 is used up: its slot takes g - 1 + depth,
+            # once it is not among the last `held_refills` (held for the next collective).
+            if visit.bank:
+                self.held.append(visit.bank - 1 + self.depth)
+                self.refills["reached"] += 1
+                if len(self.held) > self.held_refills:
+                    self.refills["started on reaching"] += 1
+                    self.refill(self.held.pop(0))
         return prev
+
+    def refill(self, bank: int) -> None:
+        if bank < self.total:  # past the lm_head's last bank the ring has nothing to fetch
+            self.start(self.banks[bank])
+
+    def release_held(self) -> None:
+        """A collective's copies are under way: the held refills stream while they travel."""
+        self.refills["releases"] += 1
+        self.refills["started by releases"] += len(self.held)
+        for bank in self.held:
+            self.refill(bank)
+        self.held = []
 
     # --- collectives ---
     def collective(self, layer: int, c: Collective | None, src: int) -> int:
@@ -588,6 +626,7 @@ class _Builder:
                          count=2 * copies, reads=((x, "gather", w),))  # fmt: skip
             self.nodes[d].collective = call
             self.start(d)
+            self.release_held()
             self.wait(d)
             last = call.index == call.rounds - 1
             x = self.run("collective", f"L{layer} {c.name}: {what} ({call.round})", layer,
@@ -648,6 +687,7 @@ class _Builder:
             self.events,
             resources=resources,
             ring_depth=self.depth,
+            held_refills=self.held_refills,
             total_banks=self.total,
             bank_bytes=self.stream.bank_bytes,
             expert_slots=self.vmem.expert_slots,
@@ -656,6 +696,7 @@ class _Builder:
             stream_bytes=self.stream.bytes_per_step,
             segment_order=self.segment_order,
             layer_kinds=[f"{a}/{f}" for a, f in self.sh.layer_table],
+            refills=self.refills,
         )
 
     def epilogue(self, layers: int) -> None:

@@ -12,8 +12,9 @@ carries no bank-alignment padding. Its chunks are as narrow as the matrix allows
 CHUNK-row chunks, and a last column block narrower than LANES is stored transposed
 (``tail_rows``: its columns as rows, rounded up to a tile, the fan-in along the lanes).
 The kernel keeps a ring of ``ring_depth`` banks in VMEM: a chunk that reaches into a
-new bank waits for it and then starts the DMA of the bank before it plus ring_depth,
-so the stream crosses layer boundaries and runs into the lm_head. Routed experts are
+new bank waits for it and then starts the DMA of the bank before it plus ring_depth
+(or, among the last ``held_refills`` of them, once the next collective's copies are
+under way), so the stream crosses layer boundaries and runs into the lm_head. Routed experts are
 not in the stream (they are fetched into expert slots once routing has chosen them).
 
 Segments keep their weights' format in the same bf16 byte stream. A quantized chunk
@@ -201,6 +202,9 @@ class StreamPlan(PlanModel):
     bank_rows: int
     bank_bytes: int
     ring_depth: int
+    # The refills of the last `held_refills` used-up banks wait until the next collective's
+    # copies are under way, so that they stream while it travels (plan_program scores it).
+    held_refills: int = 0
     attention: dict[str, KindStream]
     ffn: dict[str, KindStream]
     tail: list[Segment]  # lm_head

@@ -12,7 +12,8 @@ in program order; the walk runs them on one core's engines (docs/cost-model.md):
   priority first: cache tiles and states, expert pieces, ring banks, collectives'
   remote copies. Whenever the engine is free it takes the oldest DMA of the
   highest-priority queue that has one started by then (a started DMA is not
-  interrupted);
+  interrupted), except that a collective's copies go before every DMA the core issued
+  after them (the ring's held refills: mkgen.plan.schedule);
 - the interconnect carries each collective round's remote copies, once the engine has
   issued them, after the rounds before it, at the round's price
   (mkgen.plan.collectives.round_time_s: its phase latency or its copies' wire time).
@@ -56,7 +57,7 @@ class ProgramPlan(NamedTuple):
 # banks ahead. A collective's remote copies come last: the calibrated structural
 # assumption (measurements.md: the Muse Spark step is the sum of its phases, the
 # collectives do not hide under the weight stream) is that they leave the engine only
-# once the HBM DMAs the core issued before them are done.
+# once the HBM DMAs the core issued before them are done; DMAs issued after them wait.
 QUEUES = ("cache", "experts", "ring", "collectives")
 DMA_QUEUE = {
     "collective": "collectives",
@@ -120,6 +121,8 @@ class _Walk:
         self.attr = dict.fromkeys(CATEGORIES, 0.0)
         n = len(schedule.nodes)
         self.issued_at = [0.0] * n
+        self.order = [0] * n  # issue order (DMAs issued at one instant are still ordered)
+        self.issued = 0
         self.done: list[float | None] = [None] * n
         self.queues: dict[str, list[int]] = {q: [] for q in QUEUES}
         self.head = dict.fromkeys(QUEUES, 0)
@@ -152,6 +155,8 @@ class _Walk:
 
     def start(self, node: Node) -> None:
         self.issued_at[node.id] = self.t
+        self.order[node.id] = self.issued
+        self.issued += 1
         self.queues[DMA_QUEUE[node.cat]].append(node.id)
 
     def serve_until(self, target: int) -> None:
@@ -169,7 +174,14 @@ class _Walk:
                     f"the program waits for {nodes[target].name!r}, which it never starts"
                 )
             at = max(self.engine_free, min(self.issued_at[i] for _, i in heads))
-            queue, i = next((q, i) for q, i in heads if self.issued_at[i] <= at)
+            ready = [(q, i) for q, i in heads if self.issued_at[i] <= at]
+            queue, i = ready[0]
+            last_queue, last = ready[-1]
+            # A collective's copies wait for the HBM DMAs issued before them, not for those
+            # the core issues after them (the ring's held refills).
+            earlier = [j for _, j in ready[:-1] if self.order[j] < self.order[last]]
+            if last_queue == "collectives" and not earlier:
+                queue, i = last_queue, last
             self.head[queue] += 1
             node = nodes[i]
             args = {"bytes": node.nbytes * node.repeat, "dmas": node.count * node.repeat,

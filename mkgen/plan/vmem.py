@@ -359,6 +359,8 @@ def _base(out: _List, dims: KernelDims, depth: int) -> None:
             resource="ring", slots=depth,
             why=f"{depth} weight banks in flight, then the wrap")  # fmt: skip
     out.sems("ring_sems", (depth + 1,))
+    if dims.devices > 1:  # the refills held for collectives (WeightStream.release_held)
+        out.scalar("ring_held_smem", (2,))
     out.add("xk_vmem", "activations", (dims.max_k_chunks, tp, CHUNK), "bf16",
             why="a matmul's input, chunked")  # fmt: skip
     out.add("acc_vmem", "activations", (dims.max_col_blocks, tp, LANES), "f32",

@@ -105,11 +105,16 @@ def compiled_op_counts(llo_text: str, plan: Any, spec: ModelSpec) -> dict[str, O
     for layer, (n, _pieces) in schedule.experts_per_layer.items():
         experts.setdefault(schedule.layer_kinds[layer].split("/")[1], []).append(n)
 
+    # A reached bank's refill starts at once unless it is held for the next collective.
+    refills = schedule.refills
+
     def trips(frames: Frames) -> float | None:
         """Runtime-bounded loops: KV tiles of one (sequence, kv head) over a full cache,
-        the experts this core runs in a layer."""
+        the experts this core runs in a layer, the held refills a collective round starts."""
         kind = kind_of(frames, set(layers))
         names = [_function(f) for f in frames]
+        if "WeightStream.release_held" in names:
+            return refills["started by releases"] / max(1, refills["releases"])
         if kind is None:
             return None
         if f"_attend_{kind}" in names:
@@ -126,11 +131,12 @@ def compiled_op_counts(llo_text: str, plan: Any, spec: ModelSpec) -> dict[str, O
         n.key[5] * n.repeat for n in schedule.nodes if n.cat == "matmul" and n.key[1] == "bf16"
     )
     stream_banks = sum(n.repeat for n in schedule.nodes if n.cat == "bank")
-
     def taken(frames: Frames) -> float | None:
         where = _function(frames[0]) if frames else ""
         if where in ("WeightStream.start", "WeightStream.wait"):  # the wrap copy: slot 0
             return 1 / plan.vmem.ring_depth
+        if where == "WeightStream.release_after" and refills["reached"]:
+            return refills["started on reaching"] / refills["reached"]
         if where == "WeightStream._chunk" and stream_chunks:
             return min(1.0, stream_banks / stream_chunks)
         return None
