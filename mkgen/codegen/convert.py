@@ -110,7 +110,10 @@ def weights_digest(spec: ModelSpec, layout: KernelLayout) -> str:
             "final_norm",
         )
     }
-    keep["stream"] = {k: v for k, v in keep["stream"].items() if k != "ring_depth"}
+    # How far the ring fetches ahead does not move a weight.
+    keep["stream"] = {
+        k: v for k, v in keep["stream"].items() if k not in ("ring_depth", "held_refills")
+    }
     keep["mesh_order"] = data["collectives"]["mesh_order"]
     keep["attention"] = [
         {k: a.get(k) for k in ("name", "type", "layers", "segments", "vectors")}

@@ -219,10 +219,16 @@ def build_commands(
 
 
 def resolved_kernel_args(plan: Any, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """`given` kernel arguments with the bank size and ring depth the plan resolved: recorded
-    so that a saved build re-renders identically (and converted weights bind to them)."""
+    """`given` kernel arguments with the bank size, ring depth and held refills the plan
+    resolved: recorded so that a saved build re-renders identically (and converted weights
+    bind to them)."""
     stream = plan.kernel.stream
-    return {**(given or {}), "bank_rows": stream.bank_rows, "ring_depth": stream.ring_depth}
+    return {
+        **(given or {}),
+        "bank_rows": stream.bank_rows,
+        "ring_depth": stream.ring_depth,
+        "held_refills": stream.held_refills,
+    }
 
 
 def _canonical(data: Any) -> str:
@@ -338,6 +344,7 @@ def render_build(
     layout = plan.kernel
     kernel_args = resolved_kernel_args(plan, kernel_args)
     bank_rows, depth = kernel_args["bank_rows"], kernel_args["ring_depth"]
+    held = kernel_args["held_refills"]
     digest = inputs_digest(spec, topology, options, kernel_args)
     name = build_name(spec.name, topology)
     rebuild = parent or rebuild_command(spec.name, topology, options, line)
@@ -347,7 +354,8 @@ def render_build(
         version=__version__,
         inputs_sha256=digest,
         description=spec.description,
-        options=f"{options.describe()}; weight banks of {bank_rows} rows, ring depth {depth}",
+        options=f"{options.describe()}; weight banks of {bank_rows} rows, ring depth {depth}"
+        + (f", {held} refills held for collectives" if held else ""),
         rebuild=rebuild,
     )
     # The cost model at every whole acceptance length 1..rows: the step does not depend on
