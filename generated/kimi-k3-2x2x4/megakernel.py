@@ -244,12 +244,12 @@ MOE_WIDTH_PARTS = 4  # consecutive cores sharing a group of experts
 MOE_EXPERTS_PER_RANK = 112  # experts of that group
 MOE_EXPERT_WIDTH = 768  # intermediate columns of each on a core
 MOE_EXPERT_FORMAT = "mxfp4"  # e2m1 codes, one E8M0 scale byte per 32 input rows
-MOE_PIECE_CHUNKS = 14  # CHUNK x LANES chunks per streamed piece of an expert
-MOE_GATE_UP_PIECES = 6  # pieces of gate|up, then of down
-MOE_DOWN_PIECES = 3
+MOE_PIECE_CHUNKS = 42  # CHUNK x LANES chunks per streamed piece of an expert
+MOE_GATE_UP_PIECES = 2  # pieces of gate|up, then of down
+MOE_DOWN_PIECES = 1
 MOE_EXPERT_SLOTS = 4  # expert pieces in flight (a tuning choice)
-MOE_CODE_ROWS = 1792  # rows of one piece's codes (two 4-bit codes a byte)
-MOE_SCALE_ROWS = 112  # rows of one piece's scales
+MOE_CODE_ROWS = 5376  # rows of one piece's codes (two 4-bit codes a byte)
+MOE_SCALE_ROWS = 336  # rows of one piece's scales
 MOE_EXPERT_GROUP = 32  # input rows per scale
 MOE_ACTIVATION = "situ"  # the gated activation (_activation)
 MOE_ACTIVATION_PARAMS = {"gate_cap": 4.0, "value_cap": 25.0}  # its caps and slopes
@@ -1350,8 +1350,8 @@ def _kernel(
     final_norm_vmem,  # [1, HIDDEN] f32
     stream_hbm,  # [1, TOTAL_BANKS, BANK_ROWS, LANES] bf16
     vectors_hbm,  # [1, NUM_LAYERS, VECTOR_ROWS, VECTOR_WIDTH] f32
-    moe_codes_hbm,  # [1, 92, 112, 9, 1792, LANES] int8: two 4-bit codes a byte
-    moe_scales_hbm,  # [1, 92, 112, 9, 112, LANES] int8
+    moe_codes_hbm,  # [1, 92, 112, 3, 5376, LANES] int8: two 4-bit codes a byte
+    moe_scales_hbm,  # [1, 92, 112, 3, 336, LANES] int8
     kda_conv_in,  # [1, 69, 1, 8, 3, 1152] bfloat16 (aliased)
     kda_state_in,  # [1, 69, 1, 8, 3, 128, 128] float32 (aliased)
     mla_latent_in,  # [1, 24, 1, 1, 4096, 576] bfloat16 (aliased)
@@ -1393,8 +1393,8 @@ def _kernel(
     moe_ids_sem,  # DMA
     moe_seen_smem,  # [896] int32: expert already listed
     moe_chosen_smem,  # [TOKENS * TOP_K] int32: distinct experts of this core's group
-    moe_code_slots_vmem,  # [EXPERT_SLOTS, 1792, LANES] int8
-    moe_scale_slots_vmem,  # [EXPERT_SLOTS, 112, LANES] int8
+    moe_code_slots_vmem,  # [EXPERT_SLOTS, 5376, LANES] int8
+    moe_scale_slots_vmem,  # [EXPERT_SLOTS, 336, LANES] int8
     moe_slot_sems,  # DMA[2 (codes, scales), EXPERT_SLOTS]
     moe_in_vmem,  # [14, TOKENS_PADDED, CHUNK] bf16: expert input
     moe_mid_vmem,  # [3, TOKENS_PADDED, CHUNK] bf16: activation
@@ -1621,8 +1621,8 @@ def expert_shapes():
     """(shape, dtype) of each per-core routed-expert array, MoE kind by kind (global arrays
     add NUM_DEVICES first): bf16 pieces, or codes then their scales."""
     return [
-        ((92, MOE_EXPERTS_PER_RANK, 9, MOE_CODE_ROWS, LANES), jnp.int8),
-        ((92, MOE_EXPERTS_PER_RANK, 9, MOE_SCALE_ROWS, LANES), jnp.int8),
+        ((92, MOE_EXPERTS_PER_RANK, 3, MOE_CODE_ROWS, LANES), jnp.int8),
+        ((92, MOE_EXPERTS_PER_RANK, 3, MOE_SCALE_ROWS, LANES), jnp.int8),
     ]
 
 

@@ -176,12 +176,12 @@ MOE_WIDTH_PARTS = 8  # consecutive cores sharing a group of experts
 MOE_EXPERTS_PER_RANK = 256  # experts of that group
 MOE_EXPERT_WIDTH = 512  # intermediate columns of each on a core
 MOE_EXPERT_FORMAT = "int4:128"  # symmetric, one bf16 scale per 128 input rows
-MOE_PIECE_CHUNKS = 16  # CHUNK x LANES chunks per streamed piece of an expert
-MOE_GATE_UP_PIECES = 4  # pieces of gate|up, then of down
-MOE_DOWN_PIECES = 2
+MOE_PIECE_CHUNKS = 32  # CHUNK x LANES chunks per streamed piece of an expert
+MOE_GATE_UP_PIECES = 2  # pieces of gate|up, then of down
+MOE_DOWN_PIECES = 1
 MOE_EXPERT_SLOTS = 4  # expert pieces in flight (a tuning choice)
-MOE_CODE_ROWS = 2048  # rows of one piece's codes (two 4-bit codes a byte)
-MOE_SCALE_ROWS = 32  # rows of one piece's scales
+MOE_CODE_ROWS = 4096  # rows of one piece's codes (two 4-bit codes a byte)
+MOE_SCALE_ROWS = 64  # rows of one piece's scales
 MOE_EXPERT_GROUP = 128  # input rows per scale
 MOE_ACTIVATION = "silu"  # the gated activation (_activation)
 MOE_EXPERT_DIM = 4096  # what experts read and write: the latent
@@ -1231,8 +1231,8 @@ def _kernel(
     local_sin_vmem,
     stream_hbm,  # [1, TOTAL_BANKS, BANK_ROWS, LANES] bf16
     vectors_hbm,  # [1, NUM_LAYERS, VECTOR_ROWS, VECTOR_WIDTH] f32
-    moe_codes_hbm,  # [1, 62, 256, 6, 2048, LANES] int8: two 4-bit codes a byte
-    moe_scales_hbm,  # [1, 62, 256, 6, 32, LANES] bf16
+    moe_codes_hbm,  # [1, 62, 256, 3, 4096, LANES] int8: two 4-bit codes a byte
+    moe_scales_hbm,  # [1, 62, 256, 3, 64, LANES] bf16
     local_k_in,  # [1, 46, 1, 2, 4096, 64] bfloat16 (aliased)
     local_v_in,  # [1, 46, 1, 2, 4096, 64] bfloat16 (aliased)
     global_k_in,  # [1, 16, 1, 2, 4096, 64] bfloat16 (aliased)
@@ -1278,8 +1278,8 @@ def _kernel(
     moe_ids_sem,  # DMA
     moe_seen_smem,  # [256] int32: expert already listed
     moe_chosen_smem,  # [TOKENS * TOP_K] int32: distinct experts of this core's group
-    moe_code_slots_vmem,  # [EXPERT_SLOTS, 2048, LANES] int8
-    moe_scale_slots_vmem,  # [EXPERT_SLOTS, 32, LANES] bf16
+    moe_code_slots_vmem,  # [EXPERT_SLOTS, 4096, LANES] int8
+    moe_scale_slots_vmem,  # [EXPERT_SLOTS, 64, LANES] bf16
     moe_slot_sems,  # DMA[2 (codes, scales), EXPERT_SLOTS]
     moe_in_vmem,  # [16, TOKENS_PADDED, CHUNK] bf16: expert input
     moe_mid_vmem,  # [2, TOKENS_PADDED, CHUNK] bf16: activation
@@ -1535,8 +1535,8 @@ def expert_shapes():
     """(shape, dtype) of each per-core routed-expert array, MoE kind by kind (global arrays
     add NUM_DEVICES first): bf16 pieces, or codes then their scales."""
     return [
-        ((62, MOE_EXPERTS_PER_RANK, 6, MOE_CODE_ROWS, LANES), jnp.int8),
-        ((62, MOE_EXPERTS_PER_RANK, 6, MOE_SCALE_ROWS, LANES), jnp.bfloat16),
+        ((62, MOE_EXPERTS_PER_RANK, 3, MOE_CODE_ROWS, LANES), jnp.int8),
+        ((62, MOE_EXPERTS_PER_RANK, 3, MOE_SCALE_ROWS, LANES), jnp.bfloat16),
     ]
 
 

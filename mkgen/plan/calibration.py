@@ -34,6 +34,8 @@ DISTINCT_EXPERTS = 8  # identical benchmark rows: top_k distinct experts at ever
 # them (options_for, predict); the banks are plan_build's default 4096 rows x 256 lanes
 # of bf16 = 2 MiB, and collectives ship bf16 as the measured kernel's ("bf16 wire"). It
 # refills a bank as soon as the one before it is used: it holds no refills for collectives.
+# Its expert pieces are not published (its 4 slots take 14 MiB): the rows take the
+# template's, at most a bank's bytes.
 MEASURED_RING_DEPTH = 12
 MEASURED_EXPERT_SLOTS = 4
 MEASURED_HELD_REFILLS = 0

@@ -265,48 +265,55 @@ def piece_chunks(gate_up: int, down: int, largest: int) -> int:
 
 
 def expert_chunks(fmt_text: str, d: int, width: int, max_piece_chunks: int) -> ExpertChunks:
-    """How one expert slice in `fmt_text` streams in pieces."""
+    """How one expert slice in `fmt_text` streams in pieces: each piece at most the bytes
+    of `max_piece_chunks` bf16 chunks (a weight bank's, by default), so a narrow format
+    moves as many bytes per DMA as bf16 does, in as few pieces as pad the least."""
     from mkgen.spec.quant import parse_format
 
     fmt = parse_format(fmt_text)
     gate_up = cdiv(d, CHUNK) * cdiv(2 * width, LANES)
     down = cdiv(width, CHUNK) * cdiv(d, LANES)
-    piece = piece_chunks(gate_up, down, max_piece_chunks)
-    rows = piece * CHUNK
-    group = fmt.block or 0
-    code_dtype, code_rows, scale_dtype, scale_rows, tensor_scale_row = "int8", rows, "", 0, 0
-    if fmt.kind == "bf16":
-        code_dtype = "bf16"
-    elif fmt.code_bits == 4:
-        code_rows = rows // 2  # two codes a byte
-        scale_dtype = "bf16" if fmt.kind == "int4" else "int8"  # E8M0 / e4m3 scale bytes
-        scale_rows = rows // group
-        if fmt.kind == "nvfp4":  # then a row of E8M0 tensor-scale bytes a chunk
-            tensor_scale_row, scale_rows = scale_rows, scale_rows + piece
-    elif fmt.kind == "int8":
-        scale_dtype, scale_rows = "f32", piece  # per-column scales, one row per chunk
-    else:  # fp8:B, B x B blocks, each scale repeated over its B columns
-        code_dtype, scale_dtype, scale_rows = "fp8", "f32", rows // group
-    return ExpertChunks(
-        d=d,
-        width=width,
-        format=fmt_text,
-        kind=fmt.kind,
-        group=group,
-        code_dtype=code_dtype,
-        code_rows=code_rows,
-        scale_dtype=scale_dtype,
-        scale_rows=scale_rows,
-        scale_cols=LANES if scale_dtype else 0,
-        tensor_scale_row=tensor_scale_row,
-        gate_up_k_chunks=cdiv(d, CHUNK),
-        gate_up_col_blocks=cdiv(2 * width, LANES),
-        down_k_chunks=cdiv(width, CHUNK),
-        down_col_blocks=cdiv(d, LANES),
-        piece_chunks=piece,
-        gate_up_pieces=cdiv(gate_up, piece),
-        down_pieces=cdiv(down, piece),
-    )
+
+    def pieces_of(piece: int) -> ExpertChunks:
+        rows = piece * CHUNK
+        group = fmt.block or 0
+        code_dtype, code_rows, scale_dtype, scale_rows, tensor_scale_row = "int8", rows, "", 0, 0
+        if fmt.kind == "bf16":
+            code_dtype = "bf16"
+        elif fmt.code_bits == 4:
+            code_rows = rows // 2  # two codes a byte
+            scale_dtype = "bf16" if fmt.kind == "int4" else "int8"  # E8M0 / e4m3 scale bytes
+            scale_rows = rows // group
+            if fmt.kind == "nvfp4":  # then a row of E8M0 tensor-scale bytes a chunk
+                tensor_scale_row, scale_rows = scale_rows, scale_rows + piece
+        elif fmt.kind == "int8":
+            scale_dtype, scale_rows = "f32", piece  # per-column scales, one row per chunk
+        else:  # fp8:B, B x B blocks, each scale repeated over its B columns
+            code_dtype, scale_dtype, scale_rows = "fp8", "f32", rows // group
+        return ExpertChunks(
+            d=d,
+            width=width,
+            format=fmt_text,
+            kind=fmt.kind,
+            group=group,
+            code_dtype=code_dtype,
+            code_rows=code_rows,
+            scale_dtype=scale_dtype,
+            scale_rows=scale_rows,
+            scale_cols=LANES if scale_dtype else 0,
+            tensor_scale_row=tensor_scale_row,
+            gate_up_k_chunks=cdiv(d, CHUNK),
+            gate_up_col_blocks=cdiv(2 * width, LANES),
+            down_k_chunks=cdiv(width, CHUNK),
+            down_col_blocks=cdiv(d, LANES),
+            piece_chunks=piece,
+            gate_up_pieces=cdiv(gate_up, piece),
+            down_pieces=cdiv(down, piece),
+        )
+
+    bf16_chunk_bytes = CHUNK * LANES * 2
+    largest = max_piece_chunks * bf16_chunk_bytes // pieces_of(1).piece_bytes
+    return pieces_of(piece_chunks(gate_up, down, largest))
 
 
 class MoELayout(PlanModel):
@@ -476,7 +483,7 @@ def segment_columns(segments: list[Segment], name: str, prefix: str) -> dict[str
     return columns
 
 
-MAX_PIECE_CHUNKS = 16  # 2 MiB bf16 pieces, the size of a weight-stream bank
+MAX_PIECE_CHUNKS = 16  # expert pieces of at most 16 bf16 chunks' bytes: a 2 MiB weight bank
 
 
 # Routed-expert formats the template reads, with the groups it can unpack.

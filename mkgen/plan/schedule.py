@@ -21,7 +21,10 @@ design implies (docs/planner.md):
   in slot 0 also copies its first CHUNK rows past the last slot, for a chunk that wraps
   the ring) and is waited by the first chunk that reaches into it (a chunk may straddle
   two banks and read both); once that chunk is used, bank g - 1 is used up and bank
-  g - 1 + depth starts into its slot, whatever layer (or the lm_head) it belongs to. The
+  g - 1 + depth starts into its slot, whatever layer (or the lm_head) it belongs to,
+  unless it is among the last ``held_refills`` such refills: those start right after the
+  next collective round's copies (before the round is waited), and stream while it
+  travels. The
   schedule runs a bank's chunks as one node and starts the refill after it (the kernel
   starts it after the first chunk: earlier, into another slot);
 - vector slabs: slab l in slot l % 2, waited at the top of layer l, slab l + 1 started
