@@ -51,7 +51,10 @@ def _function(frame: str) -> str:
 def phase_of(frames: Frames) -> str:
     """The phase of an op emitted under `frames` (innermost first): that of the outermost
     function with a phase. Outermost, because Pallas emits some lowering rules as
-    functions it caches by signature, whose ops keep the first caller's inner frames."""
+    functions it caches by signature, whose ops keep the first caller's inner frames.
+    The held refills a collective round starts are the weight stream's all the same."""
+    if any(_function(frame) == "WeightStream.release_held" for frame in frames):
+        return "stream matmul"
     for frame in reversed(frames):
         name = _function(frame)
         for phase, prefixes in _PHASE_RULES:
