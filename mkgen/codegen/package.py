@@ -219,16 +219,10 @@ def build_commands(
 
 
 def resolved_kernel_args(plan: Any, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """`given` kernel arguments with the bank size, ring depth and held refills the plan
-    resolved: recorded so that a saved build re-renders identically (and converted weights
-    bind to them)."""
+    """`given` kernel arguments with the bank size and ring depth the plan resolved: recorded
+    so that a saved build re-renders identically (and converted weights bind to them)."""
     stream = plan.kernel.stream
-    return {
-        **(given or {}),
-        "bank_rows": stream.bank_rows,
-        "ring_depth": stream.ring_depth,
-        "held_refills": stream.held_refills,
-    }
+    return {**(given or {}), "bank_rows": stream.bank_rows, "ring_depth": stream.ring_depth}
 
 
 def _canonical(data: Any) -> str:
@@ -344,7 +338,7 @@ def render_build(
     layout = plan.kernel
     kernel_args = resolved_kernel_args(plan, kernel_args)
     bank_rows, depth = kernel_args["bank_rows"], kernel_args["ring_depth"]
-    held = kernel_args["held_refills"]
+    held = plan.kernel.stream.held_refills
     digest = inputs_digest(spec, topology, options, kernel_args)
     name = build_name(spec.name, topology)
     rebuild = parent or rebuild_command(spec.name, topology, options, line)
