@@ -2,10 +2,11 @@
 
     app.py      the HTTP layer (FastAPI): requests checked, responses and SSE streams
     engine.py   the continuous-batching engine over the kernel's batch slots
+    host_cache.py  finished sequences' caches in host memory, for prompts that extend them
     chat.py     chat messages to a prompt with the checkpoint's chat template (jinja2)
     metrics.py  Prometheus metrics
     server.py   serve: load the model, start the engine, run uvicorn
 
-Only server.py's `serve` is imported by the CLI; it sets JAX's device environment before
+The CLI imports server.py's `serve` and host_cache.py's default (no JAX there); it sets JAX's device environment before
 it imports the engine (which imports JAX).
 """
