@@ -127,7 +127,7 @@ def test_a_prefill_mesh_hands_the_decode_mesh_the_colocated_caches(tmp_path: Pat
         assert out["handed_equal"] and out["restored_equal"], out
         assert out["host_types"] == ["ndarray"]
         assert out["restored"] == out["colocated"] and len(out["colocated"][0]) == 4, out
-        assert out["continued"] == out["colocated"] and out["continued_worst"] < 1e-2, out
+        assert out["continued"] == out["colocated"] and out["continued_worst"] < 1e-4, out
 
 
 @pytest.mark.slow
