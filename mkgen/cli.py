@@ -20,7 +20,7 @@ import click
 from mkgen import __version__
 from mkgen.errors import MkgenError
 from mkgen.output import write_atomic
-from mkgen.serve.host_cache import HOST_CACHE_MIB
+from mkgen.serve import HOST_CACHE_MIB
 
 # Random weights come from jax.random.key(seed), which takes 32-bit seeds.
 SEED = click.IntRange(0, 2**32 - 1)

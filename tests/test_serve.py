@@ -577,28 +577,41 @@ def test_text_is_released_without_stop_strings_or_unfinished_characters() -> Non
 
 
 def test_the_host_cache_reuses_the_longest_exact_prefix_and_evicts_the_least_recent() -> None:
+    """Entries hold a position-indexed array (a KV cache: [devices, layers, batch, heads,
+    context 8, head_dim], 4 bytes a position) for their tokens' positions only, given back
+    padded to the context, and a whole one (a recurrent state: 40 bytes)."""
     from mkgen.serve.host_cache import HostCache
 
-    def caches(value: int) -> list[np.ndarray]:  # 100 bytes
-        return [np.full(10, value, np.int64), np.full(5, value, np.int32)]
+    def caches(value: int) -> list[np.ndarray]:
+        return [np.full((1, 1, 1, 1, 8, 1), value, np.int32), np.full(5, value, np.int64)]
 
-    cache = HostCache(limit_bytes=300)
+    def size(tokens: int) -> int:
+        return 4 * tokens + 40
+
+    cache = HostCache(limit_bytes=160, by_position=[True, False], context=8)
     assert cache.store([1, 2], caches(1)) == 0
     assert cache.store([1, 2, 3, 4], caches(2)) == 0
     assert cache.store([7, 8], caches(3)) == 0
-    assert (len(cache), cache.bytes) == (3, 300)
+    assert (len(cache), cache.bytes) == (3, size(2) + size(4) + size(2))
     hit = cache.lookup([1, 2, 3, 4, 5])
-    assert hit is not None and hit.length == 4 and hit.caches[0][0] == 2  # the longest
+    assert hit is not None and hit.length == 4  # the longest
+    assert hit.caches[0].shape == (1, 1, 1, 1, 8, 1)
+    assert hit.caches[0].ravel().tolist() == [2, 2, 2, 2, 0, 0, 0, 0]
+    assert hit.caches[1].tolist() == [2] * 5
     # The prompt's last token is fed to the kernel: a sequence as long as it is not used.
     shorter = cache.lookup([1, 2, 3, 4])
     assert shorter is not None and shorter.length == 2
     assert cache.lookup([1, 3, 3, 4, 5]) is None and cache.lookup([7]) is None
     # [1, 2] and [1, 2, 3, 4] were used since [7, 8] was stored: [7, 8] goes first.
     assert cache.store([9, 9, 9], caches(4)) == 1
-    assert cache.lookup([7, 8, 9]) is None and (len(cache), cache.bytes) == (3, 300)
-    assert cache.store([5], caches(5) + caches(5)) == 2  # 200 bytes: two more go
-    assert (len(cache), cache.bytes) == (2, 300)
-    assert cache.store([6], caches(6) * 4) == 0  # larger than the limit: not kept
-    assert (len(cache), cache.bytes) == (2, 300)
-    assert cache.store([5], caches(7)) == 0  # the same tokens again: replaced
-    assert (len(cache), cache.bytes) == (2, 200)
+    assert cache.lookup([7, 8, 9]) is None
+    assert (len(cache), cache.bytes) == (3, size(4) + size(2) + size(3))
+    assert cache.store(list(range(8)), caches(5)) == 2  # 72 bytes: two more go
+    assert (len(cache), cache.bytes) == (2, size(3) + size(8))
+    assert cache.bytes <= cache.limit_bytes
+    small = HostCache(limit_bytes=60, by_position=[True, False], context=8)
+    assert small.store(list(range(6)), caches(6)) == 0  # 64 bytes: not kept
+    assert (len(small), small.bytes) == (0, 0)
+    assert small.store([5], caches(7)) == 0 and small.store([5], caches(8)) == 0
+    assert (len(small), small.bytes) == (1, size(1))  # the same tokens again: replaced
+    assert small.lookup([5, 1]).caches[1].tolist() == [8] * 5

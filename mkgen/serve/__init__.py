@@ -7,6 +7,8 @@
     metrics.py  Prometheus metrics
     server.py   serve: load the model, start the engine, run uvicorn
 
-The CLI imports server.py's `serve` and host_cache.py's default (no JAX there); it sets JAX's device environment before
-it imports the engine (which imports JAX).
+The CLI imports HOST_CACHE_MIB below and server.py's `serve`, which sets JAX's device
+environment before it imports the engine (which imports JAX).
 """
+
+HOST_CACHE_MIB = 4096  # mkgen serve --host-cache-mib's default: host memory for the host cache

@@ -47,7 +47,8 @@ from mkgen.runtime.devices import host_value
 from mkgen.runtime.disaggregation import hand_over, offload, restore
 from mkgen.runtime.slots import extract_sequence, insert_sequence
 from mkgen.runtime.weights import embedding_on_devices
-from mkgen.serve.host_cache import HOST_CACHE_MIB, CachedPrefix, HostCache
+from mkgen.serve import HOST_CACHE_MIB
+from mkgen.serve.host_cache import CachedPrefix, HostCache
 from mkgen.serve.metrics import Metrics
 
 STEPS_PER_CALL = 8  # kernel steps per device call: the host round trip is paid once per call
@@ -150,8 +151,15 @@ class Engine:
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="mkgen-engine", daemon=True)
-        self._host_cache = HostCache(host_cache_bytes) if host_cache_bytes else None
-        self._recurrent = any(a.name in build.recurrent_kinds for a in model.layout.attention)
+        # Per kernel cache array: whether it is a recurrent one (else indexed by position).
+        recurrent = [
+            a.name in build.recurrent_kinds for a in model.layout.attention for _ in a.caches
+        ]
+        self._recurrent = any(recurrent)
+        self._host_cache = None
+        if host_cache_bytes:
+            by_position = [not r for r in recurrent]
+            self._host_cache = HostCache(host_cache_bytes, by_position, model.layout.context)
         metrics.slots.set(build.batch)
         metrics.host_cache_limit_bytes.set(host_cache_bytes)
 
