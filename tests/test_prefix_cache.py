@@ -133,12 +133,14 @@ def test_recurrent_caches_are_reused_only_when_their_state_holds_exactly_the_kep
     out = json.loads(child.stdout.strip().splitlines()[-1])
     assert 2 * out["sequence_bytes"] > out["limit"], out  # the bound holds one sequence
     assert (len(out["short"]), len(out["long"])) == (2, 6)
-    # The short sequence ended after 2 of the call's 6 steps: only the long one is kept.
-    assert out["after_pair"]["sequences"] == 1 and out["after_pair"]["misses"] == 2
+    # The short sequence ended after 2 of the call's 6 steps: only the long one is kept
+    # (had both been, the second would have evicted the first).
+    assert out["after_pair"]["misses"] == 2
+    assert (out["after_pair"]["sequences"], out["after_pair"]["evictions"]) == (1, 0)
     # Cut at a stop id within the call: not kept either.
     before_stop = out["long"][: out["long"].index(out["long"][1])]
     assert out["cut_finish"] == "stop" and out["cut"] == before_stop
-    assert out["after_cut"]["sequences"] == 1
+    assert (out["after_cut"]["sequences"], out["after_cut"]["evictions"]) == (1, 0)
     # The long sequence's caches (prompt and 5 generated tokens) are restored; its entry
     # makes way for the extending prompt's own.
     assert out["after_extending"]["hits"] == 1
