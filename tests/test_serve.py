@@ -6,8 +6,10 @@ tests/test_runner.py and the hand-written chat template of tests/fixtures/chat, 
 tpu7x:1x1x1 at batch 4 and converted with `mkgen convert --build`. Greedy tokens are held
 to transformers' own (the fixture's) and to the plain-JAX reference model's; requests run
 concurrently in the kernel's batch slots; bad requests are 400s that leave the server
-serving; a client that leaves mid-stream frees its slot; SIGTERM lets a running stream
-finish. The engine's pieces without a server (slots, text assembly) are checked last.
+serving; a client that leaves mid-stream frees its slot; a chat's second turn reuses the
+first turn's caches from the host cache and gets the tokens of a server without one;
+SIGTERM lets a running stream finish. The engine's pieces without a server (slots, text
+assembly, the host cache) are checked last.
 """
 
 from __future__ import annotations
