@@ -20,6 +20,7 @@ import click
 from mkgen import __version__
 from mkgen.errors import MkgenError
 from mkgen.output import write_atomic
+from mkgen.serve import HOST_CACHE_MIB
 
 # Random weights come from jax.random.key(seed), which takes 32-bit seeds.
 SEED = click.IntRange(0, 2**32 - 1)
@@ -974,10 +975,15 @@ def _runner_build(build: str) -> Any:
     "--disaggregate", is_flag=True,
     help="Prefill on a second set of the build's device count, decode on the first.",
 )  # fmt: skip
+@click.option(
+    "--host-cache-mib", type=click.IntRange(min=0), default=HOST_CACHE_MIB, show_default=True,
+    help="Host memory for finished sequences' caches, reused by prompts that start with "
+    "them (0: off).",
+)  # fmt: skip
 def serve_command(
     build: str, weights: Path | None, random_weights: int | None, host: str, port: int,
     interpret: bool, steps_per_call: int, queue_limit: int, trust_weights: bool,
-    disaggregate: bool,
+    disaggregate: bool, host_cache_mib: int,
 ) -> None:  # fmt: skip
     """Serve a build behind an OpenAI-compatible API (docs/serving.md#serve): BUILD is a
     build directory or a build's name in generated/ (with --rows R > 1, R - 1 drafts
@@ -994,6 +1000,7 @@ def serve_command(
         _runner_build(build), weights=weights, random_weights=random_weights, host=host,
         port=port, interpret=interpret, steps_per_call=steps_per_call,
         queue_limit=queue_limit, trust_weights=trust_weights, disaggregate=disaggregate,
+        host_cache_mib=host_cache_mib,
     )  # fmt: skip
 
 

@@ -7,7 +7,9 @@ the prefill mesh, with its own copy of the weights, on the other. For an MLA + K
 recurrent state): the caches prefilled on the prefill mesh and handed over are the
 colocated prefill's bit for bit, on the decode mesh's devices; offloaded to numpy and
 restored they are still; and decoding from the handed-over, offloaded and restored caches
-gives the colocated path's tokens. The runner's --disaggregate gives a checkpoint's
+gives the colocated path's tokens. A prompt's first tokens' caches offloaded and the rest
+of it prefilled after them on the prefill mesh (the server's host cache) are the whole
+prefill's caches, and decode to its tokens. The runner's --disaggregate gives a checkpoint's
 transformers tokens.
 """
 
@@ -29,6 +31,7 @@ from mkgen.spec.loader import load_spec
 from mkgen.spec.topology import parse_topology
 
 PROMPT = [3, 17, 42, 99, 5, 64, 127, 23, 88, 11, 70, 36]  # the fixtures' prompt
+CACHED = 5  # prompt tokens whose caches are offloaded before the rest is prefilled
 TOPOLOGY = "1x1x1"  # 2 cores
 FAMILIES = ["kimi_linear", "qwen3_next"]  # MLA + KDA; GQA + Gated DeltaNet
 
@@ -43,7 +46,9 @@ def _build(tmp: Path, folder: str) -> Path:
 def _child(build_dirs: list[str]) -> dict:
     """Per build: the colocated tokens, the tokens after a disaggregated prefill whose
     caches were offloaded and restored, whether the caches matched bit for bit at each
-    hand-off, and which devices each mesh and the handed-over caches used."""
+    hand-off, which devices each mesh and the handed-over caches used, and the tokens
+    and the largest relative cache difference of a prefill continued after offloaded
+    caches of the prompt's first CACHED tokens."""
     from mkgen.runtime import devices
     from mkgen.runtime.arguments import parse_args
     from mkgen.runtime.build import runner_build
@@ -78,7 +83,16 @@ def _child(build_dirs: list[str]) -> dict:
         def ids(arrays):
             return sorted({d.id for a in arrays for d in a.sharding.device_set})
 
+        prefix = disaggregation.offload(prefill_sequence(model, known[:CACHED]))
+        continued = prefill_sequence(prefiller, known[CACHED:], CACHED, prefix)
+        continued = disaggregation.hand_over(continued, model)
+
+        def relative(ours, theirs):
+            ours, theirs = np.asarray(ours, np.float32), np.asarray(theirs, np.float32)
+            return float(np.abs(ours - theirs).max() / max(np.abs(theirs).max(), 1e-6))
+
         out = {  # before decoding, which donates the caches it is given
+            "continued_worst": max(map(relative, continued, colocated)),
             "handed_equal": same(handed, colocated),
             "restored_equal": same(restored, colocated),
             "host_types": sorted({type(a).__name__ for a in host}),
@@ -91,6 +105,7 @@ def _child(build_dirs: list[str]) -> dict:
         drafter = load_drafter(args.drafter, args.ngram)
         out["colocated"] = decode(model, colocated, len(known), args, drafter).tokens
         out["restored"] = decode(model, restored, len(known), args, drafter).tokens
+        out["continued"] = decode(model, continued, len(known), args, drafter).tokens
         results[directory] = out
     return results
 
@@ -112,6 +127,7 @@ def test_a_prefill_mesh_hands_the_decode_mesh_the_colocated_caches(tmp_path: Pat
         assert out["handed_equal"] and out["restored_equal"], out
         assert out["host_types"] == ["ndarray"]
         assert out["restored"] == out["colocated"] and len(out["colocated"][0]) == 4, out
+        assert out["continued"] == out["colocated"] and out["continued_worst"] < 1e-4, out
 
 
 @pytest.mark.slow

@@ -6,8 +6,10 @@ tests/test_runner.py and the hand-written chat template of tests/fixtures/chat, 
 tpu7x:1x1x1 at batch 4 and converted with `mkgen convert --build`. Greedy tokens are held
 to transformers' own (the fixture's) and to the plain-JAX reference model's; requests run
 concurrently in the kernel's batch slots; bad requests are 400s that leave the server
-serving; a client that leaves mid-stream frees its slot; SIGTERM lets a running stream
-finish. The engine's pieces without a server (slots, text assembly) are checked last.
+serving; a client that leaves mid-stream frees its slot; a chat's second turn reuses the
+first turn's caches from the host cache and gets the tokens of a server without one;
+SIGTERM lets a running stream finish. The engine's pieces without a server (slots, text
+assembly, the host cache) are checked last.
 """
 
 from __future__ import annotations
@@ -410,6 +412,94 @@ def test_a_build_with_drafts_serves_the_tokens_of_one_without(
     assert models["data"][0]["max_model_len"] == 61
 
 
+def _chat_ids(messages: list[dict]) -> list[int]:
+    """The ids tests/fixtures/chat's template renders `messages` to (every word a tN)."""
+    roles = {"user": [4, 6], "assistant": [4, 7]}
+    ids = [1, 4, 5, 9, EOS]  # bos, the default system turn
+    for message in messages:
+        ids += [*roles[message["role"]], *_ids(message["content"]), EOS]
+    return [*ids, 4, 7]  # the generation prompt
+
+
+def _ids(words: str) -> list[int]:
+    return [int(word[1:]) for word in words.split()]
+
+
+def _prefix_cache(server: Server, since: tuple = (0, 0, 0)) -> tuple[float, float, float]:
+    """(hits, misses, tokens reused) of the server's host cache since the counts `since`."""
+    names = ("hits", "misses", "tokens_reused")
+    return tuple(
+        server.metric(f"mkgen_prefix_cache_{name}_total") - before
+        for name, before in zip(names, since, strict=True)
+    )  # fmt: skip
+
+
+def test_a_second_chat_turn_reuses_the_first_turns_caches(
+    prepared: tuple[Path, Path, Path], server: Server
+) -> None:
+    """Turn one of a chat ends; its caches (the rendered prompt and the answer fed to the
+    kernel) go to the host cache. Turn two's rendered prompt starts with them: they are
+    restored and only the rest is prefilled (one hit, that many tokens reused), and its
+    tokens are those of a server started with --host-cache-mib 0 (no hits, nothing held).
+    A prompt that is a cached sequence plus one token restores it with nothing to
+    prefill."""
+    first = [{"role": "user", "content": "t12 t40 t33 t7 t51"}]
+    asks = {"model": NAME, "max_tokens": 3, "temperature": 0}
+    client = server.client
+    before = _prefix_cache(server)
+    answer = client.chat.completions.create(messages=first, **asks).choices[0]
+    second = [*first, {"role": "assistant", "content": answer.message.content},
+              {"role": "user", "content": "t8 t11 t30"}]  # fmt: skip
+    rendered, answered = _chat_ids(second), _chat_ids(first) + answer.model_extra["token_ids"]
+    assert rendered[: len(answered)] == answered  # the answer's text renders to its ids
+    # The caches hold what the kernel was fed: all but the last token (the answer's last,
+    # or the eos that stopped it).
+    held = len(answered) - (answer.finish_reason == "length")
+    assert _prefix_cache(server, before) == (0, 1, 0)  # turn one found nothing
+    after_first = _prefix_cache(server)
+    cached = client.chat.completions.create(messages=second, **asks).choices[0]
+    assert _prefix_cache(server, after_first) == (1, 0, held)
+    assert 0 < server.metric("mkgen_host_cache_bytes") <= 4096 << 20
+    assert server.metric("mkgen_host_cache_limit_bytes") == 4096 << 20
+
+    # Turn two's whole sequence as a prompt: its caches are restored, nothing prefilled.
+    whole = rendered + cached.model_extra["token_ids"] + [EOS][: cached.finish_reason == "stop"]
+    after_second = _prefix_cache(server)
+    restored = client.completions.create(prompt=whole, **asks).choices[0]
+    assert _prefix_cache(server, after_second) == (1, 0, len(whole) - 1)
+
+    uncached = _start(*prepared, "--host-cache-mib", "0")
+    try:
+        assert "host cache off" in "".join(uncached.stderr)
+        plain = uncached.client.chat.completions.create(messages=second, **asks).choices[0]
+        plain_restored = uncached.client.completions.create(prompt=whole, **asks).choices[0]
+        assert _prefix_cache(uncached) == (0, 0, 0)
+        assert uncached.metric("mkgen_host_cache_bytes") == 0
+        assert uncached.metric("mkgen_host_cache_sequences") == 0
+    finally:
+        uncached.process.kill()
+        uncached.process.wait(timeout=60)
+    assert cached.model_extra["token_ids"] == plain.model_extra["token_ids"]
+    assert restored.model_extra["token_ids"] == plain_restored.model_extra["token_ids"]
+
+
+def test_a_prompt_that_leaves_a_cached_sequence_before_its_end_is_prefilled_whole(
+    server: Server,
+) -> None:
+    """A cached sequence is reused only as an exact prefix of the prompt: a prompt that
+    follows one for a while, then differs, finds nothing (a miss) and gets the
+    reference's tokens."""
+    asks = {"model": NAME, "max_tokens": 4, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    client = server.client
+    first = client.completions.create(prompt=PROMPT, **asks).choices[0]
+    cached = PROMPT + first.model_extra["token_ids"][:-1]  # what its caches hold
+    diverging = [*cached[:9], (cached[9] + 1) % 128, *cached[10:], 5, 6]
+    before = _prefix_cache(server)
+    result = client.completions.create(prompt=diverging, **asks).choices[0]
+    assert _prefix_cache(server, before) == (0, 1, 0)
+    assert result.model_extra["token_ids"] == _reference(server.checkpoint, diverging, 4)
+
+
 def test_sigterm_lets_a_running_stream_finish_then_exits(server: Server) -> None:
     body = {"model": NAME, "prompt": PROMPT, "max_tokens": 12, "stream": True,
             "temperature": 0}  # fmt: skip
@@ -438,6 +528,8 @@ def test_serve_refuses_what_it_cannot_serve_in_one_line(
     assert_user_error(mkgen("serve", str(build)), "give --weights WEIGHTS", "--random-weights")
     missing = mkgen("serve", str(tmp_path / "nothing"), "--random-weights", "0")
     assert_user_error(missing, "nothing: no runner.py there")
+    negative = mkgen("serve", str(build), "--weights", str(weights), "--host-cache-mib", "-1")
+    assert_user_error(negative, "--host-cache-mib", "-1")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -484,3 +576,44 @@ def test_text_is_released_without_stop_strings_or_unfinished_characters() -> Non
     held = TextAssembler(tokenizer, ["ST"])
     assert held.add([1, 4]) == "b" and held.add([], final=True) == "S"
     assert held.ids == [1, 4]
+
+
+def test_the_host_cache_reuses_the_longest_exact_prefix_and_evicts_the_least_recent() -> None:
+    """Entries hold a position-indexed array (a KV cache: [devices, layers, batch, heads,
+    context 8, head_dim], 4 bytes a position) for their tokens' positions only, given back
+    padded to the context, and a whole one (a recurrent state: 40 bytes)."""
+    from mkgen.serve.host_cache import HostCache
+
+    def caches(value: int) -> list[np.ndarray]:
+        return [np.full((1, 1, 1, 1, 8, 1), value, np.int32), np.full(5, value, np.int64)]
+
+    def size(tokens: int) -> int:
+        return 4 * tokens + 40
+
+    cache = HostCache(limit_bytes=160, by_position=[True, False], context=8)
+    assert cache.store([1, 2], caches(1)) == 0
+    assert cache.store([1, 2, 3, 4], caches(2)) == 0
+    assert cache.store([7, 8], caches(3)) == 0
+    assert (len(cache), cache.bytes) == (3, size(2) + size(4) + size(2))
+    hit = cache.lookup([1, 2, 3, 4, 5])
+    assert hit is not None and hit.length == 4  # the longest
+    assert hit.caches[0].shape == (1, 1, 1, 1, 8, 1)
+    assert hit.caches[0].ravel().tolist() == [2, 2, 2, 2, 0, 0, 0, 0]
+    assert hit.caches[1].tolist() == [2] * 5
+    # The prompt's last token is fed to the kernel: a sequence as long as it is not used.
+    shorter = cache.lookup([1, 2, 3, 4])
+    assert shorter is not None and shorter.length == 2
+    assert cache.lookup([1, 3, 3, 4, 5]) is None and cache.lookup([7]) is None
+    # [1, 2] and [1, 2, 3, 4] were used since [7, 8] was stored: [7, 8] goes first.
+    assert cache.store([9, 9, 9], caches(4)) == 1
+    assert cache.lookup([7, 8, 9]) is None
+    assert (len(cache), cache.bytes) == (3, size(4) + size(2) + size(3))
+    assert cache.store(list(range(8)), caches(5)) == 2  # 72 bytes: two more go
+    assert (len(cache), cache.bytes) == (2, size(3) + size(8))
+    assert cache.bytes <= cache.limit_bytes
+    small = HostCache(limit_bytes=60, by_position=[True, False], context=8)
+    assert small.store(list(range(6)), caches(6)) == 0  # 64 bytes: not kept
+    assert (len(small), small.bytes) == (0, 0)
+    assert small.store([5], caches(7)) == 0 and small.store([5], caches(8)) == 0
+    assert (len(small), small.bytes) == (1, size(1))  # the same tokens again: replaced
+    assert small.lookup([5, 1]).caches[1].tolist() == [8] * 5

@@ -28,7 +28,7 @@ every core.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +122,29 @@ def own_kernel_cache_pieces(
         return {n: v.transpose(0, 2, 1, 3) for n, v in cache.items()}
     rows = _snapshot_rows(kind)
     return {n: _current(v, rows) for n, v in cache.items()}
+
+
+def prefill_cache_of_kernel(
+    spec: ModelSpec, kind: AttentionLayout, pieces: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """A `kind` layer's prefill cache from its kernel cache arrays on the host (each
+    [devices, B, ...]: the layer's slot of every core's array), what _cache_cutter cut
+    undone: for a kind whose cores keep their own caches (_own_cache), each core's own
+    reference cache [devices, B, ...] (GQA's kv heads and positions swapped back, a
+    recurrent kind's snapshot a step starts from); for MLA, the whole reference cache
+    [B, ...] from core 0's latent row [latent | k_rope], its rotary halves interleaved
+    again where the model's rope is."""
+    if isinstance(kind, GQALayout):
+        return {n: v.transpose(0, 1, 3, 2, 4) for n, v in pieces.items()}
+    if isinstance(kind, RecurrentLayout):
+        return {n: v[:, :, -1] for n, v in pieces.items()}
+    mla = spec.attention_kinds[kind.name]
+    row = pieces["latent"][0, :, 0]  # [B, context, latent | k_rope]
+    latent, k_rope = row[..., : mla.kv_lora_rank], row[..., mla.kv_lora_rank :]
+    if mla.rope is not None and mla.rope.interleaved:
+        half = k_rope.shape[-1] // 2
+        k_rope = np.stack([k_rope[..., :half], k_rope[..., half:]], axis=-1).reshape(k_rope.shape)
+    return {"latent": latent, "k_rope": k_rope}
 
 
 def _routed_on_this_core(ffn: MoELayout, experts: Mapping[str, jax.Array], axis: str):
@@ -363,13 +386,21 @@ def _cache_cutter(spec: ModelSpec, layout: KernelLayout, mesh: Mesh, axis: str, 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(axis), check_vma=False))
 
 
-def _empty_cache(
-    spec: ModelSpec, layout: KernelLayout, mesh: Mesh, axis: str, layer: int, batch: int
+def _start_cache(
+    spec: ModelSpec,
+    layout: KernelLayout,
+    mesh: Mesh,
+    axis: str,
+    layer: int,
+    batch: int,
+    cached: Sequence[np.ndarray] | None,
 ) -> dict[str, jax.Array]:
-    """Layer `layer`'s empty prefill cache (bf16 entries, recurrent states f32), zeros made
-    on the host so that each process places the same: the reference cache, replicated; for
-    a kind whose cores keep their own (_own_cache), each core's own reference cache of its
-    heads, [devices, ...] sharded on `axis`."""
+    """Layer `layer`'s prefill cache before the prompt's first chunk (bf16 entries,
+    recurrent states f32), made on the host so that each process places the same: zeros,
+    or the layer's part of `cached` (the kernel's cache arrays on the host, in
+    kernel.cache_shapes() order) turned back by prefill_cache_of_kernel. The reference
+    cache, replicated; for a kind whose cores keep their own (_own_cache), each core's own
+    reference cache of its heads, [devices, ...] sharded on `axis`."""
     attention = layout.attention[layout.attention_table[layer]]
     if _own_cache(attention):
         kind = _own_heads_kind(spec, layer, attention)
@@ -379,7 +410,15 @@ def _empty_cache(
     empty = jax.eval_shape(
         lambda: reference.init_kind_cache(kind, batch, layout.context, jnp.bfloat16)
     )
-    return {n: jax.device_put(np.zeros(lead + a.shape, a.dtype), to) for n, a in empty.items()}
+    if cached is None:
+        values = {n: np.zeros(lead + a.shape, a.dtype) for n, a in empty.items()}
+    else:
+        first = sum(len(k.caches) for k in layout.attention[: attention.index])
+        arrays = cached[first : first + len(attention.caches)]
+        slot = layout.attention_slot[layer]
+        pieces = {c.name: a[:, slot] for c, a in zip(attention.caches, arrays, strict=True)}
+        values = prefill_cache_of_kernel(spec, attention, pieces)
+    return {n: jax.device_put(values[n].astype(a.dtype), to) for n, a in empty.items()}
 
 
 def _expert_arrays(layout: KernelLayout, layer: int) -> list[int]:
@@ -418,8 +457,10 @@ class XlaPrefill:
         embedding: np.ndarray,
         tokens: np.ndarray,
         progress: Callable[[jax.Array], None] | None = None,
+        start: int = 0,
+        cached: Sequence[np.ndarray] | None = None,
     ) -> list[jax.Array]:
-        """prefill's caches of tokens [B, T] (prefill)."""
+        """prefill's caches of tokens [B, T] at positions start.. (prefill)."""
         spec, layout = self.spec, self.layout
         replicated = NamedSharding(self.mesh, P())
         embedded = np.asarray(embedding, np.float32)[np.asarray(tokens)]
@@ -440,10 +481,11 @@ class XlaPrefill:
             experts = tuple(placed["experts"][i] for i in _expert_arrays(layout, layer))
             stream = layout.stream
             firsts = (jnp.int32(stream.attention_rows[layer]), jnp.int32(stream.ffn_rows[layer]))
-            cache = _empty_cache(spec, layout, self.mesh, self.axis, layer, batch)
+            cache = _start_cache(spec, layout, self.mesh, self.axis, layer, batch, cached)
             for c, (position, _) in enumerate(chunks):
                 h[c], cache = step(
-                    placed["stream"], placed["vectors"], experts, h[c], cache, jnp.int32(position),
+                    placed["stream"], placed["vectors"], experts, h[c], cache,
+                    jnp.int32(start + position),
                     firsts, jnp.int32(layer), jnp.int32(layout.ffn_slot[layer]),
                 )  # fmt: skip
             kind = layout.attention_table[layer]
@@ -483,12 +525,19 @@ def prefill(
     embedding: np.ndarray,
     tokens: np.ndarray,
     progress: Callable[[jax.Array], None] | None = None,
+    start: int = 0,
+    cached: Sequence[np.ndarray] | None = None,
 ) -> list[jax.Array]:
     """The kernel's cache arrays (in kernel.cache_shapes() order, [devices, ...] sharded on
-    `axis`) holding tokens [B, T] at positions 0..T - 1. `placed` holds the build's
+    `axis`) holding tokens [B, T] at positions start..start + T - 1 and, before them,
+    what `cached` holds (kernel cache arrays on the host, as offloaded, holding the
+    sequences' first `start` tokens; None: start is 0). `placed` holds the build's
     stream, vectors and experts as the runner places them; `progress` gets each layer's
     output as it is dispatched (the runner's progress bar waits for it).
 
     Layer by layer, the prompt goes through in chunks (prompt_chunks), each continuing
-    the layer's reference cache, which is then cut into the kernel's layout."""
-    return prefill_steps(spec, layout, mesh, axis)(placed, embedding, tokens, progress)
+    the layer's reference cache (empty, or `cached` turned back into it), which is then
+    cut into the kernel's layout."""
+    return prefill_steps(spec, layout, mesh, axis)(
+        placed, embedding, tokens, progress, start, cached
+    )

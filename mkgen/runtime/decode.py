@@ -122,18 +122,25 @@ def empty_caches(model: Model, batch: int) -> list[jax.Array]:
     return [jax.make_array_from_callback(c.shape, sharded, lambda i, c=c: c[i]) for c in zeros]
 
 
-def prefill_sequence(model: Model, prompt_ids: list[int]) -> list[jax.Array]:
+def prefill_sequence(
+    model: Model, prompt_ids: list[int], start: int = 0, cached: list[np.ndarray] | None = None
+) -> list[jax.Array]:
     """One sequence's kernel cache arrays (batch 1: [devices, layers, 1, ...]) holding
-    `prompt_ids` at positions 0..len - 1, through the XLA prefill (zeros when there are
-    none); mkgen.runtime.slots.insert_sequence puts them in a slot of the decode caches.
-    The server's engine prefills every admitted prompt through this one function."""
+    `prompt_ids` at positions start..start + len - 1, through the XLA prefill, after what
+    `cached` holds (the sequence's first `start` tokens: its caches as
+    disaggregation.offload left them on the host, restored as they are when nothing
+    follows them; None when start is 0). Zeros when there are no tokens;
+    mkgen.runtime.slots.insert_sequence puts them in a slot of the decode caches. The
+    server's engine prefills every admitted prompt through this one function."""
     from mkgen.codegen.prefill import prefill as xla_prefill
 
     if not prompt_ids:
+        assert cached is None, "cached caches with nothing after them are restored, not prefilled"
         return empty_caches(model, 1)
     return xla_prefill(
         model.spec, model.layout, model.mesh, model.kernel.AXIS, model.placed,
-        model.weights.embedding, np.asarray([prompt_ids], np.int32),
+        model.weights.embedding, np.asarray([prompt_ids], np.int32), start=start,
+        cached=cached,
     )  # fmt: skip
 
 

@@ -12,6 +12,11 @@ parameters; with ROWS > 1 each step verifies ROWS - 1 prompt-lookup drafts per s
 drafted, accepted (greedy, or the rejection rule) and sampled on the device. Results go back to each request's `deliver` callback (called on
 the engine thread) at call boundaries only.
 
+A sequence that ends leaves its slot's caches in the host cache (host_cache.HostCache,
+offloaded with disaggregation.offload), keyed by the tokens they hold; a prompt that starts
+with such a sequence has its caches restored into its slot and only the rest of it
+prefilled, after them (multi-turn chat).
+
 Imports JAX: imported after the device environment is set.
 """
 
@@ -39,9 +44,11 @@ from mkgen.runtime.decode import (
     prefill_sequence,
 )
 from mkgen.runtime.devices import host_value
-from mkgen.runtime.disaggregation import hand_over
-from mkgen.runtime.slots import insert_sequence
+from mkgen.runtime.disaggregation import hand_over, offload, restore
+from mkgen.runtime.slots import extract_sequence, insert_sequence
 from mkgen.runtime.weights import embedding_on_devices
+from mkgen.serve import HOST_CACHE_MIB
+from mkgen.serve.host_cache import CachedPrefix, HostCache
 from mkgen.serve.metrics import Metrics
 
 STEPS_PER_CALL = 8  # kernel steps per device call: the host round trip is paid once per call
@@ -99,6 +106,8 @@ class _Running:
     request: Request
     history: list[int]
     first_token_at: float | None = None
+    # Whether its slot's caches hold exactly its history but the last token (host cache).
+    reusable: bool = True
 
 
 class QueueFull(Exception):
@@ -113,7 +122,8 @@ class Engine:
     """The long-lived decoding engine over `model`. Prompts are
     prefilled on `prefiller` (default `model` itself: colocated), a model of the same
     build on its own devices (disaggregation.prefill_model), whose caches are handed over
-    to `model`'s mesh before they go into their slot."""
+    to `model`'s mesh before they go into their slot. Finished sequences' caches are kept
+    in up to `host_cache_bytes` of host memory (0: none) for prompts that start with them."""
 
     def __init__(
         self,
@@ -124,6 +134,7 @@ class Engine:
         steps_per_call: int = STEPS_PER_CALL,
         queue_limit: int = QUEUE_LIMIT,
         prefiller: Model | None = None,
+        host_cache_bytes: int = HOST_CACHE_MIB << 20,
     ) -> None:
         build = model.build
         self.model, self.metrics, self.interpret = model, metrics, interpret
@@ -140,7 +151,17 @@ class Engine:
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="mkgen-engine", daemon=True)
+        # Per kernel cache array: whether it is a recurrent one (else indexed by position).
+        recurrent = [
+            a.name in build.recurrent_kinds for a in model.layout.attention for _ in a.caches
+        ]
+        self._recurrent = any(recurrent)
+        self._host_cache = None
+        if host_cache_bytes:
+            by_position = [not r for r in recurrent]
+            self._host_cache = HostCache(host_cache_bytes, by_position, model.layout.context)
         metrics.slots.set(build.batch)
+        metrics.host_cache_limit_bytes.set(host_cache_bytes)
 
     # ------------------------------------------------------------ the HTTP side
 
@@ -213,7 +234,7 @@ class Engine:
             self._queue = collections.deque(r for r in self._queue if not r.cancelled)
             for slot, running in enumerate(self._slots):
                 if running is not None and running.request.cancelled:
-                    self._finish(slot, None)
+                    self._finish(slot, None, keep=True)
             self.metrics.queue_depth.set(len(self._queue))
             return True
 
@@ -232,10 +253,9 @@ class Engine:
                 request = self._queue.popleft()
                 self.metrics.queue_depth.set(len(self._queue))
             prompt = request.prompt
+            hit = self._host_cache.lookup(prompt) if self._host_cache is not None else None
             try:
-                sequence = prefill_sequence(self.prefiller, prompt[:-1])
-                if self.prefiller is not self.model:
-                    sequence = hand_over(sequence, self.model)
+                sequence = self._prefilled(prompt, hit)
             except Exception:  # this request fails; the others are untouched
                 log.exception("prefill failed; its request ends with an error")
                 self.metrics.requests.labels("error").inc()
@@ -245,9 +265,23 @@ class Engine:
             self._slots[slot] = _Running(request, list(prompt))
             self.metrics.prompt_tokens.inc(len(prompt))
             self.metrics.slots_in_use.set(sum(s is not None for s in self._slots))
-            prefilled += len(prompt)
+            reused = hit.length if hit is not None else 0
+            if self._host_cache is not None:
+                (self.metrics.prefix_cache_hits if hit else self.metrics.prefix_cache_misses).inc()
+                self.metrics.prefix_cache_tokens_reused.inc(reused)
+            prefilled += len(prompt) - reused
             if busy and prefilled >= PREFILL_TOKENS_PER_TURN:
                 return
+
+    def _prefilled(self, prompt: list[int], hit: CachedPrefix | None) -> list[jax.Array]:
+        """A prompt's caches on the decode mesh, holding all its tokens but the last (the
+        kernel is fed that one): prefilled, or `hit`'s cached caches restored with the
+        tokens after them prefilled at the positions that follow."""
+        if hit is not None and hit.length == len(prompt) - 1:
+            return restore(hit.caches, self.model)
+        start, cached = (hit.length, hit.caches) if hit is not None else (0, None)
+        sequence = prefill_sequence(self.prefiller, prompt[start:-1], start, cached)
+        return sequence if self.prefiller is self.model else hand_over(sequence, self.model)
 
     def _decode_call(self) -> None:
         """One device call for every running sequence; each gets its tokens."""
@@ -279,14 +313,28 @@ class Engine:
             per_step = gained[:count, b]
             for tokens_in_step in per_step[per_step > 0]:
                 self.metrics.accepted_length.observe(int(tokens_in_step))
-            self._advance(b, running, gained_tokens(out, gained, b), done - start, done)
+            every_step = bool((per_step > 0).all())
+            self._advance(b, running, gained_tokens(out, gained, b), every_step, done - start, done)
 
     def _advance(
-        self, slot: int, running: _Running, tokens: list[int], call_s: float, now: float
+        self,
+        slot: int,
+        running: _Running,
+        tokens: list[int],
+        every_step: bool,
+        call_s: float,
+        now: float,
     ) -> None:
-        """Slot `slot`'s sequence gained `tokens` from a device call of `call_s` seconds."""
+        """Slot `slot`'s sequence gained `tokens` from a device call of `call_s` seconds
+        (some in `every_step` of the call, or it ended before the last one)."""
         request = running.request
         stops = [i for i, t in enumerate(tokens) if t in request.params.stop_ids]
+        if self._recurrent:
+            # A recurrent state holds every token the kernel was fed: tokens after a stop
+            # id, or a step repeated in place after the sequence ended, were fed and not
+            # kept. (Attention caches are written by position: what is fed after the kept
+            # tokens leaves theirs as they are.)
+            running.reusable = every_step and (not stops or stops[0] == len(tokens) - 1)
         if stops:
             tokens = tokens[: stops[0] + 1]
         request.generated += len(tokens)
@@ -302,16 +350,20 @@ class Engine:
             self.metrics.inter_token_latency.observe(call_s / len(tokens))
         shown = tokens[: stops[0]] if stops else tokens
         if stops:
-            self._finish(slot, Update(shown, "stop"))
+            self._finish(slot, Update(shown, "stop"), keep=True)
         elif request.generated >= request.params.max_tokens:
-            self._finish(slot, Update(shown, "length"))
+            self._finish(slot, Update(shown, "length"), keep=True)
         else:
             request.deliver(Update(shown))
 
-    def _finish(self, slot: int, last: Update | None) -> None:
-        """Free `slot`; its request gets `last` (None: it was cancelled, nobody listens)."""
+    def _finish(self, slot: int, last: Update | None, *, keep: bool) -> None:
+        """Free `slot`; its request gets `last` (None: it was cancelled, nobody listens).
+        With `keep` (the caches are those of the last device call, which did not fail),
+        its caches go to the host cache first."""
         running = self._slots[slot]
         assert running is not None
+        if keep:
+            self._keep(slot, running)
         self._slots[slot] = None
         self.metrics.slots_in_use.set(sum(s is not None for s in self._slots))
         if last is not None:
@@ -320,11 +372,23 @@ class Engine:
         else:
             self.metrics.requests.labels("cancelled").inc()
 
+    def _keep(self, slot: int, running: _Running) -> None:
+        """Offload slot `slot`'s caches into the host cache under the tokens they hold: its
+        sequence's history but the last token (never fed), when they hold exactly those."""
+        if self._host_cache is None or not running.reusable:
+            return
+        caches = offload(extract_sequence(self._caches, slot))
+        self.metrics.host_cache_evictions.inc(self._host_cache.store(running.history[:-1], caches))
+        self.metrics.host_cache_bytes.set(self._host_cache.bytes)
+        self.metrics.host_cache_sequences.set(len(self._host_cache))
+
     def _end_running(self, reason: str) -> None:
-        """End every request in a slot with `reason`."""
+        """End every request in a slot with `reason` (its caches are not kept: the engine
+        stops, or the device call failed)."""
         for slot, running in enumerate(self._slots):
             if running is not None:
-                self._finish(slot, None if running.request.cancelled else Update([], reason))
+                last = None if running.request.cancelled else Update([], reason)
+                self._finish(slot, last, keep=False)
 
     def _end_queued(self, reason: str) -> None:
         """End every request still waiting for a slot with `reason`."""

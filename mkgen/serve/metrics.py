@@ -10,8 +10,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class Metrics:
-    """Time to first token, inter-token latency, tokens, queue depth, slots in use and
-    accepted length, as the engine records them."""
+    """Time to first token, inter-token latency, tokens, queue depth, slots in use,
+    accepted length and the host cache of finished sequences (prefix reuse), as the engine
+    records them."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -25,7 +26,10 @@ class Metrics:
             "Per generated token after the first: its device call's seconds per kernel step",
             buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
-        self.prompt_tokens = Counter("mkgen_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.prompt_tokens = Counter(
+            "mkgen_prompt_tokens", "Prompt tokens of admitted requests, reused ones included",
+            registry=r,
+        )  # fmt: skip
         self.generation_tokens = Counter(
             "mkgen_generation_tokens", "Tokens generated (stop ids included)", registry=r
         )
@@ -40,6 +44,29 @@ class Metrics:
             "Tokens a sequence gained per generating kernel step (1 without drafts)",
             buckets=(1, 2, 3, 4, 6, 8, 12, 16), registry=r,
         )  # fmt: skip
+        self.prefix_cache_hits = Counter(
+            "mkgen_prefix_cache_hits", "Admitted prompts that started with a cached sequence",
+            registry=r,
+        )  # fmt: skip
+        self.prefix_cache_misses = Counter(
+            "mkgen_prefix_cache_misses", "Admitted prompts that started with none", registry=r
+        )
+        self.prefix_cache_tokens_reused = Counter(
+            "mkgen_prefix_cache_tokens_reused",
+            "Prompt tokens restored from the host cache instead of prefilled", registry=r,
+        )  # fmt: skip
+        self.host_cache_bytes = Gauge(
+            "mkgen_host_cache_bytes", "Host memory held by cached sequences' caches", registry=r
+        )
+        self.host_cache_limit_bytes = Gauge(
+            "mkgen_host_cache_limit_bytes", "The host cache's bound (--host-cache-mib)", registry=r
+        )
+        self.host_cache_sequences = Gauge(
+            "mkgen_host_cache_sequences", "Sequences in the host cache", registry=r
+        )
+        self.host_cache_evictions = Counter(
+            "mkgen_host_cache_evictions", "Sequences evicted from the host cache (LRU)", registry=r
+        )
 
     def exposition(self) -> bytes:
         """The metrics in Prometheus' text format."""

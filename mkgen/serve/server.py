@@ -28,10 +28,13 @@ def serve(
     queue_limit: int,
     trust_weights: bool = False,
     disaggregate: bool = False,
+    host_cache_mib: int = 0,
 ) -> None:
     """Serve `build` on http://HOST:PORT/v1 until stopped; with `disaggregate`, prompts
     are prefilled on a second group of build.devices devices holding their own copy of
-    the weights, and their caches handed over to the decode devices. Bad inputs (a port taken,
+    the weights, and their caches handed over to the decode devices. Finished sequences'
+    caches are kept in up to `host_cache_mib` MiB of host memory (0: none) for prompts
+    that start with them. Bad inputs (a port taken,
     weights that do not fit, too few devices, a broken tokenizer_config.json) are
     MkgenErrors before any request is taken."""
     from mkgen.codegen.convert import TOKENIZER_CONFIG_FILE
@@ -57,6 +60,7 @@ def serve(
         model, interpret=interpret, metrics=Metrics(), steps_per_call=steps_per_call,
         queue_limit=queue_limit,
         prefiller=disaggregation.prefill_model(model) if disaggregate else None,
+        host_cache_bytes=host_cache_mib << 20,
     )  # fmt: skip
     # A step writes its drafts' rows beyond a sequence's last token: they need room too.
     context = build.context - (build.rows - 1)
@@ -68,7 +72,8 @@ def serve(
     print(
         f"serving {build.name} at http://{host}:{port}/v1 (batch {build.batch}, rows "
         f"{build.rows}, context "
-        f"{context}{', prefill on its own devices' if disaggregate else ''}"
+        f"{context}{', prefill on its own devices' if disaggregate else ''}, host cache "
+        f"{f'{host_cache_mib} MiB' if host_cache_mib else 'off'}"
         f"{', TPU interpret mode' if interpret else ''})",
         file=sys.stderr, flush=True,
     )  # fmt: skip
