@@ -331,15 +331,17 @@ def test_sharded_prefill_writes_the_reference_caches() -> None:
 def test_split_projections_are_multiplied_in_pieces() -> None:
     """Where the plan splits the MoE router, the MoE latent projections or MLA's latent
     projections over the cores, each core's layer step multiplies by its own piece
-    ([.., fan_in] x [fan_in, fan_out / cores], or the row piece [fan_in / cores, fan_out])
-    and gathers products only, never a weight: no core assembles, and so multiplies by,
-    the whole of a split tensor (the cache test above checks the result)."""
-    results = _run_child("dots", list(SPLIT_CASES))
+    ([.., fan_in] x [fan_in, fan_out / cores], or the row piece [fan_in / cores, fan_out]).
+    In every layer step of these specs a core all-gathers products only, never a weight:
+    no core assembles, and so multiplies by, the whole of a split tensor, and a
+    replicated one is its own copy (the cache test above checks the results)."""
+    results = _run_child("dots", PREFILL_CASES)
+    for where, result in results.items():
+        assert set(result["gathered"]) <= {"dot_general"}, (where, result["gathered"])
     for spec_ref, split in SPLIT_CASES.items():
         layers = {k: v for k, v in results.items() if k.startswith(f"{spec_ref} layer ")}
         assert set().union(*(v["split"] for v in layers.values())) == split, layers.keys()
         for where, result in layers.items():
-            assert set(result["gathered"]) <= {"dot_general"}, (where, result["gathered"])
             for name, shapes in result["split"].items():
                 assert shapes["piece"] in result["dots"], (where, name, result["dots"])
                 if shapes["piece"][-1] < shapes["full"][-1]:  # a column split: gathered
