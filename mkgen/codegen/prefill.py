@@ -17,7 +17,8 @@ cache, so a build compiles a layer step only for the powers of two up to its con
 whatever the prompts' lengths.
 
 Memory: besides the weights already placed, a device holds the prompt's activations,
-the layer's gathered tensors (f32), one expert's activations and the layer's cache.
+its pieces of the layer's tensors (f32, unpacked), one expert's activations and the
+layer's cache.
 Attention (core_attention: a core's heads, its rows of wo), routed experts, and dense
 MLPs and shared experts split by columns (_columns_split, _shared_columns_split) are
 computed by their own cores, each on its share, a psum adding the shares; GQA and
