@@ -30,11 +30,25 @@ PROMPTS = [
 ]
 
 
+# Cases other than a spec's mini twin splitting what the full-size build splits: by name,
+# (spec, whether its mini twin is built, the splits forced on the build).
+MLA_HYBRID, LATENT_MOE = str(SPECS / "mla-hybrid.yaml"), str(SPECS / "latent-moe.yaml")
+SPECIAL_CASES = {
+    # Split though the full-size build does not: wkv_a's interleaved rotary columns, stored
+    # as halves, in pieces.
+    "mla-hybrid, latents split": (
+        MLA_HYBRID, True, ("attention.mla_rope.latent", "attention.mla_nope.latent"),
+    ),
+    # At its own size, where the plan picks the latent design ar_ag (latent_out split by
+    # columns, the hidden all-gathered), which mini twins price out.
+    "latent-moe, full size": (LATENT_MOE, False, None),
+}  # fmt: skip
+
+
 def _setup(spec_ref: str):
     """(mini spec, layout, the weights the kernel stores) of a spec on TOPOLOGY, its
     twin splitting what the full-size build splits (the router, MLA's latent
-    projections), as a build's mini twin does; `SPEC+SPLIT,SPLIT` splits those instead
-    (BuildOptions.splits)."""
+    projections), as a build's mini twin does; or of a case of SPECIAL_CASES."""
     from mkgen.codegen.package import mini_kernel_args
     from mkgen.codegen.quantize import stored_random_weights
     from mkgen.plan import plan_build
@@ -44,12 +58,16 @@ def _setup(spec_ref: str):
     from mkgen.spec.mini import mini_twin
     from mkgen.spec.topology import parse_topology
 
-    spec_ref, forced, splits = spec_ref.partition("+")
     topology = parse_topology(TOPOLOGY)
-    full = load_spec(spec_ref)
-    spec = mini_twin(full, topology.num_devices)
     options = BuildOptions.create(context=CONTEXT, batch=BATCH)
-    splits = tuple(splits.split(",")) if forced else full_size_splits(full, topology, options)
+    if spec_ref in SPECIAL_CASES:
+        spec_ref, mini, splits = SPECIAL_CASES[spec_ref]
+        spec = load_spec(spec_ref)
+        spec = mini_twin(spec, topology.num_devices) if mini else spec
+    else:
+        full = load_spec(spec_ref)
+        spec = mini_twin(full, topology.num_devices)
+        splits = full_size_splits(full, topology, options)
     options = options.model_copy(update={"splits": splits})
     layout = plan_build(spec, topology, options, **mini_kernel_args()).kernel
     return spec, layout, stored_random_weights(spec, 0)
@@ -67,7 +85,7 @@ UNPACK_CASES = [
     "qwen3.8-27b",  # Gated DeltaNet + gated GQA
     "muse-spark-1.2",  # int4 experts, latent MoE
     str(SPECS / "kda-hybrid.yaml"),
-    str(SPECS / "mla-hybrid.yaml"),  # both MLA forms, interleaved rope, attention residual
+    MLA_HYBRID,  # both MLA forms, interleaved rope, attention residual
     str(SPECS / "formats-int8.yaml"),
     str(SPECS / "formats-fp8.yaml"),
     str(SPECS / "formats-mxfp4.yaml"),
@@ -142,23 +160,20 @@ def test_unpacking_gives_back_the_stored_tensors(spec_ref: str) -> None:
                 assert _relative(pieces[rank][f"ffn.{name}"], stored) == 0.0, (layer, name, rank)
 
 
-# Specs whose full-size builds split the router (and so their twins', with the MoE latent
-# projections) and, Kimi K3, MLA's latent projections: per spec, the split tensors.
+# Builds that split the router, the MoE latent projections or MLA's latent projections
+# (the first two as their full-size builds do): per case, the split tensors.
 SPLIT_CASES = {
     "kimi-k3": {"ffn.router", "ffn.latent_in", "ffn.latent_out", "attn.wq_a", "attn.wkv_a"},
     "muse-spark-1.2": {"ffn.router", "ffn.latent_in", "ffn.latent_out"},  # GQA
-    # Split here though not at full size: wkv_a's interleaved rotary columns stored as halves.
-    f"{SPECS / 'mla-hybrid.yaml'}+attention.mla_rope.latent,attention.mla_nope.latent": {
-        "attn.wq_a",
-        "attn.wkv_a",
-    },
+    "mla-hybrid, latents split": {"attn.wq_a", "attn.wkv_a"},
+    "latent-moe, full size": {"ffn.latent_in", "ffn.latent_out"},  # latent_out by columns
 }
 
 PREFILL_CASES = [
     GPT_OSS,
     "qwen3.8-27b",
     str(SPECS / "kda-hybrid.yaml"),
-    str(SPECS / "mla-hybrid.yaml"),
+    MLA_HYBRID,
     str(SPECS / "latent-moe-shared.yaml"),
     QWEN3_NEXT,  # gated shared experts
     *SPLIT_CASES,  # split routers, MoE latent and MLA latent projections
@@ -354,7 +369,7 @@ def test_dense_mlps_split_by_columns_are_computed_in_pieces() -> None:
     a MoE kind is not."""
     from mkgen.codegen.prefill import _columns_split
 
-    for spec_ref in ("qwen3.8-27b", str(SPECS / "mla-hybrid.yaml")):
+    for spec_ref in ("qwen3.8-27b", MLA_HYBRID):
         _, layout, _ = _setup(spec_ref)
         assert [_columns_split(f) for f in layout.ffn if f.type == "dense"] == [True]
         assert not any(_columns_split(f) for f in layout.ffn if f.type == "moe")
@@ -375,7 +390,7 @@ def _core_pieces(layout, weights, rank: int, layer: int, layer_shapes) -> dict:
 HEADS_CASES = [
     GPT_OSS,
     "qwen3.8-27b",
-    str(SPECS / "mla-hybrid.yaml"),
+    MLA_HYBRID,
     str(SPECS / "kda-hybrid.yaml"),
 ]
 
