@@ -23,22 +23,52 @@ import pytest
 SPECS = Path(__file__).parent / "specs"
 TOPOLOGY = "2x2x1"  # 8 cores: heads, kv heads, experts and columns all split
 CONTEXT, BATCH = 128, 2
-PROMPTS = [[3, 17, 42, 99, 5, 64, 1, 2, 9], [7, 7, 8, 9, 10, 11, 12, 13, 1]]
+# 13 tokens: chunks of 8, 4 and 1.
+PROMPTS = [
+    [3, 17, 42, 99, 5, 64, 1, 2, 9, 30, 4, 8, 21],
+    [7, 7, 8, 9, 10, 11, 12, 13, 1, 6, 2, 2, 5],
+]
+
+
+# Cases other than a spec's mini twin splitting what the full-size build splits: by name,
+# (spec, whether its mini twin is built, the splits forced on the build).
+MLA_HYBRID, LATENT_MOE = str(SPECS / "mla-hybrid.yaml"), str(SPECS / "latent-moe.yaml")
+SPECIAL_CASES = {
+    # Split though the full-size build does not: wkv_a's interleaved rotary columns, stored
+    # as halves, in pieces.
+    "mla-hybrid, latents split": (
+        MLA_HYBRID, True, ("attention.mla_rope.latent", "attention.mla_nope.latent"),
+    ),
+    # At its own size, where the plan picks the latent design ar_ag (latent_out split by
+    # columns, the hidden all-gathered), which mini twins price out.
+    "latent-moe, full size": (LATENT_MOE, False, None),
+}  # fmt: skip
 
 
 def _setup(spec_ref: str):
-    """(mini spec, layout, the weights the kernel stores) of a spec on TOPOLOGY."""
+    """(mini spec, layout, the weights the kernel stores) of a spec on TOPOLOGY, its
+    twin splitting what the full-size build splits (the router, MLA's latent
+    projections), as a build's mini twin does; or of a case of SPECIAL_CASES."""
     from mkgen.codegen.package import mini_kernel_args
     from mkgen.codegen.quantize import stored_random_weights
     from mkgen.plan import plan_build
     from mkgen.plan.options import BuildOptions
+    from mkgen.plan.sharding import full_size_splits
     from mkgen.spec.loader import load_spec
     from mkgen.spec.mini import mini_twin
     from mkgen.spec.topology import parse_topology
 
     topology = parse_topology(TOPOLOGY)
-    spec = mini_twin(load_spec(spec_ref), topology.num_devices)
     options = BuildOptions.create(context=CONTEXT, batch=BATCH)
+    if spec_ref in SPECIAL_CASES:
+        spec_ref, mini, splits = SPECIAL_CASES[spec_ref]
+        spec = load_spec(spec_ref)
+        spec = mini_twin(spec, topology.num_devices) if mini else spec
+    else:
+        full = load_spec(spec_ref)
+        spec = mini_twin(full, topology.num_devices)
+        splits = full_size_splits(full, topology, options)
+    options = options.model_copy(update={"splits": splits})
     layout = plan_build(spec, topology, options, **mini_kernel_args()).kernel
     return spec, layout, stored_random_weights(spec, 0)
 
@@ -55,7 +85,7 @@ UNPACK_CASES = [
     "qwen3.8-27b",  # Gated DeltaNet + gated GQA
     "muse-spark-1.2",  # int4 experts, latent MoE
     str(SPECS / "kda-hybrid.yaml"),
-    str(SPECS / "mla-hybrid.yaml"),  # both MLA forms, interleaved rope, attention residual
+    MLA_HYBRID,  # both MLA forms, interleaved rope, attention residual
     str(SPECS / "formats-int8.yaml"),
     str(SPECS / "formats-fp8.yaml"),
     str(SPECS / "formats-mxfp4.yaml"),
@@ -130,28 +160,54 @@ def test_unpacking_gives_back_the_stored_tensors(spec_ref: str) -> None:
                 assert _relative(pieces[rank][f"ffn.{name}"], stored) == 0.0, (layer, name, rank)
 
 
+# Builds that split the router, the MoE latent projections or MLA's latent projections
+# (the first two as their full-size builds do): per case, the split tensors.
+SPLIT_CASES = {
+    "kimi-k3": {"ffn.router", "ffn.latent_in", "ffn.latent_out", "attn.wq_a", "attn.wkv_a"},
+    "muse-spark-1.2": {"ffn.router", "ffn.latent_in", "ffn.latent_out"},  # GQA
+    "mla-hybrid, latents split": {"attn.wq_a", "attn.wkv_a"},
+    "latent-moe, full size": {"ffn.latent_in", "ffn.latent_out"},  # latent_out by columns
+}
+
 PREFILL_CASES = [
     GPT_OSS,
     "qwen3.8-27b",
     str(SPECS / "kda-hybrid.yaml"),
-    str(SPECS / "mla-hybrid.yaml"),
+    MLA_HYBRID,
     str(SPECS / "latent-moe-shared.yaml"),
     QWEN3_NEXT,  # gated shared experts
+    *SPLIT_CASES,  # split routers, MoE latent and MLA latent projections
 ]
 CACHE_RTOL = 2e-2  # bf16 caches; the same f32 computation summed in another order
+
+
+def _placed(layout, weights, mesh) -> dict:
+    """Every core's stream, vectors and experts as the runner places them on `mesh`."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from mkgen.codegen import pack
+
+    ranks, sharded = layout.devices, NamedSharding(mesh, P("cores"))
+    per_rank = [pack.pack_experts(layout, weights, r) for r in range(ranks)]
+    placed = {
+        "stream": np.stack([pack.pack_stream(layout, weights, r) for r in range(ranks)]),
+        "vectors": np.stack([pack.pack_vectors(layout, weights, r) for r in range(ranks)]),
+        "experts": [np.stack([p[i] for p in per_rank]) for i in range(len(per_rank[0]))],
+    }
+    return jax.tree.map(lambda a: jax.device_put(a, sharded), placed)
 
 
 def _prefill_child(spec_refs: list[str]) -> dict:
     """Per spec: the largest relative difference between the sharded prefill's kernel
     caches and the reference prefill's, cut per core; the same against the caches of the
     prompts reversed (must differ); and the compilations of each layer step after
-    prompts of 9 and 3 tokens."""
+    prompts of 13 and 3 tokens."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import Mesh
 
-    from mkgen.codegen import pack
     from mkgen.codegen.prefill import kernel_cache_pieces, prefill, prefill_steps
     from mkgen.reference import model as reference
 
@@ -160,17 +216,11 @@ def _prefill_child(spec_refs: list[str]) -> dict:
         spec, layout, weights = _setup(spec_ref)
         ranks = layout.devices
         mesh = Mesh(np.array(jax.devices()[:ranks]), ("cores",))
-        sharded = NamedSharding(mesh, P("cores"))
-        per_rank = [pack.pack_experts(layout, weights, r) for r in range(ranks)]
-        placed = {
-            "stream": np.stack([pack.pack_stream(layout, weights, r) for r in range(ranks)]),
-            "vectors": np.stack([pack.pack_vectors(layout, weights, r) for r in range(ranks)]),
-            "experts": [np.stack([p[i] for p in per_rank]) for i in range(len(per_rank[0]))],
-        }
-        placed = jax.tree.map(lambda a, to=sharded: jax.device_put(a, to), placed)
+        placed = _placed(layout, weights, mesh)
         tokens = np.array(PROMPTS, np.int32)
         caches = prefill(spec, layout, mesh, "cores", placed, weights["embedding"], tokens)
-        # A prompt of 3 tokens (chunks 2 and 1) reuses the steps compiled for 9 (8 and 1).
+        # A prompt of 3 tokens (chunks 2 and 1) compiles the steps for 2 only: those for 1
+        # were compiled for 13 (8, 4 and 1).
         prefill(spec, layout, mesh, "cores", placed, weights["embedding"], tokens[:, :3])
         steps = prefill_steps(spec, layout, mesh, "cores").steps.values()
         out = {"compiles": sorted({step._cache_size() for step in steps})}
@@ -189,9 +239,85 @@ def _prefill_child(spec_refs: list[str]) -> dict:
     return results
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_sharded_prefill_writes_the_reference_caches() -> None:
+def _core_ops(jaxpr) -> tuple[list[list[int]], list[str]]:
+    """(the right-hand operand shapes of every dot, what produced each all-gathered value:
+    an op's name, "input" for an argument) in a jaxpr and the jaxprs inside it (shard_map's
+    body, scans, conditionals): inside shard_map, one core's work."""
+    dots, gathered, producers = [], [], {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            dots.append(list(eqn.invars[1].aval.shape))
+        if eqn.primitive.name == "all_gather":
+            gathered.append(producers.get(eqn.invars[0], "input"))
+        producers |= {out: eqn.primitive.name for out in eqn.outvars}
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, list | tuple) else [value]:
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's jaxpr
+                if hasattr(inner, "eqns"):
+                    inner_dots, inner_gathered = _core_ops(inner)
+                    dots, gathered = dots + inner_dots, gathered + inner_gathered
+    return dots, gathered
+
+
+def _dots_child(spec_refs: list[str]) -> dict:
+    """Per spec and layer kind pair: the full and per-core shapes of the layer's tensors
+    the plan splits among the router, MoE latent and MLA latent projections (those of
+    SPLIT_CASES); the
+    right-hand shapes of every dot one core's layer step (a chunk of 8 tokens) runs and
+    what produced every value it all-gathers (_core_ops)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    from mkgen.codegen.prefill import _empty_cache, _expert_arrays, prefill_steps
+    from mkgen.codegen.unpack import piece_shape
+    from mkgen.spec.weights import model_weights
+
+    projections = set().union(*SPLIT_CASES.values())
+    results = {}
+    for spec_ref in spec_refs:
+        spec, layout, weights = _setup(spec_ref)
+        mesh = Mesh(np.array(jax.devices()[: layout.devices]), ("cores",))
+        placed, steps = _placed(layout, weights, mesh), prefill_steps(spec, layout, mesh, "cores")
+        shapes = {w.name: w.shape for w in model_weights(spec)}
+        pairs = {}
+        for layer, pair in enumerate(zip(layout.attention_table, layout.ffn_table, strict=True)):
+            if pair in pairs.values():
+                continue
+            kinds = (layout.attention[pair[0]], layout.ffn[pair[1]])
+            split = {
+                part.tensor: {
+                    "full": list(shapes[f"layers.{layer}.{part.tensor}"]),
+                    "piece": list(piece_shape(part, shapes[f"layers.{layer}.{part.tensor}"])),
+                }
+                for kind in kinds
+                for segment in kind.segments
+                for part in segment.parts
+                if part.tensor in projections and part.axis is not None
+            }
+            stream = layout.stream
+            args = (
+                placed["stream"], placed["vectors"],
+                tuple(placed["experts"][i] for i in _expert_arrays(layout, layer)),
+                jnp.zeros((BATCH, 8, spec.dims.hidden), jnp.float32),
+                _empty_cache(spec, layout, mesh, "cores", layer, BATCH), jnp.int32(0),
+                (jnp.int32(stream.attention_rows[layer]), jnp.int32(stream.ffn_rows[layer])),
+                jnp.int32(layer), jnp.int32(layout.ffn_slot[layer]),
+            )  # fmt: skip
+            jaxpr = jax.make_jaxpr(steps._step(layer))(*args)
+            pairs[layer] = pair
+            dots, gathered = _core_ops(jaxpr.jaxpr)
+            results[f"{spec_ref} layer {layer}"] = {
+                "split": split,
+                "dots": dots,
+                "gathered": gathered,
+            }
+    return results
+
+
+def _run_child(mode: str, spec_refs: list[str]) -> dict:
+    """The results of this file run as a script in `mode` over `spec_refs`, in a process
+    of its own with 8 virtual CPU devices."""
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
@@ -199,15 +325,42 @@ def test_sharded_prefill_writes_the_reference_caches() -> None:
         "PYTHONDONTWRITEBYTECODE": "1",
     }
     child = subprocess.run(
-        [sys.executable, __file__, *PREFILL_CASES], capture_output=True, text=True,
+        [sys.executable, __file__, mode, *spec_refs], capture_output=True, text=True,
         timeout=840, env=env, cwd=Path(__file__).parent,
     )  # fmt: skip
     assert child.returncode == 0, child.stderr[-3000:]
-    results = json.loads(child.stdout.strip().splitlines()[-1])
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sharded_prefill_writes_the_reference_caches() -> None:
+    results = _run_child("caches", PREFILL_CASES)
     for spec_ref in PREFILL_CASES:
         assert results[spec_ref]["same"] <= CACHE_RTOL, (spec_ref, results[spec_ref])
         assert results[spec_ref]["reversed"] > 10 * CACHE_RTOL, (spec_ref, results[spec_ref])
-        assert results[spec_ref]["compiles"] == [3], results[spec_ref]  # chunks of 8, 2 and 1
+        assert results[spec_ref]["compiles"] == [4], results[spec_ref]  # chunks of 8, 4, 2, 1
+
+
+@pytest.mark.timeout(600)
+def test_split_projections_are_multiplied_in_pieces() -> None:
+    """Where the plan splits the MoE router, the MoE latent projections or MLA's latent
+    projections over the cores, each core's layer step multiplies by its own piece
+    ([.., fan_in] x [fan_in, fan_out / cores], or the row piece [fan_in / cores, fan_out]).
+    In every layer step of these specs a core all-gathers products only, never a weight:
+    no core assembles, and so multiplies by, the whole of a split tensor, and a
+    replicated one is its own copy (the cache test above checks the results)."""
+    results = _run_child("dots", PREFILL_CASES)
+    for where, result in results.items():
+        assert set(result["gathered"]) <= {"dot_general"}, (where, result["gathered"])
+    for spec_ref, split in SPLIT_CASES.items():
+        layers = {k: v for k, v in results.items() if k.startswith(f"{spec_ref} layer ")}
+        assert set().union(*(v["split"] for v in layers.values())) == split, layers.keys()
+        for where, result in layers.items():
+            for name, shapes in result["split"].items():
+                assert shapes["piece"] in result["dots"], (where, name, result["dots"])
+                if shapes["piece"][-1] < shapes["full"][-1]:  # a column split: gathered
+                    assert result["gathered"], where
 
 
 def test_dense_mlps_split_by_columns_are_computed_in_pieces() -> None:
@@ -216,7 +369,7 @@ def test_dense_mlps_split_by_columns_are_computed_in_pieces() -> None:
     a MoE kind is not."""
     from mkgen.codegen.prefill import _columns_split
 
-    for spec_ref in ("qwen3.8-27b", str(SPECS / "mla-hybrid.yaml")):
+    for spec_ref in ("qwen3.8-27b", MLA_HYBRID):
         _, layout, _ = _setup(spec_ref)
         assert [_columns_split(f) for f in layout.ffn if f.type == "dense"] == [True]
         assert not any(_columns_split(f) for f in layout.ffn if f.type == "moe")
@@ -237,7 +390,7 @@ def _core_pieces(layout, weights, rank: int, layer: int, layer_shapes) -> dict:
 HEADS_CASES = [
     GPT_OSS,
     "qwen3.8-27b",
-    str(SPECS / "mla-hybrid.yaml"),
+    MLA_HYBRID,
     str(SPECS / "kda-hybrid.yaml"),
 ]
 
@@ -281,7 +434,9 @@ def test_attention_heads_are_computed_by_their_own_cores(spec_ref: str) -> None:
             # A GQA / Gated DeltaNet core keeps its own heads' cache, MLA the whole latent.
             own_kind = _own_heads_kind(spec, layer, attention)
             cache = reference.init_kind_cache(own_kind, BATCH, CONTEXT)
-            out, cache = core_attention(spec, layout, layer, own, layer_shapes, x, cache, 2)
+            out, cache = core_attention(
+                spec, layout, layer, own, layer_shapes, x, cache, 2, "cores"
+            )
             total = total + out
             if kind.type == "mla":
                 ours, theirs = cache, expected_cache
@@ -340,4 +495,5 @@ def test_prompts_go_in_power_of_two_chunks() -> None:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_prefill_child(sys.argv[1:])))
+    children = {"caches": _prefill_child, "dots": _dots_child}
+    print(json.dumps(children[sys.argv[1]](sys.argv[2:])))

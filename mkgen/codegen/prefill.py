@@ -3,13 +3,13 @@
 One jitted call a layer (one compilation per pair of attention and FFN kinds), a
 shard_map over the kernel's mesh axis. Every core unpacks its own banks, vector slab and
 expert arrays (mkgen.codegen.unpack), computes its heads of the attention from its own
-pieces (core_attention), all-gathers the pieces of the layer's other tensors and runs
-the reference layer's functions (mkgen.reference.model) on them. Routed experts stay
-where they are: each core runs the experts it holds, one at a time over the prompt
-weighted by each token's combine weight for it, and a psum adds the cores' shares. Each
-core then puts its share of the layer's cache into the kernel's cache layout
-(own_kernel_cache_pieces, kernel_cache_pieces), so decoding continues in the megakernel
-at the position after the prompt.
+pieces (core_attention) and runs the reference layer's functions
+(mkgen.reference.model) on its pieces. Routed experts stay where they are: each core
+runs the experts it holds, one at a time over the prompt weighted by each token's
+combine weight for it, and a psum adds the cores' shares. Each core then puts its share
+of the layer's cache into the kernel's cache layout (own_kernel_cache_pieces,
+kernel_cache_pieces), so decoding continues in the megakernel at the position after the
+prompt.
 
 Prompt lengths are bucketed: a layer runs over the prompt in chunks of powers of two
 (prompt_chunks: 11 tokens go as 8, 2 and 1), each continuing the layer's reference
@@ -17,13 +17,17 @@ cache, so a build compiles a layer step only for the powers of two up to its con
 whatever the prompts' lengths.
 
 Memory: besides the weights already placed, a device holds the prompt's activations,
-the layer's gathered tensors (f32), one expert's activations and the layer's cache.
+its pieces of the layer's tensors (f32, unpacked), one expert's activations and the
+layer's cache.
 Attention (core_attention: a core's heads, its rows of wo), routed experts, and dense
 MLPs and shared experts split by columns (_columns_split, _shared_columns_split) are
 computed by their own cores, each on its share, a psum adding the shares; GQA and
-recurrent cores keep only their own heads' cache. The rest (the router, MoE latent
-projections, the attention kinds' replicated tensors) is gathered and computed whole on
-every core.
+recurrent cores keep only their own heads' cache. The MoE router and latent projections
+and MLA's latent projections, where the plan splits them, are multiplied by each core's
+own piece, the products all-gathered (column pieces) or summed (row pieces), as the
+kernel joins them (_project_pieces). A replicated tensor is each core's own whole copy;
+only the pieces of other split tensors (none in the shipped specs' layer kinds) are
+gathered and computed whole on every core.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from mkgen.plan.stream import Part
 from mkgen.reference import model as reference
 from mkgen.reference.attention import Cache
 from mkgen.reference.ffn import moe_ffn, shared_mlp
-from mkgen.reference.layers import gated_activation, mm, rms_norm
+from mkgen.reference.layers import Project, gated_activation, mm, multiply, rms_norm
 from mkgen.spec.schema import AttentionKind, GQAAttention, ModelSpec
 from mkgen.spec.weights import attention_weights, model_weights
 
@@ -224,6 +228,59 @@ def _split_as_mlp(parts: Mapping[str, Part], inputs: list[str], down: str) -> bo
     )
 
 
+# The tensors each core multiplies by its own piece alone where the plan splits them,
+# joining the products rather than the weight (_project_pieces): MoE's router and latent
+# projections, MLA's latent (A) projections.
+PROJECTED = ("ffn.router", "ffn.latent_in", "ffn.latent_out", "attn.wq_a", "attn.wkv_a")
+
+
+def _projected_parts(kind: AttentionLayout | DenseLayout | MoELayout) -> dict[str, Part]:
+    """A layer kind's parts of the PROJECTED tensors the plan splits, by tensor name."""
+    parts = {p.tensor: p for segment in kind.segments for p in segment.parts}
+    split = {n: parts[n] for n in PROJECTED if n in parts and parts[n].axis is not None}
+    # One piece per core (KindShards.add_low_rank, mkgen.kinds.moe); a view (MLA's rotary
+    # columns reordered) only on a column split, undone on the gathered product.
+    assert all(p.rank_divisor == 1 and (p.view is None or p.axis == -1) for p in split.values())
+    return split
+
+
+def _project_pieces(
+    parts: Mapping[str, Part],
+    pieces: Mapping[str, jax.Array],
+    prefix: str,
+    axis: str,
+    others: Project,
+) -> Project:
+    """x @ W for a split tensor `prefix` + name among `parts` (_projected_parts), from this
+    core's piece of W (`pieces`, by unpack.piece_key) inside shard_map over `axis`: a column
+    piece's product all-gathered, the cores' columns side by side in rank order (a view's
+    columns put back in W's order); a row piece's product (of this core's columns of x)
+    summed over the cores by a psum. So no core multiplies by the whole W, and every core
+    ends with the whole x @ W, as the kernel's all-gathers and all-reduces leave it. Other
+    names (replicated tensors: whole on every core) go to `others`."""
+
+    def project(x: jax.Array, name: str) -> jax.Array:
+        part = parts.get(prefix + name)
+        if part is None:
+            return others(x, name)
+        piece = pieces[unpack.piece_key(part)]
+        if part.axis == -1:
+            product = jax.lax.all_gather(mm(x, piece), axis, axis=x.ndim - 1, tiled=True)
+            return unpack.unviewed_columns(part.view, product) if part.view else product
+        mine = _piece(x, -1, part.size, jax.lax.axis_index(axis))
+        return jax.lax.psum(mm(mine, piece), axis)
+
+    return project
+
+
+def _replicated_pieces(*kinds: AttentionLayout | DenseLayout | MoELayout) -> set[str]:
+    """The keys (unpack.piece_key) of the layer kinds' replicated pieces and the layer's
+    norms: whole on every core, so that no core gathers them from the others."""
+    parts = [p for kind in kinds for segment in kind.segments for p in segment.parts]
+    parts += [row.part for kind in kinds for row in kind.vectors]
+    return {unpack.piece_key(p) for p in parts if p.axis is None} | {"attn_norm", "ffn_norm"}
+
+
 def _heads_split(attention: AttentionLayout) -> bool:
     """Whether each core computes a kind's attention for its own heads alone, from its
     own pieces (a psum adds the cores' output projections): every kind the layouts have
@@ -263,18 +320,26 @@ def core_attention(
     x: jax.Array,
     cache: Cache,
     position: jax.Array | int,
+    axis: str,
 ) -> tuple[jax.Array, Cache]:
     """One core's share of layer `layer`'s attention of x [B, T, hidden] (normed): its
     heads' output through its rows of wo (summed over the cores, plus bo, it is the
     layer's attention) and its cache holding the chunk too, the reference cache of its
     heads (GQA: [B, context, its kv heads, head_dim]; Gated DeltaNet / KDA: its q | k | v
-    conv channels and its value heads' state; MLA: the whole latent cache, its latent
-    projections being replicated). `pieces` are the core's attention pieces
+    conv channels and its value heads' state; MLA: the whole latent cache). MLA's latent
+    projections, where the plan splits them, go through the core's columns of wq_a and
+    wkv_a, the products all-gathered over `axis` (_project_pieces): every core then
+    norms the whole latents. `pieces` are the core's attention pieces
     (unpack.layer_pieces), `shapes` the layer's full tensor shapes."""
     attention = layout.attention[layout.attention_table[layer]]
     kind = _own_heads_kind(spec, layer, attention)
-    own = unpack.own_tensors(layout, layer, pieces, shapes)
-    return reference.kind_attention(kind, own, x, cache, position, spec.dims)
+    split = _projected_parts(attention)
+    keys = {unpack.piece_key(p) for p in split.values()}
+    own = unpack.own_tensors(
+        layout, layer, {n: v for n, v in pieces.items() if n not in keys}, shapes
+    )
+    project = _project_pieces(split, pieces, "attn.", axis, multiply(own))
+    return reference.kind_attention(kind, own, x, cache, position, spec.dims, project)
 
 
 def _layer_step(
@@ -296,6 +361,8 @@ def _layer_step(
     sizes = (layout.stream.attention[attention.name].rows, layout.stream.ffn[ffn.name].rows)
     columns_split, shared_split = _columns_split(ffn), _shared_columns_split(ffn)
     heads_split, own_cache = _heads_split(attention), _own_cache(attention)
+    projected_parts = _projected_parts(ffn)
+    whole = _replicated_pieces(attention, ffn)
     kind = spec.attention_of(layer)
     o_bias = heads_split and isinstance(kind, GQAAttention) and kind.o_bias
 
@@ -309,6 +376,9 @@ def _layer_step(
         own = [array[0, slot] for array in experts]
         pieces = unpack.layer_pieces(layout, layer, kind_rows, slab, own, shapes)
         routed = {n: pieces.pop(f"ffn.{n}") for n in unpack.EXPERT_TENSORS if f"ffn.{n}" in pieces}
+        projected = {  # multiplied in pieces
+            key: pieces.pop(key) for key in map(unpack.piece_key, projected_parts.values())
+        }
         mine = {}  # the MLP's pieces of this core, when they are used unassembled
         if columns_split:
             mine = {n.removeprefix("ffn."): pieces.pop(n) for n in list(pieces) if "ffn.w_" in n}
@@ -322,14 +392,18 @@ def _layer_step(
         heads = {}  # the attention's pieces of this core, when it computes its heads alone
         if heads_split:
             heads = {n: pieces.pop(n) for n in list(pieces) if n.startswith("attn.")}
-        gathered = {n: jax.lax.all_gather(v, axis) for n, v in pieces.items()}
+        gathered = {  # as unpack.assemble takes them: [ranks, *piece], a replicated one [1, ...]
+            n: v[None] if n in whole else jax.lax.all_gather(v, axis) for n, v in pieces.items()
+        }
         w = unpack.assemble(layout, layer, gathered, shapes)
         zero_centered = layout.zero_centered
         x = rms_norm(h, w["attn_norm"], layout.norm_eps, zero_centered)
         if heads_split:
             if own_cache:  # without the mesh axis
                 cache = {n: v[0] for n, v in cache.items()}
-            out, cache = core_attention(spec, layout, layer, heads, shapes, x, cache, position)
+            out, cache = core_attention(
+                spec, layout, layer, heads, shapes, x, cache, position, axis
+            )
             out = jax.lax.psum(out, axis) + (heads["attn.bo"] if o_bias else 0.0)
             if own_cache:
                 cache = {n: v[None] for n, v in cache.items()}
@@ -344,10 +418,11 @@ def _layer_step(
         if not isinstance(ffn, MoELayout):
             return h + reference.ffn(spec, layer, weights, x), cache
         moe, on_this_core = spec.ffn_of(layer), _routed_on_this_core(ffn, routed, axis)
+        project = _project_pieces(projected_parts, projected, "ffn.", axis, multiply(weights))
         if not shared_split:
-            return h + moe_ffn(moe, weights, x, spec.dims, on_this_core), cache
+            return h + moe_ffn(moe, weights, x, spec.dims, on_this_core, project=project), cache
         routed_only = moe.model_copy(update={"shared_experts": None})
-        out = moe_ffn(routed_only, weights, x, spec.dims, on_this_core)
+        out = moe_ffn(routed_only, weights, x, spec.dims, on_this_core, project=project)
         mlp = jax.lax.psum(shared_mlp(moe, shared, x), axis)
         if moe.shared_experts.gate:  # one scalar a token: gating the sum gates each share
             mlp = mlp * jax.nn.sigmoid(mm(x, shared["shared_gate_proj"]))

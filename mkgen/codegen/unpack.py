@@ -295,6 +295,14 @@ def _from_views(views: list[tuple[TensorView, jax.Array]], k: int) -> jax.Array:
     return full.reshape(k, heads * first.stride)
 
 
+def unviewed_columns(view: TensorView, product: jax.Array) -> jax.Array:
+    """x @ V [..., columns] for V a view of W that keeps all of W's columns, reordered
+    (MLA's rotary columns as halves: not transposed, one head's whole stride) -> x @ W."""
+    assert not view.transpose and view.start == 0 and view.size == view.stride, view
+    rows = product.reshape(-1, product.shape[-1])
+    return _from_views([(view, rows)], rows.shape[0]).reshape(product.shape)
+
+
 def own_tensors(
     layout: KernelLayout,
     layer: int,
@@ -304,12 +312,15 @@ def own_tensors(
     """One core's attention tensors of layer `layer` from its own pieces (layer_pieces),
     keyed without "attn.": a tensor split by heads as the columns (or rows) of the core's
     heads, a replicated one whole; views undone (MLA's wkv_b from its uk and uv pieces,
-    rotary columns back in the model's order)."""
+    rotary columns back in the model's order). A tensor whose piece `pieces` lacks (one
+    the caller multiplies by piece by piece: prefill._project_pieces) is left out."""
     attention = layout.attention[layout.attention_table[layer]]
     parts = [p for s in attention.segments for p in s.parts] + [r.part for r in attention.vectors]
     tensors: dict[str, jax.Array] = {}
     viewed: dict[str, list[tuple[TensorView, jax.Array]]] = {}
     for part in parts:
+        if piece_key(part) not in pieces:
+            continue
         if part.view is None:
             tensors[part.tensor] = pieces[piece_key(part)]
         else:

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from mkgen.reference.layers import apply_rope, einsum, mm, rms_norm
+from mkgen.reference.layers import Project, apply_rope, einsum, mm, multiply, rms_norm
 from mkgen.spec.rope import mla_softmax_scale
 from mkgen.spec.schema import Dims, GQAAttention, MLAAttention
 
@@ -140,6 +140,7 @@ def mla_attention(
     cache: Cache,
     start_pos: jax.Array,
     dims: Dims,
+    project: Project | None = None,
 ) -> tuple[jax.Array, Cache]:
     """Multi-head latent attention (transformers DeepseekV3Attention / KimiLinearAttention).
 
@@ -149,7 +150,10 @@ def mla_attention(
     k_rope per token (the MLA latent cache); per-head k_nope and v come from
     latent @ wkv_b. NoPE (rope null) skips the rotation but keeps the rope dims.
     The sigmoid output gate (Kimi K3) multiplies the attention output before wo.
+    `project` computes the latent projections x @ wq_a and x @ wkv_a (by default with
+    the whole weights in w).
     """
+    project = project or multiply(w)
     b, t, _ = x.shape
     h, nope, rope_d, vd = (
         kind.num_heads,
@@ -162,13 +166,13 @@ def mla_attention(
     # rms_norm_eps says (DeepseekV3Attention, KimiLinearAttention): the importer sets it.
     eps = kind.latent_norm_eps if kind.latent_norm_eps is not None else dims.norm_eps
     if kind.q_lora_rank:
-        q_latent = rms_norm(mm(x, w["wq_a"]), w["q_norm"], eps, zero_centered)
+        q_latent = rms_norm(project(x, "wq_a"), w["q_norm"], eps, zero_centered)
         q = mm(q_latent, w["wq_b"])
     else:
         q = mm(x, w["wq"])
     q = q.reshape(b, t, h, nope + rope_d)
     q_nope, q_rope = q[..., :nope], q[..., nope:]
-    kv_a = mm(x, w["wkv_a"])
+    kv_a = project(x, "wkv_a")
     latent = rms_norm(kv_a[..., : kind.kv_lora_rank], w["kv_norm"], eps, zero_centered)
     k_rope = kv_a[..., kind.kv_lora_rank :]
     positions = start_pos + jnp.arange(t)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from mkgen.reference.layers import act_fn, einsum, gated_activation, mm, rms_norm
+from mkgen.reference.layers import Project, act_fn, einsum, gated_activation, mm, multiply, rms_norm
 from mkgen.spec.schema import DenseFFN, Dims, MoEFFN
 
 Weights = Mapping[str, jax.Array]
@@ -55,9 +55,12 @@ def dense_ffn(kind: DenseFFN, w: Weights, x: jax.Array) -> jax.Array:
     return out
 
 
-def router_scores(kind: MoEFFN, w: Weights, x: jax.Array) -> jax.Array:
-    """Expert scores [N, E] of tokens x [N, hidden] (the values that weigh experts)."""
-    logits = mm(x, w["router"])
+def router_scores(
+    kind: MoEFFN, w: Weights, x: jax.Array, project: Project | None = None
+) -> jax.Array:
+    """Expert scores [N, E] of tokens x [N, hidden] (the values that weigh experts);
+    `project` computes x @ router (by default with the whole router in w)."""
+    logits = (project or multiply(w))(x, "router")
     if kind.router.bias:
         logits = logits + w["router_bias"].astype(jnp.float32)
     if kind.router.score == "softmax":
@@ -66,11 +69,16 @@ def router_scores(kind: MoEFFN, w: Weights, x: jax.Array) -> jax.Array:
 
 
 def route(
-    kind: MoEFFN, w: Weights, x: jax.Array, choose: ChooseExperts | None = None
+    kind: MoEFFN,
+    w: Weights,
+    x: jax.Array,
+    choose: ChooseExperts | None = None,
+    project: Project | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """(expert indices [N, top_k] int32, weights [N, top_k] f32) of tokens x [N, hidden]."""
+    """(expert indices [N, top_k] int32, weights [N, top_k] f32) of tokens x [N, hidden]
+    (`project`: router_scores)."""
     r = kind.router
-    scores = router_scores(kind, w, x)
+    scores = router_scores(kind, w, x, project)
     choice = scores
     if r.selection_bias:
         choice = choice + w["selection_bias"].astype(jnp.float32)
@@ -119,6 +127,7 @@ def moe_ffn(
     dims: Dims,
     routed: RoutedExperts = routed_experts,
     choose: ChooseExperts | None = None,
+    project: Project | None = None,
 ) -> jax.Array:
     """Mixture of experts of x [B, T, hidden].
 
@@ -127,19 +136,21 @@ def moe_ffn(
     norm style and eps) and their weighted sum returns through latent_out. Shared
     experts are one gated MLP on the full hidden state with the MoE's activation,
     scaled by sigmoid(x @ shared_gate_proj) when gated (Qwen3-Next). `choose` may
-    replace the routing's choice of experts (route).
+    replace the routing's choice of experts (route). `project` computes x @ router and
+    the latent projections (by default with the whole weights in w).
     """
+    project = project or multiply(w)
     shape = x.shape
     x = x.reshape(-1, shape[-1]).astype(jnp.float32)
-    chosen, weights = route(kind, w, x, choose)
+    chosen, weights = route(kind, w, x, choose, project)
     xe = x
     if kind.latent:
-        xe = mm(x, w["latent_in"])
+        xe = project(x, "latent_in")
         if kind.latent.norm:
             xe = rms_norm(xe, w["latent_norm"], dims.norm_eps, dims.norm_style == "zero_centered")
     out = routed(kind, w, xe, chosen, weights)
     if kind.latent:
-        out = mm(out, w["latent_out"])
+        out = project(out, "latent_out")
     if kind.shared_experts:
         shared = shared_mlp(kind, w, x)
         if kind.shared_experts.gate:

@@ -8,6 +8,8 @@ function names the implementation it matches.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import jax
 import jax.numpy as jnp
 
@@ -20,6 +22,19 @@ HIGHEST = jax.lax.Precision.HIGHEST
 def mm(x: jax.Array, w: jax.Array) -> jax.Array:
     """x @ w in f32 at full precision (w is [fan_in, fan_out])."""
     return jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32), precision=HIGHEST)
+
+
+# (x, weight name) -> x @ w[name]: how a layer multiplies by the weights that another
+# caller may hold in pieces (MLA's latent projections, the MoE router and latent
+# projections). The reference multiplies by the whole weight (`multiply`); the sharded
+# prefill multiplies by a core's piece and joins the cores' products
+# (mkgen/codegen/prefill.py).
+Project = Callable[[jax.Array, str], jax.Array]
+
+
+def multiply(w: Mapping[str, jax.Array]) -> Project:
+    """The Project that multiplies by the whole weight w[name]."""
+    return lambda x, name: mm(x, w[name])
 
 
 def einsum(subscripts: str, *operands: jax.Array) -> jax.Array:

@@ -56,7 +56,7 @@ import numpy as np
 
 from mkgen.reference.attention import gqa_attention, init_gqa_cache, init_mla_cache, mla_attention
 from mkgen.reference.ffn import ChooseExperts, RoutedExperts, dense_ffn, moe_ffn, routed_experts
-from mkgen.reference.layers import mm, rms_norm, softcap
+from mkgen.reference.layers import Project, mm, rms_norm, softcap
 from mkgen.reference.linear_attention import (
     gated_deltanet_attention,
     init_gated_deltanet_cache,
@@ -229,13 +229,15 @@ def kind_attention(
     cache: dict[str, jax.Array],
     start_pos: jax.Array | int,
     dims: Dims,
+    project: Project | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Attention of `kind` of x [B, T, hidden] (normed) at positions start_pos..: its
-    output and updated cache."""
+    output and updated cache. `project` computes MLA's latent projections
+    (mla_attention); the other kinds multiply by their weights in w."""
     if isinstance(kind, GQAAttention):
         return gqa_attention(kind, w, x, cache, start_pos, dims)
     if isinstance(kind, MLAAttention):
-        return mla_attention(kind, w, x, cache, start_pos, dims)
+        return mla_attention(kind, w, x, cache, start_pos, dims, project)
     if isinstance(kind, KDAAttention):
         return kda_attention(kind, w, x, cache, dims)
     assert isinstance(kind, GatedDeltaNetAttention)
