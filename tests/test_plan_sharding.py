@@ -166,6 +166,18 @@ def test_router_of_a_moe_without_latent_stays_replicated_where_a_gather_costs_mo
     assert [c.name for c in moe.collectives] == ["ffn_out"]
 
 
+def test_a_mini_twin_takes_its_full_size_builds_latent_design():
+    """Muse Spark on 2x2x2 combines its latent MoE by all-gather (ar_ag); at CPU sizes its
+    twin would pick rs_ar, so it takes the full-size build's design, whose kernel it proves."""
+    spec, topo, options = load_spec("muse-spark-1.2"), parse_topology("2x2x2"), BuildOptions.create()
+    splits = full_size_splits(spec, topo, options)
+    assert "ffn.moe.ar_ag" in splits
+    mini = mini_twin(spec, topo.num_devices)
+    assert plan_sharding(mini, topo, options).ffn["moe"].latent_design == "rs_ar"
+    twin = plan_sharding(mini, topo, options.model_copy(update={"splits": splits}))
+    assert twin.ffn["moe"].latent_design == "ar_ag"
+
+
 def test_a_mini_twin_takes_its_full_size_builds_split_choices():
     spec = BuildOptions.create().apply(load_spec("kimi-k3"))
     topo = parse_topology("2x2x4")

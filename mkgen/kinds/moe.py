@@ -71,6 +71,8 @@ def shard(ctx: Any, kind_name: str, f: Any) -> FFNSharding:
         # Shared experts add partial sums of hidden: with ar_ag they would need their own
         # all-reduce, so they force rs_ar.
         cheaper = price(*designs["ar_ag"]) < price(*designs["rs_ar"])
+        if ctx.options.splits is not None:  # a mini twin: the full-size build's design
+            cheaper = f"ffn.{kind_name}.ar_ag" in ctx.options.splits
         design = "ar_ag" if cheaper and not f.shared_experts else "rs_ar"
     router, why_router = _router_choice(ctx, kind_name, f, d_in)
     for w in weights:

@@ -153,7 +153,8 @@ class BuildOptions(BaseModel):
     # they stream while the collective travels (at most ring depth - 2).
     held_refills: int | None = None
     # What is split over the cores rather than replicated, as "ffn.<kind>.router" and
-    # "attention.<kind>.latent" (None: the planner scores split against replicated). Set
+    # "attention.<kind>.latent", and "ffn.<kind>.ar_ag" for a latent MoE combined by
+    # all-gather (None: the planner scores split against replicated, rs_ar against ar_ag). Set
     # only for a mini twin, which takes its full-size build's choices
     # (mkgen.plan.sharding.full_size_splits) so that it proves that kernel.
     splits: tuple[str, ...] | None = None

@@ -839,8 +839,9 @@ def plan_sharding(spec: ModelSpec, topo: Topology, options: BuildOptions) -> Sha
 
 
 def full_size_splits(full: ModelSpec, topo: Topology, options: BuildOptions) -> tuple[str, ...]:
-    """What the full-size build of `full` splits rather than replicates (BuildOptions.splits):
-    its mini twin takes these choices, since at CPU sizes replicating always costs less,
+    """What the full-size build of `full` splits rather than replicates, and its MoE latent
+    designs where they combine by all-gather (BuildOptions.splits): its mini twin takes
+    these choices, since at CPU sizes replicating (and rs_ar) always costs less,
     so that the twin proves the full-size build's kernel. A spec with no full-size build
     on `topo` (its heads do not split over the cores) has no choices to pass on."""
     try:
@@ -848,5 +849,6 @@ def full_size_splits(full: ModelSpec, topo: Topology, options: BuildOptions) -> 
     except SpecError:
         return ()
     routers = [f"ffn.{name}.router" for name, f in plan.ffn.items() if f.router == "split"]
+    designs = [f"ffn.{name}.ar_ag" for name, f in plan.ffn.items() if f.latent_design == "ar_ag"]
     latents = [f"attention.{n}.latent" for n, a in plan.attention.items() if a.latent == "split"]
-    return tuple(routers + latents)
+    return tuple(routers + designs + latents)
