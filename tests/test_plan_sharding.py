@@ -169,7 +169,11 @@ def test_router_of_a_moe_without_latent_stays_replicated_where_a_gather_costs_mo
 def test_a_mini_twin_takes_its_full_size_builds_latent_design():
     """Muse Spark on 2x2x2 combines its latent MoE by all-gather (ar_ag); at CPU sizes its
     twin would pick rs_ar, so it takes the full-size build's design, whose kernel it proves."""
-    spec, topo, options = load_spec("muse-spark-1.2"), parse_topology("2x2x2"), BuildOptions.create()
+    spec, topo, options = (
+        load_spec("muse-spark-1.2"),
+        parse_topology("2x2x2"),
+        BuildOptions.create(),
+    )
     splits = full_size_splits(spec, topo, options)
     assert "ffn.moe.ar_ag" in splits
     mini = mini_twin(spec, topo.num_devices)

@@ -269,7 +269,7 @@ def _dots_child(spec_refs: list[str]) -> dict:
     import jax.numpy as jnp
     from jax.sharding import Mesh
 
-    from mkgen.codegen.prefill import _empty_cache, _expert_arrays, prefill_steps
+    from mkgen.codegen.prefill import _expert_arrays, _start_cache, prefill_steps
     from mkgen.codegen.unpack import piece_shape
     from mkgen.spec.weights import model_weights
 
@@ -300,7 +300,7 @@ def _dots_child(spec_refs: list[str]) -> dict:
                 placed["stream"], placed["vectors"],
                 tuple(placed["experts"][i] for i in _expert_arrays(layout, layer)),
                 jnp.zeros((BATCH, 8, spec.dims.hidden), jnp.float32),
-                _empty_cache(spec, layout, mesh, "cores", layer, BATCH), jnp.int32(0),
+                _start_cache(spec, layout, mesh, "cores", layer, BATCH, None), jnp.int32(0),
                 (jnp.int32(stream.attention_rows[layer]), jnp.int32(stream.ffn_rows[layer])),
                 jnp.int32(layer), jnp.int32(layout.ffn_slot[layer]),
             )  # fmt: skip

@@ -134,6 +134,7 @@ def compiled_op_counts(llo_text: str, plan: Any, spec: ModelSpec) -> dict[str, O
         n.key[5] * n.repeat for n in schedule.nodes if n.cat == "matmul" and n.key[1] == "bf16"
     )
     stream_banks = sum(n.repeat for n in schedule.nodes if n.cat == "bank")
+
     def taken(frames: Frames) -> float | None:
         where = _function(frames[0]) if frames else ""
         if where in ("WeightStream.start", "WeightStream.wait"):  # the wrap copy: slot 0
