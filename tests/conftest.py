@@ -4,6 +4,7 @@ Fixtures shared by several test files."""
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,3 +29,20 @@ def shared_build(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path
         return made[key]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def checked_in_renders() -> list[tuple[Path, Any, Any]]:
+    """(checked-in directory, Topology, RenderedBuild) of every build in generated/BUILDS,
+    rendered now with the measurements its directory records, once per worker: test_build
+    holds them byte for byte against generated/, test_codegen reads their kernels as text."""
+    from mkgen.codegen import package
+
+    out = []
+    for entry in package.read_build_list():
+        spec, topology, options = package.entry_inputs(entry)
+        checked_in = package.default_build_dir(spec.name, topology)
+        measurements = package.read_measurements(checked_in)
+        rendered = package.render_build(spec, topology, options, measurements=measurements)
+        out.append((checked_in, topology, rendered))
+    return out

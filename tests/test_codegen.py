@@ -16,7 +16,6 @@ import pytest
 from jax.sharding import Mesh
 
 from mkgen.codegen.build import load_module, render_kernel
-from mkgen.codegen.package import entry_inputs, read_build_list, render_build
 from mkgen.hardware import vmem_padded_bytes
 from mkgen.plan import plan_build
 from mkgen.plan.collectives import arrange_devices
@@ -66,13 +65,11 @@ def test_loaded_module_shows_its_lines_in_tracebacks() -> None:
 
 
 @pytest.fixture(scope="module")
-def kernels() -> dict[str, tuple[str, int]]:
+def kernels(checked_in_renders) -> dict[str, tuple[str, int]]:
     """Every checked-in build's kernel and its mini twin's, as rendered now: name ->
     (source, the VMEM limit of the build's chip in the catalog)."""
     out = {}
-    for entry in read_build_list():
-        spec, topology, options = entry_inputs(entry)
-        rendered = render_build(spec, topology, options)
+    for _, topology, rendered in checked_in_renders:
         limit = topology.chip_info.vmem_limit_bytes
         for path in ("megakernel.py", "mini/megakernel.py"):
             out[f"{rendered.name}/{path}"] = (rendered.files[path], limit)
