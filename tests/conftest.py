@@ -1,5 +1,48 @@
-"""Test-wide settings: JAX runs on the CPU (libtpu is installed for compile-only devices)."""
+"""Test-wide settings: JAX runs on the CPU (libtpu is installed for compile-only devices).
+Fixtures shared by several test files."""
 
 import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@pytest.fixture(scope="session")
+def shared_build(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`shared_build(folder, **options)`: a transformers fixture's build
+    (fixture_builds.make_fixture_build), made once per worker for every test that asks
+    for the same folder and options: several files run the same few builds. Tests only
+    read it (convert for it, run it); a test that changes a build makes its own."""
+    from fixture_builds import make_fixture_build
+
+    made: dict[tuple, Path] = {}
+
+    def build(folder: str, **options: int) -> Path:
+        key = (folder, *sorted(options.items()))
+        if key not in made:
+            directory = tmp_path_factory.mktemp(f"{folder}-build")
+            made[key] = make_fixture_build(directory, folder, **options)
+        return made[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def checked_in_renders() -> list[tuple[Path, Any, Any]]:
+    """(checked-in directory, Topology, RenderedBuild) of every build in generated/BUILDS,
+    rendered now with the measurements its directory records, once per worker: test_build
+    holds them byte for byte against generated/, test_codegen reads their kernels as text."""
+    from mkgen.codegen import package
+
+    out = []
+    for entry in package.read_build_list():
+        spec, topology, options = package.entry_inputs(entry)
+        checked_in = package.default_build_dir(spec.name, topology)
+        measurements = package.read_measurements(checked_in)
+        rendered = package.render_build(spec, topology, options, measurements=measurements)
+        out.append((checked_in, topology, rendered))
+    return out

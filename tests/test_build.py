@@ -7,6 +7,7 @@ import ast
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tokenize
@@ -20,11 +21,9 @@ from mkgen.codegen import package, render
 from mkgen.codegen.build import identifier, safe_text
 from mkgen.codegen.package import (
     MANIFEST,
-    entry_inputs,
     inputs_digest,
     make_build,
     read_build_list,
-    read_measurements,
     render_build,
     write_build,
 )
@@ -55,6 +54,13 @@ def build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("builds") / "qwen3-32b-2x2x1"
     make_build(*_inputs(), output=directory)
     return directory
+
+
+@pytest.fixture(scope="module")
+def files() -> dict[str, str]:
+    """The files of that build without its mini twin, rendered once for the tests that
+    write them themselves (read-only: a test changes a copy)."""
+    return render_build(*_inputs(), with_mini=False).files
 
 
 def test_build_has_every_file_and_a_manifest_of_them(build_dir: Path) -> None:
@@ -172,8 +178,9 @@ def test_kind_order_is_an_input(tmp_path: Path) -> None:
     }  # fmt: skip
 
 
-def test_a_failure_mid_render_leaves_no_directory(tmp_path: Path, monkeypatch) -> None:
-    files = render_build(*_inputs(), with_mini=False).files
+def test_a_failure_mid_render_leaves_no_directory(
+    files: dict[str, str], tmp_path: Path, monkeypatch
+) -> None:
     target = tmp_path / "out" / "build"
     real = package._write_tree
 
@@ -188,9 +195,8 @@ def test_a_failure_mid_render_leaves_no_directory(tmp_path: Path, monkeypatch) -
     assert list(target.parent.iterdir()) == []  # no temp directory left beside it
 
 
-def test_a_failure_keeps_the_previous_build(build_dir: Path, tmp_path: Path) -> None:
+def test_a_failure_keeps_the_previous_build(files: dict[str, str], tmp_path: Path) -> None:
     target = tmp_path / "build"
-    files = render_build(*_inputs(), with_mini=False).files
     write_build(files, target, force=False)
     before = _tree(target)
     broken = {**files, "runner.py": "def broken(:\n"}  # a check before the swap fails
@@ -200,9 +206,8 @@ def test_a_failure_keeps_the_previous_build(build_dir: Path, tmp_path: Path) -> 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["build"]
 
 
-def test_local_edits_are_refused_without_force(tmp_path: Path) -> None:
+def test_local_edits_are_refused_without_force(files: dict[str, str], tmp_path: Path) -> None:
     target = tmp_path / "build"
-    files = render_build(*_inputs(), with_mini=False).files
     assert write_build(files, target, force=False)
     assert not write_build(files, target, force=False)  # unchanged: nothing to do
     (target / "__pycache__").mkdir()  # bytecode caches do not count as edits
@@ -224,11 +229,12 @@ def test_local_edits_are_refused_without_force(tmp_path: Path) -> None:
         write_build(files, target, force=False)
 
 
-def test_a_directory_that_is_not_a_build_is_not_replaced(tmp_path: Path) -> None:
+def test_a_directory_that_is_not_a_build_is_not_replaced(
+    files: dict[str, str], tmp_path: Path
+) -> None:
     target = tmp_path / "precious"
     target.mkdir()
     (target / "thesis.tex").write_text("years of work")
-    files = render_build(*_inputs(), with_mini=False).files
     with pytest.raises(MkgenError, match="mkgen did not write"):
         write_build(files, target, force=False)
     assert (target / "thesis.tex").exists()
@@ -267,24 +273,22 @@ def test_spec_text_lands_only_inside_strings_and_comments() -> None:
         identifier("global", bare=True)
 
 
-def test_checked_in_builds_regenerate_byte_for_byte(tmp_path: Path) -> None:
-    entries = read_build_list()
-    assert [e.spec for e in entries][:1] == ["qwen3-32b"]
-    for entry in entries:
-        spec, topo, options = entry_inputs(entry)
-        checked_in = package.default_build_dir(spec.name, topo)
+def test_checked_in_builds_regenerate_byte_for_byte(checked_in_renders, tmp_path: Path) -> None:
+    assert [e.spec for e in read_build_list()][:1] == ["qwen3-32b"]
+    for checked_in, _, rendered in checked_in_renders:
         assert checked_in.is_dir(), f"{checked_in} missing: run `make regen`"
         fresh = tmp_path / checked_in.name
-        make_build(spec, topo, options, output=fresh, measurements=read_measurements(checked_in))
+        write_build(rendered.files, fresh, force=False)  # as make_build writes a new build
         ours, theirs = _tree(fresh), _tree(checked_in)
         assert set(ours) == set(theirs), f"{checked_in}: run `make regen`"
         stale = [name for name in ours if ours[name] != theirs[name]]
         assert not stale, f"{checked_in}: {stale} differ from a fresh build; run `make regen`"
 
 
-def test_measurements_survive_a_rebuild_only_while_inputs_match(tmp_path: Path) -> None:
-    target = tmp_path / "build"
-    make_build(*_inputs(), output=target)
+def test_measurements_survive_a_rebuild_only_while_inputs_match(
+    build_dir: Path, tmp_path: Path
+) -> None:
+    target = shutil.copytree(build_dir, tmp_path / "build")  # what make_build(*_inputs()) writes
     package.record_measurement(target, "compile", COMPILE_RECORD)
     assert "| compile time | 2.5 s |" in (target / "REPORT.md").read_text()
     assert not make_build(*_inputs(), output=target).written  # kept, nothing to rewrite
@@ -374,7 +378,9 @@ def test_runner_matches_the_reference_in_interpret_mode(
     assert package.local_edits(build_dir) is None  # running it left the build as written
 
 
-def test_the_verify_table_counts_the_routing_near_ties_it_followed(tmp_path: Path) -> None:
+def test_the_verify_table_counts_the_routing_near_ties_it_followed(
+    build_dir: Path, tmp_path: Path
+) -> None:
     from mkgen.verify.checks import verify_record
     from mkgen.verify.numerics import NumericsReport, StepCheck
 
@@ -400,8 +406,7 @@ def test_the_verify_table_counts_the_routing_near_ties_it_followed(tmp_path: Pat
         )  # fmt: skip
         for s in range(3)
     ]
-    target = tmp_path / "build"
-    make_build(*_inputs(), output=target)
+    target = shutil.copytree(build_dir, tmp_path / "build")
     record = verify_record([report], steps=3, batch=1, rows=1, context=128, seed=0)
     package.record_measurement(target, "verify", record)
     assert "| routing near ties |" in (target / "REPORT.md").read_text()

@@ -16,7 +16,6 @@ import pytest
 from jax.sharding import Mesh
 
 from mkgen.codegen.build import load_module, render_kernel
-from mkgen.codegen.package import entry_inputs, read_build_list, render_build
 from mkgen.hardware import vmem_padded_bytes
 from mkgen.plan import plan_build
 from mkgen.plan.collectives import arrange_devices
@@ -66,13 +65,11 @@ def test_loaded_module_shows_its_lines_in_tracebacks() -> None:
 
 
 @pytest.fixture(scope="module")
-def kernels() -> dict[str, tuple[str, int]]:
+def kernels(checked_in_renders) -> dict[str, tuple[str, int]]:
     """Every checked-in build's kernel and its mini twin's, as rendered now: name ->
     (source, the VMEM limit of the build's chip in the catalog)."""
     out = {}
-    for entry in read_build_list():
-        spec, topology, options = entry_inputs(entry)
-        rendered = render_build(spec, topology, options)
+    for _, topology, rendered in checked_in_renders:
         limit = topology.chip_info.vmem_limit_bytes
         for path in ("megakernel.py", "mini/megakernel.py"):
             out[f"{rendered.name}/{path}"] = (rendered.files[path], limit)
@@ -263,8 +260,8 @@ def test_full_size_kernel_compiles_for_tpu7x(name: str, topology: str, options: 
     """Mosaic compiles the kernel, and the VMEM plan is an honest upper bound of its use."""
     spec, topo = load_spec(name), parse_topology(topology)
     opts = BuildOptions.create(context=4096, **options)
-    layout = plan_build(spec, topo, opts).kernel
-    vmem = plan_build(spec, topo, opts).vmem
+    plan = plan_build(spec, topo, opts)
+    layout, vmem = plan.kernel, plan.vmem
     module = f"compile_{layout.model}_{topology}_{layout.rows}".replace("-", "_").replace(".", "_")
     kernel = load_module(render_kernel(layout, "test"), module)
     devices = arrange_devices(compile_only_devices(topo), topo, layout.collectives.mesh_order)
@@ -287,8 +284,8 @@ def test_single_core_kernel_compiles() -> None:
     Mosaic's VMEM (its estimate of Mosaic's own scratch is loose for a 152k-wide shard)."""
     spec, topo = load_spec("qwen3-30b-a3b"), parse_topology("v6e:1x1")
     opts = BuildOptions.create(context=4096, quant=("experts=int4:128",))  # 61.7 GB in bf16
-    layout = plan_build(spec, topo, opts).kernel
-    kernel = load_module(render_kernel(layout, "test"), "compile_single_core")
+    plan = plan_build(spec, topo, opts)
+    kernel = load_module(render_kernel(plan.kernel, "test"), "compile_single_core")
     mesh = Mesh(np.array(compile_only_devices(topo)), (kernel.AXIS,))
     report = compile_for_tpu(kernel.make_decode_step(mesh), kernel.argument_shapes(mesh))
-    assert 0 < report.vmem_bytes <= plan_build(spec, topo, opts).vmem.total_bytes
+    assert 0 < report.vmem_bytes <= plan.vmem.total_bytes

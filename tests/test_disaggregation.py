@@ -25,22 +25,9 @@ import pytest
 from cli_run import assert_user_error, mkgen
 from test_convert import FIXTURES, write_sharded
 
-from mkgen.codegen.package import make_build
-from mkgen.plan.options import BuildOptions
-from mkgen.spec.loader import load_spec
-from mkgen.spec.topology import parse_topology
-
 PROMPT = [3, 17, 42, 99, 5, 64, 127, 23, 88, 11, 70, 36]  # the fixtures' prompt
 CACHED = 5  # prompt tokens whose caches are offloaded before the rest is prefilled
-TOPOLOGY = "1x1x1"  # 2 cores
 FAMILIES = ["kimi_linear", "qwen3_next"]  # MLA + KDA; GQA + Gated DeltaNet
-
-
-def _build(tmp: Path, folder: str) -> Path:
-    directory = tmp / f"{folder}-build"
-    spec = load_spec(FIXTURES / folder / "config.json")
-    make_build(spec, parse_topology(TOPOLOGY), BuildOptions.create(context=64), output=directory)
-    return directory
 
 
 def _child(build_dirs: list[str]) -> dict:
@@ -112,8 +99,8 @@ def _child(build_dirs: list[str]) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_prefill_mesh_hands_the_decode_mesh_the_colocated_caches(tmp_path: Path) -> None:
-    builds = [str(_build(tmp_path, folder)) for folder in FAMILIES]
+def test_a_prefill_mesh_hands_the_decode_mesh_the_colocated_caches(shared_build) -> None:
+    builds = [str(shared_build(folder)) for folder in FAMILIES]
     child = subprocess.run(
         [sys.executable, __file__, *builds], capture_output=True, text=True, timeout=840,
         env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}, cwd=Path(__file__).parent,
@@ -131,7 +118,9 @@ def test_a_prefill_mesh_hands_the_decode_mesh_the_colocated_caches(tmp_path: Pat
 
 
 @pytest.mark.slow
-def test_the_runner_disaggregated_gives_the_transformers_tokens(tmp_path: Path) -> None:
+def test_the_runner_disaggregated_gives_the_transformers_tokens(
+    shared_build, tmp_path: Path
+) -> None:
     """--disaggregate with converted weights: the greedy tokens the colocated runner gives
     on this checkpoint (tests/test_runner.py), transformers' own; --bench reports the
     prefill's tokens/s."""
@@ -140,7 +129,7 @@ def test_the_runner_disaggregated_gives_the_transformers_tokens(tmp_path: Path) 
     from mkgen.cli import main
 
     checkpoint = write_sharded(FIXTURES / "kimi_linear", tmp_path / "ckpt")
-    build = _build(tmp_path, "kimi_linear")
+    build = shared_build("kimi_linear")
     main(
         [
             "convert",
@@ -173,9 +162,9 @@ def test_the_runner_disaggregated_gives_the_transformers_tokens(tmp_path: Path) 
     ],
 )
 def test_disaggregate_refuses_what_it_cannot_do(
-    tmp_path: Path, args: list[str], fragment: str
+    shared_build, args: list[str], fragment: str
 ) -> None:
-    build = _build(tmp_path, "qwen3")
+    build = shared_build("qwen3")
     result = mkgen("run", str(build), "--random-weights", "0", "--disaggregate", *args, timeout=120)
     assert_user_error(result, f"mkgen run: error: {fragment}")
 

@@ -20,12 +20,6 @@ from pathlib import Path
 
 import pytest
 from cli_run import assert_user_error, mkgen
-from test_convert import FIXTURES
-
-from mkgen.codegen.package import make_build
-from mkgen.plan.options import BuildOptions
-from mkgen.spec.loader import load_spec
-from mkgen.spec.topology import parse_topology
 
 PROMPT = [3, 17, 42, 99, 5, 64, 127, 23, 88]  # 8 tokens prefilled: one chunk
 OTHER_PROMPT = [1, 2]  # what process 1 is given: process 0's must replace it
@@ -112,10 +106,8 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(330)
-def test_two_processes_load_their_own_weights_and_prefill_together(tmp_path: Path) -> None:
-    build = tmp_path / "build"
-    spec = load_spec(FIXTURES / "kimi_linear" / "config.json")  # MLA + KDA, MoE
-    make_build(spec, parse_topology("1x1x1"), BuildOptions.create(context=64), output=build)
+def test_two_processes_load_their_own_weights_and_prefill_together(shared_build) -> None:
+    build = shared_build("kimi_linear")  # MLA + KDA, MoE
     port = _free_port()
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     children = [
@@ -147,14 +139,13 @@ def test_two_processes_load_their_own_weights_and_prefill_together(tmp_path: Pat
         assert r["worst"] <= CACHE_RTOL, r
 
 
-def test_the_runner_refuses_to_decode_across_processes_in_interpret_mode(tmp_path: Path) -> None:
+def test_the_runner_refuses_to_decode_across_processes_in_interpret_mode(shared_build) -> None:
     """Interpret mode simulates the cores' memory and semaphores per process: across
     processes the kernel's first remote DMA would wait forever, so the runner says so
     before connecting to anyone."""
-    spec = load_spec(FIXTURES / "qwen3" / "config.json")
-    make_build(spec, parse_topology("1x1x1"), BuildOptions.create(context=64), output=tmp_path)
+    build = shared_build("qwen3")
     result = mkgen(
-        "run", str(tmp_path), "--interpret", "--random-weights", "0", "--multi-host",
+        "run", str(build), "--interpret", "--random-weights", "0", "--multi-host",
         "--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", "2", "--process-id", "0",
         timeout=120,
     )  # fmt: skip
@@ -172,12 +163,11 @@ def test_the_runner_refuses_to_decode_across_processes_in_interpret_mode(tmp_pat
     ],
 )
 def test_multi_host_interpret_flags_are_checked(
-    tmp_path: Path, args: list[str], fragment: str
+    shared_build, args: list[str], fragment: str
 ) -> None:
-    spec = load_spec(FIXTURES / "qwen3" / "config.json")
-    make_build(spec, parse_topology("1x1x1"), BuildOptions.create(context=64), output=tmp_path)
+    build = shared_build("qwen3")
     result = mkgen(
-        "run", str(tmp_path), "--interpret", "--random-weights", "0", "--multi-host", *args,
+        "run", str(build), "--interpret", "--random-weights", "0", "--multi-host", *args,
         timeout=120,
     )  # fmt: skip
     assert_user_error(result, f"mkgen run: error: {fragment}")

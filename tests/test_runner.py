@@ -23,10 +23,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cli_run import assert_user_error, mkgen
+from fixture_builds import TOPOLOGY, make_fixture_build
 from test_convert import FIXTURES, write_sharded
 
 from mkgen.cli import main
-from mkgen.codegen.package import GENERATED, make_build, render_build
+from mkgen.codegen.package import GENERATED, render_build
 from mkgen.plan.options import BuildOptions
 from mkgen.runtime.main import Streamer
 from mkgen.runtime.sampling import Sampler
@@ -35,15 +36,11 @@ from mkgen.spec.loader import load_spec
 from mkgen.spec.topology import parse_topology
 
 PROMPT = [3, 17, 42, 99, 5, 64, 127, 23, 88, 11, 70, 36]  # the fixtures' prompt
-TOPOLOGY = "1x1x1"  # the fixtures' 4 heads split over 2 cores, not 8
 
 
 def _build(tmp: Path, folder: str, **options) -> Path:
-    directory = tmp / f"{folder}-build"
-    spec = load_spec(FIXTURES / folder / "config.json")
-    opts = BuildOptions.create(context=64, **options)
-    make_build(spec, parse_topology(TOPOLOGY), opts, output=directory)
-    return directory
+    """A build of the test's own (the shared_build fixture holds the common ones)."""
+    return make_fixture_build(tmp / f"{folder}-build", folder, **options)
 
 
 def _convert(checkpoint: Path, build: Path, out: Path, *extra: str) -> Path:
@@ -101,13 +98,13 @@ def _words(ids: list[int]) -> str:
      "kimi_linear", "gpt_oss"],
 )  # fmt: skip
 def test_hub_checkpoint_generates_the_reference_and_transformers_tokens(
-    tmp_path: Path, folder: str
+    shared_build, tmp_path: Path, folder: str
 ) -> None:
     from mkgen.reference import model as reference
     from mkgen.reference.hf_weights import load_hf_checkpoint
 
     checkpoint = _with_tokenizer(write_sharded(FIXTURES / folder, tmp_path / "ckpt"))
-    build = _build(tmp_path, folder)
+    build = shared_build(folder)
     weights = _convert(checkpoint, build, tmp_path / "w")
     assert (weights / "tokenizer.json").read_bytes() == (checkpoint / "tokenizer.json").read_bytes()
     assert "tokenizer.json" in json.loads((weights / "layout.json").read_text())["files"]
@@ -191,8 +188,8 @@ def test_speculation_over_recurrent_layers_returns_the_plain_greedy_tokens(
 
 
 @pytest.mark.slow
-def test_weights_for_another_layout_are_refused(tmp_path: Path) -> None:
-    build = _build(tmp_path, "qwen3")
+def test_weights_for_another_layout_are_refused(shared_build, tmp_path: Path) -> None:
+    build = shared_build("qwen3")
     other = _convert(
         FIXTURES / "qwen3", build, tmp_path / "w", "--topology", TOPOLOGY, "--quant",
         "attention=int8",
