@@ -275,6 +275,15 @@ def test_a_vmem_budget_too_small_for_one_bank_is_one_line() -> None:
     assert_user_error(result, "--vmem-budget 5.0 MiB is too small for one 2.0 MiB weight bank")
 
 
+def test_more_held_refills_than_the_ring_allows_is_one_line() -> None:
+    result = mkgen(
+        "plan", "qwen3-30b-a3b", "--topology", "2x2x1", "--ring-depth", "4", "--held-refills", "3"
+    )
+    assert_user_error(result, "--held-refills 3: a ring of 4 banks holds at most 2", "--ring-depth")
+    result = mkgen("plan", "qwen3-30b-a3b", "--topology", "2x2x1", "--held-refills", "-1")
+    assert_user_error(result, "--held-refills -1: must be 0 to 14")
+
+
 def test_a_plan_over_the_vmem_budget_is_one_line() -> None:
     result = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--batch", "8")
     assert_user_error(result, "VMEM:", "MiB it may use", "collective0_vmem")
