@@ -11,6 +11,7 @@ import math
 import os
 import sys
 import tempfile
+from argparse import Namespace
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import click
 from mkgen import __version__
 from mkgen.errors import MkgenError
 from mkgen.output import write_atomic
+from mkgen.runtime.devices import INTERPRET_ACROSS_PROCESSES
 from mkgen.serve import HOST_CACHE_MIB
 
 # Random weights come from jax.random.key(seed), which takes 32-bit seeds.
@@ -980,10 +982,23 @@ def _runner_build(build: str) -> Any:
     help="Host memory for finished sequences' caches, reused by prompts that start with "
     "them (0: off).",
 )  # fmt: skip
+@click.option(
+    "--multi-host", is_flag=True,
+    help="One process of a multi-host job (jax.distributed, one per host): process 0 serves "
+    "HTTP, the others follow its engine.",
+)  # fmt: skip
+@click.option("--coordinator", metavar="HOST:PORT", help="Process 0's address (--multi-host).")
+@click.option(
+    "--num-processes", type=click.IntRange(min=1), help="Processes in the job (--multi-host)."
+)
+@click.option(
+    "--process-id", type=click.IntRange(min=0), help="This process's index (--multi-host)."
+)
 def serve_command(
     build: str, weights: Path | None, random_weights: int | None, host: str, port: int,
     interpret: bool, steps_per_call: int, queue_limit: int, trust_weights: bool,
-    disaggregate: bool, host_cache_mib: int,
+    disaggregate: bool, host_cache_mib: int, multi_host: bool, coordinator: str | None,
+    num_processes: int | None, process_id: int | None,
 ) -> None:  # fmt: skip
     """Serve a build behind an OpenAI-compatible API (docs/serving.md#serve): BUILD is a
     build directory or a build's name in generated/ (with --rows R > 1, R - 1 drafts
@@ -994,6 +1009,21 @@ def serve_command(
         raise MkgenError("give --weights WEIGHTS (mkgen convert) or --random-weights SEED")
     if trust_weights and weights is None:
         raise MkgenError("--trust-weights: only with --weights (converted weights)")
+    distributed = {"coordinator": coordinator, "num_processes": num_processes}
+    distributed["process_id"] = process_id
+    for name, value in distributed.items():
+        if value is not None and not multi_host:
+            raise MkgenError(f"--{name.replace('_', '-')}: only with --multi-host")
+    if multi_host and interpret:
+        raise MkgenError(INTERPRET_ACROSS_PROCESSES)
+    if multi_host and disaggregate:
+        raise MkgenError(
+            "--disaggregate: not with --multi-host (a prefill mesh is tested in one process only)"
+        )
+    if None not in (num_processes, process_id) and process_id >= num_processes:
+        raise MkgenError(
+            f"--process-id: must be below --num-processes ({num_processes}), got {process_id}"
+        )
     from mkgen.serve.server import serve
 
     serve(
@@ -1001,6 +1031,7 @@ def serve_command(
         port=port, interpret=interpret, steps_per_call=steps_per_call,
         queue_limit=queue_limit, trust_weights=trust_weights, disaggregate=disaggregate,
         host_cache_mib=host_cache_mib,
+        multi_host=Namespace(**distributed) if multi_host else None,
     )  # fmt: skip
 
 

@@ -5,8 +5,11 @@ Each process parses the runner's own options (--multi-host --interpret --coordin
 --num-processes --process-id), places only its own core's weights, receives process 0's
 prompt (process 1 is given another one), and runs the XLA prefill across both processes:
 each process's share of the kernel caches equals its core's cut of the reference
-model's caches. The interpret-mode kernel cannot run across processes (its simulated
-memory is per process): the runner refuses that in one line (docs/disaggregation.md).
+model's caches. Then process 0 shares mkgen serve's engine turns (mkgen/serve/turns.py)
+and process 1 receives exactly them. The interpret-mode kernel cannot run across
+processes (its simulated memory is per process): the runner and mkgen serve refuse that
+in one line (docs/disaggregation.md); tests/test_prefix_cache.py replays a served run's
+turns through a follower engine in one process.
 """
 
 from __future__ import annotations
@@ -25,6 +28,23 @@ PROMPT = [3, 17, 42, 99, 5, 64, 127, 23, 88]  # 8 tokens prefilled: one chunk
 OTHER_PROMPT = [1, 2]  # what process 1 is given: process 0's must replace it
 CACHE_RTOL = 2e-2  # bf16 caches (tests/test_prefill.py)
 PROCESSES = 2
+
+
+def _turns() -> list:
+    """What process 0's engine shares: arrivals (sampling parameters, stop ids), a
+    cancellation, an idle turn, a longer prompt (a larger padded broadcast), the stop."""
+    from mkgen.serve.engine import Arrival, GenerationParams, Turn
+
+    sampled = GenerationParams(
+        5, temperature=0.7, top_k=4, top_p=0.9, seed=3, stop_ids=frozenset({2, 9})
+    )
+    return [
+        Turn((Arrival(0, PROMPT, GenerationParams(4)), Arrival(1, OTHER_PROMPT, sampled))),
+        Turn(cancelled=frozenset({1})),
+        Turn(),
+        Turn((Arrival(2, list(range(300)), GenerationParams(1)),)),
+        Turn(stopping=True),
+    ]
 
 
 def _child(directory: str, process: int, port: int) -> dict:
@@ -87,7 +107,12 @@ def _child(directory: str, process: int, port: int) -> dict:
                 value = np.asarray(value, np.float32)
                 gap = np.abs(ours[name][0, slot] - value).max() / max(np.abs(value).max(), 1e-6)
                 worst = max(worst, float(gap))
+    from mkgen.serve.turns import BroadcastTurns
+
+    channel = BroadcastTurns()
+    shared = [channel.share(turn if process == 0 else None) for turn in _turns()]
     return {
+        "turns_match": shared == _turns(),
         "process": jax.process_index(),
         "devices": jax.device_count(),
         "local": [d.id for d in jax.local_devices()],
@@ -106,7 +131,9 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(330)
-def test_two_processes_load_their_own_weights_and_prefill_together(shared_build) -> None:
+def test_two_processes_load_their_own_weights_prefill_together_and_share_turns(
+    shared_build,
+) -> None:
     build = shared_build("kimi_linear")  # MLA + KDA, MoE
     port = _free_port()
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
@@ -137,6 +164,7 @@ def test_two_processes_load_their_own_weights_and_prefill_together(shared_build)
         assert r["read"] == [r["rank"]]  # its own core's weights only
         assert r["prompt"] == PROMPT  # process 0's, broadcast
         assert r["worst"] <= CACHE_RTOL, r
+        assert r["turns_match"]  # process 0's engine turns, as it shared them
 
 
 def test_the_runner_refuses_to_decode_across_processes_in_interpret_mode(shared_build) -> None:

@@ -9,7 +9,12 @@ one call, the one that ended first (its slot repeated its step in place) is not 
 and neither is one cut at a stop id before the call's last token. A prompt extending the
 kept sequence restores it and prefills only the rest; one that is the kept sequence plus
 one token restores it with nothing to prefill; each gets the tokens the same prompt gets
-without a hit. The server's tests over HTTP are in tests/test_serve.py.
+without a hit.
+
+The engine records the turns it took, as a multi-host job's process 0 shares them
+(mkgen/serve/turns.py); a second engine then takes the same turns as a follower process
+does, with its own caches and host cache, and gives every request the same tokens and
+finish. The server's tests over HTTP are in tests/test_serve.py.
 """
 
 from __future__ import annotations
@@ -40,8 +45,24 @@ def _child(build_dir: str) -> dict:
     import numpy as np
 
     from mkgen.runtime.decode import load_model
-    from mkgen.serve.engine import Engine, GenerationParams, Request, Update
+    from mkgen.serve.engine import Engine, GenerationParams, Request, Turn, Update
     from mkgen.serve.metrics import Metrics
+
+    class Recorded:  # the turns taken, as process 0 would share them
+        def __init__(self) -> None:
+            self.turns: list[str] = []
+
+        def share(self, turn: Turn | None) -> Turn:
+            self.turns.append(turn.to_json())
+            return Turn.from_json(self.turns[-1])
+
+    class Replayed:  # process 0's turns, as a follower receives them
+        def __init__(self, turns: list[str]) -> None:
+            self.turns = iter(turns)
+
+        def share(self, turn: Turn | None) -> Turn:
+            assert turn is None
+            return Turn.from_json(next(self.turns))
 
     model = load_model(build, None, 0)
     by_position = [
@@ -57,19 +78,23 @@ def _child(build_dir: str) -> dict:
             whole += nbytes
     limit = whole + per_position * context  # one sequence fits, whatever its length
 
-    metrics = Metrics()
-    engine = Engine(model, interpret=True, metrics=metrics, host_cache_bytes=limit)
+    metrics, recorded = Metrics(), Recorded()
+    engine = Engine(model, interpret=True, metrics=metrics, host_cache_bytes=limit, turns=recorded)
+    answered: list[dict] = []
 
     def submit(prompt: list[int], max_tokens: int, stop: frozenset[int] = frozenset()):
-        out: dict = {"tokens": [], "done": threading.Event()}
+        out: dict = {"tokens": [], "done": threading.Event(), "some": threading.Event()}
+        answered.append(out)
 
         def deliver(update: Update) -> None:
             out["tokens"] += update.tokens
+            out["some"].set()
             if update.finish_reason:
                 out["finish"] = update.finish_reason
                 out["done"].set()
 
-        engine.submit(Request(prompt, GenerationParams(max_tokens, stop_ids=stop), deliver))
+        out["request"] = Request(prompt, GenerationParams(max_tokens, stop_ids=stop), deliver)
+        engine.submit(out["request"])
         return out
 
     def tokens(asked: dict) -> list[int]:
@@ -106,8 +131,29 @@ def _child(build_dir: str) -> dict:
     out["after_one_more"] = counts()
     out["one_more_uncached"] = tokens(submit(one_more, 3))
     out["end"] = counts()
+    # Given up after its first tokens: it ends at a turn, here and on a follower alike.
+    given_up = submit(PROMPT, 40)
+    assert given_up["some"].wait(WAIT_S), "no tokens"
+    engine.cancel(given_up["request"])
     out["limit"], out["sequence_bytes"] = limit, whole + per_position * len(extending)
     engine.stop()
+
+    followed: dict[int, dict] = {}
+
+    def follow(request_id: int, update: Update) -> None:
+        got = followed.setdefault(request_id, {"tokens": [], "finish": None})
+        got["tokens"] += update.tokens
+        if update.finish_reason:
+            got["finish"] = update.finish_reason
+
+    follower = Engine(
+        model, interpret=True, metrics=Metrics(), host_cache_bytes=limit,
+        turns=Replayed(recorded.turns), follow=follow,
+    )  # fmt: skip
+    follower.run()
+    out["answered"] = [{"tokens": a["tokens"], "finish": a.get("finish")} for a in answered]
+    out["followed"] = [followed.get(i) for i in range(len(answered))]
+    out["turns"] = len(recorded.turns)
     return out
 
 
@@ -132,6 +178,11 @@ def test_recurrent_caches_are_reused_only_when_their_state_holds_exactly_the_kep
     assert child.returncode == 0, child.stderr[-3000:]
     out = json.loads(child.stdout.strip().splitlines()[-1])
     assert 2 * out["sequence_bytes"] > out["limit"], out  # the bound holds one sequence
+    # A follower taking the same turns answers every request as process 0 did.
+    assert out["followed"] == out["answered"], out
+    assert len(out["answered"]) == 8 and out["turns"] >= 8
+    given_up = out["answered"][-1]
+    assert given_up["finish"] is None and 0 < len(given_up["tokens"]) < 40
     assert (len(out["short"]), len(out["long"])) == (2, 6)
     # The short sequence ended after 2 of the call's 6 steps: only the long one is kept
     # (had both been, the second would have evicted the first).

@@ -536,6 +536,15 @@ def test_serve_refuses_what_it_cannot_serve_in_one_line(
         port = str(taken.getsockname()[1])
         busy = mkgen("serve", str(build), "--weights", str(weights), "--port", port)
         assert_user_error(busy, f"--port {port}: cannot listen there")
+    served = ("serve", str(build), "--weights", str(weights))
+    alone = mkgen(*served, "--coordinator", "127.0.0.1:1")
+    assert_user_error(alone, "--coordinator: only with --multi-host")
+    interpreted = mkgen(*served, "--interpret", "--multi-host", "--num-processes", "2")
+    assert_user_error(interpreted, "--multi-host --interpret:", "cannot decode across processes")
+    both = mkgen(*served, "--multi-host", "--disaggregate")
+    assert_user_error(both, "--disaggregate: not with --multi-host")
+    beyond = mkgen(*served, "--multi-host", "--num-processes", "2", "--process-id", "2")
+    assert_user_error(beyond, "--process-id: must be below --num-processes (2), got 2")
 
 
 # ---------------------------------------------------------------- no server

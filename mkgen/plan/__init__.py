@@ -151,13 +151,15 @@ def plan_program(
     # program in a process: every command and test plans the same builds again).
     key = (spec.model_dump_json(), topo.name, options.model_dump_json(), bank_rows,
            vmem.ring_depth, max_piece_chunks, kv_tile_tokens)  # fmt: skip
+    scored: dict[int, ProgramPlan] = {}
     if key not in _HOLD_SCORES:
+        scored = {held: program(held) for held in {0, most // 2, 3 * most // 4, most}}
         _HOLD_SCORES[key] = {
-            held: estimate(topo, options, program(held)).step_ms
-            for held in sorted({0, most // 2, 3 * most // 4, most})
+            held: estimate(topo, options, scored[held]).step_ms for held in sorted(scored)
         }
     scores = _HOLD_SCORES[key]
-    best = program(min(scores, key=scores.__getitem__))
+    fastest = min(scores, key=scores.__getitem__)
+    best = scored[fastest] if scored else program(fastest)
     best.schedule.held_scores = dict(scores)
     return best
 

@@ -59,6 +59,7 @@ from mkgen.errors import MkgenError
 from mkgen.plan.collectives import check_rounds
 from mkgen.plan.options import MAX_RING_DEPTH, MIN_RING_DEPTH
 from mkgen.plan.schedule import INIT, RUN, START, WAIT, Node, Schedule
+from mkgen.plan.stream import RingRefills
 from mkgen.plan.vmem import VmemPlan
 
 if TYPE_CHECKING:
@@ -451,13 +452,11 @@ def _check_deadlock(schedule: Schedule, fail: _Failures) -> None:
     depths = sorted({schedule.ring_depth, *range(MIN_RING_DEPTH, MAX_RING_DEPTH + 1)})
     for depth in depths:
         # The program's holds, as many as this depth allows (plan_program's bound).
-        hold = min(schedule.held_refills, depth - 2)
+        ring = RingRefills(depth, min(schedule.held_refills, depth - 2))
         started = set(range(min(depth, schedule.total_banks)))
-        held: list[int] = []
         for bank, node in uses:
             if bank is None:  # a collective's copies started: the held refills go
-                started.update(held)
-                held = []
+                started.update(ring.release())
                 continue
             if bank not in started:
                 fail.add(
@@ -467,10 +466,8 @@ def _check_deadlock(schedule: Schedule, fail: _Failures) -> None:
                     "reached, later in the program: the kernel would hang",
                 )
                 return
-            if bank > 0:  # reaching bank b: bank b - 1 is used up, its slot takes b - 1 + depth
-                held.append(bank - 1 + depth)
-                if len(held) > hold:
-                    started.add(held.pop(0))
+            if bank > 0 and (refill := ring.reach(bank)) is not None:
+                started.add(refill)
 
 
 def _is_bank(node: Node) -> bool:

@@ -150,7 +150,7 @@ def build_layout(
         max_k_chunks=max(s.k_chunks for s in segments),
         max_col_blocks=max(s.col_blocks for s in segments),
         trace_residuals=trace_residuals,
-        features=kernel_features(attention, ffn, formats),
+        features=kernel_features(attention, ffn, formats, held_refills=devices > 1),
         num_layers=len(attn_table),
         bank_mib=round(stream.bank_bytes / 2**20, 2),
         collective_buffers=len(collectives.buffers),

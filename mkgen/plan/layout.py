@@ -397,6 +397,7 @@ class KernelFeatures(PlanModel):
     stream_formats: list[StreamFormat]  # quantized weight-stream formats, in stream order
     block_scales: bool  # scaled experts or fp8 stream segments: scales on partial products
     e2m1: bool  # mxfp4 / nvfp4 experts: e2m1 codes read as e4m3
+    held_refills: bool  # a mesh: ring refills may be held for its collectives' flights
 
 
 class KernelLayout(PlanModel):
@@ -583,6 +584,7 @@ def kernel_features(
     attention: list[GQALayout | MLALayout | RecurrentLayout],
     ffn: list[DenseLayout | MoELayout],
     stream_formats: list[StreamFormat],
+    held_refills: bool,
 ) -> KernelFeatures:
     """What the kernel's kinds call, so that it carries only those helpers."""
     recurrent = [a for a in attention if isinstance(a, RecurrentLayout)]
@@ -598,6 +600,7 @@ def kernel_features(
         block_scales=bool(set(expert_formats) - {"bf16"})
         or any(f.block is not None for f in stream_formats),
         e2m1=bool({"mxfp4", "nvfp4"} & set(expert_formats)),
+        held_refills=held_refills,
     )
 
 

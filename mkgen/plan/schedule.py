@@ -63,7 +63,7 @@ from mkgen.kinds.registry import kind_module
 from mkgen.plan.collectives import CollectiveRound, RoundCall, collective_buffers
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.sharding import Collective, ShardingPlan
-from mkgen.plan.stream import Segment, StreamPlan, bank_visits
+from mkgen.plan.stream import RingRefills, Segment, StreamPlan, bank_visits
 from mkgen.plan.vmem import VmemPlan
 from mkgen.spec.schema import (
     ModelSpec,
@@ -414,7 +414,7 @@ class _Builder:
         self.repeat = 1
         self.depth = stream.ring_depth
         self.held_refills = stream.held_refills
-        self.held: list[int] = []  # refills (their banks) held back, oldest first
+        self.ring = RingRefills(self.depth, stream.held_refills)
         # How the ring's refills went (the compiled profile counts its guards by them):
         # banks reached, refills started there, collective rounds releasing the held ones
         # and the refills they started (also those past the last bank, which start nothing).
@@ -590,11 +590,11 @@ class _Builder:
             # Reaching bank g means bank g - 1 is used up: its slot takes g - 1 + depth,
             # once it is not among the last `held_refills` (held for the next collective).
             if visit.bank:
-                self.held.append(visit.bank - 1 + self.depth)
                 self.refills["reached"] += 1
-                if len(self.held) > self.held_refills:
+                started = self.ring.reach(visit.bank)
+                if started is not None:
                     self.refills["started on reaching"] += 1
-                    self.refill(self.held.pop(0))
+                    self.refill(started)
         return prev
 
     def refill(self, bank: int) -> None:
@@ -603,11 +603,11 @@ class _Builder:
 
     def release_held(self) -> None:
         """A collective's copies are under way: the held refills stream while they travel."""
+        released = self.ring.release()
         self.refills["releases"] += 1
-        self.refills["started by releases"] += len(self.held)
-        for bank in self.held:
+        self.refills["started by releases"] += len(released)
+        for bank in released:
             self.refill(bank)
-        self.held = []
 
     # --- collectives ---
     def collective(self, layer: int, c: Collective | None, src: int) -> int:

@@ -402,6 +402,28 @@ def bank_visits(seg: Segment, first_row: int, bank_rows: int) -> list[BankVisit]
     return visits
 
 
+class RingRefills:
+    """The ring's refill rule, as the kernel's WeightStream runs it: reaching bank b means
+    bank b - 1 is used up and its slot takes bank b - 1 + depth, unless that refill is among
+    the last `held` ones, which start only once the next collective's copies are under way.
+    The program builder and the deadlock check replay the same rule."""
+
+    def __init__(self, depth: int, held: int) -> None:
+        self.depth = depth
+        self.held = held
+        self.waiting: list[int] = []  # held refills (their banks), oldest first
+
+    def reach(self, bank: int) -> int | None:
+        """Bank `bank` (> 0) reached: the refill that starts now, if any."""
+        self.waiting.append(bank - 1 + self.depth)
+        return self.waiting.pop(0) if len(self.waiting) > self.held else None
+
+    def release(self) -> list[int]:
+        """A collective's copies are under way: every held refill starts."""
+        released, self.waiting = self.waiting, []
+        return released
+
+
 def choose_ring(bank_rows: int, vmem_for_ring: int) -> int:
     """Banks in flight: as many as fit the VMEM set aside for the ring, within the ring's
     bounds (MIN_RING_DEPTH to MAX_RING_DEPTH, the ones --ring-depth has).

@@ -23,6 +23,14 @@ def configure(build: Build, interpret: bool, meshes: int = 1, processes: int = 1
         os.environ["XLA_FLAGS"] = f"{flags} {count}".strip()
 
 
+# Why `--multi-host --interpret` is refused (mkgen run, mkgen serve).
+INTERPRET_ACROSS_PROCESSES = (
+    "--multi-host --interpret: the interpret-mode kernel cannot decode across processes "
+    "(each process simulates only its own cores' memory and semaphores, so the first remote "
+    "DMA waits forever); run it in one process, or on TPUs"
+)
+
+
 def start_distributed(args: Namespace) -> None:
     """One process per host: jax.distributed.initialize from the flags, or (on a TPU pod)
     from what the TPU runtime tells it."""

@@ -55,11 +55,7 @@ def run(
 def _generate(build: Build, args: Namespace) -> None:
     drafter = load_drafter(args.drafter, args.ngram)  # a user's module: before the slow work
     if args.multi_host and args.interpret:
-        raise MkgenError(
-            "--multi-host --interpret: the interpret-mode kernel cannot decode across "
-            "processes (each process simulates only its own cores' memory and semaphores, so "
-            "the first remote DMA waits forever); run it in one process, or on TPUs"
-        )
+        raise MkgenError(devices.INTERPRET_ACROSS_PROCESSES)
     meshes = 2 if args.disaggregate else 1  # disaggregation.MESHES (it imports JAX)
     devices.configure(build, args.interpret, meshes, args.num_processes or 1)
     devices.start_distributed(args)

@@ -3,6 +3,7 @@
     app.py      the HTTP layer (FastAPI): requests checked, responses and SSE streams
     engine.py   the continuous-batching engine over the kernel's batch slots
     host_cache.py  finished sequences' caches in host memory, for prompts that extend them
+    turns.py    a multi-host job's engines share process 0's turns (jax.distributed)
     chat.py     chat messages to a prompt with the checkpoint's chat template (jinja2)
     metrics.py  Prometheus metrics
     server.py   serve: load the model, start the engine, run uvicorn

@@ -12,6 +12,12 @@ parameters; with ROWS > 1 each step verifies ROWS - 1 prompt-lookup drafts per s
 drafted, accepted (greedy, or the rejection rule) and sampled on the device. Results go back to each request's `deliver` callback (called on
 the engine thread) at call boundaries only.
 
+Every turn starts from a Turn: the requests that arrived, those given up, whether the
+engine stops. In a multi-host job (mkgen/serve/turns.py) process 0's engine takes
+requests over HTTP and shares each turn with the other processes' engines, which take
+the same turns in the same order: every process then makes the same device calls with
+the same inputs, as jax.distributed requires, and only process 0 answers requests.
+
 A sequence that ends leaves its slot's caches in the host cache (host_cache.HostCache,
 offloaded with disaggregation.offload), keyed by the tokens they hold; a prompt that starts
 with such a sequence has its caches restored into its slot and only the rest of it
@@ -24,11 +30,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
+import itertools
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +67,9 @@ QUEUE_LIMIT = 64  # requests waiting beyond the free slots; more are answered 42
 # sequence waits for at most (beyond one prompt) before its next tokens.
 PREFILL_TOKENS_PER_TURN = 256
 RETRY_AFTER_S = 1  # what a 429 or 503 tells the client to wait
+# An idle multi-host leader still shares a turn this often: the other processes wait for
+# it inside a collective, which must not sit long enough to time out.
+IDLE_TURN_S = 1.0
 
 log = logging.getLogger("mkgen.serve")
 
@@ -95,7 +108,57 @@ class Request:
     deliver: Callable[[Update], None]
     arrival: float = field(default_factory=time.perf_counter)
     generated: int = 0  # tokens the kernel produced for it, a stop id included
-    cancelled: bool = False
+    cancelled: bool = False  # given up: the next turn drops it
+    id: int = -1  # the engine's number for it (a turn names it by this)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A request as a turn carries it to the other processes of a multi-host job."""
+
+    id: int
+    prompt: list[int]
+    params: GenerationParams
+
+
+@dataclass(frozen=True)
+class Turn:
+    """What the engine took in before one loop turn: the requests that arrived (queued in
+    this order), the ids of those given up (dropped from the queue or their slot), and
+    whether it stops."""
+
+    arrivals: tuple[Arrival, ...] = ()
+    cancelled: frozenset[int] = frozenset()
+    stopping: bool = False
+
+    def to_json(self) -> str:
+        arrivals = [
+            {**asdict(a), "params": {**asdict(a.params), "stop_ids": sorted(a.params.stop_ids)}}
+            for a in self.arrivals
+        ]
+        return json.dumps(
+            {"arrivals": arrivals, "cancelled": sorted(self.cancelled), "stopping": self.stopping}
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Turn:
+        data = json.loads(text)
+        arrivals = tuple(
+            Arrival(
+                a["id"],
+                a["prompt"],
+                GenerationParams(**{**a["params"], "stop_ids": frozenset(a["params"]["stop_ids"])}),
+            )
+            for a in data["arrivals"]
+        )
+        return cls(arrivals, frozenset(data["cancelled"]), data["stopping"])
+
+
+class TurnChannel(Protocol):
+    """How the engines of a multi-host job share turns: process 0's engine passes its
+    turn and the others None; every one gets process 0's turn back."""
+
+    def share(self, turn: Turn | None) -> Turn: ...
 
 
 @dataclass(eq=False)
@@ -123,7 +186,12 @@ class Engine:
     prefilled on `prefiller` (default `model` itself: colocated), a model of the same
     build on its own devices (disaggregation.prefill_model), whose caches are handed over
     to `model`'s mesh before they go into their slot. Finished sequences' caches are kept
-    in up to `host_cache_bytes` of host memory (0: none) for prompts that start with them."""
+    in up to `host_cache_bytes` of host memory (0: none) for prompts that start with them.
+
+    With `turns`, the engine is one of a multi-host job's: process 0's (`follow` None)
+    takes requests and shares its turns; any other process's takes process 0's turns
+    (run it with `run`) and passes each of its requests' updates to `follow` with the
+    request's id, for nobody answers them there."""
 
     def __init__(
         self,
@@ -135,8 +203,13 @@ class Engine:
         queue_limit: int = QUEUE_LIMIT,
         prefiller: Model | None = None,
         host_cache_bytes: int = HOST_CACHE_MIB << 20,
+        turns: TurnChannel | None = None,
+        follow: Callable[[int, Update], None] | None = None,
     ) -> None:
         build = model.build
+        self.turns, self.follow = turns, follow
+        self._ids = itertools.count()
+        self._arrived: list[Request] = []  # submitted since the last turn
         self.model, self.metrics, self.interpret = model, metrics, interpret
         self.prefiller = prefiller or model
         self.steps_per_call, self.queue_limit = steps_per_call, queue_limit
@@ -168,22 +241,29 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
+    def run(self) -> None:
+        """The engine loop on this thread, until a turn stops it (a follower's)."""
+        self._loop()
+
     def submit(self, request: Request) -> None:
-        """Queue `request`; QueueFull when queue_limit requests already wait beyond the
-        free slots, EngineStopped once stop() was called."""
+        """Queue `request` (it joins the queue at the next turn); QueueFull when
+        queue_limit requests already wait beyond the free slots, EngineStopped once stop()
+        was called."""
         with self._wake:
             if self._stopping:
                 raise EngineStopped
             free = sum(running is None for running in self._slots)
-            if len(self._queue) >= self.queue_limit + free:
+            waiting = len(self._queue) + len(self._arrived)
+            if waiting >= self.queue_limit + free:
                 raise QueueFull
-            self._queue.append(request)
-            self.metrics.queue_depth.set(len(self._queue))
+            request.id = next(self._ids)
+            self._arrived.append(request)
+            self.metrics.queue_depth.set(waiting + 1)
             self._wake.notify()
 
     def cancel(self, request: Request) -> None:
-        """Give up `request` (its client left, or a stop string ended it): its slot is
-        free before the next device call; it gets no more updates."""
+        """Give up `request` (its client left, or a stop string ended it): the next turn
+        frees its slot, before the next device call; it gets no more updates."""
         with self._wake:
             request.cancelled = True
             self._wake.notify()
@@ -225,18 +305,43 @@ class Engine:
         self._end_queued("abort")
 
     def _next_turn(self) -> bool:
-        """Wait for work; drop cancelled requests. False once the engine is stopping."""
+        """Wait for work and take the turn: process 0's (or this process's own), shared
+        with the other processes of a multi-host job, or process 0's on another process.
+        False once the engine is stopping."""
+        if self.follow is not None:
+            assert self.turns is not None
+            return self._take(self.turns.share(None), [])
         with self._wake:
-            while not self._stopping and not self._queue and not any(self._slots):
-                self._wake.wait()
-            if self._stopping:
-                return False
-            self._queue = collections.deque(r for r in self._queue if not r.cancelled)
-            for slot, running in enumerate(self._slots):
-                if running is not None and running.request.cancelled:
-                    self._finish(slot, None, keep=True)
-            self.metrics.queue_depth.set(len(self._queue))
-            return True
+            while not (self._stopping or self._queue or self._arrived or any(self._slots)):
+                if not self._wake.wait(IDLE_TURN_S if self.turns is not None else None):
+                    break  # an idle turn, shared so that the other processes hear from us
+            arrived, self._arrived = self._arrived, []
+            waiting = [*self._queue, *arrived, *(s.request for s in self._slots if s)]
+            turn = Turn(
+                tuple(Arrival(r.id, r.prompt, r.params) for r in arrived),
+                frozenset(r.id for r in waiting if r.cancelled),
+                self._stopping,
+            )
+        return self._take(self.turns.share(turn) if self.turns is not None else turn, arrived)
+
+    def _take(self, turn: Turn, arrived: list[Request]) -> bool:
+        """Queue the turn's arrivals (`arrived`: their requests, on the process that took
+        them) and drop the requests it gave up, those in slots keeping their caches.
+        False if it stops the engine."""
+        requests = {r.id: r for r in arrived}
+        for a in turn.arrivals:
+            if a.id not in requests:  # process 0's request on a follower: its updates go
+                assert self.follow is not None  # to `follow` (only process 0 answers)
+                deliver = functools.partial(self.follow, a.id)
+                requests[a.id] = Request(a.prompt, a.params, deliver, id=a.id)
+            self._queue.append(requests[a.id])
+        with self._wake:
+            self._queue = collections.deque(r for r in self._queue if r.id not in turn.cancelled)
+            self.metrics.queue_depth.set(len(self._queue) + len(self._arrived))
+        for slot, running in enumerate(self._slots):
+            if running is not None and running.request.id in turn.cancelled:
+                self._finish(slot, None, keep=True)
+        return not turn.stopping
 
     def _admit(self) -> None:
         """Prefill queued prompts into free slots: as many as fit while nothing runs,
@@ -393,7 +498,8 @@ class Engine:
     def _end_queued(self, reason: str) -> None:
         """End every request still waiting for a slot with `reason`."""
         with self._wake:
-            waiting, self._queue = list(self._queue), collections.deque()
+            waiting, self._queue = [*self._queue, *self._arrived], collections.deque()
+            self._arrived = []
             self.metrics.queue_depth.set(0)
         for request in waiting:
             if not request.cancelled:
