@@ -13,7 +13,7 @@ from mkgen.hardware import MiB
 from mkgen.kinds.moe import expert_iterations
 from mkgen.plan import BuildOptions, BuildPlan, plan_build
 from mkgen.plan.graph import CHECKS, analyse
-from mkgen.plan.schedule import RUN, START, WAIT, Node, Schedule
+from mkgen.plan.schedule import RUN, START, WAIT, Node, Schedule, build_schedule
 from mkgen.spec.loader import list_spec_names, load_spec
 from mkgen.spec.topology import parse_topology
 
@@ -222,6 +222,20 @@ def test_too_many_held_refills_for_the_ring_is_refused() -> None:
         _plan("qwen3-30b-a3b", "2x2x1", ring_depth=12, held_refills=11)
     with pytest.raises(SpecError, match=r"--held-refills 2: one core has no collectives"):
         _plan("qwen3-30b-a3b", "v6e:1x1", quant=["experts=mxfp4"], held_refills=2)
+
+
+def test_a_program_holding_more_refills_than_its_ring_allows_would_hang() -> None:
+    """Held past depth - 2, a refill is still held when the core waits for its bank (the
+    next collective's copies start only after that wait): deadlock_free says so."""
+    plan = _plan("qwen3-30b-a3b", "2x2x1", ring_depth=6)
+    spec = plan.options.apply(load_spec("qwen3-30b-a3b"))
+    for held, hangs in ((4, False), (5, True)):
+        stream = plan.stream.model_copy(update={"held_refills": held})
+        schedule = build_schedule(spec, plan.sharding, stream, plan.vmem, plan.options)
+        failures = analyse(schedule, plan.vmem).failures
+        assert ("deadlock_free" in failures) is hangs, failures
+    assert failures["deadlock_free"].startswith("at ring depth 6, ")
+    assert "the kernel would hang" in failures["deadlock_free"]
 
 
 def test_folded_loops_keep_the_bytes_of_every_iteration() -> None:

@@ -451,8 +451,10 @@ def _check_deadlock(schedule: Schedule, fail: _Failures) -> None:
                     user.setdefault(p, nodes[i].name)
     depths = sorted({schedule.ring_depth, *range(MIN_RING_DEPTH, MAX_RING_DEPTH + 1)})
     for depth in depths:
-        # The program's holds, as many as this depth allows (plan_program's bound).
-        ring = RingRefills(depth, min(schedule.held_refills, depth - 2))
+        # The program's holds at its own depth; at another, as many as that depth allows
+        # (plan_program's bound).
+        held = schedule.held_refills
+        ring = RingRefills(depth, held if depth == schedule.ring_depth else min(held, depth - 2))
         started = set(range(min(depth, schedule.total_banks)))
         for bank, node in uses:
             if bank is None:  # a collective's copies started: the held refills go
