@@ -37,28 +37,29 @@ SPECS = Path(__file__).parent / "specs"
 # with batch and rows, and qwen3-32b in both modes through `mkgen verify` in
 # tests/test_cli_build.py. MLA, the reduce-scatter latent MoE,
 # mxfp4 and fp8 weights and the attention residual run in Kimi K3's and Kimi K2's twins on
-# 32 cores (slow, below). (spec, DMA mode): a name in model_specs/ or a test spec's path.
+# 32 cores (slow, below). (spec, DMA mode, steps): a name in model_specs/ or a test spec's
+# path. Two steps where a step reads what the one before wrote in a way of its own (a
+# state, a conv tail, another cache layout); the weight formats' products are the same
+# in every step, so one.
 CASES = [
-    ("qwen3-30b-a3b", "on_wait"),
-    ("mixtral-8x7b", "eager"),
-    ("qwen3.8-27b", "eager"),  # Gated DeltaNet: conv tail and f32 state in place
-    (str(SPECS / "kda-hybrid.yaml"), "on_wait"),  # both KDA forms
-    (str(SPECS / "formats-int8.yaml"), "on_wait"),  # int8 dense weights in the stream
-    # nvfp4 experts with int8 dense weights and lm_head; int8 experts: both DMA modes.
-    (str(SPECS / "formats-nvfp4.yaml"), "on_wait"),
-    (str(SPECS / "formats-nvfp4.yaml"), "eager"),
-    (str(SPECS / "formats-int8-experts.yaml"), "on_wait"),
-    (str(SPECS / "formats-int8-experts.yaml"), "eager"),
+    ("qwen3-30b-a3b", "on_wait", 2),
+    ("mixtral-8x7b", "eager", 2),
+    ("qwen3.8-27b", "eager", 2),  # Gated DeltaNet: conv tail and f32 state in place
+    (str(SPECS / "kda-hybrid.yaml"), "on_wait", 2),  # both KDA forms
+    (str(SPECS / "formats-int8.yaml"), "on_wait", 1),  # int8 dense weights in the stream
+    # nvfp4 experts with int8 dense weights and lm_head; int8 experts.
+    (str(SPECS / "formats-nvfp4.yaml"), "on_wait", 1),
+    (str(SPECS / "formats-int8-experts.yaml"), "eager", 1),
 ]
 
 
 @pytest.mark.parametrize(
-    ("spec", "mode"),
+    ("spec", "mode", "steps"),
     CASES,
-    ids=[f"{Path(s).stem if s.endswith('.yaml') else s}-{m}" for s, m in CASES],
+    ids=[f"{Path(s).stem if s.endswith('.yaml') else s}-{m}" for s, m, _ in CASES],
 )
-def test_mini_twin_matches_the_reference(spec: str, mode: str) -> None:
-    _check(verify_numerics(spec, "2x2x1", mode=mode, steps=2, timeout=TIMEOUT))
+def test_mini_twin_matches_the_reference(spec: str, mode: str, steps: int) -> None:
+    _check(verify_numerics(spec, "2x2x1", mode=mode, steps=steps, timeout=TIMEOUT))
 
 
 @pytest.mark.slow
@@ -78,18 +79,18 @@ def test_batch_and_verification_rows(
 
 
 @pytest.mark.timeout(TIMEOUT_16)
-@pytest.mark.parametrize("mode", ["on_wait", "eager"])
-def test_a_round_across_hosts_with_bf16_on_the_wire(mode: str) -> None:
+def test_a_round_across_hosts_with_bf16_on_the_wire() -> None:
     """2x2x2, 16 virtual devices: every collective runs a round among the 8 cores of a
     host, then one across the 2 hosts, and the twin's hidden all-reduces put bf16 on the
-    wire in both (summed in f32), in both DMA modes."""
+    wire in both (summed in f32), in the eager DMA mode (Kimi K3's twin runs the same
+    rounds in the on_wait mode, below)."""
     topology = parse_topology("2x2x2")
     twin = mini_twin(load_spec("qwen3-30b-a3b"), topology.num_devices)
     layout = plan_build(twin, topology, BuildOptions.create()).kernel
     assert [r.name for r in layout.collectives.rounds] == ["host", "hosts"]
     wires = [w for b in layout.collectives.buffers for _, _, ws in b.wires for w, _ in ws]
     assert wires and set(wires) == {"bf16"}
-    _check(verify_numerics("qwen3-30b-a3b", "2x2x2", mode=mode, steps=1, timeout=TIMEOUT_16))
+    _check(verify_numerics("qwen3-30b-a3b", "2x2x2", mode="eager", steps=1, timeout=TIMEOUT_16))
 
 
 @pytest.mark.slow

@@ -31,17 +31,14 @@ PROMPTS = [
 
 
 # Cases other than a spec's mini twin splitting what the full-size build splits: by name,
-# (spec, whether its mini twin is built, the splits forced on the build).
-MLA_HYBRID, LATENT_MOE = str(SPECS / "mla-hybrid.yaml"), str(SPECS / "latent-moe.yaml")
+# (spec, the splits forced on its mini twin).
+MLA_HYBRID = str(SPECS / "mla-hybrid.yaml")
 SPECIAL_CASES = {
     # Split though the full-size build does not: wkv_a's interleaved rotary columns, stored
     # as halves, in pieces.
     "mla-hybrid, latents split": (
-        MLA_HYBRID, True, ("attention.mla_rope.latent", "attention.mla_nope.latent"),
+        MLA_HYBRID, ("attention.mla_rope.latent", "attention.mla_nope.latent"),
     ),
-    # At its own size, where the plan picks the latent design ar_ag (latent_out split by
-    # columns, the hidden all-gathered), which mini twins price out.
-    "latent-moe, full size": (LATENT_MOE, False, None),
 }  # fmt: skip
 
 
@@ -61,13 +58,10 @@ def _setup(spec_ref: str):
     topology = parse_topology(TOPOLOGY)
     options = BuildOptions.create(context=CONTEXT, batch=BATCH)
     if spec_ref in SPECIAL_CASES:
-        spec_ref, mini, splits = SPECIAL_CASES[spec_ref]
-        spec = load_spec(spec_ref)
-        spec = mini_twin(spec, topology.num_devices) if mini else spec
+        spec_ref, splits = SPECIAL_CASES[spec_ref]
     else:
-        full = load_spec(spec_ref)
-        spec = mini_twin(full, topology.num_devices)
-        splits = full_size_splits(full, topology, options)
+        splits = full_size_splits(load_spec(spec_ref), topology, options)
+    spec = mini_twin(load_spec(spec_ref), topology.num_devices)
     options = options.model_copy(update={"splits": splits})
     layout = plan_build(spec, topology, options, **mini_kernel_args()).kernel
     return spec, layout, stored_random_weights(spec, 0)
@@ -164,9 +158,10 @@ def test_unpacking_gives_back_the_stored_tensors(spec_ref: str) -> None:
 # (the first two as their full-size builds do): per case, the split tensors.
 SPLIT_CASES = {
     "kimi-k3": {"ffn.router", "ffn.latent_in", "ffn.latent_out", "attn.wq_a", "attn.wkv_a"},
-    "muse-spark-1.2": {"ffn.router", "ffn.latent_in", "ffn.latent_out"},  # GQA
+    # GQA; its full-size latent design ar_ag: latent_out split by columns, the hidden
+    # all-gathered
+    "muse-spark-1.2": {"ffn.router", "ffn.latent_in", "ffn.latent_out"},
     "mla-hybrid, latents split": {"attn.wq_a", "attn.wkv_a"},
-    "latent-moe, full size": {"ffn.latent_in", "ffn.latent_out"},  # latent_out by columns
 }
 
 PREFILL_CASES = [

@@ -343,7 +343,8 @@ def test_a_disaggregated_server_gives_the_colocated_tokens(
 ) -> None:
     """--disaggregate prefills on devices of its own (the decode mesh's caches come from
     another mesh): two greedy prompts and a seeded sampled one, sent at once, get what
-    the colocated server gives them, and the greedy ones the reference's tokens."""
+    the colocated server gives them, and the greedy ones the reference's tokens. Started
+    with --host-cache-mib 0, it keeps no finished sequence and counts no lookup."""
     asks = [
         {"prompt": PROMPT, "max_tokens": 6, "temperature": 0},
         {"prompt": PROMPT[2:9], "max_tokens": 5, "temperature": 0},
@@ -355,10 +356,14 @@ def test_a_disaggregated_server_gives_the_colocated_tokens(
             results = [pool.submit(client.completions.create, model=NAME, **a) for a in asks]
         return [r.result().choices[0].model_extra["token_ids"] for r in results]
 
-    disaggregated = _start(*prepared, "--disaggregate")
+    disaggregated = _start(*prepared, "--disaggregate", "--host-cache-mib", "0")
     try:
-        assert "prefill on its own devices" in "".join(disaggregated.stderr)
+        started = "".join(disaggregated.stderr)
+        assert "prefill on its own devices" in started and "host cache off" in started
         split = tokens(disaggregated.client)
+        assert _prefix_cache(disaggregated) == (0, 0, 0)
+        assert disaggregated.metric("mkgen_host_cache_bytes") == 0
+        assert disaggregated.metric("mkgen_host_cache_sequences") == 0
     finally:
         disaggregated.process.kill()
         disaggregated.process.wait(timeout=60)
@@ -434,15 +439,13 @@ def _prefix_cache(server: Server, since: tuple = (0, 0, 0)) -> tuple[float, floa
     )  # fmt: skip
 
 
-def test_a_second_chat_turn_reuses_the_first_turns_caches(
-    prepared: tuple[Path, Path, Path], server: Server
-) -> None:
+def test_a_second_chat_turn_reuses_the_first_turns_caches(server: Server) -> None:
     """Turn one of a chat ends; its caches (the rendered prompt and the answer fed to the
     kernel) go to the host cache. Turn two's rendered prompt starts with them: they are
     restored and only the rest is prefilled (one hit, that many tokens reused), and its
-    tokens are those of a server started with --host-cache-mib 0 (no hits, nothing held).
-    A prompt that is a cached sequence plus one token restores it with nothing to
-    prefill."""
+    tokens are the reference's for the whole rendered prompt. A prompt that is a cached
+    sequence plus one token restores it with nothing to prefill, with the reference's
+    tokens too."""
     first = [{"role": "user", "content": "t12 t40 t33 t7 t51"}]
     asks = {"model": NAME, "max_tokens": 3, "temperature": 0}
     client = server.client
@@ -468,19 +471,8 @@ def test_a_second_chat_turn_reuses_the_first_turns_caches(
     restored = client.completions.create(prompt=whole, **asks).choices[0]
     assert _prefix_cache(server, after_second) == (1, 0, len(whole) - 1)
 
-    uncached = _start(*prepared, "--host-cache-mib", "0")
-    try:
-        assert "host cache off" in "".join(uncached.stderr)
-        plain = uncached.client.chat.completions.create(messages=second, **asks).choices[0]
-        plain_restored = uncached.client.completions.create(prompt=whole, **asks).choices[0]
-        assert _prefix_cache(uncached) == (0, 0, 0)
-        assert uncached.metric("mkgen_host_cache_bytes") == 0
-        assert uncached.metric("mkgen_host_cache_sequences") == 0
-    finally:
-        uncached.process.kill()
-        uncached.process.wait(timeout=60)
-    assert cached.model_extra["token_ids"] == plain.model_extra["token_ids"]
-    assert restored.model_extra["token_ids"] == plain_restored.model_extra["token_ids"]
+    assert cached.model_extra["token_ids"] == _reference(server.checkpoint, rendered, 3)
+    assert restored.model_extra["token_ids"] == _reference(server.checkpoint, whole, 3)
 
 
 def test_a_prompt_that_leaves_a_cached_sequence_before_its_end_is_prefilled_whole(
