@@ -1,7 +1,10 @@
-"""Test-wide settings: JAX runs on the CPU (libtpu is installed for compile-only devices).
-Fixtures shared by several test files."""
+"""Test-wide settings: JAX runs on the CPU (libtpu is installed for compile-only devices),
+with one compilation cache for the run. Fixtures shared by several test files."""
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -9,6 +12,17 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One JAX compilation cache for the whole run: xdist's workers and every process they
+# start inherit it from the first conftest import, so the kernels, prefills and
+# references that many processes compile alike are compiled once. It is new each run and
+# removed at its end (a run never reuses another's programs); a compile that must run
+# Mosaic itself (mkgen compile --profile reads its dump) turns it off.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _run_cache = tempfile.mkdtemp(prefix="mkgen-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _run_cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    atexit.register(shutil.rmtree, _run_cache, True)
 
 
 @pytest.fixture(scope="session")

@@ -88,7 +88,14 @@ def serve(
             "with process 0 (its engine's turns), until it stops",
             file=sys.stderr, flush=True,
         )  # fmt: skip
-        engine.run()
+        try:
+            engine.run()
+        except Exception as error:  # a collective failed: process 0 is gone
+            first = (str(error).splitlines() or [type(error).__name__])[0]
+            raise MkgenError(
+                f"process {jax.process_index()}: process 0's turns stopped arriving ({first}); "
+                "restart every process of the job"
+            ) from None
         return
     if listening is None:  # a TPU pod made this process 0
         listening = _bind(host, port)

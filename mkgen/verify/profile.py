@@ -180,7 +180,12 @@ def compile_with_dump(
         job = root / "job.pickle"  # written and read by mkgen alone, in its own folder
         job.write_bytes(pickle.dumps((spec, topology, options, header)))
         dump = root / "dump"
-        env = {**os.environ, "LIBTPU_INIT_ARGS": DUMP_FLAGS.format(dir=dump)}
+        # Mosaic writes the dump only when it compiles: never a cached executable.
+        env = {
+            **os.environ,
+            "LIBTPU_INIT_ARGS": DUMP_FLAGS.format(dir=dump),
+            "JAX_ENABLE_COMPILATION_CACHE": "false",
+        }
         env.setdefault("JAX_PLATFORMS", "cpu")
         try:
             result = subprocess.run(
