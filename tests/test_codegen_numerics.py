@@ -19,7 +19,7 @@ from mkgen.spec.topology import parse_topology
 from mkgen.verify.numerics import NumericsReport, verify_numerics
 
 TIMEOUT = 600
-TIMEOUT_16 = 420  # the 16-device cases (Kimi K3's twin: 85 s alone on 2 cores)
+TIMEOUT_16 = 420  # the 16-device case
 
 
 def _check(report: NumericsReport) -> None:
@@ -36,8 +36,8 @@ SPECS = Path(__file__).parent / "specs"
 # qwen3-32b and Muse Spark (int4 experts, latent MoE by all-reduce + all-gather) run below
 # with batch and rows, and qwen3-32b in both modes through `mkgen verify` in
 # tests/test_cli_build.py. MLA, the reduce-scatter latent MoE,
-# mxfp4 and fp8 weights and the attention residual run in Kimi K3's twin on 16 cores and
-# Kimi K2's on 8 (slow, below). (spec, DMA mode, steps): a name in model_specs/ or a test spec's
+# mxfp4 and fp8 weights and the attention residual run in Kimi K3's and Kimi K2's twins
+# (slow, below). (spec, DMA mode, steps): a name in model_specs/ or a test spec's
 # path. Two steps where the second reads caches the first wrote (GQA here; with batch and
 # rows below); one where the runner tests already carry the kind's state over several
 # steps against the reference (Gated DeltaNet: tests/test_build.py; KDA: kimi_linear in
@@ -80,42 +80,43 @@ def test_batch_and_verification_rows(
     )
 
 
-def test_kimi_k3s_twin_on_2x2x2_runs_a_round_across_hosts_with_bf16_on_the_wire() -> None:
-    """2x2x2, 16 virtual devices: every collective of Kimi K3's twin runs a round among
-    the 8 cores of a host, then one across the 2 hosts; its hidden all-reduces put bf16 on
-    the wire in both (summed in f32), its latent all-gather and reduce-scatter f32.
-    test_kimi runs it in the on_wait DMA mode."""
+@pytest.mark.timeout(TIMEOUT_16)
+def test_a_round_across_hosts_with_bf16_on_the_wire() -> None:
+    """2x2x2, 16 virtual devices: every collective runs a round among the 8 cores of a
+    host, then one across the 2 hosts, and the twin's hidden all-reduces put bf16 on the
+    wire in both (summed in f32)."""
     topology = parse_topology("2x2x2")
-    twin = mini_twin(load_spec("kimi-k3"), topology.num_devices)
+    twin = mini_twin(load_spec("qwen3-30b-a3b"), topology.num_devices)
     layout = plan_build(twin, topology, BuildOptions.create()).kernel
     assert [r.name for r in layout.collectives.rounds] == ["host", "hosts"]
-    wires = {(op, w) for b in layout.collectives.buffers for op, _, ws in b.wires for w, _ in ws}
-    assert wires == {("all_reduce", "bf16"), ("all_gather", "f32"), ("reduce_scatter", "f32")}
+    wires = [w for b in layout.collectives.buffers for _, _, ws in b.wires for w, _ in ws]
+    assert wires and set(wires) == {"bf16"}
+    _check(verify_numerics("qwen3-30b-a3b", "2x2x2", mode="eager", steps=1, timeout=TIMEOUT_16))
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(TIMEOUT_16)
 @pytest.mark.parametrize(
-    ("spec", "topology", "mode"), [("kimi-k3", "2x2x2", "on_wait"), ("kimi-k2", "2x2x1", "eager")]
+    ("spec", "topology", "mode"), [("kimi-k3", "2x2x1", "on_wait"), ("kimi-k2", "2x2x1", "eager")]
 )
 def test_kimi(spec: str, topology: str, mode: str) -> None:
-    """Kimi K3 on 2x2x2, 16 virtual devices (two one-shot collective rounds, the second
-    across two hosts, bf16 on the all-reduces' wires: the test above): KDA and MLA (NoPE, gated) layers, latent MoE of mxfp4 experts combined by
-    reduce-scatter, the attention residual. Its build's own slice, 2x2x4 on 32 devices,
-    is verified by `mkgen verify kimi-k3 --topology 2x2x4 --rows 8` (recorded in
+    """Kimi K3 on 2x2x1 (8 cores): KDA and MLA (NoPE, gated) layers, latent MoE of mxfp4
+    experts combined by reduce-scatter, the attention residual. Its build's own slice,
+    2x2x4 on 32 devices (a reduce-scatter in two rounds, the second across hosts), is
+    verified by `mkgen verify kimi-k3 --topology 2x2x4 --rows 8` (recorded in
     generated/kimi-k3-2x2x4/REPORT.md: about 3 minutes on 2 cores, too long for every
-    run). Kimi K2 (its twin passed on 2x2x4 too, by hand): MLA with YaRN, fp8 dense
-    weights and experts."""
-    _check(verify_numerics(spec, topology, mode=mode, steps=1, timeout=TIMEOUT_16))
+    run; its twin on 2x2x2 took 65 to 97 s here). Kimi K2 (its twin passed on 2x2x4 too,
+    by hand): MLA with YaRN, fp8 dense weights and experts."""
+    _check(verify_numerics(spec, topology, mode=mode, steps=1, timeout=TIMEOUT))
 
 
 @pytest.mark.slow
 def test_mla_heads_stacked_with_batch_and_rows() -> None:
     # One chip (2 cores): 2 q heads per core share the latent cache, so the absorbed
-    # projections run with stacked heads; 2 sequences x 3 rows.
+    # projections run with stacked heads; 2 sequences x 3 rows. (A step reading the
+    # latent cache an earlier one wrote: kimi_linear in tests/test_runner.py.)
     spec = str(SPECS / "mla-hybrid.yaml")
     _check(
-        verify_numerics(spec, "1x1x1", mode="on_wait", steps=2, batch=2, rows=3, timeout=TIMEOUT)
+        verify_numerics(spec, "1x1x1", mode="on_wait", steps=1, batch=2, rows=3, timeout=TIMEOUT)
     )
 
 
