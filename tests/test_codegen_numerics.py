@@ -102,10 +102,10 @@ def test_kimi(spec: str, topology: str, mode: str) -> None:
     """Kimi K3 on 2x2x1 (8 cores): KDA and MLA (NoPE, gated) layers, latent MoE of mxfp4
     experts combined by reduce-scatter, the attention residual. Its build's own slice,
     2x2x4 on 32 devices (a reduce-scatter in two rounds, the second across hosts), is
-    verified by `mkgen verify kimi-k3 --topology 2x2x4 --rows 8` (recorded in
-    generated/kimi-k3-2x2x4/REPORT.md: about 3 minutes on 2 cores, too long for every
-    run; its twin on 2x2x2 took 65 to 97 s here). Kimi K2 (its twin passed on 2x2x4 too,
-    by hand): MLA with YaRN, fp8 dense weights and experts."""
+    verified by hand with `mkgen verify kimi-k3 --topology 2x2x4 --rows 8` (about 3
+    minutes on 2 cores, too long for every run; its twin on 2x2x2 took 65 to 97 s here).
+    Kimi K2 (its twin passed on 2x2x4 too, by hand): MLA with YaRN, fp8 dense weights and
+    experts."""
     _check(verify_numerics(spec, topology, mode=mode, steps=1, timeout=TIMEOUT))
 
 
