@@ -21,7 +21,7 @@ import click
 from mkgen import __version__
 from mkgen.errors import MkgenError
 from mkgen.output import write_atomic
-from mkgen.runtime.devices import INTERPRET_ACROSS_PROCESSES
+from mkgen.runtime.devices import INTERPRET_ACROSS_PROCESSES, check_multi_host_flags
 from mkgen.serve import HOST_CACHE_MIB
 
 # Random weights come from jax.random.key(seed), which takes 32-bit seeds.
@@ -1009,21 +1009,11 @@ def serve_command(
         raise MkgenError("give --weights WEIGHTS (mkgen convert) or --random-weights SEED")
     if trust_weights and weights is None:
         raise MkgenError("--trust-weights: only with --weights (converted weights)")
-    distributed = {"coordinator": coordinator, "num_processes": num_processes}
-    distributed["process_id"] = process_id
-    for name, value in distributed.items():
-        if value is not None and not multi_host:
-            raise MkgenError(f"--{name.replace('_', '-')}: only with --multi-host")
+    check_multi_host_flags(multi_host, disaggregate, coordinator, num_processes, process_id)
     if multi_host and interpret:
         raise MkgenError(INTERPRET_ACROSS_PROCESSES)
-    if multi_host and disaggregate:
-        raise MkgenError(
-            "--disaggregate: not with --multi-host (a prefill mesh is tested in one process only)"
-        )
-    if None not in (num_processes, process_id) and process_id >= num_processes:
-        raise MkgenError(
-            f"--process-id: must be below --num-processes ({num_processes}), got {process_id}"
-        )
+    distributed = {"coordinator": coordinator, "num_processes": num_processes}
+    distributed["process_id"] = process_id
     from mkgen.serve.server import serve
 
     serve(

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 from mkgen.errors import MkgenError
 from mkgen.runtime.build import Build
+from mkgen.runtime.devices import check_multi_host_flags
 
 # Seeds numpy's default_rng (sampling) and jax.random.key (--random-weights) both take.
 SEED_MAX = 2**32 - 1
@@ -298,19 +299,15 @@ def _check_companions(args: argparse.Namespace, build: Build) -> None:
         raise MkgenError("--trust-weights: only with --weights (converted weights)")
     if args.disaggregate and args.prefill != "xla":
         raise MkgenError("--disaggregate: only with --prefill xla (the kernel prefills in place)")
-    if args.disaggregate and args.multi_host:
-        raise MkgenError(
-            "--disaggregate: not with --multi-host (a prefill mesh is tested in one process only)"
-        )
     if args.warmup is not None and not args.bench:
         raise MkgenError("--warmup: only with --bench")
     args.warmup = WARMUP_DEFAULT if args.warmup is None else args.warmup
-    given = {"--coordinator": args.coordinator, "--num-processes": args.num_processes}
-    given["--process-id"] = args.process_id
-    for flag, value in given.items():
-        if value is not None and not args.multi_host:
-            raise MkgenError(f"{flag}: only with --multi-host")
+    check_multi_host_flags(
+        args.multi_host, args.disaggregate, args.coordinator, args.num_processes, args.process_id
+    )
     if args.multi_host and args.interpret:
+        given = {"--coordinator": args.coordinator, "--num-processes": args.num_processes}
+        given["--process-id"] = args.process_id
         missing = [flag for flag, value in given.items() if value is None]
         if missing:
             raise MkgenError(
@@ -322,11 +319,6 @@ def _check_companions(args: argparse.Namespace, build: Build) -> None:
                 f"--num-processes: must divide the build's {build.devices} devices in "
                 f"interpret mode, got {args.num_processes}"
             )
-    if None not in (args.num_processes, args.process_id) and args.process_id >= args.num_processes:
-        raise MkgenError(
-            f"--process-id: must be below --num-processes ({args.num_processes}), "
-            f"got {args.process_id}"
-        )
 
 
 def parse_args(build: Build, argv: list[str] | None, prog: str) -> argparse.Namespace:

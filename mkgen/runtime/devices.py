@@ -31,6 +31,29 @@ INTERPRET_ACROSS_PROCESSES = (
 )
 
 
+def check_multi_host_flags(
+    multi_host: bool,
+    disaggregate: bool,
+    coordinator: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+) -> None:
+    """The multi-host flags that mean something only together (mkgen run, mkgen serve)."""
+    given = {"--coordinator": coordinator, "--num-processes": num_processes}
+    given["--process-id"] = process_id
+    for flag, value in given.items():
+        if value is not None and not multi_host:
+            raise MkgenError(f"{flag}: only with --multi-host")
+    if disaggregate and multi_host:
+        raise MkgenError(
+            "--disaggregate: not with --multi-host (a prefill mesh is tested in one process only)"
+        )
+    if num_processes is not None and process_id is not None and process_id >= num_processes:
+        raise MkgenError(
+            f"--process-id: must be below --num-processes ({num_processes}), got {process_id}"
+        )
+
+
 def start_distributed(args: Namespace) -> None:
     """One process per host: jax.distributed.initialize from the flags, or (on a TPU pod)
     from what the TPU runtime tells it."""
