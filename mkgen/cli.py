@@ -228,7 +228,7 @@ def _knob_options(command: Callable[..., Any]) -> Callable[..., Any]:
                 "--held-refills",
                 type=int,
                 default=None,
-                help="Ring refills held for the next collective [planner].",
+                help="Ring refills held for the collectives' rounds [planner].",
             ),
         ]
     ):

@@ -53,7 +53,7 @@ def main() -> None:
 
     from mkgen.codegen.build import load_module, render_kernel
     from mkgen.plan import plan_build
-    from mkgen.plan.layout import GQALayout
+    from mkgen.plan.layout import JNP_DTYPES, GQALayout
     from mkgen.plan.options import BuildOptions
     from mkgen.spec.loader import load_spec
     from mkgen.spec.topology import parse_topology
@@ -93,21 +93,23 @@ def main() -> None:
             return stream_slot_and_product(fmt.removeprefix("stream:"), chunks)
         kernel, layout = rendered(f"experts={fmt}")
         e = next(f for f in layout.ffn if f.type == "moe").experts
-        arrays = [(e.code_rows // e.piece_chunks, e.code_jnp)]
-        if e.scale_dtype:
-            arrays.append((e.scale_rows // e.piece_chunks, e.scale_jnp))
+        # Each array of a slot as the kernel declares it, for `chunks` chunks (inline
+        # scales: the chunks' codes, then their scales, from scale_row on).
         shapes = [
-            jax.ShapeDtypeStruct((1, chunks * rows, kernel.LANES), getattr(jnp, dtype))
-            for rows, dtype in arrays
+            jax.ShapeDtypeStruct(
+                (1, chunks * rows // e.piece_chunks, kernel.LANES), getattr(jnp, JNP_DTYPES[dtype])
+            )
+            for rows, dtype in e.array_shapes
         ]
+        scale_row = chunks * e.code_rows // e.piece_chunks
         product = {
             "bf16": lambda refs, rows: kernel._bf16_product(*refs),
             "int8": lambda refs, rows: kernel._int8_product(*refs),
             "int4": lambda refs, rows: kernel._int4_product(*refs, e.group, rows),
-            "mxfp4": lambda refs, rows: kernel._mxfp4_product(*refs, rows),
+            "mxfp4": lambda refs, rows: kernel._mxfp4_product(*refs, scale_row, rows),
             # a slot of `chunks` chunks: their block scales, then their tensor-scale rows
             "nvfp4": lambda refs, rows: kernel._nvfp4_product(
-                *refs, chunks * kernel.CHUNK // 16, rows
+                *refs, scale_row, chunks * kernel.CHUNK // 16, rows
             ),
             "fp8": lambda refs, rows: kernel._fp8_product(*refs, e.group, rows),
         }[e.kind]

@@ -116,7 +116,7 @@ def test_inspect_prints_the_outline_with_line_ranges(built) -> None:
         "make_decode_step ",
         "VMEM map",
         "ring_vmem",
-        "49408x256",  # 12 banks of 4096 rows and the 256-row wrap
+        "65792x256",  # 16 banks of 4096 rows and the 256-row wrap
     ):
         assert fragment in out, fragment
     # Every phase's range lies inside its function.
@@ -139,7 +139,7 @@ def test_inspect_layer_shows_its_rows_banks_slot_and_source(built) -> None:
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "layer 1 of 2 (qwen3-32b-mini on tpu7x:2x2x1)" in out
-    assert "attention stream: first row" in out and "in flight on entry (ring of 3)" in out
+    assert "attention stream: first row" in out and "in flight on entry (ring of 4)" in out
     assert "cache slot 1 of kind 'gqa'" in out
     assert re.search(r"^\s+\d+  def _attention_gqa\(", out, re.M)
     assert re.search(r"^\s+\d+  def _ffn_dense\(", out, re.M)

@@ -46,7 +46,7 @@ def _plan(model: str, topology: str, **options) -> BuildPlan:
 
 @pytest.fixture(scope="module")
 def small() -> BuildPlan:
-    """A MoE + GQA plan small enough to break in many ways (ring 12, 4 expert slots, more
+    """A MoE + GQA plan small enough to break in many ways (ring 16, 4 expert slots, more
     experts per layer than slots)."""
     return _plan("qwen3-30b-a3b", "2x2x1", batch=4)
 
@@ -96,7 +96,7 @@ def test_kimi_k3_plan_has_ring_slots_tiles_and_states() -> None:
     assert plan.vmem.dims.collective_buffers == 4
     assert plan.vmem.dims.collectives.slots == 12
     assert plan.vmem.by_category["collectives"] < 5 * MiB
-    assert 6 <= plan.vmem.ring_depth <= 12
+    assert plan.vmem.ring_depth == 16  # RING_VMEM_BYTES: 16 x 2 MiB, within the budget
     assert {
         "bank",
         "vector",
@@ -115,7 +115,11 @@ def test_kimi_k3_plan_has_ring_slots_tiles_and_states() -> None:
     split = plan.sharding.ffn["moe"].experts
     pieces = plan.vmem.experts["moe"].pieces
     slices = math.ceil(split.expected_max_experts_per_rank)
-    assert s.dmas_by_category["expert"] == 92 * slices * pieces * 2  # codes + scales
+    # One DMA a piece: mxfp4's E8M0 scale bytes follow its code bytes in one int8 array.
+    assert plan.vmem.experts["moe"].array_shapes == [
+        (5376 + 352, "int8")
+    ]  # 336 scale rows, whole tiles
+    assert s.dmas_by_category["expert"] == 92 * slices * pieces
     by_category = plan.vmem.by_category
     assert by_category["ring"] == plan.vmem.ring_depth * 2 * MiB + 128 * 1024  # + the wrap
     assert by_category["expert_slots"] == 4 * plan.vmem.expert_slot_bytes
@@ -166,15 +170,18 @@ def test_the_ring_policy_is_the_kernels() -> None:
         assert wait[bank.id] > first[bank.id]
 
 
-@pytest.mark.parametrize("held", [1, 6])
-def test_held_refills_start_once_the_next_collectives_copies_are_under_way(held) -> None:
+@pytest.mark.parametrize("held", [1, 6, 9])
+def test_held_refills_start_once_a_collective_rounds_copies_are_under_way(held) -> None:
     """With refills held, a bank starts where the ring reaches it unless it is among the
-    last `held` refills, which start right after the next collective round's copies and
-    before the round is waited: every bank still starts before its wait."""
+    last `held` refills, which wait for a collective round: right after its copies and
+    before it is waited, the round starts the oldest `refills_per_round` of them. Every
+    bank still starts before its wait."""
     plan = _plan("qwen3-32b", "2x2x1", held_refills=held)
     schedule = plan.step_graph.schedule
     depth, nodes = plan.vmem.ring_depth, schedule.nodes
+    per_round = plan.stream.refills_per_round
     assert schedule.held_refills == plan.stream.held_refills == held
+    assert schedule.refills_per_round == per_round < 9
     first, wait = schedule.positions()
     bank_of = {n.id: n.key[1] for n in nodes if n.cat == "bank"}
     expected: list[int] = []  # banks in the order the kernel's rule starts them
@@ -183,8 +190,8 @@ def test_held_refills_start_once_the_next_collectives_copies_are_under_way(held)
     for op, i in schedule.events:
         node = nodes[i]
         if op == START and node.cat == "collective":
-            expected += pending
-            pending = []
+            expected += pending[:per_round]
+            pending = pending[per_round:]
         if op != RUN:
             continue
         for read, res, _ in node.reads:
@@ -222,6 +229,24 @@ def test_too_many_held_refills_for_the_ring_is_refused() -> None:
         _plan("qwen3-30b-a3b", "2x2x1", ring_depth=12, held_refills=11)
     with pytest.raises(SpecError, match=r"--held-refills 2: one core has no collectives"):
         _plan("qwen3-30b-a3b", "v6e:1x1", quant=["experts=mxfp4"], held_refills=2)
+
+
+def test_a_round_starts_the_held_refills_its_flight_covers_or_all_of_them() -> None:
+    """The planner scores rounds that start the 2 MiB banks the DMA engine streams in the
+    catalog's 3.5 us phase (about 0.7 us each: 5) against rounds that start every held
+    refill, and keeps the faster: Kimi K3's two-round collectives the first, Qwen3.8-27B's
+    one-round ones the second."""
+    kimi = _plan("kimi-k3", "2x2x4", rows=8)
+    depth = kimi.vmem.ring_depth
+    assert kimi.stream.refills_per_round == kimi.schedule.refills_per_round == 5
+    assert kimi.schedule.held_refills > kimi.stream.refills_per_round
+    qwen = _plan("qwen3.8-27b", "2x2x1", rows=8)
+    assert qwen.stream.refills_per_round == depth - 2 >= qwen.schedule.held_refills
+    for plan in (kimi, qwen):
+        scored = plan.schedule.refills_per_round_scored
+        assert set(scored) == {5, depth - 2}
+        assert plan.estimate.step_ms == pytest.approx(min(scored.values()))
+        assert scored[plan.stream.refills_per_round] == min(scored.values())
 
 
 def test_a_program_holding_more_refills_than_its_ring_allows_would_hang() -> None:
@@ -461,7 +486,7 @@ def test_a_budget_above_the_limit_is_an_error() -> None:
 def test_a_tighter_budget_gives_a_shallower_ring_and_fewer_slots() -> None:
     wide = _plan("mixtral-8x7b", "2x2x1")
     tight = _plan("mixtral-8x7b", "2x2x1", vmem_budget_bytes="16MiB")
-    assert (wide.vmem.ring_depth, wide.vmem.expert_slots) == (12, 4)
+    assert (wide.vmem.ring_depth, wide.vmem.expert_slots) == (16, 4)
     assert tight.vmem.explicit_bytes <= 16 * MiB
     assert tight.vmem.ring_depth < wide.vmem.ring_depth
     assert tight.vmem.expert_slots < wide.vmem.expert_slots
@@ -472,8 +497,9 @@ def test_expert_slots_hold_pieces_of_the_packed_slice() -> None:
     plan = _plan("muse-spark-1.2", "2x2x1")
     split = plan.sharding.ffn["moe"].experts
     e = plan.vmem.experts["moe"]
-    # int4 codes two to a byte plus bf16 scales: the pieces cover the HBM slice.
-    assert e.code_dtype == "int8" and e.scale_dtype == "bf16"
+    # int4 codes two to a byte plus bf16 scales (two arrays, two DMAs a piece): the pieces
+    # cover the HBM slice.
+    assert e.code_dtype == "int8" and e.scale_dtype == "bf16" and e.arrays == 2
     assert split.slice_bytes <= e.pieces * e.piece_bytes < 1.1 * split.slice_bytes
     assert plan.vmem.expert_slot_bytes == e.piece_bytes  # no tile padding on [*, 256] pieces
 

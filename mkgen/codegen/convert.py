@@ -112,7 +112,9 @@ def weights_digest(spec: ModelSpec, layout: KernelLayout) -> str:
     }
     # How far the ring fetches ahead does not move a weight.
     keep["stream"] = {
-        k: v for k, v in keep["stream"].items() if k not in ("ring_depth", "held_refills")
+        k: v
+        for k, v in keep["stream"].items()
+        if k not in ("ring_depth", "held_refills", "refills_per_round")
     }
     keep["mesh_order"] = data["collectives"]["mesh_order"]
     keep["attention"] = [

@@ -259,11 +259,12 @@ def _pieces(chunks: np.ndarray, pieces: int, piece_chunks: int) -> np.ndarray:
 
 def expert_arrays(layout: KernelLayout) -> list[tuple[int, int]]:
     """(FFN kind index, array of the kind) of each routed-expert array, in the order of the
-    kernel's expert_shapes(): per MoE kind its bf16 weights, or its codes and scales."""
+    kernel's expert_shapes(): per MoE kind its bf16 weights, or its codes and scales (one
+    array when the scales are inline)."""
     out = []
     for index, f in enumerate(layout.ffn):
         if f.type == "moe":
-            out += [(index, j) for j in range(1 if f.experts.kind == "bf16" else 2)]
+            out += [(index, j) for j in range(f.experts.arrays)]
     return out
 
 
@@ -273,8 +274,9 @@ def pack_experts_layer(
     """One core's routed experts of one layer: [] for a dense layer, else the arrays of its
     MoE kind (expert_arrays), each [experts_per_rank, pieces, rows, LANES]: bf16, or codes
     and scales as ExpertChunks describes them (int4 / mxfp4 / nvfp4: nibbles two rows a
-    byte, bf16 / E8M0 / e4m3 and E8M0 tensor scales; fp8: e4m3 codes, f32 block scales;
-    int8: int8 codes, f32 column scales). Rank r holds experts [g * E_r,
+    byte, bf16 / E8M0 / e4m3 and E8M0 tensor scales, mxfp4's and nvfp4's after the codes in
+    one int8 array; fp8: e4m3 codes, f32 block scales; int8: int8 codes, f32 column
+    scales). Rank r holds experts [g * E_r,
     (g + 1) * E_r) of group g = r // width_parts and of each the columns of width part
     r % width_parts (MoELayout). Every chunk is quantized on its own, so packing a layer at
     a time gives the same bytes as packing the kind at once."""
@@ -320,7 +322,14 @@ def pack_experts_layer(
         scales = np.concatenate([block.reshape(per_piece), tensor], axis=-2)
     else:
         raise NotImplementedError(f"packing {e.format} experts")
-    return [codes.reshape(*lead, e.code_rows, LANES), scales.reshape(*lead, e.scale_rows, LANES)]
+    codes = codes.reshape(*lead, e.code_rows, LANES)
+    scales = scales.reshape(*lead, e.scale_rows, LANES)
+    if e.inline_scales:  # one int8 array: each piece's code rows, then its scale rows
+        piece = np.zeros((*lead, *e.array_shapes[0][:1], LANES), codes.dtype)
+        piece[..., : e.code_rows, :] = codes
+        piece[..., e.code_rows : e.code_rows + e.scale_rows, :] = scales.view(codes.dtype)
+        return [piece]
+    return [codes, scales]
 
 
 def pack_experts(

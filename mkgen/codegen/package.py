@@ -108,7 +108,7 @@ _MODEL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 # Mini twins use small banks (CHUNK rows: a chunk spans at most two) and a shallow ring so
 # that a few layers already wrap the ring several times and chunks straddle banks.
 MINI_BANK_ROWS = 256
-MINI_RING_DEPTH = 3
+MINI_RING_DEPTH = 4
 MINI_PIECE_CHUNKS = 1  # expert slices in several pieces, the slots wrapping within a layer
 
 
@@ -122,8 +122,10 @@ def mini_kernel_args() -> dict[str, int]:
         "bank_rows": MINI_BANK_ROWS,
         "ring_depth": MINI_RING_DEPTH,
         "max_piece_chunks": MINI_PIECE_CHUNKS,
-        # As many held refills as the shallow ring allows, so the twin proves the hold.
+        # As many held refills as the shallow ring allows, fewer started per collective
+        # round than held, so the twin proves the hold and its partial releases.
         "held_refills": MINI_RING_DEPTH - 2,
+        "refills_per_round": 1,
     }
 
 
@@ -338,7 +340,7 @@ def render_build(
     layout = plan.kernel
     kernel_args = resolved_kernel_args(plan, kernel_args)
     bank_rows, depth = kernel_args["bank_rows"], kernel_args["ring_depth"]
-    held = plan.kernel.stream.held_refills
+    held, per_round = plan.kernel.stream.held_refills, plan.kernel.stream.refills_per_round
     digest = inputs_digest(spec, topology, options, kernel_args)
     name = build_name(spec.name, topology)
     rebuild = parent or rebuild_command(spec.name, topology, options, line)
@@ -349,7 +351,7 @@ def render_build(
         inputs_sha256=digest,
         description=spec.description,
         options=f"{options.describe()}; weight banks of {bank_rows} rows, ring depth {depth}"
-        + (f", {held} refills held for collectives" if held else ""),
+        + (f", {held} refills held for collectives, {per_round} a round" if held else ""),
         rebuild=rebuild,
     )
     # The cost model at every whole acceptance length 1..rows: the step does not depend on

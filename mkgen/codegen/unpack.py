@@ -120,8 +120,11 @@ def segment_matrix(segment: Segment, rows: jax.Array, bank_rows: int) -> jax.Arr
 
 def expert_values(experts: ExpertChunks, arrays: list[jax.Array]) -> jax.Array:
     """A layer's routed-expert arrays ([experts, pieces, rows, LANES]: bf16, or codes and
-    scales) -> f32 chunks [experts, pieces * piece_chunks, CHUNK, LANES]."""
+    scales, inline or not) -> f32 chunks [experts, pieces * piece_chunks, CHUNK, LANES]."""
     codes = arrays[0]
+    if experts.inline_scales:  # the scale rows after the codes, then tile padding
+        at = experts.code_rows
+        codes, arrays = codes[..., :at, :], [None, codes[..., at : at + experts.scale_rows, :]]
     count = codes.shape[0] * experts.pieces * experts.piece_chunks
     lead = (codes.shape[0], experts.pieces * experts.piece_chunks)
     if experts.kind == "bf16":

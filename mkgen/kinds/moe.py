@@ -285,7 +285,7 @@ def buffers(out: Any, i: BufferInputs) -> None:
     tp = dims.tokens_padded
     gate = next(t for t in i.shard.tensors if t.name == "ffn.experts_gate")
     e = expert_chunks(fmt, gate.global_shape[1], i.shard.experts.width_per_rank,
-                      dims.max_piece_chunks)  # fmt: skip
+                      dims.max_piece_chunks, inline_scales=dims.inline_scales)  # fmt: skip
     out.experts[name] = e
     out.add(f"{name}_ids_vmem", "activations", (tp, 128), "int32", why="chosen experts")
     out.scalar(f"{name}_ids_smem", (tp, 128))
@@ -293,14 +293,21 @@ def buffers(out: Any, i: BufferInputs) -> None:
     out.scalar(f"{name}_seen_smem", (kind.num_experts,))
     out.scalar(f"{name}_chosen_smem", (dims.tokens * kind.top_k,))
     res, why = f"{name}.experts", f"{slots} expert piece slot(s), {fmt}"
-    if e.code_dtype == "bf16":
-        out.add(f"{name}_slots_vmem", "expert_slots", (slots, e.code_rows, LANES), "bf16",
-                resource=res, slots=slots, why=why)  # fmt: skip
-    else:
-        out.add(f"{name}_code_slots_vmem", "expert_slots", (slots, e.code_rows, LANES),
-                e.code_dtype, resource=res, slots=slots, why=why)  # fmt: skip
-        out.add(f"{name}_scale_slots_vmem", "expert_slots", (slots, e.scale_rows, e.scale_cols),
-                e.scale_dtype, resource=res, slots=slots, why=why)  # fmt: skip
+    names = (
+        [f"{name}_slots_vmem"]
+        if e.arrays == 1
+        else [f"{name}_code_slots_vmem", f"{name}_scale_slots_vmem"]
+    )
+    for slot_name, (rows, dtype) in zip(names, e.array_shapes, strict=True):
+        out.add(
+            slot_name,
+            "expert_slots",
+            (slots, rows, LANES),
+            dtype,
+            resource=res,
+            slots=slots,
+            why=why,
+        )
     out.sems(f"{name}_slot_sems", (2, slots))
     out.add(f"{name}_in_vmem", "activations", (e.gate_up_k_chunks, tp, CHUNK), "bf16",
             why="expert input, chunked")  # fmt: skip

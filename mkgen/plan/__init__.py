@@ -98,12 +98,16 @@ def plan_program(
     ring_depth: int | None = None,
     max_piece_chunks: int = MAX_PIECE_CHUNKS,
     held_refills: int | None = None,
+    refills_per_round: int | None = None,
     kv_tile_tokens: int | None = None,
+    inline_scales: bool = True,
 ) -> ProgramPlan:
     """Stages 1 to 5 and the schedule (stage 7) of `plan_build`, without the kernel layout:
     the program the cost model prices. Arguments as `plan_build`'s; the KV tile is the
-    template's unless `kv_tile_tokens` says another (the calibration prices the measured
-    kernel's 256-token tiles, which the template does not render)."""
+    template's unless `kv_tile_tokens` says another, and mxfp4 / nvfp4 expert scales are
+    inline after their codes unless `inline_scales` is False (the calibration prices the
+    measured kernel's 256-token tiles and its codes and scales in separate DMAs, which the
+    template does not render)."""
     spec = options.apply(spec)
     sharding = plan_sharding(spec, topo, options)
     memory = plan_memory(spec, topo, options, sharding)
@@ -119,6 +123,7 @@ def plan_program(
         max_piece_chunks=max_piece_chunks,
         ring_depth=ring_depth,
         kv_tile_tokens=kv_tile_tokens,
+        inline_scales=inline_scales,
     )
     stream = stream.model_copy(update={"ring_depth": vmem.ring_depth})
     if sharding.devices == 1 and options.held_refills:
@@ -135,37 +140,73 @@ def plan_program(
             "--ring-depth"
         )
 
-    def program(held: int) -> ProgramPlan:
-        held_stream = stream.model_copy(update={"held_refills": held})
+    flight = _round_refills(topo, options, stream.bank_bytes)
+
+    def program(held: int, per_round: int) -> ProgramPlan:
+        held_stream = stream.model_copy(
+            update={"held_refills": held, "refills_per_round": per_round}
+        )
         schedule = build_schedule(spec, sharding, held_stream, vmem, options)
         return ProgramPlan(spec, sharding, memory, held_stream, vmem, schedule)
 
     if sharding.devices == 1:
-        return program(0)
-    if forced is not None:
-        return program(forced)
-    if held_refills is not None:
-        return program(min(held_refills, most))
-    # Holding refills for the next collective moves ring traffic under its flight, but
-    # shortens the ring ahead of the core: the cost model scores a few holds (once per
-    # program in a process: every command and test plans the same builds again).
+        return program(0, flight)
+    if forced is not None or held_refills is not None:
+        held = forced if forced is not None else min(held_refills or 0, most)
+        return program(held, refills_per_round or flight)
+    # Holding refills for the collectives moves ring traffic under their flights, but
+    # shortens the ring ahead of the core; a round starting only the banks its flight
+    # covers keeps the next round's copies from queueing behind them, but leaves the rest
+    # held for longer. The cost model scores a few holds for each (rounds starting what
+    # their flight covers, or every held refill), then walks from the fastest of all to its
+    # neighbours while they are faster (once per program in a process: every command and
+    # test plans the same builds again).
     key = (spec.model_dump_json(), topo.name, options.model_dump_json(), bank_rows,
-           vmem.ring_depth, max_piece_chunks, kv_tile_tokens)  # fmt: skip
-    scored: dict[int, ProgramPlan] = {}
+           vmem.ring_depth, max_piece_chunks, kv_tile_tokens, inline_scales)  # fmt: skip
+    scored: dict[tuple[int, int], ProgramPlan] = {}
     if key not in _HOLD_SCORES:
-        scored = {held: program(held) for held in {0, most // 2, 3 * most // 4, most}}
-        _HOLD_SCORES[key] = {
-            held: estimate(topo, options, scored[held]).step_ms for held in sorted(scored)
-        }
-    scores = _HOLD_SCORES[key]
+        found: dict[int, dict[int, float]] = {r: {} for r in sorted({flight, max(most, 1)})}
+
+        def score(held: int, per_round: int) -> float:
+            scores = found[per_round]
+            if held not in scores:
+                scored[held, per_round] = program(held, per_round)
+                scores[held] = estimate(topo, options, scored[held, per_round]).step_ms
+                if held == 0:  # nothing held: the release rule does not matter
+                    for other in found.values():
+                        other[0] = scores[0]
+            return scores[held]
+
+        for per_round in found:
+            for held in (0, most // 2, 3 * most // 4, most):
+                score(held, per_round)
+        per_round = min(found, key=lambda r: min(found[r].values()))
+        for way in (-1, 1):
+            held = min(found[per_round], key=found[per_round].__getitem__)
+            while 0 <= held + way <= most and score(held + way, per_round) < score(held, per_round):
+                held += way
+        _HOLD_SCORES[key] = {r: dict(sorted(s.items())) for r, s in found.items()}
+    by_round = _HOLD_SCORES[key]
+    per_round = min(by_round, key=lambda r: min(by_round[r].values()))
+    scores = by_round[per_round]
     fastest = min(scores, key=scores.__getitem__)
-    best = scored[fastest] if scored else program(fastest)
+    best = scored.get((fastest, per_round)) or program(fastest, per_round)
     best.schedule.held_scores = dict(scores)
+    best.schedule.round_scores = {r: min(s.values()) for r, s in by_round.items()}
     return best
 
 
-# Predicted step (ms) of each held-refill count plan_program scored, per program.
-_HOLD_SCORES: dict[tuple, dict[int, float]] = {}
+def _round_refills(topo: Topology, options: BuildOptions, bank_bytes: int) -> int:
+    """Held refills a collective round starts: the banks the DMA engine streams during the
+    shortest round's flight (the catalog's phase latencies), at least one. More would
+    still be streaming when the next round's copies queue behind them."""
+    c = CostConstants.from_chip(topo.chip_info, options)
+    return max(1, int(min(c.collective_phase_s, c.cross_host_phase_s) / c.dma_s(bank_bytes)))
+
+
+# Predicted step (ms) of each held-refill count plan_program scored, per program and
+# refills started a round.
+_HOLD_SCORES: dict[tuple, dict[int, dict[int, float]]] = {}
 
 
 def plan_build(
@@ -177,6 +218,7 @@ def plan_build(
     ring_depth: int | None = None,
     max_piece_chunks: int = MAX_PIECE_CHUNKS,
     held_refills: int | None = None,
+    refills_per_round: int | None = None,
     trace_residuals: bool = False,
     trace: bool = False,
     enforce: bool = True,
@@ -188,7 +230,8 @@ def plan_build(
     `bank_rows` and `max_piece_chunks` size the weight banks and expert pieces (the mini
     twin's are small); `ring_depth` forces the ring's depth unless --ring-depth does (a
     saved build records the depth it was rendered with), `held_refills` the refills held
-    for collectives unless --held-refills does; `trace_residuals` makes the
+    for collectives unless --held-refills does, `refills_per_round` how many of them a
+    collective round starts (by default the banks its flight covers); `trace_residuals` makes the
     kernel also return the residual stream after every layer (verify's per-layer check)."""
 
     base = spec
@@ -200,6 +243,7 @@ def plan_build(
         ring_depth=ring_depth,
         max_piece_chunks=max_piece_chunks,
         held_refills=held_refills,
+        refills_per_round=refills_per_round,
     )
     spec, sharding, _, stream, vmem, schedule = program
     kernel = build_layout(

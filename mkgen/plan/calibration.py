@@ -91,9 +91,12 @@ def options_for(config: str, batch: int) -> BuildOptions:
 def predict(config: str, batch: int) -> Estimate:
     """The cost model's walk of the program the options above plan: the same code and
     constants as every build's estimate (plan_program: the measured kernel's 256-token
-    KV tiles are not the template's, so the kernel layout is not built)."""
+    KV tiles and its expert codes and scales in separate DMAs, musespark/moe.py's four
+    copies an expert, are not the template's, so the kernel layout is not built)."""
     spec, topo, options = load_spec(MODEL), parse_topology(TOPOLOGY), options_for(config, batch)
-    program = plan_program(spec, topo, options, kv_tile_tokens=MEASURED_KV_TILE_TOKENS)
+    program = plan_program(
+        spec, topo, options, kv_tile_tokens=MEASURED_KV_TILE_TOKENS, inline_scales=False
+    )
     return estimate(topo, options, program)
 
 

@@ -33,7 +33,7 @@ boolean (``StepGraph.checks``) with the first offending node (``failures``):
   semaphore exists in the plan (a shared semaphore is a race);
 - ``ops_run_once``: every compute op runs exactly once;
 - ``deadlock_free``: the ring starts bank g + depth only once bank g is used (and, of
-  the refills held for collectives, only once the next collective's copies start), so a
+  the refills held for collectives, only once a collective round's copies start), so a
   program that waits for its banks out of stream order hangs at a shallow enough depth;
   every bank wait must find its bank started at the chosen depth and at every depth the
   planner or --ring-depth may pick (MIN_RING_DEPTH..MAX_RING_DEPTH);
@@ -454,10 +454,14 @@ def _check_deadlock(schedule: Schedule, fail: _Failures) -> None:
         # The program's holds at its own depth; at another, as many as that depth allows
         # (plan_program's bound).
         held = schedule.held_refills
-        ring = RingRefills(depth, held if depth == schedule.ring_depth else min(held, depth - 2))
+        ring = RingRefills(
+            depth,
+            held if depth == schedule.ring_depth else min(held, depth - 2),
+            schedule.refills_per_round,
+        )
         started = set(range(min(depth, schedule.total_banks)))
         for bank, node in uses:
-            if bank is None:  # a collective's copies started: the held refills go
+            if bank is None:  # a collective round's copies started: held refills go
                 started.update(ring.release())
                 continue
             if bank not in started:

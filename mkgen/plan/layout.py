@@ -19,6 +19,7 @@ from mkgen.plan.stream import (
     Segment,
     StreamPlan,
     cdiv,
+    round_up,
 )
 from mkgen.spec.schema import (
     ModelSpec,
@@ -191,6 +192,7 @@ class DenseLayout(PlanModel):
 
 
 # Expert array dtypes (the VMEM plan's names) -> jnp names for the template.
+INT8_TILE_ROWS = 32  # 8-bit VMEM tiles are (32, 128)
 JNP_DTYPES = {"bf16": "bfloat16", "f32": "float32", "int8": "int8", "fp8": "float8_e4m3fn"}
 
 
@@ -199,8 +201,9 @@ class ExpertChunks(PlanModel):
 
     gate|up ([d, 2 * width] column-block-major), padded to whole pieces, then down
     ([width, d]); each piece of `piece_chunks` CHUNK x LANES chunks is one DMA per array
-    (codes, and scales for scaled formats). The single source of the pieces' shapes
-    for the template, the packer and the VMEM plan (mkgen.plan.vmem).
+    (codes, and scales for scaled formats, except that byte scales of byte codes follow
+    the codes in the same array: `inline_scales`, one DMA a piece). The single source of
+    the pieces' shapes for the template, the packer and the VMEM plan (mkgen.plan.vmem).
 
     Per format, a chunk's codes / scales (rows x LANES):
     bf16 CHUNK bf16 / -; int4:G CHUNK / 2 int8 (two codes a byte: rows 2a and 2a + 1,
@@ -222,6 +225,10 @@ class ExpertChunks(PlanModel):
     scale_rows: int  # rows of one piece's scales
     scale_cols: int
     tensor_scale_row: int = 0  # nvfp4: the first of its tensor-scale rows (0: none)
+    # The scales' rows follow the codes' in one int8 array (mxfp4, nvfp4: E8M0 / e4m3
+    # scale bytes beside e2m1 code bytes), so a piece is one DMA; the scale rows are
+    # padded to whole int8 tiles, so every slot of the array starts on one.
+    inline_scales: bool = False
     gate_up_k_chunks: int
     gate_up_col_blocks: int
     down_k_chunks: int
@@ -236,15 +243,29 @@ class ExpertChunks(PlanModel):
 
     @property
     def arrays(self) -> int:
-        """DMAs per piece: codes, and scales when the format has them."""
-        return 2 if self.scale_dtype else 1
+        """DMAs per piece: codes, and scales when the format has them in an array of their own."""
+        return len(self.array_shapes)
+
+    @property
+    def array_shapes(self) -> list[tuple[int, str]]:
+        """(rows, dtype) of one piece of each array: the codes (and inline scales), then
+        the scales when they are an array of their own; every array LANES wide."""
+        if self.inline_scales:
+            return [(self.code_rows + round_up(self.scale_rows, INT8_TILE_ROWS), self.code_dtype)]
+        if not self.scale_dtype:
+            return [(self.code_rows, self.code_dtype)]
+        return [(self.code_rows, self.code_dtype), (self.scale_rows, self.scale_dtype)]
+
+    @property
+    def scale_row(self) -> int:
+        """The first scale row in its array: past the codes when inline, else 0."""
+        return self.code_rows if self.inline_scales else 0
 
     @property
     def piece_bytes(self) -> int:
-        """HBM bytes of one piece (codes and scales)."""
+        """HBM bytes of one piece (codes and scales, with inline scales' tile padding)."""
         bits = {"bf16": 16, "f32": 32, "int8": 8, "fp8": 8}
-        code = self.code_rows * LANES * bits[self.code_dtype] // 8
-        return code + self.scale_rows * self.scale_cols * bits.get(self.scale_dtype, 0) // 8
+        return sum(rows * LANES * bits[dtype] // 8 for rows, dtype in self.array_shapes)
 
     @property
     def code_jnp(self) -> str:
@@ -264,10 +285,13 @@ def piece_chunks(gate_up: int, down: int, largest: int) -> int:
     return min(range(1, largest + 1), key=lambda n: (waste(n), -n))
 
 
-def expert_chunks(fmt_text: str, d: int, width: int, max_piece_chunks: int) -> ExpertChunks:
+def expert_chunks(
+    fmt_text: str, d: int, width: int, max_piece_chunks: int, *, inline_scales: bool = True
+) -> ExpertChunks:
     """How one expert slice in `fmt_text` streams in pieces: each piece at most the bytes
     of `max_piece_chunks` bf16 chunks (a weight bank's, by default), so a narrow format
-    moves as many bytes per DMA as bf16 does, in as few pieces as pad the least."""
+    moves as many bytes per DMA as bf16 does, in as few pieces as pad the least. Byte
+    scales of byte codes go inline unless `inline_scales` is False."""
     from mkgen.spec.quant import parse_format
 
     fmt = parse_format(fmt_text)
@@ -302,6 +326,7 @@ def expert_chunks(fmt_text: str, d: int, width: int, max_piece_chunks: int) -> E
             scale_rows=scale_rows,
             scale_cols=LANES if scale_dtype else 0,
             tensor_scale_row=tensor_scale_row,
+            inline_scales=inline_scales and code_dtype == scale_dtype == "int8",
             gate_up_k_chunks=cdiv(d, CHUNK),
             gate_up_col_blocks=cdiv(2 * width, LANES),
             down_k_chunks=cdiv(width, CHUNK),

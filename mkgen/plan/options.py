@@ -149,8 +149,8 @@ class BuildOptions(BaseModel):
     # checked like a chosen one: it must fit VMEM and the schedule must not deadlock.
     ring_depth: int | None = None  # weight banks in flight
     expert_slots: int | None = None  # expert pieces in flight
-    # Ring refills held back until the next collective's copies are under way, so that
-    # they stream while the collective travels (at most ring depth - 2).
+    # Ring refills held back until a collective round's copies are under way, so that
+    # they stream while it travels (at most ring depth - 2).
     held_refills: int | None = None
     # What is split over the cores rather than replicated, as "ffn.<kind>.router" and
     # "attention.<kind>.latent", and "ffn.<kind>.ar_ag" for a latent MoE combined by

@@ -22,9 +22,9 @@ design implies (docs/planner.md):
   the ring) and is waited by the first chunk that reaches into it (a chunk may straddle
   two banks and read both); once that chunk is used, bank g - 1 is used up and bank
   g - 1 + depth starts into its slot, whatever layer (or the lm_head) it belongs to,
-  unless it is among the last ``held_refills`` such refills: those start right after the
-  next collective round's copies (before the round is waited), and stream while it
-  travels. The
+  unless it is among the last ``held_refills`` such refills: those wait for a collective
+  round, whose copies once started (before the round is waited) start the oldest
+  ``refills_per_round`` of them, to stream while it travels. The
   schedule runs a bank's chunks as one node and starts the refill after it (the kernel
   starts it after the first chunk: earlier, into another slot);
 - vector slabs: slab l in slot l % 2, waited at the top of layer l, slab l + 1 started
@@ -171,8 +171,10 @@ class ScheduleSummary(BaseModel):
     bytes_by_category: dict[str, int]  # HBM / ICI bytes moved per step
     flops_per_step: int
     ring_depth: int
-    held_refills: int  # ring refills held back until the next collective's copies start
+    held_refills: int  # ring refills held back until a collective round's copies start
+    refills_per_round: int  # held refills each round's copies start, oldest first
     held_refills_scored: dict[int, float]  # predicted step ms of each count the planner tried
+    refills_per_round_scored: dict[int, float]  # the fastest of those per refills a round starts
     bank_bytes: int
     banks: int
     expert_slots: int
@@ -187,7 +189,12 @@ class ScheduleSummary(BaseModel):
             for k, v in self.bytes_by_category.items()
         )
         slots = f", {self.expert_slots} expert slots" if self.expert_slots else ""
-        held = f" ({self.held_refills} refills held for collectives)" if self.held_refills else ""
+        held = (
+            f" ({self.held_refills} refills held for collectives, {self.refills_per_round} "
+            "started a round)"
+            if self.held_refills
+            else ""
+        )
         return (
             f"schedule: {self.events} events over {self.nodes} nodes; ring {self.ring_depth} x "
             f"{self.bank_bytes / 2**20:.1f} MiB{held}, {self.banks} banks per step{slots}; "
@@ -207,6 +214,7 @@ class Schedule:
         resources: dict[str, int],
         ring_depth: int,
         held_refills: int,
+        refills_per_round: int,
         total_banks: int,
         bank_bytes: int,
         expert_slots: int,
@@ -222,6 +230,7 @@ class Schedule:
         self.resources = resources  # VMEM resource -> slots (from the VMEM plan)
         self.ring_depth = ring_depth
         self.held_refills = held_refills
+        self.refills_per_round = refills_per_round
         self.total_banks = total_banks
         self.bank_bytes = bank_bytes
         self.expert_slots = expert_slots
@@ -234,8 +243,10 @@ class Schedule:
         self.segment_order = segment_order
         self.layer_kinds = layer_kinds  # "attention/ffn" kind names of every layer
         self.refills = refills  # how the ring's refills went (_Builder.refills)
-        # The planner's predicted step (ms) for each held-refill count it scored.
+        # The planner's predicted step (ms) for each held-refill count it scored, and the
+        # fastest for each count of refills a round starts.
         self.held_scores: dict[int, float] = {}
+        self.round_scores: dict[int, float] = {}
 
     def copy(self) -> Schedule:
         """A deep copy (tests break copies to prove the checks fail)."""
@@ -245,6 +256,7 @@ class Schedule:
             resources=dict(self.resources),
             ring_depth=self.ring_depth,
             held_refills=self.held_refills,
+            refills_per_round=self.refills_per_round,
             total_banks=self.total_banks,
             bank_bytes=self.bank_bytes,
             expert_slots=self.expert_slots,
@@ -307,7 +319,9 @@ class Schedule:
             flops_per_step=flops,
             ring_depth=self.ring_depth,
             held_refills=self.held_refills,
+            refills_per_round=self.refills_per_round,
             held_refills_scored=self.held_scores,
+            refills_per_round_scored=self.round_scores,
             bank_bytes=self.bank_bytes,
             banks=self.total_banks,
             expert_slots=self.expert_slots,
@@ -414,7 +428,8 @@ class _Builder:
         self.repeat = 1
         self.depth = stream.ring_depth
         self.held_refills = stream.held_refills
-        self.ring = RingRefills(self.depth, stream.held_refills)
+        self.refills_per_round = stream.refills_per_round
+        self.ring = RingRefills(self.depth, stream.held_refills, stream.refills_per_round)
         # How the ring's refills went (the compiled profile counts its guards by them):
         # banks reached, refills started there, collective rounds releasing the held ones
         # and the refills they started (also those past the last bank, which start nothing).
@@ -588,7 +603,7 @@ class _Builder:
                 key=("matmul", seg.format, seg.k_chunks, seg.col_blocks, seg.chunks, visit.chunks),
             )  # fmt: skip
             # Reaching bank g means bank g - 1 is used up: its slot takes g - 1 + depth,
-            # once it is not among the last `held_refills` (held for the next collective).
+            # once it is not among the last `held_refills` (held for a collective round).
             if visit.bank:
                 self.refills["reached"] += 1
                 started = self.ring.reach(visit.bank)
@@ -602,7 +617,8 @@ class _Builder:
             self.start(self.banks[bank])
 
     def release_held(self) -> None:
-        """A collective's copies are under way: the held refills stream while they travel."""
+        """A collective round's copies are under way: the oldest held refills stream while
+        they travel."""
         released = self.ring.release()
         self.refills["releases"] += 1
         self.refills["started by releases"] += len(released)
@@ -691,6 +707,7 @@ class _Builder:
             resources=resources,
             ring_depth=self.depth,
             held_refills=self.held_refills,
+            refills_per_round=self.refills_per_round,
             total_banks=self.total,
             bank_bytes=self.stream.bank_bytes,
             expert_slots=self.vmem.expert_slots,

@@ -13,7 +13,7 @@ CHUNK-row chunks, and a last column block narrower than LANES is stored transpos
 (``tail_rows``: its columns as rows, rounded up to a tile, the fan-in along the lanes).
 The kernel keeps a ring of ``ring_depth`` banks in VMEM: a chunk that reaches into a
 new bank waits for it and then starts the DMA of the bank before it plus ring_depth
-(or, among the last ``held_refills`` of them, once the next collective's copies are
+(or, among the last ``held_refills`` of them, once a collective round's copies are
 under way), so the stream crosses layer boundaries and runs into the lm_head. Routed experts are
 not in the stream (they are fetched into expert slots once routing has chosen them).
 
@@ -202,9 +202,11 @@ class StreamPlan(PlanModel):
     bank_rows: int
     bank_bytes: int
     ring_depth: int
-    # The refills of the last `held_refills` used-up banks wait until the next collective's
-    # copies are under way, so that they stream while it travels (plan_program scores it).
+    # The refills of the last `held_refills` used-up banks wait until a collective round's
+    # copies are under way, so that they stream while it travels (plan_program scores it);
+    # each round starts the oldest `refills_per_round` of them (the banks its flight covers).
     held_refills: int = 0
+    refills_per_round: int = 1
     attention: dict[str, KindStream]
     ffn: dict[str, KindStream]
     tail: list[Segment]  # lm_head
@@ -405,12 +407,14 @@ def bank_visits(seg: Segment, first_row: int, bank_rows: int) -> list[BankVisit]
 class RingRefills:
     """The ring's refill rule, as the kernel's WeightStream runs it: reaching bank b means
     bank b - 1 is used up and its slot takes bank b - 1 + depth, unless that refill is among
-    the last `held` ones, which start only once the next collective's copies are under way.
+    the last `held` ones, which wait for a collective round's copies to be under way; each
+    round then starts the oldest `per_round` of them, as many as stream while it travels.
     The program builder and the deadlock check replay the same rule."""
 
-    def __init__(self, depth: int, held: int) -> None:
+    def __init__(self, depth: int, held: int, per_round: int) -> None:
         self.depth = depth
         self.held = held
+        self.per_round = per_round
         self.waiting: list[int] = []  # held refills (their banks), oldest first
 
     def reach(self, bank: int) -> int | None:
@@ -419,8 +423,8 @@ class RingRefills:
         return self.waiting.pop(0) if len(self.waiting) > self.held else None
 
     def release(self) -> list[int]:
-        """A collective's copies are under way: every held refill starts."""
-        released, self.waiting = self.waiting, []
+        """A collective round's copies are under way: the oldest held refills start."""
+        released, self.waiting = self.waiting[: self.per_round], self.waiting[self.per_round :]
         return released
 
 

@@ -47,11 +47,13 @@ from mkgen.spec.topology import Topology, parse_topology
 # Tuning choice (measurements.md): 3/4/5/6/8 expert slots measured 668/653/685/690/824 us
 # over 8 Muse Spark layers; 4 was best, so 4 is the most the plan asks for.
 MAX_EXPERT_SLOTS = 4
-# Tuning choice: VMEM set aside for banks in flight (~12 x 2 MiB, as the hand-written
-# Kimi K3 kernel kept).
-RING_VMEM_BYTES = 24 * 1024 * 1024
+# Tuning choice: VMEM set aside for banks in flight, 16 x 2 MiB (the most the ring has).
+# The hand-written Kimi K3 kernel kept 12; with ring refills held for the collectives'
+# flights every held refill takes a slot, and 16 was predicted faster than 12 for every
+# checked-in build that holds any (none slower).
+RING_VMEM_BYTES = 32 * 1024 * 1024
 # Tuning choice: the ring is worth more than a fourth expert slot only while it is
-# shallow; below half the design depth (12 x 2 MiB) slots give way first.
+# shallow; below half the design depth slots give way first.
 RING_COMFORT_FRACTION = 0.5
 SUBLANES_F32 = 8
 CACHE_ALIGN = 16  # bf16 HBM rows are tiled by 16: cache blocks start on a multiple
@@ -134,6 +136,9 @@ class KernelDims(_Frozen):
     vocab_per_core: int
     bank_rows: int
     max_piece_chunks: int  # an expert piece's 256 x 256 chunks at most
+    # mxfp4 / nvfp4 scales inline after their codes (the template's); False: apart, as the
+    # measured Muse Spark kernel moves them (mkgen.plan.calibration)
+    inline_scales: bool
     bank_bytes: int
     layers: int
     # Each collective of a layer has its own landing buffer (the kernel's rule): the most
@@ -245,6 +250,7 @@ def kernel_dims(
     options: BuildOptions,
     max_piece_chunks: int = MAX_PIECE_CHUNKS,
     kv_tile_tokens: int | None = None,
+    inline_scales: bool = True,
 ) -> KernelDims:
     """The kernel's constants, derived as mkgen.plan.layout derives them (`kv_tile_tokens`:
     another KV tile than the template's, for the cost model's calibration only)."""
@@ -282,6 +288,7 @@ def kernel_dims(
         bank_rows=stream.bank_rows,
         bank_bytes=stream.bank_bytes,
         max_piece_chunks=max_piece_chunks,
+        inline_scales=inline_scales,
         layers=len(sharding.layer_table),
         collective_buffers=len(collectives.buffers),
         collectives=collectives,
@@ -343,10 +350,9 @@ class _List:
 
 def _slot_bytes(e: ExpertChunks) -> int:
     """VMEM bytes of one expert piece slot (codes, and scales when the format has them)."""
-    one = vmem_padded_bytes((e.code_rows, LANES), DTYPE_BITS[e.code_dtype])
-    if e.scale_dtype:
-        one += vmem_padded_bytes((e.scale_rows, e.scale_cols), DTYPE_BITS[e.scale_dtype])
-    return one
+    return sum(
+        vmem_padded_bytes((rows, LANES), DTYPE_BITS[dtype]) for rows, dtype in e.array_shapes
+    )
 
 
 def _base(out: _List, dims: KernelDims, depth: int) -> None:
@@ -500,6 +506,7 @@ def plan_vmem(
     max_piece_chunks: int = MAX_PIECE_CHUNKS,
     ring_depth: int | None = None,
     kv_tile_tokens: int | None = None,
+    inline_scales: bool = True,
 ) -> VmemPlan:
     """Every VMEM buffer, with the ring depth and expert slots chosen under the budget
     (`kv_tile_tokens`: as kernel_dims').
@@ -517,7 +524,9 @@ def plan_vmem(
             "(the budget is the explicit VMEM the plan may allocate)"
         )
     target = ring_target_bytes or RING_VMEM_BYTES
-    dims = kernel_dims(spec, sharding, stream, options, max_piece_chunks, kv_tile_tokens)
+    dims = kernel_dims(
+        spec, sharding, stream, options, max_piece_chunks, kv_tile_tokens, inline_scales
+    )
     bank = dims.bank_bytes
     # Everything but the ring and the expert slots is fixed by the build.
     probe, slot_bytes = _buffers(spec, sharding, stream, dims, 1, 1)
