@@ -11,6 +11,7 @@ from mkgen.plan.options import kv_tile
 from mkgen.plan.sharding import AttentionSharding, CacheShard, KindShards, group_map, heads_error
 from mkgen.plan.stream import part_of
 from mkgen.spec.figures import CACHE_BYTES
+from mkgen.spec.rope import inverse_sqrt
 from mkgen.spec.weights import attention_weights
 
 TEMPLATE = "kinds/gqa.py.j2"
@@ -119,7 +120,7 @@ def layout(i: LayoutInputs) -> GQALayout:
         qkv_bias=kind.qkv_bias,
         o_bias=kind.o_bias,
         window=kind.sliding_window,
-        softmax_scale=kind.softmax_scale or d**-0.5,
+        softmax_scale=kind.softmax_scale or inverse_sqrt(d),
         rope=rope_layout(kind.rope, kind.rotary_dim) if kind.rope else None,
         segments=i.segments,
         ops=OPS,

@@ -16,6 +16,7 @@ import math
 from typing import Any
 
 from mkgen.spec.quant import parse_format
+from mkgen.spec.rope import inverse_sqrt
 from mkgen.spec.schema import (
     DenseFFN,
     GatedDeltaNetAttention,
@@ -74,7 +75,7 @@ def _mini_attention(kind: Any, shards: int) -> dict[str, Any]:
         if kind.sliding_window:
             data["sliding_window"] = min(kind.sliding_window, MINI_WINDOW)
         if kind.softmax_scale:
-            data["softmax_scale"] = head_dim**-0.5
+            data["softmax_scale"] = inverse_sqrt(head_dim)
     elif isinstance(kind, MLAAttention):
         rope = MINI_HEAD_DIM // 2
         q_lora, kv_lora = MINI_RANK, MINI_RANK
@@ -95,7 +96,7 @@ def _mini_attention(kind: Any, shards: int) -> dict[str, Any]:
         if kind.rope and kind.rope.rotary_dim:
             data["rope"]["rotary_dim"] = MINI_HEAD_DIM // 2
         if kind.softmax_scale:
-            data["softmax_scale"] = (MINI_HEAD_DIM * 3 // 2) ** -0.5
+            data["softmax_scale"] = inverse_sqrt(MINI_HEAD_DIM * 3 // 2)
     elif isinstance(kind, KDAAttention):
         data |= {
             "num_heads": _heads(kind.num_heads, shards),

@@ -1179,7 +1179,7 @@ def _rope_tables(positions, inv_freq, attention_factor):
 # RoPE frequencies (YaRN-corrected when scaled), four a line.
 # fmt: off
 FULL_INV_FREQ = [
-    1.0, 0.017782794311642647, 0.0003162277862429619, 5.62341347176698e-06,
+    1.0, 0.017782794311642647, 0.0003162277571391314, 5.62341347176698e-06,
 ]
 # fmt: on
 FULL_ROPE_FACTOR = 1.0
