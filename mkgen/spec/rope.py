@@ -17,7 +17,6 @@ import numpy as np
 
 from mkgen.spec.schema import MLAAttention, Rope
 
-
 # 40 significant digits: far beyond float64's 17, so rounding the result to float64 once
 # gives the correctly rounded value.
 _EXACT = decimal.Context(prec=40)
