@@ -547,7 +547,17 @@ def build_command(
     )
     click.echo(f"  inputs sha256 {r.inputs_sha256}")
     commands = build_commands(spec.name, topo, options, line)
+    if result.dropped:
+        click.echo(f"  {_dropped(result.dropped)}")
     click.echo(f"next: {commands['verify']}; {commands['compile']}; {commands['inspect']}")
+
+
+def _dropped(measurements: tuple[str, ...]) -> str:
+    """What a rebuild says of the measurements it did not keep."""
+    return (
+        f"dropped the recorded {', '.join(measurements)} results: the kernel code changed "
+        "or the build was edited (record them again)"
+    )
 
 
 @cli.command("verify")
@@ -1123,7 +1133,8 @@ def regen_command(measure: bool) -> None:
         directory = default_build_dir(spec.name, topo)
         result = make_build(spec, topo, options, output=directory, force=True)
         state = "rewritten" if result.written else "unchanged"
-        click.echo(f"{_shown(directory)}: {state} (mkgen build {entry.line})")
+        dropped = f"; {_dropped(result.dropped)}" if result.dropped else ""
+        click.echo(f"{_shown(directory)}: {state} (mkgen build {entry.line}){dropped}")
         if measure:
             from mkgen.verify import checks
 

@@ -292,9 +292,24 @@ def test_measurements_survive_a_rebuild_only_while_inputs_match(
     package.record_measurement(target, "compile", COMPILE_RECORD)
     assert "| compile time | 2.5 s |" in (target / "REPORT.md").read_text()
     assert not make_build(*_inputs(), output=target).written  # kept, nothing to rewrite
-    make_build(*_inputs(context=2048), output=target)  # other inputs: stale, dropped
+    dropped = make_build(*_inputs(context=2048), output=target)  # other inputs: stale
+    assert dropped.dropped == ("compile",)  # and said so
     assert not (target / package.MEASUREMENTS).exists()
     assert "Not measured in this build" in (target / "REPORT.md").read_text()
+
+
+def test_a_build_names_no_directory_so_a_copy_keeps_its_bytes_and_measurements(
+    build_dir: Path, tmp_path: Path
+) -> None:
+    first = shutil.copytree(build_dir, tmp_path / "first-place")
+    package.record_measurement(first, "compile", COMPILE_RECORD)
+    # Written with -o as a user types it: the files still name no directory.
+    make_build(*_inputs(), output=first, line=package.CommandLine(output=str(first)))
+    assert all(b"first-place" not in data for data in _tree(first).values())
+    moved = shutil.copytree(first, tmp_path / "elsewhere" / "moved")
+    again = make_build(*_inputs(), output=moved, line=package.CommandLine(output=str(moved)))
+    assert not again.written and again.dropped == ()  # the same inputs: nothing to rewrite
+    assert package.read_measurements(moved)["compile"] == COMPILE_RECORD
 
 
 def test_runner_help_says_where_weights_come_from(build_dir: Path) -> None:

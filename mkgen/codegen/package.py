@@ -175,7 +175,10 @@ def _verify_flags(topology: Topology, options: BuildOptions) -> list[str]:
 class CommandLine:
     """How the commands a build prints name it: the SPEC argument and the -o directory as
     the user typed them, so that they run as printed. The defaults (the spec's name, the
-    build in generated/<build>/) are what `mkgen regen` and library callers get."""
+    build in generated/<build>/) are what `mkgen regen` and library callers get.
+
+    The build's files take only the SPEC argument (`for_files`): a build names no output
+    directory, so one copied or written elsewhere keeps its bytes and its measurements."""
 
     spec: str | None = None  # None: the spec's name (a name in model_specs/)
     output: str | None = None  # None: generated/<build>/, no -o needed
@@ -189,6 +192,9 @@ class CommandLine:
     def build_ref(self, name: str) -> str:
         """What `mkgen inspect` takes for the build: its directory, or its name in generated/."""
         return self.output or name
+
+    def for_files(self) -> CommandLine:
+        return CommandLine(spec=self.spec)
 
 
 def rebuild_command(
@@ -329,7 +335,8 @@ def render_build(
 
     `kernel_args` go to plan_build (bank_rows, ring_depth, ...); the mini twin uses
     mini_kernel_args(). The kernel, the checks, the report and plan.json all come from
-    that one plan. `line` is how the printed commands name the build."""
+    that one plan. `line` is how the printed commands name the build (make_build passes
+    CommandLine.for_files: a build's files never name its directory)."""
     from mkgen.plan import plan_build
     from mkgen.plan.sharding import full_size_splits
     from mkgen.spec.mini import mini_twin
@@ -370,7 +377,7 @@ def render_build(
             "mkgen_version": __version__,
             "inputs_sha256": digest,
             "rebuild": rebuild,
-            "command_line": {"spec": line.spec, "output": line.output},
+            "command_line": {"spec": line.spec},
         },
         "spec": spec.model_dump(mode="json"),
         "topology": topology.name,
@@ -1016,6 +1023,9 @@ class BuildResult:
     directory: Path
     rendered: RenderedBuild
     written: bool  # False: the directory already held exactly these files
+    # Measurements the directory recorded that the new build does not keep (its kernel
+    # code changed, or the build was edited): `mkgen build` and `mkgen regen` say so.
+    dropped: tuple[str, ...] = ()
 
 
 def make_build(
@@ -1036,9 +1046,22 @@ def make_build(
     _check_target(target, force)  # fail before any rendering work
     if measurements is None:
         measurements = read_measurements(target)
-    rendered = render_build(spec, topology, options, measurements=measurements, line=line)
+    recorded = _recorded_measurements(target)
+    rendered = render_build(
+        spec, topology, options, measurements=measurements, line=line.for_files()
+    )
     written = write_build(rendered.files, target, force=force)
-    return BuildResult(directory=target, rendered=rendered, written=written)
+    dropped = () if MEASUREMENTS in rendered.files else recorded
+    return BuildResult(directory=target, rendered=rendered, written=written, dropped=dropped)
+
+
+def _recorded_measurements(directory: Path) -> tuple[str, ...]:
+    """The measurements (compile, profile, verify) a build directory records, edited or not."""
+    try:
+        data = json.loads((directory / MEASUREMENTS).read_text())
+    except (OSError, ValueError):
+        return ()
+    return tuple(sorted(k for k in data if k != MEASURED_KEY)) if isinstance(data, dict) else ()
 
 
 def load_build_inputs(directory: Path) -> tuple[ModelSpec, Topology, BuildOptions, dict]:
@@ -1074,7 +1097,7 @@ def record_measurement(directory: Path, key: str, result: Mapping[str, Any]) -> 
             f"{directory} was built from other templates or another mkgen; "
             f"run `{data['build']['rebuild']}` first"
         )
-    line = CommandLine(**data["build"].get("command_line", {}))
+    line = CommandLine(**data["build"].get("command_line", {})).for_files()
     kernel_digest = render_build(
         spec, topology, options, kernel_args=data["kernel_args"], line=line
     ).kernel_sha256
