@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from numpy._core import _multiarray_umath as umath
 
@@ -85,3 +86,15 @@ def test_rope_table_is_correctly_rounded() -> None:
 def test_softmax_scales_are_correctly_rounded() -> None:
     assert inverse_sqrt(128) == 0.08838834764831845  # 1 / sqrt(128), correctly rounded
     assert inverse_sqrt(192) == 0.07216878364870322
+
+
+def test_quantization_exponents_are_exact_beside_powers_of_two() -> None:
+    from mkgen.codegen.quantize import mxfp4_quantize
+
+    below, at = np.nextafter(np.float32(8), np.float32(0)), np.float32(8)
+    # A block whose largest value is just under 8 takes scale 2^(2 - 2), at 8 one of 2^1.
+    for amax, exponent in ((below, 0), (at, 1)):
+        block = np.zeros((32, 1), np.float32)
+        block[0, 0] = amax
+        _, scales = mxfp4_quantize(block)
+        assert int(scales.view(np.uint8)[0, 0]) - 127 == exponent

@@ -67,10 +67,20 @@ def _blocks(w: np.ndarray, block: int) -> np.ndarray:
     return np.pad(w, pad).reshape(*w.shape[:-2], pk // block, block, pn // block, block)
 
 
+# Exponents are read off the float's bits (frexp) and powers of two made by ldexp: exact on
+# every machine, where numpy's log2 and exp2 follow the CPU's SIMD path and may round a
+# value just below a power of two up to it.
+
+
+def _floor_log2(x: np.ndarray) -> np.ndarray:
+    """floor(log2(x)) of positive finite x, exactly (int32)."""
+    return (np.frexp(x)[1] - 1).astype(np.int32)
+
+
 def _pow2_at_least(x: np.ndarray) -> np.ndarray:
     """The smallest power of two >= x (1 where x is 0)."""
-    safe = np.where(x > 0, x, 1.0)
-    return np.exp2(np.ceil(np.log2(safe))).astype(np.float32)
+    mantissa, exponent = np.frexp(np.where(x > 0, x, 1.0))
+    return np.ldexp(np.float32(1), np.where(mantissa == 0.5, exponent - 1, exponent))
 
 
 # ---------------------------------------------------------------- int4:G
@@ -150,9 +160,9 @@ def mxfp4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     the same byte; the kernel reads it back as e + 127 in [0, 255])."""
     grouped = _groups(np.asarray(w, np.float32), MX_BLOCK)
     amax = np.abs(grouped).max(axis=-2)
-    exponent = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1.0))) - E2M1_EMAX, 0)
+    exponent = np.where(amax > 0, _floor_log2(np.where(amax > 0, amax, 1.0)) - E2M1_EMAX, 0)
     exponent = np.clip(exponent, -E8M0_BIAS + 1, E8M0_BIAS).astype(np.int32)
-    scaled = np.clip(grouped / np.exp2(exponent)[..., None, :], -E2M1_MAX, E2M1_MAX)
+    scaled = np.clip(grouped / np.ldexp(np.float32(1), exponent)[..., None, :], -E2M1_MAX, E2M1_MAX)
     values = scaled.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
     codes = _ungroup(e2m1_codes(values), w.shape[-2])
     return codes, (exponent + E8M0_BIAS).astype(np.uint8).view(np.int8)
@@ -160,7 +170,9 @@ def mxfp4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def mxfp4_dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     exponent = scales.view(np.uint8).astype(np.int32) - E8M0_BIAS
-    grouped = _groups(e2m1_values(codes), MX_BLOCK) * np.exp2(exponent)[..., None, :]
+    grouped = (
+        _groups(e2m1_values(codes), MX_BLOCK) * np.ldexp(np.float32(1), exponent)[..., None, :]
+    )
     return _ungroup(grouped, codes.shape[-2]).astype(np.float32)
 
 
@@ -287,7 +299,7 @@ def pack_nvfp4_chunks(chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     scale bytes int8 [n, CHUNK / 16, LANES], E8M0 tensor-scale bytes int8 [n, 1, LANES]:
     each chunk quantized as one tensor, its scale repeated over the columns)."""
     codes, block, tensor = nvfp4_quantize(chunks)
-    exponent = np.rint(np.log2(tensor)).astype(np.int32) + E8M0_BIAS
+    exponent = _floor_log2(tensor) + E8M0_BIAS  # tensor scales are powers of two
     tensor_bytes = np.broadcast_to(exponent, (*tensor.shape[:-1], chunks.shape[-1]))
     return (
         pack_nibbles(codes),
