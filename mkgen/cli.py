@@ -848,8 +848,9 @@ def convert_command(
     layout.json the runner checks (runner.py --weights OUTPUT). SPEC defaults to the
     checkpoint's config.json, which must agree with the spec; every tensor's name, shape
     and dtype is checked before the first layer is converted. Bounded memory (one layer at
-    a time), atomic per file, resumable: run it again after an interruption. A progress
-    bar on stderr."""
+    a time), atomic per file, resumable: run it again after an interruption (or after the
+    checkpoint's tokenizer files changed: they are copied, the weights kept). A progress
+    bar on stderr when it is a terminal."""
     from mkgen.codegen import convert
     from mkgen.plan.layout import KernelLayout
     from mkgen.spec.hf_import import import_hf_config

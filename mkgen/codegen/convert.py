@@ -35,17 +35,22 @@ Properties:
   header and the index (mkgen.reference.hf_weights) and the whole tensor inventory,
   names, shapes and dtypes (HFMapping.check_inventory); while converting, NaN or Inf
   per tensor. Each is a one-line MkgenError naming the file and the tensor.
-- Its own directory: a file there that convert does not write is refused; replacing a
+- Its own directory: a file there that convert does not write is refused (so is a
+  tokenizer file a complete conversion's layout.json does not list); replacing a
   conversion of other inputs (``force``) first removes the files its layout.json and
-  progress.json list, so nothing stale remains.
+  progress.json list, so nothing stale remains. One it cannot write in (mkgen.output's
+  probe, as for a build: read-only, immutable, /proc) is refused before any work.
+- Tokenizer files follow the checkpoint: a conversion is up to date only with the
+  checkpoint's tokenizer files beside it; one added, changed or removed there since is
+  copied or removed on the next run, the weights kept.
 - Bound to its build: ``weights_sha256`` is a digest of everything in the kernel layout
   that decides the weight arrays (stream plan, segments, vector rows, expert chunks,
   formats, inventory); the runner refuses weights whose digest differs from its build's.
   Batch, rows and context do not enter it, so one conversion serves builds that differ
   only in those.
 - Read back verified: the readers (read_stream, read_vectors, read_experts,
-  read_globals) check each file's sha256 against layout.json unless called with
-  ``verify=False``.
+  read_globals, and tokenizer_file for run's and serve's tokenizer files) check each
+  file's sha256 against layout.json unless called with ``verify=False``.
 """
 
 from __future__ import annotations

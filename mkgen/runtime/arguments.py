@@ -23,7 +23,7 @@ NGRAM_DEFAULT = 3  # longest suffix the prompt-lookup drafter matches
 STEPS_PER_CALL_DEFAULT = 8
 WARMUP_DEFAULT = 2
 TOKENIZER_FILE = "tokenizer.json"  # what mkgen convert copies beside the weights
-# Sampling bounds (docs/serving.md#sampling): logits are tempered in f32 on the device, and
+# Sampling bounds (docs/serving.md, "Sampling"): logits are tempered in f32 on the device, and
 # below 0.01 a temperature only draws the greedy token (give 0), above 100 a near-uniform
 # one; a top-p below 1e-6 keeps the likeliest token alone (and rounds to 0 in f32 below
 # about 1e-45, which would keep none).
