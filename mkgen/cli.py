@@ -20,7 +20,7 @@ import click
 
 from mkgen import __version__
 from mkgen.errors import MkgenError
-from mkgen.output import write_atomic
+from mkgen.output import progress_bar, write_atomic
 from mkgen.runtime.devices import INTERPRET_ACROSS_PROCESSES, check_multi_host_flags
 from mkgen.serve import HOST_CACHE_MIB
 
@@ -336,10 +336,14 @@ def estimate_command(spec_ref: str, topology: str, output: Path | None, batches:
     request = tco.scenario(scenario)
     prices = tco.parse_prices(reference_prices)
     spec, topo, options = _plan_inputs(spec_ref, topology, rows=max(row_counts), **fields)
-    if request.input_tokens + request.output_tokens > options.context:
+    # As mkgen run and serve count: a request's prompt (at least one token: a step feeds
+    # one) and its output tokens.
+    needed = max(request.input_tokens, 1) + request.output_tokens
+    if needed > options.context:
         raise MkgenError(
-            f"--scenario {request.describe()} needs a context of "
-            f"{request.input_tokens + request.output_tokens}; pass --context to raise it"
+            f"--context {options.context}: --scenario {request.describe()} needs a context of "
+            f"{needed} (its prompt, at least one token, and its output); pass --context to "
+            "raise it"
         )
     price = options.price_per_chip_hour_usd or topo.chip_info.price_per_chip_hour_usd
     if price is None:
@@ -368,11 +372,8 @@ def estimate_command(spec_ref: str, topology: str, output: Path | None, batches:
 
 
 def _progress(items: Any, desc: str, unit: str) -> Any:
-    """A tqdm bar over `items` on stderr (stdout stays the command's output), shown only
-    when stderr is a terminal; gone when done."""
-    from tqdm import tqdm
-
-    return tqdm(items, desc=desc, unit=unit, file=sys.stderr, disable=None, leave=False)
+    """A bar over `items` on a terminal's stderr (mkgen.output.progress_bar)."""
+    return progress_bar(items, desc=desc, unit=unit)
 
 
 def _positive_list(flag: str, text: str) -> tuple[int, ...]:
@@ -564,10 +565,12 @@ def _dropped(measurements: tuple[str, ...]) -> str:
 @click.argument("spec_ref", metavar="SPEC")
 @click.option("--topology", required=True, help="CHIP:SHAPE or SHAPE, e.g. 2x2x1.")
 @click.option("--steps", type=int, default=2, show_default=True, help="Decode steps per mode.")
-@click.option("--batch", type=int, default=1, show_default=True)
-@click.option("--rows", type=int, default=1, show_default=True)
+@click.option("--batch", type=int, default=1, show_default=True, help="Sequences per step.")
+@click.option("--rows", type=int, default=1, show_default=True, help="Rows per sequence.")
 @click.option("--context", type=int, default=128, show_default=True, help="Mini cache tokens.")
-@click.option("--seed", type=SEED, default=0, show_default=True)
+@click.option(
+    "--seed", type=SEED, default=0, show_default=True, help="Seed of the random weights and tokens."
+)
 @click.option(
     "--quant",
     multiple=True,
@@ -855,14 +858,16 @@ def convert_command(
     layout.json the runner checks (runner.py --weights OUTPUT). SPEC defaults to the
     checkpoint's config.json, which must agree with the spec; every tensor's name, shape
     and dtype is checked before the first layer is converted. Bounded memory (one layer at
-    a time), atomic per file, resumable: run it again after an interruption. A progress
-    bar on stderr."""
+    a time), atomic per file, resumable: run it again after an interruption (or after the
+    checkpoint's tokenizer files changed: they are copied, the weights kept). A progress
+    bar on stderr when it is a terminal."""
     from mkgen.codegen import convert
     from mkgen.plan.layout import KernelLayout
     from mkgen.spec.hf_import import import_hf_config
 
     if (checkpoint is None) == (random_weights is None):
         raise MkgenError("give one of --checkpoint DIR and --random-weights SEED")
+    convert.check_output(output)  # before the plan and the checkpoint's headers are read
     if build_dir is not None:
         from mkgen.codegen.package import load_build_inputs
 
@@ -914,7 +919,10 @@ def convert_command(
         tokenizer_files=[path for path in tokenizer_files if path.is_file()],
     )  # fmt: skip
     if result.skipped == ["all"]:
-        click.echo(f"{_shown(output)}/ is up to date ({result.files} files verified)")
+        changes = [f"copied {name} from the checkpoint" for name in result.tokenizers_copied]
+        changes += [f"removed {name} (not in the checkpoint)" for name in result.tokenizers_removed]
+        kept = f"{_shown(output)}/ is up to date ({result.files} files verified)"
+        click.echo("; ".join([kept, *changes]))
         return
     resumed = (
         f"; resumed: {len(result.skipped)} unit(s) verified and kept" if result.skipped else ""
@@ -952,10 +960,11 @@ def _runner_build(build: str) -> Any:
     from mkgen.runtime.build import RUNNER_FILE, runner_build
 
     directory = Path(build)
-    if not (directory / RUNNER_FILE).exists():
+    if not (directory / RUNNER_FILE).exists() and not directory.is_absolute():
         directory = GENERATED / build
     if not (directory / RUNNER_FILE).exists():
-        raise MkgenError(f"{build}: no {RUNNER_FILE} there nor in generated/{build}")
+        elsewhere = "" if Path(build).is_absolute() else f" nor in generated/{build}"
+        raise MkgenError(f"{build}: no {RUNNER_FILE} there{elsewhere}")
     return runner_build(directory)
 
 
@@ -1144,6 +1153,29 @@ def regen_command(measure: bool) -> None:
                 steps=2, batch=options.batch, rows=options.rows, context=MINI_CONTEXT, seed=0,
                 timeout=900.0, quant=tuple(f"{f}={v}" for f, v in options.quant),
             )  # fmt: skip
+
+
+# What `mkgen --help` lists: one whole line per command (click would cut the docstrings'
+# first sentences, which say more, mid-sentence); tests/test_cli.py holds every command
+# to one.
+SUMMARIES = {
+    "list": "List the model specs, chips and slices.",
+    "show": "Summarise a model spec: dims, kinds, parameters, bytes.",
+    "import-hf": "Map a Hugging Face config.json to a model spec.",
+    "plan": "Plan a spec on a topology, with its predicted step time.",
+    "estimate": "Predict tokens per dollar against tokens/s per user.",
+    "build": "Generate the megakernel build of a spec.",
+    "verify": "Check a spec's mini twin against the reference model.",
+    "compile": "Compile a spec's full-size kernel for TPU7x.",
+    "convert": "Pack a checkpoint into a build's per-core weights.",
+    "run": "Generate with a build's runner.",
+    "serve": "Serve a build behind an OpenAI-compatible API.",
+    "bench": "Benchmark the runner at several batch sizes.",
+    "inspect": "Outline a generated kernel's phases, DMAs and VMEM.",
+    "regen": "Rebuild every checked-in build in generated/BUILDS.",
+}
+for _name, _summary in SUMMARIES.items():
+    cli.commands[_name].short_help = _summary
 
 
 def main(argv: list[str] | None = None) -> None:

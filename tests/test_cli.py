@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
+import click.testing
 import pytest
 from cli_run import assert_user_error, mkgen
 
@@ -118,6 +120,41 @@ def test_unknown_spec_name_is_exit_2() -> None:
 def test_unknown_command_and_option_are_exit_2() -> None:
     assert_user_error(mkgen("frobnicate"), "No such command")
     assert_user_error(mkgen("show", "kimi-k3", "--colour"), "--colour")
+
+
+def test_every_command_has_a_whole_summary_and_every_option_a_help() -> None:
+    """`mkgen --help` lists each command with a summary that fits click's column at 80
+    columns (click cuts a longer one with "..."), and every option says what it does."""
+    from mkgen.cli import cli
+
+    context = click.Context(cli, terminal_width=80)
+    names = cli.list_commands(context)
+    width = context.make_formatter().width - 6 - max(map(len, names))  # click's own limit
+    for name in names:
+        command = cli.commands[name]
+        summary = command.get_short_help_str(width)
+        assert summary.endswith(".") and not summary.endswith("...") and len(summary) <= width, (
+            name, summary
+        )  # fmt: skip
+        missing = [p.opts[0] for p in command.params if isinstance(p, click.Option) and not p.help]
+        assert missing == [], name
+    shown = click.testing.CliRunner().invoke(cli, ["--help"], terminal_width=80).output
+    listed = shown.partition("\nCommands:\n")[2].splitlines()
+    assert [line.split()[0] for line in listed] == names  # one line each
+    assert not any(line.endswith("...") for line in listed)
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        ("/no/such/build", "/no/such/build: no runner.py there"),
+        ("no-such-build", "no-such-build: no runner.py there nor in generated/no-such-build"),
+    ],
+)
+def test_a_missing_build_is_named_once(build: str, message: str) -> None:
+    result = mkgen("run", build, "--random-weights", "0")
+    assert_user_error(result, message)
+    assert result.stderr == f"mkgen: error: {message}\n"
 
 
 # ------------------------------------------------------------------ checkpoint directories

@@ -371,8 +371,26 @@ def test_estimate_rows_above_one_need_an_acceptance() -> None:
     [
         (("2x2x1", "--reference-price", "H100=2"), "unknown chip 'H100'"),
         (("2x2x1", "--reference-price", "GB300=free"), "positive price"),
+        *(
+            (
+                ("2x2x1", "--reference-price", f"GB300={usd}"),
+                f"--reference-price 'GB300={usd}': chip-hour price must be positive and finite, at "
+                "most 1000 USD",
+            )
+            for usd in ("nan", "inf", "-1", "1e308")
+        ),
+        (
+            ("2x2x1", "--price", "1e308"),
+            "--price 1e+308: chip-hour price must be positive and finite, at most 1000 USD",
+        ),
         (("2x2x1", "--scenario", "batch"), "--scenario 'batch'"),
         (("2x2x1", "--scenario", "agentic", "--context", "2048"), "pass --context"),
+        (
+            ("2x2x1", "--scenario", "decode", "--context", "1"),
+            "--context 1: --scenario decode: 0 "
+            "input + 1 output tokens needs a context of 2 (its prompt, at least one token, and its "
+            "output); pass --context to raise it",
+        ),
         (("v6e:2x4",), "pass --price USD"),
     ],
 )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ from test_convert import FIXTURES, write_sharded
 
 from mkgen.cli import main
 from mkgen.codegen.package import GENERATED, render_build
+from mkgen.errors import MkgenError
 from mkgen.plan.options import BuildOptions
 from mkgen.runtime.main import Streamer
 from mkgen.runtime.sampling import Sampler
@@ -36,6 +38,7 @@ from mkgen.spec.loader import load_spec
 from mkgen.spec.topology import parse_topology
 
 PROMPT = [3, 17, 42, 99, 5, 64, 127, 23, 88, 11, 70, 36]  # the fixtures' prompt
+CHAT = Path(__file__).parent / "fixtures" / "chat"  # a tokenizer_config.json with a template
 
 
 def _build(tmp: Path, folder: str, **options) -> Path:
@@ -389,17 +392,26 @@ def shims(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 @pytest.mark.parametrize(
     ("rows", "args", "fragments"),
     [
-        (1, ["--temperature", "nan"], ["--temperature: must be a finite number >= 0, got nan"]),
-        (1, ["--temperature", "inf"], ["--temperature: must be a finite number >= 0, got inf"]),
-        (1, ["--temperature", "-0.5"], ["--temperature: must be a finite number >= 0"]),
+        (1, ["--temperature", "nan"], ["--temperature: must be 0 (greedy) or in [0.01, 100]"]),
+        (1, ["--temperature", "inf"], ["--temperature: must be 0", "got inf"]),
+        (1, ["--temperature", "-0.5"], ["--temperature: must be 0", "got -0.5"]),
+        (1, ["--temperature", "1e-40"], ["--temperature: must be 0", "got 1e-40"]),
+        (1, ["--temperature", "1e308"], ["--temperature: must be 0", "got 1e308"]),
         (1, ["--seed", "-1"], ["--seed: must be an integer in [0, 4294967295], got -1"]),
         (1, ["--seed", "4294967296"], ["--seed: must be an integer in [0, 4294967295]"]),
         (1, ["--stop-ids", "2,128"], ["--stop-ids: token id 128", "vocabulary [0, 128)"]),
         (1, ["--stop-ids", "-1"], ["--stop-ids: token id -1", "vocabulary [0, 128)"]),
-        (1, ["--top-p", "0"], ["--top-p: must be in (0, 1], got 0"]),
-        (1, ["--top-p", "1.01"], ["--top-p: must be in (0, 1], got 1.01"]),
-        (1, ["--top-p", "nan"], ["--top-p: must be in (0, 1], got nan"]),
-        (1, ["--top-k", "-1"], ["--top-k: must be an integer >= 0, got -1"]),
+        (1, ["--top-p", "0"], ["--top-p: must be in [1e-06, 1], got 0"]),
+        (1, ["--top-p", "1e-50"], ["--top-p: must be in [1e-06, 1], got 1e-50"]),
+        (1, ["--top-p", "1.01"], ["--top-p: must be in [1e-06, 1], got 1.01"]),
+        (1, ["--top-p", "nan"], ["--top-p: must be in [1e-06, 1], got nan"]),
+        (1, ["--top-k", "-1"], ["--top-k: must be an integer in [0, 128], got -1"]),
+        (1, ["--top-k", "129"], ["--top-k: must be an integer in [0, 128], got 129"]),
+        (1, ["--top-k", "1000000000000"], ["--top-k: must be an integer in [0, 128]"]),
+        (1, ["--top-k", "1e12"], ["--top-k: expected an integer, got '1e12'"]),
+        (1, ["--steps-per-call", "65"], ["--steps-per-call: must be an integer in [1, 64]"]),
+        (3, ["--ngram", "1000000000000"], ["--ngram: must be an integer in [1, 64]"]),
+        (1, ["--prompt", "t1 \udcff"], ["--prompt: character 3 is byte 0xff, which is not UTF-8"]),
         (1, ["--prompt-ids", "1,200,2"], ["--prompt-ids: token id 200", "vocabulary [0, 128)"]),
         (1, ["--prompt-ids", "1,two"], ["--prompt-ids: expected comma-separated integers"]),
         (1, ["--steps", "0"], ["--steps: must be an integer >= 1, got 0"]),
@@ -430,6 +442,87 @@ def test_a_refused_option_is_one_line_before_any_work(
     assert_user_error(result, "mkgen run: error: ", *fragments)
 
 
+@pytest.fixture(scope="module")
+def tokenized_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The qwen3 fixture with a tokenizer.json and a tokenizer_config.json, converted for
+    tpu7x:1x1x1 (the shims' build) with both tokenizer files. Tests change a copy."""
+    checkpoint = tmp_path_factory.mktemp("tokenized") / "ckpt"
+    shutil.copytree(FIXTURES / "qwen3", checkpoint)
+    _with_tokenizer(checkpoint)
+    shutil.copy(CHAT / "tokenizer_config.json", checkpoint)
+    weights = checkpoint.parent / "w"
+    main(["convert", "--checkpoint", str(checkpoint), "--topology", TOPOLOGY, "--context", "64",
+          "-o", str(weights)])  # fmt: skip
+    return weights
+
+
+def test_run_and_serve_refuse_tokenizer_files_changed_since_the_conversion(
+    shims: dict[int, Path], tokenized_weights: Path, tmp_path: Path
+) -> None:
+    """mkgen run loads tokenizer.json and mkgen serve also tokenizer_config.json from the
+    weights directory: each must be what convert copied there (layout.json's sha256),
+    before any other work; --trust-weights takes them as they are."""
+    from mkgen.runtime.arguments import load_tokenizer
+
+    weights = shutil.copytree(tokenized_weights, tmp_path / "w")
+    tokenizer = weights / "tokenizer.json"
+    original = tokenizer.read_bytes()
+    tokenizer.write_bytes(original + b"\n")
+    result = mkgen("run", str(shims[1]), "--weights", str(weights), "--prompt", "t1", timeout=120)
+    assert_user_error(
+        result, f"mkgen run: error: {tokenizer} was changed after the conversion",
+        "re-run mkgen convert", "--trust-weights",
+    )  # fmt: skip
+    assert load_tokenizer(None, str(weights), verify=False).encode("t5").ids == [5]
+    tokenizer.write_bytes(original)
+    config = weights / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"content": "t2"', '"content": "t3"', 1))
+    served = mkgen("serve", str(shims[1]), "--weights", str(weights), "--port", "0", timeout=120)
+    assert_user_error(served, f"{config} was changed after the conversion")
+    assert load_tokenizer(None, str(weights)).encode("t5").ids == [5]  # itself unchanged
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ("delete", "is missing (layout.json lists it); re-run mkgen convert"),
+        ("unlist", "was added after the conversion (layout.json does not list it); move it "
+                   "out, or put it in the checkpoint and re-run mkgen convert"),
+    ],
+)  # fmt: skip
+def test_a_tokenizer_deleted_or_added_beside_the_weights_is_refused(
+    tokenized_weights: Path, tmp_path: Path, change: str, fragment: str
+) -> None:
+    from mkgen.codegen.convert import LAYOUT_FILE, TOKENIZER_FILE, tokenizer_file
+
+    weights = shutil.copytree(tokenized_weights, tmp_path / "w")
+    if change == "delete":
+        (weights / TOKENIZER_FILE).unlink()
+    else:  # as if converted from a checkpoint without one, and added by hand since
+        layout = json.loads((weights / LAYOUT_FILE).read_text())
+        del layout["files"][TOKENIZER_FILE]
+        (weights / LAYOUT_FILE).write_text(json.dumps(layout))
+    with pytest.raises(MkgenError, match=re.escape(f"{weights / TOKENIZER_FILE} {fragment}")):
+        tokenizer_file(weights, TOKENIZER_FILE)
+    trusted = tokenizer_file(weights, TOKENIZER_FILE, verify=False)
+    assert trusted == (None if change == "delete" else weights / TOKENIZER_FILE)
+
+
+def test_a_prompt_with_a_lone_surrogate_is_one_line(
+    shims: dict[int, Path], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A surrogate no command line can carry (argv gives only U+DC80 to U+DCFF, for bytes
+    that are not UTF-8), passed to the runner library's run."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", str(shims[1]), "--random-weights", "0", "--prompt", "t1 \ud800 t2"])
+    assert exit_.value.code == 2
+    err = capfd.readouterr().err
+    assert err == (
+        "mkgen run: error: --prompt: character 3 is a lone surrogate U+D800; give the text in "
+        "UTF-8\n"
+    )
+
+
 def test_the_runner_file_itself_prints_the_same_one_line_errors(
     shims: dict[int, Path], tmp_path: Path
 ) -> None:
@@ -440,7 +533,7 @@ def test_the_runner_file_itself_prints_the_same_one_line_errors(
         [*command, "--random-weights", "0", "--temperature", "nan"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )  # fmt: skip
-    assert_user_error(run, "runner.py: error: --temperature: must be a finite number >= 0")
+    assert_user_error(run, "runner.py: error: --temperature: must be 0 (greedy) or in [0.01, 100]")
     shown = subprocess.run(
         [*command, "--help"], capture_output=True, text=True, timeout=120, cwd=tmp_path
     )

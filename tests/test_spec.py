@@ -210,6 +210,11 @@ INVALID_SPECS = [
         "num_value_heads 4 is not a multiple of num_key_heads 3",
     ),
     ("no-ffn-kinds", _with("ffn_kinds", {}), "define at least one kind"),
+    (
+        "kind-name-too-long",
+        _with("ffn_kinds", {"m" * 65: BASE["ffn_kinds"]["mlp"]}),
+        "kind name 'mmmmmmmmmmmmmmmm'... has 65 characters, over 64",
+    ),
 ]
 
 
@@ -476,6 +481,15 @@ REFUSED_SPEC_FILES = [
      _tiny("ffn: {default: moe}",
            "ffn: {default: moe, rules: [{kind: moe, every: 1000, offset: 500}]}"),
      ("layers.ffn.rules[0]: every 1000 exceeds the 4 layers",)),
+    ("nul-byte", _tiny("vocab: 128", "vocab: 1\x0028"),
+     (f"character U+0000 at offset {TINY_YAML.index('vocab: 128') + 8} is not allowed in YAML;"
+      " remove it",)),
+    ("long-description", TINY_YAML + "description: " + "x" * 4097 + "\n",
+     ("description: String should have at most 4096 characters", "#bounds")),
+    ("long-kind-name", _tiny("ffn: {default: moe}", "ffn: {default: " + "m" * 1000 + "}"),
+     ("layers.ffn.default: String should have at most 64 characters",)),
+    ("long-format", TINY_YAML + "quantization: {experts: " + "int4" * 100 + "}\n",
+     ("quantization.experts: String should have at most 64 characters",)),
     ("deep-nesting", _nested(3000), ("nested more than 32 levels deep",)),
     ("nesting-just-too-deep", _nested(40), ("nested more than 32 levels deep",)),
 ]  # fmt: skip

@@ -35,17 +35,22 @@ Properties:
   header and the index (mkgen.reference.hf_weights) and the whole tensor inventory,
   names, shapes and dtypes (HFMapping.check_inventory); while converting, NaN or Inf
   per tensor. Each is a one-line MkgenError naming the file and the tensor.
-- Its own directory: a file there that convert does not write is refused; replacing a
+- Its own directory: a file there that convert does not write is refused (so is a
+  tokenizer file a complete conversion's layout.json does not list); replacing a
   conversion of other inputs (``force``) first removes the files its layout.json and
-  progress.json list, so nothing stale remains.
+  progress.json list, so nothing stale remains. One it cannot write in (mkgen.output's
+  probe, as for a build: read-only, immutable, /proc) is refused before any work.
+- Tokenizer files follow the checkpoint: a conversion is up to date only with the
+  checkpoint's tokenizer files beside it; one added, changed or removed there since is
+  copied or removed on the next run, the weights kept.
 - Bound to its build: ``weights_sha256`` is a digest of everything in the kernel layout
   that decides the weight arrays (stream plan, segments, vector rows, expert chunks,
   formats, inventory); the runner refuses weights whose digest differs from its build's.
   Batch, rows and context do not enter it, so one conversion serves builds that differ
   only in those.
 - Read back verified: the readers (read_stream, read_vectors, read_experts,
-  read_globals) check each file's sha256 against layout.json unless called with
-  ``verify=False``.
+  read_globals, and tokenizer_file for run's and serve's tokenizer files) check each
+  file's sha256 against layout.json unless called with ``verify=False``.
 """
 
 from __future__ import annotations
@@ -64,11 +69,11 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-from tqdm import tqdm
 
 from mkgen import __version__
 from mkgen.codegen import pack
 from mkgen.errors import MkgenError
+from mkgen.output import check_directory, progress_bar, resolved_target
 from mkgen.plan.layout import KernelLayout
 from mkgen.spec.schema import ModelSpec, MoEFFN
 from mkgen.spec.weights import model_weights
@@ -480,6 +485,20 @@ class ConvertResult:
     bytes: int
     skipped: list[str]  # units found complete and verified
     seconds: float
+    # Of converted weights kept as they were: the tokenizer files copied from the
+    # checkpoint (new or changed there) and those removed (gone from it).
+    tokenizers_copied: tuple[str, ...] = ()
+    tokenizers_removed: tuple[str, ...] = ()
+
+
+def check_output(output: Path) -> None:
+    """A one-line MkgenError unless files may be written in `output` (before any work): it
+    is no file, not the filesystem root, and it (or, while it does not exist, its nearest
+    ancestor) takes new entries: a read-only, immutable, /proc or /sys directory does not."""
+    resolved_target(output, "choose another output directory")
+    if output.exists() and not output.is_dir():
+        raise MkgenError(f"{output} is not a directory; choose another output directory")
+    check_directory(output)
 
 
 def convert(
@@ -495,64 +514,143 @@ def convert(
 ) -> ConvertResult:
     """Pack `source` (HFMapping or InventorySource) for `layout` into `output`, with a
     copy of each of the checkpoint's `tokenizer_files` (TOKENIZER_FILES); `progress`:
-    a progress bar on stderr (tqdm: bytes/s and ETA).
+    a progress bar on a terminal's stderr (tqdm: bytes/s and ETA).
 
     `identity` describes the inputs (build and checkpoint); a progress.json with the same
-    identity resumes, a complete conversion with the same identity is left as it is, and
-    one of other inputs is only replaced with `force`, which first removes the files it
-    lists. A file in `output` that mkgen convert does not write is refused."""
+    identity resumes, a complete conversion with the same identity is left as it is (its
+    tokenizer files made the checkpoint's), and one of other inputs is only replaced with
+    `force`, which first removes the files it lists. A file in `output` that mkgen convert
+    does not write is refused; a file that cannot be written is a one-line MkgenError."""
     start = time.perf_counter()
     output = Path(output)
-    digest = weights_digest(spec, layout)
-    identity = {**identity, "weights_sha256": digest, "format": CONTAINER_FORMAT}
-    layout_path, progress_path = output / LAYOUT_FILE, output / PROGRESS_FILE
-    if output.exists() and not output.is_dir():
-        raise MkgenError(f"{output} is not a directory; choose another output directory")
-    manifest = read_state(layout_path) if layout_path.exists() else None
-    state = read_state(progress_path) if progress_path.exists() else None
+    check_output(output)
+    identity = {
+        **identity, "weights_sha256": weights_digest(spec, layout), "format": CONTAINER_FORMAT
+    }  # fmt: skip
+    try:
+        manifest, state = _existing_conversion(output)
+        if manifest is not None and manifest["identity"] == identity:
+            weights = {k: v for k, v in manifest["files"].items() if k not in TOKENIZER_FILES}
+            if _verified(output, weights):
+                copied, removed = _match_tokenizers(output, manifest, tokenizer_files)
+                files = manifest["files"]
+                size = sum(e["bytes"] for e in files.values())
+                seconds = time.perf_counter() - start
+                return ConvertResult(
+                    output, len(files), size, ["all"], seconds, copied, removed
+                )  # fmt: skip
+        resumable = state is not None and state["identity"] == identity
+        replaced = None if resumable else state  # an interrupted conversion of other inputs
+        if manifest is not None or replaced is not None:
+            _refuse_or_remove(output, manifest, replaced, identity, force)
+        done = dict(state["units"]) if resumable and state else {}
+        return _write_conversion(
+            spec, layout, source, output, identity, done, progress, tokenizer_files, start
+        )
+    except OSError as error:  # a full disk, or a directory made read-only meanwhile
+        raise MkgenError(f"{error.filename or output}: {error.strerror or error}") from None
+
+
+def _existing_conversion(output: Path) -> tuple[dict | None, dict | None]:
+    """(layout.json, progress.json) of a conversion already in `output` (None: absent), once
+    `output` is known to hold nothing else: an empty or new directory, or convert's own."""
+    manifest = read_state(output / LAYOUT_FILE) if (output / LAYOUT_FILE).exists() else None
+    state = read_state(output / PROGRESS_FILE) if (output / PROGRESS_FILE).exists() else None
     if manifest is None and state is None:
         if output.exists() and any(output.iterdir()):
             raise MkgenError(
                 f"{output} exists and is not a mkgen weights directory; choose another"
             )
-    elif foreign := _foreign_entry(output):
+    elif foreign := _foreign_entry(output) or _unlisted_tokenizer(output, manifest):
         raise MkgenError(
             f"{output}: {foreign} was not written by mkgen convert; move it out of the weights "
             "directory (or choose another output directory)"
         )
-    current = manifest is not None and manifest["identity"] == identity
-    if current and _verified(output, manifest["files"]):
-        files = manifest["files"]
-        size = sum(e["bytes"] for e in files.values())
-        return ConvertResult(output, len(files), size, ["all"], time.perf_counter() - start)
-    resumable = state is not None and state["identity"] == identity
-    replaced = None if resumable else state  # an interrupted conversion of other inputs
-    if manifest is not None or replaced is not None:
-        if not force:
-            earlier = (manifest if manifest is not None else replaced)["identity"]
-            what = (
-                "a conversion whose files no longer match its layout.json"
-                if current
-                else f"another conversion ({earlier.get('spec')} for {earlier.get('topology')})"
-            )
-            raise MkgenError(f"{output} holds {what}; pass --force to replace it")
-        _remove_conversion(output, manifest, replaced)
+    return manifest, state
+
+
+def _unlisted_tokenizer(output: Path, manifest: Mapping[str, Any] | None) -> str | None:
+    """A tokenizer file beside a complete conversion that its layout.json does not list:
+    put there by hand, since convert copies them just before it writes layout.json."""
+    if manifest is None:
+        return None
+    names = (name for name in TOKENIZER_FILES if name not in manifest["files"])
+    return next((name for name in names if os.path.lexists(output / name)), None)
+
+
+def _refuse_or_remove(
+    output: Path,
+    manifest: Mapping[str, Any] | None,
+    replaced: Mapping[str, Any] | None,
+    identity: Mapping[str, Any],
+    force: bool,
+) -> None:
+    """Without `force`, a one-line refusal to replace the conversion in `output` (its
+    layout.json `manifest`, or the progress.json `replaced` of other inputs); with it, its
+    files removed."""
+    if not force:
+        earlier = (manifest if manifest is not None else replaced or {})["identity"]
+        what = (
+            "a conversion whose files no longer match its layout.json"
+            if earlier == identity
+            else f"another conversion ({earlier.get('spec')} for {earlier.get('topology')})"
+        )
+        raise MkgenError(f"{output} holds {what}; pass --force to replace it")
+    _remove_conversion(output, manifest, replaced)
+
+
+def _match_tokenizers(
+    output: Path, manifest: dict[str, Any], tokenizer_files: Sequence[Path]
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Make the tokenizer files beside converted weights the checkpoint's
+    `tokenizer_files`: copy those added or changed there since (or damaged in `output`),
+    remove those it no longer has, and rewrite layout.json if any was. (copied, removed)."""
+    files = manifest["files"]
+    wanted = {path.name: path for path in tokenizer_files}
+    copied, removed = [], []
+    for name in TOKENIZER_FILES:
+        entry, source = files.get(name), wanted.get(name)
+        if source is None and entry is not None:
+            del files[name]
+            (output / name).unlink(missing_ok=True)
+            removed.append(name)
+        elif source is not None and not (
+            entry is not None
+            and entry["sha256"] == _sha256(source)
+            and _verified(output, {name: entry})
+        ):
+            files[name] = _copy_file(source, output / name)
+            copied.append(name)
+    if copied or removed:
+        _write_json(output / LAYOUT_FILE, manifest)
+    return tuple(copied), tuple(removed)
+
+
+def _write_conversion(
+    spec: ModelSpec,
+    layout: KernelLayout,
+    source: Any,
+    output: Path,
+    identity: Mapping[str, Any],
+    done: dict[str, dict[str, Any]],
+    progress: bool,
+    tokenizer_files: Sequence[Path],
+    start: float,
+) -> ConvertResult:
+    """Convert every unit not `done` (and verified) into `output`, recording each in
+    progress.json, then copy the tokenizer files and write layout.json."""
+    layout_path, progress_path = output / LAYOUT_FILE, output / PROGRESS_FILE
     created = not output.exists()
     output.mkdir(parents=True, exist_ok=True)
     try:
-        done: dict[str, dict[str, Any]] = dict(state["units"]) if resumable and state else {}
         skipped: list[str] = []
         files: dict[str, dict[str, Any]] = {}
         work = units(layout)
         sizes = _unit_bytes(spec, work)
-        bar = tqdm(
-            total=sum(sizes),
-            desc="convert",
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            disable=not progress,
-        )
+        bar = progress_bar(
+            total=sum(sizes), desc="convert", unit="B", unit_scale=True, unit_divisor=1024,
+            shown=progress,
+        )  # fmt: skip
         with bar:
             for unit, size in zip(work, sizes, strict=True):
                 bar.set_postfix_str(unit.name, refresh=False)
@@ -590,7 +688,7 @@ def convert(
     except BaseException:
         # A conversion that fails before finishing any unit leaves nothing behind (with
         # finished units, progress.json keeps them for a resumed run).
-        if created and not (output / PROGRESS_FILE).exists():
+        if created and not progress_path.exists():
             shutil.rmtree(output, ignore_errors=True)
         raise
 
@@ -641,8 +739,8 @@ def build_identity(
 # caller trusts): the file is read only as the caller uses it.
 
 
-def open_weights(directory: Path, spec: ModelSpec, layout: KernelLayout, build: str) -> dict:
-    """layout.json of converted weights, checked against this build (one-line errors)."""
+def read_manifest(directory: Path) -> dict:
+    """layout.json of the converted weights in `directory`, checked (one-line errors)."""
     directory = Path(directory)
     path = directory / LAYOUT_FILE
     if not path.exists():
@@ -652,7 +750,38 @@ def open_weights(directory: Path, spec: ModelSpec, layout: KernelLayout, build: 
             else "not converted weights (mkgen convert writes them)"
         )
         raise MkgenError(f"{directory}: no {LAYOUT_FILE}; {hint}")
-    manifest = read_state(path)
+    return read_state(path)
+
+
+def tokenizer_file(directory: Path, name: str, *, verify: bool = True) -> Path | None:
+    """The tokenizer file `name` (TOKENIZER_FILES) beside the converted weights in
+    `directory`, or None without one. With `verify`, it must be the file mkgen convert
+    copied there, by layout.json's sha256: one edited, added or deleted since is a
+    one-line MkgenError naming it (verify=False: --trust-weights takes it as it is)."""
+    path = Path(directory) / name
+    if not verify:
+        return path if path.is_file() else None
+    entry = read_manifest(directory)["files"].get(name)
+    if entry is None and not path.exists():
+        return None
+    again = "re-run mkgen convert to copy the checkpoint's again"
+    trust = " (or pass --trust-weights to take it as it is)"
+    if entry is None:
+        problem = "was added after the conversion (layout.json does not list it)"
+        again = "move it out, or put it in the checkpoint and re-run mkgen convert"
+    elif not path.is_file():
+        problem, trust = "is missing (layout.json lists it)", ""
+    elif _sha256(path) != entry["sha256"]:
+        problem = "was changed after the conversion (its sha256 differs from layout.json's)"
+    else:
+        return path
+    raise MkgenError(f"{path} {problem}; {again}{trust}")
+
+
+def open_weights(directory: Path, spec: ModelSpec, layout: KernelLayout, build: str) -> dict:
+    """layout.json of converted weights, checked against this build (one-line errors)."""
+    manifest = read_manifest(directory)
+    path = Path(directory) / LAYOUT_FILE
     identity = manifest["identity"]
     if identity.get("format") != CONTAINER_FORMAT:
         raise MkgenError(f"{path}: container format {identity.get('format')!r} unknown")

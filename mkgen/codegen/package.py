@@ -71,7 +71,7 @@ from mkgen.codegen.build import (
 from mkgen.codegen.conformance import check_program_order
 from mkgen.codegen.render import TEMPLATES, formatter_version, render
 from mkgen.errors import MkgenError, SpecError
-from mkgen.output import check_parent, umask
+from mkgen.output import check_parent, resolved_target, umask
 from mkgen.plan.layout import KernelLayout
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.published import bar_text
@@ -880,9 +880,7 @@ def _refuse(directory: Path, force: bool, fix_edits: str) -> _Difference | None:
 def _check_target(target: Path, force: bool) -> Path:
     """`target` absolute with links resolved, once a build may be written there: checked
     before any rendering, and before any scan (`-o /` would walk the whole filesystem)."""
-    resolved = Path(os.path.realpath(target))
-    if resolved == resolved.parent:
-        raise MkgenError(f"{target} is the filesystem root; {_NEW_DIRECTORY}")
+    resolved = resolved_target(target, _NEW_DIRECTORY)
     try:
         _refuse(resolved, force, _FORCE)
     except OSError as error:

@@ -47,6 +47,19 @@ MAX_VMEM_BYTES = max(chip.vmem_bytes_per_core for chip in CATALOG.values())
 # KV caches stream in tiles of up to 128 tokens (the lane width); a longer context is
 # whole tiles. plan, build and verify all apply this one rule (BuildOptions).
 KV_TILE_TOKENS = 128
+# A chip-hour price above this is a slip of the keyboard, not a price: the catalog's and
+# the published references' estimates are a few USD (docs/spec-reference.md#bounds).
+MAX_CHIP_HOUR_USD = 1000.0
+
+
+def check_chip_hour_price(given: str, usd: float) -> None:
+    """A one-line SpecError naming `given` (the flag and its value) unless `usd` is a
+    chip-hour price: finite, above 0 and at most MAX_CHIP_HOUR_USD."""
+    if not (math.isfinite(usd) and 0 < usd <= MAX_CHIP_HOUR_USD):
+        raise SpecError(
+            f"{given}: chip-hour price must be positive and finite, at most "
+            f"{MAX_CHIP_HOUR_USD:g} USD"
+        )
 
 
 def kv_tile(context: int) -> int:
@@ -206,8 +219,8 @@ class BuildOptions(BaseModel):
                 f"(0, rows={self.rows}]; raise --rows for speculative decoding"
             )
         price = self.price_per_chip_hour_usd
-        if price is not None and not (math.isfinite(price) and price > 0):
-            raise SpecError(f"--price {price:g}: chip-hour price must be positive and finite")
+        if price is not None:
+            check_chip_hour_price(f"--price {price:g}", price)
         for family, fmt in self.quant:
             if family not in WEIGHT_FAMILIES:
                 raise SpecError(f"--quant {family}={fmt}: unknown weight family {family!r}")

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 from mkgen.errors import MkgenError
 from mkgen.hardware import CATALOG
+from mkgen.plan.options import check_chip_hour_price
 
 # An assumption, not a measurement: prefill matmuls at 40 % of the slice's bf16 peak.
 PREFILL_MFU = 0.40
@@ -140,9 +141,10 @@ def parse_prices(items: tuple[str, ...] | list[str]) -> dict[str, float]:
         try:
             usd = float(text)
         except ValueError:
-            usd = 0.0
-        if usd <= 0:
-            raise MkgenError(f"--reference-price {item!r}: write CHIP=USD with a positive price")
+            raise MkgenError(
+                f"--reference-price {item!r}: write CHIP=USD with a positive price"
+            ) from None
+        check_chip_hour_price(f"--reference-price {item!r}", usd)
         prices[chip] = usd
     return prices
 

@@ -184,9 +184,9 @@ class SafetensorsCheckpoint(Mapping[str, np.ndarray]):
 
     def __init__(self, path: Path | str) -> None:
         path = Path(path)
+        single = None
         if path.is_dir():
-            index = path / "model.safetensors.index.json"
-            single = path / "model.safetensors"
+            index, single = path / "model.safetensors.index.json", path / "model.safetensors"
             path = index if index.exists() else single
         if not path.exists():
             raise SpecError(f"{path}: no such file (expected model.safetensors or its index)")
@@ -205,6 +205,11 @@ class SafetensorsCheckpoint(Mapping[str, np.ndarray]):
         for name, shard in weight_map.items():
             if shard not in self.shards:
                 self.shards[shard] = _shard_path(path.parent, shard, path, name)
+        if single is not None and single.exists() and single.name not in self.shards:
+            raise SpecError(
+                f"{path.parent}: holds both {single.name} and {path.name} (which does not "
+                "list it), so which is the checkpoint is unclear; move one of them out"
+            )
         for shard, file in sorted(self.shards.items()):
             for name in self._open(file):
                 if weight_map.get(name) != shard:

@@ -8,7 +8,6 @@ got nan`): the parser raises MkgenError instead of printing argparse's usage blo
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -24,6 +23,12 @@ NGRAM_DEFAULT = 3  # longest suffix the prompt-lookup drafter matches
 STEPS_PER_CALL_DEFAULT = 8
 WARMUP_DEFAULT = 2
 TOKENIZER_FILE = "tokenizer.json"  # what mkgen convert copies beside the weights
+# Sampling bounds (docs/serving.md, "Sampling"): logits are tempered in f32 on the device, and
+# below 0.01 a temperature only draws the greedy token (give 0), above 100 a near-uniform
+# one; a top-p below 1e-6 keeps the likeliest token alone (and rounds to 0 in f32 below
+# about 1e-45, which would keep none).
+TEMPERATURE_RANGE = (0.01, 100.0)
+TOP_P_MIN = 1e-6
 
 
 class OptionParser(argparse.ArgumentParser):
@@ -94,8 +99,8 @@ def option_parser(build: Build, prog: str) -> OptionParser:
     parser.add_argument(
         "--trust-weights",
         action="store_true",
-        help="skip the sha256 check of the converted weight files (faster start-up on "
-        "weights you trust)",
+        help="skip the sha256 check of the converted weight and tokenizer files (faster "
+        "start-up on weights you trust)",
     )
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument(
@@ -142,37 +147,39 @@ def option_parser(build: Build, prog: str) -> OptionParser:
     parser.add_argument(
         "--stop-ids", metavar="IDS", default="", help="comma-separated ids that end a sequence"
     )
+    low, high = TEMPERATURE_RANGE
     parser.add_argument(
         "--temperature",
-        type=number("a finite number >= 0", lambda t: math.isfinite(t) and t >= 0),
+        type=number(f"0 (greedy) or in [{low:g}, {high:g}]", lambda t: t == 0 or low <= t <= high),
         default=0.0,
         metavar="T",
-        help="0 (default): greedy; else sample",
+        help=f"0 (default): greedy; else sample, at a temperature from {low:g} to {high:g}",
     )
     parser.add_argument(
         "--top-k",
-        type=integer(0),
+        type=integer(0, build.vocab_used),
         default=0,
         metavar="K",
-        help="sample from the K likeliest (0: all)",
+        help=f"sample from the K likeliest (0: all; at most the vocabulary, {build.vocab_used})",
     )
     parser.add_argument(
         "--top-p",
-        type=number("in (0, 1]", lambda p: 0 < p <= 1),
+        type=number(f"in [{TOP_P_MIN:g}, 1]", lambda p: TOP_P_MIN <= p <= 1),
         default=1.0,
         metavar="P",
-        help="sample from the smallest set of mass >= P",
+        help=f"sample from the smallest set of mass >= P ({TOP_P_MIN:g} to 1)",
     )
     parser.add_argument(
         "--seed", type=integer(0, SEED_MAX), default=0, metavar="SEED", help="sampling seed"
     )
     parser.add_argument(
         "--steps-per-call",
-        type=integer(1),
+        type=integer(1, build.context),
         metavar="N",
         help="up to N kernel steps in one device call, each step's tokens drafted (ngram "
         "drafter), accepted (greedy or sampled) and embedded on the device for the next (1: "
-        f"a host round trip per step; default {STEPS_PER_CALL_DEFAULT})",
+        f"a host round trip per step; default {STEPS_PER_CALL_DEFAULT}, at most the context, "
+        f"{build.context})",
     )
     parser.add_argument(
         "--drafter",
@@ -183,9 +190,10 @@ def option_parser(build: Build, prog: str) -> OptionParser:
     )
     parser.add_argument(
         "--ngram",
-        type=integer(1),
+        type=integer(1, build.context),
         metavar="N",
-        help=f"longest suffix the prompt-lookup drafter matches (default {NGRAM_DEFAULT})",
+        help=f"longest suffix the prompt-lookup drafter matches (default {NGRAM_DEFAULT}, at "
+        f"most the context, {build.context})",
     )
     parser.add_argument(
         "--bench",
@@ -230,11 +238,14 @@ def token_ids(text: str, flag: str, vocab: int) -> list[int]:
     return ids
 
 
-def load_tokenizer(path: str | None, weights: str | None) -> Any:
-    """The tokenizer of --tokenizer, else the one converted beside --weights, else None."""
+def load_tokenizer(path: str | None, weights: str | None, *, verify: bool = True) -> Any:
+    """The tokenizer of --tokenizer, else the one converted beside --weights (with
+    `verify`, the file mkgen convert copied: convert.tokenizer_file), else None."""
     if path is None and weights is not None:
-        converted = Path(weights) / TOKENIZER_FILE
-        path = str(converted) if converted.is_file() else None
+        from mkgen.codegen.convert import tokenizer_file
+
+        converted = tokenizer_file(Path(weights), TOKENIZER_FILE, verify=verify)
+        path = None if converted is None else str(converted)
     if path is None:
         return None
     from tokenizers import Tokenizer
@@ -246,9 +257,28 @@ def load_tokenizer(path: str | None, weights: str | None) -> Any:
         raise MkgenError(f"--tokenizer {path}: not a {TOKENIZER_FILE} ({reason})") from None
 
 
+def _check_text(flag: str, text: str) -> None:
+    """A one-line MkgenError unless `text` is Unicode text (UTF-8 encodable): Python turns
+    argument bytes that are not UTF-8 into lone surrogates (U+DC80 to U+DCFF)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(text[error.start])
+        what = (
+            f"byte 0x{code - 0xDC00:02x}, which is not UTF-8"
+            if 0xDC80 <= code <= 0xDCFF
+            else f"a lone surrogate U+{code:04X}"
+        )
+        raise MkgenError(
+            f"{flag}: character {error.start} is {what}; give the text in UTF-8"
+        ) from None
+
+
 def _prompts(args: argparse.Namespace, build: Build) -> list[list[int]]:
     """Every sequence's prompt token ids, checked against the vocabulary and the batch."""
     if args.prompt:
+        for text in args.prompt:
+            _check_text("--prompt", text)
         if args.tokenizer is None:
             raise MkgenError("--prompt needs --tokenizer FILE (or --weights converted with one)")
         prompts = [args.tokenizer.encode(t, add_special_tokens=False).ids for t in args.prompt]
@@ -327,7 +357,7 @@ def parse_args(build: Build, argv: list[str] | None, prog: str) -> argparse.Name
     args = option_parser(build, prog).parse_args(argv)
     _check_drafting(args, build)
     _check_companions(args, build)
-    args.tokenizer = load_tokenizer(args.tokenizer, args.weights)
+    args.tokenizer = load_tokenizer(args.tokenizer, args.weights, verify=not args.trust_weights)
     args.prompts = _prompts(args, build)
     args.stop = set(token_ids(args.stop_ids, "--stop-ids", build.vocab_used))
     longest = max(len(p) for p in args.prompts)

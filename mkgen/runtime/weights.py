@@ -6,7 +6,6 @@ Imports JAX: imported by `run` after the device environment is set.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,8 +15,8 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from tqdm import tqdm
 
+from mkgen import output
 from mkgen.codegen import convert, pack
 from mkgen.runtime.build import Build
 
@@ -78,11 +77,11 @@ class ConvertedWeights:
         return self._read(convert.read_experts, rank, which)
 
 
-def progress_bar(total: int, what: str, unit: str) -> tqdm:
+def progress_bar(total: int, what: str, unit: str) -> Any:
     """A progress bar on stderr (stdout stays clean for --json): only on a terminal, and
     only in process 0 of a multi-host job."""
-    quiet = None if jax.process_index() == 0 else True  # None: shown on a terminal only
-    return tqdm(total=total, desc=what, unit=unit, file=sys.stderr, disable=quiet, leave=False)
+    shown = jax.process_index() == 0
+    return output.progress_bar(total=total, desc=what, unit=unit, shown=shown)
 
 
 def place_weights(build: Build, weights: Any, mesh: Mesh, kernel: Any) -> dict[str, Any]:

@@ -43,14 +43,16 @@ def serve(
     caches are kept in up to `host_cache_mib` MiB of host memory (0: none) for prompts
     that start with them. `multi_host` (coordinator, num_processes, process_id: each None
     on a TPU pod, which tells its processes) makes it one process of a multi-host job.
-    Bad inputs (a port taken,
-    weights that do not fit, too few devices, a broken tokenizer_config.json) are
-    MkgenErrors before any request is taken."""
-    from mkgen.codegen.convert import TOKENIZER_CONFIG_FILE
+    Bad inputs (a port taken, weights that do not fit, too few devices, a broken
+    tokenizer_config.json, tokenizer files changed since the conversion) are MkgenErrors
+    before any request is taken."""
+    from mkgen.codegen.convert import TOKENIZER_CONFIG_FILE, tokenizer_file
     from mkgen.serve.chat import load_tokenizer_config
 
-    tokenizer = load_tokenizer(None, str(weights) if weights is not None else None)
-    chat, eos = load_tokenizer_config(weights / TOKENIZER_CONFIG_FILE) if weights else (None, None)
+    verify = not trust_weights
+    tokenizer = load_tokenizer(None, str(weights) if weights else None, verify=verify)
+    config = tokenizer_file(weights, TOKENIZER_CONFIG_FILE, verify=verify) if weights else None
+    chat, eos = load_tokenizer_config(config) if config else (None, None)
     eos_id = tokenizer.token_to_id(eos) if tokenizer is not None and eos else None
     # A port taken is an error before the slow work (on process 0, when a flag says which).
     known_leader = multi_host is None or multi_host.process_id == 0

@@ -182,7 +182,7 @@ def describe_validation_error(error: ValidationError, source: str) -> str:
         message = "unknown key (check the spelling; see docs/spec-reference.md)"
     elif first["type"] == "union_tag_invalid":
         message = message.replace("Input tag", "type")
-    elif first["type"] in ("less_than", "less_than_equal"):
+    elif first["type"] in ("less_than", "less_than_equal", "string_too_long"):
         message += " (the bounds and where they come from: docs/spec-reference.md#bounds)"
     where = f"{source}: {path}" if path else source
     more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
@@ -225,14 +225,21 @@ def read_yaml(path: Path) -> Any:
     text = _read_text(path)
     try:
         data = yaml.load(text, Loader=_SpecYamlLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.reader.ReaderError as error:  # e.g. a NUL byte: no YAML file may hold it
+        raise SpecError(
+            f"{path}: character U+{error.character:04X} at offset {error.position} is not "
+            "allowed in YAML; remove it"
+        ) from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(error, "problem", None) or "malformed YAML"
+        problem = getattr(error, "problem", None)
         if isinstance(error, _SpecYamlError):  # well-formed, but nothing a spec needs
             raise SpecError(f"{path}: {where}: {problem}") from None
         where = f" at {where}" if where else ""
-        raise SpecError(f"{path}: malformed YAML{where}: {problem}") from None
+        raise SpecError(
+            f"{path}: malformed YAML{where}{f': {problem}' if problem else ''}"
+        ) from None
     return _check_tree(data, path.name)
 
 

@@ -39,6 +39,11 @@ MAX_EXPERTS = 2**16
 MAX_LAYERS = 2**14
 # Positions enter the RoPE angles as f32, which holds integers exactly up to 2^24.
 MAX_POSITIONS = 2**24
+# Text: a description is a paragraph for people, copied into every build's runner.py and
+# REPORT.md; names (of the spec, its kinds) and weight formats are short identifiers that
+# errors quote. Bounded so that no spec can swell those files and messages.
+MAX_DESCRIPTION = 4096
+MAX_NAME = 64
 
 Width = Annotated[int, Field(gt=0, le=MAX_WIDTH)]
 ExpertCount = Annotated[int, Field(gt=0, le=MAX_EXPERTS)]
@@ -47,6 +52,7 @@ LayerIndex = Annotated[int, Field(ge=0, lt=MAX_LAYERS)]
 TokenCount = Annotated[int, Field(gt=0, le=MAX_POSITIONS)]
 VocabSize = Annotated[int, Field(gt=0, le=MAX_VOCAB)]
 PositiveFloat = Annotated[float, Field(gt=0)]
+Name = Annotated[str, Field(max_length=MAX_NAME)]
 
 
 class StrictModel(BaseModel):
@@ -367,7 +373,7 @@ class LayerRule(StrictModel):
     first: layers 0..first-1; last: the last `last` layers.
     """
 
-    kind: str
+    kind: Name
     every: LayerCount | None = None
     offset: LayerIndex = 0
     indices: list[LayerIndex] | None = None
@@ -416,9 +422,9 @@ class LayerRule(StrictModel):
 class LayerAssignment(StrictModel):
     """One kind per layer: a default or a repeating pattern, then rules in order (later wins)."""
 
-    default: str | None = None
+    default: Name | None = None
     # Repeats from layer 0: pattern[i % len(pattern)].
-    pattern: list[str] | None = None
+    pattern: list[Name] | None = None
     rules: list[LayerRule] = []
 
     @model_validator(mode="after")
@@ -509,14 +515,14 @@ class Quantization(StrictModel):
     """Storage format per weight family (see mkgen.spec.quant). Norms, biases, conv
     taps and gate constants ("vectors") are always bf16."""
 
-    embedding: str = "bf16"
-    attention: str = "bf16"
-    mlp: str = "bf16"
-    shared_experts: str = "bf16"
-    projections: str = "bf16"
-    experts: str = "bf16"
-    router: str = "bf16"
-    lm_head: str = "bf16"
+    embedding: Name = "bf16"
+    attention: Name = "bf16"
+    mlp: Name = "bf16"
+    shared_experts: Name = "bf16"
+    projections: Name = "bf16"
+    experts: Name = "bf16"
+    router: Name = "bf16"
+    lm_head: Name = "bf16"
 
     @model_validator(mode="before")
     @classmethod
@@ -544,8 +550,8 @@ class Quantization(StrictModel):
 class ModelSpec(StrictModel):
     """A whole decoder-only model."""
 
-    name: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", max_length=64)]
-    description: str = ""
+    name: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", max_length=MAX_NAME)]
+    description: Annotated[str, Field(max_length=MAX_DESCRIPTION)] = ""
     dims: Dims
     attention_kinds: dict[str, AttentionKind]
     ffn_kinds: dict[str, FFNKind]
@@ -559,6 +565,10 @@ class ModelSpec(StrictModel):
         if not kinds:
             raise ValueError("define at least one kind")
         for name in kinds:
+            if len(name) > MAX_NAME:
+                raise ValueError(
+                    f"kind name {name[:16]!r}... has {len(name)} characters, over {MAX_NAME}"
+                )
             if not name.isidentifier() or not name.isascii():
                 raise ValueError(f"kind name {name!r} must be an ASCII identifier")
         return kinds
