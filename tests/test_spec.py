@@ -486,6 +486,8 @@ REFUSED_SPEC_FILES = [
       " remove it",)),
     ("long-description", TINY_YAML + "description: " + "x" * 4097 + "\n",
      ("description: String should have at most 4096 characters", "#bounds")),
+    ("huge-file", TINY_YAML + "description: |\n" + ("  " + "x" * 1022 + "\n") * 1100,
+     ("over 1 MiB, far more than any spec or config.json",)),
     ("long-kind-name", _tiny("ffn: {default: moe}", "ffn: {default: " + "m" * 1000 + "}"),
      ("layers.ffn.default: String should have at most 64 characters",)),
     ("long-format", TINY_YAML + "quantization: {experts: " + "int4" * 100 + "}\n",
