@@ -24,9 +24,11 @@ build: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist worksteal
 
+# mypy checks the kernel's runtime library (mkgen/kernellib; settings in pyproject.toml).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mkgen tests scripts
 	$(VENV)/bin/ruff format --check mkgen tests scripts
+	$(VENV)/bin/mypy
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix mkgen tests scripts

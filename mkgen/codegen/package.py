@@ -69,6 +69,7 @@ from mkgen.codegen.build import (
     safe_text,
 )
 from mkgen.codegen.conformance import check_program_order
+from mkgen.codegen.library import expanded_template
 from mkgen.codegen.render import TEMPLATES, formatter_version, render
 from mkgen.errors import MkgenError, SpecError
 from mkgen.output import check_parent, resolved_target, umask
@@ -243,8 +244,12 @@ def inputs_digest(
     spec: ModelSpec, topology: Topology, options: BuildOptions, kernel_args: Mapping[str, Any]
 ) -> str:
     """sha256 of everything a build is rendered from (`spec` with its overrides applied)."""
+    # Each template as Jinja reads it: with the kernel library members it includes.
     template_digests = {
-        name: hashlib.sha256((TEMPLATES / name).read_bytes()).hexdigest() for name in TEMPLATE_FILES
+        name: hashlib.sha256(
+            expanded_template((TEMPLATES / name).read_bytes(), name).encode()
+        ).hexdigest()
+        for name in TEMPLATE_FILES
     }
     data = {
         "mkgen": __version__,

@@ -1,7 +1,8 @@
 """Rendering templates: Jinja2 with strict undefined names, then ruff format.
 
 Templates only place values the plan decided; rendering is deterministic (same
-inputs, identical bytes).
+inputs, identical bytes). They are loaded with the kernel library's members in place of
+their `library(...)` directives (mkgen/codegen/library.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import jinja2
 
+from mkgen.codegen.library import LibraryLoader
 from mkgen.errors import MkgenError
 
 # Package data, so an installed wheel renders exactly what a checkout does.
@@ -24,7 +26,7 @@ TEMPLATES = resources.files("mkgen") / "templates"
 def environment() -> jinja2.Environment:
     """The Jinja2 settings every template renders with."""
     return jinja2.Environment(
-        loader=jinja2.PackageLoader("mkgen", "templates"),
+        loader=LibraryLoader("mkgen", "templates"),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,

@@ -1,0 +1,185 @@
+"""Collectives by remote DMA in one-shot rounds (ROUNDS: the cores of a host, then one core
+of every host), their wire format (f32, or bf16 pairs in 32-bit words) and the barrier
+before the first copy."""
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mkgen.kernellib.constants import (
+    AXIS,
+    COLLECTIVE_PEERS,
+    COLLECTIVE_SLOTS,
+    COLLECTIVE_WIRES,
+    DMA_LANES,
+    NUM_DEVICES,
+    ROUNDS,
+)
+
+
+def _round_exchange(buf, send_sems, recv_sems, round_, lanes, send_row, on_sent=None):
+    """One one-shot round: this core's row `send_row(m)` of `buf` straight to slot offset +
+    (its position) of every other member m of its group, one semaphore per in-flight copy,
+    then on_sent() while they travel; returns when every member's row has landed in this
+    core's slots offset .. offset + size.
+    The first `lanes` 32-bit lanes matter; copies round them up to whole DMA_LANES rows."""
+    size, stride, offset = ROUNDS[round_]
+    me = jax.lax.axis_index(AXIS)
+    pos = (me // stride) % size
+    base = me - pos * stride
+    lanes = min(buf.shape[-1], -(-lanes // DMA_LANES) * DMA_LANES)
+
+    def copy(row, slot, m, device):
+        return pltpu.make_async_remote_copy(
+            buf.at[row, :, pl.ds(0, lanes)],
+            buf.at[slot, :, pl.ds(0, lanes)],
+            send_sems.at[offset + m],
+            recv_sems.at[slot],
+            device_id={AXIS: device},
+        )
+
+    sends = []
+    for k in range(1, size):
+        m = (pos + k) % size
+        sends.append(copy(send_row(m), offset + pos, m, base + m * stride))
+    for c in sends:
+        c.start()
+    if on_sent is not None:
+        on_sent()
+    for c in sends:
+        c.wait_send()
+    for k in range(1, size):
+        m = (pos + size - k) % size
+        copy(offset + m, offset + m, m, me).wait_recv()
+
+
+def _to_wire(value, wire, lanes):
+    """`value` [TOKENS_PADDED, w] f32 as 32-bit words: its f32 bits (w words), or `lanes`
+    words of bf16 pairs (round to nearest even), column c in the high half of word c and
+    column c + lanes in its low half (w zero-padded to 2 * lanes)."""
+    if wire == "f32":
+        return jax.lax.bitcast_convert_type(value, jnp.uint32)
+    if value.shape[1] < 2 * lanes:
+        pad = jnp.zeros((value.shape[0], 2 * lanes - value.shape[1]), jnp.float32)
+        value = jnp.concatenate([value, pad], axis=1)
+    bits = jax.lax.bitcast_convert_type(value.astype(jnp.bfloat16).astype(jnp.float32), jnp.uint32)
+    return bits[:, :lanes] | (bits[:, lanes:] >> 16)
+
+
+def _from_wire(words, wire, width):
+    """The f32 values [TOKENS_PADDED, width] that `_to_wire` packed into `words`."""
+    if wire == "f32":
+        return jax.lax.bitcast_convert_type(words, jnp.float32)[:, :width]
+    high = jax.lax.bitcast_convert_type(words & jnp.uint32(0xFFFF0000), jnp.float32)
+    low = jax.lax.bitcast_convert_type(words << 16, jnp.float32)
+    return jnp.concatenate([high, low], axis=1)[:, :width]
+
+
+# fmt: off
+
+class Collectives:
+    """All-reduce, all-gather and reduce-scatter in one-shot rounds (ROUNDS): the cores of
+    a host, then one core of every host.
+
+    In a round every member writes its piece straight to every other member, and each
+    combines the group's slots in member order, so a group ends bit-identical and, after
+    the last round, every core does. A round's wire dtype and lanes come from
+    COLLECTIVE_WIRES (bf16: sent rounded, summed in f32 on arrival). Each collective of a
+    layer has its own buffer (the attention's all-reduce 0, the FFN's 1..3; a split MLA
+    A-projection's all-gather borrows 1 before the all-reduce) and each round its own
+    slots: a core cannot write a buffer again before every member of its groups has read
+    it, since it first needs their contributions to the collectives in between.
+    """
+
+    def __init__(self, buffers, send_sems, recv_sems, on_sent):
+        self.bufs = buffers  # per collective k of a layer: [COLLECTIVE_SLOTS (+ staging), TOKENS_PADDED, lanes_k] uint32
+        self.send = send_sems  # DMA[COLLECTIVE_BUFFERS, COLLECTIVE_SLOTS]
+        self.recv = recv_sems  # DMA[COLLECTIVE_BUFFERS, COLLECTIVE_SLOTS]
+        self.on_sent = on_sent  # what starts once a round's copies are under way (the held refills)
+
+    def _round(self, which, round_, wire, width, value=None, send_row=None):
+        """This core's piece into its own slot of the round (`value` put on the wire, or
+        its own staged row send_row(position)), exchanged (each member m gets row
+        send_row(m), by default that slot); the group's pieces in member order as f32
+        [TOKENS_PADDED, width]."""
+        size, stride, offset = ROUNDS[round_]
+        buf = self.bufs[which]
+        wire, lanes = wire
+        pos = (jax.lax.axis_index(AXIS) // stride) % size
+        mine = offset + pos
+        if send_row is None:
+            words = _to_wire(value, wire, lanes)
+            buf[mine, :, : words.shape[1]] = words
+            send_row = lambda m: mine  # noqa: E731
+        else:
+            buf[mine, :, :lanes] = buf[send_row(pos), :, :lanes]
+        _round_exchange(buf, self.send.at[which], self.recv.at[which], round_, lanes, send_row, self.on_sent)
+        return [_from_wire(buf[offset + j][:, :lanes], wire, width) for j in range(size)]
+
+    def all_reduce(self, which, partial):
+        """The sum over all cores, bit-identical on every core: [TOKENS_PADDED, width]."""
+        wires = COLLECTIVE_WIRES[which, "all_reduce", partial.shape[1]]
+        total = partial
+        for round_ in range(len(ROUNDS)):
+            slots = self._round(which, round_, wires[round_], total.shape[1], value=total)
+            total = slots[0]
+            for piece in slots[1:]:
+                total = total + piece
+        return total
+
+    def all_gather(self, which, piece):
+        """Pieces of every core side by side, in mesh order: [TOKENS_PADDED, D * width]."""
+        return self.all_gather_parts(which, [piece])[0]
+
+    def all_gather_parts(self, which, parts):
+        """Several pieces in the rounds of one all-gather: each part of every core side by
+        side, in mesh order, one [TOKENS_PADDED, D * width_i] per part."""
+        wires = COLLECTIVE_WIRES[which, "all_gather", sum(part.shape[1] for part in parts)]
+        for round_ in range(len(ROUNDS)):
+            widths = [part.shape[1] for part in parts]
+            piece = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+            slots = self._round(which, round_, wires[round_], piece.shape[1], value=piece)
+            parts, start = [], 0
+            for width in widths:
+                parts.append(jnp.concatenate([slot[:, start : start + width] for slot in slots], axis=1))
+                start += width
+        return parts
+
+    def reduce_scatter(self, which, partial):
+        """This core's columns [me * W / D, (me + 1) * W / D) of the sum over all cores.
+
+        Rounds in reverse (across hosts first): each splits the running sum into `size`
+        contiguous parts (staged in rows COLLECTIVE_SLOTS + j), sends part j to member j
+        and sums the parts it receives in member order."""
+        buf = self.bufs[which]
+        wires = COLLECTIVE_WIRES[which, "reduce_scatter", partial.shape[1]]
+        total = partial
+        for step, round_ in enumerate(reversed(range(len(ROUNDS)))):
+            size, stride, _ = ROUNDS[round_]
+            width = total.shape[1] // size
+            wire, lanes = wires[step]
+            for j in range(size):
+                words = _to_wire(total[:, j * width : (j + 1) * width], wire, lanes)
+                buf[COLLECTIVE_SLOTS + j, :, : words.shape[1]] = words
+            slots = self._round(which, round_, wires[step], width, send_row=lambda m: COLLECTIVE_SLOTS + m)
+            total = slots[0]
+            for piece in slots[1:]:
+                total = total + piece
+        return total
+
+
+# fmt: on
+
+
+def _barrier():
+    """Every core this one will write to (the members of its round groups) is inside the kernel."""
+    if NUM_DEVICES == 1:
+        return
+    me = jax.lax.axis_index(AXIS)
+    sem = pltpu.get_barrier_semaphore()
+    for size, stride, _ in ROUNDS:
+        pos = (me // stride) % size
+        for k in range(1, size):
+            pl.semaphore_signal(sem, 1, device_id={AXIS: me + ((pos + k) % size - pos) * stride})
+    pl.semaphore_wait(sem, COLLECTIVE_PEERS)
