@@ -345,7 +345,12 @@ def estimate_command(spec_ref: str, topology: str, output: Path | None, batches:
     if price is None:
         raise MkgenError(f"{topo.chip} has no chip-hour price in the catalog; pass --price USD")
     rows = sweep(spec, topo, options, request, batches=sizes, rows=row_counts)
-    click.echo(f"{spec.name} on {topo.name}, context {options.context}, {request.describe()}")
+    click.echo(
+        f"{spec.name} on {topo.name}, context {options.context}, {request.describe()}; each row "
+        f"is the build `mkgen plan {spec.name} --topology {topology} --batch B --rows R` "
+        "plans (step ms: its predicted step; calib ms: the same build with no refill held, "
+        "the calibrated regime; floor ms: the ideal floor). Predictions of the cost model."
+    )
     click.echo(sweep_table(rows))
     title, notes = estimate_chart_text(spec.name, topo, price, request, prices)
     references = tuple(tco.priced(curve, prices) for curve in tco.REFERENCES)
@@ -535,8 +540,8 @@ def build_command(
     )
     click.echo(f"  plan.json      {r.files['plan.json'].count(chr(10)):>5} lines")
     click.echo(
-        f"  REPORT.md      {r.files['REPORT.md'].count(chr(10)):>5} lines  predicted "
-        f"{est.step_ms:.3f} ms/step ({est.times_floor}), "
+        f"  REPORT.md      {r.files['REPORT.md'].count(chr(10)):>5} lines  {est.headline} "
+        f"({r.plan.ideal_floor.times(est.step_ms)}), "
         f"{est.tokens_per_s_per_user:.1f} tokens/s per user"
     )
     mini = json.loads(r.files["mini/plan.json"])["kernel"]

@@ -216,7 +216,8 @@ def _row(per_user: float, per_dollar: float, fits: bool = True) -> Any:
 
     return SweepRow(
         batch=1, rows=1, acceptance=1.0, fits_hbm=fits, fits_vmem=True, hbm_gb_per_device=1.0,
-        vmem_mib=1.0, step_ms=1.0, hbm_floor_ms=1.0, tokens_per_s_per_user=per_user,
+        vmem_mib=1.0, step_ms=1.0, calibrated_step_ms=1.0, ideal_floor_ms=0.5,
+        ideal_floor_ratio=0.5, tokens_per_s_per_user=per_user,
         tokens_per_s=per_user, tokens_per_dollar=per_dollar, total_tokens_per_dollar=per_dollar,
         scenario="decode", note="",
     )  # fmt: skip
