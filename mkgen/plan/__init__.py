@@ -17,7 +17,11 @@
    every DMA through prioritised queues, every op at its op counts (mkgen/plan/opcount.py)
    at the chip's issue rates, where the catalog states them; the step and its breakdown,
    held against the ideal floor (mkgen/plan/floor.py) and the published hand-written
-   kernel (mkgen/plan/published.py).
+   kernel (mkgen/plan/published.py), and shown beside its calibrated regime, its
+   uncalibrated parts and its sensitivity (mkgen/plan/confidence.py, on first use).
+
+The refills held for collectives (stage 7) are read from the tuned table
+(mkgen/plan/holds.py) or scored by the cost model.
 
 It is the one place a build is planned: code generation, verify, compile, convert, the
 report and the checks all read the BuildPlan it returns.

@@ -283,7 +283,7 @@ class Profile:
             "predicted_step_us": round(self.predicted_step_us, 3),
             "point": self.point,
             "compute_bound": self.compute_us > self.dma_timeline_us,
-            "issue_rates": self.rates.model_dump(),
+            "issue_rates": self.rates.model_dump(exclude={"clock_range_hz", "clock_source"}),
         }
 
     def lines(self) -> list[str]:
