@@ -216,6 +216,11 @@ def test_the_walk_bounds_the_step_by_both_engines() -> None:
     v6e = plan_build(load_spec("qwen3-32b"), parse_topology("v6e:2x4"), BuildOptions.create())
     assert v6e.estimate.compute_timeline_ms is None
     assert v6e.estimate.step_ms >= v6e.estimate.dma_timeline_ms
+    # No calibration row runs on v6e: the whole step is outside them, and the clock the
+    # catalog does not state is no input of its sensitivity.
+    [outside] = v6e.confidence.uncalibrated
+    assert (outside.what, outside.ms) == ("chip v6e", v6e.estimate.step_ms)
+    assert [r.input for r in v6e.confidence.sensitivity] == ["DMA issue cost (ns per DMA)"]
 
 
 def _walked(plan) -> tuple[Counter, Counter]:

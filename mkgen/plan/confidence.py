@@ -156,7 +156,7 @@ class Confidence(_Frozen):
         if self.sensitivity:
             out.append("Sensitivity (the same kernel walked at each end of an unmeasured input):")
             out += [
-                f"  {r.input}: {r.low:g} -> {r.step_ms_low:.3f} ms, {r.high:g} -> "
+                f"  {r.input}: {r.low:.3g} -> {r.step_ms_low:.3f} ms, {r.high:.3g} -> "
                 f"{r.step_ms_high:.3f} ms ({r.source})"
                 for r in self.sensitivity
             ]
