@@ -1092,12 +1092,11 @@ def bench_command(
             for batch, bench, p in rows_out
         ]))  # fmt: skip
         return
+    # Predicted: the cost model's step of each build (batch x `rows`); calibrated: the same
+    # build with no refill held for collectives, the regime its calibration rows ran.
     click.echo(
-        f"rows {rows}; predicted: the cost model's step, and calibrated: the same build with "
-        "no refill held"
-    )
-    click.echo(
-        "batch  ms/step (p10-p90)       tokens/s/user  tokens/s  predicted ms/step  calibrated"
+        "batch  ms/step (p10-p90)       tokens/s/user  tokens/s  predicted ms/step  "
+        "calibrated ms/step"
     )
     for batch, bench, p in rows_out:
         spread = f"{bench['ms_p10']:.3f}-{bench['ms_p90']:.3f}"
@@ -1105,7 +1104,7 @@ def bench_command(
         click.echo(
             f"{batch:>5}  {bench['ms_per_step']:>8.3f} ({spread:>15})  "
             f"{bench['tokens_per_s_per_user']:>13.1f}  {bench['tokens_per_s']:>8.1f}  "
-            f"{shown:>17}  {calibrated:>10}"
+            f"{shown:>17}  {calibrated:>18}"
         )
 
 

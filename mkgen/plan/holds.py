@@ -3,8 +3,8 @@ read from the table of tuned choices checked in beside this module (holds.json).
 
 The planner's question (docs/planner.md#held-refills): how many of the last used-up
 banks' refills wait for a collective round, and how many of them a round starts. The
-scorer walks a few programs for each release rule and keeps the fastest: several seconds
-for Kimi K3, on every plan of the same build. holds.json answers for the builds that are
+scorer walks about ten programs and keeps the fastest: about a second for Kimi K3, on
+every plan of the same build, and a second a point of an estimate sweep. holds.json answers for the builds that are
 planned again and again (the checked-in builds, the benchmark's plans), keyed by a digest
 of everything the scorer reads: the spec, the topology, the options that shape the
 program, the weight banks, ring depth and expert pieces, and the cost model's constants
@@ -154,7 +154,9 @@ def write_table(entries: list[dict[str, Any]]) -> None:
         "constants. Rewrite with `python scripts/tune_holds.py`.",
         "entries": entries,
     }
-    TABLE.write_text(json.dumps(data, indent=1) + "\n")
+    staged = TABLE.with_suffix(".json.tmp")  # never a half-written table
+    staged.write_text(json.dumps(data, indent=1) + "\n")
+    staged.replace(TABLE)
 
 
 def _parse_fields(items: list[str]) -> dict[str, Any]:
