@@ -349,7 +349,12 @@ def estimate_command(spec_ref: str, topology: str, output: Path | None, batches:
     if price is None:
         raise MkgenError(f"{topo.chip} has no chip-hour price in the catalog; pass --price USD")
     rows = sweep(spec, topo, options, request, batches=sizes, rows=row_counts)
-    click.echo(f"{spec.name} on {topo.name}, context {options.context}, {request.describe()}")
+    click.echo(
+        f"{spec.name} on {topo.name}, context {options.context}, {request.describe()}; each row "
+        f"is the build `mkgen plan {spec.name} --topology {topology} --batch B --rows R` "
+        "plans (step ms: its predicted step; calib ms: the same build with no refill held, "
+        "the calibrated regime; floor ms: the ideal floor). Predictions of the cost model."
+    )
     click.echo(sweep_table(rows))
     title, notes = estimate_chart_text(spec.name, topo, price, request, prices)
     references = tuple(tco.priced(curve, prices) for curve in tco.REFERENCES)
@@ -536,9 +541,10 @@ def build_command(
     )
     click.echo(f"  plan.json      {r.files['plan.json'].count(chr(10)):>5} lines")
     click.echo(
-        f"  REPORT.md      {r.files['REPORT.md'].count(chr(10)):>5} lines  predicted "
-        f"{est.step_ms:.3f} ms/step ({est.times_floor}), "
-        f"{est.tokens_per_s_per_user:.1f} tokens/s per user"
+        f"  REPORT.md      {r.files['REPORT.md'].count(chr(10)):>5} lines  {est.headline} "
+        f"({r.plan.confidence.calibrated_step_ms:.3f} with no refill held; "
+        f"{r.plan.ideal_floor.times(est.step_ms)}), {est.tokens_per_s_per_user:.1f} tokens/s "
+        "per user"
     )
     mini = json.loads(r.files["mini/plan.json"])["kernel"]
     click.echo(
@@ -1090,19 +1096,34 @@ def bench_command(
                 last = (run.stderr.strip().splitlines() or ["no output"])[-1]
                 raise MkgenError(f"batch {batch}: the runner failed: {last}")
             bench = json.loads(run.stdout.strip().splitlines()[-1])["bench"]
-            predicted = None if mini else result.rendered.step_ms()
+            # The plan's prediction, and the same build with no refill held (its calibrated
+            # regime, docs/cost-model.md): both are the cost model's, at this batch x rows.
+            rendered = result.rendered
+            predicted = None if mini else (
+                rendered.step_ms(), rendered.plan.confidence.calibrated_step_ms
+            )  # fmt: skip
             rows_out.append((batch, bench, predicted))
     if as_json:
-        click.echo(json.dumps([{"batch": batch, **bench, "predicted_ms_per_step": predicted}
-                               for batch, bench, predicted in rows_out]))  # fmt: skip
+        click.echo(json.dumps([
+            {"batch": batch, **bench,
+             "predicted_ms_per_step": p[0] if p else None,
+             "predicted_calibrated_ms_per_step": p[1] if p else None}
+            for batch, bench, p in rows_out
+        ]))  # fmt: skip
         return
-    click.echo("batch  ms/step (p10-p90)       tokens/s/user  tokens/s  predicted ms/step")
-    for batch, bench, predicted in rows_out:
+    # Predicted: the cost model's step of each build (batch x `rows`); calibrated: the same
+    # build with no refill held for collectives, the regime its calibration rows ran.
+    click.echo(
+        "batch  ms/step (p10-p90)       tokens/s/user  tokens/s  predicted ms/step  "
+        "calibrated ms/step"
+    )
+    for batch, bench, p in rows_out:
         spread = f"{bench['ms_p10']:.3f}-{bench['ms_p90']:.3f}"
-        shown = "-" if predicted is None else f"{predicted:.3f}"
+        shown, calibrated = ("-", "-") if p is None else (f"{p[0]:.3f}", f"{p[1]:.3f}")
         click.echo(
             f"{batch:>5}  {bench['ms_per_step']:>8.3f} ({spread:>15})  "
-            f"{bench['tokens_per_s_per_user']:>13.1f}  {bench['tokens_per_s']:>8.1f}  {shown:>17}"
+            f"{bench['tokens_per_s_per_user']:>13.1f}  {bench['tokens_per_s']:>8.1f}  "
+            f"{shown:>17}  {calibrated:>18}"
         )
 
 

@@ -89,6 +89,9 @@ class IciLevel(_Frozen):
     latency_measured: bool
     bandwidth_measured: bool
     source: str
+    # (low, high) bytes/s where sources disagree or the figure is assumed: the ends of the
+    # plan's sensitivity table (mkgen/plan/confidence.py); `source` names them.
+    bandwidth_range: tuple[float, float] | None = None
 
     def transfer_s(self, nbytes: int | float) -> float:
         """Seconds to move ``nbytes`` one way between two devices at this level."""
@@ -326,6 +329,8 @@ _SIB_LATENCY_S = _SIB_SMALL_S - _SIB_SMALL_BYTES / _SIB_BW  # ~2.2 us
 # 2x2x1 and 2x2x2, but that is an XLA collective over both cores; the cost model
 # uses the in-kernel figure since our collectives are in-kernel remote DMAs.
 _TPU7X_CHIP_BW = 134 * GB
+_TPU7X_LINK_BW = 45 * GB  # one of the three links
+_TPU7X_XLA_ALL_GATHER_BW = 179 * GB
 _TPU7X_ICI_SPEC_PER_CHIP = 1200 * GB
 
 # Tuning fallback for chips without an ICI measurement: the fraction of the spec
@@ -361,7 +366,10 @@ _TPU7X_ICI_LEVELS = (
         latency_measured=False,
         bandwidth_measured=False,
         source="not measured: hosts of one slice are joined by the same ICI torus, so "
-        "assumed equal to the chip level (extra hops not modelled)",
+        "assumed equal to the chip level (extra hops not modelled); range: one cross-chip "
+        "link (Inferact, ~45 GB/s per core per direction) to Google's all-gather "
+        "microbenchmark (~179 GB/s on 2x2x1 and 2x2x2)",
+        bandwidth_range=(_TPU7X_LINK_BW, _TPU7X_XLA_ALL_GATHER_BW),
     ),
 )
 
@@ -380,13 +388,17 @@ _TPU7X_COLLECTIVE_PHASE = MeasuredRange(
 # No published measurement crosses hosts: every in-kernel collective of measurements.md
 # runs on the 8 cores of one host. Assumed equal to the in-host phase (the catalog's
 # host-level ICI latency and bandwidth are likewise assumed equal to the chip level's).
+# The range is stated, not measured: from the in-host phase to twice it (a round across
+# hosts adds hops and a host boundary); the plan's sensitivity table walks both ends.
 _TPU7X_CROSS_HOST_PHASE = _TPU7X_COLLECTIVE_PHASE.model_copy(
     update={
+        "high": 7.0 * US,
         "measured": False,
         "why": "no cross-host collective is measured; the in-host phase (3.5 us, "
-        "measured on one host of 8 cores) is reused for each cross-host stage",
+        "measured on one host of 8 cores) is reused for each cross-host round",
         "source": "assumption, from Inferact musespark/README.md's in-host phase "
-        "(3.5 to 4.7 us); no multi-host measurement is published",
+        "(3.5 to 4.7 us); no multi-host measurement is published; range 3.5 to 7 us "
+        "stated (the in-host phase to twice it)",
     }
 )
 
@@ -651,6 +663,20 @@ class IssueRates(_Frozen):
     mxu_ops_per_cycle: float  # MXU pushes, latches and pops over all MXUs
     vector_loads_per_cycle: float
     vector_stores_per_cycle: float
+    # (low, high) clocks the public figures allow, and why: the ends of the plan's
+    # sensitivity table (mkgen/plan/confidence.py).
+    clock_range_hz: tuple[float, float]
+    clock_source: str
+
+    def at_clock(self, clock_hz: float) -> IssueRates:
+        """These rates at another clock, with the MXU ops a cycle that keep the MXUs' peak
+        (the catalog's peak FLOP/s is published; the clock and the MXU count are not)."""
+        return self.model_copy(
+            update={
+                "clock_hz": clock_hz,
+                "mxu_ops_per_cycle": self.mxu_ops_per_cycle * self.clock_hz / clock_hz,
+            }
+        )
 
 
 def _derived_clock_hz(chip: Chip) -> float:
@@ -673,6 +699,10 @@ TPU7X_ISSUE_RATES = IssueRates(
     mxu_ops_per_cycle=_TPU7X.mxus_per_core,
     vector_loads_per_cycle=1,
     vector_stores_per_cycle=1,
+    clock_range_hz=(_derived_clock_hz(_TPU7X) / 2, _derived_clock_hz(_TPU7X)),
+    clock_source="no public TPU7x clock: 4.4 GHz if a core has 2 MXUs of 256 x 256 (the "
+    "catalog's peak bf16 rate), 2.2 GHz with 4 MXUs a core, as some third-party diagrams "
+    "draw them",
 )
 # Chips whose issue rates the catalog states (as assumptions): the plan's compute
 # timeline exists for these only.

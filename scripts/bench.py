@@ -73,9 +73,12 @@ def time_command(
 
 
 def plan_benchmarks() -> list[Row]:
-    """Issue 3: `mkgen plan kimi-k3 --topology 2x2x4` under 3 s."""
+    """Issue 3: `mkgen plan kimi-k3 --topology 2x2x4` under 3 s; the checked-in build's plan
+    (rows 8) under 3 s too, its held refills read from the tuned table (mkgen/plan/holds.py)
+    rather than scored again."""
     return [
         time_command(["plan", "kimi-k3", "--topology", "2x2x4"], target_s=3.0),
+        time_command(["plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8"], target_s=3.0),
         time_command(["plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--json"]),
     ]
 
@@ -158,9 +161,11 @@ def against_the_bar() -> str:
                               "--rows", str(hand.rows), *quant]))  # fmt: skip
     width = max(len(" ".join(args)) for _, args in builds)
     lines = [
-        "Predicted step (cost model, not measured) against the hand-written kernels "
-        "(measured on TPU7x) and the ideal floor:",
-        f"{'build':<{width}} {'step ms':>8} {'hand ms':>8} {'floor ms':>8} {'floor/step':>10}",
+        "Predicted step (cost model, not measured; calib: the same build with no refill held, "
+        "the calibrated regime) against the hand-written kernels (measured on TPU7x) and the "
+        "ideal floor:",
+        f"{'build':<{width}} {'step ms':>8} {'calib ms':>8} {'hand ms':>8} {'floor ms':>8} "
+        f"{'floor/step':>10}",
     ]
     for hand, args in builds:
         result = subprocess.run(
@@ -172,8 +177,8 @@ def against_the_bar() -> str:
             continue
         est = json.loads(result.stdout)["estimate"]
         lines.append(
-            f"{' '.join(args):<{width}} {est['step_ms']:>8.3f} {hand.step_ms:>8.2f} "
-            f"{est['ideal_floor_ms']:>8.3f} {est['ideal_floor_ratio']:>10.2f}"
+            f"{' '.join(args):<{width}} {est['step_ms']:>8.3f} {est['calibrated_step_ms']:>8.3f} "
+            f"{hand.step_ms:>8.2f} {est['ideal_floor_ms']:>8.3f} {est['ideal_floor_ratio']:>10.2f}"
         )
     return "\n".join(lines)
 

@@ -17,12 +17,14 @@ from mkgen.plan.calibration import (
     MEASURED_RING_DEPTH,
     MODEL,
     PUBLISHED_DENSE_BYTES_PER_LAYER,
+    RECORDED,
     TOPOLOGY,
     batch1_breakdown,
     calibrate,
     format_table,
     options_for,
     predict,
+    summarise,
 )
 from mkgen.plan.cost import CostConstants, matmul_cost
 from mkgen.plan.report import collective_latency_note
@@ -149,7 +151,7 @@ def test_hbm_floor_and_throughput_figures(kimi):
     assert e3.tokens_per_dollar == pytest.approx(e3.tokens_per_s * 3600 / (chips * price))
     bw = get_chip("tpu7x").cost_model_hbm_bandwidth
     assert e3.hbm_floor_ms == pytest.approx(e3.hbm_bytes_per_device_per_step / bw * 1e3)
-    assert 0 < e3.floor_ratio < 1
+    assert e3.hbm_floor_ms < e3.step_ms
     opts = BuildOptions.create(rows=8, batch=2, price_per_chip_hour_usd=2.0)
     e2 = plan_build(spec, topo, opts).estimate
     assert e2.tokens_per_s == pytest.approx(2 * e2.tokens_per_s_per_user)
@@ -214,6 +216,11 @@ def test_the_walk_bounds_the_step_by_both_engines() -> None:
     v6e = plan_build(load_spec("qwen3-32b"), parse_topology("v6e:2x4"), BuildOptions.create())
     assert v6e.estimate.compute_timeline_ms is None
     assert v6e.estimate.step_ms >= v6e.estimate.dma_timeline_ms
+    # No calibration row runs on v6e: the whole step is outside them, and the clock the
+    # catalog does not state is no input of its sensitivity.
+    [outside] = v6e.confidence.uncalibrated
+    assert (outside.what, outside.ms) == ("chip v6e", v6e.estimate.step_ms)
+    assert [r.input for r in v6e.confidence.sensitivity] == ["DMA issue cost (ns per DMA)"]
 
 
 def _walked(plan) -> tuple[Counter, Counter]:
@@ -302,6 +309,130 @@ def test_the_cross_host_phase_is_a_named_assumption_shown_with_its_source() -> N
     c = CostConstants.from_chip(get_chip("tpu7x"))
     assert c.cross_host_phase_s == phase.cost_model
     note = collective_latency_note(get_chip("tpu7x"))
-    assert f"{phase.cost_model * 1e6:.1f} us more per stage across hosts" in note
+    assert f"{phase.cost_model * 1e6:.1f} us per round across hosts" in note
     report = REPO / "generated" / "kimi-k3-2x2x4" / "REPORT.md"
     assert note in " ".join(report.read_text().split())
+
+
+# --------------------------------------------------------------------------- honest figures
+
+
+def _step_at(chip, topo, options, program) -> float:
+    """The program's walk at a catalog entry's constants (an edited copy of the chip)."""
+    return estimate(
+        topo, options, program, constants=CostConstants.from_chip(chip, options)
+    ).step_ms
+
+
+def _with_host_level(chip, **update):
+    levels = tuple(
+        lv.model_copy(update=update) if lv.name == "host" else lv for lv in chip.ici_levels
+    )
+    return chip.model_copy(update={"ici_levels": levels})
+
+
+def _with_latency(chip, field: str, seconds: float):
+    latency = getattr(chip, field).model_copy(update={"cost_model": seconds})
+    return chip.model_copy(update={field: latency})
+
+
+def test_cross_host_rounds_are_priced_by_the_catalogs_cross_host_figures() -> None:
+    """Editing the catalog's cross-host latency or host-level bandwidth moves a multi-host
+    build's step; on one host they move nothing and the in-host latency does."""
+    chip = get_chip("tpu7x")
+    kimi_topo, kimi_options = parse_topology("2x2x4"), BuildOptions.create(rows=8)
+    kimi = plan_program(load_spec("kimi-k3"), kimi_topo, kimi_options)
+    qwen_topo, qwen_options = parse_topology("2x2x1"), BuildOptions.create()
+    qwen = plan_program(load_spec("qwen3.8-27b"), qwen_topo, qwen_options)
+    slower_across = _with_latency(chip, "cross_host_phase_latency", 7e-6)
+    narrower_across = _with_host_level(chip, bandwidth_bytes_per_s=45e9)
+    slower_inside = _with_latency(chip, "collective_phase_latency", 4.7e-6)
+    kimi_step = _step_at(chip, kimi_topo, kimi_options, kimi)
+    assert _step_at(slower_across, kimi_topo, kimi_options, kimi) > kimi_step
+    assert _step_at(narrower_across, kimi_topo, kimi_options, kimi) > kimi_step
+    qwen_step = _step_at(chip, qwen_topo, qwen_options, qwen)
+    assert _step_at(slower_across, qwen_topo, qwen_options, qwen) == qwen_step
+    assert _step_at(narrower_across, qwen_topo, qwen_options, qwen) == qwen_step
+    assert _step_at(slower_inside, qwen_topo, qwen_options, qwen) > qwen_step
+
+
+def test_a_cross_host_round_costs_its_latency_or_its_copies_over_the_host_links() -> None:
+    from mkgen.plan.collectives import plan_rounds, round_calls, round_time_s
+
+    c = CostConstants.from_chip(get_chip("tpu7x"))
+    host, hosts = round_calls(
+        "attn_out", "all_reduce", 7168, 8, plan_rounds(parse_topology("2x2x4"))
+    )
+    assert hosts.level == "host" and host.level != "host"
+    late = c.with_inputs(cross_host_phase_s=7e-6)
+    assert round_time_s(hosts, late) == 7e-6 and round_time_s(host, late) == round_time_s(host, c)
+    narrow = c.with_inputs(host_bandwidth=10e9)
+    assert round_time_s(hosts, narrow) == pytest.approx(3 * hosts.bytes_per_peer / 10e9)
+    assert round_time_s(host, narrow) == round_time_s(host, c)
+
+
+def test_the_calibration_bias_is_reported_and_held(table) -> None:
+    """Not only the worst row: the mean signed error. It is -6.6 %, outside +-5 %: the model
+    leans fast (11 of 12 rows), and no constant is tuned to hide it. RECORDED, which
+    REPORT.md and `mkgen plan` state, is the calibration's summary."""
+    summary = summarise(table)
+    assert summary == RECORDED
+    assert -0.07 <= summary.bias <= -0.06
+    assert summary.faster == 11 and abs(summary.worst) <= TARGET
+    assert f"**{100 * summary.bias:+.1f} %**" in format_table(table)
+    assert "mean error -6.6 %" in RECORDED.describe()
+
+
+def test_a_step_is_shown_beside_its_calibrated_regime_and_uncalibrated_parts(kimi) -> None:
+    """Kimi K3 runs outside the calibration rows in four ways: held refills (the calibrated
+    step is the same build without them), cross-host rounds, mxfp4 experts and KDA / MLA
+    attention at 8 rows a sequence; each part is the walk's own figure."""
+    confidence, est = kimi.confidence, kimi.estimate
+    assert confidence.calibrated_step_ms > confidence.step_ms == est.step_ms
+    parts = {p.what: p.ms for p in confidence.uncalibrated}
+    held = f"{kimi.stream.held_refills} refills held for collectives"
+    assert parts[held] == pytest.approx(est.step_ms - confidence.calibrated_step_ms)
+    assert parts["cross-host rounds (4 hosts)"] == est.cross_host_wait_ms > 0
+    assert est.cross_host_wait_ms <= est.breakdown_ms["collectives"]
+    assert parts["experts in mxfp4"] == est.breakdown_ms["experts"]
+    assert parts["kda/mla attention, 8 rows per sequence"] == est.breakdown_ms["kv_state"]
+    assert len(parts) == 4
+    assert confidence.point == "batch 1 x rows 8"
+
+
+def test_a_build_inside_the_calibration_rows_but_for_held_refills() -> None:
+    """Muse Spark on one host with int4:128 experts is the calibration's own model and
+    formats: only its held refills are outside the rows."""
+    plan = plan_build(load_spec("muse-spark-1.2"), parse_topology("2x2x1"), BuildOptions.create())
+    parts = plan.confidence.uncalibrated
+    assert [p.what for p in parts] == [f"{plan.stream.held_refills} refills held for collectives"]
+    assert plan.confidence.calibrated_step_ms == pytest.approx(plan.estimate.step_ms - parts[0].ms)
+
+
+def test_the_sensitivity_walks_each_unmeasured_input_at_both_ends(kimi) -> None:
+    """The catalog's ranges, each end walked on the same kernel: a slower cross-host round,
+    narrower host links, a slower clock or a dearer DMA each give a longer step; on one host
+    the cross-host inputs are left out."""
+    rows = {r.input: r for r in kimi.confidence.sensitivity}
+    step = kimi.estimate.step_ms
+    latency = rows["cross-host round latency (us)"]
+    assert (latency.low, latency.high) == (3.5, 7.0)
+    assert latency.step_ms_low == pytest.approx(step) and step < latency.step_ms_high
+    links = rows["cross-host link bandwidth (GB/s per core)"]
+    assert (links.low, links.high) == (45.0, 179.0)
+    assert links.step_ms_low > step >= links.step_ms_high
+    clock = rows["core clock (GHz)"]
+    assert clock.low == pytest.approx(2.2, abs=0.01) and clock.high == pytest.approx(4.4, abs=0.01)
+    assert clock.step_ms_low > step and clock.step_ms_high == pytest.approx(step)
+    dma = rows["DMA issue cost (ns per DMA)"]
+    assert dma.step_ms_low < step < dma.step_ms_high
+    assert all(r.source for r in rows.values())
+    assert set(rows["core clock (GHz)"].record()) == {
+        "input", "low", "high", "step_ms_low", "step_ms_high"
+    }  # fmt: skip
+    one_host = plan_build(
+        load_spec("qwen3-30b-a3b"), parse_topology("2x2x1"), BuildOptions.create()
+    )
+    assert [r.input for r in one_host.confidence.sensitivity] == [
+        "core clock (GHz)", "DMA issue cost (ns per DMA)"
+    ]  # fmt: skip

@@ -48,6 +48,32 @@ def test_plan_json_has_the_issue_keys(kimi_json) -> None:
     assert sum(est["breakdown_ms"].values()) == pytest.approx(est["step_ms"])
 
 
+def test_plan_json_states_the_calibrated_regime_the_sensitivity_and_one_floor_ratio(
+    kimi_json,
+) -> None:
+    est = kimi_json["estimate"]
+    assert est["point"] == "batch 1 x rows 8"
+    assert est["calibrated_step_ms"] > est["step_ms"]  # the build holds refills; none here
+    assert {p["what"] for p in est["uncalibrated"]} >= {"cross-host rounds (4 hosts)"}
+    assert [s["input"] for s in est["sensitivity"]] == [
+        "cross-host round latency (us)", "cross-host link bandwidth (GB/s per core)",
+        "core clock (GHz)", "DMA issue cost (ns per DMA)",
+    ]  # fmt: skip
+    for row in est["sensitivity"]:
+        assert set(row) == {"input", "low", "high", "step_ms_low", "step_ms_high"}
+        assert row["low"] < row["high"] and row["input"] in est["sensitivity_sources"]
+    assert "floor_ratio" not in est  # the moved-bytes ratio rewarded padding
+    assert est["ideal_floor_ratio"] == pytest.approx(est["ideal_floor_ms"] / est["step_ms"])
+    assert "mean error -6.6 %" in est["calibration"]
+
+
+def test_plan_says_which_point_its_step_is_of() -> None:
+    out = mkgen("plan", "qwen3-32b", "--topology", "2x2x1", "--batch", "2", "--rows", "4").stdout
+    assert "Estimate: predicted " in out and " ms/step at batch 2 x rows 4 " in out
+    assert "Calibrated regime: predicted " in out and "at batch 2 x rows 4 with no refill" in out
+    assert "x the ideal floor (floor / step " in out and "HBM floor" not in out
+
+
 def test_plan_shows_each_collectives_rounds_and_wire_dtype(kimi_json) -> None:
     rounds = kimi_json["collectives"]["rounds"]
     assert [(r["name"], r["size"]) for r in rounds] == [("host", 8), ("hosts", 4)]
@@ -85,7 +111,10 @@ def test_plan_prints_every_section_and_writes_a_trace(tmp_path) -> None:
         "ring_vmem",
         "schedule:",
         "checks: acyclic ok",
-        "Estimate: step",
+        "Estimate: predicted ",
+        " ms/step at batch 1 x rows 1 (the cost model's prediction)",
+        "Calibrated regime: predicted ",
+        "Sensitivity (the same kernel walked at each end of an unmeasured input):",
         f"wrote {trace}",
     ):
         assert section in out, section
@@ -170,6 +199,20 @@ def test_estimate_writes_the_table_csv_and_charts_with_the_umask(tmp_path) -> No
     assert {stat.S_IMODE(p.stat().st_mode) for p in written} == {0o666 & ~umask}
     rows = list(csv.DictReader(written[0].open()))
     assert len(rows) == 7 * 3  # batch 1..64 (powers of two) x rows 1/4/8
+    assert "hbm_floor_ms" not in rows[0] and "floor_ratio" not in rows[0]
+    for r in rows:
+        if r["step_ms"]:
+            assert float(r["ideal_floor_ratio"]) == pytest.approx(
+                float(r["ideal_floor_ms"]) / float(r["step_ms"]), rel=1e-4
+            )
+            assert float(r["calibrated_step_ms"]) >= float(r["step_ms"])
+    # One step per build: the sweep's batch-1 rows-1 point is `mkgen plan`'s.
+    plan = json.loads(mkgen("plan", "qwen3-32b", "--topology", "2x2x1", "--json").stdout)
+    assert float(rows[0]["step_ms"]) == pytest.approx(plan["estimate"]["step_ms"], rel=1e-5)
+    assert float(rows[0]["calibrated_step_ms"]) == pytest.approx(
+        plan["estimate"]["calibrated_step_ms"], rel=1e-5
+    )
+    assert "each row is the build `mkgen plan qwen3-32b --topology 2x2x1" in result.stdout
     assert {int(r["rows"]) for r in rows} == {1, 4, 8}
     assert {r["scenario"] for r in rows} == {"agentic"}
     assert [int(r["batch"]) for r in rows[:7]] == [1, 2, 4, 8, 16, 32, 64]
@@ -182,8 +225,10 @@ def test_estimate_writes_the_table_csv_and_charts_with_the_umask(tmp_path) -> No
     svg = written[1].read_text()
     assert ET.fromstring(svg).tag.endswith("svg")
     for text in ("predicted", "$1.21 per chip-hour", "tokens/s per user", "Pareto frontier",
-                 "GB300 NVL72 ($2.31/chip-hour)", "Kimi K3 on 16 GB200", "agentic"):  # fmt: skip
+                 "GB300 NVL72 ($2.31/chip-hour)", "Kimi K3 on 16 GB200", "agentic",
+                 "Kimi K3 on TPUv7 (InferenceX agentic benchmark,"):  # fmt: skip
         assert text in svg, text
+    assert "Muse Spark kernel (" not in svg  # the TPU7x point is Kimi K3's
     assert written[2].read_bytes().startswith(b"\x89PNG")
 
 
@@ -216,7 +261,8 @@ def _row(per_user: float, per_dollar: float, fits: bool = True) -> Any:
 
     return SweepRow(
         batch=1, rows=1, acceptance=1.0, fits_hbm=fits, fits_vmem=True, hbm_gb_per_device=1.0,
-        vmem_mib=1.0, step_ms=1.0, hbm_floor_ms=1.0, tokens_per_s_per_user=per_user,
+        vmem_mib=1.0, step_ms=1.0, calibrated_step_ms=1.0, ideal_floor_ms=0.5,
+        ideal_floor_ratio=0.5, tokens_per_s_per_user=per_user,
         tokens_per_s=per_user, tokens_per_dollar=per_dollar, total_tokens_per_dollar=per_dollar,
         scenario="decode", note="",
     )  # fmt: skip
@@ -254,7 +300,7 @@ def test_reference_points_follow_a_changed_chip_hour_price() -> None:
     assert gb300.points == ((25.0, 31e6), (400.0, 2.5e6))
     doubled = priced(gb300, parse_prices(["GB300=4.62"]))
     assert doubled.points == ((25.0, 15.5e6), (400.0, 1.25e6))
-    assert doubled.describe() == "GB300 NVL72 ($4.62/chip-hour)"
+    assert doubled.describe() == "Kimi K3 on GB300 NVL72 ($4.62/chip-hour)"
 
 
 # --------------------------------------------------------------------------- errors

@@ -214,39 +214,11 @@ def test_held_refills_start_once_a_collective_rounds_copies_are_under_way(held) 
     assert all(wait[b] > first[b] for b in bank_of)
 
 
-def test_the_planner_scores_held_refills_and_keeps_the_fastest() -> None:
-    plan = _plan("qwen3-30b-a3b", "2x2x1")
-    scored = plan.schedule.held_refills_scored
-    assert 0 in scored and len(scored) > 1
-    assert plan.schedule.held_refills == min(scored, key=scored.__getitem__)
-    assert plan.estimate.step_ms == pytest.approx(min(scored.values()))
-    # The walk prices what the hold buys: the ring streams under the collectives' flight.
-    assert min(scored.values()) < scored[0]
-
-
 def test_too_many_held_refills_for_the_ring_is_refused() -> None:
     with pytest.raises(SpecError, match=r"--held-refills 11: a ring of 12 banks holds at most 10"):
         _plan("qwen3-30b-a3b", "2x2x1", ring_depth=12, held_refills=11)
     with pytest.raises(SpecError, match=r"--held-refills 2: one core has no collectives"):
         _plan("qwen3-30b-a3b", "v6e:1x1", quant=["experts=mxfp4"], held_refills=2)
-
-
-def test_a_round_starts_the_held_refills_its_flight_covers_or_all_of_them() -> None:
-    """The planner scores rounds that start the 2 MiB banks the DMA engine streams in the
-    catalog's 3.5 us phase (about 0.7 us each: 5) against rounds that start every held
-    refill, and keeps the faster: Kimi K3's two-round collectives the first, Qwen3.8-27B's
-    one-round ones the second."""
-    kimi = _plan("kimi-k3", "2x2x4", rows=8)
-    depth = kimi.vmem.ring_depth
-    assert kimi.stream.refills_per_round == kimi.schedule.refills_per_round == 5
-    assert kimi.schedule.held_refills > kimi.stream.refills_per_round
-    qwen = _plan("qwen3.8-27b", "2x2x1", rows=8)
-    assert qwen.stream.refills_per_round == depth - 2 >= qwen.schedule.held_refills
-    for plan in (kimi, qwen):
-        scored = plan.schedule.refills_per_round_scored
-        assert set(scored) == {5, depth - 2}
-        assert plan.estimate.step_ms == pytest.approx(min(scored.values()))
-        assert scored[plan.stream.refills_per_round] == min(scored.values())
 
 
 def test_a_program_holding_more_refills_than_its_ring_allows_would_hang() -> None:

@@ -136,6 +136,20 @@ def test_json_needs_profile() -> None:
     )
 
 
+def test_the_profiles_predicted_step_is_the_plans_step_and_its_dma_timeline_says_so() -> None:
+    """`compile --profile --json`'s predicted_step_us is the plan's step (the walk's end); the
+    DMA engine's busy time, which it compares the compute timeline with, is dma_timeline_us."""
+    from mkgen.verify.profile import profile_build
+
+    spec = load_spec("qwen3-30b-a3b")
+    plan = plan_build(spec, parse_topology("2x2x1"), BuildOptions.create())
+    record = profile_build("", plan, spec, "qwen3-30b-a3b-2x2x1").record()
+    assert record["predicted_step_us"] == round(plan.estimate.step_ms * 1e3, 3)
+    assert record["dma_timeline_us"] == round(plan.estimate.dma_timeline_ms * 1e3, 3)
+    assert record["dma_timeline_us"] < record["predicted_step_us"]
+    assert record["point"] == "batch 1 x rows 1"
+
+
 def _vector_node_ops(spec_name: str, topology: str) -> dict[str, float]:
     """Vector ALU ops the model gives each vector-phase node of layer 0 (by the node's
     name after its layer) in one step's plan."""

@@ -67,6 +67,7 @@ def test_bench_json_is_clean_with_progress_on_a_terminal_stderr() -> None:
     assert result.returncode == 0, shown[-2000:]
     (row,) = json.loads(result.stdout)
     assert row["batch"] == 1 and row["ms_per_step"] > 0 and row["predicted_ms_per_step"] > 0
+    assert row["predicted_calibrated_ms_per_step"] >= row["predicted_ms_per_step"]
     assert "bench" in shown and "batch 1" in shown
 
 

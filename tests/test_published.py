@@ -44,3 +44,26 @@ def test_an_edited_spec_of_the_same_name_is_not_the_published_model() -> None:
     edited = base.model_copy(update={"description": "mine"})
     built = BuildOptions.create(rows=8)
     assert hand_written_for(edited, built.apply(edited), parse_topology("2x2x1"), built) is None
+
+
+def test_the_charts_reference_points_are_labelled_as_the_seeds_state_them() -> None:
+    """The TPU7x point (2.2M total tokens per $ at ~390 tokens/s per user) is Kimi K3 served
+    by TorchTPU vLLM with the megakernels (InferenceX, agentic), not a Muse Spark kernel;
+    every reference is a Kimi K3 point, which the notes say when the chart is another
+    model's."""
+    from mkgen.plan.report import estimate_chart_text
+    from mkgen.plan.tco import PUBLISHED_PRICES, REFERENCES, scenario
+
+    tpu = next(curve for curve in REFERENCES if curve.chip == "TPU7x")
+    assert tpu.points == ((390.0, 2.2e6),)
+    assert tpu.label == (
+        "Kimi K3 on TPUv7 (InferenceX agentic benchmark, TorchTPU vLLM with megakernels)"
+    )
+    assert all(curve.label.startswith("Kimi K3 on ") for curve in REFERENCES)
+    assert not any("Muse Spark" in curve.label for curve in REFERENCES)
+    topo = parse_topology("2x2x1")
+    _, notes = estimate_chart_text("qwen3-32b", topo, 1.21, scenario("agentic"), PUBLISHED_PRICES)
+    assert "as published, not qwen3-32b" in notes[-1] and "Kimi K3" in notes[-1]
+    _, notes = estimate_chart_text("kimi-k3", topo, 1.21, scenario("agentic"), PUBLISHED_PRICES)
+    assert "as published;" in notes[-1]
+    assert any("mean error -6.6 %" in note for note in notes)

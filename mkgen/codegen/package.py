@@ -658,6 +658,8 @@ def report_context(
         "stream_padding": _mib(stream.padding_bytes),
         "stream_rows": stream_rows,
         "estimate": est,
+        "confidence": _confidence(plan.confidence),
+        "profile_bound": _profile_bound(measurements.get("profile"), est),
         "bar": bar_text(est.step_ms, plan.ideal_floor, plan.hand_written),
         "collective_latency": collective_latency_note(topology.chip_info),
         "breakdown": [
@@ -681,6 +683,43 @@ def report_context(
         "mini": mini,
         "mini_name": mini.layout.model if mini else None,
         "devices": topology.num_devices,
+    }
+
+
+def _confidence(confidence: Any) -> dict[str, Any] | None:
+    """The calibrated regime, the uncalibrated parts and the sensitivity table, formatted
+    (mkgen/plan/confidence.py)."""
+    if confidence is None:
+        return None
+    return {
+        "step_ms": f"{confidence.step_ms:.3f}",
+        "calibrated_step_ms": f"{confidence.calibrated_step_ms:.3f}",
+        "point": confidence.point,
+        "coverage": confidence.coverage.describe(),
+        "calibration": confidence.calibration,
+        "uncalibrated": [
+            {"what": p.what, "ms": f"{p.ms:+.3f}", "how": p.how} for p in confidence.uncalibrated
+        ],
+        "sensitivity": [
+            {"input": r.input, "low": f"{r.low:.3g}", "high": f"{r.high:.3g}",
+             "step_ms_low": f"{r.step_ms_low:.3f}", "step_ms_high": f"{r.step_ms_high:.3f}",
+             "source": r.source}
+            for r in confidence.sensitivity
+        ],
+    }  # fmt: skip
+
+
+def _profile_bound(profile: Mapping[str, Any] | None, est: Any) -> dict[str, str] | None:
+    """A recorded static profile's compute timeline against the plan's DMA timeline and
+    step (predictions, recomputed with every build)."""
+    if profile is None:
+        return None
+    compute_us, dma_us = profile["compute_us"], est.dma_timeline_ms * 1e3
+    return {
+        "compute_us": f"{compute_us:.1f}",
+        "dma_us": f"{dma_us:.1f}",
+        "step_us": f"{est.step_ms * 1e3:.1f}",
+        "verdict": "**compute-bound**" if compute_us > dma_us else "DMA-bound",
     }
 
 

@@ -17,7 +17,11 @@
    every DMA through prioritised queues, every op at its op counts (mkgen/plan/opcount.py)
    at the chip's issue rates, where the catalog states them; the step and its breakdown,
    held against the ideal floor (mkgen/plan/floor.py) and the published hand-written
-   kernel (mkgen/plan/published.py).
+   kernel (mkgen/plan/published.py), and shown beside its calibrated regime, its
+   uncalibrated parts and its sensitivity (mkgen/plan/confidence.py, on first use).
+
+The refills held for collectives (stage 7) are read from the tuned table
+(mkgen/plan/holds.py) or scored by the cost model.
 
 It is the one place a build is planned: code generation, verify, compile, convert, the
 report and the checks all read the BuildPlan it returns.
@@ -34,6 +38,7 @@ from mkgen.errors import SpecError
 from mkgen.plan.cost import CostConstants, Estimate, TraceEvent, to_chrome_trace
 from mkgen.plan.floor import IdealFloor, ideal_floor
 from mkgen.plan.graph import GraphSummary, ScheduleCheckError, analyse
+from mkgen.plan.holds import HoldChoice, hold_digest, known_choice, remember, score_holds
 from mkgen.plan.kernel import build_layout
 from mkgen.plan.layout import FULL_BANK_ROWS, MAX_PIECE_CHUNKS, KernelLayout
 from mkgen.plan.memory import MemoryPlan, check_fit, plan_memory
@@ -42,12 +47,13 @@ from mkgen.plan.published import HandWritten, hand_written_for
 from mkgen.plan.schedule import ScheduleSummary, build_schedule
 from mkgen.plan.sharding import ShardingPlan, TensorShard, plan_sharding
 from mkgen.plan.stream import StreamPlan, plan_stream
-from mkgen.plan.timeline import ProgramPlan, estimate
+from mkgen.plan.timeline import ProgramPlan, estimate, price_program
 from mkgen.plan.vmem import VmemPlan, plan_vmem
 from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology
 
 if TYPE_CHECKING:
+    from mkgen.plan.confidence import Confidence
     from mkgen.plan.graph import StepGraph
 
 
@@ -73,11 +79,26 @@ class BuildPlan(BaseModel):
     ideal_floor: IdealFloor
     hand_written: HandWritten | None
     _step: Any = PrivateAttr(default=None)
+    _program: Any = PrivateAttr(default=None)  # the ProgramPlan the estimate walked
+    _topology: Any = PrivateAttr(default=None)
+    _confidence: Any = PrivateAttr(default=None)
 
     @property
     def step_graph(self) -> StepGraph:
         """The full dataflow graph and schedule of the step (not saved with the plan)."""
         return self._step
+
+    @property
+    def confidence(self) -> Confidence | None:
+        """The estimate beside its calibrated regime, its uncalibrated parts and its
+        sensitivity (mkgen/plan/confidence.py: several walks, made on first use)."""
+        if self.estimate is None:
+            return None
+        if self._confidence is None:
+            from mkgen.plan.confidence import assess
+
+            self._confidence = assess(self._topology, self.options, self._program, self.estimate)
+        return self._confidence
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready data (``mkgen plan --json``)."""
@@ -87,6 +108,11 @@ class BuildPlan(BaseModel):
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
+
+
+# plan_program's arguments that size the program, at plan_build's defaults.
+DEFAULT_SHAPE: dict[str, Any] = {"bank_rows": FULL_BANK_ROWS, "ring_depth": None,
+    "max_piece_chunks": MAX_PIECE_CHUNKS, "kv_tile_tokens": None, "inline_scales": True}  # fmt: skip
 
 
 def plan_program(
@@ -101,31 +127,106 @@ def plan_program(
     refills_per_round: int | None = None,
     kv_tile_tokens: int | None = None,
     inline_scales: bool = True,
+    require_fit: bool = True,
 ) -> ProgramPlan:
     """Stages 1 to 5 and the schedule (stage 7) of `plan_build`, without the kernel layout:
     the program the cost model prices. Arguments as `plan_build`'s; the KV tile is the
     template's unless `kv_tile_tokens` says another, and mxfp4 / nvfp4 expert scales are
     inline after their codes unless `inline_scales` is False (the calibration prices the
     measured kernel's 256-token tiles and its codes and scales in separate DMAs, which the
-    template does not render)."""
+    template does not render). `require_fit` False prices a build that does not fit HBM
+    (`mkgen estimate`'s hollow points).
+
+    The refills held for the collectives are forced (`--held-refills`, `held_refills`) or
+    chosen: from the tuned table (mkgen/plan/holds.py) when it knows the build, else by
+    scoring (`score_held_refills`), once per build in a process."""
+    shape = {"bank_rows": bank_rows, "ring_depth": ring_depth, "max_piece_chunks": max_piece_chunks,
+             "kv_tile_tokens": kv_tile_tokens, "inline_scales": inline_scales}  # fmt: skip
+    base = _unheld_program(spec, topo, options, shape, require_fit)
+    if base.sharding.devices == 1:
+        return base
+    forced = options.held_refills
+    if forced is not None or held_refills is not None:
+        most = max(0, base.vmem.ring_depth - 2)
+        held = forced if forced is not None else min(held_refills or 0, most)
+        per_round = refills_per_round or base.stream.refills_per_round
+        return with_held_refills(base, options, HoldChoice(held, per_round))
+    digest = _digest(spec, topo, options, shape, base)
+    choice = known_choice(digest)
+    if choice is not None:
+        return with_held_refills(base, options, choice)
+    built: dict[HoldChoice, ProgramPlan] = {}
+    choice, _ = _score(base, topo, options, built)
+    remember(digest, choice)
+    return built.get(choice) or with_held_refills(base, options, choice)
+
+
+def score_held_refills(
+    spec: ModelSpec, topo: Topology, options: BuildOptions
+) -> tuple[str, HoldChoice, dict[int, dict[int, float]]]:
+    """What the scorer chooses for a build planned with plan_build's defaults, whatever the
+    tuned table says: (the build's digest, the choice, {refills a round: {held: predicted
+    step ms}}). The tuned table's entries are this function's answers (tests/test_holds.py)."""
+    base = _unheld_program(spec, topo, options, DEFAULT_SHAPE, require_fit=True)
+    choice, scores = _score(base, topo, options, {})
+    return _digest(spec, topo, options, DEFAULT_SHAPE, base), choice, scores
+
+
+def build_digest(spec: ModelSpec, topo: Topology, options: BuildOptions) -> str:
+    """The tuned table's key of a build planned with plan_build's defaults (holds.py)."""
+    base = _unheld_program(spec, topo, options, DEFAULT_SHAPE, require_fit=True)
+    return _digest(spec, topo, options, DEFAULT_SHAPE, base)
+
+
+def _digest(
+    spec: ModelSpec, topo: Topology, options: BuildOptions, shape: dict[str, Any], base: ProgramPlan
+) -> str:
+    return hold_digest(spec, topo, options, {**shape, "ring_depth": base.vmem.ring_depth})
+
+
+def _score(
+    base: ProgramPlan, topo: Topology, options: BuildOptions, built: dict[HoldChoice, ProgramPlan]
+) -> tuple[HoldChoice, dict[int, dict[int, float]]]:
+    """Holding refills for the collectives moves ring traffic under their flights, but
+    shortens the ring ahead of the core; a round starting only the banks its flight covers
+    keeps the next round's copies from queueing behind them, but leaves the rest held for
+    longer. The cost model walks a few holds for each (holds.score_holds); the programs it
+    builds are kept in `built`. Holding refills moves only when ring banks start, not what
+    a node is (with_held_refills), so every variant is walked with the base's pricing."""
+    priced = price_program(base)
+
+    def step_ms(choice: HoldChoice) -> float:
+        built[choice] = with_held_refills(base, options, choice)
+        return estimate(topo, options, built[choice], priced=priced).step_ms
+
+    most = max(0, base.vmem.ring_depth - 2)
+    return score_holds(step_ms, base.stream.refills_per_round, most)
+
+
+def _unheld_program(
+    spec: ModelSpec, topo: Topology, options: BuildOptions, shape: dict[str, Any],
+    require_fit: bool,
+) -> ProgramPlan:  # fmt: skip
+    """Stages 1 to 5 and the schedule with no refill held (rounds would start the banks
+    their flight covers); refuses a forced hold the ring cannot take."""
     spec = options.apply(spec)
     sharding = plan_sharding(spec, topo, options)
     memory = plan_memory(spec, topo, options, sharding)
-    check_fit(spec, topo, options, memory)
+    if require_fit:
+        check_fit(spec, topo, options, memory)
     # The ring depth does not change the stream's layout: plan it, then size the ring.
-    stream = plan_stream(spec, sharding, bank_rows=bank_rows, ring_depth=2)
+    stream = plan_stream(spec, sharding, bank_rows=shape["bank_rows"], ring_depth=2)
     vmem = plan_vmem(
         spec,
         topo,
         options,
         sharding,
         stream,
-        max_piece_chunks=max_piece_chunks,
-        ring_depth=ring_depth,
-        kv_tile_tokens=kv_tile_tokens,
-        inline_scales=inline_scales,
+        max_piece_chunks=shape["max_piece_chunks"],
+        ring_depth=shape["ring_depth"],
+        kv_tile_tokens=shape["kv_tile_tokens"],
+        inline_scales=shape["inline_scales"],
     )
-    stream = stream.model_copy(update={"ring_depth": vmem.ring_depth})
     if sharding.devices == 1 and options.held_refills:
         raise SpecError(
             f"--held-refills {options.held_refills}: one core has no collectives to hold ring "
@@ -139,61 +240,32 @@ def plan_program(
             "(a bank waited before its held refill starts would hang); lower it or raise "
             "--ring-depth"
         )
-
     flight = _round_refills(topo, options, stream.bank_bytes)
+    stream = stream.model_copy(
+        update={"ring_depth": vmem.ring_depth, "held_refills": 0, "refills_per_round": flight}
+    )
+    schedule = build_schedule(spec, sharding, stream, vmem, options)
+    return ProgramPlan(spec, sharding, memory, stream, vmem, schedule)
 
-    def program(held: int, per_round: int) -> ProgramPlan:
-        held_stream = stream.model_copy(
-            update={"held_refills": held, "refills_per_round": per_round}
-        )
-        schedule = build_schedule(spec, sharding, held_stream, vmem, options)
-        return ProgramPlan(spec, sharding, memory, held_stream, vmem, schedule)
 
-    if sharding.devices == 1:
-        return program(0, flight)
-    if forced is not None or held_refills is not None:
-        held = forced if forced is not None else min(held_refills or 0, most)
-        return program(held, refills_per_round or flight)
-    # Holding refills for the collectives moves ring traffic under their flights, but
-    # shortens the ring ahead of the core; a round starting only the banks its flight
-    # covers keeps the next round's copies from queueing behind them, but leaves the rest
-    # held for longer. The cost model scores a few holds for each (rounds starting what
-    # their flight covers, or every held refill), then walks from the fastest of all to its
-    # neighbours while they are faster (once per program in a process: every command and
-    # test plans the same builds again).
-    key = (spec.model_dump_json(), topo.name, options.model_dump_json(), bank_rows,
-           vmem.ring_depth, max_piece_chunks, kv_tile_tokens, inline_scales)  # fmt: skip
-    scored: dict[tuple[int, int], ProgramPlan] = {}
-    if key not in _HOLD_SCORES:
-        found: dict[int, dict[int, float]] = {r: {} for r in sorted({flight, max(most, 1)})}
-
-        def score(held: int, per_round: int) -> float:
-            scores = found[per_round]
-            if held not in scores:
-                scored[held, per_round] = program(held, per_round)
-                scores[held] = estimate(topo, options, scored[held, per_round]).step_ms
-                if held == 0:  # nothing held: the release rule does not matter
-                    for other in found.values():
-                        other[0] = scores[0]
-            return scores[held]
-
-        for per_round in found:
-            for held in (0, most // 2, 3 * most // 4, most):
-                score(held, per_round)
-        per_round = min(found, key=lambda r: min(found[r].values()))
-        for way in (-1, 1):
-            held = min(found[per_round], key=found[per_round].__getitem__)
-            while 0 <= held + way <= most and score(held + way, per_round) < score(held, per_round):
-                held += way
-        _HOLD_SCORES[key] = {r: dict(sorted(s.items())) for r, s in found.items()}
-    by_round = _HOLD_SCORES[key]
-    per_round = min(by_round, key=lambda r: min(by_round[r].values()))
-    scores = by_round[per_round]
-    fastest = min(scores, key=scores.__getitem__)
-    best = scored.get((fastest, per_round)) or program(fastest, per_round)
-    best.schedule.held_scores = dict(scores)
-    best.schedule.round_scores = {r: min(s.values()) for r, s in by_round.items()}
-    return best
+def with_held_refills(
+    program: ProgramPlan, options: BuildOptions, choice: HoldChoice
+) -> ProgramPlan:
+    """`program` with `choice.held` refills held for the collectives, `choice.per_round`
+    started a round (its schedule built again; `program` itself when nothing changes). The
+    schedule's nodes are the same (tests/test_holds.py): only the events that start ring
+    banks move."""
+    stream = program.stream
+    if (stream.held_refills, stream.refills_per_round) == choice:
+        return program
+    held_stream = stream.model_copy(
+        update={"held_refills": choice.held, "refills_per_round": choice.per_round}
+    )
+    schedule = build_schedule(program.spec, program.sharding, held_stream, program.vmem, options)
+    unheld = program.unheld if stream.held_refills else program
+    if choice.held == 0:
+        unheld = None
+    return program._replace(stream=held_stream, schedule=schedule, unheld=unheld)
 
 
 def _round_refills(topo: Topology, options: BuildOptions, bank_bytes: int) -> int:
@@ -202,11 +274,6 @@ def _round_refills(topo: Topology, options: BuildOptions, bank_bytes: int) -> in
     still be streaming when the next round's copies queue behind them."""
     c = CostConstants.from_chip(topo.chip_info, options)
     return max(1, int(min(c.collective_phase_s, c.cross_host_phase_s) / c.dma_s(bank_bytes)))
-
-
-# Predicted step (ms) of each held-refill count plan_program scored, per program and
-# refills started a round.
-_HOLD_SCORES: dict[tuple, dict[int, dict[int, float]]] = {}
 
 
 def plan_build(
@@ -245,7 +312,13 @@ def plan_build(
         held_refills=held_refills,
         refills_per_round=refills_per_round,
     )
-    spec, sharding, _, stream, vmem, schedule = program
+    spec, sharding, stream, vmem, schedule = (
+        program.spec,
+        program.sharding,
+        program.stream,
+        program.vmem,
+        program.schedule,
+    )
     kernel = build_layout(
         spec,
         topo,
@@ -275,7 +348,7 @@ def plan_build(
         ideal_floor=ideal_floor(spec, topo, options),
         hand_written=hand_written_for(base, spec, topo, options),
     )
-    plan._step = step
+    plan._step, plan._program, plan._topology = step, program, topo
     return plan
 
 
@@ -295,11 +368,14 @@ __all__ = [
     "TensorShard",
     "TraceEvent",
     "VmemPlan",
+    "build_digest",
     "check_fit",
     "estimate",
     "plan_build",
     "plan_memory",
     "plan_program",
     "plan_sharding",
+    "score_held_refills",
     "to_chrome_trace",
+    "with_held_refills",
 ]

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from mkgen.plan.cost import CostConstants
 from mkgen.spec.topology import Topology
 
 if TYPE_CHECKING:
@@ -244,19 +245,20 @@ def wire_error_bound(op: Op, calls: list[RoundCall]) -> float:
     return bound - 1
 
 
-def round_time_s(call: RoundCall, chip: Chip) -> float:
-    """One round: the catalog's collective phase (measured on TPU7x for a one-shot round
-    over the 8 cores of a host at batch 1, its bf16 payload moved included; assumed the
-    same for a round across hosts), or, once its copies take longer over the links, that
-    time. The sibling link works beside the cross-chip links; chip- and host-level copies
-    share the chip's links, at the slower of their rates."""
-    bandwidth = {lv.name: lv.bandwidth_bytes_per_s for lv in chip.ici_levels}
+def round_time_s(call: RoundCall, constants: CostConstants) -> float:
+    """One round: its phase latency (within a host the catalog's measured one-shot phase
+    over the 8 cores of a TPU7x host at batch 1, its bf16 payload moved included; across
+    hosts the catalog's cross-host phase, an assumption), or, once its copies take longer
+    over the links, that time. The sibling link works beside the cross-chip links; chip-
+    and host-level copies share the chip's links, each level's bytes at its own rate."""
+    bandwidth = constants.ici_bandwidth
     sent = call.bytes_by_level
     sibling = sent.get("core", 0) / bandwidth.get("core", bandwidth["chip"])
-    off_chip = sent.get("chip", 0) + sent.get("host", 0)
-    off_bandwidth = min(bandwidth.get("chip", math.inf), bandwidth.get("host", math.inf))
-    links = max(sibling, off_chip / off_bandwidth if off_chip else 0.0)
-    return max(chip.collective_phase_latency.cost_model, links)
+    off_chip = sum(
+        sent.get(level, 0) / bandwidth.get(level, bandwidth["chip"]) for level in ("chip", "host")
+    )
+    latency = constants.cross_host_phase_s if call.level == "host" else constants.collective_phase_s
+    return max(latency, sibling, off_chip)
 
 
 def collective_time_us(op: Mapping[str, Any], chip: Chip) -> float:
@@ -264,7 +266,8 @@ def collective_time_us(op: Mapping[str, Any], chip: Chip) -> float:
     program's start entry of the round, whose "collective" field holds its RoundCall
     (rounds, peers by link level, bytes per peer, wire dtype); a collective costs the sum
     of its rounds, which run one after the other."""
-    return round_time_s(RoundCall.model_validate(op["collective"]), chip) * 1e6
+    call = RoundCall.model_validate(op["collective"])
+    return round_time_s(call, CostConstants.from_chip(chip)) * 1e6
 
 
 def collective_buffers(attention: Sequence[Any], ffn: Sequence[Any]) -> dict[str, int]:

@@ -7,6 +7,7 @@ The walk of the schedule that produces the answer is mkgen/plan/timeline.py
 from __future__ import annotations
 
 import math
+from functools import cache
 from typing import TYPE_CHECKING, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -108,11 +109,27 @@ class CostConstants(_Frozen):
                 "program's ops per cycle",
                 "collective_phase_s": "catalog collective_phase_latency.cost_model",
                 "cross_host_phase_s": "catalog cross_host_phase_latency.cost_model "
-                "(an assumption: no cross-host measurement)",
+                "(an assumption: no cross-host measurement); a cross-host round's latency",
                 "ici_bandwidth": "catalog ici_levels",
                 "dispatch_s": "catalog dispatch_s_per_call, amortised over steps_per_call",
             },
         )
+
+    def with_inputs(self, **inputs: float) -> CostConstants:
+        """These constants with some unmeasured inputs set otherwise (the sensitivity
+        table, mkgen/plan/confidence.py): `cross_host_phase_s`, `host_bandwidth` (bytes/s
+        per core of a cross-host copy), `clock_hz` (with the MXUs a core must have to reach
+        the catalog's peak at that clock), `dma_overhead_s`."""
+        update: dict[str, object] = {}
+        for name, value in inputs.items():
+            if name == "host_bandwidth":
+                update["ici_bandwidth"] = {**self.ici_bandwidth, "host": value}
+            elif name == "clock_hz":
+                assert self.issue_rates is not None, "no issue rates to clock"
+                update["issue_rates"] = self.issue_rates.at_clock(value)
+            else:
+                update[name] = value
+        return self.model_copy(update=update)
 
     # --- primitives ---
     def dma_s(self, nbytes: float, count: int = 1) -> float:
@@ -129,6 +146,13 @@ class CostConstants(_Frozen):
 
     def vpu_s(self, ops: float) -> float:
         return ops / self.vpu_ops_per_s
+
+
+@cache
+def chip_constants(chip: Chip) -> CostConstants:
+    """The catalog's constants for `chip` without a build's options (the sharding plan's
+    collective prices), derived once per chip."""
+    return CostConstants.from_chip(chip)
 
 
 def pad_rows(n: int) -> int:
@@ -236,8 +260,10 @@ class Estimate(_Frozen):
     breakdown_ms: dict[str, float]  # by category; sums to step_ms
     by_layer_kind: dict[str, KindTime]  # "attn/ffn" -> time
     hbm_bytes_per_device_per_step: int
+    # Those bytes at the streaming rate: the time this kernel's own traffic takes. It grows
+    # with the kernel's padding and replication, so the bar a step is held against is the
+    # ideal floor (mkgen/plan/floor.py), not this.
     hbm_floor_ms: float
-    floor_ratio: float  # hbm_floor / step (1.0 = at the streaming floor); see times_floor
     tokens_per_s_per_user: float
     tokens_per_s: float
     tokens_per_dollar: float | None
@@ -245,6 +271,7 @@ class Estimate(_Frozen):
     price_per_chip_hour_usd: float | None
     acceptance: float
     batch: int
+    rows: int
     constants: CostConstants
     # The two engines' busy time over the walk: the HBM DMA engine's, and the core's
     # running the program's ops at the chip's issue rates (None where the catalog has no
@@ -254,6 +281,9 @@ class Estimate(_Frozen):
     # Weight formats and attention geometries the op-count model has no measurement for:
     # their compute is missing from compute_timeline_ms, a lower bound then.
     compute_unpriced_formats: tuple[str, ...] = ()
+    # The core's waits on cross-host rounds' flights that no DMA covers (part of the
+    # breakdown's collectives): priced by the catalog's cross-host figures, unmeasured.
+    cross_host_wait_ms: float = 0.0
     # The walked timeline (only when asked for); not part of saved plans.
     events: tuple[TraceEvent, ...] = Field(default=(), exclude=True)
 
@@ -296,20 +326,26 @@ class Estimate(_Frozen):
         )
 
     @property
-    def times_floor(self) -> str:
-        """The step as a multiple of the HBM floor, e.g. '2.3x the HBM floor' (a share such
-        as '40 % of the floor' would read as faster than the floor)."""
-        return f"{self.step_ms / self.hbm_floor_ms:.1f}x the HBM floor"
+    def point(self) -> str:
+        """Which build the step is of: 'batch 1 x rows 8'."""
+        return f"batch {self.batch} x rows {self.rows}"
+
+    @property
+    def headline(self) -> str:
+        """The step as every output states it: 'predicted 6.967 ms/step at batch 1 x rows 8'."""
+        return f"predicted {self.step_ms:.3f} ms/step at {self.point}"
 
     def describe(self) -> str:
         lines = [
-            f"step {self.step_ms:.3f} ms ({self.times_floor} of {self.hbm_floor_ms:.3f} ms); "
-            f"{self.tokens_per_s_per_user:.1f} tok/s per user, {self.tokens_per_s:.1f} tok/s"
+            f"{self.headline} (the cost model's prediction); {self.tokens_per_s_per_user:.1f} "
+            f"tok/s per user, {self.tokens_per_s:.1f} tok/s"
             + (
                 f", {self.tokens_per_dollar:,.0f} tokens per $"
                 if self.tokens_per_dollar is not None
                 else ""
-            )
+            ),
+            f"  HBM traffic {self.hbm_bytes_per_device_per_step / 1e9:.3f} GB per core per step "
+            f"({self.hbm_floor_ms:.3f} ms at {self.constants.hbm_bandwidth / 1e12:.1f} TB/s)",
         ]
         if self.compute_timeline_ms is not None:
             lines.append("  " + self.timelines)

@@ -35,6 +35,16 @@ class IdealFloor(BaseModel):
     def ms(self) -> float:
         return self.bytes_per_core / self.stream_rate * 1e3
 
+    def ratio(self, step_ms: float) -> float:
+        """floor / step: the share of the step no kernel design can avoid (1 = at the floor).
+        The one floor ratio mkgen reports (`ideal_floor_ratio`)."""
+        return self.ms / step_ms
+
+    def times(self, step_ms: float) -> str:
+        """The step as a multiple of the floor, e.g. '2.3x the ideal floor' (a share such as
+        '43 % of the floor' would read as faster than the floor)."""
+        return f"{step_ms / self.ms:.1f}x the ideal floor"
+
 
 def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
     """Experts at least one of `tokens` rows picks, each row picking `top_k` of

@@ -61,8 +61,12 @@ class OpCounts:
         setattr(self, group, getattr(self, group) + n)
 
     def add_all(self, other: OpCounts, times: float = 1.0) -> None:
-        for f in fields(self):
-            self.add(f.name, getattr(other, f.name) * times)
+        # Field by field, not through dataclasses.fields(): the walk prices every node.
+        self.vpu += other.vpu * times
+        self.mxu += other.mxu * times
+        self.loads += other.loads * times
+        self.stores += other.stores * times
+        self.dmas += other.dmas * times
 
     def any(self) -> bool:
         return any(getattr(self, f.name) for f in fields(self))
@@ -181,6 +185,18 @@ COMBINE_OPS = 2  # per vreg of an expert's output: weight x y, + acc
 WIRE_PACK_OPS = 12
 WIRE_UNPACK_OPS = 2
 
+
+def measured_tables() -> str:
+    """Every op-count figure the model prices with, as one deterministic text: part of the
+    digest a tuned choice is keyed by (mkgen/plan/holds.py), so a new measurement makes the
+    planner score again."""
+    return repr(
+        (CHUNK_OPS, INPUT_CHUNK_OPS, OUTPUT_BLOCK_OPS, ATTEND_OPS, NORM_OPS, HEADS_OPS,
+         SOFTMAX_OPS, TOP_K_OPS, ACTIVATION_OPS, DELTA_RULE_OPS, DELTA_RULE_STATE_VREGS,
+         COMBINE_OPS, WIRE_PACK_OPS, WIRE_UNPACK_OPS)
+    )  # fmt: skip
+
+
 # A schedule DMA category -> the phase whose code issues it.
 DMA_PHASE = {
     "bank": "stream matmul",
@@ -292,13 +308,16 @@ def node_op_counts(
 
     # Each ring matmul node's share of its segment's matmul (by the chunks it reads): the
     # schedule keys it ("matmul", format, k_chunks, col_blocks, chunks, chunks read).
+    shares: dict[tuple, OpCounts] = {}  # nodes of one key share their counts, as tiles do
+
     def segment_share(key: tuple) -> OpCounts:
-        _, fmt, k_chunks, col_blocks, chunks, read = key
-        # A quantized bank is read through a bitcast of the ring's bf16 rows.
-        whole = ring_matmul(fmt if fmt == "bf16" else f"stream:{fmt}", k_chunks, col_blocks)
-        share = OpCounts()
-        share.add_all(whole, read / chunks)
-        return share
+        if key not in shares:
+            _, fmt, k_chunks, col_blocks, chunks, read = key
+            # A quantized bank is read through a bitcast of the ring's bf16 rows.
+            whole = ring_matmul(fmt if fmt == "bf16" else f"stream:{fmt}", k_chunks, col_blocks)
+            shares[key] = OpCounts()
+            shares[key].add_all(whole, read / chunks)
+        return shares[key]
 
     # An expert piece's share of the expert's gate|up or down ring matmul.
     piece_ops: dict[tuple[str, bool], OpCounts] = {}

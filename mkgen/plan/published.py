@@ -120,7 +120,7 @@ def bar_text(step_ms: float, floor: IdealFloor, hand: HandWritten | None) -> str
     lines = [
         f"ideal floor {floor.ms:.3f} ms ({floor.bytes_per_core / 1e9:.3f} GB per core per step "
         f"at {floor.stream_rate / 1e12:.1f} TB/s, no replication, even experts, no padding): "
-        f"floor / step = {floor.ms / step_ms:.2f}"
+        f"the predicted step is {floor.times(step_ms)} (floor / step {floor.ratio(step_ms):.2f})"
     ]
     if hand is not None:
         faster = 1 - step_ms / hand.step_ms

@@ -33,6 +33,7 @@ GB = 1e9
 def plan_dict(plan: BuildPlan) -> dict[str, Any]:
     """The plan as JSON-ready data: the keys of issue 3's ``--json`` block and more."""
     o, sh, mem, vm, est = plan.options, plan.sharding, plan.memory, plan.vmem, plan.estimate
+    confidence = plan.confidence
     return {
         "model": sh.model,
         "topology": sh.topology,
@@ -99,14 +100,15 @@ def plan_dict(plan: BuildPlan) -> dict[str, Any]:
             "failures": dict(plan.graph.failures),
         },
         "estimate": {
+            "point": est.point,
             "step_ms": est.step_ms,
+            **(confidence.record() if confidence else {}),
             "dma_timeline_ms": est.dma_timeline_ms,
             "compute_timeline_ms": est.compute_timeline_ms,
             "compute_bound": est.compute_bound,
             "hbm_floor_ms": est.hbm_floor_ms,
-            "floor_ratio": est.floor_ratio,
             "ideal_floor_ms": plan.ideal_floor.ms,
-            "ideal_floor_ratio": plan.ideal_floor.ms / est.step_ms,
+            "ideal_floor_ratio": plan.ideal_floor.ratio(est.step_ms),
             "ideal_floor_bytes_per_core": plan.ideal_floor.bytes_per_core,
             "hand_written": None
             if plan.hand_written is None
@@ -121,6 +123,7 @@ def plan_dict(plan: BuildPlan) -> dict[str, Any]:
             "tokens_per_dollar": est.tokens_per_dollar,
             "price_per_chip_hour_usd": est.price_per_chip_hour_usd,
             "breakdown_ms": dict(est.breakdown_ms),
+            "cross_host_wait_ms": est.cross_host_wait_ms,
             "by_layer_kind": {
                 k: {"layers": v.layers, "per_layer_us": v.per_layer_us, "total_ms": v.total_ms}
                 for k, v in est.by_layer_kind.items()
@@ -291,6 +294,7 @@ def plan_text(plan: BuildPlan) -> str:
             plan.stream.describe(),
             schedule_text(plan),
             "Estimate: " + plan.estimate.describe(),
+            "\n".join(plan.confidence.lines()),
             "Against the bar: "
             + bar_text(plan.estimate.step_ms, plan.ideal_floor, plan.hand_written),
         ]
@@ -310,8 +314,10 @@ class SweepRow:
     fits_vmem: bool
     hbm_gb_per_device: float
     vmem_mib: float
-    step_ms: float
-    hbm_floor_ms: float
+    step_ms: float  # the build `mkgen plan` plans at this point (its held refills)
+    calibrated_step_ms: float  # the same build with no refill held (mkgen/plan/confidence.py)
+    ideal_floor_ms: float
+    ideal_floor_ratio: float  # ideal floor / step
     tokens_per_s_per_user: float
     tokens_per_s: float
     tokens_per_dollar: float  # decoded tokens only
@@ -325,16 +331,16 @@ class SweepRow:
 
 
 def collective_latency_note(chip: Chip) -> str:
-    """The catalog's latency of one collective phase within a host and of each stage across
-    hosts, with where each comes from (REPORT.md and `mkgen plan`)."""
+    """The catalog's latency of one collective round within a host and of one across hosts,
+    with where each comes from (REPORT.md and `mkgen plan`)."""
     inside, across = chip.collective_phase_latency, chip.cross_host_phase_latency
 
     def state(r: MeasuredRange) -> str:
         return "measured" if r.measured else "assumed"
 
     return (
-        f"Collective latency: {inside.cost_model * 1e6:.1f} us per phase within a host "
-        f"({state(inside)}: {inside.source}); {across.cost_model * 1e6:.1f} us more per stage "
+        f"Collective latency: {inside.cost_model * 1e6:.1f} us per round within a host "
+        f"({state(inside)}: {inside.source}); {across.cost_model * 1e6:.1f} us per round "
         f"across hosts ({state(across)}: {across.why})"
     )
 
@@ -353,88 +359,101 @@ def sweep(
 ) -> list[SweepRow]:
     """The cost model over batch x rows; points that do not fit are kept and marked.
 
-    ``base.acceptance`` is capped at each row count (a step accepts at most its rows).
-    Total tokens per dollar price `scenario`'s requests (mkgen/plan/tco.py).
+    Each point's step is the build `mkgen plan` plans there (the same held refills), beside
+    its calibrated step (none held). ``base.acceptance`` is capped at each row count (a step
+    accepts at most its rows). Total tokens per dollar price `scenario`'s requests
+    (mkgen/plan/tco.py).
     """
-    from mkgen.plan.layout import FULL_BANK_ROWS
+    return [
+        _sweep_point(
+            spec, topo, scenario,
+            base.model_copy(
+                update={"batch": b, "rows": r, "acceptance": min(base.acceptance, float(r))}
+            ),
+        )
+        for r in rows
+        for b in batches
+    ]  # fmt: skip
+
+
+def _sweep_point(
+    spec: ModelSpec, topo: Topology, scenario: Scenario, opts: BuildOptions
+) -> SweepRow:
+    """One point of the sweep (a build that does not fit HBM is priced all the same; one
+    whose buffers do not fit VMEM has no program to price)."""
+    from mkgen.plan import plan_program
+    from mkgen.plan.confidence import calibrated_estimate
+    from mkgen.plan.floor import ideal_floor
     from mkgen.plan.memory import plan_memory
-    from mkgen.plan.schedule import build_schedule
     from mkgen.plan.sharding import plan_sharding
-    from mkgen.plan.stream import plan_stream
     from mkgen.plan.tco import total_tokens_per_dollar
-    from mkgen.plan.timeline import ProgramPlan, estimate
-    from mkgen.plan.vmem import plan_vmem
+    from mkgen.plan.timeline import estimate
     from mkgen.spec.figures import params_active
 
-    spec = base.apply(spec)
-    active = params_active(spec)
-    out: list[SweepRow] = []
-    for r in rows:
-        for b in batches:
-            opts = base.model_copy(
-                update={"batch": b, "rows": r, "acceptance": min(base.acceptance, float(r))}
-            )
-            notes: list[str] = []
-            sharding = plan_sharding(spec, topo, opts)
-            mem = plan_memory(spec, topo, opts, sharding)
-            if not mem.fits:
-                notes.append(f"HBM {mem.total_bytes / GB:.1f} > {mem.usable_bytes / GB:.1f} GB")
-            vmem_mib, fits_vmem = math.nan, False
-            stream = plan_stream(spec, sharding, bank_rows=FULL_BANK_ROWS, ring_depth=2)
-            est = None  # a point whose buffers do not fit VMEM has no program to price
-            try:
-                vm = plan_vmem(spec, topo, opts, sharding, stream)
-                vmem_mib, fits_vmem = vm.explicit_bytes / MiB, True
-            except MkgenError:
-                notes.append("VMEM over budget: not priced")
-            else:
-                stream = stream.model_copy(update={"ring_depth": vm.ring_depth})
-                schedule = build_schedule(spec, sharding, stream, vm, opts)
-                est = estimate(topo, opts, ProgramPlan(spec, sharding, mem, stream, vm, schedule))
-            price = est.price_per_chip_hour_usd if est else None
-            total = 0.0
-            if est and price:
-                total = total_tokens_per_dollar(
-                    scenario,
-                    decode_tokens_per_s=est.tokens_per_s,
-                    active_params=active,
-                    chips=topo.num_chips,
-                    peak_bf16_flops_per_chip=topo.chip_info.peak_bf16_flops_per_chip,
-                    price_per_chip_hour_usd=price,
-                )
-            out.append(
-                SweepRow(
-                    batch=b,
-                    rows=r,
-                    acceptance=opts.acceptance,
-                    fits_hbm=mem.fits,
-                    fits_vmem=fits_vmem,
-                    hbm_gb_per_device=mem.total_bytes / GB,
-                    vmem_mib=vmem_mib,
-                    step_ms=est.step_ms if est else math.nan,
-                    hbm_floor_ms=est.hbm_floor_ms if est else math.nan,
-                    tokens_per_s_per_user=est.tokens_per_s_per_user if est else math.nan,
-                    tokens_per_s=est.tokens_per_s if est else math.nan,
-                    tokens_per_dollar=(est.tokens_per_dollar if est else None) or 0.0,
-                    total_tokens_per_dollar=total,
-                    scenario=scenario.name,
-                    note="; ".join(notes),
-                )
-            )
-    return out
+    applied = opts.apply(spec)
+    try:
+        program = plan_program(spec, topo, opts, require_fit=False)
+    except MkgenError:
+        program = None
+    mem = (
+        program.memory
+        if program
+        else plan_memory(applied, topo, opts, plan_sharding(applied, topo, opts))
+    )
+    notes = [] if mem.fits else [f"HBM {mem.total_bytes / GB:.1f} > {mem.usable_bytes / GB:.1f} GB"]
+    if program is None:
+        notes.append("VMEM over budget: not priced")
+    floor = ideal_floor(applied, topo, opts)
+    nan = math.nan
+    est = estimate(topo, opts, program) if program else None
+    calibrated = calibrated_estimate(topo, opts, program, est) if program and est else None
+    price = est.price_per_chip_hour_usd if est else None
+    total = 0.0
+    if est and price:
+        total = total_tokens_per_dollar(
+            scenario,
+            decode_tokens_per_s=est.tokens_per_s,
+            active_params=params_active(applied),
+            chips=topo.num_chips,
+            peak_bf16_flops_per_chip=topo.chip_info.peak_bf16_flops_per_chip,
+            price_per_chip_hour_usd=price,
+        )
+    return SweepRow(
+        batch=opts.batch,
+        rows=opts.rows,
+        acceptance=opts.acceptance,
+        fits_hbm=mem.fits,
+        fits_vmem=program is not None,
+        hbm_gb_per_device=mem.total_bytes / GB,
+        vmem_mib=program.vmem.explicit_bytes / MiB if program else nan,
+        step_ms=est.step_ms if est else nan,
+        calibrated_step_ms=calibrated.step_ms if calibrated else nan,
+        ideal_floor_ms=floor.ms,
+        ideal_floor_ratio=floor.ratio(est.step_ms) if est else nan,
+        tokens_per_s_per_user=est.tokens_per_s_per_user if est else nan,
+        tokens_per_s=est.tokens_per_s if est else nan,
+        tokens_per_dollar=(est.tokens_per_dollar if est else None) or 0.0,
+        total_tokens_per_dollar=total,
+        scenario=scenario.name,
+        note="; ".join(notes),
+    )
 
 
 def sweep_table(rows: list[SweepRow]) -> str:
+    """The sweep for people: each row one build (batch x rows), its predicted step beside
+    its calibrated step (no refill held) and the ideal floor."""
     lines = [
-        f"{'batch':>5} {'rows':>4} {'accept':>6} {'step ms':>8} {'floor ms':>8} "
-        f"{'tok/s/user':>10} {'tok/s':>9} {'total tok/$':>12} {'HBM GB':>7} {'VMEM MiB':>8}  fits"
+        f"{'batch':>5} {'rows':>4} {'accept':>6} {'step ms':>8} {'calib ms':>8} "
+        f"{'floor ms':>8} {'tok/s/user':>10} {'tok/s':>9} {'total tok/$':>12} {'HBM GB':>7} "
+        f"{'VMEM MiB':>8}  fits"
     ]
     for r in rows:
         fits = "yes" if r.fits else "no: " + r.note
         vmem = "-" if math.isnan(r.vmem_mib) else f"{r.vmem_mib:.1f}"
         lines.append(
             f"{r.batch:>5} {r.rows:>4} {r.acceptance:>6g} {r.step_ms:>8.3f} "
-            f"{r.hbm_floor_ms:>8.3f} {r.tokens_per_s_per_user:>10.1f} {r.tokens_per_s:>9.1f} "
+            f"{r.calibrated_step_ms:>8.3f} {r.ideal_floor_ms:>8.3f} "
+            f"{r.tokens_per_s_per_user:>10.1f} {r.tokens_per_s:>9.1f} "
             f"{r.total_tokens_per_dollar:>12,.0f} {r.hbm_gb_per_device:>7.1f} {vmem:>8}  {fits}"
         )
     return "\n".join(lines)
@@ -507,8 +526,9 @@ def tco_chart(
     with matplotlib.rc_context(style):
         fig = Figure(figsize=(12.5, 7), dpi=100)
         FigureCanvasAgg(fig)  # text extents for the label placement
-        # Room for the legend on the right and the notes below.
-        fig.subplots_adjust(left=0.07, right=0.62, top=0.9, bottom=0.1 + 0.025 * len(notes))
+        # Room for the legend on the right and the notes below, each wrapped to the width.
+        lines = [line for note in notes for line in textwrap.wrap(note, 190)]
+        fig.subplots_adjust(left=0.07, right=0.62, top=0.9, bottom=0.1 + 0.025 * len(lines))
         ax = fig.add_subplot()
         ax.set_yscale("log")
         for i, count in enumerate(sorted({r.rows for r in pts})):
@@ -565,7 +585,7 @@ def tco_chart(
         ax.scatter([], [], marker="o", facecolors="white", edgecolors="#333333",
                    label="hollow: does not fit HBM or VMEM")  # fmt: skip
         ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
-        fig.text(0.01, 0.01, "\n".join(notes), fontsize=7.5, va="bottom", ha="left")
+        fig.text(0.01, 0.01, "\n".join(lines), fontsize=7.5, va="bottom", ha="left")
         _label_frontier(fig, ax, frontier)
         buffer = io.BytesIO()
         # The PNG keeps its title as text: `estimate` recognises its own earlier chart by it.
@@ -626,12 +646,17 @@ def estimate_chart_text(
         if scenario.input_tokens
         else "prefill not counted"
     )
+    from mkgen.plan.calibration import RECORDED
+
     prices = ", ".join(f"{chip} ${usd:.2f}" for chip, usd in reference_prices.items())
+    other = "" if spec_name == "kimi-k3" else f", not {spec_name}"
     notes = [
-        "mkgen points are predictions of its cost model (calibrated on the hand-written Muse "
-        "Spark kernel's published TPU7x measurements), not measurements.",
+        "mkgen points are predictions of its cost model, not measurements: each is the build "
+        "`mkgen plan` plans at its batch x rows.",
+        "The model is calibrated on the hand-written Muse Spark kernel's published TPU7x "
+        f"measurements ({RECORDED.describe()}).",
         f"Requests: {scenario.describe()} ({scenario.why}); {prefill}.",
-        f"References: {REFERENCE_SOURCE}, as published; chip-hour prices (analyst "
+        f"References: {REFERENCE_SOURCE}, as published{other}; chip-hour prices (analyst "
         f"estimates): {prices}.",
     ]
     return title, notes

@@ -173,8 +173,6 @@ class ScheduleSummary(BaseModel):
     ring_depth: int
     held_refills: int  # ring refills held back until a collective round's copies start
     refills_per_round: int  # held refills each round's copies start, oldest first
-    held_refills_scored: dict[int, float]  # predicted step ms of each count the planner tried
-    refills_per_round_scored: dict[int, float]  # the fastest of those per refills a round starts
     bank_bytes: int
     banks: int
     expert_slots: int
@@ -243,10 +241,6 @@ class Schedule:
         self.segment_order = segment_order
         self.layer_kinds = layer_kinds  # "attention/ffn" kind names of every layer
         self.refills = refills  # how the ring's refills went (_Builder.refills)
-        # The planner's predicted step (ms) for each held-refill count it scored, and the
-        # fastest for each count of refills a round starts.
-        self.held_scores: dict[int, float] = {}
-        self.round_scores: dict[int, float] = {}
 
     def copy(self) -> Schedule:
         """A deep copy (tests break copies to prove the checks fail)."""
@@ -320,8 +314,6 @@ class Schedule:
             ring_depth=self.ring_depth,
             held_refills=self.held_refills,
             refills_per_round=self.refills_per_round,
-            held_refills_scored=self.held_scores,
-            refills_per_round_scored=self.round_scores,
             bank_bytes=self.bank_bytes,
             banks=self.total_banks,
             expert_slots=self.expert_slots,

@@ -47,6 +47,7 @@ from mkgen.plan.collectives import (
 )
 from mkgen.plan.cost import (
     CostConstants,
+    chip_constants,
     matmul_cost,
     pad_rows,
     widest_level,
@@ -160,7 +161,7 @@ def collective_cost(
         level=widest_level(topo),
         bytes_by_level=sent if calls else {},
         error_bound=wire_error_bound(op, calls),
-        time_s=sum(round_time_s(call, topo.chip_info) for call in calls),
+        time_s=sum(round_time_s(call, chip_constants(topo.chip_info)) for call in calls),
     )
 
 

@@ -26,6 +26,8 @@ quantized segment occupies whole banks, and a layer kind holding one starts on a
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from pydantic import BaseModel, ConfigDict
 
 from mkgen.errors import SpecError
@@ -373,35 +375,49 @@ class BankVisit(PlanModel):
 def bank_visits(seg: Segment, first_row: int, bank_rows: int) -> list[BankVisit]:
     """How the kernel reads `seg`, which starts at stream row `first_row`: bf16 chunk by
     chunk (a chunk that reaches into a new bank waits for it), quantized bank by bank."""
-    if seg.format != "bf16":
+    return list(
+        _bank_visits(
+            seg.format != "bf16", first_row, bank_rows, seg.chunks_per_bank, seg.k_chunks,
+            seg.col_blocks, seg.chunk_rows, seg.tail_rows,
+        )
+    )  # fmt: skip
+
+
+@lru_cache(maxsize=65536)
+def _bank_visits(
+    quantized: bool, first_row: int, bank_rows: int, per_bank: int, k_chunks: int,
+    col_blocks: int, chunk_rows: int, tail_rows: int,
+) -> tuple[BankVisit, ...]:  # fmt: skip
+    """bank_visits by the segment fields it reads: every layer of a kind, and every program
+    the planner scores, reads the same segments from the same rows."""
+    chunks = k_chunks * col_blocks
+    if quantized:
         first_bank = first_row // bank_rows
-        per = seg.chunks_per_bank
-        return [
+        return tuple(
             BankVisit(
                 bank=first_bank + j,
                 banks=(first_bank + j,),
-                chunks=min(per, seg.chunks - j * per),
-                macs=min(per, seg.chunks - j * per) * CHUNK * LANES,
+                chunks=min(per_bank, chunks - j * per_bank),
+                macs=min(per_bank, chunks - j * per_bank) * CHUNK * LANES,
             )
-            for j in range(cdiv(seg.chunks, per))
-        ]
-    sizes = [seg.chunk_rows] * (seg.blocks * seg.k_chunks) + [seg.tail_rows] * (
-        seg.k_chunks if seg.tail_rows else 0
-    )
-    visits: list[BankVisit] = []
+            for j in range(cdiv(chunks, per_bank))
+        )
+    blocks = col_blocks - (tail_rows > 0)
+    sizes = [chunk_rows] * (blocks * k_chunks) + [tail_rows] * (k_chunks if tail_rows else 0)
+    # [bank, banks, chunks] of each visit, counted here and made models once.
+    counts: list[list] = []
     row = first_row
     for size in sizes:
         lo, hi = row // bank_rows, (row + size - 1) // bank_rows
         reached = hi * bank_rows >= row
-        if reached or not visits:
-            banks = tuple(range(lo, hi + 1))
-            visits.append(BankVisit(bank=hi if reached else None, banks=banks, chunks=0, macs=0))
-        visit = visits[-1]
-        visits[-1] = visit.model_copy(
-            update={"chunks": visit.chunks + 1, "macs": visit.macs + CHUNK * LANES}
-        )
+        if reached or not counts:
+            counts.append([hi if reached else None, tuple(range(lo, hi + 1)), 0])
+        counts[-1][2] += 1
         row += size
-    return visits
+    return tuple(
+        BankVisit(bank=bank, banks=banks, chunks=n, macs=n * CHUNK * LANES)
+        for bank, banks, n in counts
+    )
 
 
 class RingRefills:

@@ -79,7 +79,10 @@ def total_tokens_per_dollar(
 
 # ---------------------------------------------------------------- published references
 
-REFERENCE_SOURCE = "Inferact tpu-megakernels README and the seeds' TCO chart (public)"
+REFERENCE_SOURCE = (
+    "Kimi K3 (2.8T) serving points: the seeds' TCO chart (agentic total tokens per $ against "
+    "P90 tokens/s per user) and the Inferact tpu-megakernels README (public)"
+)
 
 # Analyst chip-hour estimates the published points are priced at (USD).
 PUBLISHED_PRICES: dict[str, float] = {
@@ -110,16 +113,20 @@ class ReferenceCurve:
         return self.label + (f" (${price:.2f}/chip-hour)" if price is not None else "")
 
 
+# Every reference is Kimi K3 (2.8T): the seeds' TCO chart plots it on each system
+# ("agentic total tokens per $1" against P90 tokens/s per user), and the GB200 points are
+# its vLLM serving results. They are not the model an mkgen chart plots, unless that is
+# Kimi K3 (estimate_chart_text says so).
 REFERENCES = (
     ReferenceCurve(
-        "TPU7x, hand-written Muse Spark kernel",
+        "Kimi K3 on TPUv7 (InferenceX agentic benchmark, TorchTPU vLLM with megakernels)",
         "TPU7x",
         points=((390.0, 2.2e6),),
         note="sustains up to ~400 tokens/s per user",
     ),
-    ReferenceCurve("GB300 NVL72", "GB300", points=((25.0, 31e6), (400.0, 2.5e6))),
-    ReferenceCurve("MI355X", "MI355X", ends_at=((130.0, "curve ends"),)),
-    ReferenceCurve("B300", "B300", ends_at=((270.0, "curve ends"),)),
+    ReferenceCurve("Kimi K3 on GB300 NVL72", "GB300", points=((25.0, 31e6), (400.0, 2.5e6))),
+    ReferenceCurve("Kimi K3 on MI355X", "MI355X", ends_at=((130.0, "curve ends"),)),
+    ReferenceCurve("Kimi K3 on B300", "B300", ends_at=((270.0, "curve ends"),)),
     ReferenceCurve(
         "Kimi K3 on 16 GB200, vLLM",
         "GB200",

@@ -30,7 +30,7 @@ from mkgen.plan.collectives import round_time_s
 from mkgen.plan.cost import CATEGORIES, US, CostConstants, Estimate, KindTime, TraceEvent
 from mkgen.plan.graph import ScheduleCheckError
 from mkgen.plan.memory import MemoryPlan
-from mkgen.plan.opcount import bound_us, node_op_counts
+from mkgen.plan.opcount import OpCounts, bound_us, node_op_counts
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.schedule import START, WAIT, Node, Schedule
 from mkgen.plan.sharding import ShardingPlan
@@ -49,6 +49,9 @@ class ProgramPlan(NamedTuple):
     stream: StreamPlan
     vmem: VmemPlan
     schedule: Schedule
+    # The same program with no refill held, when this one holds some (the calibrated
+    # regime's program, mkgen/plan/confidence.py).
+    unheld: ProgramPlan | None = None
 
 
 # The DMA engine's queues, highest priority first, and the queue of each schedule DMA
@@ -135,6 +138,8 @@ class _Walk:
         self.logged = 0
         self.core_busy = 0.0
         self.hbm_bytes = 0
+        # The core's waits on cross-host rounds' flights that no DMA covers.
+        self.cross_host_wait = 0.0
 
     def where(self, layer: int) -> str:
         """The trace's prefix: prologue, L<layer>, epilogue."""
@@ -234,6 +239,8 @@ class _Walk:
                 self.attr[category] += span
                 covered += span
         self.attr[self.category[node.id]] += t1 - t0 - covered
+        if node.collective is not None and node.collective.level == "host":
+            self.cross_host_wait += t1 - t0 - covered
         self.t = t1
 
     def run(self, node: Node, seconds: float) -> None:
@@ -269,21 +276,29 @@ def _bank_names(
     return out
 
 
-def estimate(
-    topo: Topology, options: BuildOptions, program: ProgramPlan, trace: bool = False
-) -> Estimate:
-    """Walk the program's events on one core and summarise the step (module docstring)."""
-    spec, sharding, _, stream, vmem, schedule = program
-    chip = topo.chip_info
-    c = CostConstants.from_chip(chip, options)
-    nodes = schedule.nodes
-    layers = schedule.layers
+class PricedProgram(NamedTuple):
+    """What a walk needs of a program besides the constants: every node's op counts (the
+    core's time follows from the issue rates), its trace name and breakdown category, and
+    each ring bank's tensors. Priced once, walked at as many constants as asked for."""
+
+    ops: list[tuple[str, OpCounts]]
+    unpriced: tuple[str, ...]
+    names: list[tuple[int, str]]
+    category: list[str]
+    tensors: list[list[str]]
+
+
+def price_program(program: ProgramPlan) -> PricedProgram:
+    """The op counts, names and categories of `program`'s nodes (module docstring)."""
+    spec, sharding, stream, vmem, schedule = (
+        program.spec,
+        program.sharding,
+        program.stream,
+        program.vmem,
+        program.schedule,
+    )
+    nodes, layers = schedule.nodes, schedule.layers
     ops, unpriced = node_op_counts(schedule, stream, vmem, sharding, spec)
-    rates = c.issue_rates
-    compute_s = [
-        0.0 if rates is None else max(bound_us(counts, rates).values()) * US * node.repeat
-        for node, (_phase, counts) in zip(nodes, ops, strict=True)
-    ]
     banks = _bank_names(stream, sharding.layer_table)
     names = [
         banks[node.key[1]][:2] if node.cat == "bank" else
@@ -298,12 +313,44 @@ def estimate(
         elif layer < 0:
             cat = "fixed"
         category.append(cat)
+    return PricedProgram(ops, tuple(unpriced), names, category, [t for _, _, t in banks])
+
+
+def estimate(
+    topo: Topology,
+    options: BuildOptions,
+    program: ProgramPlan,
+    trace: bool = False,
+    *,
+    constants: CostConstants | None = None,
+    priced: PricedProgram | None = None,
+) -> Estimate:
+    """Walk the program's events on one core and summarise the step (module docstring).
+
+    `constants` replaces the catalog's (the sensitivity table walks one program at the ends
+    of each unmeasured input); `priced` is `price_program(program)` when already done."""
+    schedule = program.schedule
+    c = constants or CostConstants.from_chip(topo.chip_info, options)
+    priced = priced or price_program(program)
+    nodes = schedule.nodes
+    rates = c.issue_rates
+    bound: dict[int, float] = {}  # nodes of one key share their counts (node_op_counts)
+
+    def run_s(counts: OpCounts) -> float:
+        if id(counts) not in bound:
+            bound[id(counts)] = 0.0 if rates is None else max(bound_us(counts, rates).values()) * US
+        return bound[id(counts)]
+
+    compute_s = [
+        run_s(counts) * node.repeat
+        for node, (_phase, counts) in zip(nodes, priced.ops, strict=True)
+    ]
     colls = {
-        node.id: round_time_s(node.collective, topo.chip_info)
+        node.id: round_time_s(node.collective, c)
         for node in nodes
         if node.is_dma and node.collective is not None
     }
-    walk = _Walk(c, schedule, colls, names, [t for _, _, t in banks], category, trace)
+    walk = _Walk(c, schedule, colls, priced.names, priced.tensors, priced.category, trace)
     # The host dispatches one device call per steps_per_call steps.
     dispatch = c.dispatch_s / c.steps_per_call
     walk.attr["fixed"] += dispatch
@@ -322,32 +369,16 @@ def estimate(
                 seconds = c.collective_phase_s if topo.num_devices > 1 else 0.0
             walk.run(node, seconds)
     walk.drain()
-    step = walk.t
-
-    per_kind: dict[str, float] = {}
-    ends = [layer_start.get(layer, step) for layer in range(1, layers + 1)]
-    for layer, kind in enumerate(schedule.layer_kinds):
-        per_kind[kind] = per_kind.get(kind, 0.0) + ends[layer] - layer_start[layer]
-    counts = {kind: schedule.layer_kinds.count(kind) for kind in per_kind}
-    by_kind = {
-        kind: KindTime(
-            layers=counts[kind],
-            total_ms=per_kind[kind] * 1e3,
-            per_layer_us=per_kind[kind] / counts[kind] * 1e6,
-        )
-        for kind in per_kind
-    }
-    floor = walk.hbm_bytes / c.hbm_bandwidth
     result = Estimate(
-        step_ms=step * 1e3,
+        step_ms=walk.t * 1e3,
         dma_timeline_ms=walk.dma_busy * 1e3,
         compute_timeline_ms=None if rates is None else walk.core_busy * 1e3,
-        compute_unpriced_formats=tuple(unpriced),
+        compute_unpriced_formats=priced.unpriced,
         breakdown_ms={k: v * 1e3 for k, v in walk.attr.items()},
-        by_layer_kind=by_kind,
+        cross_host_wait_ms=walk.cross_host_wait * 1e3,
+        by_layer_kind=_by_layer_kind(schedule, layer_start, walk.t),
         hbm_bytes_per_device_per_step=walk.hbm_bytes,
-        hbm_floor_ms=floor * 1e3,
-        floor_ratio=floor / step,
+        hbm_floor_ms=walk.hbm_bytes / c.hbm_bandwidth * 1e3,
         tokens_per_s_per_user=0.0,
         tokens_per_s=0.0,
         tokens_per_dollar=None,
@@ -355,7 +386,27 @@ def estimate(
         price_per_chip_hour_usd=c.price_per_chip_hour_usd,
         acceptance=options.acceptance,
         batch=options.batch,
+        rows=options.rows,
         constants=c,
         events=tuple(walk.events),
     )
     return result.at_acceptance(options.acceptance)
+
+
+def _by_layer_kind(
+    schedule: Schedule, layer_start: dict[int, float], step: float
+) -> dict[str, KindTime]:
+    """Each layer kind's time: from its layers' first op to the next layer's."""
+    per_kind: dict[str, float] = {}
+    ends = [layer_start.get(layer, step) for layer in range(1, schedule.layers + 1)]
+    for layer, kind in enumerate(schedule.layer_kinds):
+        per_kind[kind] = per_kind.get(kind, 0.0) + ends[layer] - layer_start[layer]
+    counts = {kind: schedule.layer_kinds.count(kind) for kind in per_kind}
+    return {
+        kind: KindTime(
+            layers=counts[kind],
+            total_ms=per_kind[kind] * 1e3,
+            per_layer_us=per_kind[kind] / counts[kind] * 1e6,
+        )
+        for kind in per_kind
+    }

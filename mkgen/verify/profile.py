@@ -259,7 +259,9 @@ class Profile:
     build: str
     phases: list[PhaseProfile]
     unpriced: list[str]  # weight formats and attention geometries the model has not measured
-    predicted_step_us: float  # the plan's DMA timeline (its step unless compute-bound)
+    dma_timeline_us: float  # the plan's DMA engine busy time (predicted)
+    predicted_step_us: float  # the plan's predicted step: the walk's end
+    point: str  # the build's batch x rows
     rates: IssueRates
 
     @property
@@ -277,9 +279,11 @@ class Profile:
             "phases": [p.record(self.rates) for p in self.phases],
             "unpriced_formats": self.unpriced,
             "compute_us": round(self.compute_us, 3),
+            "dma_timeline_us": round(self.dma_timeline_us, 3),
             "predicted_step_us": round(self.predicted_step_us, 3),
-            "compute_bound": self.compute_us > self.predicted_step_us,
-            "issue_rates": self.rates.model_dump(),
+            "point": self.point,
+            "compute_bound": self.compute_us > self.dma_timeline_us,
+            "issue_rates": self.rates.model_dump(exclude={"clock_range_hz", "clock_source"}),
         }
 
     def lines(self) -> list[str]:
@@ -304,10 +308,11 @@ class Profile:
             )
         if self.unpriced:
             out.append(f"  the model has no measurement for: {', '.join(self.unpriced)}")
-        bound = "compute-bound" if self.compute_us > self.predicted_step_us else "DMA-bound"
+        bound = "compute-bound" if self.compute_us > self.dma_timeline_us else "DMA-bound"
         out.append(
             f"  compute timeline {self.compute_us:.1f} us vs the plan's DMA timeline "
-            f"{self.predicted_step_us:.1f} us: {bound} (at {self.rates.clock_hz / 1e9:.2f} GHz, "
+            f"{self.dma_timeline_us:.1f} us (predicted step {self.predicted_step_us:.1f} us at "
+            f"{self.point}): {bound} (at {self.rates.clock_hz / 1e9:.2f} GHz, "
             f"{self.rates.vpu_ops_per_cycle:g} VPU / {self.rates.mxu_ops_per_cycle:g} MXU ops "
             "a cycle: mkgen/hardware.py TPU7X_ISSUE_RATES)"
         )
@@ -329,7 +334,9 @@ def profile_build(llo_text: str, plan: Any, spec: ModelSpec, build: str) -> Prof
         build=build,
         phases=phases,
         unpriced=unpriced,
-        predicted_step_us=plan.estimate.dma_timeline_ms * 1000,
+        dma_timeline_us=plan.estimate.dma_timeline_ms * 1000,
+        predicted_step_us=plan.estimate.step_ms * 1000,
+        point=plan.estimate.point,
         rates=TPU7X_ISSUE_RATES,
     )
 
