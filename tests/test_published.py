@@ -67,3 +67,18 @@ def test_the_charts_reference_points_are_labelled_as_the_seeds_state_them() -> N
     _, notes = estimate_chart_text("kimi-k3", topo, 1.21, scenario("agentic"), PUBLISHED_PRICES)
     assert "as published;" in notes[-1]
     assert any("mean error -6.6 %" in note for note in notes)
+
+
+def test_a_published_step_that_drafts_is_not_compared_as_like_for_like() -> None:
+    from mkgen.plan.floor import IdealFloor
+    from mkgen.plan.published import bar_text
+
+    floor = IdealFloor(
+        weight_bytes_per_core=9.572e9, expert_bytes_per_core=0, cache_bytes_per_core=0,
+        stream_rate=3.2e12,
+    )  # fmt: skip
+    kimi = _match("kimi-k3", "2x2x4", rows=8)
+    text = bar_text(6.967, floor, kimi)
+    assert "18% faster, but not like for like" in text and "drafts nothing" in text
+    muse = _match("muse-spark-1.2", "2x2x1")
+    assert "like for like" not in bar_text(2.72, floor, muse)  # batch 1, no drafting
