@@ -3,13 +3,18 @@
 One server per module (a subprocess, `mkgen serve --interpret --port 0`) over the qwen3
 transformers fixture re-published as the hub does, with the word-level tokenizer of
 tests/test_runner.py and the hand-written chat template of tests/fixtures/chat, built for
-tpu7x:1x1x1 at batch 4 and converted with `mkgen convert --build`. Greedy tokens are held
-to transformers' own (the fixture's) and to the plain-JAX reference model's; requests run
-concurrently in the kernel's batch slots; bad requests are 400s that leave the server
-serving; a client that leaves mid-stream frees its slot; a chat's second turn reuses the
-first turn's caches from the host cache and gets the tokens of a server without one;
-SIGTERM lets a running stream finish. The engine's pieces without a server (slots, text
-assembly, the host cache) are checked last.
+tpu7x:1x1x1 at batch 4 and converted with `mkgen convert --build`; the module's server
+caps bodies at 1 MiB and drains for 1 s. Greedy tokens are held to transformers' own
+(the fixture's) and to the plain-JAX reference model's; the server warms up before it
+reports healthy; requests run concurrently in the kernel's batch slots; bad requests are
+400s (404, 405, 413 beyond them), all OpenAI error objects, that leave the server
+serving; a text too long for the context is refused while /health answers; a client
+that leaves mid-stream frees its slot; a chat's second turn reuses the first turn's
+caches from the host cache and gets the tokens of a server without one; a short soak
+mixes normal and hostile requests (scripts/serve_soak.py); SIGTERM lets a running stream
+finish and ends the rest with abort. The engine's pieces without a server (slots, text
+assembly, the host cache) are checked last; tests/test_serve_hardening.py has the
+engine's fault isolation and the guard, text bound and drain without a server.
 """
 
 from __future__ import annotations
@@ -717,6 +722,10 @@ def test_serve_refuses_what_it_cannot_serve_in_one_line(
         busy = mkgen("serve", str(build), "--weights", str(weights), "--port", port)
         assert_user_error(busy, f"--port {port}: cannot listen there")
     served = ("serve", str(build), "--weights", str(weights))
+    unnamed = mkgen(*served, "--served-model-name", " ")
+    assert_user_error(unnamed, "--served-model-name: give a name")
+    assert_user_error(mkgen(*served, "--max-body-mib", "0"), "--max-body-mib", "0")
+    assert_user_error(mkgen(*served, "--drain-seconds", "-1"), "--drain-seconds", "-1")
     alone = mkgen(*served, "--coordinator", "127.0.0.1:1")
     assert_user_error(alone, "--coordinator: only with --multi-host")
     interpreted = mkgen(*served, "--interpret", "--multi-host", "--num-processes", "2")

@@ -95,9 +95,14 @@ def _check_common(served: ServedModel, body: SamplingFields) -> None:
         raise OpenAIError("logprobs: not supported", "logprobs")
 
 
+def _stop_list(body: SamplingFields) -> list[str | int]:
+    """`stop` as a list (a string is one stop)."""
+    return [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+
+
 def _stops(body: SamplingFields) -> list[str | int]:
     """`stop` as a list, its count and strings' lengths checked."""
-    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    stop = _stop_list(body)
     if len(stop) > STOP_LIMIT:
         raise OpenAIError(f"stop: at most {STOP_LIMIT} strings and ids, got {len(stop)}", "stop")
     lengths = [len(s) for s in stop if isinstance(s, str)]
@@ -285,8 +290,8 @@ class _Completion:
                  chat: bool) -> None:  # fmt: skip
         self.engine, self.served, self.http, self.chat = engine, served, http, chat
         self.body, self.prompt, params = prepared
-        stops = [self.body.stop] if isinstance(self.body.stop, str) else (self.body.stop or [])
-        self.assembler = TextAssembler(served.tokenizer, [s for s in stops if isinstance(s, str)])
+        texts = [s for s in _stop_list(self.body) if isinstance(s, str)]
+        self.assembler = TextAssembler(served.tokenizer, texts)
         loop, self.updates = asyncio.get_running_loop(), asyncio.Queue[Update]()
 
         def deliver(update: Update) -> None:  # on the engine thread
