@@ -118,18 +118,37 @@ class Retry(Exception):
         self.seconds = seconds
 
 
-async def expected_answers(url: str, model: str) -> list[tuple]:
+async def answer_retried(
+    client: httpx.AsyncClient, url: str, endpoint: str, body: dict, report: Report
+) -> tuple | str:
+    """answer(), sent again after each 429 (counted in `report`); what went wrong, as a
+    string, when it was refused otherwise."""
+    while True:
+        try:
+            return await answer(client, url, endpoint, body)
+        except Retry as retry:
+            report.retried += 1
+            await asyncio.sleep(retry.seconds)
+        except (httpx.HTTPError, RuntimeError) as error:
+            return repr(error)
+
+
+async def expected_answers(url: str, model: str, report: Report) -> list[tuple]:
     """Each normal request's answer, all sent at once; the first must be transformers'
     greedy tokens for the fixture's prompt."""
     import numpy as np
 
     async with httpx.AsyncClient(timeout=600) as client:
-        answers = await asyncio.gather(
-            *(answer(client, url, endpoint, {**body, "model": model}) for endpoint, body in NORMALS)
-        )
+        answers = await asyncio.gather(*(
+            answer_retried(client, url, endpoint, {**body, "model": model}, report)
+            for endpoint, body in NORMALS
+        ))  # fmt: skip
+    refused = [a for a in answers if isinstance(a, str)]
+    if refused:
+        raise SystemExit(f"serve_soak: a normal request was refused: {refused[0]}")
     greedy = np.load(FIXTURE / "expected.npz")["greedy_ids"].tolist()
     if answers[0][0] != greedy[:4]:
-        raise SystemExit(f"serve_soak: the fixture prompt gave {answers[0][0]}, not {greedy[:4]}")
+        raise SystemExit(f"serve_soak: the fixture prompt gave {answers[0]}, not {greedy[:4]}")
     return list(answers)
 
 
@@ -277,16 +296,7 @@ async def storm(url: str, model: str, max_body: int, expected: list[tuple], repo
             budget[0] -= 1
             which = rng.randrange(len(NORMALS))
             endpoint, body = NORMALS[which]
-            while True:
-                try:
-                    got = await answer(client, url, endpoint, {**body, "model": model})
-                    break
-                except Retry as retry:
-                    report.retried += 1
-                    await asyncio.sleep(retry.seconds)
-                except (httpx.HTTPError, RuntimeError) as error:
-                    got = repr(error)
-                    break
+            got = await answer_retried(client, url, endpoint, {**body, "model": model}, report)
             if got == expected[which]:
                 report.normal += 1
             else:
@@ -318,7 +328,7 @@ def soak(url: str, model: str, max_body: int, alive: Callable[[], bool], *, clie
     `max_body` bytes; `alive()` says whether its process still runs): the module
     docstring's checks, in a Report."""
     report = Report()
-    expected = asyncio.run(expected_answers(url, model))
+    expected = asyncio.run(expected_answers(url, model, report))
     report.rss_baseline_mib = metric(url, "process_resident_memory_bytes") / (1 << 20)
     errors = 'mkgen_requests_total{finish_reason="error"}'
     errors_before = metric(url, errors)
