@@ -79,7 +79,8 @@ QUEUE_LIMIT = 64  # requests waiting beyond the free slots; more are answered 42
 PREFILL_TOKENS_PER_TURN = 256
 RETRY_AFTER_S = 1  # what a 429 or 503 tells the client to wait
 SEED_LIMIT = 2**32  # seeds are uint32 on the device
-# Below this a temperature overflows float32 logits (logit / temperature): 0 is greedy.
+# The smallest temperature but 0 (greedy): far smaller ones overflow the float32 logits
+# (logit / temperature) into NaN draws, and this one is already all but greedy.
 MIN_TEMPERATURE = 1e-5
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 # An idle multi-host leader still shares a turn this often: the other processes wait for
@@ -668,14 +669,15 @@ class Engine:
                 self._finish(slot, last, keep=False)
 
     def _end_queued(self, reason: str) -> None:
-        """End every request still waiting for a slot with `reason`."""
+        """End every request still waiting for a slot with `reason` (one given up
+        meanwhile is counted as cancelled, and gets nothing)."""
         with self._wake:
             waiting, self._queue = [*self._queue, *self._arrived], collections.deque()
             self._arrived = []
             self.metrics.queue_depth.set(0)
         for request in waiting:
+            self.metrics.requests.labels("cancelled" if request.cancelled else reason).inc()
             if not request.cancelled:
-                self.metrics.requests.labels(reason).inc()
                 request.deliver(Update([], reason))
 
 
