@@ -7,7 +7,8 @@ poisoned top_k is in it: that request ends with an error alone and the three dec
 the same call get the tokens they get without it; a request whose top_k is past int32
 (which the HTTP layer refuses) is refused at admission alone; a request cancelled while
 queued is counted. Without a process of their own: the text-to-ids bound, the warm-up's
-prefill lengths and the drain's decisions of DrainingServer.
+prefill lengths, the guard (body cap, a fault as a 500) around a small app, and the
+drain's decisions of DrainingServer.
 """
 
 from __future__ import annotations
