@@ -47,10 +47,12 @@ docs: $(STAMP)
 	$(PY) scripts/make_docs.py
 
 # How long mkgen's commands take (scripts/bench.py), then a bounded load test of mkgen serve
-# on loopback: 32 clients, 200 requests, the tiny qwen3 fixture in interpret mode.
+# on loopback (32 clients, 200 requests, the tiny qwen3 fixture in interpret mode) and a
+# soak test: normal traffic mixed with hostile requests for at most 240 s.
 bench: $(STAMP)
 	$(PY) scripts/bench.py
 	$(PY) scripts/serve_load.py --clients 32 --requests 200
+	$(PY) scripts/serve_soak.py --seconds 240 --requests 400
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -22,7 +22,7 @@ from mkgen import __version__
 from mkgen.errors import MkgenError
 from mkgen.output import progress_bar, write_atomic
 from mkgen.runtime.devices import INTERPRET_ACROSS_PROCESSES, check_multi_host_flags
-from mkgen.serve import HOST_CACHE_MIB
+from mkgen.serve import DRAIN_S, HOST_CACHE_MIB, MAX_BODY_MIB
 
 # Random weights come from jax.random.key(seed), which takes 32-bit seeds.
 SEED = click.IntRange(0, 2**32 - 1)
@@ -1019,21 +1019,40 @@ def _runner_build(build: str) -> Any:
 @click.option(
     "--process-id", type=click.IntRange(min=0), help="This process's index (--multi-host)."
 )
+@click.option(
+    "--served-model-name", metavar="NAME",
+    help="The model name clients give (default: the build's spec name, e.g. qwen3-30b-a3b).",
+)  # fmt: skip
+@click.option(
+    "--max-body-mib", type=click.IntRange(min=1), default=MAX_BODY_MIB, show_default=True,
+    help="A request body over this many MiB is refused (413) before it is read whole.",
+)  # fmt: skip
+@click.option(
+    "--drain-seconds", type=click.FloatRange(min=0), default=DRAIN_S, show_default=True,
+    help="On SIGTERM or Ctrl-C, how long queued and running requests may go on (new ones "
+    "get 503); those still running then end with finish_reason abort.",
+)  # fmt: skip
 def serve_command(
     build: str, weights: Path | None, random_weights: int | None, host: str, port: int,
     interpret: bool, steps_per_call: int, queue_limit: int, trust_weights: bool,
     disaggregate: bool, host_cache_mib: int, multi_host: bool, coordinator: str | None,
-    num_processes: int | None, process_id: int | None,
+    num_processes: int | None, process_id: int | None, served_model_name: str | None,
+    max_body_mib: int, drain_seconds: float,
 ) -> None:  # fmt: skip
     """Serve a build behind an OpenAI-compatible API (docs/serving.md#serve): BUILD is a
     build directory or a build's name in generated/ (with --rows R > 1, R - 1 drafts
-    per step are verified); the `openai`
-    client talks to http://HOST:PORT/v1 with any api key. SIGTERM or Ctrl-C lets running
-    requests finish, then stops."""
+    per step are verified); the `openai` client talks to http://HOST:PORT/v1 with any api
+    key. The server compiles first (/health: 503 "warming up", then 200). SIGTERM or
+    Ctrl-C drains: new requests get 503 while queued and running ones go on for up to
+    --drain-seconds; those still running then end with finish_reason "abort" (a stream
+    still gets its last event and [DONE]), and the server exits; a second signal skips
+    the rest of the drain."""
     if (weights is None) == (random_weights is None):
         raise MkgenError("give --weights WEIGHTS (mkgen convert) or --random-weights SEED")
     if trust_weights and weights is None:
         raise MkgenError("--trust-weights: only with --weights (converted weights)")
+    if served_model_name is not None and not served_model_name.strip():
+        raise MkgenError("--served-model-name: give a name (or leave it out: the spec's name)")
     check_multi_host_flags(multi_host, disaggregate, coordinator, num_processes, process_id)
     if multi_host and interpret:
         raise MkgenError(INTERPRET_ACROSS_PROCESSES)
@@ -1047,6 +1066,8 @@ def serve_command(
         queue_limit=queue_limit, trust_weights=trust_weights, disaggregate=disaggregate,
         host_cache_mib=host_cache_mib,
         multi_host=Namespace(**distributed) if multi_host else None,
+        served_model_name=served_model_name, max_body_mib=max_body_mib,
+        drain_seconds=drain_seconds,
     )  # fmt: skip
 
 

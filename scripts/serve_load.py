@@ -1,7 +1,8 @@
 """A bounded load test of `mkgen serve` on loopback (`make bench`; not a timed test).
 
 The tiny qwen3 transformers fixture (tests/fixtures/hf/qwen3) is built for tpu7x:1x1x1 at
-batch 8 in a temporary directory, converted, and served in TPU interpret mode on the CPU;
+batch 8 in a temporary directory, converted with a word-level tokenizer (token tN is id N)
+and the chat template of tests/fixtures/chat, and served in TPU interpret mode on the CPU;
 CLIENTS concurrent clients then send REQUESTS streamed completions (random prompts of
 4-12 token ids, 4-16 tokens each, greedy or sampled). Printed: p50 / p99 time to first
 token and inter-token latency as the clients see them (a device call brings up to 8
@@ -20,6 +21,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,6 +33,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "fixtures" / "hf" / "qwen3"
+CHAT_CONFIG = REPO / "tests" / "fixtures" / "chat" / "tokenizer_config.json"
 BATCH = 8
 STARTUP_S = 600
 
@@ -45,12 +48,34 @@ def mkgen(*args: str) -> None:
         raise SystemExit(f"serve_load: mkgen {' '.join(args)} failed:\n{result.stderr}")
 
 
-def start_server(build: Path, weights: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    """`mkgen serve` on a free port; its URL once /health answers."""
+def prepare(tmp: Path) -> tuple[Path, Path]:
+    """(build, weights) of the fixture in `tmp`: built at batch BATCH, context 64, and
+    converted from a copy of the checkpoint given a word-level tokenizer.json (tN is id N:
+    text prompts) and tests/fixtures/chat's tokenizer_config.json (chats; eos t2)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    build, checkpoint, weights = tmp / "build", tmp / "checkpoint", tmp / "weights"
+    mkgen("build", str(FIXTURE / "config.json"), "--topology", "1x1x1", "--batch",
+          str(BATCH), "--context", "64", "-o", str(build))  # fmt: skip
+    shutil.copytree(FIXTURE, checkpoint)
+    shutil.copy(CHAT_CONFIG, checkpoint)
+    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(checkpoint / "tokenizer.json"))
+    mkgen("convert", "--build", str(build), "--checkpoint", str(checkpoint), "-o", str(weights))
+    return build, weights
+
+
+def start_server(
+    build: Path, weights: Path, log: Path, *options: str
+) -> tuple[subprocess.Popen, str]:
+    """`mkgen serve` with `options` on a free port; its URL once /health answers (once
+    the server has warmed up)."""
     with log.open("w") as stderr:
         process = subprocess.Popen(
             [sys.executable, "-m", "mkgen.cli", "serve", str(build), "--weights", str(weights),
-             "--interpret", "--port", "0"],
+             "--interpret", "--port", "0", *options],
             stdout=subprocess.DEVNULL, stderr=stderr,
         )  # fmt: skip
     deadline = time.monotonic() + STARTUP_S
@@ -77,6 +102,7 @@ async def one_request(
         "model": model, "prompt": [rng.randrange(128) for _ in range(rng.randint(4, 12))],
         "max_tokens": rng.randint(4, 16), "stream": True,
         "temperature": rng.choice([0, 0.8]), "seed": rng.randrange(2**32),
+        "ignore_eos": True,  # every request generates its max_tokens
     }  # fmt: skip
     start = time.perf_counter()
     first, last, gaps, tokens = None, start, [], 0
@@ -144,10 +170,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="mkgen-serve-load-") as tmp:
-        build, weights = Path(tmp) / "build", Path(tmp) / "weights"
-        mkgen("build", str(FIXTURE / "config.json"), "--topology", "1x1x1", "--batch",
-              str(BATCH), "--context", "64", "-o", str(build))  # fmt: skip
-        mkgen("convert", "--build", str(build), "--checkpoint", str(FIXTURE), "-o", str(weights))
+        build, weights = prepare(Path(tmp))
         process, url = start_server(build, weights, Path(tmp) / "serve.log")
         try:
             model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]

@@ -3,18 +3,25 @@
 One server per module (a subprocess, `mkgen serve --interpret --port 0`) over the qwen3
 transformers fixture re-published as the hub does, with the word-level tokenizer of
 tests/test_runner.py and the hand-written chat template of tests/fixtures/chat, built for
-tpu7x:1x1x1 at batch 4 and converted with `mkgen convert --build`. Greedy tokens are held
-to transformers' own (the fixture's) and to the plain-JAX reference model's; requests run
-concurrently in the kernel's batch slots; bad requests are 400s that leave the server
-serving; a client that leaves mid-stream frees its slot; a chat's second turn reuses the
-first turn's caches from the host cache and gets the tokens of a server without one;
-SIGTERM lets a running stream finish. The engine's pieces without a server (slots, text
-assembly, the host cache) are checked last.
+tpu7x:1x1x1 at batch 4 and converted with `mkgen convert --build`; the module's server
+caps bodies at 1 MiB and drains for 1 s. Greedy tokens are held to transformers' own
+(the fixture's) and to the plain-JAX reference model's; the server warms up before it
+reports healthy; requests run concurrently in the kernel's batch slots; bad requests are
+400s (404, 405, 413 beyond them), all OpenAI error objects, that leave the server
+serving; a text too long for the context is refused while /health answers; a client
+that leaves mid-stream frees its slot; a chat's second turn reuses the first turn's
+caches from the host cache and gets the tokens of a server without one; a short soak
+mixes normal and hostile requests (scripts/serve_soak.py); SIGTERM lets a running stream
+finish and ends the rest with abort. The engine's pieces without a server (slots, text
+assembly, the host cache) are checked last; tests/test_serve_hardening.py has the
+engine's fault isolation and the guard, text bound and drain without a server.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import importlib
 import json
 import os
 import re
@@ -29,6 +36,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import httpx
 import numpy as np
@@ -41,8 +49,9 @@ from test_runner import PROMPT, _build, _convert, _with_tokenizer, _words
 CHAT = Path(__file__).parent / "fixtures" / "chat"
 BATCH = 4  # the build's slots
 EOS = 2  # tokenizer_config.json's eos_token t2: every request stops at it
-NAME = "config-1x1x1"  # the served model: the build's name
+NAME = "config"  # the served model: the build's spec name (the fixture's config.json)
 STARTUP_S = 240  # convert, load and place the weights, first compiles: bounded
+MAX_BODY = 1 << 20  # the module server's --max-body-mib 1
 
 
 @dataclass
@@ -53,6 +62,7 @@ class Server:
     url: str
     checkpoint: Path
     stderr: list[str] = field(default_factory=list)
+    health: list[tuple[int, dict]] = field(default_factory=list)  # /health while starting
 
     @property
     def client(self) -> openai.OpenAI:
@@ -88,7 +98,9 @@ def _start(build: Path, weights: Path, checkpoint: Path, *options: str) -> Serve
         if found:
             server.url = found.group(1)
             try:
-                if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
+                health = httpx.get(f"{server.url}/health", timeout=5)
+                server.health.append((health.status_code, health.json()))
+                if health.status_code == 200:
                     return server
             except httpx.TransportError:
                 pass
@@ -119,9 +131,10 @@ def servers(prepared: tuple[Path, Path, Path]) -> Iterator[list[Server]]:
 
 @pytest.fixture
 def server(prepared: tuple[Path, Path, Path], servers: list[Server]) -> Server:
-    """The module's server; started again if a test (SIGTERM) stopped it."""
+    """The module's server (bodies capped at 1 MiB, a drain of 1 s); started again if a
+    test (SIGTERM) stopped it."""
     if not servers or servers[-1].process.poll() is not None:
-        servers.append(_start(*prepared))
+        servers.append(_start(*prepared, "--max-body-mib", "1", "--drain-seconds", "1"))
     return servers[-1]
 
 
@@ -140,6 +153,13 @@ def _reference(checkpoint: Path, prompt: list[int], steps: int) -> list[int]:
     spec, inventory = _checkpoint(checkpoint)
     ids = reference.generate(spec, inventory, np.array(prompt), steps).tolist()
     return ids[: ids.index(EOS)] if EOS in ids else ids
+
+
+def _script(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """scripts/NAME.py (the soak test and its helpers), imported as the scripts import
+    each other: with scripts/ on the path."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
+    return importlib.import_module(name)
 
 
 def _stream_text(stream: openai.Stream) -> tuple[str, list[int], str | None]:
@@ -267,26 +287,52 @@ BAD_REQUESTS = [
     # (endpoint, raw body, the param named, a fragment of the message)
     ("completions", b"{not json", None, "not valid JSON"),
     ("completions", b"[1, 2]", None, "a JSON object"),
-    ("completions", {"model": "gpt-4", "prompt": [1]}, "model", "serves 'config-1x1x1'"),
     ("completions", {"prompt": [1]}, "model", "Field required"),
     ("completions", {"model": NAME, "prompt": [1] * 64}, "prompt", "context of 64"),
     ("completions", {"model": NAME, "prompt": [1] * 60, "max_tokens": 5}, "max_tokens", "at most 4"),
     ("completions", {"model": NAME, "prompt": [1], "max_tokens": 0}, "max_tokens", "at least 1"),
     ("completions", {"model": NAME, "prompt": [1], "max_tokens": -3}, "max_tokens", "at least 1"),
-    ("completions", {"model": NAME, "prompt": [1], "temperature": -0.5}, "temperature", ">= 0"),
-    ("completions", b'{"model": "config-1x1x1", "prompt": [1], "temperature": NaN}', "temperature", "nan"),
+    ("completions", {"model": NAME, "prompt": [1], "temperature": -0.5}, "temperature", "0 (greedy)"),
+    ("completions", {"model": NAME, "prompt": [1], "temperature": 1e-30}, "temperature", ">= 1e-05"),
+    ("completions", b'{"model": "config", "prompt": [1], "temperature": NaN}', "temperature", "nan"),
     ("completions", {"model": NAME, "prompt": [1], "top_p": 0}, "top_p", "(0, 1]"),
     ("completions", {"model": NAME, "prompt": [1], "top_p": 1.5}, "top_p", "(0, 1]"),
-    ("completions", b'{"model": "config-1x1x1", "prompt": [1], "top_p": NaN}', "top_p", "(0, 1]"),
+    ("completions", {"model": NAME, "prompt": [1], "top_p": 1e-50}, "top_p", "(0, 1]"),
+    ("completions", b'{"model": "config", "prompt": [1], "top_p": NaN}', "top_p", "(0, 1]"),
+    ("completions", {"model": NAME, "prompt": [1], "top_k": 129}, "top_k", "[0, 128]"),
+    ("completions", {"model": NAME, "prompt": [1], "top_k": 2**31}, "top_k", "[0, 128]"),
+    ("completions", {"model": NAME, "prompt": [1], "top_k": -2}, "top_k", "[0, 128]"),
     ("completions", {"model": NAME, "prompt": [1, 128]}, "prompt", "token id 128"),
     ("completions", {"model": NAME, "prompt": [-1]}, "prompt", "token id -1"),
     ("completions", {"model": NAME, "prompt": [1], "stop": [5, 999]}, "stop", "token id 999"),
+    ("completions", {"model": NAME, "prompt": [1], "stop": ["a"] * 17}, "stop", "at most 16"),
+    ("completions", {"model": NAME, "prompt": [1], "stop": "x" * 257}, "stop", "1 to 256"),
+    ("completions", {"model": NAME, "prompt": [1], "stop": ""}, "stop", "1 to 256"),
+    ("completions", {"model": NAME, "prompt": [1], "stop_token_ids": [1] * 257},
+     "stop_token_ids", "at most 256"),
     ("completions", {"model": NAME, "prompt": []}, "prompt", "empty"),
     ("completions", {"model": NAME, "prompt": [1], "seed": -1}, "seed", "[0, 2^32)"),
+    ("completions", {"model": NAME, "prompt": [1], "seed": 2**32}, "seed", "[0, 2^32)"),
     ("completions", {"model": NAME, "prompt": [1], "n": 2}, "n", "only 1"),
+    # Strict types: nothing is coerced.
+    ("completions", {"model": NAME, "prompt": [1], "max_tokens": "5"}, "max_tokens", "integer"),
+    ("completions", {"model": NAME, "prompt": [1], "max_tokens": 5.0}, "max_tokens", "integer"),
+    ("completions", {"model": NAME, "prompt": [1], "stream": "yes"}, "stream", "boolean"),
+    ("completions", {"model": NAME, "prompt": [1], "seed": True}, "seed", "integer"),
+    ("completions", {"model": NAME, "prompt": [True, False]}, "prompt", "a list of token ids"),
+    ("completions", {"model": NAME, "prompt": [1], "stop": 7}, "stop", "a string or a list"),
+    ("completions", {"model": 5, "prompt": [1]}, "model", "string"),
+    ("completions", {"model": NAME, "prompt": [1], "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage", "boolean"),
+    # JSON no parser should take.
+    ("completions", b'{"model": "config", "prompt": "t1 \\ud800"}', None, "surrogate pair"),
+    ("completions", b'{"model": "config", "prompt": [1], "x": ' + b"[" * 100_000
+     + b"]" * 100_000 + b"}", None, "recursion limit"),
+    ("completions", b'{"model": "config", "prompt": "\xff"}', None, "not valid JSON"),
     ("chat/completions", {"model": NAME, "messages": [{"role": "tool", "content": "t1"}]},
      "messages", "roles are system, user and assistant, got tool"),
     ("chat/completions", {"model": NAME, "messages": [{"role": "user"}]}, "messages", "content"),
+    ("chat/completions", {"model": NAME, "messages": "t1"}, "messages", "valid array"),
 ]  # fmt: skip
 
 
@@ -307,6 +353,79 @@ def test_bad_requests_are_400s_with_an_openai_error_and_the_server_keeps_serving
     with pytest.raises(openai.BadRequestError, match="top_p: must be in"):
         server.client.completions.create(model=NAME, prompt=[1], top_p=2)
     assert httpx.get(f"{server.url}/health", timeout=30).json() == {"status": "ok"}
+
+
+def test_the_server_warms_up_before_it_reports_healthy(
+    server: Server, servers: list[Server]
+) -> None:
+    """The module's first server answered /health with 503 "warming up" while it compiled
+    (the prefill's chunks and the decoding call), then 200 "ok"; it logged one line as the
+    warm-up began and one as it ended, with its duration. It serves the spec's name."""
+    first = servers[0]
+    assert (503, {"status": "warming up"}) in first.health
+    assert first.health[-1] == (200, {"status": "ok"})
+    log = "".join(first.stderr)
+    assert f"serving {NAME} (build config-1x1x1) at http://127.0.0.1:" in log
+    assert "mkgen serve: warming up: compiling the prefill and the decoding call" in log
+    assert re.search(r"mkgen serve: warm in \d+\.\d s: taking requests", log)
+    assert log.index("warming up") < log.index("warm in")
+
+
+def test_refusals_beyond_400_are_openai_error_objects(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unknown model is 404 model_not_found, an unknown path 404, a wrong method 405;
+    a body over the cap (--max-body-mib 1) is 413 before it is read: with a Content-Length
+    over it and no body sent, and a chunked body sent to just past the cap and never
+    ended (a server that read it whole would never answer)."""
+    soak = _script("serve_soak", monkeypatch)
+
+    def error(response: httpx.Response, status: int) -> dict:
+        assert response.status_code == status, response.text
+        body = response.json()["error"]
+        assert set(body) == {"message", "type", "param", "code"}, body
+        return body
+
+    unknown = httpx.post(f"{server.url}/v1/completions", json={"model": "gpt-4", "prompt": [1]})
+    assert error(unknown, 404)["code"] == "model_not_found"
+    assert "serves 'config', not 'gpt-4'" in error(unknown, 404)["message"]
+    path = httpx.post(f"{server.url}/v1/chat", json={})
+    assert "no such endpoint: POST /v1/chat" in error(path, 404)["message"]
+    method = httpx.get(f"{server.url}/v1/completions")
+    assert "allowed: POST" in error(method, 405)["message"]
+    for what, request in soak.oversized(MAX_BODY):
+        status, body = asyncio.run(soak.raw_exchange(server.url, request))
+        assert status == 413, (what, body)
+        assert json.loads(body)["error"]["code"] == "request_too_large", what
+    assert httpx.get(f"{server.url}/health", timeout=30).json() == {"status": "ok"}
+
+
+def test_a_text_too_long_for_the_context_is_refused_and_health_answers_meanwhile(
+    server: Server,
+) -> None:
+    """Four texts of a million bytes each (a third of a million tokens, under the body
+    cap) sent at once: each is refused (context_length_exceeded) after its first slices
+    are counted, while /health, asked all along, answers within a second."""
+    text = "t5 " * (MAX_BODY // 3 - 20)
+    body = json.dumps({"model": NAME, "prompt": text}).encode()
+    assert len(body) < MAX_BODY
+    latencies: list[float] = []
+
+    def post(_: int) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/completions", content=body, timeout=60)
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = pool.map(post, range(4))
+        with httpx.Client(timeout=30) as client:
+            for _ in range(8):
+                start = time.perf_counter()
+                assert client.get(f"{server.url}/health").status_code == 200
+                latencies.append(time.perf_counter() - start)
+                time.sleep(0.05)
+        for response in answers:
+            assert response.status_code == 400, response.text
+            assert response.json()["error"]["code"] == "context_length_exceeded"
+    assert max(latencies) < 1.0, latencies
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_slot(server: Server) -> None:
@@ -389,36 +508,40 @@ def test_a_build_with_drafts_serves_the_tokens_of_one_without(
     request through the rejection rule gets the same tokens twice; the context left for a
     request is 64 - 3 (the drafts' rows)."""
     _, weights, checkpoint = prepared
-    drafting = _start(_build(tmp_path, "qwen3", batch=BATCH, rows=4), weights, checkpoint)
+    build = _build(tmp_path, "qwen3", batch=BATCH, rows=4)
+    drafting = _start(build, weights, checkpoint, "--served-model-name", "qwen3-drafts")
     asks = [
         {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "extra_body": {"ignore_eos": True}},
         {"prompt": PROMPT[3:10], "max_tokens": 6, "temperature": 0},
     ]
     sampled = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0.9, "seed": 5}
 
-    def tokens(client: openai.OpenAI, requests: list[dict]) -> list[list[int]]:
+    def tokens(target: Server, requests: list[dict]) -> list[list[int]]:
+        name = "qwen3-drafts" if target is drafting else NAME
         with ThreadPoolExecutor(len(requests)) as pool:
-            results = [pool.submit(client.completions.create, model=NAME, **a) for a in requests]
+            create = target.client.completions.create
+            results = [pool.submit(create, model=name, **a) for a in requests]
         return [r.result().choices[0].model_extra["token_ids"] for r in results]
 
     try:
-        repeating = tokens(drafting.client, [{**asks[0], "max_tokens": 8}])[0]
+        repeating = tokens(drafting, [{**asks[0], "max_tokens": 8}])[0]
         accepted = (
             drafting.metric("mkgen_accepted_length_sum")
             / drafting.metric("mkgen_accepted_length_count")
         )  # fmt: skip
-        with_drafts = tokens(drafting.client, [*asks, sampled])
-        again = tokens(drafting.client, [sampled])[0]
+        with_drafts = tokens(drafting, [*asks, sampled])
+        again = tokens(drafting, [sampled])[0]
         models = httpx.get(f"{drafting.url}/v1/models", timeout=30).json()
     finally:
         drafting.process.kill()
         drafting.process.wait(timeout=60)
-    assert with_drafts[:2] == tokens(server.client, asks)
+    assert with_drafts[:2] == tokens(server, asks)
     assert with_drafts[0][:8] == np.load(FIXTURES / "qwen3" / "expected.npz")["greedy_ids"].tolist()
     assert repeating == with_drafts[0][:8]
     assert accepted > 1.2
     assert with_drafts[2] == again and all(0 <= t < 128 for t in again)
     assert models["data"][0]["max_model_len"] == 61
+    assert models["data"][0]["id"] == "qwen3-drafts"  # --served-model-name
 
 
 def _chat_ids(messages: list[dict]) -> list[int]:
@@ -496,25 +619,91 @@ def test_a_prompt_that_leaves_a_cached_sequence_before_its_end_is_prefilled_whol
     assert result.model_extra["token_ids"] == _reference(server.checkpoint, diverging, 4)
 
 
-def test_sigterm_lets_a_running_stream_finish_then_exits(server: Server) -> None:
-    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 12, "stream": True,
-            "temperature": 0}  # fmt: skip
-    events = []
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as stream:
-        for line in stream.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            events.append(line[6:])
-            if len(events) == 1:
-                server.process.send_signal(signal.SIGTERM)
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_short_soak_hurts_no_innocent_request_nor_the_server(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """scripts/serve_soak.py's soak, bounded to 40 s of storm: three clients' normal
+    requests (ids, text, chat; greedy and seeded sampled; whole and streamed) all get the
+    answers they get alone, while every hostile request gets its refusal, /health answers
+    within a second throughout, the engine ends no request with an error, and the
+    server's resident memory is back within the soak's margin of its baseline."""
+    soak = _script("serve_soak", monkeypatch)
+    report = soak.soak(
+        server.url, NAME, MAX_BODY, lambda: server.process.poll() is None,
+        clients=3, requests=30, seconds=40,
+    )  # fmt: skip
+    assert report.failures == [], report
+    assert report.normal >= 6 and report.hostile >= len(soak.hostile(NAME, MAX_BODY)), report
+
+
+def _events(url: str, body: dict) -> list[str]:
+    """A streamed completion's data: payloads, [DONE] included."""
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as stream:
+        return [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+
+
+def test_sigterm_drains_running_requests_then_ends_the_rest_with_abort_and_exits(
+    server: Server,
+) -> None:
+    """Two long requests (61 tokens: eight device calls) run when a 12-token stream's first
+    event arrives and SIGTERM is sent. The drain (--drain-seconds 1): /health says
+    "draining" (503) and a new request gets 503; the short stream's last tokens come in
+    the device call under way and it finishes ("length", [DONE]); the drain time is then
+    over and the long ones end at the end of that call: the stream with a final event
+    "abort" and [DONE], the whole completion with a 503 error object. The process exits by
+    the signal, with no traceback."""
+    url = server.url
+    long = {"model": NAME, "prompt": [7, 8, 9], "max_tokens": 61, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    short = {"model": NAME, "prompt": PROMPT, "max_tokens": 12, "stream": True,
+             "temperature": 0}  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:
+        long_stream = pool.submit(_events, url, {**long, "stream": True})
+        long_whole = pool.submit(httpx.post, f"{url}/v1/completions", json=long, timeout=300)
+        deadline = time.monotonic() + 120
+        while server.metric("mkgen_slots_in_use") < 2:
+            assert time.monotonic() < deadline, "the long requests never held their slots"
+            time.sleep(0.05)
+        events: list[str] = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=short, timeout=300) as stream:
+            for line in stream.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 1:
+                    server.process.send_signal(signal.SIGTERM)
+                    draining = _until_draining(url)
+                    refused = httpx.post(f"{url}/v1/completions", json=short, timeout=30)
+        streamed, whole = long_stream.result(), long_whole.result()
+    assert draining == (503, {"status": "draining"})
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
     expected = np.load(FIXTURES / "qwen3" / "expected.npz")["greedy_ids"].tolist()
     assert [t for c in chunks for t in c["token_ids"]][:8] == expected
     assert chunks[-1]["finish_reason"] == "length"
-    # uvicorn ends by raising the signal again once it has shut down gracefully.
-    assert server.process.wait(timeout=60) == -signal.SIGTERM
-    assert "Traceback" not in "".join(server.stderr)
+    assert streamed[-1] == "[DONE]"
+    assert json.loads(streamed[-2])["choices"][0]["finish_reason"] == "abort"
+    assert 0 < sum(len(json.loads(e)["choices"][0]["token_ids"]) for e in streamed[:-1]) < 61
+    assert whole.status_code == 503 and whole.json()["error"]["type"] == "server_error"
+    # uvicorn ends by raising the signal again once it has shut down.
+    assert server.process.wait(timeout=120) == -signal.SIGTERM
+    log = "".join(server.stderr)
+    assert "SIGTERM: draining" in log and "drain time over (1 s)" in log
+    assert "Traceback" not in log
+
+
+def _until_draining(url: str) -> tuple[int, dict]:
+    """/health's answer once the server has begun to drain (it notices a signal within
+    a tick of 0.1 s)."""
+    deadline = time.monotonic() + 10
+    while True:
+        health = httpx.get(f"{url}/health", timeout=30)
+        if health.json()["status"] != "ok" or time.monotonic() > deadline:
+            return health.status_code, health.json()
+        time.sleep(0.02)
 
 
 def test_serve_refuses_what_it_cannot_serve_in_one_line(
@@ -533,6 +722,10 @@ def test_serve_refuses_what_it_cannot_serve_in_one_line(
         busy = mkgen("serve", str(build), "--weights", str(weights), "--port", port)
         assert_user_error(busy, f"--port {port}: cannot listen there")
     served = ("serve", str(build), "--weights", str(weights))
+    unnamed = mkgen(*served, "--served-model-name", " ")
+    assert_user_error(unnamed, "--served-model-name: give a name")
+    assert_user_error(mkgen(*served, "--max-body-mib", "0"), "--max-body-mib", "0")
+    assert_user_error(mkgen(*served, "--drain-seconds", "-1"), "--drain-seconds", "-1")
     alone = mkgen(*served, "--coordinator", "127.0.0.1:1")
     assert_user_error(alone, "--coordinator: only with --multi-host")
     interpreted = mkgen(*served, "--interpret", "--multi-host", "--num-processes", "2")

@@ -18,6 +18,14 @@ requests over HTTP and shares each turn with the other processes' engines, which
 the same turns in the same order: every process then makes the same device calls with
 the same inputs, as jax.distributed requires, and only process 0 answers requests.
 
+Before its first turn the engine warms up: it compiles the prefill of every prompt chunk
+size and the decoding call on a dummy sequence, so the first request does not wait for
+compilation (the server reports healthy only then). Every request's inputs are checked
+against what the device call takes when it is admitted (params_problem and the prompt's
+ids and length), so no request's values can make a call fail; a call that fails anyway
+before it consumed the caches is run dry (no step) once per request alone, and only the
+requests whose dry run fails end with an error, the others going on.
+
 A sequence that ends leaves its slot's caches in the host cache (host_cache.HostCache,
 offloaded with disaggregation.offload), keyed by the tokens they hold; a prompt that starts
 with such a sequence has its caches restored into its slot and only the rest of it
@@ -31,6 +39,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import gc
 import itertools
 import json
 import logging
@@ -42,6 +51,7 @@ from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from mkgen.runtime.decode import (
@@ -58,6 +68,7 @@ from mkgen.runtime.disaggregation import hand_over, offload, restore
 from mkgen.runtime.slots import extract_sequence, insert_sequence
 from mkgen.runtime.weights import embedding_on_devices
 from mkgen.serve import HOST_CACHE_MIB
+from mkgen.serve.errors import one_line
 from mkgen.serve.host_cache import CachedPrefix, HostCache
 from mkgen.serve.metrics import Metrics
 
@@ -67,6 +78,11 @@ QUEUE_LIMIT = 64  # requests waiting beyond the free slots; more are answered 42
 # sequence waits for at most (beyond one prompt) before its next tokens.
 PREFILL_TOKENS_PER_TURN = 256
 RETRY_AFTER_S = 1  # what a 429 or 503 tells the client to wait
+SEED_LIMIT = 2**32  # seeds are uint32 on the device
+# The smallest temperature but 0 (greedy): far smaller ones overflow the float32 logits
+# (logit / temperature) into NaN draws, and this one is already all but greedy.
+MIN_TEMPERATURE = 1e-5
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 # An idle multi-host leader still shares a turn this often: the other processes wait for
 # it inside a collective, which must not sit long enough to time out.
 IDLE_TURN_S = 1.0
@@ -86,6 +102,25 @@ class GenerationParams:
     top_p: float = 1.0
     seed: int = 0
     stop_ids: frozenset[int] = frozenset()
+
+
+def params_problem(params: GenerationParams, vocab_used: int) -> tuple[str, str] | None:
+    """The first field of `params` the device call cannot take as it is, and why (None:
+    every one fits): max_tokens >= 1, temperature 0 or finite in [MIN_TEMPERATURE, float32's
+    largest], top_p in (0, 1] and not 0 in float32, top_k in [0, vocab_used], seed a
+    uint32. The HTTP layer refuses such a request (400); the engine ends one that gets
+    past it alone, before it joins a device call."""
+    t, top_p, top_k, seed = params.temperature, params.top_p, params.top_k, params.seed
+    checks = (
+        ("max_tokens", params.max_tokens >= 1, f"must be at least 1, got {params.max_tokens}"),
+        ("temperature", t == 0 or MIN_TEMPERATURE <= t <= FLOAT32_MAX,
+         f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {t}"),
+        ("top_p", 0 < top_p <= 1 and np.float32(top_p) > 0, f"must be in (0, 1], got {top_p}"),
+        ("top_k", 0 <= top_k <= vocab_used,
+         f"must be in [0, {vocab_used}] (the vocabulary; 0: every token), got {top_k}"),
+        ("seed", 0 <= seed < SEED_LIMIT, f"must be in [0, 2^32), got {seed}"),
+    )  # fmt: skip
+    return next(((name, why) for name, fits, why in checks if not fits), None)
 
 
 @dataclass(frozen=True)
@@ -222,7 +257,9 @@ class Engine:
         self._slots: list[_Running | None] = [None] * build.batch
         self._queue: collections.deque[Request] = collections.deque()
         self._wake = threading.Condition()
-        self._stopping = False
+        self._stopping = self._draining = False
+        self.warm = threading.Event()  # set once the warm-up compiled what requests run
+        self.failure: str | None = None  # why the warm-up failed
         self._thread = threading.Thread(target=self._loop, name="mkgen-engine", daemon=True)
         # Per kernel cache array: whether it is a recurrent one (else indexed by position).
         recurrent = [
@@ -239,6 +276,7 @@ class Engine:
     # ------------------------------------------------------------ the HTTP side
 
     def start(self) -> None:
+        """Start the engine thread: it warms up, then takes turns."""
         self._thread.start()
 
     def run(self) -> None:
@@ -246,11 +284,11 @@ class Engine:
         self._loop()
 
     def submit(self, request: Request) -> None:
-        """Queue `request` (it joins the queue at the next turn); QueueFull when
-        queue_limit requests already wait beyond the free slots, EngineStopped once stop()
-        was called."""
+        """Queue `request` (it joins the queue at the next turn; while the engine warms
+        up, it waits for that); QueueFull when queue_limit requests already wait beyond
+        the free slots, EngineStopped once drain() or stop() was called."""
         with self._wake:
-            if self._stopping:
+            if self._draining or self._stopping:
                 raise EngineStopped
             free = sum(running is None for running in self._slots)
             waiting = len(self._queue) + len(self._arrived)
@@ -263,24 +301,48 @@ class Engine:
 
     def cancel(self, request: Request) -> None:
         """Give up `request` (its client left, or a stop string ended it): the next turn
-        frees its slot, before the next device call; it gets no more updates."""
+        frees its slot, before the next device call, or drops it from the queue; it gets
+        no more updates."""
         with self._wake:
             request.cancelled = True
             self._wake.notify()
 
-    def stop(self) -> None:
-        """Cancel whatever is still queued or running (each gets an "abort" update) and
-        end the engine thread; new requests get EngineStopped. The server calls it after
-        uvicorn's graceful shutdown has let in-flight requests finish."""
+    def drain(self) -> None:
+        """Take no new request (EngineStopped); those queued or running go on."""
+        with self._wake:
+            self._draining = True
+
+    def request_stop(self) -> None:
+        """Make the next turn the last: whatever is still queued or running then gets an
+        "abort" update (at the end of the device call under way, if any), and new
+        requests get EngineStopped."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
+
+    def stop(self) -> None:
+        """request_stop(), then wait for the engine thread to end."""
+        self.request_stop()
         if self._thread.is_alive():
             self._thread.join()
 
     @property
-    def running(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+    def busy(self) -> bool:
+        """Whether a request is queued or holds a slot."""
+        with self._wake:
+            return bool(self._queue or self._arrived or any(self._slots))
+
+    @property
+    def state(self) -> str:
+        """ "warming up", "ok" (taking requests), "draining", "stopping", or "failed" (the
+        warm-up failed: `failure` says why)."""
+        if self.failure is not None:
+            return "failed"
+        if self._stopping or (self.warm.is_set() and not self._thread.is_alive()):
+            return "stopping"
+        if self._draining:
+            return "draining"
+        return "ok" if self.warm.is_set() else "warming up"
 
     # ------------------------------------------------------------ the engine thread
 
@@ -291,18 +353,58 @@ class Engine:
             else contextlib.nullcontext()
         )
         with mode:
-            while self._next_turn():
-                try:
-                    self._admit()
-                    if any(self._slots):
-                        self._decode_call()
-                except Exception:  # a failed call must not take the server down
-                    log.exception("device call failed; the running requests end with an error")
-                    self._end_running("error")
-                    # The failed call may have consumed the donated caches: start afresh.
-                    self._caches = empty_caches(self.model, len(self._slots))
+            if self._warmed_up():
+                self._collect(freeze=True)
+                while self._next_turn():
+                    try:
+                        self._admit()
+                        if any(self._slots):
+                            self._decode_call()
+                            self._collect()
+                    except Exception as error:  # a failed call must not take the server down
+                        log.error("device call failed (%s); the running requests end with an "
+                                  "error, their caches start afresh", one_line(error))  # fmt: skip
+                        self._end_running("error")
+                        # The failed call may have consumed the donated caches.
+                        self._caches = empty_caches(self.model, len(self._slots))
         self._end_running("abort")
-        self._end_queued("abort")
+        self._end_queued("error" if self.failure is not None else "abort")
+
+    def _collect(self, freeze: bool = False) -> None:
+        """In interpret mode, collect the garbage of the last device call: the TPU
+        interpreter leaves reference cycles holding its buffers (about 60 MB a call on
+        the tests' tiny model), which Python's own full collections free too rarely. After
+        the warm-up (`freeze`) what lives on (model, programs) is frozen out of every later
+        collection, so that each takes milliseconds."""
+        if self.interpret:
+            gc.collect()
+            if freeze:
+                gc.freeze()
+
+    def _warmed_up(self) -> bool:
+        """Compile what requests run, on a dummy sequence in slot 0 (which the first
+        request admitted there overwrites whole): the prefill of every prompt chunk size
+        (warm_up_prefills), the device call and, with a host cache, a slot's copy out. True
+        when done; False (`failure` says why) when it failed: nothing could be served."""
+        start = time.perf_counter()
+        log.info("warming up: compiling the prefill and the decoding call")
+        try:
+            build = self.model.build
+            # The longest prompt leaves a token of room (and the drafts' rows); its last
+            # token is fed to the kernel, not prefilled.
+            for length in warm_up_prefills(build.context - build.rows - 1):
+                sequence = self._prefilled([0] * (length + 1), None)
+                self._caches = insert_sequence(self._caches, 0, sequence)
+            self._call({0: _SlotInputs([0, 0], 1, GenerationParams(1))})
+            if self._host_cache is not None:
+                offload(extract_sequence(self._caches, 0))
+        except Exception as error:
+            self.failure = one_line(error)
+            log.error("warm-up failed: %s", self.failure)
+            return False
+        log.info("warm in %.1f s: taking requests", time.perf_counter() - start)
+        self.warm.set()
+        return True
 
     def _next_turn(self) -> bool:
         """Wait for work and take the turn: process 0's (or this process's own), shared
@@ -336,8 +438,10 @@ class Engine:
                 requests[a.id] = Request(a.prompt, a.params, deliver, id=a.id)
             self._queue.append(requests[a.id])
         with self._wake:
+            dropped = sum(r.id in turn.cancelled for r in self._queue)
             self._queue = collections.deque(r for r in self._queue if r.id not in turn.cancelled)
             self.metrics.queue_depth.set(len(self._queue) + len(self._arrived))
+        self.metrics.requests.labels("cancelled").inc(dropped)  # given up while queued
         for slot, running in enumerate(self._slots):
             if running is not None and running.request.id in turn.cancelled:
                 self._finish(slot, None, keep=True)
@@ -346,26 +450,30 @@ class Engine:
     def _admit(self) -> None:
         """Prefill queued prompts into free slots: as many as fit while nothing runs,
         else up to PREFILL_TOKENS_PER_TURN prompt tokens (at least one prompt) between
-        two device calls, so that running sequences keep streaming."""
+        two device calls, so that running sequences keep streaming. A request that
+        cannot be admitted (_request_problem, a failed prefill) ends with an error and
+        leaves its slot to the next."""
         busy = any(self._slots)
         prefilled = 0
-        for slot in range(len(self._slots)):
-            if self._slots[slot] is not None:
-                continue
+        free = [slot for slot, running in enumerate(self._slots) if running is None]
+        while free:
             with self._wake:
                 if not self._queue:
                     return
                 request = self._queue.popleft()
                 self.metrics.queue_depth.set(len(self._queue))
             prompt = request.prompt
+            problem = self._request_problem(request)
+            if problem is not None:  # it cannot join a device call: it alone fails
+                self._refuse(request, f"request {request.id} refused ({problem})")
+                continue
             hit = self._host_cache.lookup(prompt) if self._host_cache is not None else None
             try:
                 sequence = self._prefilled(prompt, hit)
-            except Exception:  # this request fails; the others are untouched
-                log.exception("prefill failed; its request ends with an error")
-                self.metrics.requests.labels("error").inc()
-                request.deliver(Update([], "error"))
+            except Exception as error:  # this request fails; the others are untouched
+                self._refuse(request, f"prefill of request {request.id} failed ({one_line(error)})")
                 continue
+            slot = free.pop(0)
             self._caches = insert_sequence(self._caches, slot, sequence)
             self._slots[slot] = _Running(request, list(prompt))
             self.metrics.prompt_tokens.inc(len(prompt))
@@ -378,6 +486,26 @@ class Engine:
             if busy and prefilled >= PREFILL_TOKENS_PER_TURN:
                 return
 
+    def _request_problem(self, request: Request) -> str | None:
+        """Why `request`'s inputs cannot go into a device call (None: they can): a
+        params_problem, an empty prompt, an id outside the vocabulary, or a prompt and
+        max_tokens (and the drafts' rows) beyond the context."""
+        build, prompt = self.model.build, request.prompt
+        wrong = params_problem(request.params, build.vocab_used)
+        if wrong is not None:
+            return f"{wrong[0]}: {wrong[1]}"
+        if not prompt or not all(0 <= t < build.vocab_used for t in prompt):
+            return "prompt: empty, or an id outside the vocabulary"
+        if len(prompt) + request.params.max_tokens + build.rows - 1 > build.context:
+            return f"prompt and max_tokens: beyond the context of {build.context}"
+        return None
+
+    def _refuse(self, request: Request, why: str) -> None:
+        """End queued `request` with an error (logged in one line: `why`)."""
+        log.error("%s; it ends with an error, the others go on", why)
+        self.metrics.requests.labels("error").inc()
+        request.deliver(Update([], "error"))
+
     def _prefilled(self, prompt: list[int], hit: CachedPrefix | None) -> list[jax.Array]:
         """A prompt's caches on the decode mesh, holding all its tokens but the last (the
         kernel is fed that one): prefilled, or `hit`'s cached caches restored with the
@@ -389,37 +517,82 @@ class Engine:
         return sequence if self.prefiller is self.model else hand_over(sequence, self.model)
 
     def _decode_call(self) -> None:
-        """One device call for every running sequence; each gets its tokens."""
+        """One device call for every running sequence; each gets its tokens. When the
+        call fails before it consumed the caches, the requests whose dry run alone fails
+        end with an error (_culprits) and the call is made again without them."""
+        inputs = {
+            b: _SlotInputs(running.history, running.request.params.max_tokens
+                           - running.request.generated, running.request.params)
+            for b, running in enumerate(self._slots) if running is not None
+        }  # fmt: skip
+        start = time.perf_counter()
+        try:
+            out, gained, count = self._call(inputs)
+        except Exception as error:
+            culprits = self._culprits(inputs)
+            if not culprits:
+                raise  # no request alone makes it fail: every running one ends (_loop)
+            log.error("device call failed (%s); requests %s fail it alone: they end with "
+                      "an error, the others go on", one_line(error),
+                      ", ".join(str(self._slots[b].request.id) for b in culprits))  # fmt: skip
+            for b in culprits:
+                self._finish(b, Update([], "error"), keep=False)
+                del inputs[b]
+            if not inputs:
+                return
+            start = time.perf_counter()
+            out, gained, count = self._call(inputs)
+        done = time.perf_counter()
+        for b in inputs:
+            running = self._slots[b]
+            assert running is not None
+            per_step = gained[:count, b]
+            for tokens_in_step in per_step[per_step > 0]:
+                self.metrics.accepted_length.observe(int(tokens_in_step))
+            every_step = bool((per_step > 0).all())
+            self._advance(b, running, gained_tokens(out, gained, b), every_step, done - start, done)
+
+    def _call(
+        self, inputs: dict[int, _SlotInputs], count: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """The device call (chunk_decoder) for the slots in `inputs` (the others take a
+        free slot's inputs: budget 0), `count` steps (default: as many as the largest
+        budget needs, at most steps_per_call): its tokens and gained counts on the host,
+        and the count."""
         batch = len(self._slots)
         budget, positions = [0] * batch, [0] * batch
         temperature, top_k, top_p, seed = [0.0] * batch, [0] * batch, [1.0] * batch, [0] * batch
         histories: list[list[int]] = [[] for _ in range(batch)]
-        for b, running in enumerate(self._slots):
-            if running is None:
-                continue  # a free slot: budget 0, it repeats its step in place
-            params = running.request.params
-            budget[b] = params.max_tokens - running.request.generated
-            histories[b], positions[b] = running.history, len(running.history) - 1
+        for b, slot in inputs.items():
+            budget[b], histories[b], positions[b] = slot.budget, slot.history, len(slot.history) - 1
+            params = slot.params
             temperature[b], top_k[b], top_p[b] = params.temperature, params.top_k, params.top_p
             seed[b] = params.seed
-        count = min(self.steps_per_call, max(budget))
-        start = time.perf_counter()
+        if count is None:
+            count = min(self.steps_per_call, max(budget))
         out, gained, self._caches = self._decoder(
             history_array(histories, self.model.build.context),
             jnp.asarray(positions, jnp.int32), jnp.asarray(budget, jnp.int32), count,
             SamplingParams.create(temperature, top_k, top_p, seed), self._embedding,
             self.model.placed, self._caches,
         )  # fmt: skip
-        out, gained = host_value(jax.block_until_ready(out)), host_value(gained)
-        done = time.perf_counter()
-        for b, running in enumerate(self._slots):
-            if running is None:
-                continue
-            per_step = gained[:count, b]
-            for tokens_in_step in per_step[per_step > 0]:
-                self.metrics.accepted_length.observe(int(tokens_in_step))
-            every_step = bool((per_step > 0).all())
-            self._advance(b, running, gained_tokens(out, gained, b), every_step, done - start, done)
+        return host_value(jax.block_until_ready(out)), host_value(gained), count
+
+    def _culprits(self, inputs: dict[int, _SlotInputs]) -> list[int]:
+        """The slots whose inputs alone make the device call fail, found by a dry run (no
+        kernel step: the caches come back as they were) of each. None (an empty list)
+        when the failed call consumed the caches (donated), for then nothing can be run
+        again, or when every dry run fails: then the fault is not one request's."""
+        culprits = []
+        for b, slot in inputs.items():
+            if any(c.is_deleted() for c in self._caches):
+                return []
+            try:
+                self._call({b: slot}, count=0)
+            except Exception:
+                culprits.append(b)
+        consumed = any(c.is_deleted() for c in self._caches)
+        return [] if consumed or len(culprits) == len(inputs) else culprits
 
     def _advance(
         self,
@@ -496,12 +669,33 @@ class Engine:
                 self._finish(slot, last, keep=False)
 
     def _end_queued(self, reason: str) -> None:
-        """End every request still waiting for a slot with `reason`."""
+        """End every request still waiting for a slot with `reason` (one given up
+        meanwhile is counted as cancelled, and gets nothing)."""
         with self._wake:
             waiting, self._queue = [*self._queue, *self._arrived], collections.deque()
             self._arrived = []
             self.metrics.queue_depth.set(0)
         for request in waiting:
+            self.metrics.requests.labels("cancelled" if request.cancelled else reason).inc()
             if not request.cancelled:
-                self.metrics.requests.labels(reason).inc()
                 request.deliver(Update([], reason))
+
+
+@dataclass(frozen=True)
+class _SlotInputs:
+    """What a device call takes of one slot's sequence: its history (the last token is
+    fed next), the tokens it may still gain, and its sampling parameters."""
+
+    history: list[int]
+    budget: int
+    params: GenerationParams
+
+
+def warm_up_prefills(longest: int) -> list[int]:
+    """Prefill lengths that together use every prompt chunk of a prefill of up to
+    `longest` tokens (chunks are the powers of two of a length's binary form): the
+    largest power p and p - 1 (every smaller one), as one length when 2p - 1 fits."""
+    if longest < 1:
+        return []
+    p = 1 << (longest.bit_length() - 1)
+    return [2 * p - 1] if 2 * p - 1 <= longest else [p, p - 1]

@@ -3,7 +3,14 @@ several servers in one process (the tests) do not share counters."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 # Seconds: interpret mode on a CPU takes seconds per step, a TPU milliseconds.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -12,11 +19,13 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class Metrics:
     """Time to first token, inter-token latency, tokens, queue depth, slots in use,
     accepted length and the host cache of finished sequences (prefix reuse), as the engine
-    records them."""
+    records them; the process's own (prometheus_client's process_resident_memory_bytes,
+    process_cpu_seconds_total, ..., on Linux)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)
         self.time_to_first_token = Histogram(
             "mkgen_time_to_first_token_seconds", "From a request's arrival to its first token",
             buckets=LATENCY_BUCKETS, registry=r,
@@ -34,8 +43,10 @@ class Metrics:
             "mkgen_generation_tokens", "Tokens generated (stop ids included)", registry=r
         )
         self.requests = Counter(
-            "mkgen_requests", "Requests ended, by finish reason", ["finish_reason"], registry=r
-        )
+            "mkgen_requests",
+            "Requests ended, by finish reason (cancelled: given up in the queue or a slot)",
+            ["finish_reason"], registry=r,
+        )  # fmt: skip
         self.queue_depth = Gauge("mkgen_queue_depth", "Requests waiting for a slot", registry=r)
         self.slots_in_use = Gauge("mkgen_slots_in_use", "Batch slots holding a request", registry=r)
         self.slots = Gauge("mkgen_slots", "Batch slots of the kernel (its batch)", registry=r)

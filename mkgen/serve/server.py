@@ -1,6 +1,10 @@
 """serve: the model loaded once, its engine and the HTTP API run by uvicorn until SIGINT or
-SIGTERM (uvicorn stops taking connections and lets in-flight requests finish for up to
-GRACEFUL_SHUTDOWN_S, then the engine cancels what is left).
+SIGTERM. The engine warms up (compiles) while uvicorn already answers /health with 503
+"warming up". The first SIGINT or SIGTERM drains (DrainingServer): new requests get 503
+and /health says "draining" while the requests queued or running go on for up to
+--drain-seconds; what is still running then ends with "abort" (a stream gets its final
+event and [DONE], a whole completion a 503) and the process exits, by the signal. A
+second signal skips the rest of the drain.
 
 In a multi-host job (jax.distributed, one process per host) process 0 does all that;
 every other process loads its own devices' weights and runs an engine that takes process
@@ -9,17 +13,31 @@ every other process loads its own devices' weights and runs an engine that takes
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import sys
+import time
 from argparse import Namespace
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
+
+import uvicorn
 
 from mkgen.errors import MkgenError
 from mkgen.runtime import devices
 from mkgen.runtime.arguments import load_tokenizer
 from mkgen.runtime.build import Build
+from mkgen.serve import DRAIN_S, MAX_BODY_MIB
 
-GRACEFUL_SHUTDOWN_S = 30  # how long SIGTERM waits for in-flight requests
+if TYPE_CHECKING:
+    from mkgen.serve.engine import Engine
+
+# After the drain, how long the responses of aborted requests may take to go out: the
+# abort lands when the device call under way ends (milliseconds on a TPU, seconds in
+# interpret mode).
+ABORT_GRACE_S = 30
+log = logging.getLogger("mkgen.serve")
 
 
 def serve(
@@ -36,6 +54,9 @@ def serve(
     disaggregate: bool = False,
     host_cache_mib: int = 0,
     multi_host: Namespace | None = None,
+    served_model_name: str | None = None,
+    max_body_mib: int = MAX_BODY_MIB,
+    drain_seconds: float = DRAIN_S,
 ) -> None:
     """Serve `build` on http://HOST:PORT/v1 until stopped; with `disaggregate`, prompts
     are prefilled on a second group of build.devices devices holding their own copy of
@@ -43,12 +64,16 @@ def serve(
     caches are kept in up to `host_cache_mib` MiB of host memory (0: none) for prompts
     that start with them. `multi_host` (coordinator, num_processes, process_id: each None
     on a TPU pod, which tells its processes) makes it one process of a multi-host job.
-    Bad inputs (a port taken, weights that do not fit, too few devices, a broken
-    tokenizer_config.json, tokenizer files changed since the conversion) are MkgenErrors
-    before any request is taken."""
+    Clients name the model `served_model_name` (default: the build's spec name); request
+    bodies over `max_body_mib` MiB are refused (413); SIGTERM drains for `drain_seconds`
+    (the module docstring). Bad inputs (a port taken, weights that do not fit, too few
+    devices, a broken tokenizer_config.json, tokenizer files changed since the
+    conversion) are MkgenErrors before any request is taken, and so is a failed warm-up
+    (nothing could be served)."""
     from mkgen.codegen.convert import TOKENIZER_CONFIG_FILE, tokenizer_file
     from mkgen.serve.chat import load_tokenizer_config
 
+    _log_to_stderr()
     verify = not trust_weights
     tokenizer = load_tokenizer(None, str(weights) if weights else None, verify=verify)
     config = tokenizer_file(weights, TOKENIZER_CONFIG_FILE, verify=verify) if weights else None
@@ -65,7 +90,6 @@ def serve(
             Namespace(multi_host=True, interpret=interpret, **vars(multi_host))
         )
     import jax
-    import uvicorn
 
     from mkgen.runtime import disaggregation
     from mkgen.runtime.decode import load_model
@@ -98,6 +122,7 @@ def serve(
                 f"process {jax.process_index()}: process 0's turns stopped arriving ({first}); "
                 "restart every process of the job"
             ) from None
+        _check_warm_up(engine)
         return
     if listening is None:  # a TPU pod made this process 0
         listening = _bind(host, port)
@@ -105,23 +130,84 @@ def serve(
     # A step writes its drafts' rows beyond a sequence's last token: they need room too.
     context = build.context - (build.rows - 1)
     served = ServedModel(
-        name=build.name, context=context, vocab_used=build.vocab_used,
+        name=served_model_name or build.spec, context=context, vocab_used=build.vocab_used,
         tokenizer=tokenizer, chat=chat,
         eos_ids=frozenset() if eos_id is None else frozenset({eos_id}),
     )  # fmt: skip
     print(
-        f"serving {build.name} at http://{host}:{port}/v1 (batch {build.batch}, rows "
-        f"{build.rows}, context "
+        f"serving {served.name} (build {build.name}) at http://{host}:{port}/v1 (batch "
+        f"{build.batch}, rows {build.rows}, context "
         f"{context}{', prefill on its own devices' if disaggregate else ''}, host cache "
         f"{f'{host_cache_mib} MiB' if host_cache_mib else 'off'}"
         f"{', TPU interpret mode' if interpret else ''})",
         file=sys.stderr, flush=True,
     )  # fmt: skip
-    config = uvicorn.Config(
-        create_app(engine, served), log_level="warning",
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-    )  # fmt: skip
-    uvicorn.Server(config).run(sockets=[listening])
+    app = create_app(engine, served, max_body=max_body_mib << 20)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=ABORT_GRACE_S)
+    DrainingServer(config, engine, drain_seconds).run(sockets=[listening])
+    _check_warm_up(engine)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, draining on the first SIGINT or SIGTERM: the engine takes no new
+    request (503) while those queued or running go on; the server exits once none is
+    left, or when `drain_seconds` are over, when the engine ends the rest with "abort".
+    A second signal is uvicorn's (exit now; a second SIGINT forces it). The server also
+    exits when the engine's warm-up failed."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, drain_seconds: float) -> None:
+        super().__init__(config)
+        self.engine, self.drain_seconds = engine, drain_seconds
+        self.drain_started: float | None = None  # monotonic seconds of the first signal
+        self.draining = False  # the engine was told (on a tick: not in the signal handler)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.drain_started is None:
+            self._captured_signals.append(sig)  # uvicorn raises it again once it is done
+            self.drain_started = time.monotonic()
+        else:
+            super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.engine.failure is not None:
+            self.should_exit = True
+        if self.drain_started is not None and not self.should_exit:
+            self._drain()
+        if self.should_exit:  # what still runs ends with "abort" after its device call
+            self.engine.request_stop()
+        return await super().on_tick(counter)
+
+    def _drain(self) -> None:
+        assert self.drain_started is not None
+        if not self.draining:
+            self.engine.drain()
+            self.draining = True
+            name = signal.Signals(self._captured_signals[0]).name
+            log.info("%s: draining (no new requests; those running have %g s to finish)",
+                     name, self.drain_seconds)  # fmt: skip
+        spent = time.monotonic() - self.drain_started
+        if not self.engine.busy and not self.server_state.tasks:
+            log.info("drained in %.1f s: stopping", spent)
+            self.should_exit = True
+        elif spent >= self.drain_seconds:
+            log.info("drain time over (%g s): the requests still running end with abort",
+                     self.drain_seconds)  # fmt: skip
+            self.should_exit = True
+
+
+def _check_warm_up(engine: Engine) -> None:
+    if engine.failure is not None:
+        raise MkgenError(f"the engine's warm-up failed ({engine.failure}): nothing was served")
+
+
+def _log_to_stderr() -> None:
+    """The engine's and the server's log lines (warm-up, drain, failures) on stderr."""
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("mkgen serve: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 def _followed(request_id: int, update: object) -> None:
