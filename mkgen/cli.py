@@ -39,7 +39,7 @@ def cli() -> None:
     """mkgen: a model spec and a TPU topology in, a Pallas decode megakernel out."""
 
 
-@cli.command("list")
+@cli.command("list", short_help="List the model specs, chips and slices.")
 def list_command() -> None:
     """List the model specs in model_specs/ and the known chips and topologies."""
     from mkgen.hardware import CATALOG
@@ -130,7 +130,7 @@ def _human(n: float, unit: str = "") -> str:
     return f"{n:,.0f} {unit}".rstrip()
 
 
-@cli.command("show")
+@cli.command("show", short_help="Summarise a model spec: dims, kinds, parameters, bytes.")
 @click.argument("spec_ref", metavar="SPEC")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--mini", is_flag=True, help="Show the spec's mini twin instead.")
@@ -194,7 +194,7 @@ def show_command(spec_ref: str, as_json: bool, mini: bool, layers: bool) -> None
     )
 
 
-@cli.command("import-hf")
+@cli.command("import-hf", short_help="Map a Hugging Face config.json to a model spec.")
 @click.argument("config", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Write the spec here.")
 @click.option("--name", help="Spec name (default: the directory's or file's name).")
@@ -236,7 +236,7 @@ def _knob_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
-@cli.command("plan")
+@cli.command("plan", short_help="Plan a spec on a topology, with its predicted step time.")
 @click.argument("spec_ref", metavar="SPEC")
 @click.option("--topology", required=True, help="CHIP:SHAPE or SHAPE, e.g. 2x2x4.")
 @click.option("--batch", type=int, default=1, show_default=True, help="Sequences per step.")
@@ -283,7 +283,7 @@ def _is_trace(text: str, empty: dict[str, list[Any]]) -> bool:
     return isinstance(events, list) and events[: len(header)] == header
 
 
-@cli.command("estimate")
+@cli.command("estimate", short_help="Predict tokens per dollar against tokens/s per user.")
 @click.argument("spec_ref", metavar="SPEC")
 @click.option("--topology", required=True, help="CHIP:SHAPE or SHAPE, e.g. 2x2x4.")
 @click.option(
@@ -469,7 +469,7 @@ def _build_dir_for(spec: Any, topo: Any, options: Any, output: Path | None) -> P
     return directory
 
 
-@cli.command("build")
+@cli.command("build", short_help="Generate the megakernel build of a spec.")
 @click.argument("spec_ref", metavar="SPEC")
 @_kernel_options
 @click.option(
@@ -567,7 +567,7 @@ def _dropped(measurements: tuple[str, ...]) -> str:
     )
 
 
-@cli.command("verify")
+@cli.command("verify", short_help="Check a spec's mini twin against the reference model.")
 @click.argument("spec_ref", metavar="SPEC")
 @click.option("--topology", required=True, help="CHIP:SHAPE or SHAPE, e.g. 2x2x1.")
 @click.option("--steps", type=int, default=2, show_default=True, help="Decode steps per mode.")
@@ -712,7 +712,7 @@ def _verify_and_print(
     click.echo(f"verify: passed ({len(modes)} mode(s) x {run['steps']} step(s))")
 
 
-@cli.command("compile")
+@cli.command("compile", short_help="Compile a spec's full-size kernel for TPU7x.")
 @click.argument("spec_ref", metavar="SPEC")
 @_kernel_options
 @click.option("--update-report", is_flag=True, help="Record the results in the build's REPORT.md.")
@@ -821,7 +821,7 @@ def _compile_and_print(spec: Any, topo: Any, options: Any, directory: Path | Non
         sys.exit(1)
 
 
-@cli.command("convert")
+@cli.command("convert", short_help="Pack a checkpoint into a build's per-core weights.")
 @click.argument("spec_ref", metavar="[SPEC]", required=False)
 @click.option(
     "--checkpoint",
@@ -941,6 +941,7 @@ def convert_command(
 
 @cli.command(
     "run",
+    short_help="Generate with a build's runner.",
     context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
     add_help_option=False,
 )
@@ -974,7 +975,7 @@ def _runner_build(build: str) -> Any:
     return runner_build(directory)
 
 
-@cli.command("serve")
+@cli.command("serve", short_help="Serve a build behind an OpenAI-compatible API.")
 @click.argument("build", metavar="BUILD")
 @click.option(
     "--weights", type=click.Path(path_type=Path), help="Converted weights (mkgen convert)."
@@ -1073,6 +1074,7 @@ def serve_command(
 
 @cli.command(
     "bench",
+    short_help="Benchmark the runner at several batch sizes.",
     context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
 )
 @click.argument("spec_ref", metavar="SPEC")
@@ -1148,7 +1150,7 @@ def bench_command(
         )
 
 
-@cli.command("inspect")
+@cli.command("inspect", short_help="Outline a generated kernel's phases, DMAs and VMEM.")
 @click.argument("build", metavar="BUILD")
 @click.option("--layer", type=int, help="Show one layer's schedule next to its code.")
 def inspect_command(build: str, layer: int | None) -> None:
@@ -1161,7 +1163,7 @@ def inspect_command(build: str, layer: int | None) -> None:
     click.echo(outline(build) if layer is None else layer_view(build, layer))
 
 
-@cli.command("regen")
+@cli.command("regen", short_help="Rebuild every checked-in build in generated/BUILDS.")
 @click.option(
     "--measure",
     is_flag=True,
@@ -1200,24 +1202,6 @@ def regen_command(measure: bool) -> None:
 # What `mkgen --help` lists: one whole line per command (click would cut the docstrings'
 # first sentences, which say more, mid-sentence); tests/test_cli.py holds every command
 # to one.
-SUMMARIES = {
-    "list": "List the model specs, chips and slices.",
-    "show": "Summarise a model spec: dims, kinds, parameters, bytes.",
-    "import-hf": "Map a Hugging Face config.json to a model spec.",
-    "plan": "Plan a spec on a topology, with its predicted step time.",
-    "estimate": "Predict tokens per dollar against tokens/s per user.",
-    "build": "Generate the megakernel build of a spec.",
-    "verify": "Check a spec's mini twin against the reference model.",
-    "compile": "Compile a spec's full-size kernel for TPU7x.",
-    "convert": "Pack a checkpoint into a build's per-core weights.",
-    "run": "Generate with a build's runner.",
-    "serve": "Serve a build behind an OpenAI-compatible API.",
-    "bench": "Benchmark the runner at several batch sizes.",
-    "inspect": "Outline a generated kernel's phases, DMAs and VMEM.",
-    "regen": "Rebuild every checked-in build in generated/BUILDS.",
-}
-for _name, _summary in SUMMARIES.items():
-    cli.commands[_name].short_help = _summary
 
 
 def main(argv: list[str] | None = None) -> None:
