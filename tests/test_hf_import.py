@@ -899,6 +899,7 @@ def test_safetensors_errors(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"\x05")
     with pytest.raises(SpecError, match=r"model.safetensors: not a readable safetensors file"):
         read_safetensors(tmp_path)
+    (tmp_path / "model.safetensors").unlink()  # a file beside an index: test_checkpoint_safety
     (tmp_path / "model.safetensors.index.json").write_text(
         '{"weight_map": {"x": "gone.safetensors"}}'
     )
