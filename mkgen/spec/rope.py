@@ -54,7 +54,7 @@ def rope_frequencies(rope: Rope, rotary_dim: int) -> tuple[np.ndarray, float]:
     both are non-zero, else mscale(factor)).
     """
     base = rope.theta
-    # theta ** (2i / rotary_dim), each power exact (module docstring), then float64.
+    # theta ** (2i / rotary_dim), each power correctly rounded (module docstring), then float64.
     pos_freqs = np.array([_power(base, i / rotary_dim) for i in range(0, rotary_dim, 2)])
     inv_freq = 1.0 / pos_freqs
     y = rope.scaling
