@@ -7,7 +7,6 @@ from __future__ import annotations
 import difflib
 import json
 import re
-import time
 
 import pytest
 from cli_run import assert_user_error, mkgen
@@ -148,20 +147,15 @@ def test_plan_json_carries_the_program_and_the_deadlock_check() -> None:
     assert any(op["category"] == "expert" and "semaphores" in op for op in ops)
 
 
-# A passing run of this twin takes about 15 s on a quiet 2-core machine, about 30 s on a
-# busy one; a run that takes HANG_FACTOR times what the checked kernel took (at least
-# HANG_TIMEOUT) has hung.
-HANG_TIMEOUT = 40
-HANG_FACTOR = 2.5
-CONTROL_TIMEOUT = 600
+RUN_TIMEOUT = 600  # an outer bound: verify's child exits by itself once it stalls
 
 
 def test_a_build_forced_past_the_check_hangs_in_interpret_mode(monkeypatch) -> None:
     """The MoE stream laid out as (latent_out, shared_down, in) while the kernel consumes
     in, shared_down, latent_out: at ring depth 2 the plan refuses it; the same kernel,
     forced past the check (its Segment constants put into Kimi K3's mini twin), waits on
-    a bank the ring never started and verify reports the hang within its timeout, where
-    the checked kernel at the same depth verifies."""
+    a bank the ring never started and verify reports the hang as soon as the child stalls
+    (long before its timeout), where the checked kernel at the same depth verifies."""
     topology = parse_topology("1x1x1")
     spec = mini_twin(load_spec("kimi-k3"), topology.num_devices)
     options = BuildOptions.create(ring_depth=2, context=128)
@@ -194,11 +188,9 @@ def test_a_build_forced_past_the_check_hangs_in_interpret_mode(monkeypatch) -> N
     assert mutations and all("offset=" in o and "offset=" in n for o, n in mutations), mutations
     assert "MOE_" in "".join(o for o, _ in mutations)
     run = dict(mode="on_wait", steps=1, knobs={"ring_depth": 2})
-    started = time.monotonic()
-    control = verify_numerics("kimi-k3", "1x1x1", **run, timeout=CONTROL_TIMEOUT)
+    control = verify_numerics("kimi-k3", "1x1x1", **run, timeout=RUN_TIMEOUT)
     assert control.passed, control.failure()
-    # Measured against the checked kernel's run: a hang on a busy machine as on a quiet one.
-    hang = max(HANG_TIMEOUT, HANG_FACTOR * (time.monotonic() - started))
-    report = verify_numerics("kimi-k3", "1x1x1", **run, timeout=hang, mutations=mutations)
+    report = verify_numerics("kimi-k3", "1x1x1", **run, timeout=RUN_TIMEOUT, mutations=mutations)
     assert not report.passed
-    assert "timed out" in (report.error or "") and "deadlock" in report.error, report.failure()
+    # "stalled", not "timed out": the child found its own hang.
+    assert "stalled" in (report.error or "") and "deadlock" in report.error, report.failure()

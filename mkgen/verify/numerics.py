@@ -2,8 +2,12 @@
 
 `verify_numerics` runs in a subprocess (`python -m mkgen.verify.numerics`) because
 the number of virtual CPU devices (`--xla_force_host_platform_device_count`) must be
-set before JAX is imported, and because an unbalanced semaphore hangs forever: the
-parent kills the child at the timeout.
+set before JAX is imported, and because an unbalanced semaphore hangs forever. A hung
+kernel is found by its CPU time: every thread then waits on a semaphore that jax's
+interpreter polls ten times a second, so the child uses almost no CPU. A child that stays
+under STALL_CPU_SHARE of one core for STALL_SECONDS exits at once with STALL_EXIT (any
+running process gets far more than that share, however busy the machine); the parent
+still kills a child that outlives the timeout.
 
 The child renders the kernel for the spec's mini twin on a mesh shaped like the
 topology, packs the reference's random weights (rounded to bf16, the kernel's
@@ -54,6 +58,9 @@ RESIDUAL_RTOL = 2e-2
 ROUTE_RTOL = 2e-2  # the tie window of router choice values, relative to the token's largest
 INTERPRET_MODES = ("on_wait", "eager")
 STEP_DONE = "mkgen-verify: step done"  # the child's stderr line after each decode step
+STALL_SECONDS = 10.0
+STALL_CPU_SHARE = 0.01
+STALL_EXIT = 3  # the child's exit status when it stalled
 
 
 @dataclass
@@ -192,6 +199,12 @@ def verify_numerics(
     returncode, stdout, stderr = _run_streaming(args, env, timeout, on_step)
     if returncode is None:
         report.error = f"timed out after {timeout:.0f} s (a semaphore never signalled: deadlock?)"
+        return report
+    if returncode == STALL_EXIT:
+        report.error = (
+            f"stalled: no progress for {STALL_SECONDS:.0f} s (every thread waits on a "
+            "semaphore that is never signalled: deadlock)"
+        )
         return report
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if returncode or not lines:
@@ -357,6 +370,22 @@ def _run_streaming(
 
 
 # ---------------------------------------------------------------- the child side
+
+
+def _exit_when_stalled() -> None:
+    """Watch this process's CPU time from a daemon thread and exit with STALL_EXIT once
+    a window of STALL_SECONDS used less than STALL_CPU_SHARE of one core (a deadlock)."""
+
+    def watch() -> None:
+        used = time.process_time()
+        while True:
+            time.sleep(STALL_SECONDS)
+            used, before = time.process_time(), used
+            if used - before < STALL_CPU_SHARE * STALL_SECONDS:
+                os._exit(STALL_EXIT)  # the kernel's threads never return: no clean exit
+
+    threading.Thread(target=watch, daemon=True).start()
+
 
 _RACE_ACCESS = re.compile(r"(read|write) of \('(\w+)'.*?:(\d+):\d+ \(([^)]*)\)")
 
@@ -582,6 +611,7 @@ def _compare_caches(
 if __name__ == "__main__":
     spec_arg, topo_arg, mode_arg, *numbers, quant_arg, knobs_arg, mutations_arg = sys.argv[1:]
     steps_n, batch_n, rows_n, context_n, seed_n = map(int, numbers)
+    _exit_when_stalled()
     try:
         result = _run_child(
             spec_arg, topo_arg, mode_arg, steps_n, batch_n, rows_n, context_n, seed_n,
