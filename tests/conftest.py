@@ -60,3 +60,23 @@ def checked_in_renders() -> list[tuple[Path, Any, Any]]:
         rendered = package.render_build(spec, topology, options, measurements=measurements)
         out.append((checked_in, topology, rendered))
     return out
+
+
+# MKGEN_TEST_CPU=FILE appends each test's CPU seconds (its process's threads and the
+# subprocesses it waited for, setup and teardown included) to FILE: what the suite's
+# budget (15 minutes on 2 cores) is spent on, unaffected by how busy the machine is.
+if os.environ.get("MKGEN_TEST_CPU"):
+    import resource
+
+    def _cpu_seconds() -> float:
+        own, children = (
+            resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        )
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+        before = _cpu_seconds()
+        yield
+        with open(os.environ["MKGEN_TEST_CPU"], "a") as out:
+            out.write(f"{_cpu_seconds() - before:.2f} {item.nodeid}\n")
