@@ -453,7 +453,8 @@ def _shown(path: Path) -> str:
 
 def _build_dir_for(spec: Any, topo: Any, options: Any, output: Path | None) -> Path:
     """The build directory a --update-report writes to; it must hold this very build."""
-    from mkgen.codegen.package import default_build_dir, load_build_inputs
+    from mkgen.codegen.naming import default_build_dir
+    from mkgen.codegen.package import load_build_inputs
 
     directory = output or default_build_dir(spec.name, topo)
     built_spec, built_topo, built_options, data = load_build_inputs(directory)
@@ -504,7 +505,8 @@ def build_command(
     --update-report`."""
     import time
 
-    from mkgen.codegen.package import CommandLine, build_commands, default_build_dir, make_build
+    from mkgen.codegen.naming import CommandLine, build_commands, default_build_dir
+    from mkgen.codegen.package import make_build
 
     _prepare_jax()
     spec, topo, options = _plan_inputs(
@@ -651,7 +653,8 @@ def verify_command(
     plan_build(mini, topo, options.model_copy(update={"splits": splits}), **mini_kernel_args())
     directory = None
     if update_report:
-        from mkgen.codegen.package import default_build_dir, load_build_inputs
+        from mkgen.codegen.naming import default_build_dir
+        from mkgen.codegen.package import load_build_inputs
 
         directory = output or default_build_dir(spec.name, topo)
         built = load_build_inputs(directory)[2]
@@ -763,7 +766,7 @@ def _profile_and_print(
 ) -> None:
     """Compile with Mosaic's LLO dump on (a child process), print the profile table and
     record it (and the compile) in the build at `directory`."""
-    from mkgen.codegen.package import build_name
+    from mkgen.codegen.naming import build_name
     from mkgen.plan import plan_build
     from mkgen.verify.profile import compile_with_dump, profile_build
     from mkgen.verify.tpu_compile import CompileError
@@ -963,7 +966,7 @@ def run_command(ctx: click.Context, build: str, runner_args: tuple[str, ...]) ->
 
 def _runner_build(build: str) -> Any:
     """The runtime Build of BUILD: a build directory, or a build's name in generated/."""
-    from mkgen.codegen.package import GENERATED
+    from mkgen.codegen.naming import GENERATED
     from mkgen.runtime.build import RUNNER_FILE, runner_build
 
     directory = Path(build)
@@ -1171,14 +1174,9 @@ def inspect_command(build: str, layer: int | None) -> None:
 )
 def regen_command(measure: bool) -> None:
     """Rebuild every checked-in build listed in generated/BUILDS (with --force)."""
-    from mkgen.codegen.package import (
-        BUILD_LIST,
-        MINI_CONTEXT,
-        default_build_dir,
-        entry_inputs,
-        make_build,
-        read_build_list,
-    )
+    from mkgen.codegen.build_list import BUILD_LIST, entry_inputs, read_build_list
+    from mkgen.codegen.naming import default_build_dir
+    from mkgen.codegen.package import MINI_CONTEXT, make_build
 
     _prepare_jax()
     for entry in read_build_list(BUILD_LIST):

@@ -25,14 +25,14 @@ REPO = Path(__file__).resolve().parents[1]
 _RENDER_ALL = """
 import json, sys
 from numpy._core import _multiarray_umath as umath
-from mkgen.codegen import package
+from mkgen.codegen import build_list, measurements, naming, package
 
 stale = []
-for entry in package.read_build_list():
-    spec, topology, options = package.entry_inputs(entry)
-    checked_in = package.default_build_dir(spec.name, topology)
+for entry in build_list.read_build_list():
+    spec, topology, options = build_list.entry_inputs(entry)
+    checked_in = naming.default_build_dir(spec.name, topology)
     rendered = package.render_build(
-        spec, topology, options, measurements=package.read_measurements(checked_in)
+        spec, topology, options, measurements=measurements.read_measurements(checked_in)
     )
     for name, text in rendered.files.items():
         if (checked_in / name).read_text() != text:

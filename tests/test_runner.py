@@ -28,7 +28,8 @@ from fixture_builds import TOPOLOGY, make_fixture_build
 from test_convert import FIXTURES, write_sharded
 
 from mkgen.cli import main
-from mkgen.codegen.package import GENERATED, render_build
+from mkgen.codegen.naming import GENERATED
+from mkgen.codegen.package import render_build
 from mkgen.errors import MkgenError
 from mkgen.plan.options import BuildOptions
 from mkgen.runtime.main import Streamer
