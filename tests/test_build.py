@@ -342,9 +342,9 @@ runner.run(runner.BUILD, [*sys.argv[3:], "--drafter", "__main__:drafts"])
 
 
 def _reference_tokens(runner: Path, prompts: list[list[int]], steps: int) -> list[list[int]]:
-    from mkgen.codegen.quantize import stored_random_weights
     from mkgen.reference import model as reference
     from mkgen.spec.schema import ModelSpec
+    from mkgen.weights.quantize import stored_random_weights
 
     spec = ModelSpec.model_validate(json.loads((runner.parent / "plan.json").read_text())["spec"])
     weights = stored_random_weights(spec, 0)  # what the kernel stores

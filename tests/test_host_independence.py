@@ -89,7 +89,7 @@ def test_softmax_scales_are_correctly_rounded() -> None:
 
 
 def test_quantization_exponents_are_exact_beside_powers_of_two() -> None:
-    from mkgen.codegen.quantize import mxfp4_quantize
+    from mkgen.weights.quantize import mxfp4_quantize
 
     below, at = np.nextafter(np.float32(8), np.float32(0)), np.float32(8)
     # A block whose largest value is just under 8 takes scale 2^(2 - 2), at 8 one of 2^1.

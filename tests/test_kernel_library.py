@@ -18,16 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mkgen import kernellib
-from mkgen.codegen import digest, library, pack
-from mkgen.codegen.quantize import (
-    dequantize,
-    pack_fp8_chunks,
-    pack_int4_chunks,
-    pack_int8_chunks,
-    pack_mxfp4_chunks,
-    pack_nvfp4_chunks,
-    quantize,
-)
+from mkgen.codegen import digest, library
 from mkgen.codegen.render import TEMPLATES
 from mkgen.errors import MkgenError
 from mkgen.kernellib import collectives, products, ring, routing
@@ -38,6 +29,16 @@ from mkgen.plan.stream import make_segment
 from mkgen.spec.loader import load_spec
 from mkgen.spec.quant import parse_format
 from mkgen.spec.topology import parse_topology
+from mkgen.weights import pack
+from mkgen.weights.quantize import (
+    dequantize,
+    pack_fp8_chunks,
+    pack_int4_chunks,
+    pack_int8_chunks,
+    pack_mxfp4_chunks,
+    pack_nvfp4_chunks,
+    quantize,
+)
 
 KERNEL_TEMPLATE = "megakernel.py.j2"
 INTERPRET = pltpu.InterpretParams()

@@ -494,7 +494,7 @@ def test_run_and_serve_refuse_tokenizer_files_changed_since_the_conversion(
 def test_a_tokenizer_deleted_or_added_beside_the_weights_is_refused(
     tokenized_weights: Path, tmp_path: Path, change: str, fragment: str
 ) -> None:
-    from mkgen.codegen.convert import LAYOUT_FILE, TOKENIZER_FILE, tokenizer_file
+    from mkgen.weights.convert import LAYOUT_FILE, TOKENIZER_FILE, tokenizer_file
 
     weights = shutil.copytree(tokenized_weights, tmp_path / "w")
     if change == "delete":

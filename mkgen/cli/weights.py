@@ -75,7 +75,7 @@ def convert_command(
     a time), atomic per file, resumable: run it again after an interruption (or after the
     checkpoint's tokenizer files changed: they are copied, the weights kept). A progress
     bar on stderr when it is a terminal."""
-    from mkgen.codegen import convert
+    from mkgen.weights import convert
 
     if (checkpoint is None) == (random_weights is None):
         raise MkgenError("give one of --checkpoint DIR and --random-weights SEED")
@@ -89,7 +89,7 @@ def convert_command(
         source, fingerprint = convert.checkpoint_source(spec, Path(checkpoint))
         identity["checkpoint"] = fingerprint
     else:
-        from mkgen.codegen.quantize import stored_random_weights
+        from mkgen.weights.quantize import stored_random_weights
 
         prepare_jax()
         source = convert.InventorySource(stored_random_weights(spec, random_weights))
