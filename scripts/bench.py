@@ -87,7 +87,7 @@ def _checked_in_builds() -> list[list[str]]:
     """`SPEC --topology T [options]` of every checked-in build (generated/BUILDS)."""
     import shlex
 
-    from mkgen.codegen.package import read_build_list
+    from mkgen.codegen.build_list import read_build_list
 
     return [shlex.split(entry.line) for entry in read_build_list()]
 

@@ -50,14 +50,17 @@ def checked_in_renders() -> list[tuple[Path, Any, Any]]:
     """(checked-in directory, Topology, RenderedBuild) of every build in generated/BUILDS,
     rendered now with the measurements its directory records, once per worker: test_build
     holds them byte for byte against generated/, test_codegen reads their kernels as text."""
-    from mkgen.codegen import package
+    from mkgen.codegen.build_list import entry_inputs, read_build_list
+    from mkgen.codegen.measurements import read_measurements
+    from mkgen.codegen.naming import default_build_dir
+    from mkgen.codegen.package import render_build
 
     out = []
-    for entry in package.read_build_list():
-        spec, topology, options = package.entry_inputs(entry)
-        checked_in = package.default_build_dir(spec.name, topology)
-        measurements = package.read_measurements(checked_in)
-        rendered = package.render_build(spec, topology, options, measurements=measurements)
+    for entry in read_build_list():
+        spec, topology, options = entry_inputs(entry)
+        checked_in = default_build_dir(spec.name, topology)
+        measurements = read_measurements(checked_in)
+        rendered = render_build(spec, topology, options, measurements=measurements)
         out.append((checked_in, topology, rendered))
     return out
 

@@ -21,9 +21,12 @@ ALLOWED = {
     "reference": {"spec"},
     "plan": {"spec", "kinds"},
     "kinds": {"spec", "plan"},
-    "codegen": {"spec", "plan", "kinds", "reference"},
-    "verify": {"spec", "plan", "kinds", "reference", "codegen"},
-    "runtime": {"spec", "plan", "kinds", "reference", "codegen", "verify"},
+    # How weights are stored (formats, per-core packing, conversion): read from the plan's
+    # layout, used by the code that runs or checks a build.
+    "weights": {"spec", "plan", "kinds", "reference"},
+    "codegen": {"spec", "plan", "kinds", "reference", "weights"},
+    "verify": {"spec", "plan", "kinds", "reference", "weights", "codegen"},
+    "runtime": {"spec", "plan", "kinds", "reference", "weights", "codegen", "verify"},
 }
 
 

@@ -17,16 +17,14 @@ import numpy as np
 import pytest
 
 from mkgen import __version__
-from mkgen.codegen import package, render
+from mkgen.codegen import digest, render, writer
 from mkgen.codegen.build import identifier, safe_text
-from mkgen.codegen.package import (
-    MANIFEST,
-    inputs_digest,
-    make_build,
-    read_build_list,
-    render_build,
-    write_build,
-)
+from mkgen.codegen.build_list import read_build_list
+from mkgen.codegen.digest import inputs_digest
+from mkgen.codegen.measurements import MEASUREMENTS, read_measurements
+from mkgen.codegen.naming import CommandLine
+from mkgen.codegen.package import load_build_inputs, make_build, record_measurement, render_build
+from mkgen.codegen.writer import MANIFEST, local_edits, write_build
 from mkgen.errors import MkgenError
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.loader import load_spec
@@ -113,10 +111,10 @@ def test_inputs_hash_covers_the_templates(tmp_path: Path, monkeypatch) -> None:
     spec, topo, options = _inputs()
     args = {"bank_rows": 4096, "ring_depth": 12}
     before = inputs_digest(spec, topo, options, args)
-    for name in package.TEMPLATE_FILES:
+    for name in digest.TEMPLATE_FILES:
         (tmp_path / name).parent.mkdir(exist_ok=True)
-        (tmp_path / name).write_bytes((package.TEMPLATES / name).read_bytes())
-    monkeypatch.setattr(package, "TEMPLATES", tmp_path)
+        (tmp_path / name).write_bytes((digest.TEMPLATES / name).read_bytes())
+    monkeypatch.setattr(digest, "TEMPLATES", tmp_path)
     assert inputs_digest(spec, topo, options, args) == before
     digests = set()
     for name in ("runner.py.j2", "kinds/moe.py.j2"):  # a layer kind's macros too
@@ -130,7 +128,7 @@ def test_inputs_hash_covers_the_formatter_version(monkeypatch) -> None:
     spec, topo, options = _inputs()
     args = {"bank_rows": 4096, "ring_depth": 12}
     before = inputs_digest(spec, topo, options, args)
-    monkeypatch.setattr(package, "formatter_version", lambda: "0.0.1")
+    monkeypatch.setattr(digest, "formatter_version", lambda: "0.0.1")
     assert inputs_digest(spec, topo, options, args) != before
 
 
@@ -169,12 +167,12 @@ def test_kind_order_is_an_input(tmp_path: Path) -> None:
     target = tmp_path / "build"
     make_build(spec, topo, options, output=target)
     before = _tree(target)
-    loaded = package.load_build_inputs(target)[0]
+    loaded = load_build_inputs(target)[0]
     assert list(loaded.attention_kinds) == list(spec.attention_kinds) == ["local", "global"]
-    package.record_measurement(target, "compile", COMPILE_RECORD)
+    record_measurement(target, "compile", COMPILE_RECORD)
     after = _tree(target)
     assert {k for k in after if after[k] != before.get(k)} == {
-        "REPORT.md", package.MEASUREMENTS, MANIFEST,
+        "REPORT.md", MEASUREMENTS, MANIFEST,
     }  # fmt: skip
 
 
@@ -182,13 +180,13 @@ def test_a_failure_mid_render_leaves_no_directory(
     files: dict[str, str], tmp_path: Path, monkeypatch
 ) -> None:
     target = tmp_path / "out" / "build"
-    real = package._write_tree
+    real = writer._write_tree
 
     def half_then_fail(root: Path, tree: dict[str, str]) -> None:
         real(root, dict(list(tree.items())[:2]))
         raise OSError("disk full")
 
-    monkeypatch.setattr(package, "_write_tree", half_then_fail)
+    monkeypatch.setattr(writer, "_write_tree", half_then_fail)
     with pytest.raises(MkgenError, match=f"^cannot write the build {target}: disk full$"):
         write_build(files, target, force=False)
     assert not target.exists()
@@ -289,12 +287,12 @@ def test_measurements_survive_a_rebuild_only_while_inputs_match(
     build_dir: Path, tmp_path: Path
 ) -> None:
     target = shutil.copytree(build_dir, tmp_path / "build")  # what make_build(*_inputs()) writes
-    package.record_measurement(target, "compile", COMPILE_RECORD)
+    record_measurement(target, "compile", COMPILE_RECORD)
     assert "| compile time | 2.5 s |" in (target / "REPORT.md").read_text()
     assert not make_build(*_inputs(), output=target).written  # kept, nothing to rewrite
     dropped = make_build(*_inputs(context=2048), output=target)  # other inputs: stale
     assert dropped.dropped == ("compile",)  # and said so
-    assert not (target / package.MEASUREMENTS).exists()
+    assert not (target / MEASUREMENTS).exists()
     assert "Not measured in this build" in (target / "REPORT.md").read_text()
 
 
@@ -302,14 +300,14 @@ def test_a_build_names_no_directory_so_a_copy_keeps_its_bytes_and_measurements(
     build_dir: Path, tmp_path: Path
 ) -> None:
     first = shutil.copytree(build_dir, tmp_path / "first-place")
-    package.record_measurement(first, "compile", COMPILE_RECORD)
+    record_measurement(first, "compile", COMPILE_RECORD)
     # Written with -o as a user types it: the files still name no directory.
-    make_build(*_inputs(), output=first, line=package.CommandLine(output=str(first)))
+    make_build(*_inputs(), output=first, line=CommandLine(output=str(first)))
     assert all(b"first-place" not in data for data in _tree(first).values())
     moved = shutil.copytree(first, tmp_path / "elsewhere" / "moved")
-    again = make_build(*_inputs(), output=moved, line=package.CommandLine(output=str(moved)))
+    again = make_build(*_inputs(), output=moved, line=CommandLine(output=str(moved)))
     assert not again.written and again.dropped == ()  # the same inputs: nothing to rewrite
-    assert package.read_measurements(moved)["compile"] == COMPILE_RECORD
+    assert read_measurements(moved)["compile"] == COMPILE_RECORD
 
 
 def test_runner_help_says_where_weights_come_from(build_dir: Path) -> None:
@@ -344,9 +342,9 @@ runner.run(runner.BUILD, [*sys.argv[3:], "--drafter", "__main__:drafts"])
 
 
 def _reference_tokens(runner: Path, prompts: list[list[int]], steps: int) -> list[list[int]]:
-    from mkgen.codegen.quantize import stored_random_weights
     from mkgen.reference import model as reference
     from mkgen.spec.schema import ModelSpec
+    from mkgen.weights.quantize import stored_random_weights
 
     spec = ModelSpec.model_validate(json.loads((runner.parent / "plan.json").read_text())["spec"])
     weights = stored_random_weights(spec, 0)  # what the kernel stores
@@ -390,7 +388,7 @@ def test_runner_matches_the_reference_in_interpret_mode(
     assert ("acceptance_length" in out) == (rows > 1)
     if right is not None:  # rows of 3: the tokens a call gains, at most right + 1
         assert right < out["acceptance_length"] <= right + 1
-    assert package.local_edits(build_dir) is None  # running it left the build as written
+    assert local_edits(build_dir) is None  # running it left the build as written
 
 
 def test_the_verify_table_counts_the_routing_near_ties_it_followed(
@@ -423,7 +421,7 @@ def test_the_verify_table_counts_the_routing_near_ties_it_followed(
     ]
     target = shutil.copytree(build_dir, tmp_path / "build")
     record = verify_record([report], steps=3, batch=1, rows=1, context=128, seed=0)
-    package.record_measurement(target, "verify", record)
+    record_measurement(target, "verify", record)
     assert "| routing near ties |" in (target / "REPORT.md").read_text()
     assert "| on_wait | pass | 3 |" in (target / "REPORT.md").read_text()
     row = next(

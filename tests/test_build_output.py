@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from cli_run import REPO, assert_user_error, mkgen
 
-from mkgen.codegen import package
-from mkgen.codegen.package import MANIFEST, local_edits, make_build, render_build, write_build
+from mkgen.codegen import digest, package
+from mkgen.codegen.package import make_build, render_build
+from mkgen.codegen.writer import MANIFEST, local_edits, write_build
 from mkgen.errors import MkgenError
 from mkgen.output import write_atomic
 from mkgen.plan.options import BuildOptions
@@ -209,7 +210,7 @@ def _staging(target: Path, name: str, files: dict[str, str], manifest: bool = Tr
     staging = target.parent / f".{target.name}.{name}.tmp"
     staging.mkdir()
     if manifest:
-        digests = {rel: package.sha256_bytes(text.encode()) for rel, text in files.items()}
+        digests = {rel: digest.sha256_bytes(text.encode()) for rel, text in files.items()}
         (staging / MANIFEST).write_text(json.dumps({"files": digests}))
         (staging / "megakernel.py").write_text(files["megakernel.py"][:100])
     return staging

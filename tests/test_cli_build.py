@@ -211,11 +211,11 @@ def test_verify_failure_exits_1_naming_the_mode_step_and_check(monkeypatch) -> N
 
 def test_regen_rebuilds_every_listed_build(tmp_path: Path, monkeypatch) -> None:
     from mkgen import cli
-    from mkgen.codegen import package
+    from mkgen.codegen import build_list, naming
 
     (tmp_path / "BUILDS").write_text("# checked-in builds\nqwen3-32b --topology 2x2x1\n")
-    monkeypatch.setattr(package, "GENERATED", tmp_path)
-    monkeypatch.setattr(package, "BUILD_LIST", tmp_path / "BUILDS")
+    monkeypatch.setattr(naming, "GENERATED", tmp_path)
+    monkeypatch.setattr(build_list, "BUILD_LIST", tmp_path / "BUILDS")
     runner = CliRunner()
     first = runner.invoke(cli.cli, ["regen"])
     assert first.exit_code == 0, first.output

@@ -1,4 +1,4 @@
-"""mkgen convert: Hugging Face checkpoints -> per-core containers (mkgen/codegen/convert.py).
+"""mkgen convert: Hugging Face checkpoints -> per-core containers (mkgen/weights/convert.py).
 
 Fast tests (no kernel runs): the containers hold exactly what the packer makes from the
 same weights; sharded BF16 checkpoints, resumption after an interruption, and one-line
@@ -28,12 +28,12 @@ from cli_run import REPO, assert_user_error, mkgen
 from safetensors.numpy import load_file
 
 from mkgen.cli import main
-from mkgen.codegen import convert, pack
 from mkgen.errors import MkgenError
 from mkgen.plan import plan_build
 from mkgen.plan.options import BuildOptions
 from mkgen.reference.hf_weights import load_hf_checkpoint
 from mkgen.spec.topology import parse_topology
+from mkgen.weights import convert, pack
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 

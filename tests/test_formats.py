@@ -11,8 +11,16 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from mkgen.codegen import pack
-from mkgen.codegen.quantize import (
+from mkgen.errors import SpecError
+from mkgen.plan import plan_build
+from mkgen.plan.options import BuildOptions
+from mkgen.plan.stream import CHUNK, LANES, make_segment
+from mkgen.reference import model as reference
+from mkgen.spec.loader import load_spec
+from mkgen.spec.quant import parse_format
+from mkgen.spec.topology import parse_topology
+from mkgen.weights import pack
+from mkgen.weights.quantize import (
     E2M1_VALUES,
     as_bf16_rows,
     dequantize,
@@ -25,14 +33,6 @@ from mkgen.codegen.quantize import (
     pack_nvfp4_chunks,
     quantize,
 )
-from mkgen.errors import SpecError
-from mkgen.plan import plan_build
-from mkgen.plan.options import BuildOptions
-from mkgen.plan.stream import CHUNK, LANES, make_segment
-from mkgen.reference import model as reference
-from mkgen.spec.loader import load_spec
-from mkgen.spec.quant import parse_format
-from mkgen.spec.topology import parse_topology
 
 SPECS = Path(__file__).parent / "specs"
 FORMATS = ["int4:32", "int8", "fp8:128", "fp8:32", "mxfp4", "nvfp4"]

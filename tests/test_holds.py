@@ -49,7 +49,7 @@ def test_every_tuned_entry_is_what_the_scorer_chooses() -> None:
 
 
 def test_every_checked_in_build_has_a_tuned_entry() -> None:
-    from mkgen.codegen.package import entry_inputs, read_build_list
+    from mkgen.codegen.build_list import entry_inputs, read_build_list
 
     known = {e["digest"] for e in ENTRIES}
     for line in read_build_list():

@@ -25,14 +25,14 @@ REPO = Path(__file__).resolve().parents[1]
 _RENDER_ALL = """
 import json, sys
 from numpy._core import _multiarray_umath as umath
-from mkgen.codegen import package
+from mkgen.codegen import build_list, measurements, naming, package
 
 stale = []
-for entry in package.read_build_list():
-    spec, topology, options = package.entry_inputs(entry)
-    checked_in = package.default_build_dir(spec.name, topology)
+for entry in build_list.read_build_list():
+    spec, topology, options = build_list.entry_inputs(entry)
+    checked_in = naming.default_build_dir(spec.name, topology)
     rendered = package.render_build(
-        spec, topology, options, measurements=package.read_measurements(checked_in)
+        spec, topology, options, measurements=measurements.read_measurements(checked_in)
     )
     for name, text in rendered.files.items():
         if (checked_in / name).read_text() != text:
@@ -89,7 +89,7 @@ def test_softmax_scales_are_correctly_rounded() -> None:
 
 
 def test_quantization_exponents_are_exact_beside_powers_of_two() -> None:
-    from mkgen.codegen.quantize import mxfp4_quantize
+    from mkgen.weights.quantize import mxfp4_quantize
 
     below, at = np.nextafter(np.float32(8), np.float32(0)), np.float32(8)
     # A block whose largest value is just under 8 takes scale 2^(2 - 2), at 8 one of 2^1.

@@ -18,16 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mkgen import kernellib
-from mkgen.codegen import library, pack, package
-from mkgen.codegen.quantize import (
-    dequantize,
-    pack_fp8_chunks,
-    pack_int4_chunks,
-    pack_int8_chunks,
-    pack_mxfp4_chunks,
-    pack_nvfp4_chunks,
-    quantize,
-)
+from mkgen.codegen import digest, library
 from mkgen.codegen.render import TEMPLATES
 from mkgen.errors import MkgenError
 from mkgen.kernellib import collectives, products, ring, routing
@@ -38,6 +29,16 @@ from mkgen.plan.stream import make_segment
 from mkgen.spec.loader import load_spec
 from mkgen.spec.quant import parse_format
 from mkgen.spec.topology import parse_topology
+from mkgen.weights import pack
+from mkgen.weights.quantize import (
+    dequantize,
+    pack_fp8_chunks,
+    pack_int4_chunks,
+    pack_int8_chunks,
+    pack_mxfp4_chunks,
+    pack_nvfp4_chunks,
+    quantize,
+)
 
 KERNEL_TEMPLATE = "megakernel.py.j2"
 INTERPRET = pltpu.InterpretParams()
@@ -143,14 +144,14 @@ def test_every_library_function_and_class_reaches_the_kernel_template() -> None:
 def test_the_inputs_hash_covers_the_kernel_library(tmp_path: Path, monkeypatch) -> None:
     spec, topology = load_spec("qwen3-32b"), parse_topology("2x2x1")
     options, args = BuildOptions.create(), {"bank_rows": 4096, "ring_depth": 12}
-    before = package.inputs_digest(spec, topology, options, args)
+    before = digest.inputs_digest(spec, topology, options, args)
     copy = tmp_path / "kernellib"
     shutil.copytree(LIBRARY, copy)
     monkeypatch.setattr(library, "LIBRARY", copy)
-    assert package.inputs_digest(spec, topology, options, args) == before
+    assert digest.inputs_digest(spec, topology, options, args) == before
     source = (copy / "ring.py").read_text()
     (copy / "ring.py").write_text(source.replace("self.depth = depth", "self.depth = depth + 0"))
-    assert package.inputs_digest(spec, topology, options, args) != before
+    assert digest.inputs_digest(spec, topology, options, args) != before
 
 
 # ---------------------------------------------------------------- routing

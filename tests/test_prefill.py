@@ -1,4 +1,4 @@
-"""The XLA prefill over per-core layouts (mkgen/codegen/prefill.py, mkgen/codegen/unpack.py).
+"""The XLA prefill over per-core layouts (mkgen/codegen/prefill.py, mkgen/weights/unpack.py).
 
 Unpacking what the packer wrote gives back every tensor the kernel stores (every
 attention and FFN kind, the stream's int8 / fp8 segments, int4 / int8 / mxfp4 / nvfp4 /
@@ -47,13 +47,13 @@ def _setup(spec_ref: str):
     twin splitting what the full-size build splits (the router, MLA's latent
     projections), as a build's mini twin does; or of a case of SPECIAL_CASES."""
     from mkgen.codegen.package import mini_kernel_args
-    from mkgen.codegen.quantize import stored_random_weights
     from mkgen.plan import plan_build
     from mkgen.plan.options import BuildOptions
     from mkgen.plan.sharding import full_size_splits
     from mkgen.spec.loader import load_spec
     from mkgen.spec.mini import mini_twin
     from mkgen.spec.topology import parse_topology
+    from mkgen.weights.quantize import stored_random_weights
 
     topology = parse_topology(TOPOLOGY)
     options = BuildOptions.create(context=CONTEXT, batch=BATCH)
@@ -107,9 +107,9 @@ def test_unpacking_gives_back_the_stored_tensors(spec_ref: str) -> None:
     """Every core's pieces of every layer, gathered and assembled, equal the weights the
     kernel stores (fake_quantize: the spec's formats); each core's routed-expert pieces
     equal its experts' column slices."""
-    from mkgen.codegen import pack, unpack
     from mkgen.reference.model import layer_weights
     from mkgen.spec.weights import model_weights
+    from mkgen.weights import pack, unpack
 
     spec, layout, weights = _setup(spec_ref)
     shapes = {w.name: w.shape for w in model_weights(spec)}
@@ -182,7 +182,7 @@ def _placed(layout, weights, mesh) -> dict:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from mkgen.codegen import pack
+    from mkgen.weights import pack
 
     ranks, sharded = layout.devices, NamedSharding(mesh, P("cores"))
     per_rank = [pack.pack_experts(layout, weights, r) for r in range(ranks)]
@@ -268,8 +268,8 @@ def _dots_child(spec_refs: list[str]) -> dict:
     from jax.sharding import Mesh
 
     from mkgen.codegen.prefill import _expert_arrays, _start_cache, prefill_steps
-    from mkgen.codegen.unpack import piece_shape
     from mkgen.spec.weights import model_weights
+    from mkgen.weights.unpack import piece_shape
 
     projections = set().union(*SPLIT_CASES.values())
     results = {}
@@ -378,7 +378,7 @@ def test_dense_mlps_split_by_columns_are_computed_in_pieces() -> None:
 def _core_pieces(layout, weights, rank: int, layer: int, layer_shapes) -> dict:
     """Core `rank`'s pieces of layer `layer` (unpack.layer_pieces of what the packer wrote
     for it)."""
-    from mkgen.codegen import pack, unpack
+    from mkgen.weights import pack, unpack
 
     return unpack.layer_pieces(
         layout, layer, _kind_rows(layout, layer, pack.pack_stream_layer(layout, weights, rank, layer)),
@@ -404,7 +404,6 @@ def test_attention_heads_are_computed_by_their_own_cores(spec_ref: str) -> None:
     DeltaNet: the kv / key heads its heads read; MLA: the latent projections, replicated).
     The cores' outputs summed, plus bo, are the layer's attention; each core's cache, in
     the kernel's layout, is its cut of the reference cache (MLA: the whole latent cache)."""
-    from mkgen.codegen import unpack
     from mkgen.codegen.prefill import (
         _own_heads_kind,
         core_attention,
@@ -413,6 +412,7 @@ def test_attention_heads_are_computed_by_their_own_cores(spec_ref: str) -> None:
     )
     from mkgen.reference import model as reference
     from mkgen.spec.weights import model_weights
+    from mkgen.weights import unpack
 
     spec, layout, weights = _setup(spec_ref)
     shapes = {w.name: w.shape for w in model_weights(spec)}

@@ -12,8 +12,9 @@ import pytest
 from cli_run import assert_user_error, mkgen
 
 from mkgen.codegen.build import render_kernel
+from mkgen.codegen.build_list import entry_inputs, read_build_list
 from mkgen.codegen.conformance import check_program_order, consumed_segments
-from mkgen.codegen.package import entry_inputs, mini_kernel_args, read_build_list, render_build
+from mkgen.codegen.package import mini_kernel_args, render_build
 from mkgen.plan import BuildOptions, plan_build
 from mkgen.plan import stream as stream_module
 from mkgen.plan.graph import ScheduleCheckError

@@ -28,7 +28,8 @@ from fixture_builds import TOPOLOGY, make_fixture_build
 from test_convert import FIXTURES, write_sharded
 
 from mkgen.cli import main
-from mkgen.codegen.package import GENERATED, render_build
+from mkgen.codegen.naming import GENERATED
+from mkgen.codegen.package import render_build
 from mkgen.errors import MkgenError
 from mkgen.plan.options import BuildOptions
 from mkgen.runtime.main import Streamer
@@ -493,7 +494,7 @@ def test_run_and_serve_refuse_tokenizer_files_changed_since_the_conversion(
 def test_a_tokenizer_deleted_or_added_beside_the_weights_is_refused(
     tokenized_weights: Path, tmp_path: Path, change: str, fragment: str
 ) -> None:
-    from mkgen.codegen.convert import LAYOUT_FILE, TOKENIZER_FILE, tokenizer_file
+    from mkgen.weights.convert import LAYOUT_FILE, TOKENIZER_FILE, tokenizer_file
 
     weights = shutil.copytree(tokenized_weights, tmp_path / "w")
     if change == "delete":

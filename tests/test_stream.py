@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from cli_run import mkgen
 
-from mkgen.codegen import pack, unpack
-from mkgen.codegen.package import BUILD_LIST, entry_inputs, mini_kernel_args, read_build_list
+from mkgen.codegen.build_list import BUILD_LIST, entry_inputs, read_build_list
+from mkgen.codegen.package import mini_kernel_args
 from mkgen.plan import plan_build
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.stream import LANES, BankVisit, bank_visits, make_segment
@@ -19,6 +19,7 @@ from mkgen.spec.loader import load_spec
 from mkgen.spec.mini import mini_twin
 from mkgen.spec.topology import parse_topology
 from mkgen.spec.weights import model_weights
+from mkgen.weights import pack, unpack
 
 BF16 = pack.BF16
 

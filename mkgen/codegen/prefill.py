@@ -40,8 +40,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mkgen.codegen import unpack
-from mkgen.codegen.pack import expert_arrays
 from mkgen.plan.layout import (
     DenseLayout,
     GQALayout,
@@ -57,6 +55,8 @@ from mkgen.reference.ffn import moe_ffn, shared_mlp
 from mkgen.reference.layers import Project, gated_activation, mm, multiply, rms_norm
 from mkgen.spec.schema import AttentionKind, GQAAttention, ModelSpec
 from mkgen.spec.weights import attention_weights, model_weights
+from mkgen.weights import unpack
+from mkgen.weights.pack import expert_arrays
 
 AttentionLayout = GQALayout | MLALayout | RecurrentLayout
 

@@ -1,7 +1,7 @@
 """A weight chunk's product in each stored format: `*_product(slot arrays, ...)` returns
 product(x, slot, j) = x [rows, CHUNK] bf16 @ chunk j of the slot, f32, as a Ring reads
 it; the scaled formats multiply on the MXU in the codes' own dtype (_grouped_dot) and
-scale the partial products. The layouts are the packer's (mkgen/codegen/quantize.py,
+scale the partial products. The layouts are the packer's (mkgen/weights/quantize.py,
 pack_*_chunks)."""
 
 import jax

@@ -676,7 +676,7 @@ class HFMapping:
     decoder layer i (mkgen names), reading only that layer's checkpoint tensors; once
     every part was taken, `check_complete()` holds the checkpoint to the spec (nothing
     missing, nothing unused). `load_hf_weights` takes every part at once; the converter
-    (mkgen/codegen/convert.py) takes them one layer at a time, so that at most one layer
+    (mkgen/weights/convert.py) takes them one layer at a time, so that at most one layer
     of the checkpoint is in memory."""
 
     def __init__(

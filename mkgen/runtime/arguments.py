@@ -242,7 +242,7 @@ def load_tokenizer(path: str | None, weights: str | None, *, verify: bool = True
     """The tokenizer of --tokenizer, else the one converted beside --weights (with
     `verify`, the file mkgen convert copied: convert.tokenizer_file), else None."""
     if path is None and weights is not None:
-        from mkgen.codegen.convert import tokenizer_file
+        from mkgen.weights.convert import tokenizer_file
 
         converted = tokenizer_file(Path(weights), TOKENIZER_FILE, verify=verify)
         path = None if converted is None else str(converted)

@@ -17,17 +17,17 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mkgen import output
-from mkgen.codegen import convert, pack
 from mkgen.runtime.build import Build
+from mkgen.weights import convert, pack
 
 
 class RandomWeights:
     """The reference's random weights as the kernel stores them (bf16, or the spec's
-    quantized formats: mkgen.codegen.quantize.stored_random_weights), packed per core on
-    demand (mkgen.codegen.pack)."""
+    quantized formats: mkgen.weights.quantize.stored_random_weights), packed per core on
+    demand (mkgen.weights.pack)."""
 
     def __init__(self, spec: Any, layout: Any, seed: int) -> None:
-        from mkgen.codegen.quantize import stored_random_weights
+        from mkgen.weights.quantize import stored_random_weights
 
         self.layout = layout
         self.inventory = stored_random_weights(spec, seed)

@@ -70,8 +70,8 @@ def serve(
     devices, a broken tokenizer_config.json, tokenizer files changed since the
     conversion) are MkgenErrors before any request is taken, and so is a failed warm-up
     (nothing could be served)."""
-    from mkgen.codegen.convert import TOKENIZER_CONFIG_FILE, tokenizer_file
     from mkgen.serve.chat import load_tokenizer_config
+    from mkgen.weights.convert import TOKENIZER_CONFIG_FILE, tokenizer_file
 
     _log_to_stderr()
     verify = not trust_weights

@@ -101,7 +101,7 @@ def compile_full_size(
     from jax.sharding import Mesh
 
     from mkgen.codegen.build import load_module, render_kernel
-    from mkgen.codegen.package import build_name
+    from mkgen.codegen.naming import build_name
     from mkgen.plan import plan_build
     from mkgen.plan.collectives import arrange_devices
     from mkgen.verify.inspect import vmem_map

@@ -251,7 +251,7 @@ class Build:
 
 def resolve_build(ref: str | Path) -> Path:
     """A build directory, or a build name under generated/ (`qwen3-32b-2x2x1`)."""
-    from mkgen.codegen.package import GENERATED
+    from mkgen.codegen.naming import GENERATED
 
     path = Path(ref)
     if (path / "megakernel.py").exists():

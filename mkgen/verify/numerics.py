@@ -423,10 +423,8 @@ def _run_child(
     from jax.experimental.pallas import tpu as pltpu
     from jax.sharding import Mesh
 
-    from mkgen.codegen import pack
     from mkgen.codegen.build import load_module, render_kernel
     from mkgen.codegen.package import mini_kernel_args
-    from mkgen.codegen.quantize import stored_random_weights
     from mkgen.plan import plan_build
     from mkgen.plan.collectives import arrange_devices
     from mkgen.plan.options import BuildOptions
@@ -436,6 +434,8 @@ def _run_child(
     from mkgen.spec.mini import mini_twin
     from mkgen.spec.schema import MoEFFN
     from mkgen.spec.topology import parse_topology
+    from mkgen.weights import pack
+    from mkgen.weights.quantize import stored_random_weights
 
     topology = parse_topology(topology_text)
     devices = topology.num_devices

@@ -12,7 +12,10 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
-from mkgen.codegen.quantize import (
+from mkgen.plan.layout import KernelLayout, MoELayout
+from mkgen.plan.stream import CHUNK, LANES, Part, Segment, TensorView
+from mkgen.spec.quant import parse_format
+from mkgen.weights.quantize import (
     as_bf16_rows,
     fp8_quantize,
     int8_quantize,
@@ -22,9 +25,6 @@ from mkgen.codegen.quantize import (
     pack_mxfp4_chunks,
     pack_nvfp4_chunks,
 )
-from mkgen.plan.layout import KernelLayout, MoELayout
-from mkgen.plan.stream import CHUNK, LANES, Part, Segment, TensorView
-from mkgen.spec.quant import parse_format
 
 BF16 = ml_dtypes.bfloat16
 

@@ -1,4 +1,4 @@
-"""Per-core layouts back to tensors: the inverse of mkgen.codegen.pack, in jax.numpy.
+"""Per-core layouts back to tensors: the inverse of mkgen.weights.pack, in jax.numpy.
 
 Every shape comes from the layout, so the functions trace: the sharded XLA prefill
 (mkgen/codegen/prefill.py) unpacks each core's own banks, slab and expert arrays on its
@@ -14,10 +14,10 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from mkgen.codegen.quantize import E2M1_VALUES
 from mkgen.plan.layout import ExpertChunks, KernelLayout, MoELayout
 from mkgen.plan.stream import CHUNK, LANES, Part, Segment, TensorView
 from mkgen.spec.quant import parse_format
+from mkgen.weights.quantize import E2M1_VALUES
 
 # A rank's routed pieces (its experts, its width part): they stay on their rank.
 EXPERT_TENSORS = (
@@ -31,7 +31,7 @@ EXPERT_TENSORS = (
 
 def _row_bytes(rows: jax.Array) -> jax.Array:
     """bf16 rows [..., R, LANES] -> the uint8 rows they hold [..., 2R, LANES] (row 2a is
-    the low byte of bf16 row a: mkgen.codegen.quantize.as_bf16_rows)."""
+    the low byte of bf16 row a: mkgen.weights.quantize.as_bf16_rows)."""
     words = jax.lax.bitcast_convert_type(rows, jnp.uint16)
     low, high = (words & 0xFF).astype(jnp.uint8), (words >> 8).astype(jnp.uint8)
     pairs = jnp.stack([low, high], axis=-2)  # [..., R, 2, LANES]
@@ -55,14 +55,14 @@ def _scaled(codes: jax.Array, scales: jax.Array) -> jax.Array:
 
 def _nibbles(packed: jax.Array) -> jax.Array:
     """int8 bytes [..., CHUNK / 2, LANES] -> 4-bit codes [..., CHUNK, LANES] in [0, 15]
-    (mkgen.codegen.quantize.pack_nibbles: low nibble row r, high nibble row r + CHUNK / 2)."""
+    (mkgen.weights.quantize.pack_nibbles: low nibble row r, high nibble row r + CHUNK / 2)."""
     byte = jax.lax.bitcast_convert_type(packed, jnp.uint8).astype(jnp.int32)
     return jnp.concatenate([byte & 0xF, byte >> 4], axis=-2)
 
 
 def _nibble_pairs(packed: jax.Array) -> jax.Array:
     """int8 bytes [..., CHUNK / 2, LANES] -> 4-bit codes [..., CHUNK, LANES] in [0, 15]
-    (mkgen.codegen.quantize.pack_nibble_pairs: low nibble row 2a, high nibble row 2a + 1)."""
+    (mkgen.weights.quantize.pack_nibble_pairs: low nibble row 2a, high nibble row 2a + 1)."""
     byte = jax.lax.bitcast_convert_type(packed, jnp.uint8).astype(jnp.int32)
     pairs = jnp.stack([byte & 0xF, byte >> 4], axis=-2)  # [..., CHUNK / 2, 2, LANES]
     return pairs.reshape(*byte.shape[:-2], 2 * byte.shape[-2], byte.shape[-1])

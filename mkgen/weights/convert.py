@@ -3,7 +3,7 @@
 ``mkgen convert SPEC --checkpoint DIR --topology T -o WEIGHTS`` maps a Hugging Face
 checkpoint onto the inventory a layer at a time (mkgen.reference.hf_weights.HFMapping),
 packs each layer into every core's stream banks, vector slab and expert arrays with the
-packer the runner uses for random weights (mkgen.codegen.pack, quantizing to the build's
+packer the runner uses for random weights (mkgen.weights.pack, quantizing to the build's
 formats), and writes::
 
     WEIGHTS/
@@ -71,12 +71,12 @@ import ml_dtypes
 import numpy as np
 
 from mkgen import __version__
-from mkgen.codegen import pack
 from mkgen.errors import MkgenError
 from mkgen.output import check_directory, progress_bar, resolved_target
 from mkgen.plan.layout import KernelLayout
 from mkgen.spec.schema import ModelSpec, MoEFFN
 from mkgen.spec.weights import model_weights
+from mkgen.weights import pack
 
 CONTAINER_FORMAT = 1
 LAYOUT_FILE = "layout.json"

@@ -1,0 +1,5 @@
+"""`python -m mkgen.cli`: the same as the `mkgen` command."""
+
+from mkgen.cli import main
+
+main()

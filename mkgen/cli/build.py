@@ -1,0 +1,155 @@
+"""Commands that write and outline builds: `build`, `regen` and `inspect`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from mkgen.cli.checks import compile_and_print, verify_and_print
+from mkgen.cli.options import (
+    force_option,
+    kernel_options,
+    output_option,
+    plan_inputs,
+    prepare_jax,
+    shown,
+    spec_argument,
+)
+
+
+@click.command("build", short_help="Generate the megakernel build of a spec.")
+@spec_argument()
+@kernel_options
+@output_option("Build directory (default: generated/<spec>-<shape>/ in the checkout).")
+@force_option(
+    "Overwrite a build mkgen wrote whose files were edited or deleted (never a "
+    "directory or file mkgen did not write)."
+)
+def build_command(
+    spec_ref: str,
+    topology: str,
+    batch: int,
+    rows: int,
+    context: int | None,
+    acceptance: float | None,
+    quant: tuple[str, ...],
+    ring_depth: int | None,
+    expert_slots: int | None,
+    held_refills: int | None,
+    output: Path | None,
+    force: bool,
+) -> None:
+    """Generate the megakernel build of SPEC: megakernel.py, runner.py, plan.json,
+    REPORT.md and mini/ (the mini twin's build), written atomically. Same inputs give
+    identical bytes; compile and verify results are added by `mkgen compile/verify
+    --update-report`."""
+    import time
+
+    from mkgen.codegen.naming import CommandLine, build_commands, default_build_dir
+    from mkgen.codegen.package import make_build
+
+    prepare_jax()
+    spec, topo, options = plan_inputs(
+        spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,
+        quant=quant, ring_depth=ring_depth, expert_slots=expert_slots, held_refills=held_refills,
+    )  # fmt: skip
+    # The printed commands name the build as the user did, so they run as printed.
+    default_dir = output is None or output.resolve() == default_build_dir(spec.name, topo).resolve()
+    line = CommandLine(
+        spec=None if spec_ref == spec.name else spec_ref,
+        output=None if default_dir else str(output),
+    )
+    start = time.perf_counter()
+    result = make_build(spec, topo, options, output=output, force=force, line=line)
+    seconds = time.perf_counter() - start
+    r, where = result.rendered, shown(result.directory)
+    L, est = r.layout, r.plan.estimate
+    if not result.written:
+        click.echo(f"{where}/ is up to date (same inputs, identical files); nothing written")
+        return
+    click.echo(
+        f"wrote {where}/ in {seconds:.1f} s: {spec.name} on {topo.name} ({topo.num_devices} "
+        f"cores), batch {options.batch} x rows {options.rows}, context {options.context}"
+    )
+    kernel_lines = r.files["megakernel.py"].count("\n")
+    click.echo(
+        f"  megakernel.py  {kernel_lines:>5} lines  one pallas_call per step, "
+        f"{len(L.attention_table)} layers in a runtime loop, {L.stream.total_banks} banks of "
+        f"{L.stream.bank_bytes / 2**20:.2f} MiB per core, ring depth {L.stream.ring_depth}"
+    )
+    click.echo(
+        f"  runner.py      {r.files['runner.py'].count(chr(10)):>5} lines  "
+        f"python {where}/runner.py --help"
+    )
+    click.echo(f"  plan.json      {r.files['plan.json'].count(chr(10)):>5} lines")
+    click.echo(
+        f"  REPORT.md      {r.files['REPORT.md'].count(chr(10)):>5} lines  {est.headline} "
+        f"({r.plan.confidence.calibrated_step_ms:.3f} with no refill held; "
+        f"{r.plan.ideal_floor.times(est.step_ms)}), {est.tokens_per_s_per_user:.1f} tokens/s "
+        "per user"
+    )
+    mini = json.loads(r.files["mini/plan.json"])["kernel"]
+    click.echo(
+        f"  mini/          {mini['model']}: {len(mini['attention_table'])} layers, hidden "
+        f"{mini['hidden']}, banks of {mini['stream']['bank_rows']} rows, ring depth "
+        f"{mini['stream']['ring_depth']}"
+    )
+    click.echo(f"  inputs sha256 {r.inputs_sha256}")
+    commands = build_commands(spec.name, topo, options, line)
+    if result.dropped:
+        click.echo(f"  {_dropped(result.dropped)}")
+    click.echo(f"next: {commands['verify']}; {commands['compile']}; {commands['inspect']}")
+
+
+def _dropped(measurements: tuple[str, ...]) -> str:
+    """What a rebuild says of the measurements it did not keep."""
+    return (
+        f"dropped the recorded {', '.join(measurements)} results: the kernel code changed "
+        "or the build was edited (record them again)"
+    )
+
+
+@click.command("inspect", short_help="Outline a generated kernel's phases, DMAs and VMEM.")
+@click.argument("build", metavar="BUILD")
+@click.option("--layer", type=int, help="Show one layer's schedule next to its code.")
+def inspect_command(build: str, layer: int | None) -> None:
+    """Outline a generated kernel (BUILD: a build directory or a name in generated/):
+    each phase of each layer kind with its lines in megakernel.py, the DMAs in flight
+    and the VMEM map."""
+    from mkgen.verify.inspect import layer_view, outline
+
+    prepare_jax()
+    click.echo(outline(build) if layer is None else layer_view(build, layer))
+
+
+@click.command("regen", short_help="Rebuild every checked-in build in generated/BUILDS.")
+@click.option(
+    "--measure",
+    is_flag=True,
+    help="Also compile and verify each build and record the results in its REPORT.md.",
+)
+def regen_command(measure: bool) -> None:
+    """Rebuild every checked-in build listed in generated/BUILDS (with --force)."""
+    from mkgen.codegen.build_list import BUILD_LIST, entry_inputs, read_build_list
+    from mkgen.codegen.naming import default_build_dir
+    from mkgen.codegen.package import MINI_CONTEXT, make_build
+
+    prepare_jax()
+    for entry in read_build_list(BUILD_LIST):
+        spec, topo, options = entry_inputs(entry)
+        directory = default_build_dir(spec.name, topo)
+        result = make_build(spec, topo, options, output=directory, force=True)
+        state = "rewritten" if result.written else "unchanged"
+        dropped = f"; {_dropped(result.dropped)}" if result.dropped else ""
+        click.echo(f"{shown(directory)}: {state} (mkgen build {entry.line}){dropped}")
+        if measure:
+            from mkgen.verify import checks
+
+            compile_and_print(spec, topo, options, directory)
+            verify_and_print(
+                entry.spec, options.apply(spec), topo, checks.modes_of("both"), directory,
+                steps=2, batch=options.batch, rows=options.rows, context=MINI_CONTEXT, seed=0,
+                timeout=900.0, quant=tuple(f"{f}={v}" for f, v in options.quant),
+            )  # fmt: skip

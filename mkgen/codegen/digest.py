@@ -1,0 +1,75 @@
+"""What a build's bytes are a function of, hashed; and the deterministic JSON it writes.
+
+Every file of a build is a pure function of the inputs (the spec after quant overrides,
+the topology, the options, the kernel arguments, the templates as Jinja reads them, the
+mkgen version and the formatter's), hashed into ``inputs_sha256`` in every header. The
+templates are hashed by their names in the package and their text, never by a file
+location, so a checkout, an installed wheel and a moved module hash alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from mkgen import __version__
+from mkgen.codegen.library import expanded_template
+from mkgen.codegen.render import TEMPLATES, formatter_version
+from mkgen.plan.options import BuildOptions
+from mkgen.spec.schema import ModelSpec
+from mkgen.spec.topology import Topology
+
+# Every template a build renders: the kernel's includes its layer kinds' macros (kinds/).
+TEMPLATE_FILES = ("megakernel.py.j2", "runner.py.j2", "REPORT.md.j2") + tuple(
+    f"kinds/{t.name}" for t in sorted((TEMPLATES / "kinds").iterdir(), key=lambda t: t.name)
+)
+
+
+def _canonical(data: Any) -> str:
+    """Compact JSON that keeps key order: the order of a spec's kinds is meaningful (it
+    numbers them in the kernel's layer tables), so it must change the hash."""
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=True)
+
+
+def inputs_digest(
+    spec: ModelSpec, topology: Topology, options: BuildOptions, kernel_args: Mapping[str, Any]
+) -> str:
+    """sha256 of everything a build is rendered from (`spec` with its overrides applied)."""
+    # Each template as Jinja reads it: with the kernel library members it includes.
+    template_digests = {
+        name: hashlib.sha256(
+            expanded_template((TEMPLATES / name).read_bytes(), name).encode()
+        ).hexdigest()
+        for name in TEMPLATE_FILES
+    }
+    data = {
+        "mkgen": __version__,
+        "spec": spec.model_dump(mode="json"),
+        "topology": topology.name,
+        "options": options.model_dump(mode="json"),
+        "kernel_args": dict(kernel_args),
+        "templates": template_digests,
+        "ruff": formatter_version(),  # it formats the generated code
+    }
+    return hashlib.sha256(_canonical(data).encode()).hexdigest()
+
+
+def sorted_keys(data: Any) -> Any:
+    """`data` with every dict's keys sorted (for data whose dict order means nothing)."""
+    if isinstance(data, dict):
+        return {key: sorted_keys(data[key]) for key in sorted(data)}
+    if isinstance(data, list | tuple):
+        return [sorted_keys(value) for value in data]
+    return data
+
+
+def dump_json(data: Any, *, sort: bool = True) -> str:
+    """Deterministic JSON for files: sorted keys (unless `sort` is off because the caller
+    fixed the order), ASCII, one trailing newline."""
+    return json.dumps(data, sort_keys=sort, indent=1, ensure_ascii=True) + "\n"
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
