@@ -57,6 +57,7 @@ import re
 import shutil
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -329,6 +330,104 @@ def _uniform_(t: torch.Tensor, low: float, high: float) -> None:
         t.copy_(torch.rand(t.shape, dtype=t.dtype) * (high - low) + low)
 
 
+# A re-draw rule: (module name, module, its own parameters) -> (parameter name, rule) of
+# every parameter it re-drew, in draw order (None: a buffer, not a parameter).
+Redraw = Callable[[str, nn.Module, dict[str, nn.Parameter]], list[tuple[str | None, str]]]
+
+
+def _redraw_embedding(mname: str, mod: nn.Module, own: dict) -> list[tuple[str | None, str]]:
+    _normal_(mod.weight, 1.0)
+    return [("weight", "embeddings: N(0,1)")]
+
+
+def _redraw_linear(mname: str, mod: nn.Module, own: dict) -> list[tuple[str | None, str]]:
+    _normal_(mod.weight, 1.0 / math.sqrt(mod.in_features))
+    out: list[tuple[str | None, str]] = [("weight", "linear weights: N(0, 1/sqrt(fan_in))")]
+    if mod.bias is not None:
+        _normal_(mod.bias, 0.1)
+        out.append(("bias", "linear biases: N(0, 0.1)"))
+    return out
+
+
+def _redraw_conv1d(mname: str, mod: nn.Module, own: dict) -> list[tuple[str | None, str]]:
+    # depthwise [C, 1, K]: fan_in = K
+    _normal_(mod.weight, 1.0 / math.sqrt(mod.weight.shape[-1]))
+    out: list[tuple[str | None, str]] = [
+        ("weight", "depthwise conv1d weights: N(0, 1/sqrt(kernel))")
+    ]
+    if mod.bias is not None:
+        _normal_(mod.bias, 0.1)
+        out.append(("bias", "conv biases: N(0, 0.1)"))
+    return out
+
+
+def _redraw_rms_norm(mname: str, mod: nn.Module, own: dict) -> list[tuple[str | None, str]]:
+    cls = type(mod).__name__
+    w = mod.weight
+    if cls in ZERO_CENTRED_NORMS:
+        assert torch.all(w == 0), f"{mname}: expected HF init zeros for {cls}"
+        _normal_(w, 0.1)
+        return [("weight", "zero-centred (1+w) RMSNorm weights: 0.1*N(0,1)")]
+    assert torch.all(w == 1), f"{mname}: expected HF init ones for {cls}"
+    _normal_(w, 0.1, mean=1.0)
+    return [("weight", "RMSNorm weights: 1 + 0.1*N(0,1)")]
+
+
+def _redraw_experts(mname: str, mod: nn.Module, own: dict) -> list[tuple[str | None, str]]:
+    transposed = bool(getattr(mod, "is_transposed", False))
+    out: list[tuple[str | None, str]] = []
+    for pname, p in own.items():
+        if pname.endswith("_bias"):
+            _normal_(p, 0.1)
+            out.append((pname, "expert biases: N(0, 0.1)"))
+        else:
+            # [E, out, in] (F.linear layout) or, transposed, [E, in, out]
+            fan_in = p.shape[1] if transposed else p.shape[2]
+            _normal_(p, 1.0 / math.sqrt(fan_in))
+            out.append((pname, "expert weights: N(0, 1/sqrt(fan_in))"))
+    return out
+
+
+def _redraw_router(mname: str, mod: nn.Module, own: dict) -> list[tuple[str | None, str]]:
+    _normal_(mod.weight, 1.0 / math.sqrt(mod.weight.shape[1]))
+    out: list[tuple[str | None, str]] = [("weight", "router weights: N(0, 1/sqrt(hidden))")]
+    if "bias" in own:
+        _normal_(mod.bias, 0.5)
+        out.append(("bias", "router bias (gpt-oss): N(0, 0.5)"))
+    if hasattr(mod, "e_score_correction_bias"):
+        _normal_(mod.e_score_correction_bias, 0.2)
+        out.append((None, "e_score_correction_bias (buffer): N(0, 0.2)"))
+    return out
+
+
+def _redraw_sinks(mname: str, mod: nn.Module, own: dict) -> list[tuple[str | None, str]]:
+    _normal_(mod.sinks, 0.5)
+    return [("sinks", "attention sinks: N(0, 0.5)")]
+
+
+def _redraw_decay(mname: str, mod: nn.Module, own: dict) -> list[tuple[str | None, str]]:
+    # g = -exp(A_log) * softplus(a + dt_bias); A in [0.1, 2] (HF: [0.01, 16]) keeps most
+    # per-step decays exp(g) well away from 0, so the state matters over 12 tokens.
+    _uniform_(mod.A_log, 0.1, 2.0)
+    with torch.no_grad():
+        mod.A_log.log_()
+    _normal_(mod.dt_bias, 0.5)
+    return [("A_log", "A_log = log(U(0.1, 2))"), ("dt_bias", "dt_bias: N(0, 0.5)")]
+
+
+# The first rule whose test holds for (module, class name) re-draws the module.
+REDRAW_RULES: tuple[tuple[Callable[[nn.Module, str], bool], Redraw], ...] = (
+    (lambda mod, cls: isinstance(mod, nn.Embedding), _redraw_embedding),
+    (lambda mod, cls: isinstance(mod, nn.Linear), _redraw_linear),
+    (lambda mod, cls: isinstance(mod, nn.Conv1d), _redraw_conv1d),
+    (lambda mod, cls: "RMSNorm" in cls, _redraw_rms_norm),
+    (lambda mod, cls: cls.endswith("Experts"), _redraw_experts),
+    (lambda mod, cls: cls.endswith("Router"), _redraw_router),
+    (lambda mod, cls: cls == "GptOssAttention", _redraw_sinks),
+    (lambda mod, cls: cls in ("Qwen3NextGatedDeltaNet", "KimiLinearForgetGate"), _redraw_decay),
+)
+
+
 def redraw_parameters(model: nn.Module) -> list[str]:
     """Re-draw every parameter (and the routing-bias buffer) so activations are O(1).
 
@@ -337,83 +436,18 @@ def redraw_parameters(model: nn.Module) -> list[str]:
     """
     done: set[str] = set()
     rules: set[str] = set()
-
-    def mark(prefix: str, pname: str, rule: str) -> None:
-        done.add(f"{prefix}.{pname}" if prefix else pname)
-        rules.add(rule)
-
     for mname, mod in model.named_modules():
         cls = type(mod).__name__
         own = dict(mod.named_parameters(recurse=False))
         if not own and not hasattr(mod, "e_score_correction_bias"):
             continue
-        if isinstance(mod, nn.Embedding):
-            _normal_(mod.weight, 1.0)
-            mark(mname, "weight", "embeddings: N(0,1)")
-        elif isinstance(mod, nn.Linear):
-            _normal_(mod.weight, 1.0 / math.sqrt(mod.in_features))
-            mark(mname, "weight", "linear weights: N(0, 1/sqrt(fan_in))")
-            if mod.bias is not None:
-                _normal_(mod.bias, 0.1)
-                mark(mname, "bias", "linear biases: N(0, 0.1)")
-        elif isinstance(mod, nn.Conv1d):
-            # depthwise [C, 1, K]: fan_in = K
-            _normal_(mod.weight, 1.0 / math.sqrt(mod.weight.shape[-1]))
-            mark(mname, "weight", "depthwise conv1d weights: N(0, 1/sqrt(kernel))")
-            if mod.bias is not None:
-                _normal_(mod.bias, 0.1)
-                mark(mname, "bias", "conv biases: N(0, 0.1)")
-        elif "RMSNorm" in cls:
-            w = mod.weight
-            if cls in ZERO_CENTRED_NORMS:
-                assert torch.all(w == 0), f"{mname}: expected HF init zeros for {cls}"
-                _normal_(w, 0.1)
-                mark(mname, "weight", "zero-centred (1+w) RMSNorm weights: 0.1*N(0,1)")
-            else:
-                assert torch.all(w == 1), f"{mname}: expected HF init ones for {cls}"
-                _normal_(w, 0.1, mean=1.0)
-                mark(mname, "weight", "RMSNorm weights: 1 + 0.1*N(0,1)")
-        elif cls.endswith("Experts"):
-            transposed = bool(getattr(mod, "is_transposed", False))
-            for pname, p in own.items():
-                if pname.endswith("_bias"):
-                    _normal_(p, 0.1)
-                    mark(mname, pname, "expert biases: N(0, 0.1)")
-                else:
-                    # [E, out, in] (F.linear layout) or, transposed, [E, in, out]
-                    fan_in = p.shape[1] if transposed else p.shape[2]
-                    _normal_(p, 1.0 / math.sqrt(fan_in))
-                    mark(mname, pname, "expert weights: N(0, 1/sqrt(fan_in))")
-        elif cls.endswith("Router"):
-            _normal_(mod.weight, 1.0 / math.sqrt(mod.weight.shape[1]))
-            mark(mname, "weight", "router weights: N(0, 1/sqrt(hidden))")
-            if "bias" in own:
-                _normal_(mod.bias, 0.5)
-                mark(mname, "bias", "router bias (gpt-oss): N(0, 0.5)")
-            if hasattr(mod, "e_score_correction_bias"):
-                _normal_(mod.e_score_correction_bias, 0.2)
-                rules.add("e_score_correction_bias (buffer): N(0, 0.2)")
-        elif cls == "GptOssAttention":
-            _normal_(mod.sinks, 0.5)
-            mark(mname, "sinks", "attention sinks: N(0, 0.5)")
-        elif cls == "Qwen3NextGatedDeltaNet":
-            # g = -exp(A_log) * softplus(a + dt_bias); A in [0.1, 2] (HF: [0.01, 16]) keeps most
-            # per-step decays exp(g) well away from 0, so the state matters over 12 tokens.
-            _uniform_(mod.A_log, 0.1, 2.0)
-            with torch.no_grad():
-                mod.A_log.log_()
-            _normal_(mod.dt_bias, 0.5)
-            mark(mname, "A_log", "A_log = log(U(0.1, 2))")
-            mark(mname, "dt_bias", "dt_bias: N(0, 0.5)")
-        elif cls == "KimiLinearForgetGate":
-            _uniform_(mod.A_log, 0.1, 2.0)
-            with torch.no_grad():
-                mod.A_log.log_()
-            _normal_(mod.dt_bias, 0.5)
-            mark(mname, "A_log", "A_log = log(U(0.1, 2))")
-            mark(mname, "dt_bias", "dt_bias: N(0, 0.5)")
-        else:
+        redraw = next((r for applies, r in REDRAW_RULES if applies(mod, cls)), None)
+        if redraw is None:
             raise RuntimeError(f"no re-draw rule for {mname} ({cls}): {sorted(own)}")
+        for pname, rule in redraw(mname, mod, own):
+            if pname is not None:
+                done.add(f"{mname}.{pname}" if mname else pname)
+            rules.add(rule)
 
     missing = [n for n, _ in model.named_parameters() if n not in done]
     if missing:
@@ -719,7 +753,22 @@ def derived_constants(model: nn.Module) -> dict:
 
 
 def build(name: str, out_root: Path) -> dict:
-    model_type, _, notes = ARCHS[name]
+    seed, model, rules, full_ids, cap, tried = choose_seed(name)
+    ids = full_ids[:, : len(PROMPT_IDS)]
+    runs = reference_runs(name, model, ids, full_ids)
+    routing, arrays = routing_statistics(cap, tried[seed])
+    out = out_root / name
+    renamed = save_checkpoint(name, model, out, runs.checks)
+    check_reloaded(name, out, full_ids, runs)
+    npz_index = save_expected(out, ids, full_ids, runs, cap, arrays)
+    meta = fixture_meta(name, model, seed, tried, rules, runs, routing, renamed, npz_index)
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def choose_seed(name: str) -> tuple[int, nn.Module, list[str], torch.Tensor, Capture, dict]:
+    """(seed, model, its re-draw rules, prompt + greedy ids, its captured activations, the
+    margins of every seed tried) of the first seed from SEED whose margins hold."""
     tried = {}
     for seed in range(SEED, SEED + MAX_SEED_TRIES):
         model, rules = make_model(name, seed)
@@ -728,13 +777,27 @@ def build(name: str, out_root: Path) -> dict:
         tried[seed] = {**marg, "bf16_greedy_ids_equal": bf16_ok}
         router_ok = all(v >= MIN_ROUTER_MARGIN for k, v in marg.items() if k != "greedy_top1_top2")
         if marg["greedy_top1_top2"] >= MIN_GREEDY_MARGIN and router_ok and bf16_ok:
-            break
-    else:
-        raise RuntimeError(f"{name}: no seed with large enough margins: {tried}")
+            return seed, model, rules, full_ids, cap, tried
+    raise RuntimeError(f"{name}: no seed with large enough margins: {tried}")
 
+
+@dataclass
+class ReferenceRuns:
+    """transformers' own runs of a fixture model, the checks that they agree and the
+    linear-attention functions each run called."""
+
+    logits: torch.Tensor  # [T, V]: no-cache forward of the prompt
+    ref: torch.Tensor  # [T+N, V]: no-cache forward of prompt + greedy continuation
+    greedy: torch.Tensor  # [N]: the greedy continuation of cached generate
+    checks: dict[str, float | bool]
+    paths: dict[str, dict[str, int]]
+
+
+def reference_runs(
+    name: str, model: nn.Module, ids: torch.Tensor, full_ids: torch.Tensor
+) -> ReferenceRuns:
     modeling = sys.modules[type(model).__module__]
     counter = CallCounter(modeling, LINEAR_ATTN_FUNCS)
-    ids = full_ids[:, : len(PROMPT_IDS)]
     T = ids.shape[1]
     checks: dict[str, float | bool] = {}
     paths: dict[str, dict[str, int]] = {}
@@ -772,8 +835,12 @@ def build(name: str, out_root: Path) -> dict:
     checks[f"decode_consistent_within_{DECODE_TOL:g}"] = all(
         float(d.abs().max()) <= DECODE_TOL for d in diffs.values()
     )
+    return ReferenceRuns(logits, ref, greedy, checks, paths)
 
-    # routing statistics over prompt + continuation
+
+def routing_statistics(cap: Capture, margins_tried: dict) -> tuple[dict[str, dict], dict]:
+    """(routing statistics over prompt + continuation per MoE layer, the top-k arrays of
+    expected.npz), from the chosen seed's captures and margins."""
     routing: dict[str, dict] = {}
     arrays: dict[str, np.ndarray] = {}
     for i, (idx, w) in sorted(cap.topk.items()):
@@ -784,7 +851,7 @@ def build(name: str, out_root: Path) -> dict:
         info = {
             "tokens": int(idx_s.shape[0]),
             "distinct_expert_sets": len({tuple(r) for r in idx_s.tolist()}),
-            "min_selection_margin": tried[seed][f"router_layer{i}"],
+            "min_selection_margin": margins_tried[f"router_layer{i}"],
         }
         router = cap.routers[i]
         if hasattr(router, "e_score_correction_bias"):
@@ -792,9 +859,12 @@ def build(name: str, out_root: Path) -> dict:
                 router, cap.router_in[i]
             )
         routing[f"layer{i}"] = info
+    return routing, arrays
 
-    # save
-    out = out_root / name
+
+def save_checkpoint(name: str, model: nn.Module, out: Path, checks: dict) -> dict[str, str]:
+    """Write config.json and model.safetensors (hub names, bf16-exact) to a fresh `out`;
+    the checkpoint keys renamed."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -808,33 +878,61 @@ def build(name: str, out_root: Path) -> dict:
     checks["checkpoint_bf16_exact"] = bf16_exact(out / "model.safetensors")
     if not checks["checkpoint_bf16_exact"]:
         raise RuntimeError(f"{name}: saved weights are not bfloat16-exact")
+    return renamed
 
-    # reload from disk: the saved files alone must reproduce the reference logits
+
+def check_reloaded(name: str, out: Path, full_ids: torch.Tensor, runs: ReferenceRuns) -> None:
+    """The saved files alone must reproduce the reference logits."""
     reloaded = AutoModelForCausalLM.from_pretrained(
         out, attn_implementation="eager", experts_implementation="eager", dtype=torch.float32
     )
     reloaded.eval()
-    checks["max_abs_reloaded_checkpoint_vs_reference"] = float(
-        (forward_logits(reloaded, full_ids) - ref).abs().max()
+    runs.checks["max_abs_reloaded_checkpoint_vs_reference"] = float(
+        (forward_logits(reloaded, full_ids) - runs.ref).abs().max()
     )
-    if checks["max_abs_reloaded_checkpoint_vs_reference"] > 1e-6:
+    if runs.checks["max_abs_reloaded_checkpoint_vs_reference"] > 1e-6:
         raise RuntimeError(f"{name}: reloaded checkpoint does not reproduce the logits")
 
+
+def save_expected(
+    out: Path,
+    ids: torch.Tensor,
+    full_ids: torch.Tensor,
+    runs: ReferenceRuns,
+    cap: Capture,
+    arrays: dict[str, np.ndarray],
+) -> dict[str, dict]:
+    """Write expected.npz; its index (shape and dtype of each array)."""
     np.savez_compressed(
         out / "expected.npz",
         prompt_ids=ids[0].to(torch.int32).numpy(),
-        logits=logits.numpy(),
-        greedy_ids=greedy.to(torch.int32).numpy(),
+        logits=runs.logits.numpy(),
+        greedy_ids=runs.greedy.to(torch.int32).numpy(),
         full_ids=full_ids[0].to(torch.int32).numpy(),
-        full_logits=ref.numpy(),
+        full_logits=runs.ref.numpy(),
         embeddings=cap.embeddings[0].numpy(),
         layer_outputs=torch.stack([cap.layers[i][0] for i in sorted(cap.layers)]).numpy(),
         **arrays,
     )
     with np.load(out / "expected.npz") as npz:
-        npz_index = {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in npz.items()}
+        return {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in npz.items()}
 
-    meta = {
+
+def fixture_meta(
+    name: str,
+    model: nn.Module,
+    seed: int,
+    tried: dict,
+    rules: list[str],
+    runs: ReferenceRuns,
+    routing: dict[str, dict],
+    renamed: dict[str, str],
+    npz_index: dict[str, dict],
+) -> dict:
+    """meta.json: versions, classes, seed search, derived constants, checks, routing
+    statistics, code paths."""
+    model_type, _, notes = ARCHS[name]
+    return {
         "name": name,
         "model_type": model_type,
         "model_class": type(model).__name__,
@@ -853,23 +951,21 @@ def build(name: str, out_root: Path) -> dict:
         "attn_implementation": model.config._attn_implementation,
         "experts_implementation": model.config._experts_implementation,
         "prompt_ids": PROMPT_IDS,
-        "greedy_ids": greedy.tolist(),
+        "greedy_ids": runs.greedy.tolist(),
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "layer_types": getattr(model.config, "layer_types", None),
         "derived_constants": derived_constants(model),
-        "checks": checks,
+        "checks": runs.checks,
         "routing": routing,
         "redraw_rules": rules,
         "code_paths": {
             "optional_kernel_packages_installed": optional_kernel_packages(),
-            "function_calls": {k: v for k, v in paths.items() if any(v.values())},
+            "function_calls": {k: v for k, v in runs.paths.items() if any(v.values())},
         },
         "notes": notes,
         "checkpoint_keys_renamed_after_save_pretrained": renamed,
         "expected_npz": npz_index,
     }
-    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    return meta
 
 
 def main() -> None:

@@ -208,16 +208,40 @@ class _Failures:
 
 def analyse(schedule: Schedule, vmem: VmemPlan) -> StepGraph:
     """Build the dataflow graph of ``schedule`` and run every check on it."""
+    fail = _Failures()
+    first, end = _tally_events(schedule, fail)
+    data_edges, slot_readers = _data_edges(schedule.nodes)
+    replay = _Replay(schedule, vmem, end, slot_readers, fail)
+    replay.run()
+    data = set(data_edges)
+    reuse = set(replay.reuse_edges) - data
+    _check_acyclic(schedule.nodes, first, data, reuse, fail)
+    _check_weights(schedule, fail)
+    _check_deadlock(schedule, fail)
+    unbalanced = check_rounds(vmem.dims.collectives, vmem.dims.devices)
+    if unbalanced:
+        fail.add("collectives_balanced", unbalanced)
+    if vmem.explicit_bytes > vmem.budget_bytes or vmem.total_bytes > vmem.limit_bytes:
+        fail.add(
+            "vmem_within_budget",
+            f"VMEM plan {vmem.explicit_bytes} B explicit (budget {vmem.budget_bytes}) + "
+            f"{vmem.internal_bytes} B Mosaic scratch (limit {vmem.limit_bytes})",
+        )
+    checks = {name: name not in fail.first for name in CHECKS}
+    return StepGraph(schedule, data, reuse, checks, dict(fail.first))
+
+
+def _tally_events(schedule: Schedule, fail: _Failures) -> tuple[list[int], list[int]]:
+    """(each node's first position: its run or DMA start; where its reads are over: its
+    run or DMA wait), checking that every DMA is started and waited once and every op
+    runs once."""
     nodes = schedule.nodes
     n_nodes = len(nodes)
-    fail = _Failures()
-
-    # --- positions: every DMA started and waited once, every op run once ---
     starts = [0] * n_nodes
     waits = [0] * n_nodes
     runs = [0] * n_nodes
     first = [-1] * n_nodes
-    end = [-1] * n_nodes  # where a node's reads are over: compute run, DMA wait
+    end = [-1] * n_nodes
     for pos, (op, i) in enumerate(schedule.events):
         node = nodes[i]
         if op == RUN:
@@ -244,8 +268,12 @@ def analyse(schedule: Schedule, vmem: VmemPlan) -> StepGraph:
                 fail.add("dma_waited_once", f"{_label(node)} is waited before it is started")
         elif runs[i] != 1:
             fail.add("ops_run_once", f"{_label(node)} runs {runs[i]} time(s)")
+    return first, end
 
-    # --- readers of every producer through a slot (for the reuse rules) ---
+
+def _data_edges(nodes: list[Node]) -> tuple[list[tuple[int, int]], dict[int, list[int]]]:
+    """(producer -> reader edges, the readers of every producer through a slot: the
+    reuse rules' input)."""
     slot_readers: dict[int, list[int]] = {}
     data_edges: list[tuple[int, int]] = []
     for node in nodes:
@@ -255,27 +283,61 @@ def analyse(schedule: Schedule, vmem: VmemPlan) -> StepGraph:
             data_edges.append((p, node.id))
             if res is not None:
                 slot_readers.setdefault(p, []).append(node.id)
+    return data_edges, slot_readers
 
-    # --- replay the linear order ---
-    occupant: dict[tuple[str, int], int] = {}  # (resource, slot) -> producer (absent: INIT)
-    in_flight: set[int] = set()  # DMA nodes started and not yet waited
-    sem_owner: dict[str, int] = {}
-    reuse_edges: list[tuple[int, int]] = []
-    resources = schedule.resources
-    known_sems = _semaphore_index(vmem)
-    done = [False] * n_nodes  # compute run / DMA waited
 
-    def check_reads(node: Node, pos: int) -> None:
+class _Replay:
+    """The schedule's linear order replayed: what every slot holds, the DMAs in flight and
+    each semaphore's last user, checking every read, write and semaphore use on the way
+    and collecting the buffer reuse edges."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        vmem: VmemPlan,
+        end: list[int],
+        slot_readers: dict[int, list[int]],
+        fail: _Failures,
+    ) -> None:
+        self.schedule, self.nodes = schedule, schedule.nodes
+        self.end, self.slot_readers, self.fail = end, slot_readers, fail
+        self.known_sems = _semaphore_index(vmem)
+        self.occupant: dict[tuple[str, int], int] = {}  # (resource, slot) -> producer
+        self.in_flight: set[int] = set()  # DMA nodes started and not yet waited
+        self.sem_owner: dict[str, int] = {}
+        self.reuse_edges: list[tuple[int, int]] = []
+        self.done = [False] * len(self.nodes)  # compute run / DMA waited
+
+    def run(self) -> None:
+        for pos, (op, i) in enumerate(self.schedule.events):
+            node = self.nodes[i]
+            if op == START:
+                self.check_reads(node)
+                self.take_semaphores(node)
+                if node.resource is not None:
+                    self.write(node, pos)
+                self.in_flight.add(i)
+            elif op == WAIT:
+                self.in_flight.discard(i)
+                self.done[i] = True
+            else:
+                self.check_reads(node)
+                if node.resource is not None:
+                    self.write(node, pos)
+                self.done[i] = True
+
+    def check_reads(self, node: Node) -> None:
+        nodes, fail = self.nodes, self.fail
         for p, res, slot in node.reads:
             if res is None:
-                if p != INIT and not done[p]:
+                if p != INIT and not self.done[p]:
                     fail.add(
                         "reads_after_writes",
                         f"{_label(node)} reads the output of node {p} '{nodes[p].name}' "
                         "before it is written",
                     )
                 continue
-            held = occupant.get((res, slot), INIT)
+            held = self.occupant.get((res, slot), INIT)
             if held != p:
                 what = "the step's initial content" if p == INIT else f"node {p} '{nodes[p].name}'"
                 now = "its initial content" if held == INIT else f"node {held} '{nodes[held].name}'"
@@ -283,98 +345,74 @@ def analyse(schedule: Schedule, vmem: VmemPlan) -> StepGraph:
                     "reads_after_writes",
                     f"{_label(node)} reads {res}[{slot}] expecting {what}, but it holds {now}",
                 )
-            elif p != INIT and not done[p]:
+            elif p != INIT and not self.done[p]:
                 fail.add(
                     "reads_after_writes",
                     f"{_label(node)} reads {res}[{slot}] before node {p} '{nodes[p].name}' "
                     "has landed there (not waited)",
                 )
 
-    def write(node: Node, pos: int) -> None:
+    def take_semaphores(self, node: Node) -> None:
+        """A DMA starts on its semaphores: each must exist and be free."""
+        for s in node.sems:
+            if s not in self.known_sems:
+                self.fail.add("semaphores_unshared", f"{_label(node)} uses {s}, not in the plan")
+            owner = self.sem_owner.get(s)
+            if owner is not None and owner in self.in_flight:
+                self.fail.add(
+                    "semaphores_unshared",
+                    f"{_label(node)} uses {s} while node {owner} '{self.nodes[owner].name}' "
+                    "is in flight on it",
+                )
+            self.sem_owner[s] = node.id
+
+    def write(self, node: Node, pos: int) -> None:
+        nodes, fail = self.nodes, self.fail
         key = (node.resource, node.slot)
         if ":" not in node.resource:  # hbm: and smem: resources are not VMEM slots
-            slots = resources.get(node.resource, 0)
+            slots = self.schedule.resources.get(node.resource, 0)
             if not 0 <= node.slot < slots:
                 fail.add(
                     "vmem_within_budget",
                     f"{_label(node)} writes {node.resource}[{node.slot}] but the VMEM plan "
                     f"allocates {slots} slot(s) of {node.resource}",
                 )
-        prev = occupant.get(key, INIT)
+        prev = self.occupant.get(key, INIT)
         if prev != INIT:
-            if prev in in_flight and prev != node.id:
+            if prev in self.in_flight and prev != node.id:
                 fail.add(
                     "no_slot_overwrite",
                     f"{_label(node)} writes {node.resource}[{node.slot}] while node {prev} "
                     f"'{nodes[prev].name}' is still landing there",
                 )
-            reuse_edges.append((prev, node.id))
-            for r in slot_readers.get(prev, ()):
+            self.reuse_edges.append((prev, node.id))
+            for r in self.slot_readers.get(prev, ()):
                 if r == node.id:
                     continue
-                reuse_edges.append((r, node.id))
-                if end[r] > pos or end[r] < 0:
+                self.reuse_edges.append((r, node.id))
+                if self.end[r] > pos or self.end[r] < 0:
                     fail.add(
                         "no_slot_overwrite",
                         f"{_label(node)} overwrites {node.resource}[{node.slot}] while node {r} "
                         f"'{nodes[r].name}' still reads node {prev} '{nodes[prev].name}' there",
                     )
-        occupant[key] = node.id
+        self.occupant[key] = node.id
 
-    for pos, (op, i) in enumerate(schedule.events):
-        node = nodes[i]
-        if op == START:
-            check_reads(node, pos)
-            for s in node.sems:
-                if s not in known_sems:
-                    fail.add("semaphores_unshared", f"{_label(node)} uses {s}, not in the plan")
-                owner = sem_owner.get(s)
-                if owner is not None and owner in in_flight:
-                    fail.add(
-                        "semaphores_unshared",
-                        f"{_label(node)} uses {s} while node {owner} '{nodes[owner].name}' "
-                        "is in flight on it",
-                    )
-                sem_owner[s] = i
-            if node.resource is not None:
-                write(node, pos)
-            in_flight.add(i)
-        elif op == WAIT:
-            in_flight.discard(i)
-            done[i] = True
-        else:
-            check_reads(node, pos)
-            if node.resource is not None:
-                write(node, pos)
-            done[i] = True
 
-    # --- the graph ---
-    data = set(data_edges)
-    reuse = set(reuse_edges) - data
+def _check_acyclic(
+    nodes: list[Node], first: list[int], data: set[tuple[int, int]], reuse: set[tuple[int, int]],
+    fail: _Failures,
+) -> None:  # fmt: skip
     # When every edge runs forward in the schedule's order, that order is a topological
     # order and there is no cycle; only otherwise is the graph searched for one.
     forward = all(first[u] < first[v] for u, v in data) and all(
         first[u] < first[v] for u, v in reuse
     )
-    cycle = [] if forward else _cycle(n_nodes, data | reuse)
+    cycle = [] if forward else _cycle(len(nodes), data | reuse)
     if cycle:
         u = nodes[cycle[0]]
         path = " -> ".join(str(a) for a in cycle[:6])
         fail.add("acyclic", f"{_label(u)} is on a dependence cycle ({path} -> ...)")
-
-    _check_weights(schedule, fail)
-    _check_deadlock(schedule, fail)
-    unbalanced = check_rounds(vmem.dims.collectives, vmem.dims.devices)
-    if unbalanced:
-        fail.add("collectives_balanced", unbalanced)
-    if vmem.explicit_bytes > vmem.budget_bytes or vmem.total_bytes > vmem.limit_bytes:
-        fail.add(
-            "vmem_within_budget",
-            f"VMEM plan {vmem.explicit_bytes} B explicit (budget {vmem.budget_bytes}) + "
-            f"{vmem.internal_bytes} B Mosaic scratch (limit {vmem.limit_bytes})",
-        )
-    checks = {name: name not in fail.first for name in CHECKS}
-    return StepGraph(schedule, data, reuse, checks, dict(fail.first))
 
 
 def _cycle(n: int, edges: set[tuple[int, int]]) -> list[int]:

@@ -32,8 +32,7 @@ GB = 1e9
 
 def plan_dict(plan: BuildPlan) -> dict[str, Any]:
     """The plan as JSON-ready data: the keys of issue 3's ``--json`` block and more."""
-    o, sh, mem, vm, est = plan.options, plan.sharding, plan.memory, plan.vmem, plan.estimate
-    confidence = plan.confidence
+    o, sh, mem, vm = plan.options, plan.sharding, plan.memory, plan.vmem
     return {
         "model": sh.model,
         "topology": sh.topology,
@@ -45,39 +44,8 @@ def plan_dict(plan: BuildPlan) -> dict[str, Any]:
         "context": o.context,
         "quantization": dict(sh.quantization),
         "fits": mem.fits and vm.within_budget,
-        "memory": {
-            "hbm_bytes_per_device": mem.total_bytes,
-            "hbm_usable_bytes_per_device": mem.usable_bytes,
-            "hbm_weights_bytes": mem.weights_bytes,
-            "hbm_cache_bytes": mem.cache_bytes,
-            "hbm_workspace_bytes": mem.workspace_bytes,
-            "hbm_weights_by_family": dict(mem.weights_by_family),
-            "vmem_bytes": vm.explicit_bytes,
-            "vmem_total_bytes": vm.total_bytes,
-            "vmem_mosaic_scratch_bytes": vm.internal_bytes,
-            "vmem_budget_bytes": vm.budget_bytes,
-            "vmem_limit_bytes": vm.limit_bytes,
-            "vmem_by_category": vm.by_category,
-        },
-        "vmem": {
-            "ring_depth": vm.ring_depth,
-            "bank_bytes": vm.dims.bank_bytes,
-            "expert_slots": vm.expert_slots,
-            "expert_slot_bytes": vm.expert_slot_bytes,
-            "buffers": [
-                {
-                    "name": b.name,
-                    "category": b.category,
-                    "role": b.role,
-                    "shape": list(b.shape),
-                    "dtype": b.dtype,
-                    "bytes": b.bytes,
-                }
-                for b in vm.buffers
-            ],
-            "semaphores": {s.name: list(s.shape) for s in vm.semaphores},
-            "smem": {s.name: list(s.shape) for s in vm.smem},
-        },
+        "memory": _memory_dict(plan),
+        "vmem": _vmem_dict(plan),
         "sharding": _sharding_dict(plan),
         "collectives": plan.vmem.dims.collectives.model_dump(),
         "stream": {
@@ -99,35 +67,84 @@ def plan_dict(plan: BuildPlan) -> dict[str, Any]:
             "checks": dict(plan.graph.checks),
             "failures": dict(plan.graph.failures),
         },
-        "estimate": {
-            "point": est.point,
-            "step_ms": est.step_ms,
-            **(confidence.record() if confidence else {}),
-            "dma_timeline_ms": est.dma_timeline_ms,
-            "compute_timeline_ms": est.compute_timeline_ms,
-            "compute_bound": est.compute_bound,
-            "hbm_floor_ms": est.hbm_floor_ms,
-            "ideal_floor_ms": plan.ideal_floor.ms,
-            "ideal_floor_ratio": plan.ideal_floor.ratio(est.step_ms),
-            "ideal_floor_bytes_per_core": plan.ideal_floor.bytes_per_core,
-            "hand_written": None
-            if plan.hand_written is None
-            else {
-                "step_ms": plan.hand_written.step_ms,
-                "what": plan.hand_written.what,
-                "source": plan.hand_written.source,
-            },
-            "hbm_bytes_per_device_per_step": est.hbm_bytes_per_device_per_step,
-            "tokens_per_s_per_user": est.tokens_per_s_per_user,
-            "tokens_per_s": est.tokens_per_s,
-            "tokens_per_dollar": est.tokens_per_dollar,
-            "price_per_chip_hour_usd": est.price_per_chip_hour_usd,
-            "breakdown_ms": dict(est.breakdown_ms),
-            "cross_host_wait_ms": est.cross_host_wait_ms,
-            "by_layer_kind": {
-                k: {"layers": v.layers, "per_layer_us": v.per_layer_us, "total_ms": v.total_ms}
-                for k, v in est.by_layer_kind.items()
-            },
+        "estimate": _estimate_dict(plan),
+    }
+
+
+def _memory_dict(plan: BuildPlan) -> dict[str, Any]:
+    """HBM per device and VMEM per core, in bytes."""
+    mem, vm = plan.memory, plan.vmem
+    return {
+        "hbm_bytes_per_device": mem.total_bytes,
+        "hbm_usable_bytes_per_device": mem.usable_bytes,
+        "hbm_weights_bytes": mem.weights_bytes,
+        "hbm_cache_bytes": mem.cache_bytes,
+        "hbm_workspace_bytes": mem.workspace_bytes,
+        "hbm_weights_by_family": dict(mem.weights_by_family),
+        "vmem_bytes": vm.explicit_bytes,
+        "vmem_total_bytes": vm.total_bytes,
+        "vmem_mosaic_scratch_bytes": vm.internal_bytes,
+        "vmem_budget_bytes": vm.budget_bytes,
+        "vmem_limit_bytes": vm.limit_bytes,
+        "vmem_by_category": vm.by_category,
+    }
+
+
+def _vmem_dict(plan: BuildPlan) -> dict[str, Any]:
+    """The VMEM plan: ring, expert slots, every buffer, semaphore and SMEM array."""
+    vm = plan.vmem
+    return {
+        "ring_depth": vm.ring_depth,
+        "bank_bytes": vm.dims.bank_bytes,
+        "expert_slots": vm.expert_slots,
+        "expert_slot_bytes": vm.expert_slot_bytes,
+        "buffers": [
+            {
+                "name": b.name,
+                "category": b.category,
+                "role": b.role,
+                "shape": list(b.shape),
+                "dtype": b.dtype,
+                "bytes": b.bytes,
+            }
+            for b in vm.buffers
+        ],
+        "semaphores": {s.name: list(s.shape) for s in vm.semaphores},
+        "smem": {s.name: list(s.shape) for s in vm.smem},
+    }
+
+
+def _estimate_dict(plan: BuildPlan) -> dict[str, Any]:
+    """The cost model's predicted step, its confidence, floors and breakdowns."""
+    est, confidence = plan.estimate, plan.confidence
+    return {
+        "point": est.point,
+        "step_ms": est.step_ms,
+        **(confidence.record() if confidence else {}),
+        "dma_timeline_ms": est.dma_timeline_ms,
+        "compute_timeline_ms": est.compute_timeline_ms,
+        "compute_bound": est.compute_bound,
+        "hbm_floor_ms": est.hbm_floor_ms,
+        "ideal_floor_ms": plan.ideal_floor.ms,
+        "ideal_floor_ratio": plan.ideal_floor.ratio(est.step_ms),
+        "ideal_floor_bytes_per_core": plan.ideal_floor.bytes_per_core,
+        "hand_written": None
+        if plan.hand_written is None
+        else {
+            "step_ms": plan.hand_written.step_ms,
+            "what": plan.hand_written.what,
+            "source": plan.hand_written.source,
+        },
+        "hbm_bytes_per_device_per_step": est.hbm_bytes_per_device_per_step,
+        "tokens_per_s_per_user": est.tokens_per_s_per_user,
+        "tokens_per_s": est.tokens_per_s,
+        "tokens_per_dollar": est.tokens_per_dollar,
+        "price_per_chip_hour_usd": est.price_per_chip_hour_usd,
+        "breakdown_ms": dict(est.breakdown_ms),
+        "cross_host_wait_ms": est.cross_host_wait_ms,
+        "by_layer_kind": {
+            k: {"layers": v.layers, "per_layer_us": v.per_layer_us, "total_ms": v.total_ms}
+            for k, v in est.by_layer_kind.items()
         },
     }
 
@@ -514,7 +531,6 @@ def tco_chart(
     import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter
 
     pts = [r for r in rows if r.total_tokens_per_dollar > 0 and r.tokens_per_s_per_user > 0]
     if not pts:
@@ -531,24 +547,7 @@ def tco_chart(
         fig.subplots_adjust(left=0.07, right=0.62, top=0.9, bottom=0.1 + 0.025 * len(lines))
         ax = fig.add_subplot()
         ax.set_yscale("log")
-        for i, count in enumerate(sorted({r.rows for r in pts})):
-            line = sorted((r for r in pts if r.rows == count), key=lambda r: r.batch)
-            color = f"C{i}"
-            accepted = f", acceptance {line[0].acceptance:g}" if count > 1 else ""
-            ax.plot(
-                [r.tokens_per_s_per_user for r in line],
-                [r.total_tokens_per_dollar for r in line],
-                color=color, linewidth=1, alpha=0.6,
-                label=f"mkgen, rows {count}{accepted} (batch {line[0].batch}-{line[-1].batch})",
-            )  # fmt: skip
-            for fits in (True, False):
-                group = [r for r in line if r.fits == fits]
-                ax.scatter(
-                    [r.tokens_per_s_per_user for r in group],
-                    [r.total_tokens_per_dollar for r in group],
-                    marker=_MARKERS[i % len(_MARKERS)], s=28, zorder=3, edgecolors=color,
-                    facecolors=color if fits else "white",
-                )  # fmt: skip
+        _plot_row_counts(ax, pts)
         frontier = pareto_frontier(pts)
         if frontier:
             ax.plot(
@@ -556,35 +555,8 @@ def tco_chart(
                 [r.total_tokens_per_dollar for r in frontier],
                 color="black", linewidth=2.2, zorder=2, label="mkgen Pareto frontier (predicted)",
             )  # fmt: skip
-        for j, ref in enumerate(references):
-            color = _REFERENCE_STYLES[j % len(_REFERENCE_STYLES)]
-            note = f"; {ref.note}" if ref.note else ""
-            if ref.points:
-                ax.plot(
-                    [x for x, _ in ref.points], [y for _, y in ref.points],
-                    color=color, linestyle="--", marker="*", markersize=11, zorder=4,
-                    label=_wrap(f"{ref.describe()}: published{note}"),
-                )  # fmt: skip
-            for k, (x, what) in enumerate(ref.ends_at):
-                ax.axvline(
-                    x, color=color, linestyle=(0, (2 + 2 * k, 2)), linewidth=1.2,
-                    label=_wrap(f"{ref.describe()}: {what} at {x:g} tokens/s per user (published)"),
-                )  # fmt: skip
-        # Plain tick labels ("2M", "10M"): with mathtext off, the log axis' own are raw TeX.
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _count(v)))
-        ax.yaxis.set_minor_formatter(
-            FuncFormatter(lambda v, _: _count(v) if round(v / 10 ** math.floor(math.log10(v)))
-                          in (2, 5) else "")
-        )  # fmt: skip
-        ax.set_xlabel("tokens/s per user (decode)")
-        ax.set_ylabel("total tokens (input + output) per dollar")
-        fig.suptitle(title, fontsize=11, x=0.01, ha="left")
-        ax.grid(True, which="major", color="#cccccc", linewidth=0.6)
-        ax.grid(True, which="minor", color="#eeeeee", linewidth=0.4)
-        ax.set_xlim(left=0)
-        ax.scatter([], [], marker="o", facecolors="white", edgecolors="#333333",
-                   label="hollow: does not fit HBM or VMEM")  # fmt: skip
-        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
+        _plot_references(ax, references)
+        _finish_axes(fig, ax, title)
         fig.text(0.01, 0.01, "\n".join(lines), fontsize=7.5, va="bottom", ha="left")
         _label_frontier(fig, ax, frontier)
         buffer = io.BytesIO()
@@ -592,6 +564,67 @@ def tco_chart(
         metadata = {"Date": None} if fmt == "svg" else {"Software": None, "Title": title}
         fig.savefig(buffer, format=fmt, metadata=metadata)
     return buffer.getvalue()
+
+
+def _plot_row_counts(ax: Any, pts: list[SweepRow]) -> None:
+    """A line and a marker style per row count, hollow markers where a point does not fit."""
+    for i, count in enumerate(sorted({r.rows for r in pts})):
+        line = sorted((r for r in pts if r.rows == count), key=lambda r: r.batch)
+        color = f"C{i}"
+        accepted = f", acceptance {line[0].acceptance:g}" if count > 1 else ""
+        ax.plot(
+            [r.tokens_per_s_per_user for r in line],
+            [r.total_tokens_per_dollar for r in line],
+            color=color, linewidth=1, alpha=0.6,
+            label=f"mkgen, rows {count}{accepted} (batch {line[0].batch}-{line[-1].batch})",
+        )  # fmt: skip
+        for fits in (True, False):
+            group = [r for r in line if r.fits == fits]
+            ax.scatter(
+                [r.tokens_per_s_per_user for r in group],
+                [r.total_tokens_per_dollar for r in group],
+                marker=_MARKERS[i % len(_MARKERS)], s=28, zorder=3, edgecolors=color,
+                facecolors=color if fits else "white",
+            )  # fmt: skip
+
+
+def _plot_references(ax: Any, references: tuple[ReferenceCurve, ...]) -> None:
+    """The published reference points, and a vertical line where each curve ends."""
+    for j, ref in enumerate(references):
+        color = _REFERENCE_STYLES[j % len(_REFERENCE_STYLES)]
+        note = f"; {ref.note}" if ref.note else ""
+        if ref.points:
+            ax.plot(
+                [x for x, _ in ref.points], [y for _, y in ref.points],
+                color=color, linestyle="--", marker="*", markersize=11, zorder=4,
+                label=_wrap(f"{ref.describe()}: published{note}"),
+            )  # fmt: skip
+        for k, (x, what) in enumerate(ref.ends_at):
+            ax.axvline(
+                x, color=color, linestyle=(0, (2 + 2 * k, 2)), linewidth=1.2,
+                label=_wrap(f"{ref.describe()}: {what} at {x:g} tokens/s per user (published)"),
+            )  # fmt: skip
+
+
+def _finish_axes(fig: Any, ax: Any, title: str) -> None:
+    """Tick labels, axis labels, title, grid and legend."""
+    from matplotlib.ticker import FuncFormatter
+
+    # Plain tick labels ("2M", "10M"): with mathtext off, the log axis' own are raw TeX.
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _count(v)))
+    ax.yaxis.set_minor_formatter(
+        FuncFormatter(lambda v, _: _count(v) if round(v / 10 ** math.floor(math.log10(v)))
+                      in (2, 5) else "")
+    )  # fmt: skip
+    ax.set_xlabel("tokens/s per user (decode)")
+    ax.set_ylabel("total tokens (input + output) per dollar")
+    fig.suptitle(title, fontsize=11, x=0.01, ha="left")
+    ax.grid(True, which="major", color="#cccccc", linewidth=0.6)
+    ax.grid(True, which="minor", color="#eeeeee", linewidth=0.4)
+    ax.set_xlim(left=0)
+    ax.scatter([], [], marker="o", facecolors="white", edgecolors="#333333",
+               label="hollow: does not fit HBM or VMEM")  # fmt: skip
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
 
 
 def _count(v: float) -> str:

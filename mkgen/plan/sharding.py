@@ -53,7 +53,7 @@ from mkgen.plan.cost import (
     widest_level,
 )
 from mkgen.plan.options import BuildOptions
-from mkgen.spec.quant import parse_format
+from mkgen.spec.quant import QuantFormat, parse_format
 from mkgen.spec.schema import (
     ModelSpec,
     MoEFFN,
@@ -395,44 +395,15 @@ def make_shard(
                     f"device count divides {shape[axis]}"
                 )
             rank[axis] = shape[axis] // parts
-        # A split along the fan-in axis (or any axis of a 2-D block format) must keep
-        # whole quantization groups on one rank: the checkpoint's scales cannot straddle.
-        block = fmt.block
-        is_fan_in = len(shape) >= 2 and axis == len(shape) - 2 and family != "embedding"
-        is_fan_out = len(shape) >= 2 and axis == len(shape) - 1
-        breaks = block and family != VECTORS and (is_fan_in or (fmt.kind == "fp8" and is_fan_out))
-        reblock = _fp8_reblock(fmt.kind, block, rank[axis]) if breaks and rank[axis] % block else 0
+        reblock = _whole_groups(f"{where}{name}", shape, axis, parts, rank[axis], family, fmt)
         if reblock:
             # Each sub-block keeps its block's scale: a smaller fp8 block stores the same
             # values exactly (only more scales).
             why = f"{why}; {fmt} re-blocked to fp8:{reblock} so each core holds whole blocks"
             fmt_text = f"fp8:{reblock}"
             fmt = parse_format(fmt_text)
-        elif breaks and rank[axis] % block:
-            divisors = [g for g in (128, 64, 32, 16) if rank[axis] % g == 0]
-            hint = (
-                f"a group dividing {rank[axis]} (e.g. {fmt.kind}:{divisors[0]})"
-                if (divisors and fmt.kind in ("int4", "fp8"))
-                else "bf16 or int8"
-            )
-            raise SpecError(
-                f"{where}{name}: {shape[axis]} split {parts} ways is {rank[axis]} per device, "
-                f"not a multiple of the {fmt} group {block}; use {hint}"
-            )
     rank_shape = tuple(rank)
-    bits = fmt.code_bits if family != VECTORS else 16
-    padded, layout = _padded(rank_shape, bits)
-    if family == VECTORS or len(rank_shape) < 2:
-        nbytes = 2 * math.prod(padded)
-    else:
-        lead = math.prod(rank_shape[:-2])
-        if layout == "nk":
-            fan_out_p, fan_in_p = padded[-2], padded[-1]
-        else:
-            fan_in_p, fan_out_p = padded[-2], padded[-1]
-        if family == "embedding":  # stored [vocab, hidden], quantized per vocabulary row
-            fan_in_p, fan_out_p = fan_out_p, fan_in_p
-        nbytes = lead * fmt.matrix_bytes(fan_in_p, fan_out_p)
+    padded, layout, nbytes = _stored_bytes(rank_shape, family, fmt)
     copies = devices * math.prod(rank_shape) / math.prod(shape)
     return TensorShard(
         name=name,
@@ -449,6 +420,57 @@ def make_shard(
         rank_bytes=nbytes,
         why=why,
     )
+
+
+def _whole_groups(
+    what: str,
+    shape: tuple[int, ...],
+    axis: int,
+    parts: int,
+    extent: int,
+    family: str,
+    fmt: QuantFormat,
+) -> int:
+    """The fp8 block to re-block to (0: none needed) so that a tensor split along `axis`
+    to `extent` per rank keeps whole quantization groups on one rank: a split along the
+    fan-in axis (or any axis of a 2-D block format) must, as the checkpoint's scales
+    cannot straddle. A SpecError when no block does."""
+    block = fmt.block
+    is_fan_in = len(shape) >= 2 and axis == len(shape) - 2 and family != "embedding"
+    is_fan_out = len(shape) >= 2 and axis == len(shape) - 1
+    breaks = block and family != VECTORS and (is_fan_in or (fmt.kind == "fp8" and is_fan_out))
+    reblock = _fp8_reblock(fmt.kind, block, extent) if breaks and extent % block else 0
+    if not reblock and breaks and extent % block:
+        divisors = [g for g in (128, 64, 32, 16) if extent % g == 0]
+        hint = (
+            f"a group dividing {extent} (e.g. {fmt.kind}:{divisors[0]})"
+            if (divisors and fmt.kind in ("int4", "fp8"))
+            else "bf16 or int8"
+        )
+        raise SpecError(
+            f"{what}: {shape[axis]} split {parts} ways is {extent} per device, "
+            f"not a multiple of the {fmt} group {block}; use {hint}"
+        )
+    return reblock
+
+
+def _stored_bytes(
+    rank_shape: tuple[int, ...], family: str, fmt: QuantFormat
+) -> tuple[tuple[int, ...], str, int]:
+    """(padded shape, layout, HBM bytes) of one rank's tensor as stored: tile padded,
+    scales included."""
+    bits = fmt.code_bits if family != VECTORS else 16
+    padded, layout = _padded(rank_shape, bits)
+    if family == VECTORS or len(rank_shape) < 2:
+        return padded, layout, 2 * math.prod(padded)
+    lead = math.prod(rank_shape[:-2])
+    if layout == "nk":
+        fan_out_p, fan_in_p = padded[-2], padded[-1]
+    else:
+        fan_in_p, fan_out_p = padded[-2], padded[-1]
+    if family == "embedding":  # stored [vocab, hidden], quantized per vocabulary row
+        fan_in_p, fan_out_p = fan_out_p, fan_in_p
+    return padded, layout, lead * fmt.matrix_bytes(fan_in_p, fan_out_p)
 
 
 # --------------------------------------------------------------------------- context
@@ -637,7 +659,6 @@ def expected_max(pmf: list[float], count: int) -> float:
 def choose_expert_split(ctx: _Ctx, f: MoEFFN, d_in: int) -> ExpertSplit:
     e, k, width = f.num_experts, f.top_k, f.expert_width
     fmt_text = ctx.fmt("experts")
-    fmt = parse_format(fmt_text)
     picks = ctx.tokens * k
     forced = ctx.options.distinct_experts_per_layer
     if forced is not None:
@@ -646,53 +667,11 @@ def choose_expert_split(ctx: _Ctx, f: MoEFFN, d_in: int) -> ExpertSplit:
         p = 1 - (1 - k / e) ** ctx.tokens
         distinct = e * p
     rows_per_expert = max(1, math.ceil(picks / max(distinct, 1.0)))
-    candidates: list[ExpertCandidate] = []
-    for g in range(1, ctx.d + 1):
-        if ctx.d % g:
-            continue
-        w = ctx.d // g
-        reasons = []
-        if e % g:
-            reasons.append(f"{e} experts % {g} groups != 0")
-        if width % w:
-            reasons.append(f"width {width} % {w} != 0")
-        wpr = width // w if width % w == 0 else 0
-        if wpr and fmt.block and wpr % fmt.block:
-            reasons.append(f"width {wpr} per rank not a multiple of the {fmt} group")
-        per_group = e // g if e % g == 0 else 0
-        if reasons:
-            candidates.append(
-                ExpertCandidate(
-                    groups=g, width_parts=w, width_per_rank=wpr, experts_per_rank=per_group,
-                    lane_aligned=False, expected_max_experts=0, expected_rank_bytes=0,
-                    worst_case_experts=0, worst_case_rank_bytes=0, score_s=math.inf,
-                    rejected="; ".join(reasons),
-                )
-            )  # fmt: skip
-            continue
-        # Expected distinct experts of the worst-loaded group (the step waits for it).
-        if forced is not None:
-            pmf = _pmf_hypergeometric(e, per_group, int(distinct))
-            worst = min(int(distinct), per_group)
-        else:
-            pmf = _pmf_binomial(per_group, distinct / e)
-            worst = min(picks, per_group)
-        exp_max = expected_max(pmf, g)
-        slice_bytes, slice_s = _expert_slice(ctx, f, d_in, wpr, fmt_text, rows_per_expert)
-        candidates.append(
-            ExpertCandidate(
-                groups=g,
-                width_parts=w,
-                width_per_rank=wpr,
-                experts_per_rank=per_group,
-                lane_aligned=wpr % LANES == 0,
-                expected_max_experts=exp_max,
-                expected_rank_bytes=exp_max * slice_bytes,
-                worst_case_experts=worst,
-                worst_case_rank_bytes=worst * slice_bytes,
-                score_s=exp_max * slice_s,
-            )
-        )
+    candidates = [
+        _expert_candidate(ctx, f, d_in, g, distinct, rows_per_expert)
+        for g in range(1, ctx.d + 1)
+        if ctx.d % g == 0
+    ]
     eligible = [c for c in candidates if not c.rejected]
     if not eligible:
         first = candidates[0].rejected if candidates else "no divisor"
@@ -716,19 +695,6 @@ def choose_expert_split(ctx: _Ctx, f: MoEFFN, d_in: int) -> ExpertSplit:
         for c in candidates
     )
     slice_bytes, _ = _expert_slice(ctx, f, d_in, best.width_per_rank, fmt_text, rows_per_expert)
-    runner = sorted((c for c in pool if c is not best), key=lambda c: c.score_s)
-    vs = (
-        f"; next best {runner[0].groups}x{runner[0].width_parts} at "
-        f"{runner[0].score_s * 1e6:.1f} us"
-        if runner
-        else ""
-    )
-    why = (
-        f"{best.groups} groups x {best.width_parts} width parts: worst-loaded rank reads "
-        f"{best.expected_max_experts:.1f} expert slices of width {best.width_per_rank} "
-        f"({best.score_s * 1e6:.1f} us per layer){vs}; collectives are the same for every split "
-        "(routing is replicated, one reduction per layer)"
-    )
     return ExpertSplit(
         groups=best.groups,
         width_parts=best.width_parts,
@@ -742,7 +708,74 @@ def choose_expert_split(ctx: _Ctx, f: MoEFFN, d_in: int) -> ExpertSplit:
         slice_bytes=slice_bytes,
         slice_dmas=3,
         candidates=marked,
-        why=why,
+        why=_expert_split_why(best, pool),
+    )
+
+
+def _expert_candidate(
+    ctx: _Ctx, f: MoEFFN, d_in: int, g: int, distinct: float, rows_per_expert: int
+) -> ExpertCandidate:
+    """The split of the experts into `g` groups (each of width parts over the rest of the
+    devices), scored by the expected slices of its worst-loaded group, or rejected."""
+    e, width = f.num_experts, f.expert_width
+    fmt_text = ctx.fmt("experts")
+    fmt = parse_format(fmt_text)
+    picks = ctx.tokens * f.top_k
+    forced = ctx.options.distinct_experts_per_layer
+    w = ctx.d // g
+    reasons = []
+    if e % g:
+        reasons.append(f"{e} experts % {g} groups != 0")
+    if width % w:
+        reasons.append(f"width {width} % {w} != 0")
+    wpr = width // w if width % w == 0 else 0
+    if wpr and fmt.block and wpr % fmt.block:
+        reasons.append(f"width {wpr} per rank not a multiple of the {fmt} group")
+    per_group = e // g if e % g == 0 else 0
+    if reasons:
+        return ExpertCandidate(
+            groups=g, width_parts=w, width_per_rank=wpr, experts_per_rank=per_group,
+            lane_aligned=False, expected_max_experts=0, expected_rank_bytes=0,
+            worst_case_experts=0, worst_case_rank_bytes=0, score_s=math.inf,
+            rejected="; ".join(reasons),
+        )  # fmt: skip
+    # Expected distinct experts of the worst-loaded group (the step waits for it).
+    if forced is not None:
+        pmf = _pmf_hypergeometric(e, per_group, int(distinct))
+        worst = min(int(distinct), per_group)
+    else:
+        pmf = _pmf_binomial(per_group, distinct / e)
+        worst = min(picks, per_group)
+    exp_max = expected_max(pmf, g)
+    slice_bytes, slice_s = _expert_slice(ctx, f, d_in, wpr, fmt_text, rows_per_expert)
+    return ExpertCandidate(
+        groups=g,
+        width_parts=w,
+        width_per_rank=wpr,
+        experts_per_rank=per_group,
+        lane_aligned=wpr % LANES == 0,
+        expected_max_experts=exp_max,
+        expected_rank_bytes=exp_max * slice_bytes,
+        worst_case_experts=worst,
+        worst_case_rank_bytes=worst * slice_bytes,
+        score_s=exp_max * slice_s,
+    )
+
+
+def _expert_split_why(best: ExpertCandidate, pool: list[ExpertCandidate]) -> str:
+    """Why `best` of the candidates in `pool`: its load and the next best's score."""
+    runner = sorted((c for c in pool if c is not best), key=lambda c: c.score_s)
+    vs = (
+        f"; next best {runner[0].groups}x{runner[0].width_parts} at "
+        f"{runner[0].score_s * 1e6:.1f} us"
+        if runner
+        else ""
+    )
+    return (
+        f"{best.groups} groups x {best.width_parts} width parts: worst-loaded rank reads "
+        f"{best.expected_max_experts:.1f} expert slices of width {best.width_per_rank} "
+        f"({best.score_s * 1e6:.1f} us per layer){vs}; collectives are the same for every split "
+        "(routing is replicated, one reduction per layer)"
     )
 
 

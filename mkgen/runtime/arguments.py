@@ -70,6 +70,7 @@ def number(requirement: str, accept: Callable[[float], bool]) -> Callable[[str],
 
 
 def option_parser(build: Build, prog: str) -> OptionParser:
+    """The runner's options for `build`, grouped by concern (the order --help lists them)."""
     parser = OptionParser(
         prog=prog,
         description=f"Generation with the {build.spec} megakernel on {build.topology} "
@@ -79,6 +80,19 @@ def option_parser(build: Build, prog: str) -> OptionParser:
         "draws the reference's random weights on the host in f32 (use the mini/ build on CPU). "
         "Text prompts need a tokenizer.json (--tokenizer, or converted with the weights).",
     )
+    for add_options in (
+        _add_weight_options,
+        _add_prompt_options,
+        _add_sampling_options,
+        _add_drafting_options,
+        _add_bench_and_process_options,
+    ):
+        add_options(parser, build)
+    return parser
+
+
+def _add_weight_options(parser: OptionParser, build: Build) -> None:
+    """Where the kernel runs and the weights it runs with."""
     parser.add_argument(
         "--interpret",
         action="store_true",
@@ -102,6 +116,10 @@ def option_parser(build: Build, prog: str) -> OptionParser:
         help="skip the sha256 check of the converted weight and tokenizer files (faster "
         "start-up on weights you trust)",
     )
+
+
+def _add_prompt_options(parser: OptionParser, build: Build) -> None:
+    """The prompts, their tokenizer, and how they are prefilled."""
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument(
         "--prompt-ids",
@@ -137,6 +155,10 @@ def option_parser(build: Build, prog: str) -> OptionParser:
         f"{2 * build.devices} virtual ones), holding their own copy of the weights; the caches "
         "then move to the decoding devices",
     )
+
+
+def _add_sampling_options(parser: OptionParser, build: Build) -> None:
+    """How many tokens each sequence gets, where it stops and how each is drawn."""
     parser.add_argument(
         "--steps",
         type=integer(1),
@@ -172,6 +194,10 @@ def option_parser(build: Build, prog: str) -> OptionParser:
     parser.add_argument(
         "--seed", type=integer(0, SEED_MAX), default=0, metavar="SEED", help="sampling seed"
     )
+
+
+def _add_drafting_options(parser: OptionParser, build: Build) -> None:
+    """Steps per device call and the drafts each step verifies."""
     parser.add_argument(
         "--steps-per-call",
         type=integer(1, build.context),
@@ -195,6 +221,10 @@ def option_parser(build: Build, prog: str) -> OptionParser:
         help=f"longest suffix the prompt-lookup drafter matches (default {NGRAM_DEFAULT}, at "
         f"most the context, {build.context})",
     )
+
+
+def _add_bench_and_process_options(parser: OptionParser, build: Build) -> None:
+    """Timing, the multi-host job and the output format."""
     parser.add_argument(
         "--bench",
         action="store_true",
@@ -223,7 +253,6 @@ def option_parser(build: Build, prog: str) -> OptionParser:
         help='print one object: {"tokens": [[...], ...], "calls": device calls} (+ text, '
         "acceptance_length, bench)",
     )
-    return parser
 
 
 def token_ids(text: str, flag: str, vocab: int) -> list[int]:

@@ -282,108 +282,172 @@ def decode(
     steps per device call, drafted, accepted and sampled on the device (chunk_decoder); a
     MODULE:CALLABLE drafter drafts on the host, one step per call. `stream` (batch 1) gets
     the generated ids after every call."""
-    build, layout, kernel, placed = model.build, model.layout, model.kernel, model.placed
-    batch, rows_per_call = build.batch, build.rows
-    step_fn = kernel.make_decode_step(model.mesh)
+    step_fn = model.kernel.make_decode_step(model.mesh)
     chunked = None
     if args.steps_per_call > 1 and args.drafter == "ngram":
-        chunked = chunk_decoder(model, step_fn, args.steps_per_call, args.ngram)
-        embedding_placed = embedding_on_devices(build, model.weights.embedding, model.mesh, kernel)
-        sampling = SamplingParams.create(
-            [args.temperature] * batch, [args.top_k] * batch, [args.top_p] * batch,
-            [args.seed] * batch,
-        )  # fmt: skip
-    keep_snapshots = snapshot_keeper(model)
-    tables = jnp.asarray(kernel.LAYER_TABLES, jnp.int32)
-    embedding = model.weights.embedding
-    sampler = None
-    if args.temperature > 0:
-        sampler = Sampler(args.temperature, args.top_k, args.top_p, build.vocab_used)
-    rng = np.random.default_rng(args.seed)
-    history = [list(p) for p in args.prompts]  # prompt, then generated tokens
-    positions = [held] * batch  # tokens already in each sequence's cache
-    generated: list[list[int]] = [[] for _ in range(batch)]
-    finished = [False] * batch
-    calls = produced = generating = 0
-    seconds = []
-
-    def take(b: int, new: list[int]) -> int:
-        """Sequence b gains `new`, cut at --steps and after a stop id; how many it kept."""
-        new = new[: args.steps - len(generated[b])]
-        stops = [i for i, t in enumerate(new) if t in args.stop]
-        if stops:
-            new = new[: stops[0] + 1]
-        generated[b] += new
-        history[b] += new
-        if stream is not None:
-            stream(generated[b])
-        finished[b] = bool(stops) or len(generated[b]) >= args.steps
-        return len(new)
-
+        chunked = _ChunkedCalls(model, step_fn, args)
+    host_step = _HostSteps(model, step_fn, args, drafter)
+    sequences = _Sequences(args, held, model.build.batch, stream)
     mode = (
         pltpu.force_tpu_interpret_mode(pltpu.InterpretParams())
         if args.interpret
         else contextlib.nullcontext()
     )
     with mode:
-        while not all(finished):
-            budget = [0 if finished[b] else args.steps - len(generated[b]) for b in range(batch)]
-            ready = all(p + 1 == len(h) for p, h in zip(positions, history, strict=True))
-            if chunked is not None and ready and max(budget) > 1:
+        while not all(sequences.finished):
+            budget = sequences.budget()
+            if chunked is not None and sequences.ready() and max(budget) > 1:
                 # Every sequence generates: several steps in one device call.
-                count = min(args.steps_per_call, max(budget))
-                start = time.perf_counter()
-                out, gained, caches = chunked(
-                    history_array(history, build.context), jnp.asarray(positions, jnp.int32),
-                    jnp.asarray(budget, jnp.int32), count, sampling, embedding_placed, placed,
-                    caches,
-                )  # fmt: skip
-                out, gained = host_value(jax.block_until_ready(out)), host_value(gained)
-                seconds.append((time.perf_counter() - start) / count)
-                calls += 1
-                for b in range(batch):
-                    if not finished[b]:
-                        kept = take(b, gained_tokens(out, gained, b))
-                        produced += kept
-                        generating += int(np.count_nonzero(gained[:, b]))
-                        positions[b] += kept
-                continue
-            rows, proposals = [], []
-            for h, pos in zip(history, positions, strict=True):
-                known = h[pos : pos + rows_per_call]
-                short = rows_per_call - len(known)
-                proposal = drafter(h, short) if short else []
-                proposals.append(proposal)
-                ids = proposal[0] if isinstance(proposal, tuple) else proposal
-                rows.append(known + [int(t) for t in ids])
-            rows = np.array(rows, np.int32)  # [BATCH, ROWS]
-            x = np.zeros((layout.tokens_padded, layout.hidden), np.float32)
-            x[: layout.tokens] = embedding[rows.reshape(-1)].astype(np.float32)
-            start = time.perf_counter()
-            tokens, logits, *caches = step_fn(
-                tables, jnp.asarray(positions, jnp.int32), jnp.asarray(x), placed["final_norm"],
-                placed["stream"], placed["vectors"], *placed["experts"], *caches,
-            )  # fmt: skip
-            tokens = host_value(jax.block_until_ready(tokens)).reshape(batch, rows_per_call)
-            seconds.append(time.perf_counter() - start)
-            if sampler is not None:
-                logits = host_value(logits).reshape(batch, rows_per_call, -1)
-            calls += 1
-            # The snapshot of each sequence's recurrent state to keep.
-            last_valid = [rows_per_call - 1] * batch
-            for b in range(batch):
-                if finished[b]:
-                    continue  # done: rerun at the same position until the others finish
-                known = min(len(history[b]) - positions[b], rows_per_call)
-                valid = known  # rows whose keys and values are now right in the cache
-                if positions[b] + known == len(history[b]):  # the kernel generated
-                    row_logits = logits[b] if sampler is not None else None
-                    new, valid = accept(
-                        rows[b], tokens[b], row_logits, known, proposals[b], sampler, rng
-                    )
-                    produced, generating = produced + take(b, new), generating + 1
-                positions[b] += valid
-                last_valid[b] = valid - 1
-            if keep_snapshots is not None and min(last_valid) < rows_per_call - 1:
-                caches = keep_snapshots(caches, jnp.asarray(last_valid, jnp.int32))
-    return Generation(generated, calls, produced / max(generating, 1), seconds)
+                caches = chunked(sequences, budget, caches)
+            else:
+                caches = host_step(sequences, caches)
+    acceptance = sequences.produced / max(sequences.generating, 1)
+    return Generation(sequences.generated, sequences.calls, acceptance, sequences.seconds)
+
+
+class _Sequences:
+    """decode's sequences on the host: each one's tokens (prompt, then generated), the
+    tokens in its cache, what it generated and whether it is done, and the counts that
+    Generation reports."""
+
+    def __init__(
+        self, args: Namespace, held: int, batch: int, stream: Callable[[list[int]], None] | None
+    ) -> None:
+        self.steps, self.stop, self.stream = args.steps, args.stop, stream
+        self.history = [list(p) for p in args.prompts]  # prompt, then generated tokens
+        self.positions = [held] * batch  # tokens already in each sequence's cache
+        self.generated: list[list[int]] = [[] for _ in range(batch)]
+        self.finished = [False] * batch
+        self.calls = self.produced = self.generating = 0
+        self.seconds: list[float] = []
+
+    def budget(self) -> list[int]:
+        """The tokens each sequence may still gain (0: finished)."""
+        return [
+            0 if done else self.steps - len(tokens)
+            for done, tokens in zip(self.finished, self.generated, strict=True)
+        ]
+
+    def ready(self) -> bool:
+        """Whether every sequence generates: its whole history is in its cache but the
+        token to feed."""
+        return all(p + 1 == len(h) for p, h in zip(self.positions, self.history, strict=True))
+
+    def take(self, b: int, new: list[int]) -> int:
+        """Sequence b gains `new`, cut at --steps and after a stop id; how many it kept."""
+        new = new[: self.steps - len(self.generated[b])]
+        stops = [i for i, t in enumerate(new) if t in self.stop]
+        if stops:
+            new = new[: stops[0] + 1]
+        self.generated[b] += new
+        self.history[b] += new
+        if self.stream is not None:
+            self.stream(self.generated[b])
+        self.finished[b] = bool(stops) or len(self.generated[b]) >= self.steps
+        return len(new)
+
+
+class _ChunkedCalls:
+    """Up to --steps-per-call kernel steps per device call, drafted by prompt lookup,
+    accepted and sampled on the device (chunk_decoder)."""
+
+    def __init__(self, model: Model, step_fn: Callable[..., Any], args: Namespace) -> None:
+        build, batch = model.build, model.build.batch
+        self.model, self.steps_per_call = model, args.steps_per_call
+        self.run = chunk_decoder(model, step_fn, args.steps_per_call, args.ngram)
+        self.embedding = embedding_on_devices(
+            build, model.weights.embedding, model.mesh, model.kernel
+        )
+        self.sampling = SamplingParams.create(
+            [args.temperature] * batch, [args.top_k] * batch, [args.top_p] * batch,
+            [args.seed] * batch,
+        )  # fmt: skip
+
+    def __call__(
+        self, sequences: _Sequences, budget: list[int], caches: list[jax.Array]
+    ) -> list[jax.Array]:
+        count = min(self.steps_per_call, max(budget))
+        start = time.perf_counter()
+        out, gained, caches = self.run(
+            history_array(sequences.history, self.model.build.context),
+            jnp.asarray(sequences.positions, jnp.int32), jnp.asarray(budget, jnp.int32), count,
+            self.sampling, self.embedding, self.model.placed, caches,
+        )  # fmt: skip
+        out, gained = host_value(jax.block_until_ready(out)), host_value(gained)
+        sequences.seconds.append((time.perf_counter() - start) / count)
+        sequences.calls += 1
+        for b in range(self.model.build.batch):
+            if not sequences.finished[b]:
+                kept = sequences.take(b, gained_tokens(out, gained, b))
+                sequences.produced += kept
+                sequences.generating += int(np.count_nonzero(gained[:, b]))
+                sequences.positions[b] += kept
+        return caches
+
+
+class _HostSteps:
+    """One kernel step per device call: each sequence's known tokens and the drafter's
+    drafts in, the kernel's tokens accepted on the host (accept)."""
+
+    def __init__(
+        self, model: Model, step_fn: Callable[..., Any], args: Namespace, drafter: Drafter
+    ) -> None:
+        self.model, self.step_fn, self.drafter = model, step_fn, drafter
+        self.keep_snapshots = snapshot_keeper(model)
+        self.tables = jnp.asarray(model.kernel.LAYER_TABLES, jnp.int32)
+        self.sampler = None
+        if args.temperature > 0:
+            self.sampler = Sampler(args.temperature, args.top_k, args.top_p, model.build.vocab_used)
+        self.rng = np.random.default_rng(args.seed)
+
+    def fed_rows(self, sequences: _Sequences) -> tuple[np.ndarray, list[Any]]:
+        """([BATCH, ROWS] the ids fed: each sequence's known tokens, then its drafts; the
+        drafter's proposals)."""
+        rows_per_call = self.model.build.rows
+        rows, proposals = [], []
+        for h, pos in zip(sequences.history, sequences.positions, strict=True):
+            known = h[pos : pos + rows_per_call]
+            short = rows_per_call - len(known)
+            proposal = self.drafter(h, short) if short else []
+            proposals.append(proposal)
+            ids = proposal[0] if isinstance(proposal, tuple) else proposal
+            rows.append(known + [int(t) for t in ids])
+        return np.array(rows, np.int32), proposals
+
+    def __call__(self, sequences: _Sequences, caches: list[jax.Array]) -> list[jax.Array]:
+        layout, placed = self.model.layout, self.model.placed
+        batch, rows_per_call = self.model.build.batch, self.model.build.rows
+        rows, proposals = self.fed_rows(sequences)
+        x = np.zeros((layout.tokens_padded, layout.hidden), np.float32)
+        x[: layout.tokens] = self.model.weights.embedding[rows.reshape(-1)].astype(np.float32)
+        start = time.perf_counter()
+        tokens, logits, *caches = self.step_fn(
+            self.tables, jnp.asarray(sequences.positions, jnp.int32), jnp.asarray(x),
+            placed["final_norm"], placed["stream"], placed["vectors"], *placed["experts"],
+            *caches,
+        )  # fmt: skip
+        tokens = host_value(jax.block_until_ready(tokens)).reshape(batch, rows_per_call)
+        sequences.seconds.append(time.perf_counter() - start)
+        if self.sampler is not None:
+            logits = host_value(logits).reshape(batch, rows_per_call, -1)
+        sequences.calls += 1
+        # The snapshot of each sequence's recurrent state to keep.
+        last_valid = [rows_per_call - 1] * batch
+        for b in range(batch):
+            if sequences.finished[b]:
+                continue  # done: rerun at the same position until the others finish
+            history, position = sequences.history[b], sequences.positions[b]
+            known = min(len(history) - position, rows_per_call)
+            valid = known  # rows whose keys and values are now right in the cache
+            if position + known == len(history):  # the kernel generated
+                row_logits = logits[b] if self.sampler is not None else None
+                new, valid = accept(
+                    rows[b], tokens[b], row_logits, known, proposals[b], self.sampler, self.rng
+                )
+                sequences.produced += sequences.take(b, new)
+                sequences.generating += 1
+            sequences.positions[b] += valid
+            last_valid[b] = valid - 1
+        if self.keep_snapshots is not None and min(last_valid) < rows_per_call - 1:
+            caches = self.keep_snapshots(caches, jnp.asarray(last_valid, jnp.int32))
+        return caches

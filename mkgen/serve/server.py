@@ -20,7 +20,7 @@ import time
 from argparse import Namespace
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -70,15 +70,8 @@ def serve(
     devices, a broken tokenizer_config.json, tokenizer files changed since the
     conversion) are MkgenErrors before any request is taken, and so is a failed warm-up
     (nothing could be served)."""
-    from mkgen.serve.chat import load_tokenizer_config
-    from mkgen.weights.convert import TOKENIZER_CONFIG_FILE, tokenizer_file
-
     _log_to_stderr()
-    verify = not trust_weights
-    tokenizer = load_tokenizer(None, str(weights) if weights else None, verify=verify)
-    config = tokenizer_file(weights, TOKENIZER_CONFIG_FILE, verify=verify) if weights else None
-    chat, eos = load_tokenizer_config(config) if config else (None, None)
-    eos_id = tokenizer.token_to_id(eos) if tokenizer is not None and eos else None
+    tokenizer, chat, eos_id = _tokenizer_files(weights, verify=not trust_weights)
     # A port taken is an error before the slow work (on process 0, when a flag says which).
     known_leader = multi_host is None or multi_host.process_id == 0
     listening = _bind(host, port) if known_leader else None
@@ -89,41 +82,17 @@ def serve(
         devices.start_distributed(
             Namespace(multi_host=True, interpret=interpret, **vars(multi_host))
         )
-    import jax
-
-    from mkgen.runtime import disaggregation
-    from mkgen.runtime.decode import load_model
-    from mkgen.serve.app import ServedModel, create_app
-    from mkgen.serve.engine import Engine
-    from mkgen.serve.metrics import Metrics
-    from mkgen.serve.turns import BroadcastTurns
-
-    model = load_model(build, weights, random_weights, verify=not trust_weights, meshes=meshes)
-    following = jax.process_index() != 0
-    engine = Engine(
-        model, interpret=interpret, metrics=Metrics(), steps_per_call=steps_per_call,
-        queue_limit=queue_limit,
-        prefiller=disaggregation.prefill_model(model) if disaggregate else None,
-        host_cache_bytes=host_cache_mib << 20,
-        turns=BroadcastTurns() if multi_host is not None else None,
-        follow=_followed if following else None,
+    engine, following = _start_engine(
+        build, weights, random_weights, verify=not trust_weights, meshes=meshes,
+        interpret=interpret, steps_per_call=steps_per_call, queue_limit=queue_limit,
+        disaggregate=disaggregate, host_cache_mib=host_cache_mib,
+        multi_host=multi_host is not None,
     )  # fmt: skip
     if following:
-        print(
-            f"process {jax.process_index()} of {jax.process_count()}: serving {build.name} "
-            "with process 0 (its engine's turns), until it stops",
-            file=sys.stderr, flush=True,
-        )  # fmt: skip
-        try:
-            engine.run()
-        except Exception as error:  # a collective failed: process 0 is gone
-            first = (str(error).splitlines() or [type(error).__name__])[0]
-            raise MkgenError(
-                f"process {jax.process_index()}: process 0's turns stopped arriving ({first}); "
-                "restart every process of the job"
-            ) from None
-        _check_warm_up(engine)
+        _follow(engine, build)
         return
+    from mkgen.serve.app import ServedModel, create_app
+
     if listening is None:  # a TPU pod made this process 0
         listening = _bind(host, port)
     port = listening.getsockname()[1]  # the one the system chose for --port 0
@@ -145,6 +114,78 @@ def serve(
     app = create_app(engine, served, max_body=max_body_mib << 20)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=ABORT_GRACE_S)
     DrainingServer(config, engine, drain_seconds).run(sockets=[listening])
+    _check_warm_up(engine)
+
+
+def _tokenizer_files(weights: Path | None, *, verify: bool) -> tuple[Any, Any, int | None]:
+    """(the tokenizer, the chat template, the end-of-sequence id) converted with
+    `weights`, each None when there is none (checked against the conversion's sha256 when
+    `verify`)."""
+    from mkgen.serve.chat import load_tokenizer_config
+    from mkgen.weights.convert import TOKENIZER_CONFIG_FILE, tokenizer_file
+
+    tokenizer = load_tokenizer(None, str(weights) if weights else None, verify=verify)
+    config = tokenizer_file(weights, TOKENIZER_CONFIG_FILE, verify=verify) if weights else None
+    chat, eos = load_tokenizer_config(config) if config else (None, None)
+    eos_id = tokenizer.token_to_id(eos) if tokenizer is not None and eos else None
+    return tokenizer, chat, eos_id
+
+
+def _start_engine(
+    build: Build,
+    weights: Path | None,
+    random_weights: int | None,
+    *,
+    verify: bool,
+    meshes: int,
+    interpret: bool,
+    steps_per_call: int,
+    queue_limit: int,
+    disaggregate: bool,
+    host_cache_mib: int,
+    multi_host: bool,
+) -> tuple[Engine, bool]:
+    """(the engine over the loaded model, whether this process follows process 0's
+    turns)."""
+    import jax
+
+    from mkgen.runtime import disaggregation
+    from mkgen.runtime.decode import load_model
+    from mkgen.serve.engine import Engine
+    from mkgen.serve.metrics import Metrics
+    from mkgen.serve.turns import BroadcastTurns
+
+    model = load_model(build, weights, random_weights, verify=verify, meshes=meshes)
+    following = jax.process_index() != 0
+    engine = Engine(
+        model, interpret=interpret, metrics=Metrics(), steps_per_call=steps_per_call,
+        queue_limit=queue_limit,
+        prefiller=disaggregation.prefill_model(model) if disaggregate else None,
+        host_cache_bytes=host_cache_mib << 20,
+        turns=BroadcastTurns() if multi_host else None,
+        follow=_followed if following else None,
+    )  # fmt: skip
+    return engine, following
+
+
+def _follow(engine: Engine, build: Build) -> None:
+    """A process other than 0 of a multi-host job: its engine takes process 0's turns
+    until process 0's engine stops."""
+    import jax
+
+    print(
+        f"process {jax.process_index()} of {jax.process_count()}: serving {build.name} "
+        "with process 0 (its engine's turns), until it stops",
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
+    try:
+        engine.run()
+    except Exception as error:  # a collective failed: process 0 is gone
+        first = (str(error).splitlines() or [type(error).__name__])[0]
+        raise MkgenError(
+            f"process {jax.process_index()}: process 0's turns stopped arriving ({first}); "
+            "restart every process of the job"
+        ) from None
     _check_warm_up(engine)
 
 

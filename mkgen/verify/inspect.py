@@ -315,96 +315,112 @@ def _kinds(layout: KernelLayout) -> list[_Kind]:
 
 def _describe_dmas(build: Build, kind: _Kind | None, phase: Phase, helper: Function | None) -> None:
     """Fill `phase.label` and `phase.dmas` from the plan."""
-    L = build.layout
-    stream = L.stream
-    depth, bank = stream.ring_depth, _mib(stream.bank_bytes)
     if phase.marker == "stream":
-        segments = kind.segments if kind else stream.tail
-        offset = segment_offsets(build.source).get(phase.detail)
-        seg = next((s for s in segments if s.offset == offset), None)
-        if seg is None:
-            phase.label = "weight-stream matmul"
-            phase.dmas = [f"weight ring: {depth} banks of {bank} in flight"]
-            return
-        where = f"the layer's {kind.section}" if kind else "the lm_head"
-        after = {
-            "attention": "the layer's FFN",
-            "ffn": "the next layer's attention (or the lm_head)",
-        }
-        phase.label = f"matmul {seg.name} [{seg.fan_in} x {seg.fan_out}] from the weight stream"
-        reach = "; the ring runs ahead into " + (
-            f"{after.get(kind.section, 'what follows')}"
-            if kind
-            else "nothing (the lm_head ends the stream)"
-        )
-        tail = f", the last column block transposed ({seg.tail_rows} rows)" if seg.tail_rows else ""
-        phase.dmas = [
-            f"consumes rows +{seg.offset}..+{seg.offset + seg.rows - 1} of {where} "
-            f"({seg.rows} rows of {bank} banks, {seg.k_chunks} x {seg.col_blocks} chunks of "
-            f"{seg.chunk_rows} x 256{tail})",
-            f"weight ring: the chunk that reaches bank g waits for it, then issues bank "
-            f"g - 1 + {depth} into the slot of g - 1 ({depth} banks in flight){reach}",
-        ]
+        _describe_stream(build, kind, phase)
     elif phase.marker == "collective":
-        op = str(phase.detail)
-        coll = L.collectives
-        peers = coll.copies
-        phase.label = f"{op.replace('_', '-')} across {L.devices} cores"
-        rounds = " then ".join(f"{r.name} x{r.size}" for r in coll.rounds)
-        phase.dmas = (
-            [
-                f"{peers} remote DMAs out and {peers} in over {len(coll.rounds)} one-shot "
-                f"round(s) ({rounds}), at most [{L.tokens_padded}, "
-                f"{max(b.width for b in coll.buffers)}] 32-bit words each (f32, or bf16 "
-                "pairs), one semaphore per copy, combined in member order"
-            ]
-            if peers
-            else ["none (one core)"]
-        )
-        phase.dmas.append(f"weight ring: {depth} banks stay in flight")
+        _describe_collective(build, phase)
     elif phase.marker == "helper" and helper is not None:
         phase.label = f"{helper.name}: {helper.doc}" if helper.doc else helper.name
-        name = helper.name
-        attention = next((a for a in L.attention if name.endswith(f"_{a.name}")), None)
-        moe = next((f for f in L.ffn if f.type == "moe" and name.endswith(f"_{f.name}")), None)
-        if name.startswith("_write_cache_") and attention:
-            n = 2 * L.batch * attention.kv_heads
-            phase.dmas = [
-                f"cache: {n} block reads, then {n} block writes of {L.cache_block} rows "
-                f"x {attention.head_dim} bf16 (k and v, {L.batch} sequence(s) x "
-                f"{attention.kv_heads} kv head(s)), all waited before attention reads tiles"
-            ]
-        elif name.startswith("_experts_") and moe:
-            e = moe.experts
-            phase.dmas = [
-                f"routed experts: the ids go to SMEM (1 DMA); each distinct chosen expert of "
-                f"this core's group ({moe.experts_per_rank} experts x width {e.width} per core) "
-                f"streams in {e.pieces} piece(s) of {e.piece_chunks} chunk(s) ({e.format}) "
-                f"through {moe.expert_slots} expert slots, the first issued as soon as the list "
-                f"exists, each slot refilled right after its piece is used"
-            ]
-        elif name.startswith("_route_") and moe:
-            phase.dmas = [
-                f"none: {moe.score} router, top-{moe.top_k} of {moe.num_experts} by argmax "
-                f"loops in VMEM"
-            ]
-        elif name.startswith("_attend_") and attention:
-            phase.dmas = [
-                f"cache: K and V tiles of {attention.kv_tile} tokens x {attention.head_dim}, "
-                f"double-buffered (tile t + 1 issued before tile t is used), per "
-                f"(sequence, kv head) over positions [0, pos + {L.rows})"
-            ]
-        else:
-            phase.dmas = [_dma_sites(build, helper.first, helper.last, "its source")]
-        phase.dmas.append(f"weight ring: {depth} banks stay in flight")
+        phase.dmas = _helper_dmas(build, helper)
+        phase.dmas.append(f"weight ring: {build.layout.stream.ring_depth} banks stay in flight")
     else:
         remote = _dma_sites(build, phase.first, phase.last, "these lines")
         phase.label = "vector work" + ("" if remote.startswith("no ") else " and DMAs")
-        ring = f"weight ring: {depth} banks stay in flight"
+        ring = f"weight ring: {build.layout.stream.ring_depth} banks stay in flight"
         if kind is None:
             phase.label = "logit scaling, greedy token across the vocabulary shards"
             ring = "weight ring: drained (the lm_head was the end of the stream)"
         phase.dmas = [remote, ring]
+
+
+def _describe_stream(build: Build, kind: _Kind | None, phase: Phase) -> None:
+    """A weight-stream matmul: the rows it consumes and how far the ring runs ahead."""
+    stream = build.layout.stream
+    depth, bank = stream.ring_depth, _mib(stream.bank_bytes)
+    segments = kind.segments if kind else stream.tail
+    offset = segment_offsets(build.source).get(phase.detail)
+    seg = next((s for s in segments if s.offset == offset), None)
+    if seg is None:
+        phase.label = "weight-stream matmul"
+        phase.dmas = [f"weight ring: {depth} banks of {bank} in flight"]
+        return
+    where = f"the layer's {kind.section}" if kind else "the lm_head"
+    after = {
+        "attention": "the layer's FFN",
+        "ffn": "the next layer's attention (or the lm_head)",
+    }
+    phase.label = f"matmul {seg.name} [{seg.fan_in} x {seg.fan_out}] from the weight stream"
+    reach = "; the ring runs ahead into " + (
+        f"{after.get(kind.section, 'what follows')}"
+        if kind
+        else "nothing (the lm_head ends the stream)"
+    )
+    tail = f", the last column block transposed ({seg.tail_rows} rows)" if seg.tail_rows else ""
+    phase.dmas = [
+        f"consumes rows +{seg.offset}..+{seg.offset + seg.rows - 1} of {where} "
+        f"({seg.rows} rows of {bank} banks, {seg.k_chunks} x {seg.col_blocks} chunks of "
+        f"{seg.chunk_rows} x 256{tail})",
+        f"weight ring: the chunk that reaches bank g waits for it, then issues bank "
+        f"g - 1 + {depth} into the slot of g - 1 ({depth} banks in flight){reach}",
+    ]
+
+
+def _describe_collective(build: Build, phase: Phase) -> None:
+    """A collective: its rounds and remote copies."""
+    L = build.layout
+    op = str(phase.detail)
+    coll = L.collectives
+    peers = coll.copies
+    phase.label = f"{op.replace('_', '-')} across {L.devices} cores"
+    rounds = " then ".join(f"{r.name} x{r.size}" for r in coll.rounds)
+    phase.dmas = (
+        [
+            f"{peers} remote DMAs out and {peers} in over {len(coll.rounds)} one-shot "
+            f"round(s) ({rounds}), at most [{L.tokens_padded}, "
+            f"{max(b.width for b in coll.buffers)}] 32-bit words each (f32, or bf16 "
+            "pairs), one semaphore per copy, combined in member order"
+        ]
+        if peers
+        else ["none (one core)"]
+    )
+    phase.dmas.append(f"weight ring: {L.stream.ring_depth} banks stay in flight")
+
+
+def _helper_dmas(build: Build, helper: Function) -> list[str]:
+    """The DMAs of a kernel helper: a kind's cache writes, expert pieces, routing or
+    attention tiles as the plan sizes them, else the DMA sites in its source."""
+    L = build.layout
+    name = helper.name
+    attention = next((a for a in L.attention if name.endswith(f"_{a.name}")), None)
+    moe = next((f for f in L.ffn if f.type == "moe" and name.endswith(f"_{f.name}")), None)
+    if name.startswith("_write_cache_") and attention:
+        n = 2 * L.batch * attention.kv_heads
+        return [
+            f"cache: {n} block reads, then {n} block writes of {L.cache_block} rows "
+            f"x {attention.head_dim} bf16 (k and v, {L.batch} sequence(s) x "
+            f"{attention.kv_heads} kv head(s)), all waited before attention reads tiles"
+        ]
+    if name.startswith("_experts_") and moe:
+        e = moe.experts
+        return [
+            f"routed experts: the ids go to SMEM (1 DMA); each distinct chosen expert of "
+            f"this core's group ({moe.experts_per_rank} experts x width {e.width} per core) "
+            f"streams in {e.pieces} piece(s) of {e.piece_chunks} chunk(s) ({e.format}) "
+            f"through {moe.expert_slots} expert slots, the first issued as soon as the list "
+            f"exists, each slot refilled right after its piece is used"
+        ]
+    if name.startswith("_route_") and moe:
+        return [
+            f"none: {moe.score} router, top-{moe.top_k} of {moe.num_experts} by argmax "
+            f"loops in VMEM"
+        ]
+    if name.startswith("_attend_") and attention:
+        return [
+            f"cache: K and V tiles of {attention.kv_tile} tokens x {attention.head_dim}, "
+            f"double-buffered (tile t + 1 issued before tile t is used), per "
+            f"(sequence, kv head) over positions [0, pos + {L.rows})"
+        ]
+    return [_dma_sites(build, helper.first, helper.last, "its source")]
 
 
 def _dma_sites(build: Build, first: int, last: int, where: str) -> str:

@@ -133,21 +133,7 @@ def parse_llo(text: str) -> LloKernel:
     for line in text.splitlines():
         if line.startswith("#loc") and (m := _LOC_DEF.match(line)):
             locs[m.group(1)] = m.group(2)
-    body: list = []
-    kernel = LloKernel(body=body, defs={}, constants={}, locs=locs)
-    stack: list[tuple[list, Loop | If | None]] = []
-    scopes: list[dict[str, str]] = [{}]
-    current = body
-    last: Frames = ()
-    regions = 0
-
-    def define(name: str) -> str:
-        scopes[-1][name] = f"{name}@{regions}"
-        return scopes[-1][name]
-
-    def resolve(name: str) -> str:
-        return next((scope[name] for scope in reversed(scopes) if name in scope), name)
-
+    parser = _KernelParser(LloKernel(body=[], defs={}, constants={}, locs=locs))
     inside = False
     for line in text.splitlines():
         stripped = line.strip()
@@ -157,60 +143,93 @@ def parse_llo(text: str) -> LloKernel:
         if line.startswith("  }") and not line.startswith("   "):
             break  # the kernel function ends
         if stripped.startswith("}"):
-            last = ()
-            scopes.pop()
-            if stripped.startswith("} else {"):
-                node = stack[-1][1]
-                assert isinstance(node, If)
-                current = node.other
-                regions += 1
-                scopes.append({})
-                continue
-            parent, node = stack.pop()
-            if node is not None and (m := _OP_LOC.search(stripped)):
-                node.loc = m.group(1)
-            current = parent
-            continue
-        m = _OP.match(line)
-        if m is None:
-            continue
+            parser.close_region(stripped)
+        elif (m := _OP.match(line)) is not None:
+            parser.add_op(line, stripped, m)
+    _add_context(parser.kernel, parser.kernel.body, ())
+    return parser.kernel
+
+
+class _KernelParser:
+    """parse_llo inside the kernel function: the regions open (each with the block its
+    ops go to), the SSA names each region defines, and the frames of the last op that
+    had a location."""
+
+    def __init__(self, kernel: LloKernel) -> None:
+        self.kernel = kernel
+        self.stack: list[tuple[list, Loop | If | None]] = []
+        self.scopes: list[dict[str, str]] = [{}]
+        self.current = kernel.body
+        self.last: Frames = ()
+        self.regions = 0
+
+    def define(self, name: str) -> str:
+        self.scopes[-1][name] = f"{name}@{self.regions}"
+        return self.scopes[-1][name]
+
+    def resolve(self, name: str) -> str:
+        return next((scope[name] for scope in reversed(self.scopes) if name in scope), name)
+
+    def _enter(self, block: list) -> None:
+        self.current = block
+        self.regions += 1
+        self.scopes.append({})
+
+    def close_region(self, stripped: str) -> None:
+        """A line ``}``: a region ends (``} else {``: a guard's other region begins)."""
+        self.last = ()
+        self.scopes.pop()
+        if stripped.startswith("} else {"):
+            node = self.stack[-1][1]
+            assert isinstance(node, If)
+            self._enter(node.other)
+            return
+        parent, node = self.stack.pop()
+        if node is not None and (m := _OP_LOC.search(stripped)):
+            node.loc = m.group(1)
+        self.current = parent
+
+    def open_region(self, stripped: str) -> None:
+        """An op that opens a region: a loop or a guard (anything else is kept out)."""
+        node: Loop | If | None = None
+        if (f := _FOR.search(stripped)) is not None:
+            iv, lower, upper, step = f.groups()
+            node = Loop("", self.resolve(lower), self.resolve(upper), self.resolve(step))
+        elif (g := _IF.search(stripped)) is not None:
+            node = If(self.resolve(g.group(1)))
+        if node is not None:
+            self.current.append(node)
+        self.stack.append((self.current, node))
+        self.last = ()
+        self._enter(node.body if isinstance(node, Loop) else node.then if node else [])
+        if isinstance(node, Loop):
+            node.iv = self.define(iv)
+            self.kernel.ivs.add(node.iv)
+
+    def add_op(self, line: str, stripped: str, m: re.Match[str]) -> None:
+        """An op: its definition (a constant's value, else its operands) and, when it is
+        counted, an Op in the current block."""
         result, op = m.group(1), m.group(2)
+        if stripped.endswith("{"):
+            self.open_region(stripped)
+            return
         loc_match = _OP_LOC.search(stripped)
         loc = loc_match.group(1) if loc_match else ""
-        if stripped.endswith("{"):
-            node: Loop | If | None = None
-            if (f := _FOR.search(stripped)) is not None:
-                iv, lower, upper, step = f.groups()
-                node = Loop("", resolve(lower), resolve(upper), resolve(step))
-            elif (g := _IF.search(stripped)) is not None:
-                node = If(resolve(g.group(1)))
-            if node is not None:
-                current.append(node)
-            stack.append((current, node))
-            last = ()
-            current = node.body if isinstance(node, Loop) else node.then if node else []
-            regions += 1
-            scopes.append({})
-            if isinstance(node, Loop):
-                node.iv = define(iv)
-                kernel.ivs.add(node.iv)
-            continue
+        kernel = self.kernel
         name = op.removeprefix("llo.")
         if result is not None:
             if name == "constant" and (c := _CONSTANT.search(stripped)):
-                kernel.constants[define(result)] = int(c.group(1))
+                kernel.constants[self.define(result)] = int(c.group(1))
             else:
                 rest = line[m.end() :].split(" loc(")[0].split(":")[0].split("{")[0]
-                operands = tuple(resolve(a) for a in _OPERANDS.findall(rest))
-                kernel.defs[define(result)] = (name, operands)
+                operands = tuple(self.resolve(a) for a in _OPERANDS.findall(rest))
+                kernel.defs[self.define(result)] = (name, operands)
         group = op_group(name) if op.startswith("llo.") else None
         if group is not None:
             # Some lowerings (select_n) leave no source location: such an op belongs to
             # the code of the op before it in the same block (else to the block's).
-            last = kernel.frames(loc) or last
-            current.append(Op(group, last))
-    _add_context(kernel, body, ())
-    return kernel
+            self.last = kernel.frames(loc) or self.last
+            self.current.append(Op(group, self.last))
 
 
 def _add_context(kernel: LloKernel, block: list, context: Frames) -> None:

@@ -423,40 +423,17 @@ def _run_child(
     from jax.experimental.pallas import tpu as pltpu
     from jax.sharding import Mesh
 
-    from mkgen.codegen.build import load_module, render_kernel
-    from mkgen.codegen.package import mini_kernel_args
-    from mkgen.plan import plan_build
     from mkgen.plan.collectives import arrange_devices
-    from mkgen.plan.options import BuildOptions
-    from mkgen.plan.sharding import full_size_splits
     from mkgen.reference import model as reference
-    from mkgen.spec.loader import load_spec
-    from mkgen.spec.mini import mini_twin
     from mkgen.spec.schema import MoEFFN
-    from mkgen.spec.topology import parse_topology
-    from mkgen.weights import pack
     from mkgen.weights.quantize import stored_random_weights
 
-    topology = parse_topology(topology_text)
+    topology, spec, layout, kernel = _child_kernel(
+        spec_ref, topology_text, batch, rows, context, quant, knobs, mutations
+    )
     devices = topology.num_devices
-    built = BuildOptions.create(quant=quant).apply(load_spec(spec_ref))
-    spec = mini_twin(built, devices)
-    options = BuildOptions.create(batch=batch, rows=rows, context=context, **knobs)
-    options = options.model_copy(update={"splits": full_size_splits(built, topology, options)})
-    layout = plan_build(spec, topology, options, **mini_kernel_args(), trace_residuals=True).kernel
-    source = render_kernel(layout, "verify")
-    for old, new in mutations:
-        if old not in source:
-            raise ValueError(f"mutation target not in the kernel: {old!r}")
-        source = source.replace(old, new)
-    kernel = load_module(source, "megakernel_verify")
     weights = stored_random_weights(spec, seed)  # the reference reads what the kernel stores
-    stream = jnp.asarray(np.stack([pack.pack_stream(layout, weights, r) for r in range(devices)]))
-    vectors = jnp.asarray(np.stack([pack.pack_vectors(layout, weights, r) for r in range(devices)]))
-    per_rank = [pack.pack_experts(layout, weights, r) for r in range(devices)]
-    experts = [
-        jnp.asarray(np.stack([p[i] for p in per_rank])) for i in range(len(kernel.expert_shapes()))
-    ]
+    stream, vectors, experts = _packed_weights(layout, kernel, weights, devices)
     caches = [jnp.zeros((devices, *shape), dtype) for shape, dtype in kernel.cache_shapes()]
     order = layout.collectives.mesh_order  # stage 1 of the collectives is sibling cores
     mesh = Mesh(np.array(arrange_devices(jax.devices(), topology, order)), (kernel.AXIS,))
@@ -486,65 +463,145 @@ def _run_child(
             )  # fmt: skip
             out = jax.block_until_ready(out)
         seconds = time.perf_counter() - start
-        core_tokens, kernel_logits, core_residuals, core_routes, *caches = out
-        # Every core's greedy tokens, residual stream and routing after every layer, bit
-        # for bit (only MoE layers write their routing).
-        core_tokens, core_residuals = np.asarray(core_tokens), np.asarray(core_residuals)
-        core_routes = np.asarray(core_routes)[:, moe_layers]
-        identical = all(
-            np.array_equal(core_tokens[0], core_tokens[r])
-            and np.array_equal(core_residuals[0], core_residuals[r], equal_nan=True)
-            and np.array_equal(core_routes[0], core_routes[r])
-            for r in range(1, devices)
+        _, _, _, _, *caches = out  # after the tokens, logits, residuals and routes
+        check, ref_cache, expected = _step_check(
+            step, seconds, spec, layout, weights, tokens, position, ref_cache, out, moe_layers
         )
-        kernel_tokens, residuals = core_tokens[0], core_residuals[0]
-        kernel_routes = dict(zip(moe_layers, core_routes[0], strict=True))
-        differences: list[RouteDifference] = []
-        ref_logits, ref_cache, ref_residuals = reference.forward_traced(
-            spec, weights, jnp.asarray(tokens), ref_cache, position,
-            _following_near_ties(kernel_routes, differences),
-        )  # fmt: skip
-        mismatches = [d for d in differences if not d.near_tie]
-        layer_diff, layer_tolerance, first_layer = _compare_residuals(
-            np.asarray(residuals),
-            np.asarray(ref_residuals).reshape(len(residuals), layout.tokens, -1),
-        )
-        ref_logits = np.asarray(ref_logits).reshape(layout.tokens, -1)
-        got = np.asarray(kernel_logits)[:, : spec.dims.vocab]
-        scale = float(np.abs(ref_logits).max())
-        tolerance = LOGIT_ATOL + LOGIT_RTOL * scale
-        ranked = np.sort(ref_logits[:, : layout.vocab_used], axis=1)
-        near_tie = (ranked[:, -1] - ranked[:, -2]) < tolerance
-        expected = ref_logits[:, : layout.vocab_used].argmax(axis=1)
-        equal = np.asarray(kernel_tokens) == expected
-        cache_diff, cache_scale = _compare_caches(spec, layout, caches, ref_cache, position, rows)
-        finite = bool(np.isfinite(got).all()) and all(
-            bool(jnp.isfinite(c.astype(jnp.float32)).all()) for c in caches
-        )
-        checks.append(
-            StepCheck(
-                step=step,
-                max_logit_diff=float(np.abs(got - ref_logits).max()),
-                logit_tolerance=tolerance,
-                tokens_equal=int(equal.sum()),
-                tokens_near_tie=int((~equal & near_tie).sum()),
-                tokens_total=int(equal.size),
-                max_cache_diff=cache_diff,
-                cache_tolerance=CACHE_RTOL * max(cache_scale, 1.0),
-                max_residual_diff=layer_diff,
-                residual_tolerance=layer_tolerance,
-                first_diverging_layer=first_layer,
-                finite=finite,
-                cores_identical=identical,
-                seconds=seconds,
-                route_ties=[d.describe() for d in differences if d.near_tie],
-                route_mismatch=mismatches[0].describe() if mismatches else None,
-                route_mismatch_layer=mismatches[0].layer if mismatches else None,
-            )
-        )
+        checks.append(check)
         tokens = expected.reshape(batch, rows).astype(np.int32)
         print(f"{STEP_DONE} {step}", file=sys.stderr, flush=True)
     return {"steps": [asdict(c) for c in checks]}
+
+
+def _child_kernel(
+    spec_ref: str,
+    topology_text: str,
+    batch: int,
+    rows: int,
+    context: int,
+    quant: list[str],
+    knobs: dict[str, int],
+    mutations: list[tuple[str, str]],
+) -> tuple[Any, Any, Any, Any]:
+    """(topology, the spec's mini twin, its kernel layout, the rendered kernel module with
+    `mutations` applied to its source), planned with the full-size build's splits."""
+    from mkgen.codegen.build import load_module, render_kernel
+    from mkgen.codegen.package import mini_kernel_args
+    from mkgen.plan import plan_build
+    from mkgen.plan.options import BuildOptions
+    from mkgen.plan.sharding import full_size_splits
+    from mkgen.spec.loader import load_spec
+    from mkgen.spec.mini import mini_twin
+    from mkgen.spec.topology import parse_topology
+
+    topology = parse_topology(topology_text)
+    built = BuildOptions.create(quant=quant).apply(load_spec(spec_ref))
+    spec = mini_twin(built, topology.num_devices)
+    options = BuildOptions.create(batch=batch, rows=rows, context=context, **knobs)
+    options = options.model_copy(update={"splits": full_size_splits(built, topology, options)})
+    layout = plan_build(spec, topology, options, **mini_kernel_args(), trace_residuals=True).kernel
+    source = render_kernel(layout, "verify")
+    for old, new in mutations:
+        if old not in source:
+            raise ValueError(f"mutation target not in the kernel: {old!r}")
+        source = source.replace(old, new)
+    return topology, spec, layout, load_module(source, "megakernel_verify")
+
+
+def _packed_weights(
+    layout: Any, kernel: Any, weights: Any, devices: int
+) -> tuple[Any, Any, list[Any]]:
+    """(stream, vectors, expert arrays) of `weights` packed for every core, stacked."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mkgen.weights import pack
+
+    stream = jnp.asarray(np.stack([pack.pack_stream(layout, weights, r) for r in range(devices)]))
+    vectors = jnp.asarray(np.stack([pack.pack_vectors(layout, weights, r) for r in range(devices)]))
+    per_rank = [pack.pack_experts(layout, weights, r) for r in range(devices)]
+    experts = [
+        jnp.asarray(np.stack([p[i] for p in per_rank])) for i in range(len(kernel.expert_shapes()))
+    ]
+    return stream, vectors, experts
+
+
+def _step_check(
+    step: int,
+    seconds: float,
+    spec: Any,
+    layout: Any,
+    weights: Any,
+    tokens: Any,
+    position: int,
+    ref_cache: Any,
+    out: list[Any],
+    moe_layers: list[int],
+) -> tuple[StepCheck, Any, Any]:
+    """(the check of a kernel step's outputs `out` against the reference fed the same
+    `tokens` [batch, rows] at `position`, the reference's cache after it, its greedy
+    tokens)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mkgen.reference import model as reference
+
+    core_tokens, kernel_logits, core_residuals, core_routes, *caches = out
+    # Every core's greedy tokens, residual stream and routing after every layer, bit
+    # for bit (only MoE layers write their routing).
+    core_tokens, core_residuals = np.asarray(core_tokens), np.asarray(core_residuals)
+    core_routes = np.asarray(core_routes)[:, moe_layers]
+    identical = all(
+        np.array_equal(core_tokens[0], core_tokens[r])
+        and np.array_equal(core_residuals[0], core_residuals[r], equal_nan=True)
+        and np.array_equal(core_routes[0], core_routes[r])
+        for r in range(1, len(core_tokens))
+    )
+    kernel_tokens, residuals = core_tokens[0], core_residuals[0]
+    kernel_routes = dict(zip(moe_layers, core_routes[0], strict=True))
+    differences: list[RouteDifference] = []
+    ref_logits, ref_cache, ref_residuals = reference.forward_traced(
+        spec, weights, jnp.asarray(tokens), ref_cache, position,
+        _following_near_ties(kernel_routes, differences),
+    )  # fmt: skip
+    mismatches = [d for d in differences if not d.near_tie]
+    layer_diff, layer_tolerance, first_layer = _compare_residuals(
+        np.asarray(residuals),
+        np.asarray(ref_residuals).reshape(len(residuals), layout.tokens, -1),
+    )
+    ref_logits = np.asarray(ref_logits).reshape(layout.tokens, -1)
+    got = np.asarray(kernel_logits)[:, : spec.dims.vocab]
+    scale = float(np.abs(ref_logits).max())
+    tolerance = LOGIT_ATOL + LOGIT_RTOL * scale
+    ranked = np.sort(ref_logits[:, : layout.vocab_used], axis=1)
+    near_tie = (ranked[:, -1] - ranked[:, -2]) < tolerance
+    expected = ref_logits[:, : layout.vocab_used].argmax(axis=1)
+    equal = np.asarray(kernel_tokens) == expected
+    rows = tokens.shape[1]
+    cache_diff, cache_scale = _compare_caches(spec, layout, caches, ref_cache, position, rows)
+    finite = bool(np.isfinite(got).all()) and all(
+        bool(jnp.isfinite(c.astype(jnp.float32)).all()) for c in caches
+    )
+    check = StepCheck(
+        step=step,
+        max_logit_diff=float(np.abs(got - ref_logits).max()),
+        logit_tolerance=tolerance,
+        tokens_equal=int(equal.sum()),
+        tokens_near_tie=int((~equal & near_tie).sum()),
+        tokens_total=int(equal.size),
+        max_cache_diff=cache_diff,
+        cache_tolerance=CACHE_RTOL * max(cache_scale, 1.0),
+        max_residual_diff=layer_diff,
+        residual_tolerance=layer_tolerance,
+        first_diverging_layer=first_layer,
+        finite=finite,
+        cores_identical=identical,
+        seconds=seconds,
+        route_ties=[d.describe() for d in differences if d.near_tie],
+        route_mismatch=mismatches[0].describe() if mismatches else None,
+        route_mismatch_layer=mismatches[0].layer if mismatches else None,
+    )
+    return check, ref_cache, expected
 
 
 def _following_near_ties(
