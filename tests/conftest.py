@@ -12,6 +12,14 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA's CPU backend compiles the suite's programs without LLVM's optimisations (the flag
+# reaches every process the tests start): they are tiny, or calls back into the TPU
+# interpreter, so compiling them is most of XLA's time (the sharded prefill test: 95 ->
+# 65 CPU seconds) and running them is not. The values are the same: XLA's CPU code keeps
+# IEEE arithmetic at every optimisation level.
+os.environ["XLA_FLAGS"] = (
+    f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+)
 
 # One JAX compilation cache for the whole run: xdist's workers and every process they
 # start inherit it from the first conftest import, so the kernels, prefills and

@@ -319,7 +319,7 @@ def _run_child(mode: str, spec_refs: list[str]) -> dict:
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
         "PYTHONDONTWRITEBYTECODE": "1",
     }
     child = subprocess.run(

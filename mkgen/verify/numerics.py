@@ -187,7 +187,9 @@ def verify_numerics(
     devices = parse_topology(topology).num_devices
     env = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        # The caller's XLA flags are kept; the device count comes last, so it holds.
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+        f"--xla_force_host_platform_device_count={devices}".strip(),
         "JAX_PLATFORMS": "cpu",
     }
     args = [
