@@ -84,7 +84,7 @@ ChooseLayerExperts = Callable[[int, MoEFFN, jax.Array, jax.Array], jax.Array]
 
 OUTPUT_PROJECTIONS = ("wo", "w_down", "experts_down", "shared_down", "latent_out")
 MODEL_STYLE_NORMS = ("attn_norm", "ffn_norm", "final_norm", "q_norm", "k_norm", "kv_norm",
-                     "latent_norm")  # fmt: skip
+                     "latent_norm", "enorm", "hnorm", "hidden_norm")  # fmt: skip
 PLAIN_NORMS = ("o_norm",)  # KimiLinearRMSNormGated / Qwen3NextRMSNormGated: weight, not 1 + w
 BIASES = ("bq", "bk", "bv", "bo", "b_gate", "b_up", "b_down", "router_bias",
           "experts_b_gate", "experts_b_up", "experts_b_down")  # fmt: skip
@@ -99,7 +99,7 @@ BIASES = ("bq", "bk", "bv", "bo", "b_gate", "b_up", "b_down", "router_bias",
 DRAW_BLOCK = 16384
 
 
-def _tensor_key(seed: int, name: str) -> jax.Array:
+def tensor_key(seed: int, name: str) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), zlib.crc32(name.encode()) & 0x7FFFFFFF)
 
 
@@ -122,7 +122,7 @@ def _draw(
     return np.concatenate(blocks)[:count].reshape(shape)
 
 
-def _init_tensor(spec: ModelSpec, w: WeightSpec, key: jax.Array) -> np.ndarray:
+def init_tensor(spec: ModelSpec, w: WeightSpec, key: jax.Array) -> np.ndarray:
     """One tensor drawn by the scheme in the module docstring (f32 numpy)."""
     leaf = w.name.rsplit(".", 1)[-1]
     if leaf == "A_log":
@@ -159,7 +159,7 @@ def _attention_kind_of(spec: ModelSpec, name: str) -> object:
 def init_weights(spec: ModelSpec, seed: int = 0) -> dict[str, jax.Array]:
     """Random f32 weights for every tensor of the inventory (mkgen.spec.weights)."""
     return {
-        w.name: jnp.asarray(_init_tensor(spec, w, _tensor_key(seed, w.name)), jnp.float32)
+        w.name: jnp.asarray(init_tensor(spec, w, tensor_key(seed, w.name)), jnp.float32)
         for w in model_weights(spec)
     }
 
