@@ -242,3 +242,17 @@ def test_drafting_fewer_rows_than_a_block_keeps_its_first_drafts(target):
     full = _first_step(spec, weights, rows=4)[0]
     short = _first_step(spec, weights, rows=2)[0]
     np.testing.assert_array_equal(short[0], full[0, :1])
+
+
+def test_mtp_variants_change_what_they_should_and_nothing_else(target):
+    _, weights, _ = target
+    deepseek = _tiny(DRAFTS["mtp"])
+    weights = weights | init_draft_weights(deepseek)
+    logits = _first_step(deepseek, weights)[1]
+    # Qwen3-Next's MTP chains the normed output: draft 1 is the same, the later ones move.
+    normed = _first_step(_tiny(DRAFTS["mtp"] | {"chain": "normed"}), weights)[1]
+    np.testing.assert_allclose(normed[:, 0], logits[:, 0], rtol=1e-6, atol=1e-6)
+    assert float(jnp.max(jnp.abs(normed[:, 1:] - logits[:, 1:]))) > 1e-3
+    # Without the position-0 mask the first entry, which every later one attends to, moves.
+    unmasked = _first_step(_tiny(DRAFTS["mtp"] | {"mask_first_embedding": False}), weights)[1]
+    assert float(jnp.max(jnp.abs(unmasked[:, 0] - logits[:, 0]))) > 1e-4

@@ -153,6 +153,10 @@ def test_import_keeps_mtp_layers_as_an_mtp_draft_section(folder, key, kinds):
         *kinds,
     )
     assert "kept as the draft section (kind mtp)" in spec.description
+    qwen = folder == "qwen3_next"  # vLLM's qwen3_next_mtp.py: no mask, normed chain
+    assert (spec.draft.mask_first_embedding, spec.draft.chain) == (
+        (False, "normed") if qwen else (True, "pre_norm")
+    )
 
 
 def test_import_without_keep_mtp_is_unchanged_and_has_no_drafter():

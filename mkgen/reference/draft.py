@@ -9,13 +9,14 @@ bonus), the first row of the next verify. The drafter proposes the rows - 1 toke
 follow `next_token` and keeps its caches for the next step: everything it wrote at
 positions >= start + n is speculative and is overwritten then, which is the roll-back.
 
-- mtp (DeepSeek-V3 MTP as vLLM's deepseek_mtp.py and SGLang's deepseek_nextn.py run
-  it): entry i pairs the target's final-normed hidden state at position i with the
-  embedding of token i + 1 (zero at position 0): enorm(embedding) and hnorm(hidden),
-  concatenated, eh_proj, one decoder layer (its own KV cache, positions as the target's),
-  its final norm, the target's LM head. Draft 1 comes from the last entry; draft j + 1
-  from an entry at the next position pairing draft j with the layer's output for draft
-  j (its hidden state before the norm): rows - 2 more single-position passes.
+- mtp (as vLLM's deepseek_mtp.py and qwen3_next_mtp.py run it): entry i pairs the
+  target's final-normed hidden state at position i with the embedding of token i + 1
+  (zeroed at position 0 when `mask_first_embedding`): enorm(embedding) and
+  hnorm(hidden), concatenated, eh_proj, one decoder layer (its own KV cache, positions
+  as the target's), its final norm, the target's LM head. Draft 1 comes from the last
+  entry; draft j + 1 from an entry at the next position pairing draft j with the
+  layer's output for draft j (before the final norm, or after it when `chain` is
+  normed): rows - 2 more single-position passes.
 - block (DFlash, z-lab/dflash dflash/model.py): the target's hidden states at
   `feature_layers` (transformers' hidden_states[layer + 1]: the last layer's is
   final-normed), concatenated, projected (fc) and RMS-normed (hidden_norm) are the
@@ -192,16 +193,16 @@ def _mtp_entry(
     at: jax.Array,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """MTP entries at positions at.. pairing token_ids [B, n] with the previous hidden
-    states [B, n, hidden]: the last entry's logits [B, vocab] and output [B, 1, hidden]
-    (before the module's final norm: what the next draft chains on) and the cache."""
+    states [B, n, hidden]: the last entry's logits [B, vocab], what the next draft chains
+    on [B, 1, hidden] (the output before or after the module's final norm) and the cache."""
     draft = spec.draft
     assert isinstance(draft, MtpDraft)
     dims, w = spec.dims, layer_weights(weights, "draft.0.")
     zero_centered = dims.norm_style == "zero_centered"
     positions = at + jnp.arange(token_ids.shape[1])
     embedded = jnp.asarray(weights["embedding"], jnp.float32)[token_ids]
-    # vLLM's deepseek_mtp.py zeroes the embedding at position 0 ("not needed by MTP").
-    embedded = jnp.where((positions == 0)[None, :, None], 0.0, embedded)
+    if draft.mask_first_embedding:  # vLLM's deepseek_mtp.py: "not needed by MTP"
+        embedded = jnp.where((positions == 0)[None, :, None], 0.0, embedded)
     joined = jnp.concatenate(
         [
             rms_norm(embedded, w["enorm"], dims.norm_eps, zero_centered),
@@ -211,9 +212,9 @@ def _mtp_entry(
     )
     attention, ffn = spec.attention_kinds[draft.attention], spec.ffn_kinds[draft.ffn]
     out, cache = decoder_layer(attention, ffn, w, mm(joined, w["eh_proj"]), cache, at, dims)
-    out = out[:, -1:]
-    normed = rms_norm(out[:, 0], w["final_norm"], dims.norm_eps, zero_centered)
-    return head_logits(dims, weights, normed), out, cache
+    normed = rms_norm(out[:, -1:], w["final_norm"], dims.norm_eps, zero_centered)
+    chained = normed if draft.chain == "normed" else out[:, -1:]
+    return head_logits(dims, weights, normed[:, 0]), chained, cache
 
 
 def _compile_mtp_entry(spec: ModelSpec) -> Callable[..., Any]:

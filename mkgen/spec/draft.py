@@ -134,7 +134,11 @@ def mtp_note(count: int, keys: Sequence[str], kept: bool) -> str:
 
 
 def mtp_section(
-    count: int, data: dict[str, Any], attention_table: Sequence[str], ffn_table: Sequence[str]
+    count: int,
+    data: dict[str, Any],
+    attention_table: Sequence[str],
+    ffn_table: Sequence[str],
+    arch: str,
 ) -> dict[str, Any]:
     """The `mtp` draft section of an imported spec `data`: `count` modules whose decoder
     layer has the kinds of the target's last full-attention layer (DeepSeek-V3's MTP layer
@@ -149,8 +153,11 @@ def mtp_section(
             "full-attention layer whose kind they could take; import without keep_mtp"
         )
     last = full[-1]
-    return {"kind": "mtp", "layers": count, "attention": attention_table[last],
-            "ffn": ffn_table[last]}  # fmt: skip
+    section = {"kind": "mtp", "layers": count, "attention": attention_table[last],
+               "ffn": ffn_table[last]}  # fmt: skip
+    if arch.startswith("Qwen3Next"):  # vLLM's qwen3_next_mtp.py
+        section |= {"mask_first_embedding": False, "chain": "normed"}
+    return section
 
 
 # DFlash's keys beside its Qwen3 layers' (z-lab/dflash: DFlashDraftModel's config).

@@ -1454,7 +1454,9 @@ def import_hf_dict(
     if parts.quantization:
         data["quantization"] = parts.quantization
     if keep_mtp and c.mtp_layers:
-        data["draft"] = mtp_section(c.mtp_layers, data, parts.attention_table, parts.ffn_table)
+        data["draft"] = mtp_section(
+            c.mtp_layers, data, parts.attention_table, parts.ffn_table, arch
+        )
     return spec_from_dict(data, source)
 
 

@@ -563,6 +563,12 @@ class MtpDraft(StrictModel):
     # MTP modules' decoder layer.
     attention: Name
     ffn: Name
+    # DeepSeek-V3 (vLLM's deepseek_mtp.py) zeroes the token embedding at position 0;
+    # Qwen3-Next (qwen3_next_mtp.py) does not.
+    mask_first_embedding: bool = True
+    # What draft j + 1 reads as the previous hidden state: the module's output before its
+    # final norm (DeepSeek-V3) or after it (Qwen3-Next).
+    chain: Literal["pre_norm", "normed"] = "pre_norm"
 
     def check_against(self, target: ModelSpec) -> None:
         for field, name, kinds in (
