@@ -34,6 +34,11 @@ Per architecture, `tests/fixtures/hf/<name>/` holds:
                       expert id; the weights are the final combine weights)
   meta.json           versions, classes, seed search, derived RoPE/softmax constants,
                       decode-vs-prefill checks, routing statistics, code-path notes
+
+Per drafter (DRAFTERS: torch ports of DeepSeek-V3's MTP head and the DFlash block drafter, on a
+target fixture's committed weights), `tests/fixtures/hf/<name>/` holds config.json,
+drafter.safetensors (the published checkpoint layout), meta.json and expected_drafts.npz
+(three greedy draft-and-verify steps: draft ids and logits, verify logits, accepted counts).
   (plus a hand-written README.md in tests/fixtures/hf/)
 
 The seed of each model is the first one from SEED whose greedy steps and expert choices all have

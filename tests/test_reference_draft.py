@@ -32,7 +32,8 @@ from mkgen.reference.draft import (
 )
 from mkgen.reference.hf_weights import load_hf_weights
 from mkgen.reference.model import generate, init_cache, init_weights
-from mkgen.spec.draft import import_block_draft, with_draft
+from mkgen.spec.draft import with_draft
+from mkgen.spec.draft_import import import_block_draft
 from mkgen.spec.files import spec_from_dict
 from mkgen.spec.hf_import import import_hf_config
 

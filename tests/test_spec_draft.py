@@ -12,7 +12,8 @@ import yaml
 from cli_run import assert_user_error, mkgen
 
 from mkgen.errors import SpecError
-from mkgen.spec.draft import draft_weights, import_block_draft, with_draft
+from mkgen.spec.draft import draft_weights, with_draft
+from mkgen.spec.draft_import import import_block_draft
 from mkgen.spec.files import spec_from_dict
 from mkgen.spec.hf_import import import_hf_config, import_hf_dict
 from mkgen.spec.loader import list_spec_names, load_spec
