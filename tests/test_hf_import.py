@@ -262,7 +262,8 @@ def _hf_config(name: str) -> dict[str, Any]:
 
 
 def _fixture_dirs() -> list[Path]:
-    return sorted(p for p in FIXTURES.glob("*") if (p / "config.json").exists())
+    """The target checkpoints (the drafter folders hold drafter.safetensors instead)."""
+    return sorted(p for p in FIXTURES.glob("*") if (p / "model.safetensors").exists())
 
 
 # ---------------------------------------------------------------- the shipped configs

@@ -90,7 +90,7 @@ def init_draft_weights(spec: ModelSpec, seed: int = 0) -> dict[str, jax.Array]:
     if isinstance(draft, ModelDraft):
         return {f"draft.{k}": v for k, v in init_weights(draft.model, seed).items()}
     style = "plain" if isinstance(draft, BlockDraft) else spec.dims.norm_style
-    plain = spec.model_copy(update={"dims": spec.dims.model_copy(update={"norm_style": style})})
+    styled = spec.model_copy(update={"dims": spec.dims.model_copy(update={"norm_style": style})})
     out = {}
     for w in draft_weights(spec):
         key = tensor_key(seed, w.name)
@@ -98,7 +98,7 @@ def init_draft_weights(spec: ModelSpec, seed: int = 0) -> dict[str, jax.Array]:
             chosen = np.sort(np.asarray(jax.random.permutation(key, spec.dims.vocab)[: w.shape[0]]))
             out[w.name] = jnp.asarray(chosen - np.arange(w.shape[0]), jnp.int32)
         else:
-            out[w.name] = jnp.asarray(init_tensor(plain, w, key), jnp.float32)
+            out[w.name] = jnp.asarray(init_tensor(styled, w, key), jnp.float32)
     return out
 
 
