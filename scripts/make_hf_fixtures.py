@@ -36,7 +36,7 @@ Per architecture, `tests/fixtures/hf/<name>/` holds:
                       decode-vs-prefill checks, routing statistics, code-path notes
 
 Per drafter (DRAFTERS: torch ports of DeepSeek-V3's MTP head and the DFlash block drafter, on a
-target fixture's committed weights), `tests/fixtures/hf/<name>/` holds config.json,
+target fixture's committed weights), `tests/fixtures/hf/drafters/<name>/` holds config.json,
 drafter.safetensors (the published checkpoint layout), meta.json and expected_drafts.npz
 (three greedy draft-and-verify steps: draft ids and logits, verify logits, accepted counts).
   (plus a hand-written README.md in tests/fixtures/hf/)
@@ -1151,7 +1151,9 @@ def build_drafter(name: str, out_root: Path) -> dict:
             break
     else:
         raise RuntimeError(f"{name}: no seed with large enough margins: {tried}")
-    out = out_root / name
+    # A folder of their own: the tests take every folder of out_root with a config.json as
+    # a target checkpoint.
+    out = out_root / "drafters" / name
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -1159,7 +1161,6 @@ def build_drafter(name: str, out_root: Path) -> dict:
     save_file(tensors, out / "drafter.safetensors", {"format": "pt"})
     (out / "drafter.safetensors").chmod(0o644)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    # Not expected.npz: tests/test_reference_hf.py takes every folder with one as a target.
     np.savez_compressed(out / "expected_drafts.npz", **expected)
     meta = {
         "name": name,
@@ -1194,7 +1195,8 @@ def main() -> None:
     total = 0
     for name in args.only or [*ARCHS, *DRAFTERS]:
         meta = build_drafter(name, out_root) if name in DRAFTERS else build(name, out_root)
-        size = sum(p.stat().st_size for p in (out_root / name).iterdir())
+        folder = out_root / "drafters" / name if name in DRAFTERS else out_root / name
+        size = sum(p.stat().st_size for p in folder.iterdir())
         total += size
         print(json.dumps({name: {"bytes": size, "seed": meta["seed"], **meta.get("checks", {})}}))
     print(f"total bytes: {total}")

@@ -262,8 +262,7 @@ def _hf_config(name: str) -> dict[str, Any]:
 
 
 def _fixture_dirs() -> list[Path]:
-    """The target checkpoints (the drafter folders hold drafter.safetensors instead)."""
-    return sorted(p for p in FIXTURES.glob("*") if (p / "model.safetensors").exists())
+    return sorted(p for p in FIXTURES.glob("*") if (p / "config.json").exists())
 
 
 # ---------------------------------------------------------------- the shipped configs

@@ -2,7 +2,7 @@
 
 Against independent torch ports (scripts/make_hf_fixtures.py: DeepSeek-V3's MTP head as
 vLLM runs it, the DFlash block drafter as z-lab's code runs it; the committed drafts and
-logits of three draft-and-verify steps in tests/fixtures/hf/<drafter>/), and on the
+logits of three draft-and-verify steps in tests/fixtures/hf/drafters/<name>/), and on the
 plumbing: a drafter identical to its target accepts every row, a perturbed one some, and
 whatever the drafter, greedy drafting yields the target's own greedy tokens, which a
 mutated accept rule breaks.
@@ -72,7 +72,7 @@ def _replay(spec, weights, expected, rows: int) -> None:
 
 
 def test_mtp_reference_matches_the_torch_port_of_deepseek_v3_mtp():
-    folder = FIXTURES / "mtp_deepseek_v3"
+    folder = FIXTURES / "drafters" / "mtp_deepseek_v3"
     spec = import_hf_config(folder / "config.json", keep_mtp=True)
     weights = _target_weights("deepseek_v3", spec)
     arch = json.loads((folder / "config.json").read_text())["architectures"][0]
@@ -81,7 +81,7 @@ def test_mtp_reference_matches_the_torch_port_of_deepseek_v3_mtp():
 
 
 def test_block_reference_matches_the_torch_port_of_dflash():
-    folder = FIXTURES / "dflash_qwen3"
+    folder = FIXTURES / "drafters" / "dflash_qwen3"
     spec = with_draft(
         import_hf_config(FIXTURES / "qwen3" / "config.json"), import_block_draft(folder)
     )
@@ -93,7 +93,7 @@ def test_block_reference_matches_the_torch_port_of_dflash():
 
 
 def test_a_drafter_checkpoint_with_a_tensor_the_mapping_does_not_read_is_refused():
-    folder = FIXTURES / "dflash_qwen3"
+    folder = FIXTURES / "drafters" / "dflash_qwen3"
     spec = with_draft(
         import_hf_config(FIXTURES / "qwen3" / "config.json"), import_block_draft(folder)
     )

@@ -173,7 +173,7 @@ def test_import_keep_mtp_without_mtp_layers_adds_no_drafter():
 
 
 def test_a_dflash_config_imports_as_a_block_drafter():
-    draft = import_block_draft(FIXTURES / "dflash_qwen3")
+    draft = import_block_draft(FIXTURES / "drafters" / "dflash_qwen3")
     assert (draft.layers, draft.block_size, draft.feature_layers, draft.mask_token) == (
         2,
         4,
@@ -187,7 +187,7 @@ def test_a_dflash_config_imports_as_a_block_drafter():
 def test_a_config_that_is_not_a_dflash_drafter_is_refused(tmp_path: Path):
     with pytest.raises(SpecError, match="not a DFlash drafter config"):
         import_block_draft(FIXTURES / "qwen3")
-    config = _config("dflash_qwen3", is_causal=True)
+    config = _config("drafters/dflash_qwen3", is_causal=True)
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpecError, match="is_causal: a block drafter drafts non-causally"):
         import_block_draft(tmp_path)
