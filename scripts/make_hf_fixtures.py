@@ -34,6 +34,11 @@ Per architecture, `tests/fixtures/hf/<name>/` holds:
                       expert id; the weights are the final combine weights)
   meta.json           versions, classes, seed search, derived RoPE/softmax constants,
                       decode-vs-prefill checks, routing statistics, code-path notes
+
+Per drafter (DRAFTERS: torch ports of DeepSeek-V3's MTP head and the DFlash block drafter, on a
+target fixture's committed weights), `tests/fixtures/hf/drafters/<name>/` holds config.json,
+drafter.safetensors (the published checkpoint layout), meta.json and expected_drafts.npz
+(three greedy draft-and-verify steps: draft ids and logits, verify logits, accepted counts).
   (plus a hand-written README.md in tests/fixtures/hf/)
 
 The seed of each model is the first one from SEED whose greedy steps and expert choices all have
@@ -47,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -968,21 +974,327 @@ def fixture_meta(
     }
 
 
+# ---------------------------------------------------------------- drafters
+#
+# Torch ports of two drafters, each beside a target fixture above (its committed weights are
+# the target): DeepSeek-V3's multi-token-prediction head, following vLLM's
+# vllm/model_executor/models/deepseek_mtp.py (DeepSeekMultiTokenPredictorLayer), with
+# transformers' own DeepseekV3DecoderLayer as its block; and the DFlash block drafter,
+# following z-lab/dflash dflash/model.py (Qwen3DFlashAttention, DFlashDraftModel,
+# dflash_generate's greedy path). Both run cache-free: each call recomputes the drafter over
+# the whole committed context, which is what the cached originals compute.
+
+# name -> (target fixture folder, rows per verify step, notes)
+DRAFTERS: dict[str, tuple[str, int, list[str]]] = {
+    "mtp_deepseek_v3": (
+        "deepseek_v3",
+        4,
+        [
+            "One MTP module (num_nextn_predict_layers 1) on the deepseek_v3 fixture: "
+            "eh_proj(cat[enorm(embedding of token i+1, zero at position 0), hnorm(target's "
+            "final-normed hidden at i)]), DeepseekV3DecoderLayer (layer index 3: MLA + MoE), "
+            "shared_head.norm, the target's lm_head; drafts 2.. chain on the block's output.",
+        ],
+    ),
+    "dflash_qwen3": (
+        "qwen3",
+        4,
+        [
+            "DFlash drafter, 2 Qwen3-style layers, target_layer_ids [0, 1] of the 2-layer qwen3 "
+            "fixture (hidden_states[l + 1]: layer 1's is the final-normed state), block_size 4, "
+            "mask_token_id 1, non-causal, the target's embedding and lm_head.",
+        ],
+    ),
+}
+DRAFT_STEPS = 3
+DFLASH = {
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 96,
+    "block_size": 4,
+    "target_layer_ids": [0, 1],
+    "mask_token_id": 1,
+}
+
+
+def load_target(out_root: Path, folder: str) -> nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(
+        out_root / folder,
+        attn_implementation="eager",
+        experts_implementation="eager",
+        dtype=torch.float32,
+    )
+    return model.eval()
+
+
+def additive_causal_mask(length: int) -> torch.Tensor:
+    return torch.full((length, length), float("-inf")).triu(1)[None, None]
+
+
+class MtpHead(nn.Module):
+    """One DeepSeek-V3 MTP module (vLLM's DeepSeekMultiTokenPredictorLayer, cache-free)."""
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        modeling = sys.modules[type(config).__module__.replace("configuration", "modeling")]
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm = modeling.DeepseekV3RMSNorm(hidden, eps=eps)
+        self.hnorm = modeling.DeepseekV3RMSNorm(hidden, eps=eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.block = modeling.DeepseekV3DecoderLayer(config, layer_idx)
+        self.shared_head_norm = modeling.DeepseekV3RMSNorm(hidden, eps=eps)
+        self.rotary_emb = modeling.DeepseekV3RotaryEmbedding(config)
+
+    def forward(self, embeds: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(embeds.shape[1])[None]
+        embeds = embeds.masked_fill((positions == 0)[..., None], 0.0)
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(previous)], dim=-1))
+        return self.block(
+            x,
+            attention_mask=additive_causal_mask(x.shape[1]),
+            position_ids=positions,
+            position_embeddings=self.rotary_emb(x, positions),
+        )
+
+
+class DFlashAttention(nn.Module):
+    """z-lab's Qwen3DFlashAttention: q from the block, k/v from [context; block], no mask."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        modeling = sys.modules["transformers.models.qwen3.modeling_qwen3"]
+        hidden, d = config.hidden_size, config.head_dim
+        self.head_dim, self.groups = d, config.num_attention_heads // config.num_key_value_heads
+        self.q_proj = nn.Linear(hidden, config.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(hidden, config.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(hidden, config.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * d, hidden, bias=False)
+        self.q_norm = modeling.Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+        self.k_norm = modeling.Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+        self.rotate_half = modeling.rotate_half
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, cos, sin) -> torch.Tensor:
+        b, q_len, _ = x.shape
+        both = torch.cat([context, x], dim=1)
+        q = self.q_norm(self.q_proj(x).view(b, q_len, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(both).view(b, both.shape[1], -1, self.head_dim))
+        k, v = k.transpose(1, 2), self.v_proj(both).view(b, both.shape[1], -1, self.head_dim)
+        cos, sin = cos[:, None], sin[:, None]
+        q = q * cos[..., -q_len:, :] + self.rotate_half(q) * sin[..., -q_len:, :]
+        k = k * cos + self.rotate_half(k) * sin
+        k = k.repeat_interleave(self.groups, dim=1)
+        v = v.transpose(1, 2).repeat_interleave(self.groups, dim=1)
+        weights = torch.softmax(q @ k.transpose(2, 3) * self.head_dim**-0.5, dim=-1)
+        return self.o_proj((weights @ v).transpose(1, 2).reshape(b, q_len, -1))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        modeling = sys.modules["transformers.models.qwen3.modeling_qwen3"]
+        self.self_attn = DFlashAttention(config)
+        self.mlp = modeling.Qwen3MLP(config)
+        self.input_layernorm = modeling.Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = modeling.Qwen3RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps
+        )
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, cos, sin) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """z-lab's DFlashDraftModel: fc + hidden_norm of the target features, layers, norm."""
+
+    def __init__(self, config, features: int) -> None:
+        super().__init__()
+        modeling = sys.modules["transformers.models.qwen3.modeling_qwen3"]
+        hidden = config.hidden_size
+        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
+        self.fc = nn.Linear(features * hidden, hidden, bias=False)
+        self.hidden_norm = modeling.Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.norm = modeling.Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.rotary_emb = modeling.Qwen3RotaryEmbedding(config)
+        self.config = config
+
+    def forward(self, noise: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        context = self.hidden_norm(self.fc(features))
+        positions = torch.arange(features.shape[1] + noise.shape[1])[None]
+        cos, sin = self.rotary_emb(noise, positions)
+        x = noise
+        for layer in self.layers:
+            x = layer(x, context, cos, sin)
+        return self.norm(x)
+
+
+@torch.no_grad()
+def mtp_drafts(target: nn.Module, head: MtpHead, seq: list[int], rows: int):
+    """Drafts after seq (its last token the target has not run yet) and their logits."""
+    ids = torch.tensor([seq])
+    previous = target.model(input_ids=ids[:, :-1]).last_hidden_state
+    embed = target.model.embed_tokens
+    tokens, drafts, logits = ids[:, 1:], [], []
+    for _ in range(rows - 1):
+        out = head(embed(tokens), previous)
+        step = target.lm_head(head.shared_head_norm(out[:, -1]))[0]
+        logits.append(step)
+        drafts.append(int(step.argmax()))
+        tokens = torch.cat([tokens, torch.tensor([[drafts[-1]]])], dim=1)
+        previous = torch.cat([previous, out[:, -1:]], dim=1)
+    return drafts, torch.stack(logits)
+
+
+@torch.no_grad()
+def dflash_drafts(target: nn.Module, drafter: DFlashDrafter, seq: list[int], rows: int):
+    """dflash_generate's greedy drafting of one block after seq, cache-free."""
+    ids = torch.tensor([seq])
+    states = target.model(input_ids=ids[:, :-1], output_hidden_states=True).hidden_states
+    features = torch.cat([states[i + 1] for i in DFLASH["target_layer_ids"]], dim=-1)
+    block = torch.full((1, DFLASH["block_size"]), DFLASH["mask_token_id"])
+    block[0, 0] = seq[-1]
+    out = drafter(target.model.embed_tokens(block), features)[:, 1:rows]
+    logits = target.lm_head(out)[0]
+    return logits.argmax(-1).tolist(), logits
+
+
+@torch.no_grad()
+def speculative_steps(target: nn.Module, draft: Callable, rows: int) -> dict[str, np.ndarray]:
+    """DRAFT_STEPS greedy draft-and-verify steps after the prompt (no cache anywhere)."""
+    seq = PROMPT_IDS + [int(forward_logits(target, torch.tensor([PROMPT_IDS]))[-1].argmax())]
+    drafts_all, logits_all, verify_all, accepted_all, seqs = [], [], [], [], []
+    for _ in range(DRAFT_STEPS):
+        seqs.append(list(seq))
+        drafts, logits = draft(seq)
+        verify = forward_logits(target, torch.tensor([seq + drafts]))[len(seq) - 1 :]
+        verified = verify.argmax(-1).tolist()
+        accepted = 0
+        while accepted < rows - 1 and drafts[accepted] == verified[accepted]:
+            accepted += 1
+        seq = seq + drafts[:accepted] + [verified[accepted]]
+        drafts_all.append(drafts)
+        logits_all.append(logits)
+        verify_all.append(verify)
+        accepted_all.append(accepted)
+    return {
+        "prompt_ids": np.asarray(PROMPT_IDS, np.int32),
+        "committed_ids": np.asarray(seq, np.int32),
+        "step_lengths": np.asarray([len(s) for s in seqs], np.int32),
+        "draft_ids": np.asarray(drafts_all, np.int32),
+        "draft_logits": torch.stack(logits_all).numpy(),
+        "verify_logits": torch.stack(verify_all).numpy(),
+        "accepted": np.asarray(accepted_all, np.int32),
+    }
+
+
+def top2_gap(logits: np.ndarray) -> float:
+    top = np.sort(logits, axis=-1)[..., -2:]
+    return float((top[..., 1] - top[..., 0]).min())
+
+
+def make_drafter(name: str, target: nn.Module, seed: int) -> tuple[nn.Module, Callable]:
+    _, rows, _ = DRAFTERS[name]
+    set_seed(seed)
+    if name.startswith("mtp"):
+        module: nn.Module = MtpHead(target.config, target.config.num_hidden_layers)
+        draft = functools.partial(mtp_drafts, target, module, rows=rows)
+    else:
+        # The drafter is a Qwen3 config of the target's sizes (DFlash's drafters are).
+        config = copy.deepcopy(target.config)
+        for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                    "head_dim", "intermediate_size"):  # fmt: skip
+            setattr(config, key, DFLASH[key])
+        module = DFlashDrafter(config, len(DFLASH["target_layer_ids"]))
+        draft = functools.partial(dflash_drafts, target, module, rows=rows)
+    module.eval()
+    redraw_parameters(module)
+    round_weights_to_bf16(module)
+    return module, draft
+
+
+def drafter_checkpoint(name: str, target: nn.Module, module: nn.Module) -> tuple[dict, dict]:
+    """(tensors in the published checkpoint layout, config.json) of a drafter."""
+    tensors = {k: v.detach().clone().contiguous() for k, v in module.state_dict().items()}
+    if name.startswith("dflash"):
+        config = json.loads(module.config.to_json_string())
+        config.update(architectures=["DFlashDraftModel"], block_size=DFLASH["block_size"],
+                      num_target_layers=target.config.num_hidden_layers,
+                      dflash_config={k: DFLASH[k] for k in ("target_layer_ids", "mask_token_id")})  # fmt: skip
+        return tensors, config
+    layer = f"model.layers.{target.config.num_hidden_layers}."
+    renamed = {}
+    for key, value in tensors.items():
+        key = key.replace("block.", "").replace("shared_head_norm.", "shared_head.norm.")
+        renamed[layer + key] = value
+    renamed[layer + "shared_head.head.weight"] = target.lm_head.weight.detach().clone()
+    renamed[layer + "embed_tokens.weight"] = target.model.embed_tokens.weight.detach().clone()
+    config = {**json.loads(target.config.to_json_string()), "num_nextn_predict_layers": 1}
+    return renamed, config
+
+
+def build_drafter(name: str, out_root: Path) -> dict:
+    folder, rows, notes = DRAFTERS[name]
+    target = load_target(out_root, folder)
+    tried = {}
+    for seed in range(SEED, SEED + MAX_SEED_TRIES):
+        module, draft = make_drafter(name, target, seed)
+        expected = speculative_steps(target, draft, rows)
+        gaps = {key: top2_gap(expected[key]) for key in ("draft_logits", "verify_logits")}
+        tried[seed] = gaps
+        if min(gaps.values()) >= MIN_GREEDY_MARGIN:
+            break
+    else:
+        raise RuntimeError(f"{name}: no seed with large enough margins: {tried}")
+    # A folder of their own: the tests take every folder of out_root with a config.json as
+    # a target checkpoint.
+    out = out_root / "drafters" / name
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    tensors, config = drafter_checkpoint(name, target, module)
+    save_file(tensors, out / "drafter.safetensors", {"format": "pt"})
+    (out / "drafter.safetensors").chmod(0o644)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    np.savez_compressed(out / "expected_drafts.npz", **expected)
+    meta = {
+        "name": name,
+        "target_fixture": folder,
+        "rows": rows,
+        "versions": versions(),
+        "seed": seed,
+        "seed_search": {
+            "rule": f"first seed from {SEED} whose draft and verify logits all have a top1-top2 "
+            f"gap >= {MIN_GREEDY_MARGIN}",
+            "tried": tried,
+        },
+        "accepted": expected["accepted"].tolist(),
+        "checkpoint_bf16_exact": bf16_exact(out / "drafter.safetensors"),
+        "notes": notes,
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests/fixtures/hf"))
-    ap.add_argument("--only", action="append", choices=sorted(ARCHS), help="repeatable")
+    ap.add_argument(
+        "--only", action="append", choices=sorted([*ARCHS, *DRAFTERS]), help="repeatable"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
     out_root = Path(args.out)
     out_root.mkdir(parents=True, exist_ok=True)
     total = 0
-    for name in args.only or list(ARCHS):
-        meta = build(name, out_root)
-        size = sum(p.stat().st_size for p in (out_root / name).iterdir())
+    for name in args.only or [*ARCHS, *DRAFTERS]:
+        meta = build_drafter(name, out_root) if name in DRAFTERS else build(name, out_root)
+        folder = out_root / "drafters" / name if name in DRAFTERS else out_root / name
+        size = sum(p.stat().st_size for p in folder.iterdir())
         total += size
-        print(json.dumps({name: {"bytes": size, "seed": meta["seed"], **meta["checks"]}}))
+        print(json.dumps({name: {"bytes": size, "seed": meta["seed"], **meta.get("checks", {})}}))
     print(f"total bytes: {total}")
 
 

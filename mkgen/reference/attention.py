@@ -29,7 +29,7 @@ Cache = dict[str, jax.Array]
 Weights = Mapping[str, jax.Array]
 
 
-def _store(cache: jax.Array, new: jax.Array, start_pos: jax.Array) -> jax.Array:
+def store(cache: jax.Array, new: jax.Array, start_pos: jax.Array) -> jax.Array:
     """Write `new` [B, T, ...] into `cache` [B, L, ...] at time offset start_pos."""
     start_pos = jnp.asarray(start_pos, jnp.int32)
     zero = jnp.zeros((), jnp.int32)
@@ -86,9 +86,21 @@ def gqa_attention(
     sinks), sigmoid output gate, output projection (+ bias). Query head h reads KV
     head h // (num_heads // num_kv_heads) (transformers repeat_kv).
     """
+    positions = start_pos + jnp.arange(x.shape[1])
+    q, k, v = gqa_project(kind, w, x, positions, dims)
+    cache = {"k": store(cache["k"], k, start_pos), "v": store(cache["v"], v, start_pos)}
+    keys, values = cache["k"].astype(jnp.float32), cache["v"].astype(jnp.float32)
+    visible = causal_mask(positions, keys.shape[1], kind.sliding_window)
+    return gqa_attend(kind, w, x, q, keys, values, visible), cache
+
+
+def gqa_project(
+    kind: GQAAttention, w: Weights, x: jax.Array, positions: jax.Array, dims: Dims
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [B, T, heads, D], k and v [B, T, kv heads, D] of x [B, T, hidden] at `positions`
+    [T]: projected (+ bias), q/k RMS-normed per head, rotated."""
     b, t, _ = x.shape
     h, kv, d = kind.num_heads, kind.num_kv_heads, kind.head_dim
-    group = h // kv
     q, k, v = mm(x, w["wq"]), mm(x, w["wk"]), mm(x, w["wv"])
     if kind.qkv_bias:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
@@ -99,19 +111,29 @@ def gqa_attention(
         k = rms_norm(k, w["k_norm"], dims.norm_eps, zero_centered)
     elif kind.qk_norm == "rms_noparam":
         q, k = rms_norm(q, None, dims.norm_eps), rms_norm(k, None, dims.norm_eps)
-    positions = start_pos + jnp.arange(t)
     if kind.rope is not None:
         q = apply_rope(q, positions, kind.rope, kind.rotary_dim)
         k = apply_rope(k, positions, kind.rope, kind.rotary_dim)
+    return q, k, v
 
-    cache = {"k": _store(cache["k"], k, start_pos), "v": _store(cache["v"], v, start_pos)}
-    keys, values = cache["k"].astype(jnp.float32), cache["v"].astype(jnp.float32)
-    max_len = keys.shape[1]
 
+def gqa_attend(
+    kind: GQAAttention,
+    w: Weights,
+    x: jax.Array,
+    q: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    visible: jax.Array,
+) -> jax.Array:
+    """The attention output of queries q [B, T, heads, D] over keys and values [B, S, kv
+    heads, D] where `visible` [T, S]: softmax (with sinks), output gate (of x), projection."""
+    b, t, h, d = q.shape
+    kv = kind.num_kv_heads
+    group = h // kv
     scale = kind.softmax_scale if kind.softmax_scale is not None else d**-0.5
     q = q.reshape(b, t, kv, group, d)
-    logits = einsum("btkgd,bskd->bkgts", q, keys) * scale  # [B, KV, G, T, L]
-    visible = causal_mask(positions, max_len, kind.sliding_window)
+    logits = einsum("btkgd,bskd->bkgts", q, keys) * scale  # [B, KV, G, T, S]
     sinks = w["sinks"].reshape(kv, group)[None, :, :, None, None] if kind.sinks else None
     p = masked_softmax(logits, visible, sinks)
     out = einsum("bkgts,bskd->btkgd", p, values).reshape(b, t, h * d)
@@ -120,7 +142,7 @@ def gqa_attention(
     out = mm(out, w["wo"])
     if kind.o_bias:
         out = out + w["bo"]
-    return out, cache
+    return out
 
 
 # ---------------------------------------------------------------- MLA
@@ -181,8 +203,8 @@ def mla_attention(
         k_rope = apply_rope(k_rope[:, :, None, :], positions, kind.rope, rope_d)[:, :, 0, :]
 
     cache = {
-        "latent": _store(cache["latent"], latent, start_pos),
-        "k_rope": _store(cache["k_rope"], k_rope, start_pos),
+        "latent": store(cache["latent"], latent, start_pos),
+        "k_rope": store(cache["k_rope"], k_rope, start_pos),
     }
     latents = cache["latent"].astype(jnp.float32)  # [B, L, rank]
     k_ropes = cache["k_rope"].astype(jnp.float32)  # [B, L, rope]

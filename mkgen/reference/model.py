@@ -84,7 +84,7 @@ ChooseLayerExperts = Callable[[int, MoEFFN, jax.Array, jax.Array], jax.Array]
 
 OUTPUT_PROJECTIONS = ("wo", "w_down", "experts_down", "shared_down", "latent_out")
 MODEL_STYLE_NORMS = ("attn_norm", "ffn_norm", "final_norm", "q_norm", "k_norm", "kv_norm",
-                     "latent_norm")  # fmt: skip
+                     "latent_norm", "enorm", "hnorm", "hidden_norm")  # fmt: skip
 PLAIN_NORMS = ("o_norm",)  # KimiLinearRMSNormGated / Qwen3NextRMSNormGated: weight, not 1 + w
 BIASES = ("bq", "bk", "bv", "bo", "b_gate", "b_up", "b_down", "router_bias",
           "experts_b_gate", "experts_b_up", "experts_b_down")  # fmt: skip
@@ -99,7 +99,7 @@ BIASES = ("bq", "bk", "bv", "bo", "b_gate", "b_up", "b_down", "router_bias",
 DRAW_BLOCK = 16384
 
 
-def _tensor_key(seed: int, name: str) -> jax.Array:
+def tensor_key(seed: int, name: str) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), zlib.crc32(name.encode()) & 0x7FFFFFFF)
 
 
@@ -122,7 +122,7 @@ def _draw(
     return np.concatenate(blocks)[:count].reshape(shape)
 
 
-def _init_tensor(spec: ModelSpec, w: WeightSpec, key: jax.Array) -> np.ndarray:
+def init_tensor(spec: ModelSpec, w: WeightSpec, key: jax.Array) -> np.ndarray:
     """One tensor drawn by the scheme in the module docstring (f32 numpy)."""
     leaf = w.name.rsplit(".", 1)[-1]
     if leaf == "A_log":
@@ -159,7 +159,7 @@ def _attention_kind_of(spec: ModelSpec, name: str) -> object:
 def init_weights(spec: ModelSpec, seed: int = 0) -> dict[str, jax.Array]:
     """Random f32 weights for every tensor of the inventory (mkgen.spec.weights)."""
     return {
-        w.name: jnp.asarray(_init_tensor(spec, w, _tensor_key(seed, w.name)), jnp.float32)
+        w.name: jnp.asarray(init_tensor(spec, w, tensor_key(seed, w.name)), jnp.float32)
         for w in model_weights(spec)
     }
 
@@ -254,11 +254,44 @@ def ffn(
 ) -> jax.Array:
     """Layer `layer`'s FFN of x [B, T, hidden] (normed); `routed` computes the routed
     experts and `choose` may replace the routing's choice of them (moe_ffn)."""
-    kind = spec.ffn_of(layer)
+    return kind_ffn(spec.ffn_of(layer), w, x, spec.dims, routed, choose)
+
+
+def kind_ffn(
+    kind: DenseFFN | MoEFFN,
+    w: Weights,
+    x: jax.Array,
+    dims: Dims,
+    routed: RoutedExperts = routed_experts,
+    choose: ChooseExperts | None = None,
+) -> jax.Array:
+    """The FFN of `kind` of x [B, T, hidden] (normed) (ffn)."""
     if isinstance(kind, DenseFFN):
         return dense_ffn(kind, w, x)
-    assert isinstance(kind, MoEFFN)
-    return moe_ffn(kind, w, x, spec.dims, routed, choose)
+    return moe_ffn(kind, w, x, dims, routed, choose)
+
+
+def decoder_layer(
+    attention_kind: AttentionKind,
+    ffn_kind: DenseFFN | MoEFFN,
+    w: Weights,
+    h: jax.Array,
+    cache: dict[str, jax.Array],
+    start_pos: jax.Array | int,
+    dims: Dims,
+    choose: ChooseExperts | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One pre-norm decoder layer on the residual stream h [B, T, hidden]: h + attention,
+    then + FFN. w holds the layer's tensors (attn_norm, attn.*, ffn_norm, ffn.*)."""
+    zero_centered = dims.norm_style == "zero_centered"
+    x = rms_norm(h, w["attn_norm"], dims.norm_eps, zero_centered)
+    out, cache = kind_attention(
+        attention_kind, layer_weights(w, "attn."), x, cache, start_pos, dims
+    )
+    h = h + out
+    x = rms_norm(h, w["ffn_norm"], dims.norm_eps, zero_centered)
+    h = h + kind_ffn(ffn_kind, layer_weights(w, "ffn."), x, dims, choose=choose)
+    return h, cache
 
 
 def mix_snapshots(
@@ -300,22 +333,34 @@ def _run(
             h = mix_snapshots(
                 spec, i, h, snapshots, weights["attn_res_logits"][i // residual.block_size]
             )
-        x = rms_norm(h, weights[f"layers.{i}.attn_norm"], dims.norm_eps, zero_centered)
-        w_attn = layer_weights(weights, f"layers.{i}.attn.")
-        out, layer_cache = attention(spec, i, w_attn, x, cache["layers"][i], start)
-        new_layers.append(layer_cache)
-        h = h + out
-        x = rms_norm(h, weights[f"layers.{i}.ffn_norm"], dims.norm_eps, zero_centered)
         layer_choose = functools.partial(choose, i) if choose else None
-        h = h + ffn(spec, i, layer_weights(weights, f"layers.{i}.ffn."), x, choose=layer_choose)
+        h, layer_cache = decoder_layer(
+            spec.attention_of(i),
+            spec.ffn_of(i),
+            layer_weights(weights, f"layers.{i}."),
+            h,
+            cache["layers"][i],
+            start,
+            dims,
+            layer_choose,
+        )
+        new_layers.append(layer_cache)
         after_layer.append(h)
-    h = rms_norm(h, weights["final_norm"], dims.norm_eps, zero_centered)
-    head = weights["embedding"].T if dims.tie_embeddings else weights["lm_head"]
-    logits = mm(h, head) * dims.logit_multiplier
-    if dims.logit_softcap is not None:
-        logits = softcap(logits, dims.logit_softcap)
+    logits = head_logits(
+        dims, weights, rms_norm(h, weights["final_norm"], dims.norm_eps, zero_centered)
+    )
     new_cache = {"length": start + tokens.shape[1], "layers": new_layers}
     return logits, new_cache, after_layer
+
+
+def head_logits(dims: Dims, weights: Weights, normed: jax.Array) -> jax.Array:
+    """Logits of the final-normed stream: the lm_head (embedding.T when tied), then the
+    logit multiplier and softcap."""
+    head = weights["embedding"].T if dims.tie_embeddings else weights["lm_head"]
+    logits = mm(normed, head) * dims.logit_multiplier
+    if dims.logit_softcap is not None:
+        logits = softcap(logits, dims.logit_softcap)
+    return logits
 
 
 def forward(

@@ -176,6 +176,8 @@ def describe_validation_error(error: ValidationError, source: str) -> str:
     # Discriminated unions put the type tag after the kind's name; it does not help a reader.
     if len(loc) > 2 and loc[0] in ("attention_kinds", "ffn_kinds"):
         del loc[2]
+    elif len(loc) > 1 and loc[0] == "draft":
+        del loc[1]
     path = ".".join(loc)
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":

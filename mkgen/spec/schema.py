@@ -15,8 +15,10 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -544,6 +546,150 @@ class Quantization(StrictModel):
             raise ValueError(str(error).partition(": ")[2]) from None
 
 
+# ---------------------------------------------------------------- drafters
+
+# (docs/spec-reference.md#draft, docs/drafting.md; inventory and checks: mkgen/spec/draft.py)
+# Rows a step verifies are at most options.MAX_TOKEN_ROWS; a block is one step's rows.
+MAX_BLOCK = 512
+
+
+class MtpDraft(StrictModel):
+    """The target's own multi-token-prediction layers (DeepSeek-V3 MTP, Qwen3-Next MTP)."""
+
+    kind: Literal["mtp"]
+    # MTP modules in the checkpoint; draft j (0-based) runs module j % layers.
+    layers: LayerCount
+    # The target's attention and FFN kinds (names in attention_kinds / ffn_kinds) of the
+    # MTP modules' decoder layer.
+    attention: Name
+    ffn: Name
+    # DeepSeek-V3 (vLLM's deepseek_mtp.py) zeroes the token embedding at position 0;
+    # Qwen3-Next (qwen3_next_mtp.py) does not.
+    mask_first_embedding: bool = True
+    # What draft j + 1 reads as the previous hidden state: the module's output before its
+    # final norm (DeepSeek-V3) or after it (Qwen3-Next).
+    chain: Literal["pre_norm", "normed"] = "pre_norm"
+
+    def check_against(self, target: ModelSpec) -> None:
+        for field, name, kinds in (
+            ("attention", self.attention, target.attention_kinds),
+            ("ffn", self.ffn, target.ffn_kinds),
+        ):
+            if name not in kinds:
+                raise ValueError(
+                    f"draft.{field}: {name!r} is not one of the target's {field} kinds "
+                    f"({', '.join(kinds)}); name the kind of the MTP layer"
+                )
+        attention = target.attention_kinds[self.attention]
+        if not isinstance(attention, GQAAttention | MLAAttention):
+            raise ValueError(
+                f"draft.attention: {self.attention!r} is a {attention.type} kind; an MTP "
+                "layer is a full-attention layer: name a gqa or mla kind"
+            )
+
+
+class BlockDraft(StrictModel):
+    """A DFlash-style block drafter: GQA layers reading injected target features."""
+
+    kind: Literal["block"]
+    # Must equal the target's hidden: the drafter embeds its block with the target's table.
+    hidden: Width
+    layers: LayerCount
+    attention: GQAAttention
+    ffn: DenseFFN
+    norm_eps: PositiveFloat
+    # Rows of one verify step: the last accepted token and block_size - 1 drafts.
+    block_size: Annotated[int, Field(ge=2, le=MAX_BLOCK)]
+    # Target layers whose output (the residual stream after the layer) feeds the drafter,
+    # concatenated in this order (DFlash's target_layer_ids).
+    feature_layers: list[LayerIndex]
+    # The token id that fills the drafted positions of the block (DFlash's mask_token_id).
+    mask_token: Annotated[int, Field(ge=0, lt=2**31)]
+    # shared: the target's LM head (DFlash); own: the drafter's, over draft_vocab rows.
+    lm_head: Literal["shared", "own"] = "shared"
+    # A reduced draft vocabulary (EAGLE-3's d2t map): own head rows, mapped to target ids.
+    draft_vocab: VocabSize | None = None
+
+    @field_validator("feature_layers")
+    @classmethod
+    def _features(cls, layers: list[int]) -> list[int]:
+        if not layers:
+            raise ValueError("name at least one target layer")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"{layers} names a layer twice")
+        return layers
+
+    @model_validator(mode="after")
+    def _check(self) -> BlockDraft:
+        a = self.attention
+        unsupported = [
+            ("sliding_window", a.sliding_window is not None),
+            ("sinks", a.sinks),
+            ("output_gate", a.output_gate != "none"),
+        ]
+        for name, used in unsupported:
+            if used:
+                raise ValueError(
+                    f"attention.{name} is not supported in a block drafter (DFlash's layers "
+                    "attend over the whole context and block); leave it out"
+                )
+        if self.draft_vocab is not None and self.lm_head != "own":
+            raise ValueError("draft_vocab needs lm_head: own (the shared head has the target's)")
+        return self
+
+    def check_against(self, target: ModelSpec) -> None:
+        if self.hidden != target.dims.hidden:
+            raise ValueError(
+                f"draft.hidden {self.hidden} does not fit the target's hidden "
+                f"{target.dims.hidden}: a block drafter embeds with the target's table; "
+                f"use a drafter trained for this target (hidden {target.dims.hidden})"
+            )
+        count = target.layers.count
+        missing = [i for i in self.feature_layers if i >= count]
+        if missing:
+            raise ValueError(
+                f"draft.feature_layers: layer {missing[0]} does not exist in the target's "
+                f"{count} layers (0..{count - 1}); name target layers below {count}"
+            )
+        vocab = target.dims.vocab
+        if self.mask_token >= vocab:
+            raise ValueError(
+                f"draft.mask_token {self.mask_token} is outside the target's vocabulary "
+                f"of {vocab}; use the mask id of the target's tokenizer"
+            )
+        if self.draft_vocab is not None and self.draft_vocab > vocab:
+            raise ValueError(
+                f"draft.draft_vocab {self.draft_vocab} exceeds the target's vocabulary of "
+                f"{vocab}; a reduced draft vocabulary maps into the target's"
+            )
+
+
+class ModelDraft(StrictModel):
+    """A standalone small model with the target's vocabulary."""
+
+    kind: Literal["model"]
+    model: ModelSpec
+
+    @field_validator("model")
+    @classmethod
+    def _no_nested_draft(cls, model: ModelSpec) -> ModelSpec:
+        if model.draft is not None:
+            raise ValueError("a drafter model has no draft section of its own; remove it")
+        return model
+
+    def check_against(self, target: ModelSpec) -> None:
+        ours, theirs = self.model.dims, target.dims
+        if (ours.vocab, ours.vocab_used) != (theirs.vocab, theirs.vocab_used):
+            raise ValueError(
+                f"draft.model.dims: vocabulary {ours.vocab} (used {ours.vocab_used or 'all'}) "
+                f"does not match the target's {theirs.vocab} (used {theirs.vocab_used or 'all'}); "
+                "a drafter model must share the target's tokenizer"
+            )
+
+
+Drafter = Annotated[MtpDraft | BlockDraft | ModelDraft, Field(discriminator="kind")]
+
+
 # ---------------------------------------------------------------- the model
 
 
@@ -558,6 +704,17 @@ class ModelSpec(StrictModel):
     layers: Layers
     attention_residual: AttentionResidual | None = None
     quantization: Quantization = Quantization()
+    # The drafter that proposes a step's rows (kernels do not read it yet).
+    draft: Drafter | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_draft(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A spec without a drafter dumps exactly as before drafters existed, so the inputs
+        # hash of every build without one (and the tuned holds keyed by it) is unchanged.
+        data = handler(self)
+        if self.draft is None:
+            data.pop("draft", None)
+        return data
 
     @field_validator("attention_kinds", "ffn_kinds")
     @classmethod
@@ -589,6 +746,8 @@ class ModelSpec(StrictModel):
                 raise ValueError(
                     f"ffn_kinds.{name}.latent.width {ffn.latent.width} must be below hidden {h}"
                 )
+        if self.draft is not None:
+            self.draft.check_against(self)
         return self
 
     # Derived views (cheap; the table is recomputed on demand to keep the model frozen).
@@ -610,3 +769,8 @@ class ModelSpec(StrictModel):
 
     def ffn_of(self, layer: int) -> FFNKind:
         return self.ffn_kinds[self.ffn_table()[layer]]
+
+
+# ModelDraft nests a ModelSpec, defined after it.
+ModelDraft.model_rebuild()
+ModelSpec.model_rebuild()

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from mkgen.errors import SpecError
+from mkgen.spec.draft import mtp_section
 from mkgen.spec.files import dump_spec_yaml, read_json, spec_from_dict
 from mkgen.spec.hf_import.common import Parts
 from mkgen.spec.hf_import.config import METADATA_KEYS, Config
@@ -118,14 +119,19 @@ def default_spec_name(path: Path) -> str:
     return name or "model"
 
 
-def import_hf_dict(config: dict[str, Any], name: str, source: str) -> ModelSpec:
-    """Map a parsed Hugging Face config to a ModelSpec; `source` names it in errors."""
+def import_hf_dict(
+    config: dict[str, Any], name: str, source: str, keep_mtp: bool = False
+) -> ModelSpec:
+    """Map a parsed Hugging Face config to a ModelSpec; `source` names it in errors.
+    keep_mtp: the checkpoint's multi-token-prediction layers become an `mtp` draft section
+    (off by default, so every imported spec without it stays byte-identical)."""
     if not isinstance(config, dict):
         raise SpecError(
             f"{source}: expected a JSON object at the top level, got {type(config).__name__}"
         )
     arch = resolve_architecture(config, source)
     c = Config(config, source, arch)
+    c.keep_mtp = keep_mtp
     c.allow(*METADATA_KEYS)
     parts = ARCHITECTURES[arch].build(c)
     c.finish()
@@ -152,18 +158,22 @@ def import_hf_dict(config: dict[str, Any], name: str, source: str) -> ModelSpec:
     }
     if parts.quantization:
         data["quantization"] = parts.quantization
+    if keep_mtp and c.mtp_layers:
+        data["draft"] = mtp_section(
+            c.mtp_layers, data, parts.attention_table, parts.ffn_table, arch
+        )
     return spec_from_dict(data, source)
 
 
-def import_hf_config(path: Path, name: str | None = None) -> ModelSpec:
+def import_hf_config(path: Path, name: str | None = None, keep_mtp: bool = False) -> ModelSpec:
     """Map a config.json, or a checkpoint directory's, to a ModelSpec (name: the
-    directory's name or the file's stem by default)."""
+    directory's name or the file's stem by default; keep_mtp: see import_hf_dict)."""
     path = Path(path)
     config_path = path / "config.json" if path.is_dir() else path
     if path.is_dir() and not config_path.is_file():
         raise SpecError(f"{path}: no config.json in this directory (not a Hugging Face checkpoint)")
     config = read_json(config_path)
-    return import_hf_dict(config, name or default_spec_name(path), str(config_path))
+    return import_hf_dict(config, name or default_spec_name(path), str(config_path), keep_mtp)
 
 
 def source_label(path: Path) -> str:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mkgen.spec.draft import mtp_note
 from mkgen.spec.hf_import.config import Config
 
 _ACTIVATIONS = {
@@ -311,17 +312,15 @@ def _module_family(pattern: str) -> str | None:
 
 
 def mtp_layers(c: Config, keys: Sequence[str]) -> int:
-    """Multi-token-prediction layers: not decoded by mkgen, recorded in the description."""
+    """Multi-token-prediction layers: recorded in the description, and kept as an `mtp`
+    draft section when the import asks for it (import_hf_dict's keep_mtp)."""
     count = 0
     for key in keys:
         value = c.get_int(key, 0, minimum=0, nullable=True) or 0
         count = max(count, value)
+    c.mtp_layers = count
     if count:
-        c.notes.append(
-            f"The checkpoint's {count} multi-token-prediction layer(s) ({'/'.join(keys)} = "
-            f"{count}) are not imported: they only draft tokens for speculative decoding "
-            "and do not change the main model's output."
-        )
+        c.notes.append(mtp_note(count, keys, kept=c.keep_mtp))
     return count
 
 

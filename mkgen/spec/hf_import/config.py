@@ -46,6 +46,8 @@ class Config:
         self.prefix = prefix
         self.used: set[str] = set()
         self.notes: list[str] = []
+        self.keep_mtp = False  # import_hf_dict(keep_mtp=True)
+        self.mtp_layers = 0
 
     def error(self, key: str, message: str) -> SpecError:
         return SpecError(f"{self.source}: {self.prefix}{key}: {message}")
