@@ -253,11 +253,12 @@ def _knob_options(command: Callable[..., Any]) -> Callable[..., Any]:
 def plan_command(spec_ref: str, topology: str, as_json: bool, trace: Path | None, force: bool,
                  **fields: Any) -> None:  # fmt: skip
     """Plan SPEC on a topology: sharding, HBM and VMEM, schedule checks, predicted step."""
+    from mkgen.kinds import default_registry
     from mkgen.plan import plan_build, to_chrome_trace
     from mkgen.plan.report import plan_text
 
     spec, topo, options = _plan_inputs(spec_ref, topology, **fields)
-    plan = plan_build(spec, topo, options, trace=trace is not None)
+    plan = plan_build(spec, topo, options, trace=trace is not None, kinds=default_registry())
     if trace is not None:
         write_atomic(
             trace, json.dumps(to_chrome_trace(plan.estimate.events)),
@@ -316,6 +317,7 @@ def estimate_command(spec_ref: str, topology: str, output: Path | None, batches:
     """Predict total tokens per dollar against tokens/s per user over batch x rows: the
     table, SPEC-SHAPE-estimate.csv, and the chart as .svg and .png, with the published
     reference points (mkgen/plan/tco.py)."""
+    from mkgen.kinds import default_registry
     from mkgen.plan import tco
     from mkgen.plan.options import MAX_TOKEN_ROWS
     from mkgen.plan.report import estimate_chart_text, sweep, sweep_csv, sweep_table, tco_chart
@@ -348,7 +350,9 @@ def estimate_command(spec_ref: str, topology: str, output: Path | None, batches:
     price = options.price_per_chip_hour_usd or topo.chip_info.price_per_chip_hour_usd
     if price is None:
         raise MkgenError(f"{topo.chip} has no chip-hour price in the catalog; pass --price USD")
-    rows = sweep(spec, topo, options, request, batches=sizes, rows=row_counts)
+    rows = sweep(
+        spec, topo, options, request, batches=sizes, rows=row_counts, kinds=default_registry()
+    )
     click.echo(
         f"{spec.name} on {topo.name}, context {options.context}, {request.describe()}; each row "
         f"is the build `mkgen plan {spec.name} --topology {topology} --batch B --rows R` "
@@ -619,6 +623,7 @@ def verify_command(
     race detection, uninitialised memory as NaN) against the reference model, in each DMA
     execution mode. Exit 0 if every check passes, 1 naming the first failure."""
     from mkgen.codegen.package import mini_kernel_args
+    from mkgen.kinds import default_registry
     from mkgen.plan import plan_build
     from mkgen.plan.options import BuildOptions
     from mkgen.plan.sharding import full_size_splits
@@ -644,11 +649,17 @@ def verify_command(
     if not 0 < timeout < math.inf:
         raise MkgenError(f"--timeout {timeout:g}: give a finite number of seconds above 0")
     # Unsupported kinds or formats, or a plan that would hang: exit 2 here, not later.
-    plan_build(spec, topo, built)
+    plan_build(spec, topo, built, kinds=default_registry())
     spec = built.apply(spec)
     mini = mini_twin(spec, topo.num_devices)
-    splits = full_size_splits(spec, topo, options)
-    plan_build(mini, topo, options.model_copy(update={"splits": splits}), **mini_kernel_args())
+    splits = full_size_splits(spec, topo, options, kinds=default_registry())
+    plan_build(
+        mini,
+        topo,
+        options.model_copy(update={"splits": splits}),
+        **mini_kernel_args(),
+        kinds=default_registry(),
+    )
     directory = None
     if update_report:
         from mkgen.codegen.package import default_build_dir, load_build_inputs
@@ -764,6 +775,7 @@ def _profile_and_print(
     """Compile with Mosaic's LLO dump on (a child process), print the profile table and
     record it (and the compile) in the build at `directory`."""
     from mkgen.codegen.package import build_name
+    from mkgen.kinds import default_registry
     from mkgen.plan import plan_build
     from mkgen.verify.profile import compile_with_dump, profile_build
     from mkgen.verify.tpu_compile import CompileError
@@ -775,7 +787,10 @@ def _profile_and_print(
         sys.exit(1)
     applied = options.apply(spec)
     result = profile_build(
-        llo, plan_build(applied, topo, options), applied, build_name(spec.name, topo)
+        llo,
+        plan_build(applied, topo, options, kinds=default_registry()),
+        applied,
+        build_name(spec.name, topo),
     )
     if directory is not None:
         from mkgen.codegen.package import record_measurement
@@ -903,9 +918,10 @@ def convert_command(
             spec = load_spec(spec_ref)
         spec = options.apply(spec)
         from mkgen.codegen.package import resolved_kernel_args
+        from mkgen.kinds import default_registry
         from mkgen.plan import plan_build
 
-        plan = plan_build(spec, topo, options)
+        plan = plan_build(spec, topo, options, kinds=default_registry())
         layout, kernel_args = plan.kernel, resolved_kernel_args(plan)
     identity = convert.build_identity(spec, topo.name, options.model_dump(mode="json"), kernel_args)
     if checkpoint is not None:

@@ -32,6 +32,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mkgen.kinds import default_registry
+
 UNIT_CHUNKS = 2
 DUMP = tempfile.mkdtemp(prefix="mkgen-chunk-ops-")
 atexit.register(shutil.rmtree, DUMP, ignore_errors=True)  # the LLO dumps are only read here
@@ -64,7 +66,12 @@ def main() -> None:
 
     def rendered(quant: str, spec: str = "muse-spark-1.2"):  # noqa: ANN202
         options = BuildOptions.create(rows=1, quant=[quant])
-        plan = plan_build(options.apply(load_spec(spec)), parse_topology("2x2x4"), options)
+        plan = plan_build(
+            options.apply(load_spec(spec)),
+            parse_topology("2x2x4"),
+            options,
+            kinds=default_registry(),
+        )
         name = "chunk_ops_" + "".join(c if c.isalnum() else "_" for c in spec + quant)
         return load_module(render_kernel(plan.kernel, "chunk ops"), name), plan.kernel
 
@@ -290,7 +297,12 @@ def main() -> None:
         for spec, topology in (("qwen3-30b-a3b", "2x2x1"), ("muse-spark-1.2", "2x2x1"),
                                ("qwen3.8-27b", "2x2x1"), ("kimi-k3", "2x2x4")):  # fmt: skip
             options = BuildOptions.create()
-            plan = plan_build(options.apply(load_spec(spec)), parse_topology(topology), options)
+            plan = plan_build(
+                options.apply(load_spec(spec)),
+                parse_topology(topology),
+                options,
+                kinds=default_registry(),
+            )
             module = "attend_" + "".join(c if c.isalnum() else "_" for c in spec)
             kernel = load_module(render_kernel(plan.kernel, "attend ops"), module)
             for a in plan.kernel.attention:
@@ -382,7 +394,12 @@ def main() -> None:
                                ("qwen3.8-27b", "2x2x1"), ("qwen3-32b", "2x2x1"),
                                ("mixtral-8x7b", "2x2x1")):  # fmt: skip
             options = BuildOptions.create()
-            plan = plan_build(options.apply(load_spec(spec)), parse_topology(topology), options)
+            plan = plan_build(
+                options.apply(load_spec(spec)),
+                parse_topology(topology),
+                options,
+                kinds=default_registry(),
+            )
             module = "vector_" + "".join(c if c.isalnum() else "_" for c in spec)
             kernel = load_module(render_kernel(plan.kernel, "vector ops"), module)
             for a in plan.kernel.attention:

@@ -342,13 +342,14 @@ def render_build(
     mini_kernel_args(). The kernel, the checks, the report and plan.json all come from
     that one plan. `line` is how the printed commands name the build (make_build passes
     CommandLine.for_files: a build's files never name its directory)."""
+    from mkgen.kinds import default_registry
     from mkgen.plan import plan_build
     from mkgen.plan.sharding import full_size_splits
     from mkgen.spec.mini import mini_twin
 
     check_renderable(spec)
     spec = options.apply(spec)
-    plan = plan_build(spec, topology, options, **(kernel_args or {}))
+    plan = plan_build(spec, topology, options, **(kernel_args or {}), kinds=default_registry())
     layout = plan.kernel
     kernel_args = resolved_kernel_args(plan, kernel_args)
     bank_rows, depth = kernel_args["bank_rows"], kernel_args["ring_depth"]
@@ -401,7 +402,9 @@ def render_build(
             context=MINI_CONTEXT,
             ring_depth=options.ring_depth,
             expert_slots=options.expert_slots,
-            splits=full_size_splits(options.apply(spec), topology, options),
+            splits=full_size_splits(
+                options.apply(spec), topology, options, kinds=default_registry()
+            ),
         )
         mini = render_build(
             mini_twin(options.apply(spec), topology.num_devices),

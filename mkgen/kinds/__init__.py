@@ -1,12 +1,13 @@
-"""One module per layer kind: its layout builder, VMEM buffers and program ops.
+"""One module per layer kind: its sharding rule, layout builder, VMEM buffers and ops.
 
-Each kind's module (gqa, mla, gated_deltanet, kda, dense, moe) holds the rules the plan
-applies to that kind; `registry` maps a kind's type to its module and its template macros
-(mkgen/templates/kinds/<kind>.py.j2). The generic machinery (mkgen/plan/layout.py's
-KernelLayout, vmem.py, schedule.py) dispatches through the registry. GQA and MLA share
-cache_attention, Gated DeltaNet and KDA share recurrent.
+Each kind's module (gqa, mla, gated_deltanet, kda, dense, moe) satisfies the plan's
+`LayerKind` protocol (mkgen/plan/kind.py); `default_registry()` maps each kind's type to
+its module, and callers pass that registry into the plan (`plan_build(..., kinds=...)`).
+The kinds build on the plan's records; the plan imports none of them. GQA and MLA share
+cache_attention, Gated DeltaNet and KDA share recurrent; `common` holds the protocol's
+defaults for kinds without rotary positions or recurrent state.
 """
 
-# The plan package dispatches to these modules while it loads: load it first, so that a
-# kind's module imported on its own (before mkgen.plan) finds its siblings whole.
-import mkgen.plan  # noqa: E402, F401
+from mkgen.kinds.registry import default_registry
+
+__all__ = ["default_registry"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
+from mkgen.kinds.common import no_cache_geometry, no_rotary_dim, no_state_dims
+from mkgen.plan.kind import BufferInputs, LayoutInputs, Step
 from mkgen.plan.layout import DenseLayout, activation_params, unsupported
 from mkgen.plan.sharding import FFNSharding, KindShards
 from mkgen.plan.stream import part_of
@@ -15,6 +16,9 @@ TEMPLATE = "kinds/dense.py.j2"
 # segment read the same input.
 SEGMENTS = [("gate_up", ["ffn.w_gate", "ffn.w_up"]), ("down", ["ffn.w_down"])]
 SLAB_VECTORS = None
+rotary_dim = no_rotary_dim  # LayerKind: none
+state_dims = no_state_dims  # LayerKind: none
+cache_geometry = no_cache_geometry  # LayerKind: none
 # The layer's ops in the order its kernel function runs them: `program` emits them in this
 # order and the template prints them in it (DenseLayout.ops).
 OPS = ["gate_up", "activation", "down", "combine"]

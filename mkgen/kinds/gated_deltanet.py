@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from mkgen.kinds import recurrent
-from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
+from mkgen.plan.kind import BufferInputs, LayoutInputs, Step
 from mkgen.plan.layout import RecurrentLayout
 from mkgen.plan.sharding import AttentionSharding, CacheShard, KindShards, group_map, heads_error
 from mkgen.spec.figures import CACHE_BYTES, STATE_BYTES
@@ -22,6 +22,7 @@ SEGMENTS = [
 OPS = recurrent.ops(["gates"])  # its decay and gates from the input projection alone
 SLAB_VECTORS = recurrent.SLAB_VECTORS
 rotary_dim = recurrent.rotary_dim
+cache_geometry = recurrent.cache_geometry
 
 
 def state_dims(kind: Any, shard: Any) -> tuple[int, int, int, int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from mkgen.kinds import recurrent
-from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
+from mkgen.plan.kind import BufferInputs, LayoutInputs, Step
 from mkgen.plan.layout import RecurrentLayout
 from mkgen.plan.sharding import (
     AttentionSharding,
@@ -29,6 +29,7 @@ SEGMENTS = [
 ]
 SLAB_VECTORS = recurrent.SLAB_VECTORS
 rotary_dim = recurrent.rotary_dim
+cache_geometry = recurrent.cache_geometry
 
 
 def state_dims(kind: Any, shard: Any) -> tuple[int, int, int, int]:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from mkgen.kinds import cache_attention
-from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
+from mkgen.kinds.common import no_state_dims
+from mkgen.plan.kind import BufferInputs, CacheGeometry, LayoutInputs, Step
 from mkgen.plan.layout import (
     CacheArray,
     MLALayout,
@@ -14,7 +15,7 @@ from mkgen.plan.layout import (
     rope_layout,
     segment_columns,
 )
-from mkgen.plan.options import kv_tile
+from mkgen.plan.options import kv_tile, kv_tiles, q_rows
 from mkgen.plan.sharding import (
     AttentionSharding,
     CacheShard,
@@ -40,6 +41,7 @@ SEGMENTS = [
     ("o", ["attn.wo"]),
 ]
 SLAB_VECTORS = None  # every vector-family tensor (q_norm, kv_norm) takes its rows
+state_dims = no_state_dims  # LayerKind: none
 
 
 def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
@@ -94,7 +96,7 @@ def layout(i: LayoutInputs) -> MLALayout:
         layers=i.layers,
         heads=shard.heads_per_rank,
         group=shard.heads_per_rank,
-        q_rows=cache_attention.q_rows(shard.heads_per_rank, i.options.rows),
+        q_rows=q_rows(shard.heads_per_rank, i.options.rows),
         q_lora_rank=kind.q_lora_rank or 0,
         kv_lora_rank=kind.kv_lora_rank,
         nope_dim=kind.qk_nope_head_dim,
@@ -128,10 +130,18 @@ def rotary_dim(kind: Any) -> int:
     return kind.qk_rope_head_dim if kind.rope is not None else 0
 
 
+def cache_geometry(kind: Any, shard: Any, rows: int) -> CacheGeometry:
+    """Every query head's rows over the one latent cache, its values a prefix of its keys."""
+    return CacheGeometry(
+        q_rows=q_rows(shard.heads_per_rank, rows), key=kind.kv_lora_rank + kind.qk_rope_head_dim,
+        value=kind.kv_lora_rank, window=None, caches=1, kv_heads=1, sinks=False,
+    )  # fmt: skip
+
+
 def buffers(out: Any, i: BufferInputs) -> None:
     kind, heads, dims = i.kind, i.shard.heads_per_rank, i.dims
     row = kind.kv_lora_rank + kind.qk_rope_head_dim
-    qr = cache_attention.q_rows(heads, dims.rows)
+    qr = q_rows(heads, dims.rows)
     cache_attention.buffers(out, i.name, dims, 1, qr, (1, row, kind.kv_lora_rank))
     uk, uv = i.stream.attention[i.name].segment("uk"), i.stream.attention[i.name].segment("uv")
     stacked = heads * dims.tokens_padded
@@ -178,8 +188,8 @@ def _attend(b: Any, s: Step, q: int, wrote: int) -> int:
     """Online-softmax attention of each sequence's q heads over the latent cache's tiles."""
     layer, name, kind, dims = s.layer, s.name, s.kind, b.dims
     lat = kind.kv_lora_rank + kind.qk_rope_head_dim
-    n = cache_attention.kv_tiles(dims.context, dims.kv_tile, None, dims.rows)
-    qr = cache_attention.q_rows(s.shard.heads_per_rank, dims.rows)
+    n = kv_tiles(dims.context, dims.kv_tile, None, dims.rows)
+    qr = q_rows(s.shard.heads_per_rank, dims.rows)
     sems = [(f"{name}_tile_sems[0,{buf}]",) for buf in range(2)]
     flops = 2 * qr * dims.kv_tile * (lat + kind.kv_lora_rank)
     out = {}

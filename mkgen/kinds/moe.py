@@ -7,7 +7,8 @@ import math
 from typing import Any, Literal
 
 from mkgen.errors import SpecError
-from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
+from mkgen.kinds.common import no_cache_geometry, no_rotary_dim, no_state_dims
+from mkgen.plan.kind import BufferInputs, LayoutInputs, Step
 from mkgen.plan.layout import (
     MoELayout,
     VectorRow,
@@ -35,6 +36,9 @@ SEGMENTS = [
     ("latent_out", ["ffn.latent_out"]),
 ]
 SLAB_VECTORS = None
+rotary_dim = no_rotary_dim  # LayerKind: none
+state_dims = no_state_dims  # LayerKind: none
+cache_geometry = no_cache_geometry  # LayerKind: none
 # How each expert format the template reads stores a chunk (the EXPERT_FORMAT comment).
 FORMAT_NOTES = {
     "bf16": "",

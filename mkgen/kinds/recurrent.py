@@ -6,15 +6,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
+from mkgen.kinds.common import no_cache_geometry, no_rotary_dim
+from mkgen.plan.kind import BufferInputs, LayoutInputs, Step
 from mkgen.plan.layout import CacheArray, RecurrentLayout, VectorRow, segment_columns, unsupported
 from mkgen.plan.stream import part_of
 
 SLAB_VECTORS = None  # every vector-family tensor takes its rows (conv taps: one per tap)
 
 
-def rotary_dim(kind: Any) -> int:
-    return 0  # no positions: the recurrence carries order
+rotary_dim = no_rotary_dim  # no positions: the recurrence carries order
+cache_geometry = no_cache_geometry  # its state replaces a KV cache
 
 
 def ops(own: list[str]) -> list[str]:

@@ -398,6 +398,7 @@ def _run_child(
     from mkgen.codegen.build import load_module, render_kernel
     from mkgen.codegen.package import mini_kernel_args
     from mkgen.codegen.quantize import stored_random_weights
+    from mkgen.kinds import default_registry
     from mkgen.plan import plan_build
     from mkgen.plan.collectives import arrange_devices
     from mkgen.plan.options import BuildOptions
@@ -413,8 +414,17 @@ def _run_child(
     built = BuildOptions.create(quant=quant).apply(load_spec(spec_ref))
     spec = mini_twin(built, devices)
     options = BuildOptions.create(batch=batch, rows=rows, context=context, **knobs)
-    options = options.model_copy(update={"splits": full_size_splits(built, topology, options)})
-    layout = plan_build(spec, topology, options, **mini_kernel_args(), trace_residuals=True).kernel
+    options = options.model_copy(
+        update={"splits": full_size_splits(built, topology, options, kinds=default_registry())}
+    )
+    layout = plan_build(
+        spec,
+        topology,
+        options,
+        **mini_kernel_args(),
+        trace_residuals=True,
+        kinds=default_registry(),
+    ).kernel
     source = render_kernel(layout, "verify")
     for old, new in mutations:
         if old not in source:
