@@ -12,9 +12,9 @@ from jinja2 import nodes
 
 from mkgen.codegen.build import render_kernel
 from mkgen.codegen.conformance import consumed_segments
-from mkgen.codegen.render import TEMPLATES, environment
+from mkgen.codegen.render import environment, template_file
 from mkgen.errors import SpecError
-from mkgen.kinds import default_registry, moe
+from mkgen.kinds import default_registry, macro_files, moe
 from mkgen.plan import BuildOptions, plan_build
 from mkgen.plan.kind import LayerKind
 from mkgen.plan.layout import GENERATED_EXPERT_FORMATS
@@ -59,12 +59,12 @@ def _schema_types(union: object) -> set[str]:
 
 
 def _kernel_templates() -> list[str]:
-    return [KERNEL_TEMPLATE] + [f"kinds/{t.name}" for t in (TEMPLATES / "kinds").iterdir()]
+    return [KERNEL_TEMPLATE, *macro_files()]
 
 
 @pytest.mark.parametrize("template", _kernel_templates())
 def test_the_kernel_templates_compute_nothing(template: str) -> None:
-    assert computations((TEMPLATES / template).read_text()) == []
+    assert computations(template_file(template).read_text()) == []
 
 
 @pytest.mark.parametrize(
@@ -96,7 +96,7 @@ def test_every_kind_of_the_schema_has_a_module_and_macros(
     types: set[str], macros: set[str]
 ) -> None:
     env = environment()
-    kernel = env.parse((TEMPLATES / KERNEL_TEMPLATE).read_text())
+    kernel = env.parse(template_file(KERNEL_TEMPLATE).read_text())
     imported = {i.target: i.template.value for i in kernel.find_all(nodes.Import)}
     for type_ in types:
         module = default_registry()[type_]

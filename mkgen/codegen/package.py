@@ -70,8 +70,9 @@ from mkgen.codegen.build import (
 )
 from mkgen.codegen.conformance import check_program_order
 from mkgen.codegen.library import expanded_template
-from mkgen.codegen.render import TEMPLATES, formatter_version, render
+from mkgen.codegen.render import formatter_version, render, template_file
 from mkgen.errors import MkgenError, SpecError
+from mkgen.kinds import macro_files
 from mkgen.output import check_parent, resolved_target, umask
 from mkgen.plan.layout import KernelLayout
 from mkgen.plan.options import BuildOptions
@@ -89,10 +90,9 @@ MANIFEST = ".mkgen-manifest.json"
 MEASUREMENTS = "measurements.json"
 MINI_DIR = "mini"
 PLAN_FORMAT = 1
-# Every template a build renders: the kernel's includes its layer kinds' macros (kinds/).
-TEMPLATE_FILES = ("megakernel.py.j2", "runner.py.j2", "REPORT.md.j2") + tuple(
-    f"kinds/{t.name}" for t in sorted((TEMPLATES / "kinds").iterdir(), key=lambda t: t.name)
-)
+# Every template a build renders: the kernel's includes its layer kinds' macros, by the
+# names templates import them under (kinds/<kind>.py.j2, mkgen.kinds.macro_files).
+TEMPLATE_FILES = ("megakernel.py.j2", "runner.py.j2", "REPORT.md.j2") + tuple(macro_files())
 # Measurements are keyed by what compile and verify measure: the kernels' code (full and
 # mini, without their headers), so a change to the runner, the report or another kind's
 # kernel code leaves them valid.
@@ -247,7 +247,7 @@ def inputs_digest(
     # Each template as Jinja reads it: with the kernel library members it includes.
     template_digests = {
         name: hashlib.sha256(
-            expanded_template((TEMPLATES / name).read_bytes(), name).encode()
+            expanded_template(template_file(name).read_bytes(), name).encode()
         ).hexdigest()
         for name in TEMPLATE_FILES
     }

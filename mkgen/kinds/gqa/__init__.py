@@ -1,4 +1,4 @@
-"""GQA: grouped-query attention over a k and a v cache (templates/kinds/gqa.py.j2)."""
+"""GQA: grouped-query attention over a k and a v cache (macros.py.j2 beside it)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A dense gated MLP, width split over cores (templates/kinds/dense.py.j2)."""
+"""A dense gated MLP, width split over cores (macros.py.j2 beside it)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Gated DeltaNet: value heads split over cores, each core with the key heads they read;
-one scalar decay per head; the output gated by silu(z) (templates/kinds/gated_deltanet.py.j2)."""
+one scalar decay per head; the output gated by silu(z) (macros.py.j2 beside it)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """MLA, absorbed: one latent cache row per token, read by every q head
-(templates/kinds/mla.py.j2)."""
+(macros.py.j2 beside it)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What Gated DeltaNet and KDA share: a causal conv with its tail, then the delta rule on
-an f32 state per head, rows in order (templates/kinds/recurrent.py.j2). Each kind's
+an f32 state per head, rows in order (macros.py.j2 beside it). Each kind's
 module gives its per-core head dims and its layout's own fields."""
 
 from __future__ import annotations

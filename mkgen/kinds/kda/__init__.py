@@ -1,5 +1,5 @@
 """KDA (Kimi Delta Attention): as many key as value heads, a per-key-dim decay from a
-low-rank projection, an output gated by a sigmoid gate (templates/kinds/kda.py.j2)."""
+low-rank projection, an output gated by a sigmoid gate (macros.py.j2 beside it)."""
 
 from __future__ import annotations
 

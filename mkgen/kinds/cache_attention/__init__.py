@@ -1,5 +1,5 @@
 """What GQA and MLA share: a KV cache written in aligned blocks and read in double-buffered
-tiles under an online softmax (templates/kinds/cache_attention.py.j2)."""
+tiles under an online softmax (macros.py.j2 beside it)."""
 
 from __future__ import annotations
 
