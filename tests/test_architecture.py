@@ -5,6 +5,7 @@ codegen), with no import cycle, counting imports inside functions (not those und
 from __future__ import annotations
 
 import ast
+import typing
 from pathlib import Path
 
 import networkx as nx
@@ -101,3 +102,84 @@ def test_a_stage_imports_only_the_stages_before_it(stage: str) -> None:
         and other not in ALLOWED[stage]
     ]
     assert back == []
+
+
+# A kind is named by the user's input (the spec schema, the Hugging Face importer) and
+# its math is defined once (the reference); everything after dispatches through the
+# KindRegistry instead of testing a kind's name.
+DISPATCHING = ("plan",)
+
+
+def _schema_kinds() -> tuple[set[str], set[str]]:
+    """(every kind's type, every kind's schema class name), from the spec's unions."""
+    from mkgen.spec.schema import AttentionKind, FFNKind
+
+    members = [m for u in (AttentionKind, FFNKind) for m in typing.get_args(typing.get_args(u)[0])]
+    types = {typing.get_args(m.model_fields["type"].annotation)[0] for m in members}
+    return types, {m.__name__ for m in members}
+
+
+def _kind_branches(tree: ast.AST, types: set[str], classes: set[str]) -> list[int]:
+    """Lines of `tree` that test a kind's name: a `.type` compared with a kind's type (or
+    a tuple of them), or isinstance on a kind's schema class."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            named = {c.value for o in operands for c in ast.walk(o) if isinstance(c, ast.Constant)}
+            if any(isinstance(o, ast.Attribute) and o.attr == "type" for o in operands) and (
+                named & types
+            ):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+            names = {getattr(n, "id", getattr(n, "attr", None)) for n in ast.walk(node.args[1])}
+            if names & classes:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_plan_imports_no_kind() -> None:
+    """The plan reads kinds through the KindRegistry its caller passes in (LayerKind,
+    mkgen/plan/kind.py), never through an import of mkgen.kinds."""
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+        for path in sorted((PACKAGE / "plan").rglob("*.py"))
+        for node in _run_time_nodes(ast.parse(path.read_text()))
+        if any(name == "mkgen.kinds" or name.startswith("mkgen.kinds.") for name in _imported(node))
+    ]
+    assert found == [], "pass a KindRegistry instead of importing a kind: " + ", ".join(found)
+
+
+def _imported(node: ast.AST) -> list[str]:
+    """The modules an import statement names (none for other nodes)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        return [node.module]
+    return []
+
+
+@pytest.mark.parametrize("stage", DISPATCHING)
+def test_a_stage_after_the_spec_never_tests_a_kinds_name(stage: str) -> None:
+    types, classes = _schema_kinds()
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}"
+        for path in sorted((PACKAGE / stage).rglob("*.py"))
+        for line in _kind_branches(ast.parse(path.read_text()), types, classes)
+    ]
+    assert found == [], "dispatch through the KindRegistry instead: " + ", ".join(found)
+
+
+@pytest.mark.parametrize(
+    ("source", "found"),
+    [
+        ('if kind.type == "moe": pass', True),
+        ('x = a if spec_kind.type in ("gqa", "mla") else b', True),
+        ("ok = isinstance(f, MoEFFN)", True),
+        ('if family == "dense": pass', False),  # a weight family, not a kind's type
+        ('TABLE = {"kda": 1}[kind.type]', False),  # data keyed by a kind: no branch
+    ],
+)
+def test_the_kind_branch_rule_finds_what_it_names(source: str, found: bool) -> None:
+    types, classes = _schema_kinds()
+    assert bool(_kind_branches(ast.parse(source), types, classes)) is found

@@ -12,6 +12,7 @@ from mkgen.plan.layout import (
     SUBLANES_F32,
     AttentionResidualLayout,
     KernelLayout,
+    MoELayout,
     check_formats,
     kernel_features,
     slab_rows,
@@ -103,7 +104,7 @@ def _assemble(
     tokens = options.batch * options.rows
     collectives = plan_collectives(topology, layer_uses(sharding))
     cache_arrays = sum(len(a.caches) for a in attention)
-    expert_arrays = sum(f.experts.arrays for f in ffn if f.type == "moe")
+    expert_arrays = sum(f.experts.arrays for f in ffn if isinstance(f, MoELayout))
     return KernelLayout(
         model=spec.name,
         topology=topology.name,

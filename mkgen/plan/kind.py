@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from mkgen.errors import SpecError
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:  # annotations only: these modules take a KindRegistry themsel
     from mkgen.plan.options import BuildOptions
     from mkgen.plan.schedule import _Builder
     from mkgen.plan.sharding import AttentionSharding, FFNSharding, _Ctx
-    from mkgen.plan.stream import Segment, StreamPlan
+    from mkgen.plan.stream import Segment, StreamPlan, TensorView
     from mkgen.plan.vmem import KernelDims, _List
     from mkgen.spec.schema import Dims
 
@@ -88,8 +89,16 @@ class CacheGeometry:
 # A kind's fused weight-stream segments: (segment name, the tensors it fuses), in the
 # order its ops consume them.
 FusedSegments = list[tuple[str, list[str]]]
-# (state heads, key dim, value dim, channels) of a recurrent kind's per-core state.
-StateDims = tuple[int, int, int, int]
+
+
+class StateDims(NamedTuple):
+    """A recurrent kind's per-core state (the VMEM plan and the op counts read it)."""
+
+    heads: int  # state (value) heads
+    key_dim: int
+    value_dim: int
+    channels: int  # causal conv channels
+    key_heads: int  # key heads the delta rule reads
 
 
 class LayerKind(Protocol):
@@ -126,6 +135,10 @@ class LayerKind(Protocol):
     def state_dims(self, kind: Any, shard: Any, /) -> StateDims | None:
         """A recurrent kind's per-core state (None: the kind keeps none)."""
 
+    def views(self, kind: Any, /) -> dict[tuple[str, str], TensorView]:
+        """How its stream reads a tensor in another arrangement than the inventory's, by
+        (segment, tensor) (none: every tensor as stored)."""
+
     def cache_geometry(self, kind: Any, shard: Any, rows: int, /) -> CacheGeometry | None:
         """How it attends over a KV cache, `rows` rows a sequence (None: no KV cache)."""
 
@@ -135,6 +148,11 @@ class KindRegistry:
     """Layer kind type -> its rules: built once by the caller, passed into the plan."""
 
     kinds: Mapping[str, LayerKind]
+
+    def __post_init__(self) -> None:
+        # Read-only: one registry is shared (default_registry is cached); a variant is a
+        # new registry (KindRegistry({**kinds.kinds, "x": rules})).
+        object.__setattr__(self, "kinds", MappingProxyType(dict(self.kinds)))
 
     def __getitem__(self, type_: str) -> LayerKind:
         return self.rules(type_, type_)

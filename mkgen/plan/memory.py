@@ -30,7 +30,7 @@ from mkgen.plan.cost import pad_rows
 from mkgen.plan.kind import KindRegistry
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.sharding import ShardingPlan, plan_sharding
-from mkgen.spec.schema import ModelSpec, MoEFFN
+from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology
 
 XLA_GLUE_BYTES = 256 * MiB  # estimate: embedding lookup, RoPE table, prefill activations
@@ -107,7 +107,7 @@ def plan_memory(
     deq = 0
     for name, f in sharding.ffn.items():
         kind = spec.ffn_kinds[name]
-        if f.experts and isinstance(kind, MoEFFN) and sharding.quantization["experts"] != "bf16":
+        if f.experts and sharding.quantization["experts"] != "bf16":  # routed experts
             d_in = kind.latent.width if kind.latent else h
             deq = max(deq, f.experts.experts_per_rank * 3 * d_in * f.experts.width_per_rank * 2)
     work["prefill_expert_dequant"] = deq
@@ -150,7 +150,7 @@ def check_fit(
         f"workspace {memory.workspace_bytes / GB:.1f}"
     )
     hints: list[str] = []
-    has_experts = any(isinstance(f, MoEFFN) for f in spec.ffn_kinds.values())
+    has_experts = memory.weights_by_family.get("experts", 0) > 0
     current = dict(options.quant)
     tries = (
         [("experts", "mxfp4"), ("experts", "int4:128"), ("experts", "nvfp4")] if has_experts else []

@@ -407,10 +407,11 @@ class _NodeCounter:
         if node.cat == "recurrent":  # one sequence's rows, one head after another
             kind = spec.attention_kinds[attn]
             a = self.sharding.attention[attn]
-            heads, dk, dv, _ = self.kinds.rules(kind.type, attn).state_dims(kind, a)
-            keys = a.kv_heads_per_rank if kind.type == "gated_deltanet" else heads
+            state = self.kinds.rules(kind.type, attn).state_dims(kind, a)
+            assert state is not None, attn  # a recurrent node is a recurrent kind's
             per_head, per_key = DELTA_RULE_OPS[kind.type]
-            per_row = (heads * per_head + keys * per_key) * vregs(dk, dv) / DELTA_RULE_STATE_VREGS
+            per_row = ((state.heads * per_head + state.key_heads * per_key)
+                       * vregs(state.key_dim, state.value_dim) / DELTA_RULE_STATE_VREGS)  # fmt: skip
             return COMPUTE_PHASE.get(node.cat, "vector"), OpCounts(vpu=self.dims.rows * per_row)
         if node.cat == "collective":
             return "collectives", OpCounts(vpu=_round_ops(node.collective, tp))

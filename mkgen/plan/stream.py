@@ -112,25 +112,6 @@ def part_of(shard: TensorShard, devices: int, view: TensorView | None = None) ->
     )
 
 
-def mla_views(kind) -> dict[tuple[str, str], TensorView]:
-    """Views of MLA tensors by (segment, tensor): wkv_b's key and value halves, and the
-    interleaved rotary columns of q and k_rope reordered to halves."""
-    nope, rope_d, vd = kind.qk_nope_head_dim, kind.qk_rope_head_dim, kind.v_head_dim
-    views = {
-        ("uk", "attn.wkv_b"): TensorView(stride=nope + vd, size=nope, transpose=True),
-        ("uv", "attn.wkv_b"): TensorView(stride=nope + vd, start=nope, size=vd),
-    }
-    if kind.rope is not None and kind.rope.interleaved:
-        q = TensorView(stride=nope + rope_d, size=nope + rope_d, rotary=(nope, rope_d))
-        kv = kind.kv_lora_rank + rope_d
-        views[("q_b", "attn.wq_b")] = q
-        views[("down", "attn.wq")] = q
-        views[("down", "attn.wkv_a")] = TensorView(
-            stride=kv, size=kv, rotary=(kind.kv_lora_rank, rope_d)
-        )
-    return views
-
-
 class Segment(PlanModel):
     """One per-rank matrix (or fused group) in the weight stream.
 
@@ -326,19 +307,19 @@ def _kind_stream(
     kind: str,
     spec_kind,
     fused: FusedSegments,
+    views: dict[tuple[str, str], TensorView],
     shards: tuple[TensorShard, ...],
     devices: int,
     bank_rows: int,
 ) -> KindStream:
     """A kind's segments: its tensors fused as its rule `fused` says (tensors fused into
-    one segment read the same input; the order is the kernel's)."""
+    one segment read the same input; the order is the kernel's), each read through its
+    view in `views` if it has one."""
     by_name = {s.name: s for s in shards}
-    views = mla_views(spec_kind) if spec_kind.type == "mla" else {}
     segments: list[Segment] = []
     offset = 0
     for name, members in fused:
         present = [by_name[m] for m in members if m in by_name]
-        views = mla_views(spec_kind) if spec_kind.type == "mla" else {}
         # A fused group whose tensors differ in format splits into segments "in",
         # "in.1", ... that read the same input (their outputs side by side).
         for i, run in enumerate(_format_runs(present)):
@@ -471,8 +452,9 @@ def plan_stream(
     devices = sharding.devices
 
     def kind_stream(name: str, kind, shards: tuple[TensorShard, ...]) -> KindStream:
-        fused = kinds.rules(kind.type, name).SEGMENTS
-        return _kind_stream(name, kind, fused, shards, devices, bank_rows)
+        rules = kinds.rules(kind.type, name)
+        return _kind_stream(name, kind, rules.SEGMENTS, rules.views(kind), shards, devices,
+                            bank_rows)  # fmt: skip
 
     attention = {name: kind_stream(name, spec.attention_kinds[name], s.tensors)
                  for name, s in sharding.attention.items()}  # fmt: skip

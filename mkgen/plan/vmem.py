@@ -438,7 +438,8 @@ def _buffers(
         if state is not None:
             states.append(state)
     if states:  # the delta rule keeps one sequence's head states as values
-        heads, dk, dv, _ = max(states, key=lambda x: x[0] * x[1] * x[2])
+        largest = max(states, key=lambda s: s.heads * s.key_dim * s.value_dim)
+        heads, dk, dv = largest.heads, largest.key_dim, largest.value_dim
         out.add("mosaic_states", "internal", (heads, dk, dv), "f32", "internal",
                 why="estimate: one sequence's recurrent states")  # fmt: skip
     out.add("mosaic_hidden", "internal", (2, tp, h), "f32", "internal",

@@ -18,3 +18,8 @@ def no_state_dims(kind: Any, shard: Any) -> None:
 def no_cache_geometry(kind: Any, shard: Any, rows: int) -> None:
     """A kind that attends over no KV cache."""
     return None
+
+
+def no_views(kind: Any) -> dict[tuple[str, str], Any]:
+    """A kind whose stream reads every tensor as the inventory stores it."""
+    return {}

@@ -5,9 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from mkgen.kinds import cache_attention
-from mkgen.kinds.common import no_state_dims
+from mkgen.kinds.common import no_state_dims, no_views
 from mkgen.plan.kind import BufferInputs, CacheGeometry, LayoutInputs, Step
-from mkgen.plan.layout import CacheArray, GQALayout, VectorRow, rope_layout, segment_columns
+from mkgen.plan.layout import (
+    CacheArray,
+    GQALayout,
+    VectorRow,
+    check_stream_formats,
+    rope_layout,
+    segment_columns,
+)
 from mkgen.plan.options import kv_tile, kv_tiles, q_rows
 from mkgen.plan.sharding import AttentionSharding, CacheShard, KindShards, group_map, heads_error
 from mkgen.plan.stream import part_of
@@ -26,6 +33,7 @@ OPS = ["qkv", "heads", "cache_write", "attend", "rows", "o", "combine"]
 # only these rows; other kinds keep every vector-family tensor in the slab).
 SLAB_VECTORS = ("q_norm", "k_norm", "bq", "bk", "bv", "bo", "sinks")
 state_dims = no_state_dims  # LayerKind: none
+views = no_views  # LayerKind: none
 
 
 def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
@@ -90,6 +98,7 @@ def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
 
 
 def layout(i: LayoutInputs) -> GQALayout:
+    check_stream_formats(f"attention_kinds.{i.name}", i.segments, fused=False)
     kind, shard = i.kind, i.shard
     context, batch = i.options.context, i.options.batch
     parts = {t.name: part_of(t, i.devices) for t in shard.tensors}

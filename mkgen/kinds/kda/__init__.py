@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from mkgen.kinds import recurrent
-from mkgen.plan.kind import BufferInputs, LayoutInputs, Step
+from mkgen.plan.kind import BufferInputs, LayoutInputs, StateDims, Step
 from mkgen.plan.layout import RecurrentLayout
 from mkgen.plan.sharding import (
     AttentionSharding,
@@ -30,12 +30,13 @@ SEGMENTS = [
 SLAB_VECTORS = recurrent.SLAB_VECTORS
 rotary_dim = recurrent.rotary_dim
 cache_geometry = recurrent.cache_geometry
+views = recurrent.views
 
 
-def state_dims(kind: Any, shard: Any) -> tuple[int, int, int, int]:
-    """(state heads, key dim, value dim, conv channels) per core."""
+def state_dims(kind: Any, shard: Any) -> StateDims:
+    """As many key as value heads, each holding a state."""
     h = shard.heads_per_rank
-    return h, kind.head_dim, kind.head_dim, 3 * h * kind.head_dim
+    return StateDims(h, kind.head_dim, kind.head_dim, 3 * h * kind.head_dim, key_heads=h)
 
 
 def ops(kind: Any) -> list[str]:

@@ -12,6 +12,7 @@ from mkgen.plan.layout import (
     CacheArray,
     MLALayout,
     VectorRow,
+    check_stream_formats,
     rope_layout,
     segment_columns,
 )
@@ -23,7 +24,7 @@ from mkgen.plan.sharding import (
     heads_error,
     latent_choice,
 )
-from mkgen.plan.stream import CHUNK, LANES, part_of
+from mkgen.plan.stream import CHUNK, LANES, TensorView, part_of
 from mkgen.spec.figures import CACHE_BYTES
 from mkgen.spec.rope import mla_softmax_scale
 from mkgen.spec.weights import attention_weights
@@ -32,7 +33,7 @@ TEMPLATE = "kinds/mla.py.j2"
 # Its weight-stream segments, in the order its ops consume them: tensors fused into one
 # segment read the same input. Absorbed, wkv_b streams twice as views, its key half
 # transposed (uk: q_nope -> latent) and its value half (uv: latent -> values); see
-# mkgen.plan.stream.mla_views.
+# views below.
 SEGMENTS = [
     ("down", ["attn.wq_a", "attn.wq", "attn.wkv_a", "attn.wgate"]),
     ("q_b", ["attn.wq_b"]),
@@ -42,6 +43,25 @@ SEGMENTS = [
 ]
 SLAB_VECTORS = None  # every vector-family tensor (q_norm, kv_norm) takes its rows
 state_dims = no_state_dims  # LayerKind: none
+
+
+def views(kind: Any) -> dict[tuple[str, str], TensorView]:
+    """Views of MLA tensors by (segment, tensor): wkv_b's key and value halves, and the
+    interleaved rotary columns of q and k_rope reordered to halves."""
+    nope, rope_d, vd = kind.qk_nope_head_dim, kind.qk_rope_head_dim, kind.v_head_dim
+    views = {
+        ("uk", "attn.wkv_b"): TensorView(stride=nope + vd, size=nope, transpose=True),
+        ("uv", "attn.wkv_b"): TensorView(stride=nope + vd, start=nope, size=vd),
+    }
+    if kind.rope is not None and kind.rope.interleaved:
+        q = TensorView(stride=nope + rope_d, size=nope + rope_d, rotary=(nope, rope_d))
+        kv = kind.kv_lora_rank + rope_d
+        views[("q_b", "attn.wq_b")] = q
+        views[("down", "attn.wq")] = q
+        views[("down", "attn.wkv_a")] = TensorView(
+            stride=kv, size=kv, rotary=(kind.kv_lora_rank, rope_d)
+        )
+    return views
 
 
 def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
@@ -81,6 +101,7 @@ def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
 
 
 def layout(i: LayoutInputs) -> MLALayout:
+    check_stream_formats(f"attention_kinds.{i.name}", i.segments, fused=False)
     kind, shard = i.kind, i.shard
     context, batch = i.options.context, i.options.batch
     parts = {t.name: part_of(t, i.devices) for t in shard.tensors}

@@ -7,7 +7,7 @@ import math
 from typing import Any, Literal
 
 from mkgen.errors import SpecError
-from mkgen.kinds.common import no_cache_geometry, no_rotary_dim, no_state_dims
+from mkgen.kinds.common import no_cache_geometry, no_rotary_dim, no_state_dims, no_views
 from mkgen.plan.kind import BufferInputs, LayoutInputs, Step
 from mkgen.plan.layout import (
     MoELayout,
@@ -38,6 +38,7 @@ SEGMENTS = [
 SLAB_VECTORS = None
 rotary_dim = no_rotary_dim  # LayerKind: none
 state_dims = no_state_dims  # LayerKind: none
+views = no_views  # LayerKind: none
 cache_geometry = no_cache_geometry  # LayerKind: none
 # How each expert format the template reads stores a chunk (the EXPERT_FORMAT comment).
 FORMAT_NOTES = {
