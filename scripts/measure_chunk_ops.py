@@ -54,6 +54,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from mkgen.codegen.build import load_module, render_kernel  # noqa: E402
+from mkgen.kinds import default_registry  # noqa: E402
 from mkgen.plan import plan_build  # noqa: E402
 from mkgen.plan.layout import JNP_DTYPES, GQALayout  # noqa: E402
 from mkgen.plan.options import BuildOptions  # noqa: E402
@@ -91,7 +92,9 @@ def device() -> Any:
 def rendered(quant: str, spec: str = "muse-spark-1.2") -> tuple[Any, Any]:
     """(the kernel module, its layout) of `spec` on 2x2x4 with the format override `quant`."""
     options = BuildOptions.create(rows=1, quant=[quant])
-    plan = plan_build(options.apply(load_spec(spec)), parse_topology("2x2x4"), options)
+    plan = plan_build(
+        options.apply(load_spec(spec)), parse_topology("2x2x4"), options, kinds=default_registry()
+    )
     name = "chunk_ops_" + "".join(c if c.isalnum() else "_" for c in spec + quant)
     return load_module(render_kernel(plan.kernel, "chunk ops"), name), plan.kernel
 
@@ -99,7 +102,9 @@ def rendered(quant: str, spec: str = "muse-spark-1.2") -> tuple[Any, Any]:
 def build_kernel(spec: str, topology: str, prefix: str, what: str) -> tuple[Any, Any]:
     """(the kernel module, the plan) of `spec`'s default build on `topology`."""
     options = BuildOptions.create()
-    plan = plan_build(options.apply(load_spec(spec)), parse_topology(topology), options)
+    plan = plan_build(
+        options.apply(load_spec(spec)), parse_topology(topology), options, kinds=default_registry()
+    )
     module = prefix + "".join(c if c.isalnum() else "_" for c in spec)
     return load_module(render_kernel(plan.kernel, what), module), plan
 

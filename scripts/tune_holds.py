@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import sys
 
+from mkgen.kinds import default_registry
 from mkgen.plan.holds import main
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(sys.argv[1:], default_registry())

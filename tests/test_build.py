@@ -113,8 +113,8 @@ def test_inputs_hash_covers_the_templates(tmp_path: Path, monkeypatch) -> None:
     before = inputs_digest(spec, topo, options, args)
     for name in digest.TEMPLATE_FILES:
         (tmp_path / name).parent.mkdir(exist_ok=True)
-        (tmp_path / name).write_bytes((digest.TEMPLATES / name).read_bytes())
-    monkeypatch.setattr(digest, "TEMPLATES", tmp_path)
+        (tmp_path / name).write_bytes(digest.template_file(name).read_bytes())
+    monkeypatch.setattr(digest, "template_file", lambda name: tmp_path / name)
     assert inputs_digest(spec, topo, options, args) == before
     digests = set()
     for name in ("runner.py.j2", "kinds/moe.py.j2"):  # a layer kind's macros too

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 from mkgen.codegen.build import load_module, render_kernel
 from mkgen.hardware import vmem_padded_bytes
+from mkgen.kinds import default_registry
 from mkgen.plan import plan_build
 from mkgen.plan.collectives import arrange_devices
 from mkgen.plan.options import BuildOptions
@@ -30,7 +31,7 @@ MiB = 1024 * 1024
 
 def _layout(name: str, topology: str, **options):
     spec, topo = load_spec(name), parse_topology(topology)
-    return plan_build(spec, topo, BuildOptions.create(**options)).kernel
+    return plan_build(spec, topo, BuildOptions.create(**options), kinds=default_registry()).kernel
 
 
 def test_rendering_is_deterministic() -> None:
@@ -260,7 +261,7 @@ def test_full_size_kernel_compiles_for_tpu7x(name: str, topology: str, options: 
     """Mosaic compiles the kernel, and the VMEM plan is an honest upper bound of its use."""
     spec, topo = load_spec(name), parse_topology(topology)
     opts = BuildOptions.create(context=4096, **options)
-    plan = plan_build(spec, topo, opts)
+    plan = plan_build(spec, topo, opts, kinds=default_registry())
     layout, vmem = plan.kernel, plan.vmem
     module = f"compile_{layout.model}_{topology}_{layout.rows}".replace("-", "_").replace(".", "_")
     kernel = load_module(render_kernel(layout, "test"), module)
@@ -284,7 +285,7 @@ def test_single_core_kernel_compiles() -> None:
     Mosaic's VMEM (its estimate of Mosaic's own scratch is loose for a 152k-wide shard)."""
     spec, topo = load_spec("qwen3-30b-a3b"), parse_topology("v6e:1x1")
     opts = BuildOptions.create(context=4096, quant=("experts=int4:128",))  # 61.7 GB in bf16
-    plan = plan_build(spec, topo, opts)
+    plan = plan_build(spec, topo, opts, kinds=default_registry())
     kernel = load_module(render_kernel(plan.kernel, "test"), "compile_single_core")
     mesh = Mesh(np.array(compile_only_devices(topo)), (kernel.AXIS,))
     report = compile_for_tpu(kernel.make_decode_step(mesh), kernel.argument_shapes(mesh))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from mkgen.kinds import default_registry
 from mkgen.plan import plan_build
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.loader import load_spec
@@ -87,7 +88,7 @@ def test_a_round_across_hosts_with_bf16_on_the_wire() -> None:
     wire in both (summed in f32)."""
     topology = parse_topology("2x2x2")
     twin = mini_twin(load_spec("qwen3-30b-a3b"), topology.num_devices)
-    layout = plan_build(twin, topology, BuildOptions.create()).kernel
+    layout = plan_build(twin, topology, BuildOptions.create(), kinds=default_registry()).kernel
     assert [r.name for r in layout.collectives.rounds] == ["host", "hosts"]
     wires = [w for b in layout.collectives.buffers for _, _, ws in b.wires for w, _ in ws]
     assert wires and set(wires) == {"bf16"}

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mkgen.hardware import CATALOG
+from mkgen.kinds import default_registry
 from mkgen.plan import plan_build
 from mkgen.plan.collectives import (
     BF16_UNIT_ROUNDOFF,
@@ -223,7 +224,12 @@ def test_a_round_costs_the_catalog_phase_or_its_copies_over_the_links_if_longer(
 
 
 def test_the_program_carries_what_pricing_needs_for_every_round() -> None:
-    plan = plan_build(load_spec("kimi-k3"), parse_topology("2x2x4"), BuildOptions.create(rows=8))
+    plan = plan_build(
+        load_spec("kimi-k3"),
+        parse_topology("2x2x4"),
+        BuildOptions.create(rows=8),
+        kinds=default_registry(),
+    )
     program = plan.program
     rounds = [e for e in program["kda/moe"] if e["event"] == "start" and "collective" in e]
     # attn_out, latent_in, expert_out, ffn_out: two rounds each, in execution order.
@@ -262,13 +268,18 @@ def test_mesh_order_puts_sibling_cores_side_by_side() -> None:
 
 def test_latent_moe_designs_in_the_layout() -> None:
     spec = "tests/specs/latent-moe-shared.yaml"
-    layout = plan_build(load_spec(spec), parse_topology("2x2x1"), BuildOptions.create()).kernel
+    layout = plan_build(
+        load_spec(spec), parse_topology("2x2x1"), BuildOptions.create(), kinds=default_registry()
+    ).kernel
     moe = next(f for f in layout.ffn if f.type == "moe")
     assert moe.latent_design == "rs_ar" and moe.shared_width
     latent_out = next(s for s in moe.segments if s.name == "latent_out")
     assert latent_out.fan_in == moe.latent_width // layout.devices  # the scattered slice
     assert layout.collectives.buffers[2].send_rows == 8  # one round of 8 parts
     plain = plan_build(
-        load_spec("tests/specs/latent-moe.yaml"), parse_topology("2x2x1"), BuildOptions.create()
+        load_spec("tests/specs/latent-moe.yaml"),
+        parse_topology("2x2x1"),
+        BuildOptions.create(),
+        kinds=default_registry(),
     ).kernel
     assert next(f for f in plain.ffn if f.type == "moe").latent_design == "ar_ag"

@@ -29,6 +29,7 @@ from safetensors.numpy import load_file
 
 from mkgen.cli import main
 from mkgen.errors import MkgenError
+from mkgen.kinds import default_registry
 from mkgen.plan import plan_build
 from mkgen.plan.options import BuildOptions
 from mkgen.reference.hf_weights import load_hf_checkpoint
@@ -106,7 +107,7 @@ def _layout(folder: str = "qwen3_moe", topology: str = "1x1x1", **options):
     spec = import_hf_config(FIXTURES / folder / "config.json", folder)
     opts = BuildOptions.create(context=64, **options)
     spec = opts.apply(spec)
-    return spec, plan_build(spec, parse_topology(topology), opts).kernel
+    return spec, plan_build(spec, parse_topology(topology), opts, kinds=default_registry()).kernel
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import pytest
 from cli_run import REPO
 
 from mkgen.hardware import MiB, get_chip
+from mkgen.kinds import default_registry
 from mkgen.plan import BuildOptions, plan_build, plan_program, to_chrome_trace
 from mkgen.plan.calibration import (
     MEASURED_EXPERT_SLOTS,
@@ -39,7 +40,7 @@ TARGET = 0.15
 
 @pytest.fixture(scope="module")
 def table():
-    return calibrate()
+    return calibrate(default_registry())
 
 
 def test_calibration_covers_the_twelve_rows(table):
@@ -52,7 +53,7 @@ def test_calibration_rows_within_tolerance(table):
     without a chunk measurement would price no compute for it)."""
     print("\n" + format_table(table))
     for r in table:
-        assert not predict(r.config, r.batch).compute_unpriced_formats, r.config
+        assert not predict(r.config, r.batch, default_registry()).compute_unpriced_formats, r.config
         assert abs(r.error) <= TARGET, format_table(table)
 
 
@@ -64,6 +65,7 @@ def test_calibration_prices_the_measured_kernels_program():
         parse_topology(TOPOLOGY),
         options_for("int4 experts, bf16 dense", 1),
         kv_tile_tokens=MEASURED_KV_TILE_TOKENS,
+        kinds=default_registry(),
     )
     assert program.stream.ring_depth == MEASURED_RING_DEPTH == 12
     assert program.vmem.expert_slots == MEASURED_EXPERT_SLOTS == 4
@@ -82,7 +84,7 @@ def test_calibration_orders_match_the_measurements(table):
 
 
 def test_batch1_breakdown_close_to_the_published_one():
-    parts = batch1_breakdown()
+    parts = batch1_breakdown(default_registry())
     for key, (published, predicted) in parts.items():
         print(f"{key:<26} published {published:7.1f} us  predicted {predicted:7.1f} us")
     assert parts["per_layer"][1] == pytest.approx(55.0, rel=0.15)
@@ -110,7 +112,7 @@ def test_muse_spark_bytes_per_core_against_the_published_counts():
     topo = parse_topology("2x2x1")
     spec = load_spec("muse-spark-1.2")
     opts = options_for("int4 experts, bf16 dense", 1)
-    plan = plan_sharding(opts.apply(spec), topo, opts)
+    plan = plan_sharding(opts.apply(spec), topo, opts, kinds=default_registry())
     dense = sum(
         t.rank_bytes
         for t in plan.attention["local"].tensors + plan.ffn["moe"].tensors
@@ -125,17 +127,21 @@ def test_muse_spark_bytes_per_core_against_the_published_counts():
     assert PUBLISHED_DENSE_BYTES_PER_LAYER - dense == pytest.approx(23.5 * MiB, abs=0.1 * MiB)
     # Bytes per core per step: published 7.02 GB (bf16 dense), 4.70 GB (int8 dense). In
     # bf16 the spec reads 21 % less, about the missing dense bytes above in every layer.
-    bf16 = predict("int4 experts, bf16 dense", 1).hbm_bytes_per_device_per_step
+    bf16 = predict("int4 experts, bf16 dense", 1, default_registry()).hbm_bytes_per_device_per_step
     missing = len(spec.layer_table()) * (PUBLISHED_DENSE_BYTES_PER_LAYER - dense)
     assert 7.02e9 - bf16 == pytest.approx(missing, rel=0.05)
-    int8 = predict("nvfp4 experts, int8 dense", 1).hbm_bytes_per_device_per_step
+    int8 = predict("nvfp4 experts, int8 dense", 1, default_registry()).hbm_bytes_per_device_per_step
     assert int8 == pytest.approx(4.70e9, rel=0.20)
 
 
 @pytest.fixture(scope="module")
 def kimi():
     return plan_build(
-        load_spec("kimi-k3"), parse_topology("2x2x4"), BuildOptions.create(rows=8), trace=True
+        load_spec("kimi-k3"),
+        parse_topology("2x2x4"),
+        BuildOptions.create(rows=8),
+        trace=True,
+        kinds=default_registry(),
     )
 
 
@@ -153,7 +159,7 @@ def test_hbm_floor_and_throughput_figures(kimi):
     assert e3.hbm_floor_ms == pytest.approx(e3.hbm_bytes_per_device_per_step / bw * 1e3)
     assert e3.hbm_floor_ms < e3.step_ms
     opts = BuildOptions.create(rows=8, batch=2, price_per_chip_hour_usd=2.0)
-    e2 = plan_build(spec, topo, opts).estimate
+    e2 = plan_build(spec, topo, opts, kinds=default_registry()).estimate
     assert e2.tokens_per_s == pytest.approx(2 * e2.tokens_per_s_per_user)
     assert e2.price_per_chip_hour_usd == 2.0
     print(f"\nkimi-k3 2x2x4 rows 8: {e3.step_ms:.3f} ms/step, {e3.tokens_per_s_per_user:.0f} / "
@@ -176,7 +182,11 @@ def test_mxu_model_follows_the_catalog():
 
 def test_chrome_trace_has_one_track_per_engine():
     plan = plan_build(
-        load_spec("qwen3.8-27b"), parse_topology("2x2x1"), BuildOptions.create(), trace=True
+        load_spec("qwen3.8-27b"),
+        parse_topology("2x2x1"),
+        BuildOptions.create(),
+        trace=True,
+        kinds=default_registry(),
     )
     events = plan.estimate.events
     assert {e.engine for e in events} == {"dma", "core", "ici"}
@@ -193,7 +203,12 @@ def test_chrome_trace_has_one_track_per_engine():
 
 def test_planning_kimi_k3_fits():
     # Its time is a benchmark (`make bench`), not a test: timings here are noisy.
-    plan = plan_build(load_spec("kimi-k3"), parse_topology("2x2x4"), BuildOptions.create(rows=8))
+    plan = plan_build(
+        load_spec("kimi-k3"),
+        parse_topology("2x2x4"),
+        BuildOptions.create(rows=8),
+        kinds=default_registry(),
+    )
     assert plan.memory.fits
 
 
@@ -203,17 +218,29 @@ def test_the_walk_bounds_the_step_by_both_engines() -> None:
     engine; a bf16 MoE does not; a chip without issue rates in the catalog has no compute
     timeline. The step is at least the busier engine's time, and its breakdown sums to it."""
     options = BuildOptions.create(batch=4, rows=8, quant=["experts=nvfp4"])
-    muse = plan_build(load_spec("muse-spark-1.2"), parse_topology("2x2x1"), options)
+    muse = plan_build(
+        load_spec("muse-spark-1.2"), parse_topology("2x2x1"), options, kinds=default_registry()
+    )
     est = muse.estimate
     assert est.compute_bound and est.step_ms >= est.compute_timeline_ms > est.dma_timeline_ms
     assert sum(est.breakdown_ms.values()) == pytest.approx(est.step_ms)
     assert est.tokens_per_s_per_user == pytest.approx(1e3 / est.step_ms)
     assert "compute-bound" in est.describe()
-    qwen = plan_build(load_spec("qwen3-30b-a3b"), parse_topology("2x2x1"), BuildOptions.create())
+    qwen = plan_build(
+        load_spec("qwen3-30b-a3b"),
+        parse_topology("2x2x1"),
+        BuildOptions.create(),
+        kinds=default_registry(),
+    )
     est = qwen.estimate
     assert not est.compute_bound
     assert est.step_ms > est.dma_timeline_ms > est.compute_timeline_ms > 0
-    v6e = plan_build(load_spec("qwen3-32b"), parse_topology("v6e:2x4"), BuildOptions.create())
+    v6e = plan_build(
+        load_spec("qwen3-32b"),
+        parse_topology("v6e:2x4"),
+        BuildOptions.create(),
+        kinds=default_registry(),
+    )
     assert v6e.estimate.compute_timeline_ms is None
     assert v6e.estimate.step_ms >= v6e.estimate.dma_timeline_ms
     # No calibration row runs on v6e: the whole step is outside them, and the clock the
@@ -263,13 +290,13 @@ def test_the_kv_tile_of_the_layout_sets_the_priced_kv_time() -> None:
     options = BuildOptions.create(batch=8, context=4096)
     steps = {}
     for tile in (128, 256):
-        program = plan_program(spec, topo, options, kv_tile_tokens=tile)
+        program = plan_program(spec, topo, options, kv_tile_tokens=tile, kinds=default_registry())
         assert program.vmem.dims.kv_tile == tile
         tiles = program.schedule.summary().dmas_by_category["kv_tile"]
         steps[tile] = (tiles, estimate(topo, options, program).breakdown_ms["kv_state"])
     assert steps[128][0] == 2 * steps[256][0]
     assert steps[128][1] != pytest.approx(steps[256][1], rel=1e-3)
-    default = plan_program(spec, topo, options)
+    default = plan_program(spec, topo, options, kinds=default_registry())
     assert estimate(topo, options, default).breakdown_ms["kv_state"] == steps[128][1]
 
 
@@ -278,7 +305,10 @@ def test_the_acceptance_table_comes_from_one_walk(kimi) -> None:
     plan's walk with tokens per second scaled."""
     est = kimi.estimate
     again = plan_build(
-        load_spec("kimi-k3"), parse_topology("2x2x4"), BuildOptions.create(rows=8, acceptance=5)
+        load_spec("kimi-k3"),
+        parse_topology("2x2x4"),
+        BuildOptions.create(rows=8, acceptance=5),
+        kinds=default_registry(),
     ).estimate
     assert again.step_ms == est.step_ms
     assert est.at_acceptance(5.0).tokens_per_s_per_user == again.tokens_per_s_per_user
@@ -341,9 +371,9 @@ def test_cross_host_rounds_are_priced_by_the_catalogs_cross_host_figures() -> No
     build's step; on one host they move nothing and the in-host latency does."""
     chip = get_chip("tpu7x")
     kimi_topo, kimi_options = parse_topology("2x2x4"), BuildOptions.create(rows=8)
-    kimi = plan_program(load_spec("kimi-k3"), kimi_topo, kimi_options)
+    kimi = plan_program(load_spec("kimi-k3"), kimi_topo, kimi_options, kinds=default_registry())
     qwen_topo, qwen_options = parse_topology("2x2x1"), BuildOptions.create()
-    qwen = plan_program(load_spec("qwen3.8-27b"), qwen_topo, qwen_options)
+    qwen = plan_program(load_spec("qwen3.8-27b"), qwen_topo, qwen_options, kinds=default_registry())
     slower_across = _with_latency(chip, "cross_host_phase_latency", 7e-6)
     narrower_across = _with_host_level(chip, bandwidth_bytes_per_s=45e9)
     slower_inside = _with_latency(chip, "collective_phase_latency", 4.7e-6)
@@ -403,7 +433,12 @@ def test_a_step_is_shown_beside_its_calibrated_regime_and_uncalibrated_parts(kim
 def test_a_build_inside_the_calibration_rows_but_for_held_refills() -> None:
     """Muse Spark on one host with int4:128 experts is the calibration's own model and
     formats: only its held refills are outside the rows."""
-    plan = plan_build(load_spec("muse-spark-1.2"), parse_topology("2x2x1"), BuildOptions.create())
+    plan = plan_build(
+        load_spec("muse-spark-1.2"),
+        parse_topology("2x2x1"),
+        BuildOptions.create(),
+        kinds=default_registry(),
+    )
     parts = plan.confidence.uncalibrated
     assert [p.what for p in parts] == [f"{plan.stream.held_refills} refills held for collectives"]
     assert plan.confidence.calibrated_step_ms == pytest.approx(plan.estimate.step_ms - parts[0].ms)
@@ -431,7 +466,10 @@ def test_the_sensitivity_walks_each_unmeasured_input_at_both_ends(kimi) -> None:
         "input", "low", "high", "step_ms_low", "step_ms_high"
     }  # fmt: skip
     one_host = plan_build(
-        load_spec("qwen3-30b-a3b"), parse_topology("2x2x1"), BuildOptions.create()
+        load_spec("qwen3-30b-a3b"),
+        parse_topology("2x2x1"),
+        BuildOptions.create(),
+        kinds=default_registry(),
     )
     assert [r.input for r in one_host.confidence.sensitivity] == [
         "core clock (GHz)", "DMA issue cost (ns per DMA)"

@@ -12,6 +12,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from mkgen.errors import SpecError
+from mkgen.kinds import default_registry
 from mkgen.plan import plan_build
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.stream import CHUNK, LANES, make_segment
@@ -135,7 +136,9 @@ def test_the_kernels_e2m1_conversion_reads_every_byte_exactly() -> None:
     from mkgen.codegen.build import load_module, render_kernel
 
     spec = load_spec(str(SPECS / "formats-mxfp4.yaml"))
-    layout = plan_build(spec, parse_topology("2x2x1"), BuildOptions.create()).kernel
+    layout = plan_build(
+        spec, parse_topology("2x2x1"), BuildOptions.create(), kinds=default_registry()
+    ).kernel
     kernel = load_module(render_kernel(layout, "e2m1 test"), "e2m1_test")
     lane = np.broadcast_to(np.arange(LANES), (CHUNK // 2, LANES))
     codes = np.concatenate([lane % 16, lane // 16])  # byte r, lane c: low c % 16, high c // 16
@@ -228,9 +231,14 @@ def _unpack_rows(rows: np.ndarray, dtype) -> np.ndarray:
 
 def test_quantized_segments_stream_fewer_banks() -> None:
     topo = parse_topology("2x2x1")
-    plain = plan_build(load_spec("qwen3-32b"), topo, BuildOptions.create()).kernel
+    plain = plan_build(
+        load_spec("qwen3-32b"), topo, BuildOptions.create(), kinds=default_registry()
+    ).kernel
     int8 = plan_build(
-        load_spec("qwen3-32b"), topo, BuildOptions.create(quant=["dense=int8"])
+        load_spec("qwen3-32b"),
+        topo,
+        BuildOptions.create(quant=["dense=int8"]),
+        kinds=default_registry(),
     ).kernel
     (name,) = int8.stream.ffn
     seg = int8.stream.ffn[name].segment("gate_up")
@@ -241,7 +249,9 @@ def test_quantized_segments_stream_fewer_banks() -> None:
 
 def test_tensors_in_different_formats_are_not_fused() -> None:
     spec = load_spec(str(SPECS / "formats-fp8.yaml"))
-    layout = plan_build(spec, parse_topology("2x2x1"), BuildOptions.create()).kernel
+    layout = plan_build(
+        spec, parse_topology("2x2x1"), BuildOptions.create(), kinds=default_registry()
+    ).kernel
     moe = next(f for f in layout.ffn if f.type == "moe")
     in_segments = [s for s in moe.segments if s.name.startswith("in")]
     assert [(s.name, s.format) for s in in_segments] == [("in", "bf16"), ("in.1", "fp8:128")]
@@ -263,7 +273,12 @@ def test_formats_not_generated_are_one_line_errors(quant: list[str], what: str) 
     if quant[0].startswith("mlp"):
         spec = load_spec(str(SPECS / "formats-int8.yaml"))
     with pytest.raises(SpecError, match="is not supported by the code generator yet") as info:
-        plan_build(spec, parse_topology("2x2x1"), BuildOptions.create(quant=quant))
+        plan_build(
+            spec,
+            parse_topology("2x2x1"),
+            BuildOptions.create(quant=quant),
+            kinds=default_registry(),
+        )
     assert what in str(info.value) and "\n" not in str(info.value)
 
 

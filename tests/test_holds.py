@@ -9,6 +9,7 @@ from functools import cache
 import pytest
 
 from mkgen.hardware import CATALOG, US, get_chip
+from mkgen.kinds import default_registry
 from mkgen.plan import (
     BuildOptions,
     build_digest,
@@ -29,7 +30,10 @@ ENTRIES = json.loads(TABLE.read_text())["entries"]
 def _scored(spec: str, topology: str, fields: str) -> tuple:
     """score_held_refills of a build (fields as JSON), once per test session."""
     return score_held_refills(
-        load_spec(spec), parse_topology(topology), BuildOptions.create(**json.loads(fields))
+        load_spec(spec),
+        parse_topology(topology),
+        BuildOptions.create(**json.loads(fields)),
+        default_registry(),
     )
 
 
@@ -53,7 +57,7 @@ def test_every_checked_in_build_has_a_tuned_entry() -> None:
 
     known = {e["digest"] for e in ENTRIES}
     for line in read_build_list():
-        assert build_digest(*entry_inputs(line)) in known, line.line
+        assert build_digest(*entry_inputs(line), default_registry()) in known, line.line
 
 
 def test_a_tuned_build_is_planned_without_scoring(monkeypatch) -> None:
@@ -62,7 +66,12 @@ def test_a_tuned_build_is_planned_without_scoring(monkeypatch) -> None:
 
     monkeypatch.setattr("mkgen.plan.score_holds", refuse)
     monkeypatch.setattr(holds_module, "_SCORED", {})
-    plan = plan_build(load_spec("kimi-k3"), parse_topology("2x2x4"), BuildOptions.create(rows=8))
+    plan = plan_build(
+        load_spec("kimi-k3"),
+        parse_topology("2x2x4"),
+        BuildOptions.create(rows=8),
+        kinds=default_registry(),
+    )
     entry = next(e for e in ENTRIES if (e["spec"], e["options"]) == ("kimi-k3", {"rows": 8}))
     assert (plan.stream.held_refills, plan.stream.refills_per_round) == (
         entry["held_refills"], entry["refills_per_round"]
@@ -81,8 +90,10 @@ def test_an_unknown_build_is_scored_once_a_process(monkeypatch) -> None:
     monkeypatch.setattr(holds_module, "_SCORED", {})
     spec, topo = load_spec("qwen3-30b-a3b"), parse_topology("2x2x1")
     options = BuildOptions.create(batch=2)  # not in the table
-    first = plan_program(spec, topo, options)
-    again = plan_program(spec, topo, options.model_copy(update={"acceptance": 1.0}))
+    first = plan_program(spec, topo, options, kinds=default_registry())
+    again = plan_program(
+        spec, topo, options.model_copy(update={"acceptance": 1.0}), kinds=default_registry()
+    )
     assert len(calls) == 1
     assert first.stream.held_refills == again.stream.held_refills
 
@@ -114,7 +125,12 @@ def test_the_planner_scores_held_refills_and_keeps_the_fastest() -> None:
     assert 0 in by_held and len(by_held) > 1
     assert choice.held == min(by_held, key=by_held.__getitem__)
     assert min(by_held.values()) < by_held[0]
-    plan = plan_build(load_spec("qwen3-30b-a3b"), parse_topology("2x2x1"), BuildOptions.create())
+    plan = plan_build(
+        load_spec("qwen3-30b-a3b"),
+        parse_topology("2x2x1"),
+        BuildOptions.create(),
+        kinds=default_registry(),
+    )
     assert plan.estimate.step_ms == pytest.approx(min(by_held.values()))
 
 
@@ -139,7 +155,7 @@ def test_held_variants_differ_only_in_when_banks_start() -> None:
     from mkgen.plan import with_held_refills
 
     spec, topo, options = load_spec("qwen3-32b"), parse_topology("2x2x1"), BuildOptions.create()
-    base = plan_program(spec, topo, options, held_refills=0)
+    base = plan_program(spec, topo, options, held_refills=0, kinds=default_registry())
     variant = with_held_refills(base, options, HoldChoice(10, 14))
     fields = ("id", "cat", "name", "key", "repeat", "count", "nbytes", "layer")
     assert [tuple(getattr(n, f) for f in fields) for n in base.schedule.nodes] == [

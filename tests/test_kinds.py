@@ -12,10 +12,11 @@ from jinja2 import nodes
 
 from mkgen.codegen.build import render_kernel
 from mkgen.codegen.conformance import consumed_segments
-from mkgen.codegen.render import TEMPLATES, environment
+from mkgen.codegen.render import environment, template_file
 from mkgen.errors import SpecError
-from mkgen.kinds import moe, registry
+from mkgen.kinds import default_registry, macro_files, moe
 from mkgen.plan import BuildOptions, plan_build
+from mkgen.plan.kind import LayerKind
 from mkgen.plan.layout import GENERATED_EXPERT_FORMATS
 from mkgen.spec.loader import load_spec
 from mkgen.spec.schema import AttentionKind, FFNKind
@@ -25,8 +26,8 @@ KERNEL_TEMPLATE = "megakernel.py.j2"
 # Macros every kind's template defines (the kernel places their output).
 ATTENTION_MACROS = {"constants", "functions", "kernel_args", "scratch", "scratch_shapes"}
 FFN_MACROS = ATTENTION_MACROS | {"hbm_args", "hbm_entry", "expert_shapes", "trace"}
-# What a kind's module gives the plan's generic machinery (mkgen.kinds.registry).
-MODULE_NAMES = {"TEMPLATE", "SLAB_VECTORS", "SEGMENTS", "shard", "layout", "buffers", "program"}
+# What a kind's module gives the plan's generic machinery: the LayerKind protocol's members.
+MODULE_NAMES = {name for name in vars(LayerKind) if not name.startswith("_")}
 ARITHMETIC = (nodes.Add, nodes.Sub, nodes.Mul, nodes.Div, nodes.FloorDiv, nodes.Mod,
               nodes.Pow, nodes.Neg)  # fmt: skip
 COUNTING_FILTERS = {"length", "count", "sum", "max", "min", "round", "int", "float", "abs"}
@@ -58,12 +59,12 @@ def _schema_types(union: object) -> set[str]:
 
 
 def _kernel_templates() -> list[str]:
-    return [KERNEL_TEMPLATE] + [f"kinds/{t.name}" for t in (TEMPLATES / "kinds").iterdir()]
+    return [KERNEL_TEMPLATE, *macro_files()]
 
 
 @pytest.mark.parametrize("template", _kernel_templates())
 def test_the_kernel_templates_compute_nothing(template: str) -> None:
-    assert computations((TEMPLATES / template).read_text()) == []
+    assert computations(template_file(template).read_text()) == []
 
 
 @pytest.mark.parametrize(
@@ -95,27 +96,27 @@ def test_every_kind_of_the_schema_has_a_module_and_macros(
     types: set[str], macros: set[str]
 ) -> None:
     env = environment()
-    kernel = env.parse((TEMPLATES / KERNEL_TEMPLATE).read_text())
+    kernel = env.parse(template_file(KERNEL_TEMPLATE).read_text())
     imported = {i.target: i.template.value for i in kernel.find_all(nodes.Import)}
     for type_ in types:
-        module = registry.kind_module(type_, type_)
+        module = default_registry()[type_]
         assert set(vars(module)) >= MODULE_NAMES, type_
         assert imported.get(type_) == module.TEMPLATE, type_
         defined = {m.name for m in env.parse(env.loader.get_source(env, module.TEMPLATE)[0])
                    .find_all(nodes.Macro)}  # fmt: skip
         assert macros <= defined, (type_, macros - defined)
-    assert set(registry.KINDS) == _schema_types(AttentionKind) | _schema_types(FFNKind)
+    assert set(default_registry().types()) == _schema_types(AttentionKind) | _schema_types(FFNKind)
 
 
 def test_a_kind_unknown_to_the_code_generator_is_one_line() -> None:
     with pytest.raises(SpecError, match=r"^attention_kinds\.x \(ssm\) is not supported"):
-        registry.kind_module("ssm", "attention_kinds.x")
+        default_registry().rules("ssm", "attention_kinds.x")
 
 
-@pytest.mark.parametrize("module", sorted(registry.KINDS))
+@pytest.mark.parametrize("module", sorted(default_registry().types()))
 def test_a_kinds_module_imports_on_its_own(module: str) -> None:
-    """The plan package dispatches to the kinds while it loads; a kind's module imported
-    first (before mkgen.plan) must still find its siblings whole."""
+    """A kind's module imported first (before mkgen.plan and the registry) finds the
+    plan's records whole: the plan imports no kind back."""
     done = subprocess.run(
         [sys.executable, "-c", f"import mkgen.kinds.{module}"], capture_output=True, text=True
     )
@@ -146,7 +147,13 @@ def test_the_moe_kernel_and_program_follow_one_op_list(monkeypatch) -> None:
 
 def _kimi_plan():  # the program unchecked: a swapped order may wait on the ring
     options = BuildOptions.create(rows=8)
-    return plan_build(load_spec("kimi-k3"), parse_topology("2x2x4"), options, enforce=False)
+    return plan_build(
+        load_spec("kimi-k3"),
+        parse_topology("2x2x4"),
+        options,
+        enforce=False,
+        kinds=default_registry(),
+    )
 
 
 def test_every_generated_expert_format_has_a_note_for_the_kernel() -> None:

@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 from cli_run import assert_user_error, mkgen
 
+from mkgen.kinds import default_registry
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -242,8 +244,12 @@ def test_estimate_output_is_deterministic() -> None:
     spec, topo = load_spec("qwen3-30b-a3b"), parse_topology("2x2x1")
     options = BuildOptions.create(rows=8, acceptance=3)
     agentic = tco.scenario("agentic")
-    first = sweep(spec, topo, options, agentic, batches=(1, 8), rows=(1, 8))
-    second = sweep(spec, topo, options, agentic, batches=(1, 8), rows=(1, 8))
+    first = sweep(
+        spec, topo, options, agentic, batches=(1, 8), rows=(1, 8), kinds=default_registry()
+    )
+    second = sweep(
+        spec, topo, options, agentic, batches=(1, 8), rows=(1, 8), kinds=default_registry()
+    )
     assert sweep_csv(first) == sweep_csv(second)
     for fmt in ("svg", "png"):
         charts = [

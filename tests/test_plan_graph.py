@@ -10,6 +10,7 @@ import pytest
 
 from mkgen.errors import MkgenError, SpecError
 from mkgen.hardware import MiB
+from mkgen.kinds import default_registry
 from mkgen.kinds.moe import expert_iterations
 from mkgen.plan import BuildOptions, BuildPlan, plan_build
 from mkgen.plan.graph import CHECKS, analyse
@@ -41,7 +42,12 @@ SPECS = [
 
 
 def _plan(model: str, topology: str, **options) -> BuildPlan:
-    return plan_build(load_spec(model), parse_topology(topology), BuildOptions.create(**options))
+    return plan_build(
+        load_spec(model),
+        parse_topology(topology),
+        BuildOptions.create(**options),
+        kinds=default_registry(),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +234,9 @@ def test_a_program_holding_more_refills_than_its_ring_allows_would_hang() -> Non
     spec = plan.options.apply(load_spec("qwen3-30b-a3b"))
     for held, hangs in ((4, False), (5, True)):
         stream = plan.stream.model_copy(update={"held_refills": held})
-        schedule = build_schedule(spec, plan.sharding, stream, plan.vmem, plan.options)
+        schedule = build_schedule(
+            spec, plan.sharding, stream, plan.vmem, plan.options, kinds=default_registry()
+        )
         failures = analyse(schedule, plan.vmem).failures
         assert ("deadlock_free" in failures) is hangs, failures
     assert failures["deadlock_free"].startswith("at ring depth 6, ")
@@ -513,7 +521,7 @@ def _kernel(model: str, topology: str, options: dict):
 
     ref = str(REPO / model) if model.endswith(".yaml") else model
     spec, topo = load_spec(ref), parse_topology(topology)
-    plan = plan_build(spec, topo, BuildOptions.create(**options))
+    plan = plan_build(spec, topo, BuildOptions.create(**options), kinds=default_registry())
     name = "plan_graph_" + spec.name.replace("-", "_").replace(".", "_")
     return plan, plan.kernel, load_module(render_kernel(plan.kernel, "t"), name)
 

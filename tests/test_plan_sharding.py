@@ -8,6 +8,7 @@ import re
 import pytest
 
 from mkgen.errors import SpecError
+from mkgen.kinds import default_registry
 from mkgen.plan import BuildOptions, plan_build
 from mkgen.plan.collectives import collective_buffers, layer_uses
 from mkgen.plan.memory import check_fit, plan_memory
@@ -22,7 +23,9 @@ from mkgen.spec.weights import model_weights
 def _plan(model: str, topology: str, **options):
     spec = load_spec(model)
     opts = BuildOptions.create(**options)
-    return spec, plan_sharding(opts.apply(spec), parse_topology(topology), opts)
+    return spec, plan_sharding(
+        opts.apply(spec), parse_topology(topology), opts, kinds=default_registry()
+    )
 
 
 def _rel(plan, kind: str, section: str = "attention"):
@@ -174,11 +177,16 @@ def test_a_mini_twin_takes_its_full_size_builds_latent_design():
         parse_topology("2x2x2"),
         BuildOptions.create(),
     )
-    splits = full_size_splits(spec, topo, options)
+    splits = full_size_splits(spec, topo, options, kinds=default_registry())
     assert "ffn.moe.ar_ag" in splits
     mini = mini_twin(spec, topo.num_devices)
-    assert plan_sharding(mini, topo, options).ffn["moe"].latent_design == "rs_ar"
-    twin = plan_sharding(mini, topo, options.model_copy(update={"splits": splits}))
+    assert (
+        plan_sharding(mini, topo, options, kinds=default_registry()).ffn["moe"].latent_design
+        == "rs_ar"
+    )
+    twin = plan_sharding(
+        mini, topo, options.model_copy(update={"splits": splits}), kinds=default_registry()
+    )
     assert twin.ffn["moe"].latent_design == "ar_ag"
 
 
@@ -187,14 +195,16 @@ def test_a_mini_twin_takes_its_full_size_builds_split_choices():
     topo = parse_topology("2x2x4")
     options = BuildOptions.create(rows=8)
     splits = ("ffn.moe.router", "attention.mla.latent")
-    assert full_size_splits(spec, topo, options) == splits
+    assert full_size_splits(spec, topo, options, kinds=default_registry()) == splits
     mini = mini_twin(spec, topo.num_devices)
     # At CPU sizes the planner would replicate the twin's A-projections (its router's
     # scores ride in the latent all-gather's latency-bound rounds, so that it splits)...
-    planned = plan_sharding(mini, topo, options)
+    planned = plan_sharding(mini, topo, options, kinds=default_registry())
     assert planned.attention["mla"].latent == "replicated"
     # ...so the twin is planned with the full-size build's choices, whose kernel it proves.
-    forced = plan_sharding(mini, topo, options.model_copy(update={"splits": splits}))
+    forced = plan_sharding(
+        mini, topo, options.model_copy(update={"splits": splits}), kinds=default_registry()
+    )
     moe, mla = forced.ffn["moe"], forced.attention["mla"]
     assert moe.router == "split" and mla.latent == "split"
     assert "as in the full-size build" in moe.why and "as in the full-size build" in mla.why
@@ -294,7 +304,12 @@ def test_every_tensor_of_the_inventory_has_one_shard():
     ],
 )
 def test_every_spec_plans_on_a_topology_that_fits(model, topology, options):
-    plan = plan_build(load_spec(model), parse_topology(topology), BuildOptions.create(**options))
+    plan = plan_build(
+        load_spec(model),
+        parse_topology(topology),
+        BuildOptions.create(**options),
+        kinds=default_registry(),
+    )
     assert plan.memory.fits
     assert plan.estimate.step_ms > 0
     assert sum(plan.estimate.breakdown_ms.values()) == pytest.approx(plan.estimate.step_ms)
@@ -332,7 +347,12 @@ def _memory(model, topology, **options):
     opts = BuildOptions.create(**options)
     spec = opts.apply(spec)
     topo = parse_topology(topology)
-    return spec, topo, opts, plan_memory(spec, topo, opts, plan_sharding(spec, topo, opts))
+    return (
+        spec,
+        topo,
+        opts,
+        plan_memory(spec, topo, opts, plan_sharding(spec, topo, opts, kinds=default_registry())),
+    )
 
 
 def test_kimi_k3_fits_only_with_quantized_experts():
@@ -342,7 +362,7 @@ def test_kimi_k3_fits_only_with_quantized_experts():
     spec, topo, opts, mem = _memory("kimi-k3", "2x2x4", rows=8, quant=["experts=bf16"])
     assert not mem.fits
     with pytest.raises(SpecError) as info:
-        check_fit(spec, topo, opts, mem)
+        check_fit(spec, topo, opts, mem, kinds=default_registry())
     message = str(info.value)
     assert "\n" not in message
     assert "needs 174.4 GB of HBM per device but 94.7 GB are usable: over by 79.7 GB" in message
@@ -352,7 +372,7 @@ def test_kimi_k3_fits_only_with_quantized_experts():
 def test_no_fit_suggests_a_larger_topology():
     spec, topo, opts, mem = _memory("muse-spark-1.2", "1x1x1")
     with pytest.raises(SpecError, match=r"over by .* topology tpu7x:2x2x1"):
-        check_fit(spec, topo, opts, mem)
+        check_fit(spec, topo, opts, mem, kinds=default_registry())
 
 
 def test_caches_scale_with_context_batch_and_rows():

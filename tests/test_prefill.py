@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mkgen.kinds import default_registry
+
 SPECS = Path(__file__).parent / "specs"
 TOPOLOGY = "2x2x1"  # 8 cores: heads, kv heads, experts and columns all split
 CONTEXT, BATCH = 128, 2
@@ -60,10 +62,12 @@ def _setup(spec_ref: str):
     if spec_ref in SPECIAL_CASES:
         spec_ref, splits = SPECIAL_CASES[spec_ref]
     else:
-        splits = full_size_splits(load_spec(spec_ref), topology, options)
+        splits = full_size_splits(load_spec(spec_ref), topology, options, kinds=default_registry())
     spec = mini_twin(load_spec(spec_ref), topology.num_devices)
     options = options.model_copy(update={"splits": splits})
-    layout = plan_build(spec, topology, options, **mini_kernel_args()).kernel
+    layout = plan_build(
+        spec, topology, options, **mini_kernel_args(), kinds=default_registry()
+    ).kernel
     return spec, layout, stored_random_weights(spec, 0)
 
 

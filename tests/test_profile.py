@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from mkgen.kinds import default_registry
 from mkgen.plan import BuildOptions, plan_build
 from mkgen.plan.opcount import NORM_OPS, node_op_counts
 from mkgen.spec.loader import load_spec
@@ -142,7 +143,9 @@ def test_the_profiles_predicted_step_is_the_plans_step_and_its_dma_timeline_says
     from mkgen.verify.profile import profile_build
 
     spec = load_spec("qwen3-30b-a3b")
-    plan = plan_build(spec, parse_topology("2x2x1"), BuildOptions.create())
+    plan = plan_build(
+        spec, parse_topology("2x2x1"), BuildOptions.create(), kinds=default_registry()
+    )
     record = profile_build("", plan, spec, "qwen3-30b-a3b-2x2x1").record()
     assert record["predicted_step_us"] == round(plan.estimate.step_ms * 1e3, 3)
     assert record["dma_timeline_us"] == round(plan.estimate.dma_timeline_ms * 1e3, 3)
@@ -155,9 +158,11 @@ def _vector_node_ops(spec_name: str, topology: str) -> dict[str, float]:
     name after its layer) in one step's plan."""
     options = BuildOptions.create()
     spec = options.apply(load_spec(spec_name))
-    plan = plan_build(spec, parse_topology(topology), options)
+    plan = plan_build(spec, parse_topology(topology), options, kinds=default_registry())
     schedule = plan.step_graph.schedule
-    per_node, _ = node_op_counts(schedule, plan.stream, plan.vmem, plan.sharding, spec)
+    per_node, _ = node_op_counts(
+        schedule, plan.stream, plan.vmem, plan.sharding, spec, default_registry()
+    )
     return {
         node.name.removeprefix("L0 "): ops.vpu
         for node, (phase, ops) in zip(schedule.nodes, per_node, strict=True)

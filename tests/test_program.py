@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 from cli_run import assert_user_error, mkgen
@@ -15,9 +16,10 @@ from mkgen.codegen.build import render_kernel
 from mkgen.codegen.build_list import entry_inputs, read_build_list
 from mkgen.codegen.conformance import check_program_order, consumed_segments
 from mkgen.codegen.package import mini_kernel_args, render_build
+from mkgen.kinds import default_registry, moe
 from mkgen.plan import BuildOptions, plan_build
-from mkgen.plan import stream as stream_module
 from mkgen.plan.graph import ScheduleCheckError
+from mkgen.plan.kind import KindRegistry
 from mkgen.plan.sharding import full_size_splits
 from mkgen.spec.loader import load_spec
 from mkgen.spec.mini import mini_twin
@@ -26,12 +28,17 @@ from mkgen.verify.numerics import verify_numerics
 
 
 def _plan(model: str, topology: str, **options):
-    return plan_build(load_spec(model), parse_topology(topology), BuildOptions.create(**options))
+    return plan_build(
+        load_spec(model),
+        parse_topology(topology),
+        BuildOptions.create(**options),
+        kinds=default_registry(),
+    )
 
 
 @pytest.mark.parametrize("entry", read_build_list(), ids=lambda e: e.line)
 def test_every_checked_in_kernel_consumes_its_segments_in_program_order(entry) -> None:
-    plan = plan_build(*entry_inputs(entry))
+    plan = plan_build(*entry_inputs(entry), kinds=default_registry())
     consumed = consumed_segments(render_kernel(plan.kernel, ""), plan.kernel)
     program = plan.schedule.segment_order
     assert consumed == {kind: program[kind] for kind in consumed}
@@ -57,26 +64,19 @@ def test_a_kernel_out_of_program_order_is_refused_naming_both_segments() -> None
     assert "\n" not in message
 
 
-def test_a_stream_laid_out_against_the_programs_order_is_refused_at_plan_time(
-    monkeypatch,
-) -> None:
+def test_a_stream_laid_out_against_the_programs_order_is_refused_at_plan_time() -> None:
     """The old layout (latent_out's rows before shared_down's, consumed the other way
     round) reads latent_out's bank after the ring has refilled its slot and, at a shallow
     ring, waits for a bank the ring has not started: refused, naming op and bank."""
-    moe = dict(stream_module.FUSED_SEGMENTS["moe"])
-    old = [
-        ("in", moe["in"]),
-        ("latent_out", moe["latent_out"]),
-        ("shared_down", moe["shared_down"]),
-    ]
-    monkeypatch.setitem(stream_module.FUSED_SEGMENTS, "moe", old)
+    old = _moe_segments_in(["in", "latent_out", "shared_down"])
     with pytest.raises(ScheduleCheckError) as info:
-        _plan("kimi-k3", "2x2x4", rows=8)
+        plan_build(load_spec("kimi-k3"), parse_topology("2x2x4"), BuildOptions.create(rows=8),
+                   kinds=old)  # fmt: skip
     message = str(info.value)
     assert message.startswith("schedule check reads_after_writes failed:")
     assert "moe.latent_out bank" in message and "but it holds node" in message
     spec, topo = load_spec("kimi-k3"), parse_topology("2x2x4")
-    plan = plan_build(spec, topo, BuildOptions.create(rows=8), enforce=False)
+    plan = plan_build(spec, topo, BuildOptions.create(rows=8), enforce=False, kinds=old)
     hang = plan.graph.failures["deadlock_free"]
     assert re.match(r"at ring depth 2, 'L\d+ moe\.shared_down bank", hang), hang
     assert "the kernel would hang" in hang
@@ -151,7 +151,7 @@ def test_plan_json_carries_the_program_and_the_deadlock_check() -> None:
 RUN_TIMEOUT = 600  # an outer bound: verify's child exits by itself once it stalls
 
 
-def test_a_build_forced_past_the_check_hangs_in_interpret_mode(monkeypatch) -> None:
+def test_a_build_forced_past_the_check_hangs_in_interpret_mode() -> None:
     """The MoE stream laid out as (latent_out, shared_down, in) while the kernel consumes
     in, shared_down, latent_out: at ring depth 2 the plan refuses it; the same kernel,
     forced past the check (its Segment constants put into Kimi K3's mini twin), waits on
@@ -161,24 +161,22 @@ def test_a_build_forced_past_the_check_hangs_in_interpret_mode(monkeypatch) -> N
     spec = mini_twin(load_spec("kimi-k3"), topology.num_devices)
     options = BuildOptions.create(ring_depth=2, context=128)
     # The twin takes the full-size build's split choices, as verify's twin does.
-    splits = full_size_splits(load_spec("kimi-k3"), topology, options)
+    splits = full_size_splits(load_spec("kimi-k3"), topology, options, kinds=default_registry())
     options = options.model_copy(update={"splits": splits})
 
-    def kernel(enforce: bool = True) -> str:
+    def kernel(enforce: bool = True, kinds: KindRegistry | None = None) -> str:
         plan = plan_build(spec, topology, options, **mini_kernel_args(), trace_residuals=True,
-                          enforce=enforce)  # fmt: skip
+                          enforce=enforce, kinds=kinds or default_registry())  # fmt: skip
         assert plan.graph.checks["deadlock_free"] is enforce
         if not enforce:  # among the failures (the first one named is a cycle it makes)
             assert "'L1 moe.in bank" in plan.graph.failures["deadlock_free"]
         return render_kernel(plan.kernel, "verify")
 
     checked = kernel()
-    moe = dict(stream_module.FUSED_SEGMENTS["moe"])
-    swapped = [(name, moe[name]) for name in ("latent_out", "shared_down", "in")]
-    monkeypatch.setitem(stream_module.FUSED_SEGMENTS, "moe", swapped)
+    swapped = _moe_segments_in(["latent_out", "shared_down", "in"])
     with pytest.raises(ScheduleCheckError, match="deadlock_free|acyclic"):
-        kernel()
-    forced = kernel(enforce=False)
+        kernel(kinds=swapped)
+    forced = kernel(enforce=False, kinds=swapped)
 
     old, new = checked.splitlines(keepends=True), forced.splitlines(keepends=True)
     edits = difflib.SequenceMatcher(None, old, new).get_opcodes()
@@ -195,3 +193,12 @@ def test_a_build_forced_past_the_check_hangs_in_interpret_mode(monkeypatch) -> N
     assert not report.passed
     # "stalled", not "timed out": the child found its own hang.
     assert "stalled" in (report.error or "") and "deadlock" in report.error, report.failure()
+
+
+def _moe_segments_in(order: list[str]) -> KindRegistry:
+    """The default kinds with MoE's fused stream segments laid out in `order`: a registry
+    is a value, so a test swaps one kind's rule without touching the others'."""
+    fused = dict(moe.SEGMENTS)
+    rules = SimpleNamespace(**{k: getattr(moe, k) for k in dir(moe) if not k.startswith("__")})
+    rules.SEGMENTS = [(name, fused[name]) for name in order]
+    return KindRegistry({**default_registry().kinds, "moe": rules})

@@ -11,6 +11,7 @@ from cli_run import mkgen
 
 from mkgen.codegen.build_list import BUILD_LIST, entry_inputs, read_build_list
 from mkgen.codegen.package import mini_kernel_args
+from mkgen.kinds import default_registry
 from mkgen.plan import plan_build
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.stream import LANES, BankVisit, bank_visits, make_segment
@@ -31,7 +32,9 @@ def test_the_packed_stream_holds_the_plans_weight_bytes_and_pads_the_rest() -> N
     plan's weight bytes, and every other byte is its padding."""
     spec = import_hf_config(FIXTURES / "qwen3_moe" / "config.json", "qwen3_moe")
     options = BuildOptions.create(context=64)
-    plan = plan_build(options.apply(spec), parse_topology("1x1x1"), options)
+    plan = plan_build(
+        options.apply(spec), parse_topology("1x1x1"), options, kinds=default_registry()
+    )
     ones = {w.name: np.ones(w.shape, np.float32) for w in model_weights(spec)}
     stream = pack.pack_stream(plan.kernel, ones, 0).view(np.uint16)
     assert stream.nbytes == plan.stream.bytes_per_step
@@ -53,7 +56,7 @@ def test_plan_reports_the_streams_padding_in_text_and_json() -> None:
 def test_every_checked_in_build_streams_at_most_3_percent_padding() -> None:
     for entry in read_build_list(BUILD_LIST):
         spec, topo, options = entry_inputs(entry)
-        stream = plan_build(spec, topo, options).stream
+        stream = plan_build(spec, topo, options, kinds=default_registry()).stream
         assert stream.padding_percent <= 3.0, (entry.line, stream.describe())
 
 
@@ -96,7 +99,7 @@ def test_a_chunk_that_straddles_two_banks_waits_for_the_second_and_reads_both() 
 def test_the_program_reads_both_banks_of_a_straddling_chunk_after_waiting_for_them() -> None:
     topo, options = parse_topology("2x2x4"), BuildOptions.create(rows=8, context=128)
     mini = mini_twin(options.apply(load_spec("kimi-k3")), topo.num_devices)
-    plan = plan_build(mini, topo, options, **mini_kernel_args())
+    plan = plan_build(mini, topo, options, **mini_kernel_args(), kinds=default_registry())
     schedule = plan.step_graph.schedule
     straddling = [
         n for n in schedule.nodes if n.cat == "matmul" and sum(r[1] == "ring" for r in n.reads) == 2

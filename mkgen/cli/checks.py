@@ -93,6 +93,7 @@ def verify_command(
     race detection, uninitialised memory as NaN) against the reference model, in each DMA
     execution mode. Exit 0 if every check passes, 1 naming the first failure."""
     from mkgen.codegen.package import mini_kernel_args
+    from mkgen.kinds import default_registry
     from mkgen.plan import plan_build
     from mkgen.plan.options import BuildOptions
     from mkgen.plan.sharding import full_size_splits
@@ -118,11 +119,17 @@ def verify_command(
     if not 0 < timeout < math.inf:
         raise MkgenError(f"--timeout {timeout:g}: give a finite number of seconds above 0")
     # Unsupported kinds or formats, or a plan that would hang: exit 2 here, not later.
-    plan_build(spec, topo, built)
+    plan_build(spec, topo, built, kinds=default_registry())
     spec = built.apply(spec)
     mini = mini_twin(spec, topo.num_devices)
-    splits = full_size_splits(spec, topo, options)
-    plan_build(mini, topo, options.model_copy(update={"splits": splits}), **mini_kernel_args())
+    splits = full_size_splits(spec, topo, options, kinds=default_registry())
+    plan_build(
+        mini,
+        topo,
+        options.model_copy(update={"splits": splits}),
+        **mini_kernel_args(),
+        kinds=default_registry(),
+    )
     directory = None
     if update_report:
         from mkgen.codegen.naming import default_build_dir
@@ -236,6 +243,7 @@ def _profile_and_print(
     """Compile with Mosaic's LLO dump on (a child process), print the profile table and
     record it (and the compile) in the build at `directory`."""
     from mkgen.codegen.naming import build_name
+    from mkgen.kinds import default_registry
     from mkgen.plan import plan_build
     from mkgen.verify.profile import compile_with_dump, profile_build
     from mkgen.verify.tpu_compile import CompileError
@@ -247,7 +255,10 @@ def _profile_and_print(
         sys.exit(1)
     applied = options.apply(spec)
     result = profile_build(
-        llo, plan_build(applied, topo, options), applied, build_name(spec.name, topo)
+        llo,
+        plan_build(applied, topo, options, kinds=default_registry()),
+        applied,
+        build_name(spec.name, topo),
     )
     if directory is not None:
         from mkgen.codegen.package import record_measurement

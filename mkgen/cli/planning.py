@@ -46,11 +46,12 @@ from mkgen.output import write_atomic
 def plan_command(spec_ref: str, topology: str, as_json: bool, trace: Path | None, force: bool,
                  **fields: Any) -> None:  # fmt: skip
     """Plan SPEC on a topology: sharding, HBM and VMEM, schedule checks, predicted step."""
+    from mkgen.kinds import default_registry
     from mkgen.plan import plan_build, to_chrome_trace
     from mkgen.plan.report import plan_text
 
     spec, topo, options = plan_inputs(spec_ref, topology, **fields)
-    plan = plan_build(spec, topo, options, trace=trace is not None)
+    plan = plan_build(spec, topo, options, trace=trace is not None, kinds=default_registry())
     if trace is not None:
         write_atomic(
             trace, json.dumps(to_chrome_trace(plan.estimate.events)),
@@ -106,6 +107,7 @@ def estimate_command(spec_ref: str, topology: str, output: Path | None, batches:
     """Predict total tokens per dollar against tokens/s per user over batch x rows: the
     table, SPEC-SHAPE-estimate.csv, and the chart as .svg and .png, with the published
     reference points (mkgen/plan/tco.py)."""
+    from mkgen.kinds import default_registry
     from mkgen.plan import tco
     from mkgen.plan.options import MAX_TOKEN_ROWS
     from mkgen.plan.report import estimate_chart_text, sweep, sweep_csv, sweep_table, tco_chart
@@ -138,7 +140,9 @@ def estimate_command(spec_ref: str, topology: str, output: Path | None, batches:
     price = options.price_per_chip_hour_usd or topo.chip_info.price_per_chip_hour_usd
     if price is None:
         raise MkgenError(f"{topo.chip} has no chip-hour price in the catalog; pass --price USD")
-    rows = sweep(spec, topo, options, request, batches=sizes, rows=row_counts)
+    rows = sweep(
+        spec, topo, options, request, batches=sizes, rows=row_counts, kinds=default_registry()
+    )
     click.echo(
         f"{spec.name} on {topo.name}, context {options.context}, {request.describe()}; each row "
         f"is the build `mkgen plan {spec.name} --topology {topology} --batch B --rows R` "

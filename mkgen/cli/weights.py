@@ -130,6 +130,7 @@ def _conversion_target(
     """What `convert` packs for: (spec, topology, options, kernel layout, kernel arguments),
     from --build's plan.json or planned from SPEC (or the checkpoint's config.json)."""
     from mkgen.codegen.package import load_build_inputs, resolved_kernel_args
+    from mkgen.kinds import default_registry
     from mkgen.plan import plan_build
     from mkgen.plan.layout import KernelLayout
     from mkgen.plan.options import BuildOptions, refuse_repeated_families
@@ -158,7 +159,7 @@ def _conversion_target(
     else:
         spec = load_spec(spec_ref)
     spec = options.apply(spec)
-    plan = plan_build(spec, topo, options)
+    plan = plan_build(spec, topo, options, kinds=default_registry())
     return spec, topo, options, plan.kernel, resolved_kernel_args(plan)
 
 

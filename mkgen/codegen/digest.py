@@ -16,15 +16,15 @@ from typing import Any
 
 from mkgen import __version__
 from mkgen.codegen.library import expanded_template
-from mkgen.codegen.render import TEMPLATES, formatter_version
+from mkgen.codegen.render import formatter_version, template_file
+from mkgen.kinds import macro_files
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology
 
-# Every template a build renders: the kernel's includes its layer kinds' macros (kinds/).
-TEMPLATE_FILES = ("megakernel.py.j2", "runner.py.j2", "REPORT.md.j2") + tuple(
-    f"kinds/{t.name}" for t in sorted((TEMPLATES / "kinds").iterdir(), key=lambda t: t.name)
-)
+# Every template a build renders: the kernel's includes its layer kinds' macros, by the
+# names templates import them under (kinds/<kind>.py.j2, mkgen.kinds.macro_files).
+TEMPLATE_FILES = ("megakernel.py.j2", "runner.py.j2", "REPORT.md.j2") + tuple(macro_files())
 
 
 def _canonical(data: Any) -> str:
@@ -40,7 +40,7 @@ def inputs_digest(
     # Each template as Jinja reads it: with the kernel library members it includes.
     template_digests = {
         name: hashlib.sha256(
-            expanded_template((TEMPLATES / name).read_bytes(), name).encode()
+            expanded_template(template_file(name).read_bytes(), name).encode()
         ).hexdigest()
         for name in TEMPLATE_FILES
     }

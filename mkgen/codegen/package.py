@@ -161,11 +161,12 @@ def render_build(
     mini_kernel_args(). The kernel, the checks, the report and plan.json all come from
     that one plan. `line` is how the printed commands name the build (make_build passes
     CommandLine.for_files: a build's files never name its directory)."""
+    from mkgen.kinds import default_registry
     from mkgen.plan import plan_build
 
     check_renderable(spec)
     spec = options.apply(spec)
-    plan = plan_build(spec, topology, options, **(kernel_args or {}))
+    plan = plan_build(spec, topology, options, **(kernel_args or {}), kinds=default_registry())
     layout = plan.kernel
     kernel_args = resolved_kernel_args(plan, kernel_args)
     digest = inputs_digest(spec, topology, options, kernel_args)
@@ -248,6 +249,7 @@ def _render_mini(
 ) -> RenderedBuild:
     """The build's mini twin: the twin of the spec as built (overrides applied), with the
     twin's own formats, on the same mesh and with the full size's expert splits."""
+    from mkgen.kinds import default_registry
     from mkgen.plan.sharding import full_size_splits
     from mkgen.spec.mini import mini_twin
 
@@ -257,7 +259,7 @@ def _render_mini(
         context=MINI_CONTEXT,
         ring_depth=options.ring_depth,
         expert_slots=options.expert_slots,
-        splits=full_size_splits(options.apply(spec), topology, options),
+        splits=full_size_splits(options.apply(spec), topology, options, kinds=default_registry()),
     )
     return render_build(
         mini_twin(options.apply(spec), topology.num_devices),

@@ -85,7 +85,7 @@ def kernel_cache_pieces(
     if isinstance(kind, MLALayout):
         k_rope = cache["k_rope"]
         rope = spec.attention_kinds[kind.name].rope
-        if rope is not None and rope.interleaved:  # as mkgen.plan.stream.mla_views stores it
+        if rope is not None and rope.interleaved:  # as mkgen.kinds.mla.views stores it
             k_rope = jnp.concatenate([k_rope[..., 0::2], k_rope[..., 1::2]], axis=-1)
         row = jnp.concatenate([cache["latent"].astype(k_rope.dtype), k_rope], axis=-1)
         return {"latent": row[:, None]}

@@ -11,22 +11,45 @@ import importlib.metadata
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from importlib import resources
+from importlib.resources.abc import Traversable
 from typing import Any
 
 import jinja2
 
-from mkgen.codegen.library import LibraryLoader
+from mkgen.codegen.library import LibraryLoader, expand
 from mkgen.errors import MkgenError
+from mkgen.kinds import macro_files
 
 # Package data, so an installed wheel renders exactly what a checkout does.
 TEMPLATES = resources.files("mkgen") / "templates"
 
 
+def template_file(name: str) -> Traversable:
+    """The file of the template Jinja knows as `name`: a layer kind's macros
+    (``kinds/<kind>.py.j2``) live in its folder (mkgen.kinds.macro_files), the rest
+    under mkgen/templates/."""
+    return macro_files().get(name) or TEMPLATES / name
+
+
+class KindMacrosLoader(jinja2.BaseLoader):
+    """The layer kinds' macros under the names templates import them by, with their
+    library directives expanded (as LibraryLoader does for mkgen/templates/)."""
+
+    def get_source(
+        self, environment: jinja2.Environment, template: str
+    ) -> tuple[str, str, Callable[[], bool]]:
+        path = macro_files().get(template)
+        if path is None:
+            raise jinja2.TemplateNotFound(template)
+        return expand(path.read_text(), template), str(path), lambda: True
+
+
 def environment() -> jinja2.Environment:
     """The Jinja2 settings every template renders with."""
     return jinja2.Environment(
-        loader=LibraryLoader("mkgen", "templates"),
+        loader=jinja2.ChoiceLoader([LibraryLoader("mkgen", "templates"), KindMacrosLoader()]),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,

@@ -1,12 +1,39 @@
-"""One module per layer kind: its layout builder, VMEM buffers and program ops.
+"""The layer kinds: one folder each, holding everything mkgen knows of the kind beyond its
+spec schema and its reference math.
 
-Each kind's module (gqa, mla, gated_deltanet, kda, dense, moe) holds the rules the plan
-applies to that kind; `registry` maps a kind's type to its module and its template macros
-(mkgen/templates/kinds/<kind>.py.j2). The generic machinery (mkgen/plan/layout.py's
-KernelLayout, vmem.py, schedule.py) dispatches through the registry. GQA and MLA share
-cache_attention, Gated DeltaNet and KDA share recurrent.
+A kind's folder (`gqa/`, `mla/`, `gated_deltanet/`, `kda/`, `dense/`, `moe/`) holds its
+rules in its `__init__.py` (the plan's `LayerKind` protocol, mkgen/plan/kind.py: sharding
+rule, fused stream segments, layout builder, VMEM buffers, op program) and its template
+macros in `macros.py.j2`, which templates import as ``kinds/<folder>.py.j2``. The shared
+mechanisms are folders of the same shape: `cache_attention/` (GQA's and MLA's KV cache
+and tiled attention), `recurrent/` (Gated DeltaNet's and KDA's delta rule) and `common/`
+(the protocol's defaults for kinds without rotary positions, state or KV cache, and the
+macros every kind's tables are printed with).
+
+`default_registry()` (registry.py) maps each kind's type to its folder's module; callers
+pass that registry into the plan (`plan_build(..., kinds=...)`). The kinds build on the
+plan's records; the plan imports none of them.
 """
 
-# The plan package dispatches to these modules while it loads: load it first, so that a
-# kind's module imported on its own (before mkgen.plan) finds its siblings whole.
-import mkgen.plan  # noqa: E402, F401
+from __future__ import annotations
+
+from functools import cache
+from importlib import resources
+from importlib.resources.abc import Traversable
+
+from mkgen.kinds.registry import default_registry
+
+MACROS = "macros.py.j2"  # a kind folder's template macros
+
+
+@cache
+def macro_files() -> dict[str, Traversable]:
+    """Every kind folder's macros by the name templates import them under
+    (``kinds/<folder>.py.j2``), sorted by name. Read as package data, so an installed
+    wheel renders what a checkout does."""
+    root = resources.files(__name__)
+    folders = sorted((d for d in root.iterdir() if d.is_dir()), key=lambda d: d.name)
+    return {f"kinds/{d.name}.py.j2": d / MACROS for d in folders if (d / MACROS).is_file()}
+
+
+__all__ = ["MACROS", "default_registry", "macro_files"]

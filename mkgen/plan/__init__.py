@@ -40,6 +40,7 @@ from mkgen.plan.floor import IdealFloor, ideal_floor
 from mkgen.plan.graph import GraphSummary, ScheduleCheckError, analyse
 from mkgen.plan.holds import HoldChoice, hold_digest, known_choice, remember, score_holds
 from mkgen.plan.kernel import build_layout
+from mkgen.plan.kind import KindRegistry
 from mkgen.plan.layout import FULL_BANK_ROWS, MAX_PIECE_CHUNKS, KernelLayout
 from mkgen.plan.memory import MemoryPlan, check_fit, plan_memory
 from mkgen.plan.options import BuildOptions
@@ -84,6 +85,11 @@ class BuildPlan(BaseModel):
     _confidence: Any = PrivateAttr(default=None)
 
     @property
+    def kinds(self) -> KindRegistry:
+        """The layer kinds' rules the build was planned with."""
+        return self._program.kinds
+
+    @property
     def step_graph(self) -> StepGraph:
         """The full dataflow graph and schedule of the step (not saved with the plan)."""
         return self._step
@@ -120,6 +126,7 @@ def plan_program(
     topo: Topology,
     options: BuildOptions,
     *,
+    kinds: KindRegistry,
     bank_rows: int = FULL_BANK_ROWS,
     ring_depth: int | None = None,
     max_piece_chunks: int = MAX_PIECE_CHUNKS,
@@ -130,7 +137,8 @@ def plan_program(
     require_fit: bool = True,
 ) -> ProgramPlan:
     """Stages 1 to 5 and the schedule (stage 7) of `plan_build`, without the kernel layout:
-    the program the cost model prices. Arguments as `plan_build`'s; the KV tile is the
+    the program the cost model prices. Arguments as `plan_build`'s (`kinds`: the layer
+    kinds' rules, mkgen.kinds.default_registry()); the KV tile is the
     template's unless `kv_tile_tokens` says another, and mxfp4 / nvfp4 expert scales are
     inline after their codes unless `inline_scales` is False (the calibration prices the
     measured kernel's 256-token tiles and its codes and scales in separate DMAs, which the
@@ -142,7 +150,7 @@ def plan_program(
     scoring (`score_held_refills`), once per build in a process."""
     shape = {"bank_rows": bank_rows, "ring_depth": ring_depth, "max_piece_chunks": max_piece_chunks,
              "kv_tile_tokens": kv_tile_tokens, "inline_scales": inline_scales}  # fmt: skip
-    base = _unheld_program(spec, topo, options, shape, require_fit)
+    base = _unheld_program(spec, topo, options, kinds, shape, require_fit)
     if base.sharding.devices == 1:
         return base
     forced = options.held_refills
@@ -162,19 +170,21 @@ def plan_program(
 
 
 def score_held_refills(
-    spec: ModelSpec, topo: Topology, options: BuildOptions
+    spec: ModelSpec, topo: Topology, options: BuildOptions, kinds: KindRegistry
 ) -> tuple[str, HoldChoice, dict[int, dict[int, float]]]:
     """What the scorer chooses for a build planned with plan_build's defaults, whatever the
     tuned table says: (the build's digest, the choice, {refills a round: {held: predicted
     step ms}}). The tuned table's entries are this function's answers (tests/test_holds.py)."""
-    base = _unheld_program(spec, topo, options, DEFAULT_SHAPE, require_fit=True)
+    base = _unheld_program(spec, topo, options, kinds, DEFAULT_SHAPE, require_fit=True)
     choice, scores = _score(base, topo, options, {})
     return _digest(spec, topo, options, DEFAULT_SHAPE, base), choice, scores
 
 
-def build_digest(spec: ModelSpec, topo: Topology, options: BuildOptions) -> str:
+def build_digest(
+    spec: ModelSpec, topo: Topology, options: BuildOptions, kinds: KindRegistry
+) -> str:
     """The tuned table's key of a build planned with plan_build's defaults (holds.py)."""
-    base = _unheld_program(spec, topo, options, DEFAULT_SHAPE, require_fit=True)
+    base = _unheld_program(spec, topo, options, kinds, DEFAULT_SHAPE, require_fit=True)
     return _digest(spec, topo, options, DEFAULT_SHAPE, base)
 
 
@@ -204,24 +214,25 @@ def _score(
 
 
 def _unheld_program(
-    spec: ModelSpec, topo: Topology, options: BuildOptions, shape: dict[str, Any],
-    require_fit: bool,
+    spec: ModelSpec, topo: Topology, options: BuildOptions, kinds: KindRegistry,
+    shape: dict[str, Any], require_fit: bool,
 ) -> ProgramPlan:  # fmt: skip
     """Stages 1 to 5 and the schedule with no refill held (rounds would start the banks
     their flight covers); refuses a forced hold the ring cannot take."""
     spec = options.apply(spec)
-    sharding = plan_sharding(spec, topo, options)
+    sharding = plan_sharding(spec, topo, options, kinds=kinds)
     memory = plan_memory(spec, topo, options, sharding)
     if require_fit:
-        check_fit(spec, topo, options, memory)
+        check_fit(spec, topo, options, memory, kinds=kinds)
     # The ring depth does not change the stream's layout: plan it, then size the ring.
-    stream = plan_stream(spec, sharding, bank_rows=shape["bank_rows"], ring_depth=2)
+    stream = plan_stream(spec, sharding, bank_rows=shape["bank_rows"], ring_depth=2, kinds=kinds)
     vmem = plan_vmem(
         spec,
         topo,
         options,
         sharding,
         stream,
+        kinds=kinds,
         max_piece_chunks=shape["max_piece_chunks"],
         ring_depth=shape["ring_depth"],
         kv_tile_tokens=shape["kv_tile_tokens"],
@@ -244,8 +255,8 @@ def _unheld_program(
     stream = stream.model_copy(
         update={"ring_depth": vmem.ring_depth, "held_refills": 0, "refills_per_round": flight}
     )
-    schedule = build_schedule(spec, sharding, stream, vmem, options)
-    return ProgramPlan(spec, sharding, memory, stream, vmem, schedule)
+    schedule = build_schedule(spec, sharding, stream, vmem, options, kinds=kinds)
+    return ProgramPlan(spec, sharding, memory, stream, vmem, schedule, kinds)
 
 
 def with_held_refills(
@@ -261,7 +272,9 @@ def with_held_refills(
     held_stream = stream.model_copy(
         update={"held_refills": choice.held, "refills_per_round": choice.per_round}
     )
-    schedule = build_schedule(program.spec, program.sharding, held_stream, program.vmem, options)
+    schedule = build_schedule(
+        program.spec, program.sharding, held_stream, program.vmem, options, kinds=program.kinds
+    )
     unheld = program.unheld if stream.held_refills else program
     if choice.held == 0:
         unheld = None
@@ -281,6 +294,7 @@ def plan_build(
     topo: Topology,
     options: BuildOptions,
     *,
+    kinds: KindRegistry,
     bank_rows: int = FULL_BANK_ROWS,
     ring_depth: int | None = None,
     max_piece_chunks: int = MAX_PIECE_CHUNKS,
@@ -292,7 +306,8 @@ def plan_build(
 ) -> BuildPlan:
     """Plan one build. Raises a one-line SpecError when it does not fit in HBM or VMEM,
     and (``enforce``) a ScheduleCheckError when a schedule check fails; forced past a
-    failed check (tests), the plan has no estimate.
+    failed check (tests), the plan has no estimate. `kinds` holds the layer kinds' rules
+    (mkgen.kinds.default_registry(): the plan imports no kind itself).
 
     `bank_rows` and `max_piece_chunks` size the weight banks and expert pieces (the mini
     twin's are small); `ring_depth` forces the ring's depth unless --ring-depth does (a
@@ -306,6 +321,7 @@ def plan_build(
         spec,
         topo,
         options,
+        kinds=kinds,
         bank_rows=bank_rows,
         ring_depth=ring_depth,
         max_piece_chunks=max_piece_chunks,
@@ -325,6 +341,7 @@ def plan_build(
         sharding,
         stream,
         options,
+        kinds=kinds,
         max_piece_chunks=max_piece_chunks,
         expert_slots=vmem.expert_slots,
         trace_residuals=trace_residuals,
@@ -359,6 +376,7 @@ __all__ = [
     "Estimate",
     "GraphSummary",
     "KernelLayout",
+    "KindRegistry",
     "MemoryPlan",
     "ProgramPlan",
     "ScheduleCheckError",

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from mkgen.hardware import MiB
 from mkgen.plan import plan_program
 from mkgen.plan.cost import Estimate
+from mkgen.plan.kind import KindRegistry
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.published import CONFIGS, MEASURED_MS
 from mkgen.plan.timeline import estimate
@@ -121,34 +122,35 @@ def options_for(config: str, batch: int) -> BuildOptions:
     )
 
 
-def predict(config: str, batch: int) -> Estimate:
+def predict(config: str, batch: int, kinds: KindRegistry) -> Estimate:
     """The cost model's walk of the program the options above plan: the same code and
     constants as every build's estimate (plan_program: the measured kernel's 256-token
     KV tiles and its expert codes and scales in separate DMAs, musespark/moe.py's four
     copies an expert, are not the template's, so the kernel layout is not built)."""
     spec, topo, options = load_spec(MODEL), parse_topology(TOPOLOGY), options_for(config, batch)
     program = plan_program(
-        spec, topo, options, kv_tile_tokens=MEASURED_KV_TILE_TOKENS, inline_scales=False
-    )
+        spec, topo, options, kinds=kinds, kv_tile_tokens=MEASURED_KV_TILE_TOKENS,
+        inline_scales=False,
+    )  # fmt: skip
     return estimate(topo, options, program)
 
 
-def calibrate() -> list[CalibrationRow]:
+def calibrate(kinds: KindRegistry) -> list[CalibrationRow]:
     """Every measured row with the model's prediction."""
     return [
         CalibrationRow(
             config=config,
             batch=batch,
             measured_ms=ms,
-            predicted_ms=predict(config, batch).step_ms,
+            predicted_ms=predict(config, batch, kinds).step_ms,
         )
         for (config, batch), ms in MEASURED_MS.items()
     ]
 
 
-def batch1_breakdown() -> dict[str, tuple[float, float]]:
+def batch1_breakdown(kinds: KindRegistry) -> dict[str, tuple[float, float]]:
     """(published, predicted) microseconds of the batch-1 breakdown (int4, bf16 dense)."""
-    est = predict("int4 experts, bf16 dense", 1)
+    est = predict("int4 experts, bf16 dense", 1, kinds)
     layers = sum(k.layers for k in est.by_layer_kind.values())
     per_layer_us = sum(k.total_ms for k in est.by_layer_kind.values()) * 1e3 / layers
     b = est.breakdown_ms
@@ -189,11 +191,3 @@ def format_table(rows: list[CalibrationRow]) -> str:
         )
     lines.append(f"| **mean (bias)** | | | | **{100 * summarise(rows).bias:+.1f} %** |")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":  # pragma: no cover - a convenience for docs/cost-model.md
-    table = calibrate()
-    print(format_table(table))
-    print(summarise(table).describe())
-    for key, (pub, pred) in batch1_breakdown().items():
-        print(f"{key:<26} published {pub:7.1f} us  predicted {pred:7.1f} us")

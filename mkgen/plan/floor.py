@@ -72,7 +72,6 @@ def ideal_floor(spec: ModelSpec, topo: Topology, options: BuildOptions) -> Ideal
         nbytes = w.nbytes("bf16" if w.family == VECTORS else getattr(spec.quantization, w.family))
         if w.experts:
             ffn = layer_ffn[int(w.name.split(".")[1])]
-            assert isinstance(ffn, MoEFFN)
             experts += nbytes * _experts_read(ffn, options) / ffn.num_experts
         else:
             dense += nbytes

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from mkgen.plan.cost import CostConstants
+from mkgen.plan.kind import KindRegistry
 from mkgen.plan.opcount import measured_tables
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.schema import ModelSpec
@@ -127,15 +128,17 @@ def remember(digest: str, choice: HoldChoice) -> None:
 # --------------------------------------------------------------------------- the table
 
 
-def entry(spec_name: str, topology: str, fields: dict[str, Any]) -> dict[str, Any]:
+def entry(
+    spec_name: str, topology: str, fields: dict[str, Any], kinds: KindRegistry
+) -> dict[str, Any]:
     """The table entry of a build: its inputs, digest and the scorer's choice (scored
-    now, whatever the table says)."""
+    now, whatever the table says; its layer kinds sharded by the rules in `kinds`)."""
     from mkgen.plan import score_held_refills
     from mkgen.spec.loader import load_spec
     from mkgen.spec.topology import parse_topology
 
     digest, choice, _ = score_held_refills(
-        load_spec(spec_name), parse_topology(topology), BuildOptions.create(**fields)
+        load_spec(spec_name), parse_topology(topology), BuildOptions.create(**fields), kinds
     )
     return {
         "spec": spec_name,
@@ -171,7 +174,7 @@ def _parse_fields(items: list[str]) -> dict[str, Any]:
     return fields
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], kinds: KindRegistry) -> None:
     """Score every entry of the table again (and a new one, if given) and rewrite it."""
     current = json.loads(TABLE.read_text())["entries"]
     wanted = [(e["spec"], e["topology"], e["options"]) for e in current]
@@ -179,7 +182,7 @@ def main(argv: list[str]) -> None:
         wanted.append((argv[0], argv[1], _parse_fields(argv[2:])))
     entries = []
     for spec_name, topology, fields in wanted:
-        made = entry(spec_name, topology, fields)
+        made = entry(spec_name, topology, fields, kinds)
         if all(made["digest"] != e["digest"] for e in entries):
             entries.append(made)
             print(f"{spec_name} {topology} {fields}: {made['held_refills']} held, "

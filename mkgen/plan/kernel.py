@@ -1,16 +1,18 @@
 """Building the kernel layout (mkgen.plan.layout.KernelLayout): the generic parts here,
-each layer kind's own through its module (mkgen.kinds.registry)."""
+each layer kind's own through its rule in the KindRegistry passed in."""
 
 from __future__ import annotations
 
-from mkgen.kinds.common import LayoutInputs
-from mkgen.kinds.registry import kind_module
+from typing import Any
+
 from mkgen.plan.collectives import layer_uses, plan_collectives
+from mkgen.plan.kind import KindRegistry, LayoutInputs
 from mkgen.plan.layout import (
     CACHE_ALIGN,
     SUBLANES_F32,
     AttentionResidualLayout,
     KernelLayout,
+    MoELayout,
     check_formats,
     kernel_features,
     slab_rows,
@@ -32,65 +34,45 @@ def build_layout(
     stream: StreamPlan,
     options: BuildOptions,
     *,
+    kinds: KindRegistry,
     max_piece_chunks: int,
     expert_slots: int,
     trace_residuals: bool = False,
 ) -> KernelLayout:
     """The kernel layout of `spec` on `topology`: per-rank pieces as `sharding` decided, the
-    stream as planned, `expert_slots` as the VMEM plan chose them."""
+    stream as planned, `expert_slots` as the VMEM plan chose them, each layer kind's record
+    built by its rule in `kinds`."""
     check_formats(spec, stream)
-    devices = topology.num_devices
-    hidden = spec.dims.hidden
-    attention_names = list(spec.attention_kinds)
-    ffn_names = list(spec.ffn_kinds)
-    attn_table = [attention_names.index(n) for n in spec.attention_table()]
-    ffn_table = [ffn_names.index(n) for n in spec.ffn_table()]
 
-    def members(table: list[int], index: int) -> list[int]:
-        return [i for i, k in enumerate(table) if k == index]
+    def layouts(
+        group: str, by_name: dict[str, Any], layer_names: list[str], shards: dict[str, Any],
+        streams: dict[str, Any], first_row: int,
+    ) -> tuple[list[Any], list[int]]:  # fmt: skip
+        """The layouts of the attention (or FFN) kinds, and the layer table's codes."""
+        names = list(by_name)
+        table = [names.index(n) for n in layer_names]
+        built = []
+        for index, name in enumerate(names):
+            kind = by_name[name]
+            built.append(kinds.rules(kind.type, f"{group}.{name}").layout(LayoutInputs(
+                name=name, index=index, layers=[i for i, k in enumerate(table) if k == index],
+                kind=kind, shard=shards[name], segments=streams[name].segments,
+                devices=topology.num_devices, options=options, dims=spec.dims,
+                first_row=first_row, expert_format=spec.quantization.experts,
+                max_piece_chunks=max_piece_chunks, expert_slots=expert_slots,
+            )))  # fmt: skip
+        return built, table
 
-    def inputs(name, index, layers, kind, shard, segments, *, first_row) -> LayoutInputs:
-        return LayoutInputs(
-            name=name, index=index, layers=layers, kind=kind, shard=shard, segments=segments,
-            devices=devices, options=options, dims=spec.dims, first_row=first_row,
-            expert_format=spec.quantization.experts, max_piece_chunks=max_piece_chunks,
-            expert_slots=expert_slots,
-        )  # fmt: skip
-
-    attention = []
-    for i, name in enumerate(attention_names):
-        kind = spec.attention_kinds[name]
-        attention.append(
-            kind_module(kind.type, f"attention_kinds.{name}").layout(
-                inputs(
-                    name,
-                    i,
-                    members(attn_table, i),
-                    kind,
-                    sharding.attention[name],
-                    stream.attention[name].segments,
-                    first_row=2,
-                )  # fmt: skip
-            )
-        )
-    ffn = []
+    attention, attn_table = layouts(
+        "attention_kinds", spec.attention_kinds, spec.attention_table(), sharding.attention,
+        stream.attention, first_row=2,
+    )  # fmt: skip
     # Rows 0 and 1 of a layer's slab hold its norms, then the attention kinds' vectors.
     first_ffn_row = 2 + max(sum(v.rows for v in a.vectors) for a in attention)
-    for i, name in enumerate(ffn_names):
-        kind = spec.ffn_kinds[name]
-        ffn.append(
-            kind_module(kind.type, f"ffn_kinds.{name}").layout(
-                inputs(
-                    name,
-                    i,
-                    members(ffn_table, i),
-                    kind,
-                    sharding.ffn[name],
-                    stream.ffn[name].segments,
-                    first_row=first_ffn_row,
-                )  # fmt: skip
-            )
-        )
+    ffn, ffn_table = layouts(
+        "ffn_kinds", spec.ffn_kinds, spec.ffn_table(), sharding.ffn, stream.ffn,
+        first_row=first_ffn_row,
+    )  # fmt: skip
     if spec.dims.tie_embeddings:
         unsupported("tied embeddings")
     ffn_rows_end = first_ffn_row + max(slab_rows(f) for f in ffn)
@@ -100,7 +82,21 @@ def build_layout(
         residual = AttentionResidualLayout(
             block_size=r.block_size, max_snapshots=r.max_snapshots, logits_row=ffn_rows_end
         )
+    return _assemble(
+        spec, topology, sharding, stream, options, attention, ffn, (attn_table, ffn_table),
+        ffn_rows_end, residual, trace_residuals,
+    )  # fmt: skip
 
+
+def _assemble(
+    spec: ModelSpec, topology: Topology, sharding: ShardingPlan, stream: StreamPlan,
+    options: BuildOptions, attention: list[Any], ffn: list[Any],
+    tables: tuple[list[int], list[int]], ffn_rows_end: int,
+    residual: AttentionResidualLayout | None, trace_residuals: bool,
+) -> KernelLayout:  # fmt: skip
+    """The KernelLayout around the kinds' layouts: the generic counts and choices."""
+    devices, hidden = topology.num_devices, spec.dims.hidden
+    attn_table, ffn_table = tables
     globals_ = {t.name: part_of(t, devices) for t in sharding.globals}
     segments = [s for a in attention for s in a.segments] + [s for f in ffn for s in f.segments]
     segments += stream.tail
@@ -108,7 +104,7 @@ def build_layout(
     tokens = options.batch * options.rows
     collectives = plan_collectives(topology, layer_uses(sharding))
     cache_arrays = sum(len(a.caches) for a in attention)
-    expert_arrays = sum(f.experts.arrays for f in ffn if f.type == "moe")
+    expert_arrays = sum(f.experts.arrays for f in ffn if isinstance(f, MoELayout))
     return KernelLayout(
         model=spec.name,
         topology=topology.name,

@@ -21,9 +21,9 @@ from mkgen.plan.stream import (
     cdiv,
     round_up,
 )
-from mkgen.spec.schema import (
-    ModelSpec,
-)
+from mkgen.spec.quant import QuantFormat
+from mkgen.spec.schema import Activation, ModelSpec
+from mkgen.spec.schema import Rope as RopeSpec
 
 SUBLANES_F32 = 8
 CACHE_ALIGN = 16  # bf16 rows of an HBM array are tiled by 16
@@ -166,7 +166,7 @@ class RecurrentLayout(PlanModel):
     value_dim: int
     conv_width: int
     channels: int  # conv channels per core: q | k | v
-    gate_lower_bound: float | None = None  # KDA: decay bound (None: softplus form)
+    gate_lower_bound: float | None = None  # KDA's decay bound (None: softplus form, as GDN's)
     output_gate_rank: int | None = None  # KDA: low-rank output gate (None: full rank)
     columns: dict[str, Columns]  # outputs of the "in" segment
     segments: list[Segment]  # in, (f_b, g_b for KDA), o
@@ -480,7 +480,7 @@ def unsupported(what: str) -> None:
     raise SpecError(f"{what} is not supported by the code generator yet")
 
 
-def rope_layout(rope: object, rotary_dim: int) -> Rope:
+def rope_layout(rope: RopeSpec, rotary_dim: int) -> Rope:
     from mkgen.spec.rope import rope_frequencies
 
     inv_freq, factor = rope_frequencies(rope, rotary_dim)
@@ -493,7 +493,7 @@ def rope_layout(rope: object, rotary_dim: int) -> Rope:
     )
 
 
-def activation_params(act: object) -> dict[str, float]:
+def activation_params(act: Activation) -> dict[str, float]:
     """A gated activation's caps and slopes (those it sets)."""
     return {k: v for k, v in act.model_dump().items() if k != "kind" and v is not None}
 
@@ -518,12 +518,18 @@ GENERATED_EXPERT_FORMATS = ("bf16", "int8", "int4", "mxfp4", "nvfp4", "fp8")
 GENERATED_STREAM_FORMATS = ("bf16", "int8", "fp8")
 
 
+def _group(fmt: QuantFormat) -> int:
+    """A grouped format's group size (parse_format sets it for int4 and fp8)."""
+    assert fmt.group is not None, fmt
+    return fmt.group
+
+
 def check_expert_format(text: str, name: str, width: int) -> None:
     from mkgen.spec.quant import parse_format
 
     fmt = parse_format(text)
     if fmt.kind not in GENERATED_EXPERT_FORMATS or (
-        fmt.kind in ("int4", "fp8") and CHUNK % fmt.group
+        fmt.kind in ("int4", "fp8") and CHUNK % _group(fmt)
     ):
         unsupported(
             f"ffn_kinds.{name}: routed experts in {text} (bf16, int8, int4:G and fp8:B with "
@@ -542,30 +548,26 @@ def check_stream_formats(where: str, segments: list[Segment], fused: bool = True
 
     for seg in segments:
         fmt = parse_format(seg.format)
-        if fmt.kind not in GENERATED_STREAM_FORMATS or (fmt.kind == "fp8" and CHUNK % fmt.group):
+        if fmt.kind not in GENERATED_STREAM_FORMATS or (fmt.kind == "fp8" and CHUNK % _group(fmt)):
             tensors = ", ".join(p.tensor for p in seg.parts)
             unsupported(
                 f"{where}: dense weights ({tensors}) in {seg.format} (bf16, int8 and fp8:B "
                 "with B | 256 are)"
             )
-        if fmt.kind == "fp8" and any(p.size % fmt.group for p in seg.parts[:-1]):
+        if fmt.kind == "fp8" and any(p.size % _group(fmt) for p in seg.parts[:-1]):
             unsupported(f"{where}.{seg.name}: fp8 blocks of {fmt.group} straddling fused tensors")
         if not fused and "." in seg.name:
             unsupported(f"{where}: fused tensors of {seg.name.split('.')[0]} in different formats")
 
 
 def check_formats(spec: ModelSpec, stream: StreamPlan) -> None:
-    """Weight formats the template does not read are an error, never a bf16 fallback.
-    (MoE kinds check their experts and their "in" group, which may mix formats.)"""
+    """Weight formats the template does not read are an error, never a bf16 fallback: the
+    embedding's and the lm_head's here, each layer kind's in its layout builder (MoE's
+    "in" group may mix formats, the others' fused groups may not)."""
     from mkgen.spec.quant import parse_format
 
     if parse_format(spec.quantization.embedding).kind != "bf16":
         unsupported(f"an embedding in {spec.quantization.embedding}")
-    for name, kind in stream.attention.items():
-        check_stream_formats(f"attention_kinds.{name}", kind.segments, fused=False)
-    for name, kind in stream.ffn.items():
-        if kind.type != "moe":
-            check_stream_formats(f"ffn_kinds.{name}", kind.segments, fused=False)
     check_stream_formats("lm_head", stream.tail)
 
 
@@ -619,7 +621,7 @@ def kernel_features(
         routing=bool(expert_formats),
         activations=list(dict.fromkeys(f.activation for f in ffn)),
         recurrent=bool(recurrent),
-        softplus=any(a.type == "gated_deltanet" or a.gate_lower_bound is None for a in recurrent),
+        softplus=any(a.gate_lower_bound is None for a in recurrent),
         expert_formats=expert_formats,
         stream_formats=stream_formats,
         block_scales=bool(set(expert_formats) - {"bf16"})

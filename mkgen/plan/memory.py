@@ -27,9 +27,10 @@ from pydantic import BaseModel, ConfigDict
 from mkgen.errors import SpecError
 from mkgen.hardware import MiB
 from mkgen.plan.cost import pad_rows
+from mkgen.plan.kind import KindRegistry
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.sharding import ShardingPlan, plan_sharding
-from mkgen.spec.schema import ModelSpec, MoEFFN
+from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology
 
 XLA_GLUE_BYTES = 256 * MiB  # estimate: embedding lookup, RoPE table, prefill activations
@@ -106,7 +107,7 @@ def plan_memory(
     deq = 0
     for name, f in sharding.ffn.items():
         kind = spec.ffn_kinds[name]
-        if f.experts and isinstance(kind, MoEFFN) and sharding.quantization["experts"] != "bf16":
+        if f.experts and sharding.quantization["experts"] != "bf16":  # routed experts
             d_in = kind.latent.width if kind.latent else h
             deq = max(deq, f.experts.experts_per_rank * 3 * d_in * f.experts.width_per_rank * 2)
     work["prefill_expert_dequant"] = deq
@@ -126,15 +127,21 @@ def plan_memory(
     )
 
 
-def _try(spec: ModelSpec, topo: Topology, options: BuildOptions) -> MemoryPlan | None:
+def _try(
+    spec: ModelSpec, topo: Topology, options: BuildOptions, kinds: KindRegistry
+) -> MemoryPlan | None:
     try:
-        return plan_memory(spec, topo, options, plan_sharding(spec, topo, options))
+        return plan_memory(spec, topo, options, plan_sharding(spec, topo, options, kinds=kinds))
     except SpecError:
         return None
 
 
-def check_fit(spec: ModelSpec, topo: Topology, options: BuildOptions, memory: MemoryPlan) -> None:
-    """Raise a one-line SpecError when ``memory`` exceeds the usable HBM, with fixes."""
+def check_fit(
+    spec: ModelSpec, topo: Topology, options: BuildOptions, memory: MemoryPlan, *,
+    kinds: KindRegistry,
+) -> None:  # fmt: skip
+    """Raise a one-line SpecError when ``memory`` exceeds the usable HBM, with fixes (the
+    formats and slices it tries are sharded by the rules in `kinds`)."""
     if memory.fits:
         return
     over = memory.total_bytes - memory.usable_bytes
@@ -143,7 +150,7 @@ def check_fit(spec: ModelSpec, topo: Topology, options: BuildOptions, memory: Me
         f"workspace {memory.workspace_bytes / GB:.1f}"
     )
     hints: list[str] = []
-    has_experts = any(isinstance(f, MoEFFN) for f in spec.ffn_kinds.values())
+    has_experts = memory.weights_by_family.get("experts", 0) > 0
     current = dict(options.quant)
     tries = (
         [("experts", "mxfp4"), ("experts", "int4:128"), ("experts", "nvfp4")] if has_experts else []
@@ -154,7 +161,7 @@ def check_fit(spec: ModelSpec, topo: Topology, options: BuildOptions, memory: Me
         quant = [f"{k}={v}" for k, v in options.quant] + [f"{family}={fmt}"]
         alt = options.model_copy(update={"quant": ()})
         alt = BuildOptions.create(**{**alt.model_dump(), "quant": quant})
-        plan = _try(spec, topo, alt)
+        plan = _try(spec, topo, alt, kinds)
         if plan is not None and plan.fits:
             hints.append(f"--quant {family}={fmt} ({plan.total_bytes / GB:.1f} GB)")
     chip = topo.chip_info
@@ -162,7 +169,7 @@ def check_fit(spec: ModelSpec, topo: Topology, options: BuildOptions, memory: Me
         if math.prod(shape) <= topo.num_chips:
             continue
         bigger = Topology(chip=chip.name, shape=shape)
-        plan = _try(spec, bigger, options)
+        plan = _try(spec, bigger, options, kinds)
         if plan is not None and plan.fits:
             hints.append(f"topology {bigger.name} ({plan.total_bytes / GB:.1f} GB per device)")
             break

@@ -35,6 +35,8 @@ from typing import Any
 
 from mkgen.hardware import IssueRates
 from mkgen.plan.collectives import RoundCall
+from mkgen.plan.kind import KindRegistry
+from mkgen.plan.options import kv_tiles
 
 PHASES = (
     "stream matmul",
@@ -281,162 +283,174 @@ def _measured_heads_op(kind: Any, shard: Any, tokens_padded: int) -> OpCounts | 
 
 
 def node_op_counts(
-    schedule: Any, stream: Any, vmem: Any, sharding: Any, spec: Any
+    schedule: Any, stream: Any, vmem: Any, sharding: Any, spec: Any, kinds: KindRegistry
 ) -> tuple[list[tuple[str, OpCounts]], list[str]]:
     """(phase, the model's ops of one run of the node) for every node of `schedule`, in
     node order, and the formats and attention geometries the model has no measurement
-    for (their chunks and tiles count no ops): a build's schedule, weight stream, VMEM plan and sharding (the plan's pieces).
+    for (their chunks and tiles count no ops): a build's schedule, weight stream, VMEM
+    plan and sharding (the plan's pieces), each kind's geometry by its rule in `kinds`.
 
     A stream segment's and an expert's ring matmul is spread over its banks or pieces by
     the chunks each holds; a node's ops times its ``repeat`` summed per phase is
     `model_op_counts`. The cost model (mkgen.plan.cost) prices each node from these."""
-    from mkgen.kinds.cache_attention import kv_tiles, q_rows
-    from mkgen.kinds.registry import kind_module
-
-    unpriced: set[str] = set()
-    dims = vmem.dims
-    tp = dims.tokens_padded
-
-    def ring_matmul(fmt: str, k: int, c: int) -> OpCounts:
-        try:
-            return ring_matmul_ops(fmt, k, c, tp)
-        except KeyError:
-            unpriced.add(fmt)
-            return OpCounts()
-
+    counter = _NodeCounter(spec, sharding, vmem, kinds)
     layer_kinds = [tuple(k.split("/")) for k in schedule.layer_kinds]
-
-    # Each ring matmul node's share of its segment's matmul (by the chunks it reads): the
-    # schedule keys it ("matmul", format, k_chunks, col_blocks, chunks, chunks read).
-    shares: dict[tuple, OpCounts] = {}  # nodes of one key share their counts, as tiles do
-
-    def segment_share(key: tuple) -> OpCounts:
-        if key not in shares:
-            _, fmt, k_chunks, col_blocks, chunks, read = key
-            # A quantized bank is read through a bitcast of the ring's bf16 rows.
-            whole = ring_matmul(fmt if fmt == "bf16" else f"stream:{fmt}", k_chunks, col_blocks)
-            shares[key] = OpCounts()
-            shares[key].add_all(whole, read / chunks)
-        return shares[key]
-
-    # An expert piece's share of the expert's gate|up or down ring matmul.
-    piece_ops: dict[tuple[str, bool], OpCounts] = {}
-    for name, e in vmem.experts.items():
-        for gate_up, k, c, pieces in (
-            (True, e.gate_up_k_chunks, e.gate_up_col_blocks, e.gate_up_pieces),
-            (False, e.down_k_chunks, e.down_col_blocks, e.pieces - e.gate_up_pieces),
-        ):
-            share = OpCounts()
-            share.add_all(ring_matmul(e.format, k, c), 1 / max(1, pieces))
-            piece_ops[(name, gate_up)] = share
-
-    # Each cache attention kind's KV tile (with its pair's share of the per-pair ops) and
-    # its cache write (the block merge of every pair and cache array), as measured.
-    tile_ops: dict[str, OpCounts] = {}
-    write_ops: dict[str, OpCounts] = {}
-    for name, kind in spec.attention_kinds.items():
-        if kind.type not in ("gqa", "mla"):
-            continue  # recurrent kinds read no KV tiles
-        a = sharding.attention[name]
-        if kind.type == "gqa":
-            rows = q_rows(a.heads_per_rank // a.kv_heads_per_rank, dims.rows)
-            key = value = kind.head_dim
-            window, caches, kv_heads = kind.sliding_window, 2, a.kv_heads_per_rank
-        else:
-            rows = q_rows(a.heads_per_rank, dims.rows)
-            key, value = kind.kv_lora_rank + kind.qk_rope_head_dim, kind.kv_lora_rank
-            window, caches, kv_heads = None, 1, 1
-        sinks = getattr(kind, "sinks", False)
-        rows_key = 1 if dims.rows == 1 else 8
-        measured = ATTEND_OPS.get((kind.type, key, value, bool(window), rows_key, dims.kv_tile))
-        tile_ops[name], write_ops[name] = OpCounts(), OpCounts()
-        if measured is None or sinks:
-            unpriced.add(f"attention {name} ({kind.type}, keys {key}, values {value}"
-                         f"{', window' if window else ''}{', sinks' if sinks else ''}, "
-                         f"{dims.rows} rows, {dims.kv_tile}-token tiles)")  # fmt: skip
-            continue
-        tile, tile_more, pair, pair_more, write = (OpCounts(*ops) for ops in measured)
-        more = rows / 8 - 1  # query rows beyond the measured 8, in 8-row groups
-        tiles = kv_tiles(dims.context, dims.kv_tile, window, dims.rows)
-        tile_ops[name].add_all(tile)
-        tile_ops[name].add_all(tile_more, more)
-        tile_ops[name].add_all(pair, 1 / tiles)
-        tile_ops[name].add_all(pair_more, more / tiles)
-        write_ops[name].add_all(write, caches * dims.batch * kv_heads)
-
-    tokens = dims.tokens
-
-    def elementwise(node: Any) -> OpCounts:
-        # flops count tokens x width x ops per element; a vreg holds 8 rows x 128 lanes
-        return OpCounts(vpu=node.flops / tokens / 128 * math.ceil(tp / 8))
-
-    nodes = schedule.nodes
     out: list[tuple[str, OpCounts]] = []
-    for node in nodes:
+    for node in schedule.nodes:
         if node.is_dma:
             # A collective's group counts its sends and its receives; a core issues the sends.
             issued = node.count // 2 if node.cat == "collective" else node.count
             out.append((DMA_PHASE.get(node.cat, "vector"), OpCounts(dmas=issued)))
             continue
         attn, ffn = layer_kinds[node.layer] if 0 <= node.layer < len(layer_kinds) else ("", "")
+        out.append(counter.compute(schedule.nodes, node, attn, ffn))
+    return out, sorted(counter.unpriced)
+
+
+class _NodeCounter:
+    """The op counts of a build's compute nodes (node_op_counts), with what they share
+    (segment and expert-piece matmuls, KV tiles) counted once."""
+
+    def __init__(self, spec: Any, sharding: Any, vmem: Any, kinds: KindRegistry) -> None:
+        self.spec, self.sharding, self.vmem, self.kinds = spec, sharding, vmem, kinds
+        self.dims = vmem.dims
+        self.tp = self.dims.tokens_padded
+        self.unpriced: set[str] = set()
+        # Each ring matmul node's share of its segment's matmul (by the chunks it reads):
+        # the schedule keys it ("matmul", format, k_chunks, col_blocks, chunks, chunks read).
+        self.shares: dict[tuple, OpCounts] = {}  # nodes of one key share their counts
+        self.piece_ops = self._piece_ops()
+        self.tile_ops: dict[str, OpCounts] = {}
+        self.write_ops: dict[str, OpCounts] = {}
+        for name, kind in spec.attention_kinds.items():
+            self._attention_ops(name, kind)
+
+    def ring_matmul(self, fmt: str, k: int, c: int) -> OpCounts:
+        try:
+            return ring_matmul_ops(fmt, k, c, self.tp)
+        except KeyError:
+            self.unpriced.add(fmt)
+            return OpCounts()
+
+    def segment_share(self, key: tuple) -> OpCounts:
+        if key not in self.shares:
+            _, fmt, k_chunks, col_blocks, chunks, read = key
+            # A quantized bank is read through a bitcast of the ring's bf16 rows.
+            whole = self.ring_matmul(fmt if fmt == "bf16" else f"stream:{fmt}", k_chunks,
+                                     col_blocks)  # fmt: skip
+            self.shares[key] = OpCounts()
+            self.shares[key].add_all(whole, read / chunks)
+        return self.shares[key]
+
+    def _piece_ops(self) -> dict[tuple[str, bool], OpCounts]:
+        """An expert piece's share of the expert's gate|up or down ring matmul."""
+        piece_ops: dict[tuple[str, bool], OpCounts] = {}
+        for name, e in self.vmem.experts.items():
+            for gate_up, k, c, pieces in (
+                (True, e.gate_up_k_chunks, e.gate_up_col_blocks, e.gate_up_pieces),
+                (False, e.down_k_chunks, e.down_col_blocks, e.pieces - e.gate_up_pieces),
+            ):
+                share = OpCounts()
+                share.add_all(self.ring_matmul(e.format, k, c), 1 / max(1, pieces))
+                piece_ops[(name, gate_up)] = share
+        return piece_ops
+
+    def _attention_ops(self, name: str, kind: Any) -> None:
+        """A cache attention kind's KV tile (with its pair's share of the per-pair ops)
+        and its cache write (the block merge of every pair and cache array), as measured."""
+        dims = self.dims
+        rule = self.kinds.rules(kind.type, f"attention_kinds.{name}")
+        g = rule.cache_geometry(kind, self.sharding.attention[name], dims.rows)
+        if g is None:
+            return  # recurrent kinds read no KV tiles
+        rows_key = 1 if dims.rows == 1 else 8
+        key = (kind.type, g.key, g.value, bool(g.window), rows_key, dims.kv_tile)
+        measured = ATTEND_OPS.get(key)
+        self.tile_ops[name], self.write_ops[name] = OpCounts(), OpCounts()
+        if measured is None or g.sinks:
+            self.unpriced.add(f"attention {name} ({kind.type}, keys {g.key}, values {g.value}"
+                              f"{', window' if g.window else ''}{', sinks' if g.sinks else ''}, "
+                              f"{dims.rows} rows, {dims.kv_tile}-token tiles)")  # fmt: skip
+            return
+        tile, tile_more, pair, pair_more, write = (OpCounts(*ops) for ops in measured)
+        more = g.q_rows / 8 - 1  # query rows beyond the measured 8, in 8-row groups
+        tiles = kv_tiles(dims.context, dims.kv_tile, g.window, dims.rows)
+        self.tile_ops[name].add_all(tile)
+        self.tile_ops[name].add_all(tile_more, more)
+        self.tile_ops[name].add_all(pair, 1 / tiles)
+        self.tile_ops[name].add_all(pair_more, more / tiles)
+        self.write_ops[name].add_all(write, g.caches * dims.batch * g.kv_heads)
+
+    def elementwise(self, node: Any) -> OpCounts:
+        # flops count tokens x width x ops per element; a vreg holds 8 rows x 128 lanes
+        return OpCounts(vpu=node.flops / self.dims.tokens / 128 * math.ceil(self.tp / 8))
+
+    def compute(self, nodes: list[Any], node: Any, attn: str, ffn: str) -> tuple[str, OpCounts]:
+        """(phase, ops) of a compute node of a layer of kinds `attn` and `ffn`."""
+        spec, tp, vmem = self.spec, self.tp, self.vmem
         if node.cat == "matmul":
-            out.append(("stream matmul", segment_share(node.key)))
-        elif node.cat == "expert_mm":
+            return "stream matmul", self.segment_share(node.key)
+        if node.cat == "expert_mm":
             piece = next(nodes[p].key[3] for p, res, _ in node.reads if res and p >= 0
                          and nodes[p].key and nodes[p].key[0] == "expert")  # fmt: skip
-            out.append(("experts", piece_ops[(ffn, piece < vmem.experts[ffn].gate_up_pieces)]))
-        elif node.cat == "attention":
-            out.append(("attention", tile_ops[attn]))
-        elif node.cat == "vector" and node.name.endswith(CACHE_MERGE):
-            out.append(("attention", write_ops[attn]))
-        elif node.cat == "vector" and EXPERT_ACTIVATION.search(node.name):
-            out.append(
-                ("experts", OpCounts(vpu=ACTIVATION_OPS * vregs(tp, vmem.experts[ffn].width)))
-            )
-        elif node.cat == "vector" and EXPERT_COMBINE in node.name:
-            out.append(("experts", OpCounts(vpu=COMBINE_OPS * vregs(tp, vmem.experts[ffn].d))))
-        elif node.cat == "vector" and HIDDEN_NORM.search(node.name):
-            out.append(("vector", norm_ops(dims.hidden, tp)))
-        elif node.cat == "vector" and node.name.endswith(MOE_LATENT_NORM):
+            return "experts", self.piece_ops[(ffn, piece < vmem.experts[ffn].gate_up_pieces)]
+        if node.cat == "attention":
+            return "attention", self.tile_ops[attn]
+        if node.cat == "vector":
+            return self._vector(node, attn, ffn)
+        if node.cat == "scalar":
+            return "experts", OpCounts()  # the scalar unit's expert list: no vector ops
+        if node.cat == "routing":
+            kind = spec.ffn_kinds[ffn]
+            ops = (SOFTMAX_OPS + TOP_K_OPS * kind.top_k) * vregs(tp, kind.num_experts)
+            return "routing", OpCounts(vpu=ops)
+        if node.cat == "recurrent":  # one sequence's rows, one head after another
+            kind = spec.attention_kinds[attn]
+            a = self.sharding.attention[attn]
+            state = self.kinds.rules(kind.type, attn).state_dims(kind, a)
+            assert state is not None, attn  # a recurrent node is a recurrent kind's
+            per_head, per_key = DELTA_RULE_OPS[kind.type]
+            per_row = ((state.heads * per_head + state.key_heads * per_key)
+                       * vregs(state.key_dim, state.value_dim) / DELTA_RULE_STATE_VREGS)  # fmt: skip
+            return COMPUTE_PHASE.get(node.cat, "vector"), OpCounts(vpu=self.dims.rows * per_row)
+        if node.cat == "collective":
+            return "collectives", OpCounts(vpu=_round_ops(node.collective, tp))
+        return COMPUTE_PHASE.get(node.cat, "vector"), self.elementwise(node)
+
+    def _vector(self, node: Any, attn: str, ffn: str) -> tuple[str, OpCounts]:
+        """(phase, ops) of a vector node: measured template code where there is some."""
+        spec, tp, vmem, name = self.spec, self.tp, self.vmem, node.name
+        if name.endswith(CACHE_MERGE):
+            return "attention", self.write_ops[attn]
+        if EXPERT_ACTIVATION.search(name):
+            return "experts", OpCounts(vpu=ACTIVATION_OPS * vregs(tp, vmem.experts[ffn].width))
+        if EXPERT_COMBINE in name:
+            return "experts", OpCounts(vpu=COMBINE_OPS * vregs(tp, vmem.experts[ffn].d))
+        if HIDDEN_NORM.search(name):
+            return "vector", norm_ops(self.dims.hidden, tp)
+        if name.endswith(MOE_LATENT_NORM):
             latent = spec.ffn_kinds[ffn].latent  # the template norms the latent if it has one
-            out.append(("vector", norm_ops(latent.width, tp) if latent.norm else OpCounts()))
-        elif node.cat == "vector" and node.name.endswith(MLA_LATENT_NORMS):
+            return "vector", norm_ops(latent.width, tp) if latent.norm else OpCounts()
+        if name.endswith(MLA_LATENT_NORMS):
             kind = spec.attention_kinds[attn]
             ops = norm_ops(kind.kv_lora_rank, tp)
             if kind.q_lora_rank:
                 ops.add_all(norm_ops(kind.q_lora_rank, tp))
-            out.append(("vector", ops))
-        elif node.cat == "vector" and node.name.endswith(GQA_HEADS):
-            heads_op = _measured_heads_op(spec.attention_kinds[attn], sharding.attention[attn], tp)
-            out.append(("vector", heads_op or elementwise(node)))
-        elif node.cat == "scalar":
-            out.append(("experts", OpCounts()))  # the scalar unit's expert list: no vector ops
-        elif node.cat == "routing":
-            kind = spec.ffn_kinds[ffn]
-            ops = (SOFTMAX_OPS + TOP_K_OPS * kind.top_k) * vregs(tp, kind.num_experts)
-            out.append(("routing", OpCounts(vpu=ops)))
-        elif node.cat == "recurrent":  # one sequence's rows, one head after another
-            kind = spec.attention_kinds[attn]
-            a = sharding.attention[attn]
-            heads, dk, dv, _ = kind_module(kind.type, attn).state_dims(kind, a)
-            keys = a.kv_heads_per_rank if kind.type == "gated_deltanet" else heads
-            per_head, per_key = DELTA_RULE_OPS[kind.type]
-            per_row = (heads * per_head + keys * per_key) * vregs(dk, dv) / DELTA_RULE_STATE_VREGS
-            out.append((COMPUTE_PHASE.get(node.cat, "vector"), OpCounts(vpu=dims.rows * per_row)))
-        elif node.cat == "collective":
-            out.append(("collectives", OpCounts(vpu=_round_ops(node.collective, tp))))
-        else:
-            out.append((COMPUTE_PHASE.get(node.cat, "vector"), elementwise(node)))
-    return out, sorted(unpriced)
+            return "vector", ops
+        if name.endswith(GQA_HEADS):
+            heads_op = _measured_heads_op(spec.attention_kinds[attn], self.sharding.attention[attn],
+                                          tp)  # fmt: skip
+            return "vector", heads_op or self.elementwise(node)
+        return "vector", self.elementwise(node)
 
 
 def model_op_counts(
-    schedule: Any, stream: Any, vmem: Any, sharding: Any, spec: Any
+    schedule: Any, stream: Any, vmem: Any, sharding: Any, spec: Any, kinds: KindRegistry
 ) -> tuple[dict[str, OpCounts], list[str]]:
     """(phase -> the model's ops per step, formats the model has no measurement for): every
     node's ops (node_op_counts) times its repeat, summed per phase."""
     out = {p: OpCounts() for p in PHASES}
-    per_node, unpriced = node_op_counts(schedule, stream, vmem, sharding, spec)
+    per_node, unpriced = node_op_counts(schedule, stream, vmem, sharding, spec, kinds)
     for node, (phase, ops) in zip(schedule.nodes, per_node, strict=True):
         out[phase].add_all(ops, node.repeat)
     return out, unpriced

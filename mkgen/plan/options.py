@@ -67,6 +67,20 @@ def kv_tile(context: int) -> int:
     return min(context, KV_TILE_TOKENS)
 
 
+def kv_tiles(context: int, tile: int, window: int | None, rows: int) -> int:
+    """Tiles one (sequence, kv head) reads in the worst case (a full cache)."""
+    full = -(-context // tile)
+    if window is None:
+        return full
+    return min(full, -(-(window + rows - 1) // tile) + 1)
+
+
+def q_rows(heads: int, rows: int) -> int:
+    """Query rows of one kv head (or latent) in the attention scratch: padded to 8 (f32
+    sublanes)."""
+    return -(-heads * rows // 8) * 8
+
+
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(b|kib|mib|gib|kb|mb|gb)?\s*$", re.I)
 _SIZE_UNITS = {
     None: 1,

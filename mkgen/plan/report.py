@@ -19,6 +19,7 @@ from mkgen.plan.published import bar_text
 
 if TYPE_CHECKING:
     from mkgen.plan import BuildPlan
+    from mkgen.plan.kind import KindRegistry
     from mkgen.plan.options import BuildOptions
     from mkgen.plan.tco import ReferenceCurve, Scenario
     from mkgen.spec.schema import ModelSpec
@@ -373,6 +374,8 @@ def sweep(
     scenario: Scenario,
     batches: tuple[int, ...] = DEFAULT_BATCHES,
     rows: tuple[int, ...] = DEFAULT_ROWS,
+    *,
+    kinds: KindRegistry,
 ) -> list[SweepRow]:
     """The cost model over batch x rows; points that do not fit are kept and marked.
 
@@ -383,7 +386,7 @@ def sweep(
     """
     return [
         _sweep_point(
-            spec, topo, scenario,
+            spec, topo, scenario, kinds,
             base.model_copy(
                 update={"batch": b, "rows": r, "acceptance": min(base.acceptance, float(r))}
             ),
@@ -394,7 +397,7 @@ def sweep(
 
 
 def _sweep_point(
-    spec: ModelSpec, topo: Topology, scenario: Scenario, opts: BuildOptions
+    spec: ModelSpec, topo: Topology, scenario: Scenario, kinds: KindRegistry, opts: BuildOptions
 ) -> SweepRow:
     """One point of the sweep (a build that does not fit HBM is priced all the same; one
     whose buffers do not fit VMEM has no program to price)."""
@@ -409,13 +412,13 @@ def _sweep_point(
 
     applied = opts.apply(spec)
     try:
-        program = plan_program(spec, topo, opts, require_fit=False)
+        program = plan_program(spec, topo, opts, kinds=kinds, require_fit=False)
     except MkgenError:
         program = None
     mem = (
         program.memory
         if program
-        else plan_memory(applied, topo, opts, plan_sharding(applied, topo, opts))
+        else plan_memory(applied, topo, opts, plan_sharding(applied, topo, opts, kinds=kinds))
     )
     notes = [] if mem.fits else [f"HBM {mem.total_bytes / GB:.1f} > {mem.usable_bytes / GB:.1f} GB"]
     if program is None:

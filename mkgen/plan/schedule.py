@@ -58,9 +58,8 @@ from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict
 
-from mkgen.kinds.common import Step
-from mkgen.kinds.registry import kind_module
 from mkgen.plan.collectives import CollectiveRound, RoundCall, collective_buffers
+from mkgen.plan.kind import KindRegistry, Step
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.sharding import Collective, ShardingPlan
 from mkgen.plan.stream import RingRefills, Segment, StreamPlan, bank_visits
@@ -408,8 +407,10 @@ class _Builder:
         stream: StreamPlan,
         vmem: VmemPlan,
         options: BuildOptions,
+        kinds: KindRegistry,
     ) -> None:
         self.spec = spec
+        self.kinds = kinds
         self.sh = sharding
         self.stream = stream
         self.vmem = vmem
@@ -734,13 +735,13 @@ class _Builder:
                          layers, 2 * call.members * self.t, ((x, "greedy", 0),),
                          writes=("greedy", 0))  # fmt: skip
 
-    # --- the layer kinds (mkgen.kinds: each kind's module emits its ops) ---
+    # --- the layer kinds (each kind's rule in the registry emits its ops) ---
     def attention(self, layer: int, name: str, v: int) -> int:
         x = self.vec(layer, f"{name}: attn_norm", self.res, 5 * self.t * self.dims.hidden,
                      ((v, None, 0),))  # fmt: skip
         kind = self.spec.attention_kinds[name]
         shard = self.sh.attention[name]
-        return kind_module(kind.type, name).program(self, Step(
+        return self.kinds.rules(kind.type, name).program(self, Step(
             layer=layer, name=name, kind=kind, shard=shard,
             segments={s.name: s for s in self.stream.attention[name].segments},
             stream_row=self.stream.attention_rows[layer],
@@ -752,7 +753,7 @@ class _Builder:
                      ((v, None, 0),))  # fmt: skip
         kind = self.spec.ffn_kinds[name]
         shard = self.sh.ffn[name]
-        return kind_module(kind.type, name).program(self, Step(
+        return self.kinds.rules(kind.type, name).program(self, Step(
             layer=layer, name=name, kind=kind, shard=shard,
             segments={s.name: s for s in self.stream.ffn[name].segments},
             stream_row=self.stream.ffn_rows[layer],
@@ -800,7 +801,9 @@ def build_schedule(
     stream: StreamPlan,
     vmem: VmemPlan,
     options: BuildOptions,
+    *,
+    kinds: KindRegistry,
 ) -> Schedule:
     """The step's program for ``spec`` as sharded, streamed and allocated (spec with the
-    options' quantization already applied)."""
-    return _Builder(spec, sharding, stream, vmem, options).build()
+    options' quantization already applied), each layer kind's ops by its rule in `kinds`."""
+    return _Builder(spec, sharding, stream, vmem, options, kinds).build()

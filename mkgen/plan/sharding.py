@@ -30,7 +30,6 @@ collectives it needs. Decisions (docs/cost-model.md has the reasoning):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from functools import cache
 from typing import Any, Literal
 
@@ -52,6 +51,7 @@ from mkgen.plan.cost import (
     pad_rows,
     widest_level,
 )
+from mkgen.plan.kind import KindRegistry
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.quant import QuantFormat, parse_format
 from mkgen.spec.schema import (
@@ -797,21 +797,12 @@ def _expert_slice(
 
 # --------------------------------------------------------------------------- entry
 
-# Each layer kind's sharding rule, by type: shard(ctx, kind name, spec kind) -> its
-# AttentionSharding or FFNSharding. The rules live in the kinds' modules (mkgen/kinds),
-# which build on this module's records, so mkgen.kinds.registry registers them here when
-# the plan package loads.
-SHARDING_RULES: dict[str, Callable[[_Ctx, str, Any], AttentionSharding | FFNSharding]] = {}
 
-
-def _rule(type_: str, where: str) -> Callable[[_Ctx, str, Any], AttentionSharding | FFNSharding]:
-    if type_ not in SHARDING_RULES:
-        raise SpecError(f"{where} ({type_}) has no sharding rule")
-    return SHARDING_RULES[type_]
-
-
-def plan_sharding(spec: ModelSpec, topo: Topology, options: BuildOptions) -> ShardingPlan:
-    """Per-rank shapes, caches and collectives of ``spec`` on ``topo``.
+def plan_sharding(
+    spec: ModelSpec, topo: Topology, options: BuildOptions, *, kinds: KindRegistry
+) -> ShardingPlan:
+    """Per-rank shapes, caches and collectives of ``spec`` on ``topo``, each layer kind's
+    by its rule in ``kinds``.
 
     Raises a one-line SpecError with the numbers and a fix when a split is impossible.
     """
@@ -821,11 +812,11 @@ def plan_sharding(spec: ModelSpec, topo: Topology, options: BuildOptions) -> Sha
     used_attn = {a for a, _ in table}
     used_ffn = {f for _, f in table}
     attention = {
-        name: _rule(kind.type, f"attention_kinds.{name}")(ctx, name, kind)
+        name: kinds.rules(kind.type, f"attention_kinds.{name}").shard(ctx, name, kind)
         for name, kind in spec.attention_kinds.items()
         if name in used_attn
     }
-    ffn = {name: _rule(kind.type, f"ffn_kinds.{name}")(ctx, name, kind)
+    ffn = {name: kinds.rules(kind.type, f"ffn_kinds.{name}").shard(ctx, name, kind)
            for name, kind in spec.ffn_kinds.items() if name in used_ffn}  # fmt: skip
     vocab_pr = -(-v // d)  # rows of the vocabulary per rank (the last rank's are padded)
     glob = [
@@ -872,14 +863,16 @@ def plan_sharding(spec: ModelSpec, topo: Topology, options: BuildOptions) -> Sha
     )
 
 
-def full_size_splits(full: ModelSpec, topo: Topology, options: BuildOptions) -> tuple[str, ...]:
+def full_size_splits(
+    full: ModelSpec, topo: Topology, options: BuildOptions, *, kinds: KindRegistry
+) -> tuple[str, ...]:
     """What the full-size build of `full` splits rather than replicates, and its MoE latent
     designs where they combine by all-gather (BuildOptions.splits): its mini twin takes
     these choices, since at CPU sizes replicating (and rs_ar) always costs less,
     so that the twin proves the full-size build's kernel. A spec with no full-size build
     on `topo` (its heads do not split over the cores) has no choices to pass on."""
     try:
-        plan = plan_sharding(full, topo, options)
+        plan = plan_sharding(full, topo, options, kinds=kinds)
     except SpecError:
         return ()
     routers = [f"ffn.{name}.router" for name, f in plan.ffn.items() if f.router == "split"]

@@ -31,6 +31,7 @@ from functools import lru_cache
 from pydantic import BaseModel, ConfigDict
 
 from mkgen.errors import SpecError
+from mkgen.plan.kind import FusedSegments, KindRegistry
 from mkgen.plan.options import MAX_RING_DEPTH, MIN_RING_DEPTH
 from mkgen.plan.sharding import ShardingPlan, TensorShard
 from mkgen.spec.quant import parse_format
@@ -39,11 +40,6 @@ LANES = 256  # column block width: TPU7x's MXU is 256 wide
 CHUNK = 256  # rows of one matmul step inside a bank
 BF16_BYTES = 2
 BF16_TILE_ROWS = 16  # bf16 VMEM tiles are (16, 128): a bank's scale region starts on one
-
-# Tensors fused into one segment read the same input; the order is the kernel's. Each
-# layer kind's list is its module's SEGMENTS (mkgen/kinds/<kind>.py): the kinds build on
-# this module's records, so mkgen.kinds.registry registers them here when the plan loads.
-FUSED_SEGMENTS: dict[str, list[tuple[str, list[str]]]] = {}
 
 
 class PlanModel(BaseModel):
@@ -114,25 +110,6 @@ def part_of(shard: TensorShard, devices: int, view: TensorView | None = None) ->
         rank_divisor=devices // shard.parts,
         view=view,
     )
-
-
-def mla_views(kind) -> dict[tuple[str, str], TensorView]:
-    """Views of MLA tensors by (segment, tensor): wkv_b's key and value halves, and the
-    interleaved rotary columns of q and k_rope reordered to halves."""
-    nope, rope_d, vd = kind.qk_nope_head_dim, kind.qk_rope_head_dim, kind.v_head_dim
-    views = {
-        ("uk", "attn.wkv_b"): TensorView(stride=nope + vd, size=nope, transpose=True),
-        ("uv", "attn.wkv_b"): TensorView(stride=nope + vd, start=nope, size=vd),
-    }
-    if kind.rope is not None and kind.rope.interleaved:
-        q = TensorView(stride=nope + rope_d, size=nope + rope_d, rotary=(nope, rope_d))
-        kv = kind.kv_lora_rank + rope_d
-        views[("q_b", "attn.wq_b")] = q
-        views[("down", "attn.wq")] = q
-        views[("down", "attn.wkv_a")] = TensorView(
-            stride=kv, size=kv, rotary=(kind.kv_lora_rank, rope_d)
-        )
-    return views
 
 
 class Segment(PlanModel):
@@ -327,15 +304,22 @@ def _format_runs(present: list[TensorShard]) -> list[list[TensorShard]]:
 
 
 def _kind_stream(
-    kind: str, spec_kind, shards: tuple[TensorShard, ...], devices: int, bank_rows: int
+    kind: str,
+    spec_kind,
+    fused: FusedSegments,
+    views: dict[tuple[str, str], TensorView],
+    shards: tuple[TensorShard, ...],
+    devices: int,
+    bank_rows: int,
 ) -> KindStream:
+    """A kind's segments: its tensors fused as its rule `fused` says (tensors fused into
+    one segment read the same input; the order is the kernel's), each read through its
+    view in `views` if it has one."""
     by_name = {s.name: s for s in shards}
-    views = mla_views(spec_kind) if spec_kind.type == "mla" else {}
     segments: list[Segment] = []
     offset = 0
-    for name, members in FUSED_SEGMENTS[spec_kind.type]:
+    for name, members in fused:
         present = [by_name[m] for m in members if m in by_name]
-        views = mla_views(spec_kind) if spec_kind.type == "mla" else {}
         # A fused group whose tensors differ in format splits into segments "in",
         # "in.1", ... that read the same input (their outputs side by side).
         for i, run in enumerate(_format_runs(present)):
@@ -460,17 +444,22 @@ def choose_ring(bank_rows: int, vmem_for_ring: int) -> int:
     return min(depth, MAX_RING_DEPTH)
 
 
-def plan_stream(spec, sharding: ShardingPlan, *, bank_rows: int, ring_depth: int) -> StreamPlan:
-    """The weight stream of `spec` as `sharding` split it."""
+def plan_stream(
+    spec, sharding: ShardingPlan, *, bank_rows: int, ring_depth: int, kinds: KindRegistry
+) -> StreamPlan:
+    """The weight stream of `spec` as `sharding` split it, each kind's tensors fused into
+    segments as its rule in `kinds` says."""
     devices = sharding.devices
-    attention = {
-        name: _kind_stream(name, spec.attention_kinds[name], s.tensors, devices, bank_rows)
-        for name, s in sharding.attention.items()
-    }
-    ffn = {
-        name: _kind_stream(name, spec.ffn_kinds[name], s.tensors, devices, bank_rows)
-        for name, s in sharding.ffn.items()
-    }
+
+    def kind_stream(name: str, kind, shards: tuple[TensorShard, ...]) -> KindStream:
+        rules = kinds.rules(kind.type, name)
+        return _kind_stream(name, kind, rules.SEGMENTS, rules.views(kind), shards, devices,
+                            bank_rows)  # fmt: skip
+
+    attention = {name: kind_stream(name, spec.attention_kinds[name], s.tensors)
+                 for name, s in sharding.attention.items()}  # fmt: skip
+    ffn = {name: kind_stream(name, spec.ffn_kinds[name], s.tensors)
+           for name, s in sharding.ffn.items()}  # fmt: skip
     attention_rows: list[int] = []
     ffn_rows: list[int] = []
     row, weight_bytes = 0, 0

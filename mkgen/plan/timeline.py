@@ -29,6 +29,7 @@ from typing import NamedTuple
 from mkgen.plan.collectives import round_time_s
 from mkgen.plan.cost import CATEGORIES, US, CostConstants, Estimate, KindTime, TraceEvent
 from mkgen.plan.graph import ScheduleCheckError
+from mkgen.plan.kind import KindRegistry
 from mkgen.plan.memory import MemoryPlan
 from mkgen.plan.opcount import OpCounts, bound_us, node_op_counts
 from mkgen.plan.options import BuildOptions
@@ -49,6 +50,7 @@ class ProgramPlan(NamedTuple):
     stream: StreamPlan
     vmem: VmemPlan
     schedule: Schedule
+    kinds: KindRegistry  # the layer kinds' rules it was planned with
     # The same program with no refill held, when this one holds some (the calibrated
     # regime's program, mkgen/plan/confidence.py).
     unheld: ProgramPlan | None = None
@@ -298,7 +300,7 @@ def price_program(program: ProgramPlan) -> PricedProgram:
         program.schedule,
     )
     nodes, layers = schedule.nodes, schedule.layers
-    ops, unpriced = node_op_counts(schedule, stream, vmem, sharding, spec)
+    ops, unpriced = node_op_counts(schedule, stream, vmem, sharding, spec, program.kinds)
     banks = _bank_names(stream, sharding.layer_table)
     names = [
         banks[node.key[1]][:2] if node.cat == "bank" else

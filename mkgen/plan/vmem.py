@@ -32,9 +32,8 @@ from pydantic import BaseModel, ConfigDict
 
 from mkgen.errors import SpecError
 from mkgen.hardware import MiB, vmem_padded_bytes
-from mkgen.kinds.common import BufferInputs
-from mkgen.kinds.registry import kind_module
 from mkgen.plan.collectives import CollectivePlan, layer_uses, plan_collectives
+from mkgen.plan.kind import BufferInputs, KindRegistry
 from mkgen.plan.layout import MAX_PIECE_CHUNKS, ExpertChunks
 from mkgen.plan.options import BuildOptions, kv_tile
 from mkgen.plan.sharding import ShardingPlan, TensorShard
@@ -248,6 +247,7 @@ def kernel_dims(
     sharding: ShardingPlan,
     stream: StreamPlan,
     options: BuildOptions,
+    kinds: KindRegistry,
     max_piece_chunks: int = MAX_PIECE_CHUNKS,
     kv_tile_tokens: int | None = None,
     inline_scales: bool = True,
@@ -260,7 +260,7 @@ def kernel_dims(
     attn_rows, lengths = 0, []
     for name, a in sharding.attention.items():
         kind = spec.attention_kinds[name]
-        slab = kind_module(kind.type, f"attention_kinds.{name}").SLAB_VECTORS
+        slab = kinds.rules(kind.type, f"attention_kinds.{name}").SLAB_VECTORS
         r, ls = _vector_rows(a.tensors, slab)
         attn_rows, lengths = max(attn_rows, r), lengths + ls
     ffn_rows = 0
@@ -394,20 +394,21 @@ def _buffers(
     spec: ModelSpec,
     sharding: ShardingPlan,
     stream: StreamPlan,
+    kinds: KindRegistry,
     dims: KernelDims,
     depth: int,
     slots: int,
 ) -> tuple[_List, int]:
     out = _List()
     _base(out, dims, depth)
-    kinds = [(n, spec.attention_kinds[n], a) for n, a in sharding.attention.items()]
-    kinds += [(n, spec.ffn_kinds[n], f) for n, f in sharding.ffn.items()]
-    for name, kind, shard in kinds:  # used kinds, in spec order: attention, then FFN
+    used = [(n, spec.attention_kinds[n], a) for n, a in sharding.attention.items()]
+    used += [(n, spec.ffn_kinds[n], f) for n, f in sharding.ffn.items()]
+    for name, kind, shard in used:  # used kinds, in spec order: attention, then FFN
         inputs = BufferInputs(
             name=name, kind=kind, shard=shard, dims=dims, stream=stream,
             expert_slots=max(slots, 1), expert_format=sharding.quantization["experts"],
         )  # fmt: skip
-        kind_module(kind.type, name).buffers(out, inputs)
+        kinds.rules(kind.type, name).buffers(out, inputs)
     slot_bytes = sum(_slot_bytes(e) for e in out.experts.values())
     tp, h = dims.tokens_padded, dims.hidden
     if spec.attention_residual:
@@ -419,7 +420,7 @@ def _buffers(
     out.add("final_norm_vmem", "vectors", (1, h), "f32", "input")
     for name in sharding.attention:
         kind = spec.attention_kinds[name]
-        rot = kind_module(kind.type, name).rotary_dim(kind)
+        rot = kinds.rules(kind.type, name).rotary_dim(kind)
         if rot:
             out.add(f"{name}_cos_vmem", "attention", (tp, rot // 2), "f32", "input")
             out.add(f"{name}_sin_vmem", "attention", (tp, rot // 2), "f32", "input")
@@ -430,14 +431,15 @@ def _buffers(
     widest = max(dims.max_col_blocks * LANES, h)
     out.add("mosaic_values", "internal", (2, tp, widest), "f32", "internal",
             why="estimate: two live matmul outputs")  # fmt: skip
-    modules = {n: kind_module(spec.attention_kinds[n].type, n) for n in sharding.attention}
-    states = [  # the recurrent kinds' (state heads, key dim, value dim, channels)
-        modules[n].state_dims(spec.attention_kinds[n], a)
-        for n, a in sharding.attention.items()
-        if hasattr(modules[n], "state_dims")
-    ]
+    states = []  # the recurrent kinds' (state heads, key dim, value dim, channels)
+    for name, shard in sharding.attention.items():
+        kind = spec.attention_kinds[name]
+        state = kinds.rules(kind.type, name).state_dims(kind, shard)
+        if state is not None:
+            states.append(state)
     if states:  # the delta rule keeps one sequence's head states as values
-        heads, dk, dv, _ = max(states, key=lambda x: x[0] * x[1] * x[2])
+        largest = max(states, key=lambda s: s.heads * s.key_dim * s.value_dim)
+        heads, dk, dv = largest.heads, largest.key_dim, largest.value_dim
         out.add("mosaic_states", "internal", (heads, dk, dv), "f32", "internal",
                 why="estimate: one sequence's recurrent states")  # fmt: skip
     out.add("mosaic_hidden", "internal", (2, tp, h), "f32", "internal",
@@ -502,14 +504,15 @@ def plan_vmem(
     sharding: ShardingPlan,
     stream: StreamPlan,
     *,
+    kinds: KindRegistry,
     ring_target_bytes: int | None = None,
     max_piece_chunks: int = MAX_PIECE_CHUNKS,
     ring_depth: int | None = None,
     kv_tile_tokens: int | None = None,
     inline_scales: bool = True,
 ) -> VmemPlan:
-    """Every VMEM buffer, with the ring depth and expert slots chosen under the budget
-    (`kv_tile_tokens`: as kernel_dims').
+    """Every VMEM buffer, each layer kind's as its rule in `kinds` declares them, with the
+    ring depth and expert slots chosen under the budget (`kv_tile_tokens`: as kernel_dims').
 
     Raises a one-line SpecError with the numbers when the fixed buffers exceed the budget,
     when the budget cannot hold one weight bank, or when it cannot hold two banks and
@@ -525,11 +528,55 @@ def plan_vmem(
         )
     target = ring_target_bytes or RING_VMEM_BYTES
     dims = kernel_dims(
-        spec, sharding, stream, options, max_piece_chunks, kv_tile_tokens, inline_scales
+        spec, sharding, stream, options, kinds, max_piece_chunks, kv_tile_tokens, inline_scales
     )
-    bank = dims.bank_bytes
+    where = f"{spec.name} on {topo.name} (batch {options.batch} x rows {options.rows})"
     # Everything but the ring and the expert slots is fixed by the build.
-    probe, slot_bytes = _buffers(spec, sharding, stream, dims, 1, 1)
+    probe, slot_bytes = _buffers(spec, sharding, stream, kinds, dims, 1, 1)
+    left = _left_for_ring(probe, chip.name, options, budget, limit, where, dims.bank_bytes,
+                          slot_bytes)  # fmt: skip
+    depth, slots = _ring_and_slots(
+        options, ring_depth, where, left, dims, slot_bytes, target, budget
+    )
+    out, _ = _buffers(spec, sharding, stream, kinds, dims, depth, slots)
+    explicit = sum(b.bytes for b in out.buffers if b.role != "internal")
+    internal = sum(b.bytes for b in out.buffers if b.role == "internal")
+    if explicit + internal > limit:
+        raise SpecError(
+            f"VMEM: {where} needs {_mib(explicit)} explicit + {_mib(internal)} of Mosaic scratch "
+            f"(estimate) per core, over the {_mib(limit)} limit; lower --vmem-budget, --batch "
+            "or --rows"
+        )
+    bank = dims.bank_bytes
+    why = f"ring {depth} x {_mib(bank)}" + (
+        f", {slots} expert piece slot(s) of {_mib(slot_bytes)}" if slots else ""
+    )
+    return VmemPlan(
+        dims=dims,
+        buffers=tuple(out.buffers),
+        semaphores=tuple(out.semaphores),
+        smem=tuple(out.smem),
+        experts=dict(out.experts),
+        resources=dict(out.resources),
+        scratch_order=tuple(out.order),
+        ring_depth=depth,
+        expert_slots=slots,
+        expert_slot_bytes=slot_bytes,
+        budget_bytes=budget,
+        limit_bytes=limit,
+        explicit_bytes=explicit,
+        internal_bytes=internal,
+        why=why,
+    )
+
+
+def _left_for_ring(
+    probe: _List, chip: str, options: BuildOptions, budget: int, limit: int, where: str,
+    bank: int, slot_bytes: int,
+) -> int:  # fmt: skip
+    """The VMEM the ring and the expert slots may share: the budget less the fixed buffers
+    of `probe` (the buffers with one bank and one slot); refuses a budget that cannot hold
+    them and one bank."""
     variable = {"ring", "expert_slots"}
     fixed_list = [b for b in probe.buffers if b.category not in variable and b.role != "internal"]
     fixed = sum(b.bytes for b in fixed_list)
@@ -537,11 +584,10 @@ def plan_vmem(
     # The chip's budget leaves the rest of the limit to Mosaic's own scratch; when the
     # estimate of that scratch needs more, the explicit buffers give way.
     usable = min(budget, limit - internal)
-    where = f"{spec.name} on {topo.name} (batch {options.batch} x rows {options.rows})"
     if usable <= 0:
         raise SpecError(
             f"VMEM: {where}: Mosaic's own scratch for {options.tokens} token rows (estimated "
-            f"{_mib(internal)}) alone exceeds {chip.name}'s {_mib(limit)} VMEM limit; lower "
+            f"{_mib(internal)}) alone exceeds {chip}'s {_mib(limit)} VMEM limit; lower "
             "--batch or --rows"
         )
     if fixed > usable:
@@ -560,6 +606,15 @@ def plan_vmem(
             f"two banks ({_mib(fixed + 2 * bank + slot_bytes)}"
             + (" with one expert slot)" if slot_bytes else ")")
         )
+    return left
+
+
+def _ring_and_slots(
+    options: BuildOptions, ring_depth: int | None, where: str, left: int, dims: KernelDims,
+    slot_bytes: int, target: int, budget: int,
+) -> tuple[int, int]:  # fmt: skip
+    """The ring depth and expert slots sharing `left` bytes (forced or chosen)."""
+    bank = dims.bank_bytes
     forced_depth = options.ring_depth or ring_depth
     slots = _expert_slots(options, forced_depth, where, left, bank, slot_bytes, target)
     if left - slots * slot_bytes < 2 * bank:
@@ -574,33 +629,4 @@ def plan_vmem(
             f"--ring-depth {depth}: {depth} banks of {_mib(bank)} need {_mib(depth * bank)}, but "
             f"{where} leaves {_mib(ring_bytes)} for the ring; lower --ring-depth"
         )
-    out, _ = _buffers(spec, sharding, stream, dims, depth, slots)
-    explicit = sum(b.bytes for b in out.buffers if b.role != "internal")
-    internal = sum(b.bytes for b in out.buffers if b.role == "internal")
-    if explicit + internal > limit:
-        raise SpecError(
-            f"VMEM: {where} needs {_mib(explicit)} explicit + {_mib(internal)} of Mosaic scratch "
-            f"(estimate) per core, over the {_mib(limit)} limit; lower --vmem-budget, --batch "
-            "or --rows"
-        )
-    resources = dict(out.resources)
-    why = f"ring {depth} x {_mib(bank)}" + (
-        f", {slots} expert piece slot(s) of {_mib(slot_bytes)}" if slots else ""
-    )
-    return VmemPlan(
-        dims=dims,
-        buffers=tuple(out.buffers),
-        semaphores=tuple(out.semaphores),
-        smem=tuple(out.smem),
-        experts=dict(out.experts),
-        resources=resources,
-        scratch_order=tuple(out.order),
-        ring_depth=depth,
-        expert_slots=slots,
-        expert_slot_bytes=slot_bytes,
-        budget_bytes=budget,
-        limit_bytes=limit,
-        explicit_bytes=explicit,
-        internal_bytes=internal,
-        why=why,
-    )
+    return depth, slots

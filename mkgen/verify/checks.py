@@ -102,13 +102,14 @@ def compile_full_size(
 
     from mkgen.codegen.build import load_module, render_kernel
     from mkgen.codegen.naming import build_name
+    from mkgen.kinds import default_registry
     from mkgen.plan import plan_build
     from mkgen.plan.collectives import arrange_devices
     from mkgen.verify.inspect import vmem_map
     from mkgen.verify.tpu_compile import compile_for_tpu, compile_only_devices
 
     applied = options.apply(spec)
-    plan = plan_build(applied, topology, options)
+    plan = plan_build(applied, topology, options, kinds=default_registry())
     layout = plan.kernel
     source = render_kernel(layout, header)
     name = build_name(spec.name, topology)

@@ -489,6 +489,7 @@ def _child_kernel(
     `mutations` applied to its source), planned with the full-size build's splits."""
     from mkgen.codegen.build import load_module, render_kernel
     from mkgen.codegen.package import mini_kernel_args
+    from mkgen.kinds import default_registry
     from mkgen.plan import plan_build
     from mkgen.plan.options import BuildOptions
     from mkgen.plan.sharding import full_size_splits
@@ -500,8 +501,16 @@ def _child_kernel(
     built = BuildOptions.create(quant=quant).apply(load_spec(spec_ref))
     spec = mini_twin(built, topology.num_devices)
     options = BuildOptions.create(batch=batch, rows=rows, context=context, **knobs)
-    options = options.model_copy(update={"splits": full_size_splits(built, topology, options)})
-    layout = plan_build(spec, topology, options, **mini_kernel_args(), trace_residuals=True).kernel
+    splits = full_size_splits(built, topology, options, kinds=default_registry())
+    options = options.model_copy(update={"splits": splits})
+    layout = plan_build(
+        spec,
+        topology,
+        options,
+        **mini_kernel_args(),
+        trace_residuals=True,
+        kinds=default_registry(),
+    ).kernel
     source = render_kernel(layout, "verify")
     for old, new in mutations:
         if old not in source:

@@ -96,7 +96,7 @@ def _attach_kinds(block: list, kinds: set[str]) -> None:
 
 def compiled_op_counts(llo_text: str, plan: Any, spec: ModelSpec) -> dict[str, OpCounts]:
     """Per-step op counts of each phase from an LLO dump of `plan`'s kernel."""
-    from mkgen.kinds.cache_attention import kv_tiles
+    from mkgen.plan.options import kv_tiles
 
     schedule = plan.step_graph.schedule
     dims = plan.vmem.dims
@@ -323,7 +323,7 @@ def profile_build(llo_text: str, plan: Any, spec: ModelSpec, build: str) -> Prof
     """The compiled kernel's phases beside the model's."""
     compiled = compiled_op_counts(llo_text, plan, spec)
     model, unpriced = model_op_counts(
-        plan.step_graph.schedule, plan.stream, plan.vmem, plan.sharding, spec
+        plan.step_graph.schedule, plan.stream, plan.vmem, plan.sharding, spec, plan.kinds
     )
     phases = [
         PhaseProfile(name, compiled[name], model[name])

@@ -1,12 +1,12 @@
 """Gated DeltaNet: value heads split over cores, each core with the key heads they read;
-one scalar decay per head; the output gated by silu(z) (templates/kinds/gated_deltanet.py.j2)."""
+one scalar decay per head; the output gated by silu(z) (macros.py.j2 beside it)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from mkgen.kinds import recurrent
-from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
+from mkgen.plan.kind import BufferInputs, LayoutInputs, StateDims, Step
 from mkgen.plan.layout import RecurrentLayout
 from mkgen.plan.sharding import AttentionSharding, CacheShard, KindShards, group_map, heads_error
 from mkgen.spec.figures import CACHE_BYTES, STATE_BYTES
@@ -22,13 +22,15 @@ SEGMENTS = [
 OPS = recurrent.ops(["gates"])  # its decay and gates from the input projection alone
 SLAB_VECTORS = recurrent.SLAB_VECTORS
 rotary_dim = recurrent.rotary_dim
+cache_geometry = recurrent.cache_geometry
+views = recurrent.views
 
 
-def state_dims(kind: Any, shard: Any) -> tuple[int, int, int, int]:
-    """(state heads, key dim, value dim, conv channels) per core."""
+def state_dims(kind: Any, shard: Any) -> StateDims:
+    """Value heads hold the state; each reads one of the core's fewer key heads."""
     v, k = shard.heads_per_rank, shard.kv_heads_per_rank
     conv = 2 * k * kind.key_head_dim + v * kind.value_head_dim
-    return v, kind.key_head_dim, kind.value_head_dim, conv
+    return StateDims(v, kind.key_head_dim, kind.value_head_dim, conv, key_heads=k)
 
 
 def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:

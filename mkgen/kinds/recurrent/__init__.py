@@ -1,20 +1,29 @@
 """What Gated DeltaNet and KDA share: a causal conv with its tail, then the delta rule on
-an f32 state per head, rows in order (templates/kinds/recurrent.py.j2). Each kind's
+an f32 state per head, rows in order (macros.py.j2 beside it). Each kind's
 module gives its per-core head dims and its layout's own fields."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
-from mkgen.plan.layout import CacheArray, RecurrentLayout, VectorRow, segment_columns, unsupported
+from mkgen.kinds.common import no_cache_geometry, no_rotary_dim, no_views
+from mkgen.plan.kind import BufferInputs, LayoutInputs, StateDims, Step
+from mkgen.plan.layout import (
+    CacheArray,
+    RecurrentLayout,
+    VectorRow,
+    check_stream_formats,
+    segment_columns,
+    unsupported,
+)
 from mkgen.plan.stream import part_of
 
 SLAB_VECTORS = None  # every vector-family tensor takes its rows (conv taps: one per tap)
 
 
-def rotary_dim(kind: Any) -> int:
-    return 0  # no positions: the recurrence carries order
+rotary_dim = no_rotary_dim  # no positions: the recurrence carries order
+cache_geometry = no_cache_geometry  # its state replaces a KV cache
+views = no_views  # every tensor as stored
 
 
 def ops(own: list[str]) -> list[str]:
@@ -27,6 +36,7 @@ def ops(own: list[str]) -> list[str]:
 def layout(i: LayoutInputs, dims: dict[str, int], extra: dict[str, Any]) -> RecurrentLayout:
     """The layout of a recurrent kind with per-core head `dims` (key_heads, value_heads,
     group, key_dim, value_dim) and the kind's own fields `extra` (its `ops` among them)."""
+    check_stream_formats(f"attention_kinds.{i.name}", i.segments, fused=False)
     kind, shard = i.kind, i.shard
     batch, rows = i.options.batch, i.options.rows
     if shard.latent == "split":
@@ -69,11 +79,11 @@ def layout(i: LayoutInputs, dims: dict[str, int], extra: dict[str, Any]) -> Recu
     )
 
 
-def buffers(out: Any, i: BufferInputs, state: tuple[int, int, int, int]) -> None:
+def buffers(out: Any, i: BufferInputs, state: StateDims) -> None:
     """The conv tail and state of every sequence after each of its rows, the current ones
     read at the top of the layer, all written back at its end; `state` is the kind's
     (state heads, key dim, value dim, conv channels) per core."""
-    heads, dk, dv, conv = state
+    heads, dk, dv, conv = state.heads, state.key_dim, state.value_dim, state.channels
     name, b, rows = i.name, i.dims.batch, i.dims.rows
     out.add(f"{name}_conv_vmem", "attention", (b, rows, i.kind.conv_width - 1, conv), "bf16",
             resource=f"{name}.state", why="conv tail of every sequence after each row")  # fmt: skip
@@ -82,7 +92,7 @@ def buffers(out: Any, i: BufferInputs, state: tuple[int, int, int, int]) -> None
     out.sems(f"{name}_cache_sems", (2, b))
 
 
-def program(b: Any, s: Step, state: tuple[int, int, int, int], ops: list[str]) -> int:
+def program(b: Any, s: Step, state: StateDims, ops: list[str]) -> int:
     """The layer's `ops`: the input projection (and KDA's low-rank up-projections), conv
     and gates, the current conv tails and states of every sequence in, the rows in order,
     the snapshot after every row out, output norm and gate, output projection, all-reduce;
@@ -107,11 +117,11 @@ def program(b: Any, s: Step, state: tuple[int, int, int, int], ops: list[str]) -
 
 
 def _state_update(b: Any, layer: int, name: str, a: Any, y: int,
-                  state: tuple[int, int, int, int]) -> int:  # fmt: skip
+                  state: StateDims) -> int:  # fmt: skip
     """The current conv tail and state of every sequence in, the rows in order, the
     snapshot after every row written back."""
     batch = b.dims.batch
-    heads, dk, dv, _ = state
+    heads, dk, dv = state.heads, state.key_dim, state.value_dim
     res = f"{name}.state"
     sems = b.block_sems(f"{name}_cache_sems", (2, batch))
     nbytes = batch * a.cache.fixed_bytes

@@ -1,12 +1,12 @@
 """KDA (Kimi Delta Attention): as many key as value heads, a per-key-dim decay from a
-low-rank projection, an output gated by a sigmoid gate (templates/kinds/kda.py.j2)."""
+low-rank projection, an output gated by a sigmoid gate (macros.py.j2 beside it)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from mkgen.kinds import recurrent
-from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
+from mkgen.plan.kind import BufferInputs, LayoutInputs, StateDims, Step
 from mkgen.plan.layout import RecurrentLayout
 from mkgen.plan.sharding import (
     AttentionSharding,
@@ -29,12 +29,14 @@ SEGMENTS = [
 ]
 SLAB_VECTORS = recurrent.SLAB_VECTORS
 rotary_dim = recurrent.rotary_dim
+cache_geometry = recurrent.cache_geometry
+views = recurrent.views
 
 
-def state_dims(kind: Any, shard: Any) -> tuple[int, int, int, int]:
-    """(state heads, key dim, value dim, conv channels) per core."""
+def state_dims(kind: Any, shard: Any) -> StateDims:
+    """As many key as value heads, each holding a state."""
     h = shard.heads_per_rank
-    return h, kind.head_dim, kind.head_dim, 3 * h * kind.head_dim
+    return StateDims(h, kind.head_dim, kind.head_dim, 3 * h * kind.head_dim, key_heads=h)
 
 
 def ops(kind: Any) -> list[str]:

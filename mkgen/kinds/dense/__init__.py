@@ -1,11 +1,12 @@
-"""A dense gated MLP, width split over cores (templates/kinds/dense.py.j2)."""
+"""A dense gated MLP, width split over cores (macros.py.j2 beside it)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
-from mkgen.plan.layout import DenseLayout, activation_params, unsupported
+from mkgen.kinds.common import no_cache_geometry, no_rotary_dim, no_state_dims, no_views
+from mkgen.plan.kind import BufferInputs, LayoutInputs, Step
+from mkgen.plan.layout import DenseLayout, activation_params, check_stream_formats, unsupported
 from mkgen.plan.sharding import FFNSharding, KindShards
 from mkgen.plan.stream import part_of
 from mkgen.spec.weights import ffn_weights
@@ -15,6 +16,10 @@ TEMPLATE = "kinds/dense.py.j2"
 # segment read the same input.
 SEGMENTS = [("gate_up", ["ffn.w_gate", "ffn.w_up"]), ("down", ["ffn.w_down"])]
 SLAB_VECTORS = None
+rotary_dim = no_rotary_dim  # LayerKind: none
+state_dims = no_state_dims  # LayerKind: none
+views = no_views  # LayerKind: none
+cache_geometry = no_cache_geometry  # LayerKind: none
 # The layer's ops in the order its kernel function runs them: `program` emits them in this
 # order and the template prints them in it (DenseLayout.ops).
 OPS = ["gate_up", "activation", "down", "combine"]
@@ -43,6 +48,7 @@ def shard(ctx: Any, kind_name: str, f: Any) -> FFNSharding:
 
 
 def layout(i: LayoutInputs) -> DenseLayout:
+    check_stream_formats(f"ffn_kinds.{i.name}", i.segments, fused=False)
     kind = i.kind
     if kind.bias or not kind.gated:
         unsupported(f"ffn_kinds.{i.name}: a dense MLP with bias or without a gate")

@@ -1,5 +1,5 @@
 """MoE: a router, routed experts streamed in pieces through expert slots, shared experts,
-latent pre/post projections (templates/kinds/moe.py.j2)."""
+latent pre/post projections (macros.py.j2 beside it)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import math
 from typing import Any, Literal
 
 from mkgen.errors import SpecError
-from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
+from mkgen.kinds.common import no_cache_geometry, no_rotary_dim, no_state_dims, no_views
+from mkgen.plan.kind import BufferInputs, LayoutInputs, Step
 from mkgen.plan.layout import (
     MoELayout,
     VectorRow,
@@ -35,6 +36,10 @@ SEGMENTS = [
     ("latent_out", ["ffn.latent_out"]),
 ]
 SLAB_VECTORS = None
+rotary_dim = no_rotary_dim  # LayerKind: none
+state_dims = no_state_dims  # LayerKind: none
+views = no_views  # LayerKind: none
+cache_geometry = no_cache_geometry  # LayerKind: none
 # How each expert format the template reads stores a chunk (the EXPERT_FORMAT comment).
 FORMAT_NOTES = {
     "bf16": "",
@@ -48,120 +53,29 @@ FORMAT_NOTES = {
 
 def shard(ctx: Any, kind_name: str, f: Any) -> FFNSharding:
     """How the kind's tensors split over the cores (mkgen.plan.sharding's context `ctx`):
-    experts split in groups x width parts (choose_expert_split); the latent design (rs_ar or ar_ag) priced; the router's columns split or replicated (_router_choice); norms and biases replicated."""
+    experts split in groups x width parts (choose_expert_split); the latent design (rs_ar
+    or ar_ag) priced; the router's columns split or replicated (_router_choice); norms
+    and biases replicated."""
     h, d = ctx.h, ctx.d
     s = KindShards(ctx, "ffn.", f"ffn_kinds.{kind_name}: ")
-    weights = ffn_weights(f, h)
     d_in = f.latent.width if f.latent else h
     split = choose_expert_split(ctx, f, d_in)
-    g, wparts = split.groups, split.width_parts
+    designs = _latent_designs(ctx, f, d_in)
     design: Literal["rs_ar", "ar_ag", "none"] = "none"
-    if f.latent:
+    if designs:
         # Time, then the bytes sent (latency-bound rounds cost the same phase either way).
-        designs = {
-            "rs_ar": (
-                ctx.collective("expert_out", "reduce_scatter", "ffn.experts_down", d_in),
-                ctx.collective("ffn_out", "all_reduce", "ffn.latent_out", h),
-            ),
-            "ar_ag": (
-                ctx.collective("expert_out", "all_reduce", "ffn.experts_down", d_in),
-                ctx.collective("ffn_out", "all_gather", "ffn.latent_out", h),
-            ),
-        }
-        # Shared experts add partial sums of hidden: with ar_ag they would need their own
-        # all-reduce, so they force rs_ar.
         cheaper = price(*designs["ar_ag"]) < price(*designs["rs_ar"])
         if ctx.options.splits is not None:  # a mini twin: the full-size build's design
             cheaper = f"ffn.{kind_name}.ar_ag" in ctx.options.splits
+        # Shared experts add partial sums of hidden: with ar_ag they would need their own
+        # all-reduce, so they force rs_ar.
         design = "ar_ag" if cheaper and not f.shared_experts else "rs_ar"
     router, why_router = _router_choice(ctx, kind_name, f, d_in)
-    for w in weights:
-        n = w.name
-        if n == "router" and router == "split":
-            s.add(w.name, w.shape, w.family, split_axis=1, parts=d, why=why_router)
-        elif n == "router":
-            s.add(w.name, w.shape, w.family, why=why_router)
-        elif n in ("router_bias", "selection_bias", "latent_norm", "shared_gate_proj"):
-            s.add(
-                w.name,
-                w.shape,
-                w.family,
-                why="replicated (routing is computed redundantly on every rank)",
-            )
-        elif n == "latent_in":
-            s.add(
-                w.name,
-                w.shape,
-                w.family,
-                split_axis=1,
-                parts=d,
-                why="output split + all-gather of the latent",
-            )
-        elif n == "latent_out":
-            if design == "ar_ag":
-                s.add(
-                    w.name,
-                    w.shape,
-                    w.family,
-                    split_axis=1,
-                    parts=d,
-                    why="output split + all-gather of hidden",
-                )
-            else:
-                s.add(
-                    w.name,
-                    w.shape,
-                    w.family,
-                    split_axis=0,
-                    parts=d,
-                    why="input rows (the reduce-scattered latent)",
-                )
-        elif n in ("experts_gate", "experts_up"):
-            s.add(
-                w.name,
-                w.shape,
-                w.family,
-                split_axis=2,
-                parts=wparts,
-                expert_groups=g,
-                why=split.why,
-            )
-        elif n == "experts_down":
-            s.add(
-                w.name,
-                w.shape,
-                w.family,
-                split_axis=1,
-                parts=wparts,
-                expert_groups=g,
-                why=split.why,
-            )
-        elif n in ("experts_b_gate", "experts_b_up"):
-            s.add(
-                w.name,
-                w.shape,
-                w.family,
-                split_axis=1,
-                parts=wparts,
-                expert_groups=g,
-                why="per expert width",
-            )
-        elif n == "experts_b_down":
-            s.add(
-                w.name,
-                w.shape,
-                w.family,
-                expert_groups=g,
-                why="per expert group, added by width part 0",
-            )
-        elif n in ("shared_gate", "shared_up"):
-            s.add(w.name, w.shape, w.family, split_axis=1, parts=d, why="shared width")
-        elif n == "shared_down":
-            s.add(
-                w.name, w.shape, w.family, split_axis=0, parts=d, why="input rows by shared width"
-            )
-        else:  # pragma: no cover - the inventory has no other MoE tensors
-            raise SpecError(f"{s.where}tensor {n!r}: no sharding rule")
+    rules = _tensor_rules(d, split, design, router, why_router)
+    for w in ffn_weights(f, h):
+        if w.name not in rules:  # pragma: no cover - the inventory has no other MoE tensors
+            raise SpecError(f"{s.where}tensor {w.name!r}: no sharding rule")
+        s.add(w.name, w.shape, w.family, **rules[w.name])
     if f.latent:
         gathered = d_in + (f.num_experts if router == "split" else 0)  # the scores ride along
         s.collectives.append(ctx.collective("latent_in", "all_gather", "ffn.latent_in", gathered))
@@ -173,6 +87,60 @@ def shard(ctx: Any, kind_name: str, f: Any) -> FFNSharding:
         kind=kind_name, type=f.type, tensors=tuple(s.tensors), collectives=tuple(s.collectives),
         experts=split, latent_design=design, why=why, router=router,
     )  # fmt: skip
+
+
+def _latent_designs(ctx: Any, f: Any, d_in: int) -> dict[str, tuple[Any, Any]]:
+    """A latent MoE's two ways to combine (the experts' outputs, then hidden): reduce-
+    scatter + all-reduce, or all-reduce + all-gather (none without a latent)."""
+    if not f.latent:
+        return {}
+    return {
+        "rs_ar": (
+            ctx.collective("expert_out", "reduce_scatter", "ffn.experts_down", d_in),
+            ctx.collective("ffn_out", "all_reduce", "ffn.latent_out", ctx.h),
+        ),
+        "ar_ag": (
+            ctx.collective("expert_out", "all_reduce", "ffn.experts_down", d_in),
+            ctx.collective("ffn_out", "all_gather", "ffn.latent_out", ctx.h),
+        ),
+    }
+
+
+def _tensor_rules(
+    d: int, split: Any, design: str, router: str, why_router: str
+) -> dict[str, dict[str, Any]]:
+    """How each MoE tensor splits over the `d` cores, by name (KindShards.add's arguments):
+    the experts as `split` chose, the latent projections as `design` needs, the router as
+    chosen, the rest replicated."""
+    routing = {"why": "replicated (routing is computed redundantly on every rank)"}
+    experts = {"parts": split.width_parts, "expert_groups": split.groups}
+    columns = {"split_axis": 1, "parts": d}
+    latent_out = (
+        {**columns, "why": "output split + all-gather of hidden"}
+        if design == "ar_ag"
+        else {"split_axis": 0, "parts": d, "why": "input rows (the reduce-scattered latent)"}
+    )
+    return {
+        "router": {**columns, "why": why_router} if router == "split" else {"why": why_router},
+        "router_bias": routing,
+        "selection_bias": routing,
+        "latent_norm": routing,
+        "shared_gate_proj": routing,
+        "latent_in": {**columns, "why": "output split + all-gather of the latent"},
+        "latent_out": latent_out,
+        "experts_gate": {"split_axis": 2, **experts, "why": split.why},
+        "experts_up": {"split_axis": 2, **experts, "why": split.why},
+        "experts_down": {"split_axis": 1, **experts, "why": split.why},
+        "experts_b_gate": {"split_axis": 1, **experts, "why": "per expert width"},
+        "experts_b_up": {"split_axis": 1, **experts, "why": "per expert width"},
+        "experts_b_down": {
+            "expert_groups": split.groups,
+            "why": "per expert group, added by width part 0",
+        },
+        "shared_gate": {**columns, "why": "shared width"},
+        "shared_up": {**columns, "why": "shared width"},
+        "shared_down": {"split_axis": 0, "parts": d, "why": "input rows by shared width"},
+    }
 
 
 def _router_choice(

@@ -1,26 +1,9 @@
 """What GQA and MLA share: a KV cache written in aligned blocks and read in double-buffered
-tiles under an online softmax (templates/kinds/cache_attention.py.j2)."""
+tiles under an online softmax (macros.py.j2 beside it)."""
 
 from __future__ import annotations
 
 from typing import Any
-
-from mkgen.plan.stream import round_up
-
-SUBLANES_F32 = 8
-
-
-def q_rows(heads: int, rows: int) -> int:
-    """Query rows of one kv head (or latent) in the attention scratch: padded to 8."""
-    return round_up(heads * rows, SUBLANES_F32)
-
-
-def kv_tiles(context: int, tile: int, window: int | None, rows: int) -> int:
-    """Tiles one (sequence, kv head) reads in the worst case (a full cache)."""
-    full = -(-context // tile)
-    if window is None:
-        return full
-    return min(full, -(-(window + rows - 1) // tile) + 1)
 
 
 def buffers(

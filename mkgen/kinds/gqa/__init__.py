@@ -1,13 +1,21 @@
-"""GQA: grouped-query attention over a k and a v cache (templates/kinds/gqa.py.j2)."""
+"""GQA: grouped-query attention over a k and a v cache (macros.py.j2 beside it)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from mkgen.kinds import cache_attention
-from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
-from mkgen.plan.layout import CacheArray, GQALayout, VectorRow, rope_layout, segment_columns
-from mkgen.plan.options import kv_tile
+from mkgen.kinds.common import no_state_dims, no_views
+from mkgen.plan.kind import BufferInputs, CacheGeometry, LayoutInputs, Step
+from mkgen.plan.layout import (
+    CacheArray,
+    GQALayout,
+    VectorRow,
+    check_stream_formats,
+    rope_layout,
+    segment_columns,
+)
+from mkgen.plan.options import kv_tile, kv_tiles, q_rows
 from mkgen.plan.sharding import AttentionSharding, CacheShard, KindShards, group_map, heads_error
 from mkgen.plan.stream import part_of
 from mkgen.spec.figures import CACHE_BYTES
@@ -24,6 +32,8 @@ OPS = ["qkv", "heads", "cache_write", "attend", "rows", "o", "combine"]
 # The small vectors a GQA layer reads from its slab, in slab order (the VMEM plan counts
 # only these rows; other kinds keep every vector-family tensor in the slab).
 SLAB_VECTORS = ("q_norm", "k_norm", "bq", "bk", "bv", "bo", "sinks")
+state_dims = no_state_dims  # LayerKind: none
+views = no_views  # LayerKind: none
 
 
 def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
@@ -88,6 +98,7 @@ def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
 
 
 def layout(i: LayoutInputs) -> GQALayout:
+    check_stream_formats(f"attention_kinds.{i.name}", i.segments, fused=False)
     kind, shard = i.kind, i.shard
     context, batch = i.options.context, i.options.batch
     parts = {t.name: part_of(t, i.devices) for t in shard.tensors}
@@ -112,7 +123,7 @@ def layout(i: LayoutInputs) -> GQALayout:
         value_dim=d,
         q_cols=heads * d,
         kv_cols=kv_heads * d,
-        q_rows=cache_attention.q_rows(group, i.options.rows),
+        q_rows=q_rows(group, i.options.rows),
         columns=segment_columns(i.segments, "qkv", "attn."),
         gate=kind.output_gate == "sigmoid",
         qk_norm=kind.qk_norm,
@@ -138,9 +149,19 @@ def rotary_dim(kind: Any) -> int:
     return kind.rotary_dim
 
 
+def cache_geometry(kind: Any, shard: Any, rows: int) -> CacheGeometry:
+    """A kv head's query rows over its k and v caches (the cost model's attention)."""
+    kv_heads = shard.kv_heads_per_rank
+    return CacheGeometry(
+        q_rows=q_rows(shard.heads_per_rank // kv_heads, rows), key=kind.head_dim,
+        value=kind.head_dim, window=kind.sliding_window, caches=2, kv_heads=kv_heads,
+        sinks=kind.sinks,
+    )  # fmt: skip
+
+
 def buffers(out: Any, i: BufferInputs) -> None:
     kvh, d = i.shard.kv_heads_per_rank, i.kind.head_dim
-    qr = cache_attention.q_rows(i.shard.heads_per_rank // kvh, i.dims.rows)
+    qr = q_rows(i.shard.heads_per_rank // kvh, i.dims.rows)
     cache_attention.buffers(out, i.name, i.dims, kvh, qr, (2, d, d), i.kind.sinks)
 
 
@@ -174,8 +195,8 @@ def _attend(b: Any, s: Step, q: int, wrote: int) -> int:
     """Online-softmax attention of each (sequence, kv head) over its cache's tiles."""
     layer, name, kind, a, dims = s.layer, s.name, s.kind, s.shard, b.dims
     g = a.kv_heads_per_rank
-    n = cache_attention.kv_tiles(dims.context, dims.kv_tile, kind.sliding_window, dims.rows)
-    qr = cache_attention.q_rows(a.heads_per_rank // g, dims.rows)
+    n = kv_tiles(dims.context, dims.kv_tile, kind.sliding_window, dims.rows)
+    qr = q_rows(a.heads_per_rank // g, dims.rows)
     sems = [(f"{name}_tile_sems[0,{buf}]", f"{name}_tile_sems[1,{buf}]") for buf in range(2)]
     flops = 4 * qr * dims.kv_tile * kind.head_dim
     out = {}

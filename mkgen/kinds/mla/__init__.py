@@ -1,20 +1,22 @@
 """MLA, absorbed: one latent cache row per token, read by every q head
-(templates/kinds/mla.py.j2)."""
+(macros.py.j2 beside it)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from mkgen.kinds import cache_attention
-from mkgen.kinds.common import BufferInputs, LayoutInputs, Step
+from mkgen.kinds.common import no_state_dims
+from mkgen.plan.kind import BufferInputs, CacheGeometry, LayoutInputs, Step
 from mkgen.plan.layout import (
     CacheArray,
     MLALayout,
     VectorRow,
+    check_stream_formats,
     rope_layout,
     segment_columns,
 )
-from mkgen.plan.options import kv_tile
+from mkgen.plan.options import kv_tile, kv_tiles, q_rows
 from mkgen.plan.sharding import (
     AttentionSharding,
     CacheShard,
@@ -22,7 +24,7 @@ from mkgen.plan.sharding import (
     heads_error,
     latent_choice,
 )
-from mkgen.plan.stream import CHUNK, LANES, part_of
+from mkgen.plan.stream import CHUNK, LANES, TensorView, part_of
 from mkgen.spec.figures import CACHE_BYTES
 from mkgen.spec.rope import mla_softmax_scale
 from mkgen.spec.weights import attention_weights
@@ -31,7 +33,7 @@ TEMPLATE = "kinds/mla.py.j2"
 # Its weight-stream segments, in the order its ops consume them: tensors fused into one
 # segment read the same input. Absorbed, wkv_b streams twice as views, its key half
 # transposed (uk: q_nope -> latent) and its value half (uv: latent -> values); see
-# mkgen.plan.stream.mla_views.
+# views below.
 SEGMENTS = [
     ("down", ["attn.wq_a", "attn.wq", "attn.wkv_a", "attn.wgate"]),
     ("q_b", ["attn.wq_b"]),
@@ -40,6 +42,26 @@ SEGMENTS = [
     ("o", ["attn.wo"]),
 ]
 SLAB_VECTORS = None  # every vector-family tensor (q_norm, kv_norm) takes its rows
+state_dims = no_state_dims  # LayerKind: none
+
+
+def views(kind: Any) -> dict[tuple[str, str], TensorView]:
+    """Views of MLA tensors by (segment, tensor): wkv_b's key and value halves, and the
+    interleaved rotary columns of q and k_rope reordered to halves."""
+    nope, rope_d, vd = kind.qk_nope_head_dim, kind.qk_rope_head_dim, kind.v_head_dim
+    views = {
+        ("uk", "attn.wkv_b"): TensorView(stride=nope + vd, size=nope, transpose=True),
+        ("uv", "attn.wkv_b"): TensorView(stride=nope + vd, start=nope, size=vd),
+    }
+    if kind.rope is not None and kind.rope.interleaved:
+        q = TensorView(stride=nope + rope_d, size=nope + rope_d, rotary=(nope, rope_d))
+        kv = kind.kv_lora_rank + rope_d
+        views[("q_b", "attn.wq_b")] = q
+        views[("down", "attn.wq")] = q
+        views[("down", "attn.wkv_a")] = TensorView(
+            stride=kv, size=kv, rotary=(kind.kv_lora_rank, rope_d)
+        )
+    return views
 
 
 def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
@@ -79,6 +101,7 @@ def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
 
 
 def layout(i: LayoutInputs) -> MLALayout:
+    check_stream_formats(f"attention_kinds.{i.name}", i.segments, fused=False)
     kind, shard = i.kind, i.shard
     context, batch = i.options.context, i.options.batch
     parts = {t.name: part_of(t, i.devices) for t in shard.tensors}
@@ -94,7 +117,7 @@ def layout(i: LayoutInputs) -> MLALayout:
         layers=i.layers,
         heads=shard.heads_per_rank,
         group=shard.heads_per_rank,
-        q_rows=cache_attention.q_rows(shard.heads_per_rank, i.options.rows),
+        q_rows=q_rows(shard.heads_per_rank, i.options.rows),
         q_lora_rank=kind.q_lora_rank or 0,
         kv_lora_rank=kind.kv_lora_rank,
         nope_dim=kind.qk_nope_head_dim,
@@ -128,10 +151,18 @@ def rotary_dim(kind: Any) -> int:
     return kind.qk_rope_head_dim if kind.rope is not None else 0
 
 
+def cache_geometry(kind: Any, shard: Any, rows: int) -> CacheGeometry:
+    """Every query head's rows over the one latent cache, its values a prefix of its keys."""
+    return CacheGeometry(
+        q_rows=q_rows(shard.heads_per_rank, rows), key=kind.kv_lora_rank + kind.qk_rope_head_dim,
+        value=kind.kv_lora_rank, window=None, caches=1, kv_heads=1, sinks=False,
+    )  # fmt: skip
+
+
 def buffers(out: Any, i: BufferInputs) -> None:
     kind, heads, dims = i.kind, i.shard.heads_per_rank, i.dims
     row = kind.kv_lora_rank + kind.qk_rope_head_dim
-    qr = cache_attention.q_rows(heads, dims.rows)
+    qr = q_rows(heads, dims.rows)
     cache_attention.buffers(out, i.name, dims, 1, qr, (1, row, kind.kv_lora_rank))
     uk, uv = i.stream.attention[i.name].segment("uk"), i.stream.attention[i.name].segment("uv")
     stacked = heads * dims.tokens_padded
@@ -178,8 +209,8 @@ def _attend(b: Any, s: Step, q: int, wrote: int) -> int:
     """Online-softmax attention of each sequence's q heads over the latent cache's tiles."""
     layer, name, kind, dims = s.layer, s.name, s.kind, b.dims
     lat = kind.kv_lora_rank + kind.qk_rope_head_dim
-    n = cache_attention.kv_tiles(dims.context, dims.kv_tile, None, dims.rows)
-    qr = cache_attention.q_rows(s.shard.heads_per_rank, dims.rows)
+    n = kv_tiles(dims.context, dims.kv_tile, None, dims.rows)
+    qr = q_rows(s.shard.heads_per_rank, dims.rows)
     sems = [(f"{name}_tile_sems[0,{buf}]",) for buf in range(2)]
     flops = 2 * qr * dims.kv_tile * (lat + kind.kv_lora_rank)
     out = {}
