@@ -2,7 +2,7 @@
 
 One jitted call a layer (one compilation per pair of attention and FFN kinds), a
 shard_map over the kernel's mesh axis. Every core unpacks its own banks, vector slab and
-expert arrays (mkgen.codegen.unpack), computes its heads of the attention from its own
+expert arrays (mkgen.weights.unpack), computes its heads of the attention from its own
 pieces (core_attention) and runs the reference layer's functions
 (mkgen.reference.model) on its pieces. Routed experts stay where they are: each core
 runs the experts it holds, one at a time over the prompt weighted by each token's
@@ -33,6 +33,8 @@ gathered and computed whole on every core.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -375,23 +377,7 @@ def _layer_step(
         slab = vectors[0, index]
         own = [array[0, slot] for array in experts]
         pieces = unpack.layer_pieces(layout, layer, kind_rows, slab, own, shapes)
-        routed = {n: pieces.pop(f"ffn.{n}") for n in unpack.EXPERT_TENSORS if f"ffn.{n}" in pieces}
-        projected = {  # multiplied in pieces
-            key: pieces.pop(key) for key in map(unpack.piece_key, projected_parts.values())
-        }
-        mine = {}  # the MLP's pieces of this core, when they are used unassembled
-        if columns_split:
-            mine = {n.removeprefix("ffn."): pieces.pop(n) for n in list(pieces) if "ffn.w_" in n}
-        shared = {}  # the shared experts' pieces of this core, when split by columns
-        if shared_split:
-            shared = {
-                n.removeprefix("ffn."): pieces.pop(n)
-                for n in list(pieces)
-                if n.startswith("ffn.shared_")
-            }
-        heads = {}  # the attention's pieces of this core, when it computes its heads alone
-        if heads_split:
-            heads = {n: pieces.pop(n) for n in list(pieces) if n.startswith("attn.")}
+        kept = _kept_pieces(pieces, projected_parts, columns_split, shared_split, heads_split)
         gathered = {  # as unpack.assemble takes them: [ranks, *piece], a replicated one [1, ...]
             n: v[None] if n in whole else jax.lax.all_gather(v, axis) for n, v in pieces.items()
         }
@@ -399,6 +385,7 @@ def _layer_step(
         zero_centered = layout.zero_centered
         x = rms_norm(h, w["attn_norm"], layout.norm_eps, zero_centered)
         if heads_split:
+            heads = kept.heads
             if own_cache:  # without the mesh axis
                 cache = {n: v[0] for n, v in cache.items()}
             out, cache = core_attention(
@@ -412,21 +399,7 @@ def _layer_step(
             out, cache = reference.attention(spec, layer, attn, x, cache, position)
         h = h + out
         x = rms_norm(h, w["ffn_norm"], layout.norm_eps, zero_centered)
-        if columns_split:
-            return h + jax.lax.psum(reference.ffn(spec, layer, mine, x), axis), cache
-        weights = reference.layer_weights(w, "ffn.")
-        if not isinstance(ffn, MoELayout):
-            return h + reference.ffn(spec, layer, weights, x), cache
-        moe, on_this_core = spec.ffn_of(layer), _routed_on_this_core(ffn, routed, axis)
-        project = _project_pieces(projected_parts, projected, "ffn.", axis, multiply(weights))
-        if not shared_split:
-            return h + moe_ffn(moe, weights, x, spec.dims, on_this_core, project=project), cache
-        routed_only = moe.model_copy(update={"shared_experts": None})
-        out = moe_ffn(routed_only, weights, x, spec.dims, on_this_core, project=project)
-        mlp = jax.lax.psum(shared_mlp(moe, shared, x), axis)
-        if moe.shared_experts.gate:  # one scalar a token: gating the sum gates each share
-            mlp = mlp * jax.nn.sigmoid(mm(x, shared["shared_gate_proj"]))
-        return h + out + mlp, cache
+        return h + _ffn_out(spec, layer, ffn, w, x, kept, projected_parts, axis), cache
 
     replicated, sharded = P(), P(axis)
     n_experts = len(_expert_arrays(layout, layer))
@@ -442,6 +415,74 @@ def _layer_step(
         check_vma=False,
     )  # fmt: skip
     return jax.jit(step, donate_argnums=4)  # not h: the attention residual keeps snapshots
+
+
+@dataclass
+class _KeptPieces:
+    """A core's pieces of one layer that its layer step uses as they are, not
+    all-gathered (_kept_pieces): its experts, the projections multiplied in pieces, and,
+    None where the layer is not split so, the MLP's columns, the shared experts' columns
+    and the attention's pieces of the heads it computes alone."""
+
+    routed: dict[str, Any]
+    projected: dict[str, Any]
+    mine: dict[str, Any] | None
+    shared: dict[str, Any] | None
+    heads: dict[str, Any] | None
+
+
+def _kept_pieces(
+    pieces: dict[str, Any],
+    projected_parts: Mapping[str, Any],
+    columns_split: bool,
+    shared_split: bool,
+    heads_split: bool,
+) -> _KeptPieces:
+    """Take the _KeptPieces out of `pieces`, in this order; what stays in `pieces` is
+    assembled whole."""
+
+    def take(chosen: Callable[[str], bool], strip: str = "") -> dict[str, Any]:
+        return {n.removeprefix(strip): pieces.pop(n) for n in list(pieces) if chosen(n)}
+
+    expert_keys = {f"ffn.{n}" for n in unpack.EXPERT_TENSORS}
+    projected_keys = set(map(unpack.piece_key, projected_parts.values()))
+    routed = take(lambda n: n in expert_keys, "ffn.")
+    projected = take(lambda n: n in projected_keys)
+    mine = take(lambda n: "ffn.w_" in n, "ffn.") if columns_split else None
+    shared = take(lambda n: n.startswith("ffn.shared_"), "ffn.") if shared_split else None
+    heads = take(lambda n: n.startswith("attn.")) if heads_split else None
+    return _KeptPieces(routed, projected, mine, shared, heads)
+
+
+def _ffn_out(
+    spec: ModelSpec,
+    layer: int,
+    ffn: Any,
+    w: Mapping[str, Any],
+    x: jax.Array,
+    kept: _KeptPieces,
+    projected_parts: Mapping[str, Any],
+    axis: str,
+) -> jax.Array:
+    """The FFN's output for the normed chunk `x` on one core: an MLP split by columns
+    from the core's columns (summed over `axis`), a MoE layer from the core's experts
+    (and its shared experts' columns, when split), anything else from the whole weights."""
+    if kept.mine is not None:
+        return jax.lax.psum(reference.ffn(spec, layer, kept.mine, x), axis)
+    weights = reference.layer_weights(w, "ffn.")
+    if not isinstance(ffn, MoELayout):
+        return reference.ffn(spec, layer, weights, x)
+    moe, on_this_core = spec.ffn_of(layer), _routed_on_this_core(ffn, kept.routed, axis)
+    project = _project_pieces(projected_parts, kept.projected, "ffn.", axis, multiply(weights))
+    shared = kept.shared
+    if shared is None:
+        return moe_ffn(moe, weights, x, spec.dims, on_this_core, project=project)
+    routed_only = moe.model_copy(update={"shared_experts": None})
+    out = moe_ffn(routed_only, weights, x, spec.dims, on_this_core, project=project)
+    mlp = jax.lax.psum(shared_mlp(moe, shared, x), axis)
+    if moe.shared_experts.gate:  # one scalar a token: gating the sum gates each share
+        mlp = mlp * jax.nn.sigmoid(mm(x, shared["shared_gate_proj"]))
+    return out + mlp
 
 
 def _cache_cutter(spec: ModelSpec, layout: KernelLayout, mesh: Mesh, axis: str, layer: int):
