@@ -332,8 +332,11 @@ class Estimate(_Frozen):
 
     @property
     def headline(self) -> str:
-        """The step as every output states it: 'predicted 6.967 ms/step at batch 1 x rows 8'."""
-        return f"predicted {self.step_ms:.3f} ms/step at {self.point}"
+        """The step as every output states it: 'predicted 6.967 ms/step at batch 1 x rows 8
+        (verify only, no drafting)': with rows > 1 the step verifies drafts it does not
+        make, so it is not a step with a drafter's cost in it."""
+        verify_only = " (verify only, no drafting)" if self.rows > 1 else ""
+        return f"predicted {self.step_ms:.3f} ms/step at {self.point}{verify_only}"
 
     def describe(self) -> str:
         lines = [

@@ -472,6 +472,32 @@ class KernelLayout(PlanModel):
     operands_before_caches: int
     vmem_limit_bytes: int  # Mosaic's scoped VMEM limit: the chip catalog's (mkgen.hardware)
 
+    @property
+    def table_rows(self) -> dict[str, int]:
+        """The rows of the kernel's per-layer tables (LAYER_TABLES, in SMEM) by what they
+        hold: the kernel and the kinds' macros index the tables through these names."""
+        return {name: row for row, name in enumerate(LAYER_TABLE_ROWS)}
+
+    def collective_buffer(self, kind: str, collective: str) -> int:
+        """The landing buffer of layer kind `kind`'s collective `collective` (as
+        plan_collectives numbered them): what the kind's macros pass its round."""
+        use = f"{kind}.{collective}"
+        for buffer in self.collectives.buffers:
+            if any(u.split(" ")[0] == use for u in buffer.uses):
+                return buffer.index
+        raise SpecError(f"{use}: no collective buffer holds it (the plan runs no such round)")
+
+
+# The rows of the kernel's per-layer tables, in LAYER_TABLES' order (megakernel.py.j2).
+LAYER_TABLE_ROWS = (
+    "attention_kind",  # the layer's attention kind
+    "attention_slot",  # its cache slot
+    "ffn_kind",  # its FFN kind
+    "ffn_slot",  # its slot among the layers of its FFN kind
+    "attention_row",  # the first stream row of its attention
+    "ffn_row",  # of its FFN
+)
+
 
 # ---------------------------------------------------------------- building a layout
 
