@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3-30b-a3b --topology 2x2x1 --force`` (
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3-30b-a3b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 19bc2dd947562a129b2ba406de2e61ffe74ae5a4c2f9feb07eb405de5abe7a3a (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 7fb70e102e9179f915eb14f80ce8a93dabe8f841f1b2c9d78aec868020eb269b (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

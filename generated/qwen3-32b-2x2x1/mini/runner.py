@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3-32b --topology 2x2x1 --force`` (add 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3-32b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 2a7d69bee10183b4fadf5e4e56ef626f04dc8b5570d816d9dfe402db870f6f83 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 110791e039200b5772eb2df75877e9f27e93bf48029fc3a2360c2c6c896b3327 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 
