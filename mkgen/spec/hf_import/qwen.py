@@ -90,6 +90,37 @@ def _qwen_moe_table(c: Config, count: int, experts: int) -> list[str]:
     ]
 
 
+def _qwen_ffn_kinds(
+    c: Config, count: int, act: str, *, renormalize_default: bool, shared_key: str | None = None
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The dense and MoE FFN kinds of a Qwen3 MoE-family config and its FFN layer table
+    (the MoE kind only where a layer uses it); with `shared_key`, the MoE kind has one
+    gated shared expert of that width (Qwen3-Next)."""
+    experts = c.get_int(("num_experts", "num_local_experts"), minimum=0)
+    table = _qwen_moe_table(c, count, experts)
+    ffn_kinds: dict[str, dict[str, Any]] = {
+        "dense": {"type": "dense", "width": c.get_int("intermediate_size"), "activation": act}
+    }
+    top_k = c.get_int("num_experts_per_tok")
+    width = c.get_int("moe_intermediate_size")
+    shared = c.get_int(shared_key) if shared_key else None
+    renormalize = c.get_bool("norm_topk_prob", renormalize_default)
+    if "moe" in table:
+        check_router_groups(c, experts, top_k, 1, 1, ("num_experts", "num_experts_per_tok", "", ""))
+        moe: dict[str, Any] = {
+            "type": "moe",
+            "num_experts": experts,
+            "top_k": top_k,
+            "expert_width": width,
+            "activation": act,
+            "router": {"score": "softmax", "renormalize": renormalize},
+        }
+        if shared is not None:
+            moe["shared_experts"] = {"count": 1, "width": shared, "gate": True}
+        ffn_kinds["moe"] = moe
+    return ffn_kinds, table
+
+
 def qwen3_moe(c: Config) -> Parts:
     c.allow(*MOE_TRAINING_KEYS)
     count = c.get_layer_count()
@@ -106,24 +137,7 @@ def qwen3_moe(c: Config) -> Parts:
     window, sliding = _qwen_sliding(c, count, per_layer_types=False)
     attention_kinds, attention_table = sliding_kinds(base, window, sliding)
     act = activation_of(c)
-    experts = c.get_int(("num_experts", "num_local_experts"), minimum=0)
-    table = _qwen_moe_table(c, count, experts)
-    ffn_kinds: dict[str, dict[str, Any]] = {
-        "dense": {"type": "dense", "width": c.get_int("intermediate_size"), "activation": act}
-    }
-    top_k = c.get_int("num_experts_per_tok")
-    width = c.get_int("moe_intermediate_size")
-    renormalize = c.get_bool("norm_topk_prob", False)
-    if "moe" in table:
-        check_router_groups(c, experts, top_k, 1, 1, ("num_experts", "num_experts_per_tok", "", ""))
-        ffn_kinds["moe"] = {
-            "type": "moe",
-            "num_experts": experts,
-            "top_k": top_k,
-            "expert_width": width,
-            "activation": act,
-            "router": {"score": "softmax", "renormalize": renormalize},
-        }
+    ffn_kinds, table = _qwen_ffn_kinds(c, count, act, renormalize_default=False)
     return Parts(
         dims=dims,
         attention_kinds=attention_kinds,
@@ -158,26 +172,9 @@ def qwen3_next(c: Config) -> Parts:
     attention_table = [
         "full" if t == "full_attention" else "linear" for t in _qwen3_next_layer_types(c, count)
     ]
-    experts = c.get_int(("num_experts", "num_local_experts"), minimum=0)
-    table = _qwen_moe_table(c, count, experts)
-    ffn_kinds: dict[str, dict[str, Any]] = {
-        "dense": {"type": "dense", "width": c.get_int("intermediate_size"), "activation": act}
-    }
-    top_k = c.get_int("num_experts_per_tok")
-    width = c.get_int("moe_intermediate_size")
-    shared = c.get_int("shared_expert_intermediate_size")
-    renormalize = c.get_bool("norm_topk_prob", True)
-    if "moe" in table:
-        check_router_groups(c, experts, top_k, 1, 1, ("num_experts", "num_experts_per_tok", "", ""))
-        ffn_kinds["moe"] = {
-            "type": "moe",
-            "num_experts": experts,
-            "top_k": top_k,
-            "expert_width": width,
-            "activation": act,
-            "router": {"score": "softmax", "renormalize": renormalize},
-            "shared_experts": {"count": 1, "width": shared, "gate": True},
-        }
+    ffn_kinds, table = _qwen_ffn_kinds(
+        c, count, act, renormalize_default=True, shared_key="shared_expert_intermediate_size"
+    )
     mtp_layers(c, ("num_nextn_predict_layers", "mtp_num_hidden_layers"))
     return Parts(
         dims=dims,
