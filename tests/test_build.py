@@ -124,6 +124,27 @@ def test_inputs_hash_covers_the_templates(tmp_path: Path, monkeypatch) -> None:
     assert before not in digests and len(digests) == 2
 
 
+def test_the_inputs_hash_reads_the_templates_a_build_loads_and_no_other(
+    tmp_path: Path, monkeypatch
+) -> None:
+    files = {
+        "root.j2": '{% import "kinds/a.py.j2" as a %}{{ a.x() }}',
+        "dynamic.j2": '{% import "kinds/" ~ kind ~ ".py.j2" as k %}',
+        "kinds/a.py.j2": '{% import "kinds/b.py.j2" as b %}{% macro x() %}{% endmacro %}',
+        "kinds/b.py.j2": "",
+        "kinds/unused.py.j2": "",  # a kind folder no template imports
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(digest, "template_file", lambda name: tmp_path / name)
+    macros = {n: tmp_path / n for n in files if n.startswith("kinds/")}
+    monkeypatch.setattr(digest, "macro_files", lambda: macros)
+    assert digest.loaded_templates(("root.j2",)) == ("root.j2", "kinds/a.py.j2", "kinds/b.py.j2")
+    # An import Jinja cannot name before rendering may load any kind's macros.
+    assert digest.loaded_templates(("dynamic.j2",)) == ("dynamic.j2", *sorted(macros))
+
+
 def test_inputs_hash_covers_the_formatter_version(monkeypatch) -> None:
     spec, topo, options = _inputs()
     args = {"bank_rows": 4096, "ring_depth": 12}

@@ -14,17 +14,41 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from jinja2 import meta
+
 from mkgen import __version__
 from mkgen.codegen.library import expanded_template
-from mkgen.codegen.render import formatter_version, template_file
+from mkgen.codegen.render import environment, formatter_version, template_file
 from mkgen.kinds import macro_files
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology
 
-# Every template a build renders: the kernel's includes its layer kinds' macros, by the
-# names templates import them under (kinds/<kind>.py.j2, mkgen.kinds.macro_files).
-TEMPLATE_FILES = ("megakernel.py.j2", "runner.py.j2", "REPORT.md.j2") + tuple(macro_files())
+# The templates a build renders its files from.
+ROOT_TEMPLATES = ("megakernel.py.j2", "runner.py.j2", "REPORT.md.j2")
+
+
+def loaded_templates(roots: tuple[str, ...]) -> tuple[str, ...]:
+    """`roots`, then every template they import, transitively, sorted by name: what Jinja
+    loads to render them (a layer kind's macros by the name templates import them under,
+    kinds/<kind>.py.j2). A kind folder no template imports is not an input of any build.
+    A name Jinja cannot know before rendering (an import of an expression) counts every
+    kind's macros, so nothing a build may load goes unhashed."""
+    env = environment()
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        source = expanded_template(template_file(name).read_bytes(), name)
+        found = list(meta.find_referenced_templates(env.parse(source)))
+        todo += list(macro_files()) if None in found else [n for n in found if n is not None]
+    return roots + tuple(sorted(seen - set(roots)))
+
+
+TEMPLATE_FILES = loaded_templates(ROOT_TEMPLATES)
 
 
 def _canonical(data: Any) -> str:

@@ -7,7 +7,7 @@ stream itself is planned in mkgen/plan/stream.py.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from mkgen.errors import SpecError
 from mkgen.plan.collectives import CollectivePlan
@@ -76,6 +76,13 @@ class Rope(PlanModel):
 
 class GQALayout(PlanModel):
     type: Literal["gqa"] = "gqa"
+    # Facts of the kind, not of one build (ClassVar: plan.json's `type` picks the record
+    # class, so reading a plan back restores them). Stages after the plan read these
+    # instead of testing a kind's name.
+    recurrent: ClassVar[bool] = False  # its cache is rows indexed by position
+    # The spec's head fields (kind.model_fields) -> this record's per-core counts: a
+    # core's share of the kind is the spec's kind with these replaced (the prefill).
+    own_heads: ClassVar[dict[str, str]] = {"num_heads": "heads", "num_kv_heads": "kv_heads"}
     name: str
     index: int  # position among the model's attention kinds (the layer table's code)
     layers: list[int]  # model layers of this kind, in order (cache slot = position here)
@@ -116,6 +123,8 @@ class MLALayout(PlanModel):
     `head_dim` whose values are its first `value_dim` columns."""
 
     type: Literal["mla"] = "mla"
+    recurrent: ClassVar[bool] = False  # as GQALayout's
+    own_heads: ClassVar[dict[str, str]] = {"num_heads": "heads"}
     name: str
     index: int
     layers: list[int]
@@ -156,6 +165,15 @@ class RecurrentLayout(PlanModel):
     a per-key-dim decay from a low-rank projection; output gated by a sigmoid gate."""
 
     type: Literal["gated_deltanet", "kda"]
+    # Its cache is a state a rejected draft row must not advance: the runner keeps the
+    # snapshot after each sequence's last accepted row (GQALayout has the facts' rules).
+    recurrent: ClassVar[bool] = True
+    # KDA's spec names num_heads (as many key as value heads), Gated DeltaNet's both.
+    own_heads: ClassVar[dict[str, str]] = {
+        "num_heads": "value_heads",
+        "num_key_heads": "key_heads",
+        "num_value_heads": "value_heads",
+    }
     name: str
     index: int
     layers: list[int]
@@ -178,6 +196,8 @@ class RecurrentLayout(PlanModel):
 
 class DenseLayout(PlanModel):
     type: Literal["dense"] = "dense"
+    # A fact of the kind (ClassVar, as GQALayout's): no routed-expert arrays to pack.
+    routed_experts: ClassVar[bool] = False
     name: str
     index: int
     layers: list[int]
@@ -343,6 +363,9 @@ def expert_chunks(
 
 class MoELayout(PlanModel):
     type: Literal["moe"] = "moe"
+    # A fact of the kind (ClassVar, as GQALayout's): its experts are HBM arrays of their
+    # own (ExpertChunks), packed per core beside the stream.
+    routed_experts: ClassVar[bool] = True
     name: str
     index: int
     layers: list[int]
