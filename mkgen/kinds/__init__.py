@@ -1,7 +1,7 @@
 """The layer kinds: one folder each, holding everything mkgen knows of the kind beyond its
 spec schema and its reference math.
 
-A kind's folder (`gqa/`, `mla/`, `gated_deltanet/`, `kda/`, `dense/`, `moe/`) holds its
+A kind's folder (one per type of registry.py: `gqa/`, `moe/`, ...) holds its
 rules in its `__init__.py` (the plan's `LayerKind` protocol, mkgen/plan/kind.py: sharding
 rule, fused stream segments, layout builder, VMEM buffers, op program) and its template
 macros in `macros.py.j2`, which templates import as ``kinds/<folder>.py.j2``. The shared

@@ -211,6 +211,22 @@ class DenseLayout(PlanModel):
     vectors: list[VectorRow]
 
 
+class MLPLayout(PlanModel):
+    """A plain MLP (mkgen.kinds.mlp): act(x W_up) W_down, width split over cores."""
+
+    type: Literal["mlp"] = "mlp"
+    routed_experts: ClassVar[bool] = False  # as DenseLayout's
+    name: str
+    index: int
+    layers: list[int]
+    width: int  # per core
+    activation: str  # a single-input activation: _activation's gated form with up = 1
+    activation_params: dict[str, float]  # none (common.activation_constants prints them)
+    segments: list[Segment]  # up, down
+    ops: list[str]  # the layer's ops in program order (mkgen.kinds.mlp.OPS): the kernel's order
+    vectors: list[VectorRow]
+
+
 # Expert array dtypes (the VMEM plan's names) -> jnp names for the template.
 INT8_TILE_ROWS = 32  # 8-bit VMEM tiles are (32, 128)
 JNP_DTYPES = {"bf16": "bfloat16", "f32": "float32", "int8": "int8", "fp8": "float8_e4m3fn"}
@@ -471,7 +487,7 @@ class KernelLayout(PlanModel):
     logit_softcap: float | None
     stream: StreamPlan
     attention: list[GQALayout | MLALayout | RecurrentLayout]
-    ffn: list[DenseLayout | MoELayout]
+    ffn: list[DenseLayout | MLPLayout | MoELayout]
     attention_table: list[int]  # kind index of every layer
     ffn_table: list[int]
     attention_slot: list[int]  # position of every layer among layers of its kind
@@ -620,7 +636,7 @@ def check_formats(spec: ModelSpec, stream: StreamPlan) -> None:
     check_stream_formats("lm_head", stream.tail)
 
 
-def slab_rows(kind: DenseLayout | MoELayout) -> int:
+def slab_rows(kind: DenseLayout | MLPLayout | MoELayout) -> int:
     """Rows of a layer's vector slab an FFN kind uses after its first row."""
     rows = sum(v.rows for v in kind.vectors)
     if isinstance(kind, MoELayout) and kind.bias_row is not None:
@@ -628,7 +644,7 @@ def slab_rows(kind: DenseLayout | MoELayout) -> int:
     return rows
 
 
-def slab_width(kind: DenseLayout | MoELayout) -> int:
+def slab_width(kind: DenseLayout | MLPLayout | MoELayout) -> int:
     """The widest row an FFN kind puts in a layer's vector slab."""
     widths = [v.length for v in kind.vectors]
     if isinstance(kind, MoELayout) and kind.bias_row is not None:
@@ -658,7 +674,7 @@ def stream_formats(segments: list[Segment]) -> list[StreamFormat]:
 
 def kernel_features(
     attention: list[GQALayout | MLALayout | RecurrentLayout],
-    ffn: list[DenseLayout | MoELayout],
+    ffn: list[DenseLayout | MLPLayout | MoELayout],
     stream_formats: list[StreamFormat],
     held_refills: bool,
 ) -> KernelFeatures:
