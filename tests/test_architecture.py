@@ -107,10 +107,14 @@ def test_a_stage_imports_only_the_stages_before_it(stage: str) -> None:
     assert back == []
 
 
-# A kind is named by the user's input (the spec schema, the Hugging Face importer) and
-# its math is defined once (the reference); everything after dispatches through the
-# KindRegistry instead of testing a kind's name.
-DISPATCHING = ("plan",)
+# Every stage after the spec and the reference that is not the kinds themselves: it
+# dispatches through the KindRegistry, or reads a fact of a kind's layout record, instead
+# of testing a kind's name. Exempt, on purpose: mkgen/spec (the schema and the Hugging
+# Face importer are where the user's input names a kind, and the spec's figures and mini
+# twin are per-kind rules of the schema), mkgen/reference (each kind's math, defined once
+# and dispatched by type) and mkgen/kinds (a kind's own folder names itself).
+DISPATCHING = ("plan", "codegen", "weights", "verify", "runtime", "serve", "cli")
+EXEMPT = {"spec", "reference", "kinds"}
 
 
 def _schema_kinds() -> tuple[set[str], set[str]]:
@@ -171,6 +175,13 @@ def test_a_stage_after_the_spec_never_tests_a_kinds_name(stage: str) -> None:
         for line in _kind_branches(ast.parse(path.read_text()), types, classes)
     ]
     assert found == [], "dispatch through the KindRegistry instead: " + ", ".join(found)
+
+
+def test_every_stage_is_dispatching_or_exempt_by_name() -> None:
+    """A new stage (a folder of mkgen/) must be put in DISPATCHING or EXEMPT on purpose."""
+    stages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    stages -= {"kernellib", "templates", "model_specs"}  # kernel text and data: no dispatch
+    assert stages == set(DISPATCHING) | EXEMPT
 
 
 @pytest.mark.parametrize(

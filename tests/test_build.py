@@ -111,17 +111,47 @@ def test_inputs_hash_covers_the_templates(tmp_path: Path, monkeypatch) -> None:
     spec, topo, options = _inputs()
     args = {"bank_rows": 4096, "ring_depth": 12}
     before = inputs_digest(spec, topo, options, args)
-    for name in digest.TEMPLATE_FILES:
+    for name in digest.template_files(spec):
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_bytes(digest.template_file(name).read_bytes())
     monkeypatch.setattr(digest, "template_file", lambda name: tmp_path / name)
     assert inputs_digest(spec, topo, options, args) == before
     digests = set()
-    for name in ("runner.py.j2", "kinds/moe.py.j2"):  # a layer kind's macros too
+    for name in ("runner.py.j2", "kinds/dense.py.j2"):  # a layer kind's macros too
         with open(tmp_path / name, "a") as handle:
             handle.write("\n")
         digests.add(inputs_digest(spec, topo, options, args))
     assert before not in digests and len(digests) == 2
+
+
+def test_the_inputs_hash_reads_the_templates_a_build_loads_and_no_other(
+    tmp_path: Path, monkeypatch
+) -> None:
+    files = {
+        "root.j2": '{% import "kinds/a.py.j2" as a %}{{ a.x() }}',
+        "dynamic.j2": '{% import "kinds/" ~ kind ~ ".py.j2" as k %}',
+        "kinds/a.py.j2": '{% import "kinds/b.py.j2" as b %}{% macro x() %}{% endmacro %}',
+        "kinds/b.py.j2": "",
+        "kinds/unused.py.j2": "",  # a kind folder no template imports
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(digest, "template_file", lambda name: tmp_path / name)
+    assert digest.loaded_templates(("root.j2",), ["unused"]) == (
+        "root.j2", "kinds/a.py.j2", "kinds/b.py.j2",
+    )  # fmt: skip
+    # An import by a record's type loads the macros of the build's kinds, and theirs.
+    assert digest.loaded_templates(("dynamic.j2",), ["a"]) == (
+        "dynamic.j2", "kinds/a.py.j2", "kinds/b.py.j2",
+    )  # fmt: skip
+
+
+def test_the_kernel_hashes_the_macros_of_its_specs_kinds_only() -> None:
+    spec, _, _ = _inputs()  # GQA attention and dense FFN
+    kinds = {name for name in digest.template_files(spec) if name.startswith("kinds/")}
+    assert {"kinds/gqa.py.j2", "kinds/dense.py.j2", "kinds/cache_attention.py.j2"} <= kinds
+    assert not kinds & {"kinds/moe.py.j2", "kinds/mla.py.j2", "kinds/kda.py.j2"}
 
 
 def test_inputs_hash_covers_the_formatter_version(monkeypatch) -> None:

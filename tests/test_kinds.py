@@ -14,7 +14,7 @@ from mkgen.codegen.build import render_kernel
 from mkgen.codegen.conformance import consumed_segments
 from mkgen.codegen.render import environment, template_file
 from mkgen.errors import SpecError
-from mkgen.kinds import default_registry, macro_files, moe
+from mkgen.kinds import default_registry, macro_files, macro_name, moe
 from mkgen.plan import BuildOptions, plan_build
 from mkgen.plan.kind import LayerKind
 from mkgen.plan.layout import GENERATED_EXPERT_FORMATS
@@ -53,9 +53,13 @@ def _called(call: nodes.Call) -> str:
     return getattr(target, "attr", None) or getattr(target, "name", "")
 
 
+def _schema_members(union: object) -> tuple[type, ...]:
+    """The spec's kind classes of AttentionKind or FFNKind."""
+    return typing.get_args(typing.get_args(union)[0])
+
+
 def _schema_types(union: object) -> set[str]:
-    members = typing.get_args(typing.get_args(union)[0])
-    return {typing.get_args(m.model_fields["type"].annotation)[0] for m in members}
+    return {typing.get_args(m.model_fields["type"].annotation)[0] for m in _schema_members(union)}
 
 
 def _kernel_templates() -> list[str]:
@@ -96,12 +100,11 @@ def test_every_kind_of_the_schema_has_a_module_and_macros(
     types: set[str], macros: set[str]
 ) -> None:
     env = environment()
-    kernel = env.parse(template_file(KERNEL_TEMPLATE).read_text())
-    imported = {i.target: i.template.value for i in kernel.find_all(nodes.Import)}
     for type_ in types:
         module = default_registry()[type_]
         assert set(vars(module)) >= MODULE_NAMES, type_
-        assert imported.get(type_) == module.TEMPLATE, type_
+        # The kernel imports a record's macros by its type: kinds/<type>.py.j2.
+        assert macro_name(type_) == module.TEMPLATE and module.TEMPLATE in macro_files(), type_
         defined = {m.name for m in env.parse(env.loader.get_source(env, module.TEMPLATE)[0])
                    .find_all(nodes.Macro)}  # fmt: skip
         assert macros <= defined, (type_, macros - defined)
@@ -158,3 +161,26 @@ def _kimi_plan():  # the program unchecked: a swapped order may wait on the ring
 
 def test_every_generated_expert_format_has_a_note_for_the_kernel() -> None:
     assert set(GENERATED_EXPERT_FORMATS) == set(moe.FORMAT_NOTES)
+
+
+def _record_classes(field: str) -> tuple[type, ...]:
+    """The layout record classes KernelLayout's `field` (attention, ffn) holds."""
+    from mkgen.plan.layout import KernelLayout
+
+    (union,) = typing.get_args(KernelLayout.model_fields[field].annotation)
+    return typing.get_args(union)
+
+
+def test_every_layout_record_states_the_facts_the_later_stages_read() -> None:
+    """The stages after the plan read these instead of a kind's name: class facts of the
+    record (restored from plan.json by its type tag, never written into it), with
+    own_heads naming head fields of a spec kind and counts of the record."""
+    spec_fields = {f for m in _schema_members(AttentionKind) for f in m.model_fields}
+    for record in _record_classes("attention"):
+        assert isinstance(record.recurrent, bool), record.__name__
+        assert set(record.own_heads) <= spec_fields, record.__name__
+        assert set(record.own_heads.values()) <= set(record.model_fields), record.__name__
+        assert {"recurrent", "own_heads"}.isdisjoint(record.model_fields), record.__name__
+    for record in _record_classes("ffn"):
+        assert isinstance(record.routed_experts, bool), record.__name__
+        assert "routed_experts" not in record.model_fields, record.__name__

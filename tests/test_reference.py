@@ -65,12 +65,14 @@ GQA_SPEC = {
         },
         "gelu": {"type": "dense", "width": 48, "activation": "gelu_tanh", "bias": True},
         "plain_mlp": {"type": "dense", "width": 48, "activation": "gelu", "gated": False},
+        "toy": {"type": "mlp", "width": 48, "activation": "silu"},  # the plain MLP kind
     },
     "layers": {
         "count": 4,
         "attention": {"pattern": ["slide", "gated", "plain", "slide"]},
         "ffn": {"default": "moe", "rules": [{"kind": "gelu", "indices": [1]},
-                                            {"kind": "plain_mlp", "indices": [2]}]},
+                                            {"kind": "plain_mlp", "indices": [2]},
+                                            {"kind": "toy", "indices": [3]}]},
     },
 }  # fmt: skip
 

@@ -22,7 +22,7 @@ from mkgen.spec.files import spec_from_dict, spec_to_dict
 from mkgen.spec.loader import list_spec_names, load_spec
 from mkgen.spec.mini import mini_twin
 from mkgen.spec.quant import parse_format
-from mkgen.spec.weights import model_weights
+from mkgen.spec.weights import ffn_weights, model_weights
 
 # A small valid spec that every invalid case below breaks in exactly one place.
 BASE: dict[str, Any] = {
@@ -81,6 +81,14 @@ def test_base_is_valid() -> None:
     assert spec.ffn_table() == ["mlp", "moe", "moe", "moe"]
 
 
+def test_a_plain_mlp_kind_has_an_up_and_a_down_projection() -> None:
+    spec = spec_from_dict(
+        _with("ffn_kinds.mlp", {"type": "mlp", "width": 32, "activation": "silu"})
+    )
+    tensors = {w.name: w.shape for w in ffn_weights(spec.ffn_kinds["mlp"], spec.dims.hidden)}
+    assert tensors == {"w_up": (spec.dims.hidden, 32), "w_down": (32, spec.dims.hidden)}
+
+
 # (case id, broken spec, text the one-line error must contain)
 INVALID_SPECS = [
     ("unknown-top-key", _with("colour", "blue"), "colour: unknown key"),
@@ -118,6 +126,11 @@ INVALID_SPECS = [
     ),
     ("mla-kv-rank-zero", _with("attention_kinds.mla.kv_lora_rank", 0), "kv_lora_rank"),
     ("unknown-activation", _with("ffn_kinds.mlp.activation", "relu6"), "unknown activation"),
+    (
+        "plain-mlp-gated-activation",
+        _with("ffn_kinds.mlp", {"type": "mlp", "width": 32, "activation": "situ"}),
+        "ffn_kinds.mlp.activation: Input should be 'silu' or 'gelu_tanh'",
+    ),
     (
         "activation-extra-param",
         _with("ffn_kinds.mlp.activation", {"kind": "silu", "limit": 7.0}),

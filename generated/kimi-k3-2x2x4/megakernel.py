@@ -5,7 +5,7 @@ regenerate with `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --force` (add -o 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Kimi K3: 93 layers, 3 KDA to 1 MLA plus a final MLA layer, latent MoE of 896 experts, top-16"
 Build options: batch 1, rows 8, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 14 refills held for collectives, 5 a round.
-Inputs sha256: e04a9ea9d14896b6d654d7ecedaff53beb2579a938928d3f410e8bc1fa77b210 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 9af74d5f9b0e8fd27e45d2e2ded50e7857177e0b31977441fa71e3d8c0fdd89b (spec JSON, topology, options, templates, ruff version).
 
 Each of the 32 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x

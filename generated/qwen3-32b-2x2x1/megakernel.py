@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3-32b --topology 2x2x1 --force` (add -o and thi
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Imported from the Hugging Face config qwen3-32b.json (Qwen3ForCausalLM, model_type qwen3)."
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 10 refills held for collectives, 14 a round.
-Inputs sha256: c269c650e9eb93aeac4d81230297dd8fc42640714049e1ea4fc61ebcfb5a0481 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 59d478243333bbfb96cd3ad023c733843fa201ad8d5b7c8f20cfd4790a62f930 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x

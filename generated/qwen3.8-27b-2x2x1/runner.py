@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3.8-27b --topology 2x2x1 --force` (add -o and t
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Qwen3.8-27B: 64 layers, pattern LLLF (Gated DeltaNet x3, gated GQA), SwiGLU 17408"
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 8 refills held for collectives, 14 a round.
-Inputs sha256: a93db31a78e7cad204fd04d45e5c00101043b1a2187acfff9471b69ac55e4410 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 2c951c85df2b40d8fc0e258c15c2ea1cc07c07daabad2df933a231e5993c83b7 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

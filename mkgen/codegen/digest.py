@@ -11,20 +11,53 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+from jinja2 import meta
 
 from mkgen import __version__
 from mkgen.codegen.library import expanded_template
-from mkgen.codegen.render import formatter_version, template_file
-from mkgen.kinds import macro_files
+from mkgen.codegen.render import environment, formatter_version, template_file
+from mkgen.kinds import macro_name
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology
 
-# Every template a build renders: the kernel's includes its layer kinds' macros, by the
-# names templates import them under (kinds/<kind>.py.j2, mkgen.kinds.macro_files).
-TEMPLATE_FILES = ("megakernel.py.j2", "runner.py.j2", "REPORT.md.j2") + tuple(macro_files())
+# The templates a build renders its files from.
+ROOT_TEMPLATES = ("megakernel.py.j2", "runner.py.j2", "REPORT.md.j2")
+
+
+def loaded_templates(roots: tuple[str, ...], kind_types: Iterable[str]) -> tuple[str, ...]:
+    """`roots`, then every template they import, transitively, sorted by name: what Jinja
+    loads to render them. The kernel imports a layer kind's macros by the type of each
+    record of its layout (an import of an expression, which Jinja cannot name before
+    rendering), so such an import loads the macros of `kind_types`: the kinds of the
+    build's spec. A kind folder no build's spec uses is not an input of that build."""
+    env = environment()
+    kind_macros = [macro_name(kind_type) for kind_type in kind_types]
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        source = expanded_template(template_file(name).read_bytes(), name)
+        found = list(meta.find_referenced_templates(env.parse(source)))
+        todo += [n for n in found if n is not None] + (kind_macros if None in found else [])
+    return roots + tuple(sorted(seen - set(roots)))
+
+
+def spec_kind_types(spec: ModelSpec) -> tuple[str, ...]:
+    """The types of the spec's layer kinds, each once, attention kinds first."""
+    kinds = (*spec.attention_kinds.values(), *spec.ffn_kinds.values())
+    return tuple(dict.fromkeys(kind.type for kind in kinds))
+
+
+def template_files(spec: ModelSpec) -> tuple[str, ...]:
+    """The templates a build of `spec` loads (its inputs among the templates)."""
+    return loaded_templates(ROOT_TEMPLATES, spec_kind_types(spec))
 
 
 def _canonical(data: Any) -> str:
@@ -42,7 +75,7 @@ def inputs_digest(
         name: hashlib.sha256(
             expanded_template(template_file(name).read_bytes(), name).encode()
         ).hexdigest()
-        for name in TEMPLATE_FILES
+        for name in template_files(spec)
     }
     data = {
         "mkgen": __version__,

@@ -64,9 +64,6 @@ PLAN_FORMAT = 1
 # The mini twin's cache length: verify_numerics' default, one 128-token KV tile, and room
 # for a short prompt plus a few decode steps in the mini runner.
 MINI_CONTEXT = 128
-# Attention types whose cache is a recurrent state (not rows indexed by position): the
-# runner keeps the snapshot after each sequence's last accepted row.
-RECURRENT = ("gated_deltanet", "kda")
 _MODEL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 
 
@@ -294,7 +291,9 @@ def _render_runner(
         context=options.context,
         vocab_used=layout.vocab_used,
         default_steps=min(8, options.context // 4),
-        recurrent_kinds=repr(tuple(a.name for a in layout.attention if a.type in RECURRENT)),
+        # Kinds whose cache is a recurrent state: the runner keeps the snapshot after each
+        # sequence's last accepted row (RecurrentLayout.recurrent).
+        recurrent_kinds=repr(tuple(a.name for a in layout.attention if a.recurrent)),
     )
 
 

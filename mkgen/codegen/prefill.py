@@ -55,7 +55,7 @@ from mkgen.reference import model as reference
 from mkgen.reference.attention import Cache
 from mkgen.reference.ffn import moe_ffn, shared_mlp
 from mkgen.reference.layers import Project, gated_activation, mm, multiply, rms_norm
-from mkgen.spec.schema import AttentionKind, GQAAttention, ModelSpec
+from mkgen.spec.schema import AttentionKind, ModelSpec
 from mkgen.spec.weights import attention_weights, model_weights
 from mkgen.weights import unpack
 from mkgen.weights.pack import expert_arrays
@@ -302,14 +302,14 @@ def _own_heads_kind(spec: ModelSpec, layer: int, attention: AttentionLayout) -> 
     kv (key) heads they read, kv heads shared by several cores computed by each of them;
     no output bias (added once, after the cores' outputs are summed)."""
     kind = spec.attention_of(layer)
-    if isinstance(attention, MLALayout):
-        own = {"num_heads": attention.heads}
-    elif isinstance(attention, GQALayout):
-        own = {"num_heads": attention.heads, "num_kv_heads": attention.kv_heads, "o_bias": False}
-    elif attention.type == "kda":
-        own = {"num_heads": attention.value_heads}
-    else:
-        own = {"num_key_heads": attention.key_heads, "num_value_heads": attention.value_heads}
+    fields = type(kind).model_fields
+    own: dict[str, object] = {
+        field: getattr(attention, count)
+        for field, count in attention.own_heads.items()
+        if field in fields
+    }
+    if "o_bias" in fields:
+        own["o_bias"] = False
     return kind.model_copy(update=own)
 
 
@@ -366,7 +366,7 @@ def _layer_step(
     projected_parts = _projected_parts(ffn)
     whole = _replicated_pieces(attention, ffn)
     kind = spec.attention_of(layer)
-    o_bias = heads_split and isinstance(kind, GQAAttention) and kind.o_bias
+    o_bias = heads_split and getattr(kind, "o_bias", False)  # kinds with an output bias
 
     def body(stream, vectors, experts, h, cache, position, firsts, index, slot):
         rows = stream[0].reshape(-1, stream.shape[-1])

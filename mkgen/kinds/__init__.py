@@ -1,7 +1,7 @@
 """The layer kinds: one folder each, holding everything mkgen knows of the kind beyond its
 spec schema and its reference math.
 
-A kind's folder (`gqa/`, `mla/`, `gated_deltanet/`, `kda/`, `dense/`, `moe/`) holds its
+A kind's folder (one per type of registry.py: `gqa/`, `moe/`, ...) holds its
 rules in its `__init__.py` (the plan's `LayerKind` protocol, mkgen/plan/kind.py: sharding
 rule, fused stream segments, layout builder, VMEM buffers, op program) and its template
 macros in `macros.py.j2`, which templates import as ``kinds/<folder>.py.j2``. The shared
@@ -26,6 +26,11 @@ from mkgen.kinds.registry import default_registry
 MACROS = "macros.py.j2"  # a kind folder's template macros
 
 
+def macro_name(kind_type: str) -> str:
+    """The name templates import the macros of the kind (or shared folder) `kind_type` by."""
+    return f"kinds/{kind_type}.py.j2"
+
+
 @cache
 def macro_files() -> dict[str, Traversable]:
     """Every kind folder's macros by the name templates import them under
@@ -33,7 +38,7 @@ def macro_files() -> dict[str, Traversable]:
     wheel renders what a checkout does."""
     root = resources.files(__name__)
     folders = sorted((d for d in root.iterdir() if d.is_dir()), key=lambda d: d.name)
-    return {f"kinds/{d.name}.py.j2": d / MACROS for d in folders if (d / MACROS).is_file()}
+    return {macro_name(d.name): d / MACROS for d in folders if (d / MACROS).is_file()}
 
 
-__all__ = ["MACROS", "default_registry", "macro_files"]
+__all__ = ["MACROS", "default_registry", "macro_files", "macro_name"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from mkgen.kinds import dense, gated_deltanet, gqa, kda, mla, moe
+from mkgen.kinds import dense, gated_deltanet, gqa, kda, mla, mlp, moe
 from mkgen.plan.kind import KindRegistry, LayerKind
 
 
@@ -23,6 +23,7 @@ def default_registry() -> KindRegistry:
         "gated_deltanet": gated_deltanet,
         "kda": kda,
         "dense": dense,
+        "mlp": mlp,
         "moe": moe,
     }
     return KindRegistry(kinds)

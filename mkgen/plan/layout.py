@@ -7,7 +7,7 @@ stream itself is planned in mkgen/plan/stream.py.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from mkgen.errors import SpecError
 from mkgen.plan.collectives import CollectivePlan
@@ -76,6 +76,13 @@ class Rope(PlanModel):
 
 class GQALayout(PlanModel):
     type: Literal["gqa"] = "gqa"
+    # Facts of the kind, not of one build (ClassVar: plan.json's `type` picks the record
+    # class, so reading a plan back restores them). Stages after the plan read these
+    # instead of testing a kind's name.
+    recurrent: ClassVar[bool] = False  # its cache is rows indexed by position
+    # The spec's head fields (kind.model_fields) -> this record's per-core counts: a
+    # core's share of the kind is the spec's kind with these replaced (the prefill).
+    own_heads: ClassVar[dict[str, str]] = {"num_heads": "heads", "num_kv_heads": "kv_heads"}
     name: str
     index: int  # position among the model's attention kinds (the layer table's code)
     layers: list[int]  # model layers of this kind, in order (cache slot = position here)
@@ -116,6 +123,8 @@ class MLALayout(PlanModel):
     `head_dim` whose values are its first `value_dim` columns."""
 
     type: Literal["mla"] = "mla"
+    recurrent: ClassVar[bool] = False  # as GQALayout's
+    own_heads: ClassVar[dict[str, str]] = {"num_heads": "heads"}
     name: str
     index: int
     layers: list[int]
@@ -156,6 +165,15 @@ class RecurrentLayout(PlanModel):
     a per-key-dim decay from a low-rank projection; output gated by a sigmoid gate."""
 
     type: Literal["gated_deltanet", "kda"]
+    # Its cache is a state a rejected draft row must not advance: the runner keeps the
+    # snapshot after each sequence's last accepted row (GQALayout has the facts' rules).
+    recurrent: ClassVar[bool] = True
+    # KDA's spec names num_heads (as many key as value heads), Gated DeltaNet's both.
+    own_heads: ClassVar[dict[str, str]] = {
+        "num_heads": "value_heads",
+        "num_key_heads": "key_heads",
+        "num_value_heads": "value_heads",
+    }
     name: str
     index: int
     layers: list[int]
@@ -178,6 +196,8 @@ class RecurrentLayout(PlanModel):
 
 class DenseLayout(PlanModel):
     type: Literal["dense"] = "dense"
+    # A fact of the kind (ClassVar, as GQALayout's): no routed-expert arrays to pack.
+    routed_experts: ClassVar[bool] = False
     name: str
     index: int
     layers: list[int]
@@ -188,6 +208,22 @@ class DenseLayout(PlanModel):
     bias: bool
     segments: list[Segment]  # gate_up (gate | up), down
     ops: list[str]  # the layer's ops in program order (mkgen.kinds.dense.OPS): the kernel's order
+    vectors: list[VectorRow]
+
+
+class MLPLayout(PlanModel):
+    """A plain MLP (mkgen.kinds.mlp): act(x W_up) W_down, width split over cores."""
+
+    type: Literal["mlp"] = "mlp"
+    routed_experts: ClassVar[bool] = False  # as DenseLayout's
+    name: str
+    index: int
+    layers: list[int]
+    width: int  # per core
+    activation: str  # a single-input activation: _activation's gated form with up = 1
+    activation_params: dict[str, float]  # none (common.activation_constants prints them)
+    segments: list[Segment]  # up, down
+    ops: list[str]  # the layer's ops in program order (mkgen.kinds.mlp.OPS): the kernel's order
     vectors: list[VectorRow]
 
 
@@ -343,6 +379,9 @@ def expert_chunks(
 
 class MoELayout(PlanModel):
     type: Literal["moe"] = "moe"
+    # A fact of the kind (ClassVar, as GQALayout's): its experts are HBM arrays of their
+    # own (ExpertChunks), packed per core beside the stream.
+    routed_experts: ClassVar[bool] = True
     name: str
     index: int
     layers: list[int]
@@ -448,7 +487,7 @@ class KernelLayout(PlanModel):
     logit_softcap: float | None
     stream: StreamPlan
     attention: list[GQALayout | MLALayout | RecurrentLayout]
-    ffn: list[DenseLayout | MoELayout]
+    ffn: list[DenseLayout | MLPLayout | MoELayout]
     attention_table: list[int]  # kind index of every layer
     ffn_table: list[int]
     attention_slot: list[int]  # position of every layer among layers of its kind
@@ -597,7 +636,7 @@ def check_formats(spec: ModelSpec, stream: StreamPlan) -> None:
     check_stream_formats("lm_head", stream.tail)
 
 
-def slab_rows(kind: DenseLayout | MoELayout) -> int:
+def slab_rows(kind: DenseLayout | MLPLayout | MoELayout) -> int:
     """Rows of a layer's vector slab an FFN kind uses after its first row."""
     rows = sum(v.rows for v in kind.vectors)
     if isinstance(kind, MoELayout) and kind.bias_row is not None:
@@ -605,7 +644,7 @@ def slab_rows(kind: DenseLayout | MoELayout) -> int:
     return rows
 
 
-def slab_width(kind: DenseLayout | MoELayout) -> int:
+def slab_width(kind: DenseLayout | MLPLayout | MoELayout) -> int:
     """The widest row an FFN kind puts in a layer's vector slab."""
     widths = [v.length for v in kind.vectors]
     if isinstance(kind, MoELayout) and kind.bias_row is not None:
@@ -635,7 +674,7 @@ def stream_formats(segments: list[Segment]) -> list[StreamFormat]:
 
 def kernel_features(
     attention: list[GQALayout | MLALayout | RecurrentLayout],
-    ffn: list[DenseLayout | MoELayout],
+    ffn: list[DenseLayout | MLPLayout | MoELayout],
     stream_formats: list[StreamFormat],
     held_refills: bool,
 ) -> KernelFeatures:

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from mkgen.reference.layers import Project, act_fn, einsum, gated_activation, mm, multiply, rms_norm
-from mkgen.spec.schema import DenseFFN, Dims, MoEFFN
+from mkgen.spec.schema import DenseFFN, Dims, MoEFFN, PlainMLP
 
 Weights = Mapping[str, jax.Array]
 # (kind, weights, x [N, d], chosen [N, top_k], weights [N, top_k]) -> [N, d]: routed_experts
@@ -53,6 +53,11 @@ def dense_ffn(kind: DenseFFN, w: Weights, x: jax.Array) -> jax.Array:
     if kind.bias:
         out = out + w["b_down"]
     return out
+
+
+def plain_mlp(kind: PlainMLP, w: Weights, x: jax.Array) -> jax.Array:
+    """act(x W_up) W_down."""
+    return mm(act_fn(kind.activation, mm(x, w["w_up"])), w["w_down"])
 
 
 def router_scores(

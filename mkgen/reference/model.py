@@ -55,7 +55,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from mkgen.reference.attention import gqa_attention, init_gqa_cache, init_mla_cache, mla_attention
-from mkgen.reference.ffn import ChooseExperts, RoutedExperts, dense_ffn, moe_ffn, routed_experts
+from mkgen.reference.ffn import (
+    ChooseExperts,
+    RoutedExperts,
+    dense_ffn,
+    moe_ffn,
+    plain_mlp,
+    routed_experts,
+)
 from mkgen.reference.layers import Project, mm, rms_norm, softcap
 from mkgen.reference.linear_attention import (
     gated_deltanet_attention,
@@ -67,12 +74,14 @@ from mkgen.spec.schema import (
     AttentionKind,
     DenseFFN,
     Dims,
+    FFNKind,
     GatedDeltaNetAttention,
     GQAAttention,
     KDAAttention,
     MLAAttention,
     ModelSpec,
     MoEFFN,
+    PlainMLP,
 )
 from mkgen.spec.weights import VECTORS, WeightSpec, model_weights
 
@@ -258,7 +267,7 @@ def ffn(
 
 
 def kind_ffn(
-    kind: DenseFFN | MoEFFN,
+    kind: FFNKind,
     w: Weights,
     x: jax.Array,
     dims: Dims,
@@ -268,12 +277,14 @@ def kind_ffn(
     """The FFN of `kind` of x [B, T, hidden] (normed) (ffn)."""
     if isinstance(kind, DenseFFN):
         return dense_ffn(kind, w, x)
+    if isinstance(kind, PlainMLP):
+        return plain_mlp(kind, w, x)
     return moe_ffn(kind, w, x, dims, routed, choose)
 
 
 def decoder_layer(
     attention_kind: AttentionKind,
-    ffn_kind: DenseFFN | MoEFFN,
+    ffn_kind: FFNKind,
     w: Weights,
     h: jax.Array,
     cache: dict[str, jax.Array],

@@ -26,6 +26,7 @@ from mkgen.spec.schema import (
     MLAAttention,
     ModelSpec,
     MoEFFN,
+    PlainMLP,
 )
 
 MINI_HIDDEN = 256
@@ -119,7 +120,7 @@ def _mini_attention(kind: Any, shards: int) -> dict[str, Any]:
 
 def _mini_ffn(kind: Any, shards: int, shared_block: int = 0) -> dict[str, Any]:
     data = kind.model_dump(mode="json")
-    if isinstance(kind, DenseFFN):
+    if isinstance(kind, DenseFFN | PlainMLP):
         data["width"] = min(kind.width, MINI_FFN_WIDTH)
         return data
     assert isinstance(kind, MoEFFN)

@@ -293,6 +293,16 @@ class DenseFFN(StrictModel):
     bias: bool = False
 
 
+class PlainMLP(StrictModel):
+    """A plain MLP: act(x W_up) W_down, no gate and no biases (the kind
+    docs/adding-a-layer-kind.md adds as its worked example)."""
+
+    type: Literal["mlp"]
+    width: Width
+    # Single-input activations the kernel has (its gated _activation with up = 1).
+    activation: Literal["silu", "gelu_tanh"]
+
+
 class Router(StrictModel):
     """How a token chooses its experts and weighs their outputs."""
 
@@ -362,7 +372,7 @@ class MoEFFN(StrictModel):
         return self
 
 
-FFNKind = Annotated[DenseFFN | MoEFFN, Field(discriminator="type")]
+FFNKind = Annotated[DenseFFN | PlainMLP | MoEFFN, Field(discriminator="type")]
 
 
 # ---------------------------------------------------------------- layer table

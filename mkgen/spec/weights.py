@@ -24,6 +24,7 @@ from mkgen.spec.schema import (
     MLAAttention,
     ModelSpec,
     MoEFFN,
+    PlainMLP,
 )
 
 VECTORS = "vectors"  # norms, biases, conv taps, gate constants: always bf16
@@ -190,6 +191,10 @@ def ffn_weights(kind: object, hidden: int) -> list[WeightSpec]:
                 WeightSpec("b_down", (hidden,), VECTORS),
             ]
         return out
+    if isinstance(kind, PlainMLP):
+        return [
+            WeightSpec(n, s, f) for n, s, f in _gated_mlp("w_", hidden, kind.width, "mlp", False)
+        ]
     assert isinstance(kind, MoEFFN)
     e, f = kind.num_experts, kind.expert_width
     d = kind.latent.width if kind.latent else hidden

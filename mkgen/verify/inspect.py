@@ -34,7 +34,7 @@ from pydantic import ValidationError
 
 from mkgen.errors import MkgenError
 from mkgen.hardware import vmem_padded_bytes
-from mkgen.plan.layout import KernelLayout
+from mkgen.plan.layout import GQALayout, KernelLayout, MLALayout, RecurrentLayout
 from mkgen.plan.stream import Segment
 
 # ---------------------------------------------------------------- source structure
@@ -392,7 +392,7 @@ def _helper_dmas(build: Build, helper: Function) -> list[str]:
     L = build.layout
     name = helper.name
     attention = next((a for a in L.attention if name.endswith(f"_{a.name}")), None)
-    moe = next((f for f in L.ffn if f.type == "moe" and name.endswith(f"_{f.name}")), None)
+    moe = next((f for f in L.ffn if f.routed_experts and name.endswith(f"_{f.name}")), None)
     if name.startswith("_write_cache_") and attention:
         n = 2 * L.batch * attention.kv_heads
         return [
@@ -578,6 +578,17 @@ def _summarise(owner: list[str], first: int, last: int) -> str:
     return "; ".join(f"{a}-{b} {what}" if a != b else f"{a} {what}" for a, b, what in runs)
 
 
+def _cache_lines(a: GQALayout | MLALayout | RecurrentLayout, slot: int) -> list[str]:
+    """Where a layer's cache lies in its kind's per-core cache arrays (CacheArray: every
+    kind's, from its layout), and the tiles it is read in when the kind streams it."""
+    arrays = ", ".join(
+        f"{a.name}_{c.name}_hbm[0, {slot}] = {c.shape[1:]} {c.dtype}" for c in a.caches
+    )
+    tile = getattr(a, "kv_tile", None)  # kinds attending over a KV cache stream it in tiles
+    tiles = f", tiles of {tile} tokens" if tile else ""
+    return [f"  cache slot {slot} of kind {a.name!r}: {arrays} per core{tiles}"]
+
+
 def layer_view(ref: str | Path, layer: int) -> str:
     """One layer: its kinds, stream banks, cache slot, and the source that runs it."""
     build = load_build(ref)
@@ -611,13 +622,7 @@ def layer_view(ref: str | Path, layer: int) -> str:
         out.append(
             f"    in flight on entry (ring of {depth}): {_summarise(owner, entry, entry + depth - 1)}"
         )
-    if a.type == "gqa":
-        out.append(
-            f"  cache slot {L.attention_slot[layer]} of kind {a.name!r}: "
-            f"{a.name}_k_hbm / {a.name}_v_hbm[0, {L.attention_slot[layer]}] = "
-            f"[{L.batch}, {a.kv_heads}, {L.context}, {a.head_dim}] bf16 per core, "
-            f"tiles of {a.kv_tile} tokens"
-        )
+    out += _cache_lines(a, L.attention_slot[layer])
     for main in (f"_attention_{a.name}", f"_ffn_{f.name}"):
         fn = fns.get(main)
         if fn is None:

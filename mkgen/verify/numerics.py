@@ -427,7 +427,6 @@ def _run_child(
 
     from mkgen.plan.collectives import arrange_devices
     from mkgen.reference import model as reference
-    from mkgen.spec.schema import MoEFFN
     from mkgen.weights.quantize import stored_random_weights
 
     topology, spec, layout, kernel = _child_kernel(
@@ -449,7 +448,9 @@ def _run_child(
         vector_clock_size=max(4 * devices, 8),
         uninitialized_memory="nan",
     )
-    moe_layers = [i for i in range(spec.layers.count) if isinstance(spec.ffn_of(i), MoEFFN)]
+    moe_layers = [
+        i for i in range(spec.layers.count) if layout.ffn[layout.ffn_table[i]].routed_experts
+    ]
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, layout.vocab_used, size=(batch, rows)).astype(np.int32)
     checks = []

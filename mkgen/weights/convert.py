@@ -74,7 +74,7 @@ from mkgen import __version__
 from mkgen.errors import MkgenError
 from mkgen.output import check_directory, progress_bar, resolved_target
 from mkgen.plan.layout import KernelLayout
-from mkgen.spec.schema import ModelSpec, MoEFFN
+from mkgen.spec.schema import ModelSpec
 from mkgen.spec.weights import model_weights
 from mkgen.weights import pack
 
@@ -174,6 +174,10 @@ class InventorySource:
         pass
 
 
+# An FFN kind's routing fields (spec name -> the name a mismatch is reported by).
+ROUTING_FACTS = {"num_experts": "experts", "top_k": "top_k"}
+
+
 def _architecture(spec: ModelSpec) -> dict[str, Any]:
     """The figures a checkpoint's config must share with the spec it is converted for,
     by name (layer by layer, since a YAML spec may name its kinds otherwise)."""
@@ -189,9 +193,12 @@ def _architecture(spec: ModelSpec) -> dict[str, Any]:
         facts[f"layer {i} attention"] = attn.type
         facts[f"layer {i} rope theta"] = rope.theta if rope is not None else None
         facts[f"layer {i} ffn"] = ffn.type
-        if isinstance(ffn, MoEFFN):
-            facts[f"layer {i} experts"] = ffn.num_experts
-            facts[f"layer {i} top_k"] = ffn.top_k
+        # Routed kinds' routing figures, by the spec's field names (kinds without them
+        # have none).
+        fields = type(ffn).model_fields
+        for field, fact in ROUTING_FACTS.items():
+            if field in fields:
+                facts[f"layer {i} {fact}"] = getattr(ffn, field)
     return facts
 
 

@@ -263,7 +263,7 @@ def expert_arrays(layout: KernelLayout) -> list[tuple[int, int]]:
     array when the scales are inline)."""
     out = []
     for index, f in enumerate(layout.ffn):
-        if f.type == "moe":
+        if f.routed_experts:
             out += [(index, j) for j in range(f.experts.arrays)]
     return out
 
@@ -281,7 +281,7 @@ def pack_experts_layer(
     r % width_parts (MoELayout). Every chunk is quantized on its own, so packing a layer at
     a time gives the same bytes as packing the kind at once."""
     f = layout.ffn[layout.ffn_table[layer]]
-    if f.type != "moe":
+    if not f.routed_experts:
         return []
     e = f.experts
     ids, cols = expert_ids_and_columns(f, rank)
@@ -339,7 +339,7 @@ def pack_experts(
     MoE kind, its layers' pack_experts_layer arrays stacked [layers of the kind, ...]."""
     out = []
     for f in layout.ffn:
-        if f.type == "moe":
+        if f.routed_experts:
             per_layer = [pack_experts_layer(layout, tensors, rank, n) for n in f.layers]
             out += [np.stack(arrays) for arrays in zip(*per_layer, strict=True)]
     return out

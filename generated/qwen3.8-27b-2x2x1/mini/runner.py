@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3.8-27b --topology 2x2x1 --force`` (ad
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3.8-27b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: be865dd47fb333c6908fd4b3c114b9b889cc96acb7fbb3f69df6cb23a0586fc5 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 0c21c11b09ab7308d9b57af49846d7bbcf5b3c7793791ad85f5f3d6f8e88c84c (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -75,13 +75,19 @@ def buffers(out: Any, i: BufferInputs) -> None:
 
 def program(b: Any, s: Step) -> int:
     """The layer's ops (OPS): gate|up, the activation, down, all-reduce."""
+    return stream_mlp_program(b, s, OPS, "gate_up")
+
+
+def stream_mlp_program(b: Any, s: Step, ops: list[str], activation_input: str) -> int:
+    """An MLP's ops in `ops` order: stream matmuls, the activation over the output of
+    segment `activation_input`, and the all-reduce of the down projection ("combine")."""
     layer, name, segs, first = s.layer, s.name, s.segments, s.stream_row
     y = s.x
-    for op in OPS:
+    for op in ops:
         if op == "activation":
-            y = b.vec(layer, f"{name}: activation", y, 8 * b.t * segs["gate_up"].fan_out)
+            y = b.vec(layer, f"{name}: activation", y, 8 * b.t * segs[activation_input].fan_out)
         elif op == "combine":
             y = b.collective(layer, s.collectives.get("ffn_out"), y)
-        else:  # gate_up, down: stream matmuls
+        else:  # stream matmuls
             y = b.segment(layer, name, segs[op], first, y)
     return y
