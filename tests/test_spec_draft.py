@@ -191,3 +191,23 @@ def test_a_config_that_is_not_a_dflash_drafter_is_refused(tmp_path: Path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpecError, match="is_causal: a block drafter drafts non-causally"):
         import_block_draft(tmp_path)
+
+
+def test_import_hf_keep_mtp_writes_the_mtp_draft_section_and_names_the_flag(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(_config("deepseek_v3", num_nextn_predict_layers=1)))
+    kept = mkgen("import-hf", str(config), "--name", "m", "--keep-mtp")
+    assert kept.returncode == 0, kept.stderr
+    assert "mkgen import-hf config.json --keep-mtp --name m" in kept.stdout
+    assert spec_from_dict(yaml.safe_load(kept.stdout), "stdout").draft.kind == "mtp"
+    plain = mkgen("import-hf", str(config), "--name", "m")
+    assert plain.returncode == 0, plain.stderr
+    assert (
+        "--keep-mtp" not in plain.stdout
+        and spec_from_dict(yaml.safe_load(plain.stdout), "stdout").draft is None
+    )
+
+
+def test_import_hf_keep_mtp_on_a_config_without_mtp_layers_is_one_line():
+    result = mkgen("import-hf", str(FIXTURES / "qwen3" / "config.json"), "--keep-mtp")
+    assert_user_error(result, "--keep-mtp: the config has no multi-token-prediction layers")

@@ -171,13 +171,21 @@ def show_command(spec_ref: str, as_json: bool, mini: bool, layers: bool) -> None
 @click.argument("config", type=click.Path(path_type=Path))
 @output_option("Write the spec here.")
 @click.option("--name", help="Spec name (default: the directory's or file's name).")
+@click.option(
+    "--keep-mtp",
+    is_flag=True,
+    help="Keep the checkpoint's multi-token-prediction layers as the spec's `mtp` draft "
+    "section (no kernel drafts with it yet: docs/drafting.md).",
+)
 @force_option("Overwrite an existing output file.")
-def import_hf_command(config: Path, output: Path | None, name: str | None, force: bool) -> None:
+def import_hf_command(
+    config: Path, output: Path | None, name: str | None, keep_mtp: bool, force: bool
+) -> None:
     """Map a Hugging Face config.json, or a checkpoint directory's, to a model spec (YAML
     on stdout or -o FILE)."""
     from mkgen.spec.hf_import import render_spec_yaml
 
-    text = render_spec_yaml(config, name)
+    text = render_spec_yaml(config, name, keep_mtp)
     if output is None:
         click.echo(text, nl=False)
         return
