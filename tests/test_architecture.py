@@ -13,7 +13,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mkgen"
 # What each stage may import from the other stages (and always itself, mkgen.errors,
-# mkgen.hardware, mkgen.output, mkgen's __init__).
+# mkgen.hardware, mkgen.host_devices, mkgen.output, mkgen's __init__).
 # mkgen/kinds sits after the plan: each kind's module builds on the plan's records and
 # satisfies its LayerKind protocol (mkgen/plan/kind.py); the plan dispatches through the
 # KindRegistry its caller passes in, and imports no kind.

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mkgen.host_devices import cpu_device_variables
 from mkgen.kinds import default_registry
 
 SPECS = Path(__file__).parent / "specs"
@@ -320,12 +321,7 @@ def _dots_child(spec_refs: list[str]) -> dict:
 def _run_child(mode: str, spec_refs: list[str]) -> dict:
     """The results of this file run as a script in `mode` over `spec_refs`, in a process
     of its own with 8 virtual CPU devices."""
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
-        "PYTHONDONTWRITEBYTECODE": "1",
-    }
+    env = {**os.environ, **cpu_device_variables(8, os.environ), "PYTHONDONTWRITEBYTECODE": "1"}
     child = subprocess.run(
         [sys.executable, __file__, mode, *spec_refs], capture_output=True, text=True,
         timeout=840, env=env, cwd=Path(__file__).parent,

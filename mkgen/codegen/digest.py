@@ -28,25 +28,26 @@ from mkgen.spec.topology import Topology
 ROOT_TEMPLATES = ("megakernel.py.j2", "runner.py.j2", "REPORT.md.j2")
 
 
-def loaded_templates(roots: tuple[str, ...], kind_types: Iterable[str]) -> tuple[str, ...]:
+def loaded_templates(roots: tuple[str, ...], kind_types: Iterable[str]) -> dict[str, str]:
     """`roots`, then every template they import, transitively, sorted by name: what Jinja
-    loads to render them. The kernel imports a layer kind's macros by the type of each
-    record of its layout (an import of an expression, which Jinja cannot name before
-    rendering), so such an import loads the macros of `kind_types`: the kinds of the
-    build's spec. A kind folder no build's spec uses is not an input of that build."""
+    loads to render them, each name -> its source as Jinja reads it (library directives
+    expanded). The kernel imports a layer kind's macros by the type of each record of its
+    layout (an import of an expression, which Jinja cannot name before rendering), so such
+    an import loads the macros of `kind_types`: the kinds of the build's spec. A kind
+    folder no build's spec uses is not an input of that build."""
     env = environment()
     kind_macros = [macro_name(kind_type) for kind_type in kind_types]
-    seen: set[str] = set()
+    sources: dict[str, str] = {}
     todo = list(roots)
     while todo:
         name = todo.pop()
-        if name in seen:
+        if name in sources:
             continue
-        seen.add(name)
-        source = expanded_template(template_file(name).read_bytes(), name)
-        found = list(meta.find_referenced_templates(env.parse(source)))
+        sources[name] = expanded_template(template_file(name).read_bytes(), name)
+        found = list(meta.find_referenced_templates(env.parse(sources[name])))
         todo += [n for n in found if n is not None] + (kind_macros if None in found else [])
-    return roots + tuple(sorted(seen - set(roots)))
+    order = roots + tuple(sorted(set(sources) - set(roots)))
+    return {name: sources[name] for name in order}
 
 
 def spec_kind_types(spec: ModelSpec) -> tuple[str, ...]:
@@ -55,8 +56,9 @@ def spec_kind_types(spec: ModelSpec) -> tuple[str, ...]:
     return tuple(dict.fromkeys(kind.type for kind in kinds))
 
 
-def template_files(spec: ModelSpec) -> tuple[str, ...]:
-    """The templates a build of `spec` loads (its inputs among the templates)."""
+def template_files(spec: ModelSpec) -> dict[str, str]:
+    """The templates a build of `spec` loads (its inputs among the templates): name ->
+    source as Jinja reads it."""
     return loaded_templates(ROOT_TEMPLATES, spec_kind_types(spec))
 
 
@@ -72,10 +74,8 @@ def inputs_digest(
     """sha256 of everything a build is rendered from (`spec` with its overrides applied)."""
     # Each template as Jinja reads it: with the kernel library members it includes.
     template_digests = {
-        name: hashlib.sha256(
-            expanded_template(template_file(name).read_bytes(), name).encode()
-        ).hexdigest()
-        for name in template_files(spec)
+        name: hashlib.sha256(source.encode()).hexdigest()
+        for name, source in template_files(spec).items()
     }
     data = {
         "mkgen": __version__,

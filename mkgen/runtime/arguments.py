@@ -12,23 +12,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from mkgen.errors import MkgenError
+from mkgen.errors import MkgenError, first_line
 from mkgen.runtime.build import Build
 from mkgen.runtime.devices import check_multi_host_flags
+from mkgen.runtime.sampling_bounds import (
+    MIN_TEMPERATURE,
+    SEED_LIMIT,
+    TEMPERATURE_RULE,
+    TOP_P_RULE,
+    temperature_fits,
+    top_p_fits,
+)
 
 # Seeds numpy's default_rng (sampling) and jax.random.key (--random-weights) both take.
-SEED_MAX = 2**32 - 1
 DEFAULT_PROMPT = "1,2,3,4"
 NGRAM_DEFAULT = 3  # longest suffix the prompt-lookup drafter matches
 STEPS_PER_CALL_DEFAULT = 8
 WARMUP_DEFAULT = 2
 TOKENIZER_FILE = "tokenizer.json"  # what mkgen convert copies beside the weights
-# Sampling bounds (docs/serving.md, "Sampling"): logits are tempered in f32 on the device, and
-# below 0.01 a temperature only draws the greedy token (give 0), above 100 a near-uniform
-# one; a top-p below 1e-6 keeps the likeliest token alone (and rounds to 0 in f32 below
-# about 1e-45, which would keep none).
-TEMPERATURE_RANGE = (0.01, 100.0)
-TOP_P_MIN = 1e-6
 
 
 class OptionParser(argparse.ArgumentParser):
@@ -106,7 +107,7 @@ def _add_weight_options(parser: OptionParser, build: Build) -> None:
     )
     source.add_argument(
         "--random-weights",
-        type=integer(0, SEED_MAX),
+        type=integer(0, SEED_LIMIT - 1),
         metavar="SEED",
         help="the reference model's random weights (mkgen.reference.model.init_weights)",
     )
@@ -169,13 +170,12 @@ def _add_sampling_options(parser: OptionParser, build: Build) -> None:
     parser.add_argument(
         "--stop-ids", metavar="IDS", default="", help="comma-separated ids that end a sequence"
     )
-    low, high = TEMPERATURE_RANGE
     parser.add_argument(
         "--temperature",
-        type=number(f"0 (greedy) or in [{low:g}, {high:g}]", lambda t: t == 0 or low <= t <= high),
+        type=number(TEMPERATURE_RULE, temperature_fits),
         default=0.0,
         metavar="T",
-        help=f"0 (default): greedy; else sample, at a temperature from {low:g} to {high:g}",
+        help=f"0 (default): greedy; else sample at temperature T (finite, >= {MIN_TEMPERATURE:g})",
     )
     parser.add_argument(
         "--top-k",
@@ -186,13 +186,13 @@ def _add_sampling_options(parser: OptionParser, build: Build) -> None:
     )
     parser.add_argument(
         "--top-p",
-        type=number(f"in [{TOP_P_MIN:g}, 1]", lambda p: TOP_P_MIN <= p <= 1),
+        type=number(TOP_P_RULE, top_p_fits),
         default=1.0,
         metavar="P",
-        help=f"sample from the smallest set of mass >= P ({TOP_P_MIN:g} to 1)",
+        help="sample from the smallest set of mass >= P (0 < P <= 1)",
     )
     parser.add_argument(
-        "--seed", type=integer(0, SEED_MAX), default=0, metavar="SEED", help="sampling seed"
+        "--seed", type=integer(0, SEED_LIMIT - 1), default=0, metavar="SEED", help="sampling seed"
     )
 
 
@@ -282,7 +282,7 @@ def load_tokenizer(path: str | None, weights: str | None, *, verify: bool = True
     try:
         return Tokenizer.from_file(path)
     except Exception as error:  # a missing or malformed file: one line
-        reason = (str(error).splitlines() or [type(error).__name__])[0]
+        reason = first_line(error)
         raise MkgenError(f"--tokenizer {path}: not a {TOKENIZER_FILE} ({reason})") from None
 
 

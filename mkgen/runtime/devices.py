@@ -7,7 +7,8 @@ import os
 from argparse import Namespace
 from typing import Any
 
-from mkgen.errors import MkgenError
+from mkgen.errors import MkgenError, first_line
+from mkgen.host_devices import cpu_device_variables
 from mkgen.runtime.build import Build
 
 
@@ -16,11 +17,8 @@ def configure(build: Build, interpret: bool, meshes: int = 1, processes: int = 1
     devices for each of `meshes` meshes (a disaggregated prefill has its own), shared
     evenly by the `processes` of a multi-host job."""
     if interpret:
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        flags = os.environ.get("XLA_FLAGS", "")
         per_process = build.devices * meshes // processes
-        count = f"--xla_force_host_platform_device_count={per_process}"
-        os.environ["XLA_FLAGS"] = f"{flags} {count}".strip()
+        os.environ.update(cpu_device_variables(per_process, os.environ))
 
 
 # Why `--multi-host --interpret` is refused (mkgen run, mkgen serve).
@@ -101,8 +99,7 @@ def visible_devices() -> list[Any]:
         try:
             devices = jax.devices()
         except RuntimeError as error:
-            first = (str(error).splitlines() or [type(error).__name__])[0]
-            raise MkgenError(f"JAX could not start a backend: {first}") from None
+            raise MkgenError(f"JAX could not start a backend: {first_line(error)}") from None
     return sorted(devices, key=lambda d: d.id)
 
 

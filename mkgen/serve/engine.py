@@ -65,6 +65,7 @@ from mkgen.runtime.decode import (
 )
 from mkgen.runtime.devices import host_value
 from mkgen.runtime.disaggregation import hand_over, offload, restore
+from mkgen.runtime.sampling_bounds import sampling_problem
 from mkgen.runtime.slots import extract_sequence, insert_sequence
 from mkgen.runtime.weights import embedding_on_devices
 from mkgen.serve import HOST_CACHE_MIB
@@ -78,11 +79,6 @@ QUEUE_LIMIT = 64  # requests waiting beyond the free slots; more are answered 42
 # sequence waits for at most (beyond one prompt) before its next tokens.
 PREFILL_TOKENS_PER_TURN = 256
 RETRY_AFTER_S = 1  # what a 429 or 503 tells the client to wait
-SEED_LIMIT = 2**32  # seeds are uint32 on the device
-# The smallest temperature but 0 (greedy): far smaller ones overflow the float32 logits
-# (logit / temperature) into NaN draws, and this one is already all but greedy.
-MIN_TEMPERATURE = 1e-5
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 # An idle multi-host leader still shares a turn this often: the other processes wait for
 # it inside a collective, which must not sit long enough to time out.
 IDLE_TURN_S = 1.0
@@ -106,21 +102,12 @@ class GenerationParams:
 
 def params_problem(params: GenerationParams, vocab_used: int) -> tuple[str, str] | None:
     """The first field of `params` the device call cannot take as it is, and why (None:
-    every one fits): max_tokens >= 1, temperature 0 or finite in [MIN_TEMPERATURE, float32's
-    largest], top_p in (0, 1] and not 0 in float32, top_k in [0, vocab_used], seed a
-    uint32. The HTTP layer refuses such a request (400); the engine ends one that gets
-    past it alone, before it joins a device call."""
-    t, top_p, top_k, seed = params.temperature, params.top_p, params.top_k, params.seed
-    checks = (
-        ("max_tokens", params.max_tokens >= 1, f"must be at least 1, got {params.max_tokens}"),
-        ("temperature", t == 0 or MIN_TEMPERATURE <= t <= FLOAT32_MAX,
-         f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {t}"),
-        ("top_p", 0 < top_p <= 1 and np.float32(top_p) > 0, f"must be in (0, 1], got {top_p}"),
-        ("top_k", 0 <= top_k <= vocab_used,
-         f"must be in [0, {vocab_used}] (the vocabulary; 0: every token), got {top_k}"),
-        ("seed", 0 <= seed < SEED_LIMIT, f"must be in [0, 2^32), got {seed}"),
-    )  # fmt: skip
-    return next(((name, why) for name, fits, why in checks if not fits), None)
+    every one fits): max_tokens >= 1, then the sampling rule `mkgen run` applies too
+    (mkgen.runtime.sampling_bounds). The HTTP layer refuses such a request (400); the engine
+    ends one that gets past it alone, before it joins a device call."""
+    if params.max_tokens < 1:
+        return "max_tokens", f"must be at least 1, got {params.max_tokens}"
+    return sampling_problem(params.temperature, params.top_k, params.top_p, params.seed, vocab_used)
 
 
 @dataclass(frozen=True)

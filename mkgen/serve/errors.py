@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
+from mkgen.errors import first_line
+
 
 class OpenAIError(Exception):
     """A request refused with an OpenAI-style error object."""
@@ -35,4 +37,4 @@ def shown(value: str, limit: int = 64) -> str:
 
 def one_line(error: BaseException) -> str:
     """An exception as one short log line: its type and its message's first line."""
-    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+    return f"{type(error).__name__}: {first_line(error)[:200]}"

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from mkgen.errors import MkgenError
+from mkgen.errors import MkgenError, first_line
 from mkgen.runtime import devices
 from mkgen.runtime.arguments import load_tokenizer
 from mkgen.runtime.build import Build
@@ -181,9 +181,9 @@ def _follow(engine: Engine, build: Build) -> None:
     try:
         engine.run()
     except Exception as error:  # a collective failed: process 0 is gone
-        first = (str(error).splitlines() or [type(error).__name__])[0]
         raise MkgenError(
-            f"process {jax.process_index()}: process 0's turns stopped arriving ({first}); "
+            f"process {jax.process_index()}: process 0's turns stopped arriving "
+            f"({first_line(error)}); "
             "restart every process of the job"
         ) from None
     _check_warm_up(engine)

@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mkgen.errors import MkgenError
+from mkgen.host_devices import cpu_device_variables
 
 LOGIT_ATOL = 1e-2
 LOGIT_RTOL = 2e-2
@@ -185,13 +186,7 @@ def verify_numerics(
     if mode not in INTERPRET_MODES:
         raise MkgenError(f"unknown DMA execution mode {mode!r}; use one of {INTERPRET_MODES}")
     devices = parse_topology(topology).num_devices
-    env = {
-        **os.environ,
-        # The caller's XLA flags are kept; the device count comes last, so it holds.
-        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
-        f"--xla_force_host_platform_device_count={devices}".strip(),
-        "JAX_PLATFORMS": "cpu",
-    }
+    env = {**os.environ, **cpu_device_variables(devices, os.environ)}
     args = [
         sys.executable, "-m", "mkgen.verify.numerics", spec_ref, topology, mode,
         str(steps), str(batch), str(rows), str(context), str(seed),

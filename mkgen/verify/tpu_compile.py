@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mkgen.errors import MkgenError
+from mkgen.errors import MkgenError, first_line
 from mkgen.spec.topology import Topology
 
 _USED_VMEM = re.compile(r'"used_scoped_memory_configs":\[([^\]]*)\]')
@@ -89,9 +89,6 @@ def compile_for_tpu(fn: Callable[..., Any], args: Sequence[Any]) -> CompileRepor
         with quiet_stderr():
             compiled = fn.trace(*args).lower(lowering_platforms=("tpu",)).compile()
     except Exception as error:  # Mosaic reports through several exception types
-        first = str(error).strip().splitlines()
-        raise CompileError(
-            f"TPU compile failed: {first[0] if first else type(error).__name__}"
-        ) from error
+        raise CompileError(f"TPU compile failed: {first_line(error)}") from error
     seconds = time.perf_counter() - start
     return CompileReport(seconds=seconds, vmem_bytes=used_vmem_bytes(compiled.as_text()))
