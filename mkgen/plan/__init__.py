@@ -294,6 +294,22 @@ def _round_refills(topo: Topology, options: BuildOptions, bank_bytes: int) -> in
     return max(1, int(min(c.collective_phase_s, c.cross_host_phase_s) / c.dma_s(bank_bytes)))
 
 
+def _priced(
+    topo: Topology, options: BuildOptions, program: ProgramPlan, checked: bool, trace: bool,
+    drafting: ModelSpec | None,
+) -> tuple[Estimate | None, DraftPrice | None]:  # fmt: skip
+    """The program's estimate and, for a `drafting` spec, its drafter's price (the estimate
+    then of verify + draft). A program that fails a check may wait for ever: only a checked
+    one is priced."""
+    if not checked:
+        return None, None
+    walked = estimate(topo, options, program, trace=trace)
+    if drafting is None:
+        return walked, None
+    drafter = price_draft(drafting, topo, options, kinds=program.kinds)
+    return walked.with_draft(drafter.ms), drafter
+
+
 def plan_build(
     spec: ModelSpec,
     topo: Topology,
@@ -338,33 +354,15 @@ def plan_build(
         held_refills=held_refills,
         refills_per_round=refills_per_round,
     )
-    spec, sharding, stream, vmem, schedule = (
-        program.spec,
-        program.sharding,
-        program.stream,
-        program.vmem,
-        program.schedule,
-    )
-    kernel = build_layout(
-        spec,
-        topo,
-        sharding,
-        stream,
-        options,
-        kinds=kinds,
-        max_piece_chunks=max_piece_chunks,
-        expert_slots=vmem.expert_slots,
-        trace_residuals=trace_residuals,
-    )
+    spec, sharding, stream = program.spec, program.sharding, program.stream
+    vmem, schedule = program.vmem, program.schedule
+    kernel = build_layout(spec, topo, sharding, stream, options, kinds=kinds,
+                          max_piece_chunks=max_piece_chunks, expert_slots=vmem.expert_slots,
+                          trace_residuals=trace_residuals)  # fmt: skip
     step = analyse(schedule, vmem)
     if enforce:
         step.enforce()
-    # A program that fails a check may wait for ever: only a checked one is priced.
-    walked = estimate(topo, options, program, trace=trace) if step.ok else None
-    drafter = None
-    if drafting is not None and walked is not None:
-        drafter = price_draft(drafting, topo, options, kinds=kinds)
-        walked = walked.with_draft(drafter.ms)
+    walked, drafter = _priced(topo, options, program, step.ok, trace, drafting)
     plan = BuildPlan(
         options=options,
         chips=topo.num_chips,
