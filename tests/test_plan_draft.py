@@ -223,3 +223,21 @@ def test_build_verify_and_compile_do_not_take_draft_yet(command) -> None:
         mkgen(command, "qwen3.8-27b", "--topology", "2x2x1", "--rows", "8", "--draft", "mtp"),
         "--draft",
     )
+
+
+def test_the_bar_names_both_drafters_and_the_draft_that_makes_it_like_for_like() -> None:
+    from mkgen.plan.floor import IdealFloor
+    from mkgen.plan.published import bar_text
+
+    floor = IdealFloor(
+        weight_bytes_per_core=9.572e9, expert_bytes_per_core=0, cache_bytes_per_core=0,
+        stream_rate=3.2e12,
+    )  # fmt: skip
+    (kimi,) = (hand for hand in HAND_WRITTEN if hand.model == "kimi-k3")
+    build = bar_text(6.967, floor, kimi)  # a build: it drafts nothing
+    assert "with a DSpark drafter" in build and "not like for like" in build
+    assert "`mkgen plan --draft kimi-k3-mtp` prices verify + draft" in build
+    drafted = bar_text(6.967, floor, kimi, 0.747, "mtp: 1 module(s)")
+    assert "verify 6.967 + draft 0.747 = 7.714 ms (predicted, drafter mtp: 1 module(s))" in drafted
+    assert "9% faster, like for like" in drafted and "not like for like" not in drafted
+    assert "the predicted verify step is 2.3x the ideal floor" in drafted
