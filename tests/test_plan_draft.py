@@ -236,7 +236,8 @@ def test_the_bar_names_both_drafters_and_the_draft_that_makes_it_like_for_like()
     (kimi,) = (hand for hand in HAND_WRITTEN if hand.model == "kimi-k3")
     build = bar_text(6.967, floor, kimi)  # a build: it drafts nothing
     assert "with a DSpark drafter" in build and "not like for like" in build
-    assert "`mkgen plan --draft kimi-k3-mtp` prices verify + draft" in build
+    command = "mkgen plan kimi-k3 --topology 2x2x4 --rows 8 --draft kimi-k3-mtp"
+    assert f"`{command}` prices verify + draft" in build
     drafted = bar_text(6.967, floor, kimi, 0.747, "mtp: 1 module(s)")
     assert "verify 6.967 + draft 0.747 = 7.714 ms (predicted, drafter mtp: 1 module(s))" in drafted
     assert "9% faster, like for like" in drafted and "not like for like" not in drafted

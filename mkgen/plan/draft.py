@@ -50,6 +50,7 @@ from mkgen.spec.schema import BlockDraft, Dims, ModelDraft, ModelSpec, MtpDraft
 
 if TYPE_CHECKING:
     from mkgen.plan.kind import KindRegistry
+    from mkgen.plan.stream import StreamPlan
     from mkgen.spec.topology import Topology
 
 ASSUMPTION = (
@@ -179,32 +180,35 @@ class _Pricer:
         from mkgen.plan import plan_program
         from mkgen.plan.timeline import estimate
 
-        options = self.options.model_copy(update={"rows": rows, "acceptance": 1.0})
+        # A forced --held-refills is the verify ring's: a pass's program chooses its own.
+        options = self.options.model_copy(
+            update={"rows": rows, "acceptance": 1.0, "held_refills": None}
+        )
         if options.tokens > MAX_TOKEN_ROWS:
             raise SpecError(
                 f"--batch {options.batch}: the drafter's pass runs {rows} rows a sequence, "
                 f"{options.tokens} token rows, over the {MAX_TOKEN_ROWS} a step holds; lower "
                 "--batch"
             )
-        program_ms = 0.0
-        if count:
-            program = plan_program(program_spec, self.topo, options, kinds=self.kinds)
-            program_ms = estimate(self.topo, options, program).step_ms
+        if not count:  # rows 2: no chained draft
+            return DraftPass(what=what, rows=rows, count=0, program_ms=0.0, projection_ms=0.0)
+        program = plan_program(program_spec, self.topo, options, kinds=self.kinds)
+        program_ms = estimate(self.topo, options, program).step_ms
         projection_ms = 0.0
-        if projection is not None and count:
+        if projection is not None:
             tokens = options.batch * (projection_rows or rows)
             projection_ms = self.projection_s(*projection, tokens, program.stream) * 1e3
         return DraftPass(what=what, rows=rows, count=count, program_ms=program_ms,
                          projection_ms=projection_ms)  # fmt: skip
 
-    def projection_s(self, fan_in: int, fan_out: int, tokens: int, stream: object) -> float:
+    def projection_s(self, fan_in: int, fan_out: int, tokens: int, stream: StreamPlan) -> float:
         """A dense projection of the `projections` family streamed like a program's
         segment: each core's output columns in the ring's banks, the banks' DMAs or the
         chunks' measured ops at the issue rates (whichever is longer: the ring overlaps
         them), then the all-gather of the output."""
         c, devices = self.constants, self.topo.num_devices
         fmt = str(self.target.quantization.projections)
-        bank_rows = stream.bank_rows  # type: ignore[attr-defined]
+        bank_rows = stream.bank_rows
         segment = make_segment("projection", [], fan_in, cdiv(fan_out, devices), 0, bank_rows, fmt)
         dma_s = c.dma_s(segment.bytes, cdiv(segment.rows, bank_rows))
         compute_s = 0.0

@@ -169,8 +169,10 @@ def _against_hand_written(
             unlike = (", like for like: both steps include drafting, each with its own drafter "
                       "(this one priced by the cost model, no kernel runs it yet)")  # fmt: skip
     elif hand.drafting:
-        priced = (f"; `mkgen plan --draft {hand.shipped_drafter}` prices verify + draft with "
-                  "the drafter spec mkgen ships" if hand.shipped_drafter else "")  # fmt: skip
+        command = (f"mkgen plan {hand.model} --topology {hand.topology} --rows {hand.rows} "
+                   f"--draft {hand.shipped_drafter}")  # fmt: skip
+        priced = (f"; `{command}` prices verify + draft with the drafter spec mkgen ships"
+                  if hand.shipped_drafter else "")  # fmt: skip
         unlike = (", but not like for like: the published step includes drafting the next rows "
                   f"with a draft model fused in the kernel, and this kernel drafts nothing{priced}")  # fmt: skip
     with_drafter = f", with {hand.drafter}" if hand.drafter else ""
