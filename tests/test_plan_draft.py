@@ -150,6 +150,11 @@ def test_estimate_prices_every_point_with_its_draft() -> None:
     plan = plan_build(spec, QWEN_TOPOLOGY, options, kinds=KINDS, price_drafter=True)
     assert row.step_ms == pytest.approx(plan.estimate.drafted_step_ms)
     assert row.tokens_per_s_per_user == pytest.approx(6 / (row.step_ms / 1e3))
+    from mkgen.plan.report import estimate_chart_text
+
+    _, notes = estimate_chart_text("qwen3.8-27b", QWEN_TOPOLOGY, 1.21, scenario("decode"), {},
+                                   "qwen3.8-27b-dflash")  # fmt: skip
+    assert "its step verify + draft with --draft qwen3.8-27b-dflash" in notes[0]
 
 
 def test_each_seed_names_a_shipped_drafter_for_its_model() -> None:

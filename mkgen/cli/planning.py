@@ -160,7 +160,7 @@ def estimate_command(spec_ref: str, topology: str, output: Path | None, batches:
         "model."
     )
     click.echo(sweep_table(rows))
-    title, notes = estimate_chart_text(spec.name, topo, price, request, prices)
+    title, notes = estimate_chart_text(spec.name, topo, price, request, prices, draft)
     references = tuple(tco.priced(curve, prices) for curve in tco.REFERENCES)
     name = f"{spec.name}-{topo.shape_name}-estimate"
     directory = output or Path(".")

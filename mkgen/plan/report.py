@@ -689,9 +689,11 @@ def estimate_chart_text(
     price: float,
     scenario: Scenario,
     reference_prices: dict[str, float],
+    draft: str | None = None,
 ) -> tuple[str, list[str]]:
     """The chart's title and its notes: what is predicted, at which price, for which
-    requests, under which assumption, and where the reference points come from."""
+    requests, under which assumption, and where the reference points come from (and,
+    with `draft`, that each step is verify + that drafter's priced passes)."""
     from mkgen.plan.tco import PREFILL_MFU, REFERENCE_SOURCE
 
     title = (
@@ -710,7 +712,13 @@ def estimate_chart_text(
     other = "" if spec_name == "kimi-k3" else f", not {spec_name}"
     notes = [
         "mkgen points are predictions of its cost model, not measurements: each is the build "
-        "`mkgen plan` plans at its batch x rows.",
+        "`mkgen plan` plans at its batch x rows"
+        + (
+            f", its step verify + draft with --draft {draft} (the draft priced, no kernel runs "
+            "it yet)."
+            if draft
+            else "."
+        ),
         "The model is calibrated on the hand-written Muse Spark kernel's published TPU7x "
         f"measurements ({RECORDED.describe()}).",
         f"Requests: {scenario.describe()} ({scenario.why}); {prefill}.",
