@@ -183,11 +183,55 @@ def against_the_bar() -> str:
     return "\n".join(lines)
 
 
+# Issue 21's targets for verify + draft at rows 8 with each seed's shipped drafter (ms).
+DRAFTED_TARGET_MS = {"qwen3.8-27b": 3.24, "kimi-k3": 7.5}
+
+
+def drafted_against_the_bar() -> str:
+    """Each published step that drafts, against the build's verify step plus the drafter
+    mkgen ships for the model, priced by the cost model (no kernel runs it)."""
+    import json
+
+    from mkgen.plan.published import HAND_WRITTEN
+
+    seeds = [hand for hand in HAND_WRITTEN if hand.shipped_drafter]
+    builds = [(hand, [hand.model, "--topology", hand.topology, "--batch", str(hand.batch),
+                      "--rows", str(hand.rows), "--draft", hand.shipped_drafter])
+              for hand in seeds]  # fmt: skip
+    width = max(len(" ".join(args)) for _, args in builds)
+    lines = [
+        "Verify + draft (predicted by the cost model: the drafter is priced, no kernel runs it "
+        "yet) against the hand-written kernels' published steps, which draft with their own "
+        "drafters (measured on TPU7x), and issue 21's targets:",
+        f"{'build':<{width}} {'verify ms':>9} {'draft ms':>8} {'step ms':>8} {'hand ms':>8} "
+        f"{'target ms':>9}  published drafter",
+    ]
+    for hand, args in builds:
+        result = subprocess.run(
+            [sys.executable, "-m", "mkgen.cli", "plan", *args, "--json"],
+            capture_output=True, text=True, cwd=REPO, check=False,
+        )  # fmt: skip
+        if result.returncode:
+            lines.append(f"{' '.join(args):<{width}} {result.stderr.strip().splitlines()[-1]}")
+            continue
+        est = json.loads(result.stdout)["estimate"]
+        target = DRAFTED_TARGET_MS[hand.model]
+        verdict = "ok" if est["step_ms"] <= target else "OVER TARGET"
+        lines.append(
+            f"{' '.join(args):<{width}} {est['verify_ms']:>9.3f} {est['draft_ms']:>8.3f} "
+            f"{est['step_ms']:>8.3f} {hand.step_ms:>8.2f} {target:>6.2f} {verdict:<11} "
+            f"{hand.drafter}"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     rows = [row for bench in BENCHMARKS for row in bench()]
     print(format_table(rows))
     print()
     print(against_the_bar())
+    print()
+    print(drafted_against_the_bar())
 
 
 if __name__ == "__main__":

@@ -76,6 +76,10 @@ def test_the_installed_package_is_the_wheel_with_its_data(installed: tuple[Path,
     shipped = REPO / "mkgen" / "model_specs" / "hf-configs"
     in_wheel = package / "model_specs" / "hf-configs"
     assert sorted(p.name for p in in_wheel.iterdir()) == sorted(p.name for p in shipped.iterdir())
+    # So do the drafter specs `mkgen plan --draft NAME` reads.
+    drafters = REPO / "mkgen" / "model_specs" / "drafters"
+    in_wheel = package / "model_specs" / "drafters"
+    assert sorted(p.name for p in in_wheel.iterdir()) == sorted(p.name for p in drafters.iterdir())
 
 
 def test_mkgen_list_shows_every_shipped_spec(installed: tuple[Path, Path]) -> None:

@@ -59,6 +59,11 @@ rows_option = click.option(
 context_option = click.option(
     "--context", type=int, default=None, help="Cache tokens per sequence [4096]."
 )
+draft_option = click.option(
+    "--draft", metavar="DRAFT", default=None,
+    help="Price a drafter beside the verify step (rows > 1): mtp (the spec's own MTP layers), "
+    "a drafter spec in model_specs/drafters/ or a .yaml, or a drafter's config.json.",
+)  # fmt: skip
 acceptance_option = click.option(
     "--acceptance", type=float, default=None, help="Mean accepted tokens per step."
 )
@@ -142,6 +147,21 @@ def positive_list(flag: str, text: str) -> tuple[int, ...]:
     if not sizes or min(sizes) < 1:
         raise MkgenError(f"{flag} {text!r}: sizes must be positive integers")
     return sizes
+
+
+def drafting_spec(spec: Any, draft: str | None, rows: int) -> Any:
+    """`spec` with the drafter `--draft` names attached (mkgen.spec.draft_import), or
+    itself without one; refused in one line on a rows-1 plan, which verifies no draft."""
+    if draft is None:
+        return spec
+    if rows < 2:
+        raise MkgenError(
+            f"--draft {draft}: --rows {rows} verifies no drafts, so there is no draft to price; "
+            "pass --rows 2 or more (e.g. --rows 8)"
+        )
+    from mkgen.spec.draft_import import load_drafter
+
+    return load_drafter(draft, spec)
 
 
 def plan_inputs(spec_ref: str, topology: str, **fields: Any) -> tuple[Any, Any, Any]:

@@ -13,6 +13,8 @@ from mkgen.cli.options import (
     acceptance_option,
     batch_option,
     context_option,
+    draft_option,
+    drafting_spec,
     force_option,
     json_option,
     knob_options,
@@ -35,6 +37,7 @@ from mkgen.output import write_atomic
 @batch_option("Sequences per step.")
 @rows_option
 @acceptance_option
+@draft_option
 @context_option
 @quant_option()
 @click.option("--vmem-budget", "vmem_budget", metavar="SIZE", help="Explicit VMEM, e.g. 48MiB.")
@@ -44,14 +47,17 @@ from mkgen.output import write_atomic
 @force_option("Overwrite a --trace file mkgen did not write.")
 @knob_options
 def plan_command(spec_ref: str, topology: str, as_json: bool, trace: Path | None, force: bool,
-                 **fields: Any) -> None:  # fmt: skip
-    """Plan SPEC on a topology: sharding, HBM and VMEM, schedule checks, predicted step."""
+                 draft: str | None, **fields: Any) -> None:  # fmt: skip
+    """Plan SPEC on a topology: sharding, HBM and VMEM, schedule checks, predicted step
+    (with --draft: verify + draft, the drafter priced by the same cost model)."""
     from mkgen.kinds import default_registry
     from mkgen.plan import plan_build, to_chrome_trace
     from mkgen.plan.report import plan_text
 
     spec, topo, options = plan_inputs(spec_ref, topology, **fields)
-    plan = plan_build(spec, topo, options, trace=trace is not None, kinds=default_registry())
+    spec = drafting_spec(spec, draft, options.rows)
+    plan = plan_build(spec, topo, options, trace=trace is not None, kinds=default_registry(),
+                      price_drafter=draft is not None)  # fmt: skip
     if trace is not None:
         write_atomic(
             trace, json.dumps(to_chrome_trace(plan.estimate.events)),
@@ -90,6 +96,7 @@ def _is_trace(text: str, empty: dict[str, list[Any]]) -> bool:
     "--acceptance", type=float, default=None,
     help="Mean tokens accepted per step when rows > 1 (capped at each row count).",
 )  # fmt: skip
+@draft_option
 @click.option(
     "--scenario", default="agentic", show_default=True, metavar="NAME",
     help="Request shape the total tokens per $ price: agentic, chat or decode.",
@@ -103,7 +110,7 @@ def _is_trace(text: str, empty: dict[str, list[Any]]) -> bool:
 )  # fmt: skip
 def estimate_command(spec_ref: str, topology: str, output: Path | None, batches: str,
                      rows_list: str, scenario: str, reference_prices: tuple[str, ...],
-                     **fields: Any) -> None:  # fmt: skip
+                     draft: str | None, **fields: Any) -> None:  # fmt: skip
     """Predict total tokens per dollar against tokens/s per user over batch x rows: the
     table, SPEC-SHAPE-estimate.csv, and the chart as .svg and .png, with the published
     reference points (mkgen/plan/tco.py)."""
@@ -128,6 +135,7 @@ def estimate_command(spec_ref: str, topology: str, output: Path | None, batches:
     request = tco.scenario(scenario)
     prices = tco.parse_prices(reference_prices)
     spec, topo, options = plan_inputs(spec_ref, topology, rows=max(row_counts), **fields)
+    spec = drafting_spec(spec, draft, min(row_counts))
     # As mkgen run and serve count: a request's prompt (at least one token: a step feeds
     # one) and its output tokens.
     needed = max(request.input_tokens, 1) + request.output_tokens
@@ -140,17 +148,19 @@ def estimate_command(spec_ref: str, topology: str, output: Path | None, batches:
     price = options.price_per_chip_hour_usd or topo.chip_info.price_per_chip_hour_usd
     if price is None:
         raise MkgenError(f"{topo.chip} has no chip-hour price in the catalog; pass --price USD")
-    rows = sweep(
-        spec, topo, options, request, batches=sizes, rows=row_counts, kinds=default_registry()
-    )
+    rows = sweep(spec, topo, options, request, batches=sizes, rows=row_counts,
+                 kinds=default_registry(), price_drafter=draft is not None)  # fmt: skip
+    drafted = f" --draft {draft}" if draft else ""
+    step = "verify + draft, the draft priced by the same model" if draft else "its predicted step"
     click.echo(
         f"{spec.name} on {topo.name}, context {options.context}, {request.describe()}; each row "
-        f"is the build `mkgen plan {spec.name} --topology {topology} --batch B --rows R` "
-        "plans (step ms: its predicted step; calib ms: the same build with no refill held, "
-        "the calibrated regime; floor ms: the ideal floor). Predictions of the cost model."
+        f"is the build `mkgen plan {spec.name} --topology {topology} --batch B --rows R"
+        f"{drafted}` plans (step ms: {step}; calib ms: the same with no refill held in the "
+        "verify, the calibrated regime; floor ms: the ideal floor). Predictions of the cost "
+        "model."
     )
     click.echo(sweep_table(rows))
-    title, notes = estimate_chart_text(spec.name, topo, price, request, prices)
+    title, notes = estimate_chart_text(spec.name, topo, price, request, prices, draft)
     references = tuple(tco.priced(curve, prices) for curve in tco.REFERENCES)
     name = f"{spec.name}-{topo.shape_name}-estimate"
     directory = output or Path(".")

@@ -18,7 +18,8 @@
    at the chip's issue rates, where the catalog states them; the step and its breakdown,
    held against the ideal floor (mkgen/plan/floor.py) and the published hand-written
    kernel (mkgen/plan/published.py), and shown beside its calibrated regime, its
-   uncalibrated parts and its sensitivity (mkgen/plan/confidence.py, on first use).
+   uncalibrated parts and its sensitivity (mkgen/plan/confidence.py, on first use);
+   with `price_drafter`, the spec's drafter priced by the same model (mkgen/plan/draft.py).
 
 The refills held for collectives (stage 7) are read from the tuned table
 (mkgen/plan/holds.py) or scored by the cost model.
@@ -36,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from mkgen.errors import SpecError
 from mkgen.plan.cost import CostConstants, Estimate, TraceEvent, to_chrome_trace
+from mkgen.plan.draft import DraftPrice, price_draft
 from mkgen.plan.floor import IdealFloor, ideal_floor
 from mkgen.plan.graph import GraphSummary, ScheduleCheckError, analyse
 from mkgen.plan.holds import HoldChoice, hold_digest, known_choice, remember, score_holds
@@ -79,6 +81,9 @@ class BuildPlan(BaseModel):
     # hand-written kernel doing the same work (None where none is published).
     ideal_floor: IdealFloor
     hand_written: HandWritten | None
+    # The drafter's passes, when the plan prices one (plan_build's price_drafter); the
+    # estimate's step is then verify + draft (Estimate.drafted_step_ms).
+    draft: DraftPrice | None = None
     _step: Any = PrivateAttr(default=None)
     _program: Any = PrivateAttr(default=None)  # the ProgramPlan the estimate walked
     _topology: Any = PrivateAttr(default=None)
@@ -289,6 +294,22 @@ def _round_refills(topo: Topology, options: BuildOptions, bank_bytes: int) -> in
     return max(1, int(min(c.collective_phase_s, c.cross_host_phase_s) / c.dma_s(bank_bytes)))
 
 
+def _priced(
+    topo: Topology, options: BuildOptions, program: ProgramPlan, checked: bool, trace: bool,
+    drafting: ModelSpec | None,
+) -> tuple[Estimate | None, DraftPrice | None]:  # fmt: skip
+    """The program's estimate and, for a `drafting` spec, its drafter's price (the estimate
+    then of verify + draft). A program that fails a check may wait for ever: only a checked
+    one is priced."""
+    if not checked:
+        return None, None
+    walked = estimate(topo, options, program, trace=trace)
+    if drafting is None:
+        return walked, None
+    drafter = price_draft(drafting, topo, options, kinds=program.kinds)
+    return walked.with_draft(drafter.ms), drafter
+
+
 def plan_build(
     spec: ModelSpec,
     topo: Topology,
@@ -303,6 +324,7 @@ def plan_build(
     trace_residuals: bool = False,
     trace: bool = False,
     enforce: bool = True,
+    price_drafter: bool = False,
 ) -> BuildPlan:
     """Plan one build. Raises a one-line SpecError when it does not fit in HBM or VMEM,
     and (``enforce``) a ScheduleCheckError when a schedule check fails; forced past a
@@ -314,8 +336,12 @@ def plan_build(
     saved build records the depth it was rendered with), `held_refills` the refills held
     for collectives unless --held-refills does, `refills_per_round` how many of them a
     collective round starts (by default the banks its flight covers); `trace_residuals` makes the
-    kernel also return the residual stream after every layer (verify's per-layer check)."""
+    kernel also return the residual stream after every layer (verify's per-layer check);
+    `price_drafter` prices the spec's drafter (its draft section, mkgen/plan/draft.py) beside
+    the verify step. No kernel reads a drafter, so the program is planned without it."""
 
+    drafting = spec if price_drafter else None
+    spec = spec.model_copy(update={"draft": None})
     base = spec
     program = plan_program(
         spec,
@@ -328,27 +354,15 @@ def plan_build(
         held_refills=held_refills,
         refills_per_round=refills_per_round,
     )
-    spec, sharding, stream, vmem, schedule = (
-        program.spec,
-        program.sharding,
-        program.stream,
-        program.vmem,
-        program.schedule,
-    )
-    kernel = build_layout(
-        spec,
-        topo,
-        sharding,
-        stream,
-        options,
-        kinds=kinds,
-        max_piece_chunks=max_piece_chunks,
-        expert_slots=vmem.expert_slots,
-        trace_residuals=trace_residuals,
-    )
+    spec, sharding, stream = program.spec, program.sharding, program.stream
+    vmem, schedule = program.vmem, program.schedule
+    kernel = build_layout(spec, topo, sharding, stream, options, kinds=kinds,
+                          max_piece_chunks=max_piece_chunks, expert_slots=vmem.expert_slots,
+                          trace_residuals=trace_residuals)  # fmt: skip
     step = analyse(schedule, vmem)
     if enforce:
         step.enforce()
+    walked, drafter = _priced(topo, options, program, step.ok, trace, drafting)
     plan = BuildPlan(
         options=options,
         chips=topo.num_chips,
@@ -360,10 +374,10 @@ def plan_build(
         schedule=schedule.summary(),
         program=schedule.program(),
         graph=step.summary(),
-        # A program that fails a check may wait for ever: only a checked one is priced.
-        estimate=estimate(topo, options, program, trace=trace) if step.ok else None,
+        estimate=walked,
         ideal_floor=ideal_floor(spec, topo, options),
         hand_written=hand_written_for(base, spec, topo, options),
+        draft=drafter,
     )
     plan._step, plan._program, plan._topology = step, program, topo
     return plan
@@ -373,6 +387,7 @@ __all__ = [
     "BuildOptions",
     "BuildPlan",
     "CostConstants",
+    "DraftPrice",
     "Estimate",
     "GraphSummary",
     "KernelLayout",

@@ -286,6 +286,10 @@ class Estimate(_Frozen):
     cross_host_wait_ms: float = 0.0
     # The walked timeline (only when asked for); not part of saved plans.
     events: tuple[TraceEvent, ...] = Field(default=(), exclude=True)
+    # The drafter's passes (mkgen/plan/draft.py), when a plan prices one: the step is then
+    # `drafted_step_ms`, verify + draft. Builds draft nothing (no kernel runs a drafter), so
+    # no saved estimate holds one; `mkgen plan --json` prints it (estimate.draft_ms).
+    draft_ms: float | None = Field(default=None, exclude=True)
 
     @property
     def compute_bound(self) -> bool:
@@ -310,10 +314,20 @@ class Estimate(_Frozen):
             f"{self.dma_timeline_ms:.3f} ms: {'compute' if self.compute_bound else 'DMA'}-bound"
         )
 
+    @property
+    def drafted_step_ms(self) -> float:
+        """The whole step: the walked verify step, plus the drafter's passes if priced."""
+        return self.step_ms + (self.draft_ms or 0.0)
+
+    def with_draft(self, draft_ms: float) -> Estimate:
+        """This verify step with a drafter's passes priced at `draft_ms`: the tokens per
+        second and per dollar are then of verify + draft."""
+        return self.model_copy(update={"draft_ms": draft_ms}).at_acceptance(self.acceptance)
+
     def at_acceptance(self, acceptance: float) -> Estimate:
         """This step at another mean acceptance: the step does not depend on it (the
         kernel verifies every row), the tokens per second and per dollar scale with it."""
-        tps_user = acceptance / (self.step_ms / 1e3)
+        tps_user = acceptance / (self.drafted_step_ms / 1e3)
         tps = tps_user * self.batch
         price = self.price_per_chip_hour_usd
         return self.model_copy(
@@ -334,7 +348,14 @@ class Estimate(_Frozen):
     def headline(self) -> str:
         """The step as every output states it: 'predicted 6.967 ms/step at batch 1 x rows 8
         (verify only, no drafting)': with rows > 1 the step verifies drafts it does not
-        make, so it is not a step with a drafter's cost in it."""
+        make, so it is not a step with a drafter's cost in it. With a drafter priced:
+        'verify 6.967 + draft 0.747 = 7.714 ms/step at batch 1 x rows 8 (predicted; ...)'."""
+        if self.draft_ms is not None:
+            return (
+                f"verify {self.step_ms:.3f} + draft {self.draft_ms:.3f} = "
+                f"{self.drafted_step_ms:.3f} ms/step at {self.point} (predicted; the draft is "
+                "priced, no kernel runs it yet)"
+            )
         verify_only = " (verify only, no drafting)" if self.rows > 1 else ""
         return f"predicted {self.step_ms:.3f} ms/step at {self.point}{verify_only}"
 

@@ -6,7 +6,10 @@ Muse Spark's 12 rows (three weight configurations, batch 1 to 8) are the rows th
 model is calibrated against (mkgen/plan/calibration.py), and its batch-1 rows are the
 bar of the builds doing the same work. Kimi K3 and Qwen3.8-27B are the seeds' serving
 points, given as accepted tokens/s per user at acceptance length 6 with 8 rows per step
-(1 anchor + 7 drafts), so a step is 6 / (tokens/s) seconds, drafting included."""
+(1 anchor + 7 drafts), so a step is 6 / (tokens/s) seconds, drafting included: Kimi K3's
+with a DSpark drafter, Qwen3.8-27B's with DFlash2 (z-lab/Qwen3.8-27B-DFlash2). A seed names
+the drafter spec mkgen ships for its model (mkgen/model_specs/drafters/), which `mkgen plan
+--draft` prices so that the comparison is like with like."""
 
 from __future__ import annotations
 
@@ -64,9 +67,15 @@ class HandWritten:
     # The published step drafts its next rows too (a draft model fused in the kernel), and
     # a mkgen kernel drafts nothing yet: the two are not like for like.
     drafting: bool = False
+    drafter: str = ""  # the drafter the published step ran with
+    # The drafter spec mkgen ships for this model (mkgen/model_specs/drafters/NAME.yaml),
+    # which `mkgen plan --draft NAME` prices beside the verify step.
+    shipped_drafter: str = ""
 
 
-def _seed(model: str, topology: str, tokens_per_s_per_user: float) -> HandWritten:
+def _seed(
+    model: str, topology: str, tokens_per_s_per_user: float, drafter: str, shipped: str
+) -> HandWritten:
     return HandWritten(
         model=model,
         topology=topology,
@@ -78,12 +87,16 @@ def _seed(model: str, topology: str, tokens_per_s_per_user: float) -> HandWritte
         f"{SEED_ACCEPTANCE:g}, {SEED_ROWS} rows per step",
         source=SEEDS_SOURCE,
         drafting=True,
+        drafter=drafter,
+        shipped_drafter=shipped,
     )
 
 
 HAND_WRITTEN: tuple[HandWritten, ...] = (
-    _seed("kimi-k3", "2x2x4", 709),
-    _seed("qwen3.8-27b", "2x2x1", 1515),
+    _seed("kimi-k3", "2x2x4", 709, "a DSpark drafter", "kimi-k3-mtp"),
+    _seed(
+        "qwen3.8-27b", "2x2x1", 1515, "DFlash2 (z-lab/Qwen3.8-27B-DFlash2)", "qwen3.8-27b-dflash"
+    ),  # fmt: skip
     *(
         HandWritten(
             model="muse-spark-1.2",
@@ -118,25 +131,52 @@ def hand_written_for(
     return None
 
 
-def bar_text(step_ms: float, floor: IdealFloor, hand: HandWritten | None) -> str:
-    """The predicted step against the ideal floor and, where one is published, the
-    hand-written kernel (a measurement on TPU7x, where the step is a prediction)."""
+def bar_text(
+    step_ms: float,
+    floor: IdealFloor,
+    hand: HandWritten | None,
+    draft_ms: float | None = None,
+    drafter: str = "",
+) -> str:
+    """The predicted step `step_ms` against the ideal floor and, where one is published,
+    the hand-written kernel (a measurement on TPU7x, where the step is a prediction). With
+    a drafter priced (`draft_ms`, `drafter` naming it: mkgen/plan/draft.py) the floor is held
+    against the verify step (what the floor reads) and the published step against verify +
+    draft: like with like where the published step drafts too."""
+    verify = "verify " if draft_ms is not None else ""
     lines = [
         f"ideal floor {floor.ms:.3f} ms ({floor.bytes_per_core / 1e9:.3f} GB per core per step "
         f"at {floor.stream_rate / 1e12:.1f} TB/s, no replication, even experts, no padding): "
-        f"the predicted step is {floor.times(step_ms)} (floor / step {floor.ratio(step_ms):.2f})"
+        f"the predicted {verify}step is {floor.times(step_ms)} (floor / step "
+        f"{floor.ratio(step_ms):.2f})"
     ]
     if hand is not None:
-        faster = 1 - step_ms / hand.step_ms
-        verdict = f"{faster:.0%} faster" if faster >= 0 else f"{step_ms / hand.step_ms:.2f}x it"
-        unlike = (
-            ", but not like for like: the published step includes drafting the next rows "
-            "with a draft model fused in the kernel, and this kernel drafts nothing"
-            if hand.drafting
-            else ""
-        )
-        lines.append(
-            f"hand-written kernel {hand.step_ms:.2f} ms measured on TPU7x ({hand.what}; "
-            f"{hand.source}): the predicted step is {verdict}{unlike}"
-        )
+        lines.append(_against_hand_written(step_ms, hand, draft_ms, drafter))
     return "; ".join(lines)
+
+
+def _against_hand_written(
+    step_ms: float, hand: HandWritten, draft_ms: float | None, drafter: str
+) -> str:
+    ours = step_ms + (draft_ms or 0.0)
+    faster = 1 - ours / hand.step_ms
+    verdict = f"{faster:.0%} faster" if faster >= 0 else f"{ours / hand.step_ms:.2f}x it"
+    subject, unlike = "the predicted step", ""
+    if draft_ms is not None:
+        subject = (f"verify {step_ms:.3f} + draft {draft_ms:.3f} = {ours:.3f} ms (predicted, "
+                   f"drafter {drafter})")  # fmt: skip
+        if hand.drafting:
+            unlike = (", like for like: both steps include drafting, each with its own drafter "
+                      "(this one priced by the cost model, no kernel runs it yet)")  # fmt: skip
+    elif hand.drafting:
+        command = (f"mkgen plan {hand.model} --topology {hand.topology} --rows {hand.rows} "
+                   f"--draft {hand.shipped_drafter}")  # fmt: skip
+        priced = (f"; `{command}` prices verify + draft with the drafter spec mkgen ships"
+                  if hand.shipped_drafter else "")  # fmt: skip
+        unlike = (", but not like for like: the published step includes drafting the next rows "
+                  f"with a draft model fused in the kernel, and this kernel drafts nothing{priced}")  # fmt: skip
+    with_drafter = f", with {hand.drafter}" if hand.drafter else ""
+    return (
+        f"hand-written kernel {hand.step_ms:.2f} ms measured on TPU7x ({hand.what}"
+        f"{with_drafter}; {hand.source}): {subject} is {verdict}{unlike}"
+    )

@@ -120,7 +120,12 @@ def _estimate_dict(plan: BuildPlan) -> dict[str, Any]:
     est, confidence = plan.estimate, plan.confidence
     return {
         "point": est.point,
-        "step_ms": est.step_ms,
+        # The step: verify + draft with a drafter priced (mkgen/plan/draft.py), else the
+        # verify step; draft_ms and draft are null without one.
+        "step_ms": est.drafted_step_ms,
+        "verify_ms": est.step_ms,
+        "draft_ms": est.draft_ms,
+        "draft": plan.draft.record() if plan.draft else None,
         **(confidence.record() if confidence else {}),
         "dma_timeline_ms": est.dma_timeline_ms,
         "compute_timeline_ms": est.compute_timeline_ms,
@@ -135,6 +140,7 @@ def _estimate_dict(plan: BuildPlan) -> dict[str, Any]:
             "step_ms": plan.hand_written.step_ms,
             "what": plan.hand_written.what,
             "source": plan.hand_written.source,
+            "drafter": plan.hand_written.drafter or None,
         },
         "hbm_bytes_per_device_per_step": est.hbm_bytes_per_device_per_step,
         "tokens_per_s_per_user": est.tokens_per_s_per_user,
@@ -312,9 +318,16 @@ def plan_text(plan: BuildPlan) -> str:
             plan.stream.describe(),
             schedule_text(plan),
             "Estimate: " + plan.estimate.describe(),
+            *([plan.draft.describe()] if plan.draft else []),
             "\n".join(plan.confidence.lines()),
             "Against the bar: "
-            + bar_text(plan.estimate.step_ms, plan.ideal_floor, plan.hand_written),
+            + bar_text(
+                plan.estimate.step_ms,
+                plan.ideal_floor,
+                plan.hand_written,
+                plan.estimate.draft_ms,
+                plan.draft.drafter if plan.draft else "",
+            ),  # fmt: skip
         ]
         + ([collective_latency_note(_chip(plan))] if plan.sharding.devices > 1 else [])
     )
@@ -376,13 +389,15 @@ def sweep(
     rows: tuple[int, ...] = DEFAULT_ROWS,
     *,
     kinds: KindRegistry,
+    price_drafter: bool = False,
 ) -> list[SweepRow]:
     """The cost model over batch x rows; points that do not fit are kept and marked.
 
     Each point's step is the build `mkgen plan` plans there (the same held refills), beside
     its calibrated step (none held). ``base.acceptance`` is capped at each row count (a step
     accepts at most its rows). Total tokens per dollar price `scenario`'s requests
-    (mkgen/plan/tco.py).
+    (mkgen/plan/tco.py). With `price_drafter` each point's step is verify + draft, the
+    spec's drafter priced at its batch x rows (mkgen/plan/draft.py).
     """
     return [
         _sweep_point(
@@ -390,6 +405,7 @@ def sweep(
             base.model_copy(
                 update={"batch": b, "rows": r, "acceptance": min(base.acceptance, float(r))}
             ),
+            price_drafter,
         )
         for r in rows
         for b in batches
@@ -397,12 +413,14 @@ def sweep(
 
 
 def _sweep_point(
-    spec: ModelSpec, topo: Topology, scenario: Scenario, kinds: KindRegistry, opts: BuildOptions
-) -> SweepRow:
+    spec: ModelSpec, topo: Topology, scenario: Scenario, kinds: KindRegistry, opts: BuildOptions,
+    price_drafter: bool,
+) -> SweepRow:  # fmt: skip
     """One point of the sweep (a build that does not fit HBM is priced all the same; one
     whose buffers do not fit VMEM has no program to price)."""
     from mkgen.plan import plan_program
     from mkgen.plan.confidence import calibrated_estimate
+    from mkgen.plan.draft import price_draft
     from mkgen.plan.floor import ideal_floor
     from mkgen.plan.memory import plan_memory
     from mkgen.plan.sharding import plan_sharding
@@ -410,6 +428,7 @@ def _sweep_point(
     from mkgen.plan.timeline import estimate
     from mkgen.spec.figures import params_active
 
+    drafting, spec = spec, spec.model_copy(update={"draft": None})  # no kernel reads it
     applied = opts.apply(spec)
     try:
         program = plan_program(spec, topo, opts, kinds=kinds, require_fit=False)
@@ -427,6 +446,9 @@ def _sweep_point(
     nan = math.nan
     est = estimate(topo, opts, program) if program else None
     calibrated = calibrated_estimate(topo, opts, program, est) if program and est else None
+    if est and calibrated and price_drafter:
+        draft_ms = price_draft(drafting, topo, opts, kinds=kinds).ms
+        est, calibrated = est.with_draft(draft_ms), calibrated.with_draft(draft_ms)
     price = est.price_per_chip_hour_usd if est else None
     total = 0.0
     if est and price:
@@ -446,8 +468,8 @@ def _sweep_point(
         fits_vmem=program is not None,
         hbm_gb_per_device=mem.total_bytes / GB,
         vmem_mib=program.vmem.explicit_bytes / MiB if program else nan,
-        step_ms=est.step_ms if est else nan,
-        calibrated_step_ms=calibrated.step_ms if calibrated else nan,
+        step_ms=est.drafted_step_ms if est else nan,
+        calibrated_step_ms=calibrated.drafted_step_ms if calibrated else nan,
         ideal_floor_ms=floor.ms,
         ideal_floor_ratio=floor.ratio(est.step_ms) if est else nan,
         tokens_per_s_per_user=est.tokens_per_s_per_user if est else nan,
@@ -667,9 +689,11 @@ def estimate_chart_text(
     price: float,
     scenario: Scenario,
     reference_prices: dict[str, float],
+    draft: str | None = None,
 ) -> tuple[str, list[str]]:
     """The chart's title and its notes: what is predicted, at which price, for which
-    requests, under which assumption, and where the reference points come from."""
+    requests, under which assumption, and where the reference points come from (and,
+    with `draft`, that each step is verify + that drafter's priced passes)."""
     from mkgen.plan.tco import PREFILL_MFU, REFERENCE_SOURCE
 
     title = (
@@ -688,7 +712,13 @@ def estimate_chart_text(
     other = "" if spec_name == "kimi-k3" else f", not {spec_name}"
     notes = [
         "mkgen points are predictions of its cost model, not measurements: each is the build "
-        "`mkgen plan` plans at its batch x rows.",
+        "`mkgen plan` plans at its batch x rows"
+        + (
+            f", its step verify + draft with --draft {draft} (the draft priced, no kernel runs "
+            "it yet)."
+            if draft
+            else "."
+        ),
         "The model is calibrated on the hand-written Muse Spark kernel's published TPU7x "
         f"measurements ({RECORDED.describe()}).",
         f"Requests: {scenario.describe()} ({scenario.why}); {prefill}.",

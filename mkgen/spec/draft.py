@@ -94,13 +94,14 @@ def draft_weights(spec: ModelSpec) -> list[WeightSpec]:
 def with_draft(target: ModelSpec, draft: str | MtpDraft | BlockDraft | ModelDraft) -> ModelSpec:
     """`target` drafting with `draft`: "mtp" (the target's own MTP section) or a drafter.
 
-    One-line SpecErrors name the mismatch (the later `--draft` option's check)."""
+    One-line SpecErrors name the mismatch (the check `--draft` runs)."""
     if draft == "mtp":
         if not isinstance(target.draft, MtpDraft):
             raise SpecError(
                 f"{target.name}: draft mtp needs the target's multi-token-prediction layers, "
-                "and this spec has none (no draft section of kind mtp; mkgen import-hf keeps "
-                "them with keep_mtp); use a block or model drafter"
+                "and this spec has none (no draft section of kind mtp; `mkgen import-hf "
+                "CONFIG --keep-mtp` keeps a checkpoint's); name a drafter spec instead (one in "
+                "model_specs/drafters/, a .yaml or a drafter's config.json)"
             )
         return target
     assert not isinstance(draft, str), f"unknown drafter {draft!r}"
