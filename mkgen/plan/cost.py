@@ -349,12 +349,13 @@ class Estimate(_Frozen):
         """The step as every output states it: 'predicted 6.967 ms/step at batch 1 x rows 8
         (verify only, no drafting)': with rows > 1 the step verifies drafts it does not
         make, so it is not a step with a drafter's cost in it. With a drafter priced:
-        'verify 6.967 + draft 0.747 = 7.714 ms/step at batch 1 x rows 8 (predicted; ...)'."""
+        'predicted verify 6.967 + draft 0.747 = 7.714 ms/step at batch 1 x rows 8 (the draft
+        is priced; no kernel runs it yet)'."""
         if self.draft_ms is not None:
             return (
-                f"verify {self.step_ms:.3f} + draft {self.draft_ms:.3f} = "
-                f"{self.drafted_step_ms:.3f} ms/step at {self.point} (predicted; the draft is "
-                "priced, no kernel runs it yet)"
+                f"predicted verify {self.step_ms:.3f} + draft {self.draft_ms:.3f} = "
+                f"{self.drafted_step_ms:.3f} ms/step at {self.point} (the draft is priced; no "
+                "kernel runs it yet)"
             )
         verify_only = " (verify only, no drafting)" if self.rows > 1 else ""
         return f"predicted {self.step_ms:.3f} ms/step at {self.point}{verify_only}"
