@@ -42,14 +42,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mkgen.plan.layout import (
-    DenseLayout,
-    GQALayout,
-    KernelLayout,
-    MLALayout,
-    MoELayout,
-    RecurrentLayout,
-)
+from mkgen.kinds.dense.record import DenseLayout
+from mkgen.kinds.gqa.record import GQALayout
+from mkgen.kinds.mla.record import MLALayout
+from mkgen.kinds.moe.record import MoELayout
+from mkgen.kinds.recurrent.record import RecurrentLayout
+from mkgen.plan.layout import KernelLayout
 from mkgen.plan.stream import Part
 from mkgen.reference import model as reference
 from mkgen.reference.attention import Cache

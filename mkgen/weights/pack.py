@@ -12,7 +12,8 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
-from mkgen.plan.layout import KernelLayout, MoELayout
+from mkgen.kinds.moe.record import MoELayout
+from mkgen.plan.layout import KernelLayout
 from mkgen.plan.stream import CHUNK, LANES, Part, Segment, TensorView
 from mkgen.spec.quant import parse_format
 from mkgen.weights.quantize import (

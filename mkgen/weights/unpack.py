@@ -14,7 +14,8 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from mkgen.plan.layout import ExpertChunks, KernelLayout, MoELayout
+from mkgen.kinds.moe.record import MoELayout
+from mkgen.plan.layout import ExpertChunks, KernelLayout
 from mkgen.plan.stream import CHUNK, LANES, Part, Segment, TensorView
 from mkgen.spec.quant import parse_format
 from mkgen.weights.quantize import E2M1_VALUES

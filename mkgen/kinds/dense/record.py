@@ -1,0 +1,26 @@
+"""The dense kind's record of the kernel layout (mkgen.kinds.dense builds it, its macros
+print it)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from mkgen.plan.layout import FFNRecord, VectorRow
+from mkgen.plan.stream import Segment
+
+
+class DenseLayout(FFNRecord):
+    type: Literal["dense"] = "dense"
+    # A fact of the kind (FFNRecord): no routed-expert arrays to pack.
+    routed_experts: ClassVar[bool] = False
+    name: str
+    index: int
+    layers: list[int]
+    width: int  # per core
+    gated: bool
+    activation: str
+    activation_params: dict[str, float]
+    bias: bool
+    segments: list[Segment]  # gate_up (gate | up), down
+    ops: list[str]  # the layer's ops in program order (mkgen.kinds.dense.OPS): the kernel's order
+    vectors: list[VectorRow]
