@@ -9,6 +9,7 @@ its folder (mkgen/kinds/<kind>/record.py) on the bases here (`AttentionRecord`,
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -32,6 +33,11 @@ from mkgen.spec.schema import Rope as RopeSpec
 
 if TYPE_CHECKING:  # annotations only: kind.py types its records by this module's bases
     from mkgen.plan.kind import KindRegistry
+
+# A jax or numpy array in a record's hooks (the plan imports neither), and a core's rank
+# (an int, or traced inside shard_map).
+Array = Any
+Rank = Any
 
 SUBLANES_F32 = 8
 CACHE_ALIGN = 16  # bf16 rows of an HBM array are tiled by 16
@@ -102,6 +108,10 @@ class KindRecord(PlanModel):
         ops: list[str]  # the layer's ops in program order: the kernel's order
         vectors: list[VectorRow]
 
+    def stream_parts(self) -> dict[str, Part]:
+        """Its parts of the weight stream (every segment's) by tensor name."""
+        return {p.tensor: p for segment in self.segments for p in segment.parts}
+
 
 class AttentionRecord(KindRecord):
     """An attention kind's record (GQA's, MLA's, the recurrent kinds' in mkgen/kinds/)."""
@@ -112,6 +122,11 @@ class AttentionRecord(KindRecord):
     # The spec's head fields (kind.model_fields) -> this record's per-core counts: a core's
     # share of the kind is the spec's kind with these replaced (the prefill).
     own_heads: ClassVar[dict[str, str]]
+    # The XLA prefill (mkgen.runtime.prefill) computes each core's heads from its own
+    # pieces (heads_split), and each core keeps the cache of its own heads (own_cache)
+    # rather than the whole reference cache every core computes alike.
+    heads_split: ClassVar[bool]
+    own_cache: ClassVar[bool]
 
     if TYPE_CHECKING:
         rope: Rope | None
@@ -120,6 +135,25 @@ class AttentionRecord(KindRecord):
     def softplus(self) -> bool:
         """Whether its kernel code calls the `_softplus` helper (KernelFeatures.softplus)."""
         return False
+
+    @abstractmethod
+    def cache_pieces(
+        self, spec: ModelSpec, cache: Mapping[str, Array], rank: Rank
+    ) -> dict[str, Array]:
+        """What core `rank` holds of a layer's reference cache (mkgen.reference.model's
+        init_cache), per cache array of its kernel (`caches`) without the layer axis: what
+        the prefill writes and verify compares through."""
+
+    def own_cache_pieces(self, cache: Mapping[str, Array]) -> dict[str, Array]:
+        """A core's own reference cache of its heads (own_cache) in its kernel's layout:
+        what cache_pieces cuts for that core from the whole reference cache."""
+        raise NotImplementedError(f"{self.type} keeps no cache of its own heads (own_cache)")
+
+    @abstractmethod
+    def prefill_cache(self, spec: ModelSpec, pieces: Mapping[str, Array]) -> dict[str, Array]:
+        """A layer's prefill cache from its kernel cache arrays on the host (numpy, each
+        [devices, B, ...]), cache_pieces undone: with own_cache each core's own reference
+        cache [devices, B, ...], else the whole reference cache [B, ...]."""
 
 
 class FFNRecord(KindRecord):
@@ -134,6 +168,27 @@ class FFNRecord(KindRecord):
     def routed_chunks(self) -> ExpertChunks | None:
         """How its routed experts stream (None: it has none)."""
         return None
+
+    def columns_split(self) -> bool:
+        """Whether it is an MLP split as tensor parallelism splits it (inputs by columns,
+        the output projection by rows, each core its own piece, no biases): the prefill
+        then runs it on each core's columns alone and sums the cores' outputs."""
+        return False
+
+    def shared_columns_split(self) -> bool:
+        """Whether its shared experts are split so (columns_split's rule)."""
+        return False
+
+    def slab_blocks(
+        self, tensors: Mapping[str, Array], prefix: str, rank: int
+    ) -> list[tuple[int, Array]]:
+        """(first row, rows [n, width]) it puts in core `rank`'s vector slab of a layer
+        (tensor names from `prefix` on) besides its VectorRows (none by default)."""
+        return []
+
+    def slab_pieces(self, slab: Array) -> dict[str, Array]:
+        """slab_blocks undone: its pieces (by unpack.piece_key) from a core's slab."""
+        return {}
 
     def slab_rows(self) -> int:
         """Rows of a layer's vector slab it uses after its first row."""

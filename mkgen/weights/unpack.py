@@ -14,7 +14,6 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from mkgen.kinds.moe.record import MoELayout
 from mkgen.plan.layout import ExpertChunks, KernelLayout
 from mkgen.plan.stream import CHUNK, LANES, Part, Segment, TensorView
 from mkgen.spec.quant import parse_format
@@ -204,15 +203,12 @@ def layer_pieces(
         pieces[piece_key(row.part)] = slab[row.row : row.row + row.rows, : row.length].reshape(
             shape
         )
-    if isinstance(ffn, MoELayout):
-        chunks = expert_values(ffn.experts, experts)
-        for name, value in expert_matrices(ffn.experts, chunks).items():
+    routed = ffn.routed_chunks()
+    if routed is not None:
+        chunks = expert_values(routed, experts)
+        for name, value in expert_matrices(routed, chunks).items():
             pieces[f"ffn.{name}"] = value
-        if ffn.bias_row is not None:  # pack.expert_biases
-            at, held, width = ffn.bias_row, ffn.experts_per_rank, ffn.experts.width
-            pieces["ffn.experts_b_gate"] = slab[at : at + held, :width]
-            pieces["ffn.experts_b_up"] = slab[at : at + held, width : 2 * width]
-            pieces["ffn.experts_b_down"] = slab[at + held : at + 2 * held, : ffn.experts.d]
+    pieces.update(ffn.slab_pieces(slab))  # what its slab_blocks packed (expert biases)
     return pieces
 
 

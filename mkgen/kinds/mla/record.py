@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import ClassVar, Literal
 
-from mkgen.plan.layout import AttentionRecord, CacheArray, Columns, Rope, VectorRow
+import numpy as np
+
+from mkgen.plan.layout import Array, AttentionRecord, CacheArray, Columns, Rank, Rope, VectorRow
 from mkgen.plan.stream import Segment
+from mkgen.spec.schema import MLAAttention, ModelSpec
 
 
 class MLALayout(AttentionRecord):
@@ -19,6 +23,8 @@ class MLALayout(AttentionRecord):
 
     type: Literal["mla"] = "mla"
     recurrent: ClassVar[bool] = False  # its cache is rows indexed by position
+    heads_split: ClassVar[bool] = True
+    own_cache: ClassVar[bool] = False  # the latent cache, whole on every core
     own_heads: ClassVar[dict[str, str]] = {"num_heads": "heads"}
     name: str
     index: int
@@ -50,3 +56,36 @@ class MLALayout(AttentionRecord):
     kv_tile: int
     caches: list[CacheArray]  # latent: [layers, batch, 1, context, head_dim] bf16
     cache_arrays: Literal[1] = 1  # the latent row
+
+    def _spec_kind(self, spec: ModelSpec) -> MLAAttention:
+        kind = spec.attention_kinds[self.name]
+        assert isinstance(kind, MLAAttention), kind
+        return kind
+
+    def cache_pieces(
+        self, spec: ModelSpec, cache: Mapping[str, Array], rank: Rank
+    ) -> dict[str, Array]:
+        """The latent row [B, 1, context, latent | k_rope], whole on every core, its rotary
+        pairs stored as halves where the model's rope is interleaved (as
+        mkgen.kinds.mla.views stores them)."""
+        import jax.numpy as jnp
+
+        k_rope = cache["k_rope"]
+        rope = self._spec_kind(spec).rope
+        if rope is not None and rope.interleaved:
+            k_rope = jnp.concatenate([k_rope[..., 0::2], k_rope[..., 1::2]], axis=-1)
+        row = jnp.concatenate([cache["latent"].astype(k_rope.dtype), k_rope], axis=-1)
+        return {"latent": row[:, None]}
+
+    def prefill_cache(self, spec: ModelSpec, pieces: Mapping[str, Array]) -> dict[str, Array]:
+        """The whole reference cache [B, ...] from core 0's latent row [latent | k_rope],
+        its rotary halves interleaved again where the model's rope is."""
+        mla = self._spec_kind(spec)
+        row = pieces["latent"][0, :, 0]  # [B, context, latent | k_rope]
+        latent, k_rope = row[..., : mla.kv_lora_rank], row[..., mla.kv_lora_rank :]
+        if mla.rope is not None and mla.rope.interleaved:
+            half = k_rope.shape[-1] // 2
+            k_rope = np.stack([k_rope[..., :half], k_rope[..., half:]], axis=-1).reshape(
+                k_rope.shape
+            )
+        return {"latent": latent, "k_rope": k_rope}

@@ -3,9 +3,13 @@ it)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import ClassVar, Literal
 
-from mkgen.plan.layout import Columns, ExpertChunks, FFNRecord, VectorRow
+import numpy as np
+
+from mkgen.kinds.common import split_as_mlp
+from mkgen.plan.layout import Array, Columns, ExpertChunks, FFNRecord, VectorRow
 from mkgen.plan.stream import Segment
 
 
@@ -71,3 +75,44 @@ class MoELayout(FFNRecord):
         if self.bias_row is None:
             return super().slab_width()
         return max(super().slab_width(), 2 * self.experts.width, self.experts.d)
+
+    def shared_columns_split(self) -> bool:
+        """shared_gate and shared_up by columns, shared_down by rows, each core its own piece."""
+        if not self.shared_width:
+            return False
+        inputs = ["ffn.shared_gate", "ffn.shared_up"]
+        return split_as_mlp(self.stream_parts(), inputs, "ffn.shared_down")
+
+    def held_experts(self, rank: int) -> tuple[range, slice]:
+        """The routed experts rank `rank` holds and the columns of their width it holds:
+        group rank // width_parts, width part rank % width_parts."""
+        group, part = rank // self.width_parts, rank % self.width_parts
+        width = self.experts.width
+        ids = range(group * self.experts_per_rank, (group + 1) * self.experts_per_rank)
+        return ids, slice(part * width, (part + 1) * width)
+
+    def slab_blocks(
+        self, tensors: Mapping[str, Array], prefix: str, rank: int
+    ) -> list[tuple[int, Array]]:
+        """The expert biases from bias_row on: gate | up biases [E_r, 2 * width] of the
+        experts and columns `rank` holds, then their down biases [E_r, d]."""
+        if self.bias_row is None:
+            return []
+        ids, cols = self.held_experts(rank)
+        held = slice(ids.start, ids.stop)
+        gate = np.asarray(tensors[prefix + "ffn.experts_b_gate"])[held, cols]
+        up = np.asarray(tensors[prefix + "ffn.experts_b_up"])[held, cols]
+        down = np.asarray(tensors[prefix + "ffn.experts_b_down"])[held]
+        gate_up = np.concatenate([gate, up], axis=1)
+        return [(self.bias_row, gate_up), (self.bias_row + self.experts_per_rank, down)]
+
+    def slab_pieces(self, slab: Array) -> dict[str, Array]:
+        """The expert biases slab_blocks put in a core's slab."""
+        if self.bias_row is None:
+            return {}
+        at, held, width = self.bias_row, self.experts_per_rank, self.experts.width
+        return {
+            "ffn.experts_b_gate": slab[at : at + held, :width],
+            "ffn.experts_b_up": slab[at : at + held, width : 2 * width],
+            "ffn.experts_b_down": slab[at + held : at + 2 * held, : self.experts.d],
+        }
