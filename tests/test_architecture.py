@@ -25,7 +25,7 @@ ALLOWED = {
     # How weights are stored (formats, per-core packing, conversion): read from the plan's
     # layout, used by the code that runs or checks a build.
     "weights": {"spec", "plan", "kinds", "reference"},
-    "codegen": {"spec", "plan", "kinds", "reference", "weights"},
+    "codegen": {"spec", "plan", "kinds", "weights"},
     "verify": {"spec", "plan", "kinds", "reference", "weights", "codegen"},
     "runtime": {"spec", "plan", "kinds", "reference", "weights", "codegen", "verify"},
 }

@@ -1,4 +1,4 @@
-"""The XLA prefill over per-core layouts (mkgen/codegen/prefill.py, mkgen/weights/unpack.py).
+"""The XLA prefill over per-core layouts (mkgen/runtime/prefill.py, mkgen/weights/unpack.py).
 
 Unpacking what the packer wrote gives back every tensor the kernel stores (every
 attention and FFN kind, the stream's int8 / fp8 segments, int4 / int8 / mxfp4 / nvfp4 /
@@ -208,8 +208,8 @@ def _prefill_child(spec_refs: list[str]) -> dict:
     import jax.numpy as jnp
     from jax.sharding import Mesh
 
-    from mkgen.codegen.prefill import prefill, prefill_steps
     from mkgen.reference import model as reference
+    from mkgen.runtime.prefill import prefill, prefill_steps
 
     results = {}
     for spec_ref in spec_refs:
@@ -271,7 +271,7 @@ def _dots_child(spec_refs: list[str]) -> dict:
     import jax.numpy as jnp
     from jax.sharding import Mesh
 
-    from mkgen.codegen.prefill import _expert_arrays, _start_cache, prefill_steps
+    from mkgen.runtime.prefill import _expert_arrays, _start_cache, prefill_steps
     from mkgen.spec.weights import model_weights
     from mkgen.weights.unpack import piece_shape
 
@@ -406,8 +406,8 @@ def test_attention_heads_are_computed_by_their_own_cores(spec_ref: str) -> None:
     DeltaNet: the kv / key heads its heads read; MLA: the latent projections, replicated).
     The cores' outputs summed, plus bo, are the layer's attention; each core's cache, in
     the kernel's layout, is its cut of the reference cache (MLA: the whole latent cache)."""
-    from mkgen.codegen.prefill import _own_heads_kind, core_attention
     from mkgen.reference import model as reference
+    from mkgen.runtime.prefill import _own_heads_kind, core_attention
     from mkgen.spec.weights import model_weights
     from mkgen.weights import unpack
 
@@ -476,7 +476,7 @@ def test_shared_experts_split_by_columns_are_computed_in_pieces(spec_ref: str) -
 def test_prompts_go_in_power_of_two_chunks() -> None:
     """Any prompt length is covered, in order and largest first, by chunks whose sizes
     are distinct powers of two, so a context of 64 compiles at most 7 chunk sizes."""
-    from mkgen.codegen.prefill import prompt_chunks
+    from mkgen.runtime.prefill import prompt_chunks
 
     assert prompt_chunks(11) == [(0, 8), (8, 2), (10, 1)]
     sizes = set()

@@ -1,7 +1,7 @@
 """Per-core layouts back to tensors: the inverse of mkgen.weights.pack, in jax.numpy.
 
 Every shape comes from the layout, so the functions trace: the sharded XLA prefill
-(mkgen/codegen/prefill.py) unpacks each core's own banks, slab and expert arrays on its
+(mkgen/runtime/prefill.py) unpacks each core's own banks, slab and expert arrays on its
 device, gathers the pieces and assembles the layer's tensors, without the host ever
 holding a weight. Quantized values come back as the kernel reads them (codes times
 scales), so the prefill and the kernel compute with the same numbers.

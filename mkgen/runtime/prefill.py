@@ -21,13 +21,13 @@ its pieces of the layer's tensors (f32, unpacked), one expert's activations and 
 layer's cache.
 Attention (core_attention: a core's heads, its rows of wo), routed experts, and dense
 MLPs and shared experts split by columns (the FFN record's columns_split and
-shared_columns_split) are computed by their own cores, each on its share, a psum adding the shares; GQA and
-recurrent cores keep only their own heads' cache. The MoE router and latent projections
-and MLA's latent projections, where the plan splits them, are multiplied by each core's
-own piece, the products all-gathered (column pieces) or summed (row pieces), as the
-kernel joins them (_project_pieces). A replicated tensor is each core's own whole copy;
-only the pieces of other split tensors (none in the shipped specs' layer kinds) are
-gathered and computed whole on every core.
+shared_columns_split) are computed by their own cores, each on its share, a psum adding
+the shares; GQA and recurrent cores keep only their own heads' cache (own_cache). The
+MoE router and latent projections and MLA's latent projections, where the plan splits
+them, are multiplied by each core's own piece, the products all-gathered (column pieces)
+or summed (row pieces), as the kernel joins them (_project_pieces). A replicated tensor
+is each core's own whole copy; only the pieces of other split tensors (none in the
+shipped specs' layer kinds) are gathered and computed whole on every core.
 """
 
 from __future__ import annotations
