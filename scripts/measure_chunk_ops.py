@@ -55,8 +55,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from mkgen.codegen.build import load_module, render_kernel  # noqa: E402
 from mkgen.kinds import default_registry  # noqa: E402
+from mkgen.kinds.gqa.record import GQALayout  # noqa: E402
 from mkgen.plan import plan_build  # noqa: E402
-from mkgen.plan.layout import JNP_DTYPES, GQALayout  # noqa: E402
+from mkgen.plan.layout import JNP_DTYPES  # noqa: E402
 from mkgen.plan.options import BuildOptions  # noqa: E402
 from mkgen.spec.loader import load_spec  # noqa: E402
 from mkgen.spec.topology import parse_topology  # noqa: E402

@@ -25,7 +25,7 @@ ALLOWED = {
     # How weights are stored (formats, per-core packing, conversion): read from the plan's
     # layout, used by the code that runs or checks a build.
     "weights": {"spec", "plan", "kinds", "reference"},
-    "codegen": {"spec", "plan", "kinds", "reference", "weights"},
+    "codegen": {"spec", "plan", "kinds", "weights"},
     "verify": {"spec", "plan", "kinds", "reference", "weights", "codegen"},
     "runtime": {"spec", "plan", "kinds", "reference", "weights", "codegen", "verify"},
 }
@@ -108,8 +108,8 @@ def test_a_stage_imports_only_the_stages_before_it(stage: str) -> None:
 
 
 # Every stage after the spec and the reference that is not the kinds themselves: it
-# dispatches through the KindRegistry, or reads a fact of a kind's layout record, instead
-# of testing a kind's name. Exempt, on purpose: mkgen/spec (the schema and the Hugging
+# dispatches through the KindRegistry, or reads a fact of a kind's layout record or calls
+# its hooks, instead of testing a kind's name or its schema or record class. Exempt, on purpose: mkgen/spec (the schema and the Hugging
 # Face importer are where the user's input names a kind, and the spec's figures and mini
 # twin are per-kind rules of the schema), mkgen/reference (each kind's math, defined once
 # and dispatched by type) and mkgen/kinds (a kind's own folder names itself).
@@ -118,17 +118,21 @@ EXEMPT = {"spec", "reference", "kinds"}
 
 
 def _schema_kinds() -> tuple[set[str], set[str]]:
-    """(every kind's type, every kind's schema class name), from the spec's unions."""
+    """(every kind's type, the class names of every kind's schema and layout record), from
+    the spec's unions and the default registry."""
+    from mkgen.kinds import default_registry
     from mkgen.spec.schema import AttentionKind, FFNKind
 
     members = [m for u in (AttentionKind, FFNKind) for m in typing.get_args(typing.get_args(u)[0])]
     types = {typing.get_args(m.model_fields["type"].annotation)[0] for m in members}
-    return types, {m.__name__ for m in members}
+    kinds = default_registry()
+    records = {kinds.record(t).__name__ for t in kinds.types()}
+    return types, {m.__name__ for m in members} | records
 
 
 def _kind_branches(tree: ast.AST, types: set[str], classes: set[str]) -> list[int]:
     """Lines of `tree` that test a kind's name: a `.type` compared with a kind's type (or
-    a tuple of them), or isinstance on a kind's schema class."""
+    a tuple of them), or isinstance on a kind's schema or layout record class."""
     lines = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare):
@@ -174,7 +178,9 @@ def test_a_stage_after_the_spec_never_tests_a_kinds_name(stage: str) -> None:
         for path in sorted((PACKAGE / stage).rglob("*.py"))
         for line in _kind_branches(ast.parse(path.read_text()), types, classes)
     ]
-    assert found == [], "dispatch through the KindRegistry instead: " + ", ".join(found)
+    assert found == [], "dispatch through the KindRegistry or the record's hooks: " + ", ".join(
+        found
+    )
 
 
 def test_every_stage_is_dispatching_or_exempt_by_name() -> None:
@@ -190,6 +196,9 @@ def test_every_stage_is_dispatching_or_exempt_by_name() -> None:
         ('if kind.type == "moe": pass', True),
         ('x = a if spec_kind.type in ("gqa", "mla") else b', True),
         ("ok = isinstance(f, MoEFFN)", True),
+        ("ok = isinstance(f, layout.MoELayout)", True),  # a kind's layout record
+        ("ok = isinstance(a, GQALayout | MLALayout)", True),
+        ("ok = isinstance(f, FFNRecord)", False),  # the plan's base of every record
         ('if family == "dense": pass', False),  # a weight family, not a kind's type
         ('TABLE = {"kda": 1}[kind.type]', False),  # data keyed by a kind: no branch
     ],

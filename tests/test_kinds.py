@@ -17,7 +17,7 @@ from mkgen.errors import SpecError
 from mkgen.kinds import default_registry, macro_files, macro_name, moe
 from mkgen.plan import BuildOptions, plan_build
 from mkgen.plan.kind import LayerKind
-from mkgen.plan.layout import GENERATED_EXPERT_FORMATS
+from mkgen.plan.layout import GENERATED_EXPERT_FORMATS, AttentionRecord, FFNRecord
 from mkgen.spec.loader import load_spec
 from mkgen.spec.schema import AttentionKind, FFNKind
 from mkgen.spec.topology import parse_topology
@@ -163,12 +163,10 @@ def test_every_generated_expert_format_has_a_note_for_the_kernel() -> None:
     assert set(GENERATED_EXPERT_FORMATS) == set(moe.FORMAT_NOTES)
 
 
-def _record_classes(field: str) -> tuple[type, ...]:
-    """The layout record classes KernelLayout's `field` (attention, ffn) holds."""
-    from mkgen.plan.layout import KernelLayout
-
-    (union,) = typing.get_args(KernelLayout.model_fields[field].annotation)
-    return typing.get_args(union)
+def _record_classes(base: type) -> list[type]:
+    """The registered kinds' layout record classes (their RECORD) that extend `base`."""
+    records = {default_registry().record(t) for t in default_registry().types()}
+    return sorted((r for r in records if issubclass(r, base)), key=lambda r: r.__name__)
 
 
 def test_every_layout_record_states_the_facts_the_later_stages_read() -> None:
@@ -176,11 +174,11 @@ def test_every_layout_record_states_the_facts_the_later_stages_read() -> None:
     record (restored from plan.json by its type tag, never written into it), with
     own_heads naming head fields of a spec kind and counts of the record."""
     spec_fields = {f for m in _schema_members(AttentionKind) for f in m.model_fields}
-    for record in _record_classes("attention"):
+    for record in _record_classes(AttentionRecord):
         assert isinstance(record.recurrent, bool), record.__name__
         assert set(record.own_heads) <= spec_fields, record.__name__
         assert set(record.own_heads.values()) <= set(record.model_fields), record.__name__
         assert {"recurrent", "own_heads"}.isdisjoint(record.model_fields), record.__name__
-    for record in _record_classes("ffn"):
+    for record in _record_classes(FFNRecord):
         assert isinstance(record.routed_experts, bool), record.__name__
         assert "routed_experts" not in record.model_fields, record.__name__

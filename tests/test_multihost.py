@@ -69,7 +69,6 @@ def _child(directory: str, process: int, port: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from mkgen.codegen.prefill import kernel_cache_pieces
     from mkgen.reference import model as reference
     from mkgen.runtime.decode import Model, prefill_sequence
     from mkgen.runtime.weights import RandomWeights, place_weights
@@ -102,7 +101,7 @@ def _child(directory: str, process: int, port: int) -> dict:
             c.name: np.asarray(next(arrays).addressable_data(0), np.float32) for c in kind.caches
         }
         for slot, layer in enumerate(kind.layers):
-            theirs = kernel_cache_pieces(spec, kind, expected["layers"][layer], rank)
+            theirs = kind.cache_pieces(spec, expected["layers"][layer], rank)
             for name, value in theirs.items():
                 value = np.asarray(value, np.float32)
                 gap = np.abs(ours[name][0, slot] - value).max() / max(np.abs(value).max(), 1e-6)

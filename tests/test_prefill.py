@@ -1,4 +1,4 @@
-"""The XLA prefill over per-core layouts (mkgen/codegen/prefill.py, mkgen/weights/unpack.py).
+"""The XLA prefill over per-core layouts (mkgen/runtime/prefill.py, mkgen/weights/unpack.py).
 
 Unpacking what the packer wrote gives back every tensor the kernel stores (every
 attention and FFN kind, the stream's int8 / fp8 segments, int4 / int8 / mxfp4 / nvfp4 /
@@ -143,7 +143,7 @@ def test_unpacking_gives_back_the_stored_tensors(spec_ref: str) -> None:
         if ffn.type != "moe":
             continue
         for rank in range(ranks):
-            held, cols = pack.expert_ids_and_columns(ffn, rank)
+            held, cols = ffn.held_experts(rank)
             ids = slice(held.start, held.stop)
             for name, index in (
                 ("experts_gate", (ids, slice(None), cols)),
@@ -209,8 +209,8 @@ def _prefill_child(spec_refs: list[str]) -> dict:
     import jax.numpy as jnp
     from jax.sharding import Mesh
 
-    from mkgen.codegen.prefill import kernel_cache_pieces, prefill, prefill_steps
     from mkgen.reference import model as reference
+    from mkgen.runtime.prefill import prefill, prefill_steps
 
     results = {}
     for spec_ref in spec_refs:
@@ -234,7 +234,7 @@ def _prefill_child(spec_refs: list[str]) -> dict:
                 ours = {c.name: np.asarray(next(arrays), np.float32) for c in kind.caches}
                 for slot, layer in enumerate(kind.layers):
                     for rank in range(ranks):
-                        theirs = kernel_cache_pieces(spec, kind, ref["layers"][layer], rank)
+                        theirs = kind.cache_pieces(spec, ref["layers"][layer], rank)
                         for name, value in theirs.items():
                             worst = max(worst, _relative(ours[name][rank, slot], value))
             out[label] = worst
@@ -272,7 +272,7 @@ def _dots_child(spec_refs: list[str]) -> dict:
     import jax.numpy as jnp
     from jax.sharding import Mesh
 
-    from mkgen.codegen.prefill import _expert_arrays, _start_cache, prefill_steps
+    from mkgen.runtime.prefill import _expert_arrays, _start_cache, prefill_steps
     from mkgen.spec.weights import model_weights
     from mkgen.weights.unpack import piece_shape
 
@@ -367,12 +367,10 @@ def test_dense_mlps_split_by_columns_are_computed_in_pieces() -> None:
     """The dense MLPs of these specs are split as tensor parallelism splits them, so the
     prefill computes each core's columns alone (the cache test above checks the result);
     a MoE kind is not."""
-    from mkgen.codegen.prefill import _columns_split
-
     for spec_ref in ("qwen3.8-27b", MLA_HYBRID):
         _, layout, _ = _setup(spec_ref)
-        assert [_columns_split(f) for f in layout.ffn if f.type == "dense"] == [True]
-        assert not any(_columns_split(f) for f in layout.ffn if f.type == "moe")
+        assert [f.columns_split() for f in layout.ffn if f.type == "dense"] == [True]
+        assert not any(f.columns_split() for f in layout.ffn if f.type == "moe")
 
 
 def _core_pieces(layout, weights, rank: int, layer: int, layer_shapes) -> dict:
@@ -404,13 +402,8 @@ def test_attention_heads_are_computed_by_their_own_cores(spec_ref: str) -> None:
     DeltaNet: the kv / key heads its heads read; MLA: the latent projections, replicated).
     The cores' outputs summed, plus bo, are the layer's attention; each core's cache, in
     the kernel's layout, is its cut of the reference cache (MLA: the whole latent cache)."""
-    from mkgen.codegen.prefill import (
-        _own_heads_kind,
-        core_attention,
-        kernel_cache_pieces,
-        own_kernel_cache_pieces,
-    )
     from mkgen.reference import model as reference
+    from mkgen.runtime.prefill import _own_heads_kind, core_attention
     from mkgen.spec.weights import model_weights
     from mkgen.weights import unpack
 
@@ -438,11 +431,11 @@ def test_attention_heads_are_computed_by_their_own_cores(spec_ref: str) -> None:
                 spec, layout, layer, own, layer_shapes, x, cache, 2, "cores"
             )
             total = total + out
-            if kind.type == "mla":
+            if not attention.own_cache:  # MLA: the whole latent cache on every core
                 ours, theirs = cache, expected_cache
             else:
-                ours = own_kernel_cache_pieces(attention, cache)
-                theirs = kernel_cache_pieces(spec, attention, expected_cache, rank)
+                ours = attention.own_cache_pieces(cache)
+                theirs = attention.cache_pieces(spec, expected_cache, rank)
             for name, value in ours.items():
                 assert _relative(value, theirs[name]) < 1e-5, (layer, rank, name)
         assert _relative(total, expected) < 1e-4, layer
@@ -456,7 +449,6 @@ def test_attention_heads_are_computed_by_their_own_cores(spec_ref: str) -> None:
 def test_shared_experts_split_by_columns_are_computed_in_pieces(spec_ref: str) -> None:
     """These MoE kinds' shared experts are split by columns, so each core runs them on its
     own pieces alone: the cores' outputs, summed, are the whole shared MLP's."""
-    from mkgen.codegen.prefill import _shared_columns_split
     from mkgen.reference import model as reference
     from mkgen.reference.ffn import shared_mlp
     from mkgen.spec.weights import model_weights
@@ -464,7 +456,7 @@ def test_shared_experts_split_by_columns_are_computed_in_pieces(spec_ref: str) -
     spec, layout, weights = _setup(spec_ref)
     shapes = {w.name: w.shape for w in model_weights(spec)}
     x = np.random.default_rng(0).standard_normal((BATCH, 3, spec.dims.hidden), np.float32)
-    assert [_shared_columns_split(f) for f in layout.ffn if f.type == "moe"] == [True]
+    assert [f.shared_columns_split() for f in layout.ffn if f.type == "moe"] == [True]
     layer = next(i for i in range(spec.layers.count) if spec.ffn_of(i).type == "moe")
     kind, prefix = spec.ffn_of(layer), f"layers.{layer}."
     total = 0.0
@@ -480,7 +472,7 @@ def test_shared_experts_split_by_columns_are_computed_in_pieces(spec_ref: str) -
 def test_prompts_go_in_power_of_two_chunks() -> None:
     """Any prompt length is covered, in order and largest first, by chunks whose sizes
     are distinct powers of two, so a context of 64 compiles at most 7 chunk sizes."""
-    from mkgen.codegen.prefill import prompt_chunks
+    from mkgen.runtime.prefill import prompt_chunks
 
     assert prompt_chunks(11) == [(0, 8), (8, 2), (10, 1)]
     sizes = set()

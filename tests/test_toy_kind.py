@@ -5,6 +5,7 @@ full-size kernel compiles for TPU7x."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,17 @@ SPEC = str(Path(__file__).parent / "specs" / "toy-mlp.yaml")
 TOPOLOGY = "1x1x1"  # one TPU7x chip: two cores, so the down projection's all-reduce runs
 TIMEOUT = 300
 ACTIVATION_LINE = "a = _activation(MLP_ACTIVATION, y, 1.0)"
+ROOT = Path(__file__).resolve().parents[1]
+GUIDE = ROOT / "docs" / "adding-a-layer-kind.md"
+# Where the toy kind's names occur in code: its schema, record and reference function's
+# names, and its type where it names the kind (a Literal tag, a spec's `type`, its
+# registry entry, its folder as a module or template name). Not the weight family `mlp`.
+TOY_NAMES = re.compile(
+    r"\bPlainMLP\b|\bMLPLayout\b|\bplain_mlp\b|Literal\[\"mlp\"\]|\"type\": \"mlp\"|\btype: mlp\b"
+    r"|\"mlp\": mlp\b|\bkinds[./]mlp\b|from mkgen\.kinds import [^\n]*\bmlp\b"
+)
+CODE = ("mkgen", "scripts", "tests")  # where a kind's code and its tests live
+TEXT_SUFFIXES = {".py", ".j2", ".yaml", ".md"}
 
 
 def _plan():
@@ -78,3 +90,49 @@ def test_the_full_size_toy_kernel_compiles_for_tpu7x() -> None:
                 (kernel.AXIS,))  # fmt: skip
     report = compile_for_tpu(kernel.make_decode_step(mesh), kernel.argument_shapes(mesh))
     assert 0 < report.vmem_bytes <= plan.vmem.total_bytes
+
+
+def _guide_places() -> list[str]:
+    """The files and folders (ending in /) the guide's table says adding `mlp` touched:
+    every backticked path in the first column of the table under its first heading."""
+    lines = GUIDE.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| place |"))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(line.split("|")[1])
+    return [path for row in rows for path in re.findall(r"`([^`]+)`", row)]
+
+
+def _holds_toy_names(path: Path) -> bool:
+    return bool(TOY_NAMES.search(path.read_text(encoding="utf-8")))
+
+
+def _text_files(top: Path) -> list[Path]:
+    """The code and text files under `top` (a file: itself)."""
+    if top.is_file():
+        return [top]
+    return sorted(
+        path
+        for path in top.rglob("*")
+        if path.suffix in TEXT_SUFFIXES and path.is_file() and "__pycache__" not in path.parts
+    )
+
+
+def test_the_toy_kind_is_named_only_in_the_places_the_guide_lists() -> None:
+    """docs/adding-a-layer-kind.md's table is the whole of what adding `mlp` touched: its
+    names occur in no other file of the code, the scripts and the tests, and every place
+    the table lists outside the tests names it."""
+    places = _guide_places()
+    assert "mkgen/kinds/mlp/" in places and "mkgen/spec/schema.py" in places, places
+
+    def listed(relative: str) -> bool:
+        return any(relative == p or (p.endswith("/") and relative.startswith(p)) for p in places)
+
+    files = [p.relative_to(ROOT) for top in CODE for p in _text_files(ROOT / top)]
+    unlisted = [str(p) for p in files if _holds_toy_names(ROOT / p) and not listed(str(p))]
+    assert unlisted == [], f"the toy kind is named outside the guide's table: {unlisted}"
+    for place in (p for p in places if not p.startswith("tests/")):
+        named = any(_holds_toy_names(p) for p in _text_files(ROOT / place))
+        assert named, f"{place}: the guide lists it, but it names no toy kind"

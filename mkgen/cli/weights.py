@@ -142,7 +142,7 @@ def _conversion_target(
         if spec_ref or topology or quant:
             raise MkgenError("--build takes spec, topology and formats from the build")
         spec, topo, options, data = load_build_inputs(build_dir)
-        layout = KernelLayout.model_validate(data["kernel"])
+        layout = KernelLayout.read(data["kernel"], default_registry())
         return spec, topo, options, layout, data["kernel_args"]
     if not topology:
         raise MkgenError("give --topology (or --build BUILD)")

@@ -1,8 +1,8 @@
 """Layer kind type -> the module holding its rules: the default KindRegistry.
 
-Every kind's module satisfies mkgen.plan.kind.LayerKind (``TEMPLATE``, ``SLAB_VECTORS``,
-``SEGMENTS``, ``shard``, ``layout``, ``buffers``, ``program``, ``rotary_dim``,
-``state_dims``). The plan does not import this module: its callers build the registry
+Every kind's module satisfies mkgen.plan.kind.LayerKind (``TEMPLATE``, ``RECORD``,
+``SLAB_VECTORS``, ``SEGMENTS``, ``shard``, ``layout``, ``buffers``, ``program``,
+``rotary_dim``, ``state_dims``, ...). The plan does not import this module: its callers build the registry
 here and pass it in.
 """
 

@@ -15,8 +15,9 @@ from pydantic import BaseModel, ConfigDict
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.figures import cache_bytes, state_bytes_per_sequence
 from mkgen.spec.schema import ModelSpec, MoEFFN
+from mkgen.spec.tensors import VECTORS
 from mkgen.spec.topology import Topology
-from mkgen.spec.weights import VECTORS, model_weights
+from mkgen.spec.weights import model_weights
 
 
 class IdealFloor(BaseModel):

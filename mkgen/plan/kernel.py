@@ -12,11 +12,8 @@ from mkgen.plan.layout import (
     SUBLANES_F32,
     AttentionResidualLayout,
     KernelLayout,
-    MoELayout,
     check_formats,
     kernel_features,
-    slab_rows,
-    slab_width,
     stream_formats,
     unsupported,
 )
@@ -75,7 +72,7 @@ def build_layout(
     )  # fmt: skip
     if spec.dims.tie_embeddings:
         unsupported("tied embeddings")
-    ffn_rows_end = first_ffn_row + max(slab_rows(f) for f in ffn)
+    ffn_rows_end = first_ffn_row + max(f.slab_rows() for f in ffn)
     residual = None
     if spec.attention_residual:
         r = spec.attention_residual
@@ -104,7 +101,7 @@ def _assemble(
     tokens = options.batch * options.rows
     collectives = plan_collectives(topology, layer_uses(sharding))
     cache_arrays = sum(len(a.caches) for a in attention)
-    expert_arrays = sum(f.experts.arrays for f in ffn if isinstance(f, MoELayout))
+    expert_arrays = sum(c.arrays for f in ffn if (c := f.routed_chunks()) is not None)
     return KernelLayout(
         model=spec.name,
         topology=topology.name,
@@ -136,7 +133,7 @@ def _assemble(
             max(
                 [hidden]
                 + [v.length for a in attention for v in a.vectors]
-                + [slab_width(f) for f in ffn]
+                + [f.slab_width() for f in ffn]
             ),
             128,
         ),  # fmt: skip

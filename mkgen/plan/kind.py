@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from mkgen.errors import SpecError
 
 if TYPE_CHECKING:  # annotations only: these modules take a KindRegistry themselves
+    from mkgen.plan.layout import KindRecord
     from mkgen.plan.options import BuildOptions
     from mkgen.plan.schedule import _Builder
     from mkgen.plan.sharding import AttentionSharding, FFNSharding, _Ctx
@@ -110,6 +111,11 @@ class LayerKind(Protocol):
         """Its macro file, relative to the template root."""
 
     @property
+    def RECORD(self) -> type[KindRecord]:
+        """Its layout record class (in its folder's record.py): what `layout` returns, and
+        what a layout read back from plan.json builds for its `type` tag."""
+
+    @property
     def SLAB_VECTORS(self) -> tuple[str, ...] | None:
         """The vector-family tensors its layers keep in their vector slab (None: all)."""
 
@@ -120,7 +126,7 @@ class LayerKind(Protocol):
     def shard(self, ctx: _Ctx, kind_name: str, kind: Any, /) -> AttentionSharding | FFNSharding:
         """How each of its tensors splits over the cores, its caches and collectives."""
 
-    def layout(self, inputs: LayoutInputs, /) -> Any:
+    def layout(self, inputs: LayoutInputs, /) -> KindRecord:
         """Its record of the kernel layout: everything its macros print."""
 
     def buffers(self, out: _List, inputs: BufferInputs, /) -> None:
@@ -162,6 +168,10 @@ class KindRegistry:
         if type_ not in self.kinds:
             raise SpecError(f"{where} ({type_}) is not supported by the code generator yet")
         return self.kinds[type_]
+
+    def record(self, type_: str) -> type[KindRecord]:
+        """The layout record class of the kind of type `type_` (a record's `type` tag)."""
+        return self.rules(type_, "a kernel layout record").RECORD
 
     def types(self) -> list[str]:
         """The registered types, attention kinds then FFN kinds."""

@@ -2,12 +2,18 @@
 
 Everything here is plain data (pydantic) that code generation renders and the
 generated runner uses to pack weights; no template computes a shape. The weight
-stream itself is planned in mkgen/plan/stream.py.
+stream itself is planned in mkgen/plan/stream.py. Each layer kind's record is defined in
+its folder (mkgen/kinds/<kind>/record.py) on the bases here (`AttentionRecord`,
+`FFNRecord`), which say what the stages after the plan read of every record.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from abc import abstractmethod
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pydantic import SerializeAsAny, ValidationInfo, field_validator
 
 from mkgen.errors import SpecError
 from mkgen.plan.collectives import CollectivePlan
@@ -24,6 +30,14 @@ from mkgen.plan.stream import (
 from mkgen.spec.quant import QuantFormat
 from mkgen.spec.schema import Activation, ModelSpec
 from mkgen.spec.schema import Rope as RopeSpec
+
+if TYPE_CHECKING:  # annotations only: kind.py types its records by this module's bases
+    from mkgen.plan.kind import KindRegistry
+
+# A jax or numpy array in a record's hooks (the plan imports neither), and a core's rank
+# (an int, or traced inside shard_map).
+Array = Any
+Rank = Any
 
 SUBLANES_F32 = 8
 CACHE_ALIGN = 16  # bf16 rows of an HBM array are tiled by 16
@@ -74,157 +88,115 @@ class Rope(PlanModel):
     interleaved: bool
 
 
-class GQALayout(PlanModel):
-    type: Literal["gqa"] = "gqa"
-    # Facts of the kind, not of one build (ClassVar: plan.json's `type` picks the record
-    # class, so reading a plan back restores them). Stages after the plan read these
-    # instead of testing a kind's name.
-    recurrent: ClassVar[bool] = False  # its cache is rows indexed by position
-    # The spec's head fields (kind.model_fields) -> this record's per-core counts: a
-    # core's share of the kind is the spec's kind with these replaced (the prefill).
-    own_heads: ClassVar[dict[str, str]] = {"num_heads": "heads", "num_kv_heads": "kv_heads"}
-    name: str
-    index: int  # position among the model's attention kinds (the layer table's code)
-    layers: list[int]  # model layers of this kind, in order (cache slot = position here)
-    heads: int  # q heads on each core
-    kv_heads: int  # kv heads on each core (replicated when fewer than cores)
-    kv_rank_divisor: int  # consecutive cores sharing one kv head (1: not replicated)
-    group: int  # q heads per kv head
-    head_dim: int  # key width of a cache row
-    value_dim: int
-    values_in_keys: bool = False  # False: separate k and v caches
-    q_cols: int
-    kv_cols: int
-    q_rows: int  # query rows of a kv head in the attention scratch: group x rows, padded to 8
-    columns: dict[str, Columns]  # outputs of the qkv segment: wq, wk, wv, (wgate)
-    gate: bool
-    qk_norm: Literal["none", "rms", "rms_noparam"]
-    sinks: bool
-    qkv_bias: bool
-    o_bias: bool
-    window: int | None
-    softmax_scale: float
-    rope: Rope | None
-    segments: list[Segment]  # qkv (q | k | v | gate), o
-    ops: list[str]  # the layer's ops in program order (mkgen.kinds.gqa.OPS): the kernel's order
-    cache_arrays: int  # k and v
-    vectors: list[VectorRow]
-    kv_tile: int  # cache tokens per streamed tile
-    caches: list[CacheArray]
+class KindRecord(PlanModel):
+    """A layer kind's record of the kernel layout: everything its macros print, as plain
+    data. A kind defines its record in its folder (mkgen/kinds/<kind>/record.py) and names
+    it as its rules' RECORD (mkgen.plan.kind.LayerKind); KernelLayout holds it by this base,
+    and reading a layout back picks the class by the record's `type` tag (KernelLayout.read).
+
+    Facts of the kind, not of one build, are ClassVars (not serialized: the `type` tag
+    restores them); the stages after the plan read those and call the record's methods
+    instead of testing which kind it is."""
+
+    if TYPE_CHECKING:  # Fields every record declares, each in its own order (plan.json
+        # keeps a record's field order, so the records declare them, not this base).
+        type: str
+        name: str
+        index: int  # position among the model's attention (or FFN) kinds: the layer table's code
+        layers: list[int]  # model layers of this kind, in order
+        segments: list[Segment]
+        ops: list[str]  # the layer's ops in program order: the kernel's order
+        vectors: list[VectorRow]
+
+    def stream_parts(self) -> dict[str, Part]:
+        """Its parts of the weight stream (every segment's) by tensor name."""
+        return {p.tensor: p for segment in self.segments for p in segment.parts}
 
 
-class MLALayout(PlanModel):
-    """Multi-head latent attention, absorbed: q heads split over cores, each core keeps the
-    whole latent cache (every head reads it) as one key row [latent | rotated k_rope].
+class AttentionRecord(KindRecord):
+    """An attention kind's record (GQA's, MLA's, the recurrent kinds' in mkgen/kinds/)."""
 
-    A head's nope query is turned into latent space by wkv_b's key half (segment uk) and
-    its attention output back into values by the value half (uv); the cached latent is
-    both key (with k_rope) and value, so attention is GQA with one kv head of width
-    `head_dim` whose values are its first `value_dim` columns."""
+    # Its cache is a state a rejected draft row must not advance (the runner keeps the
+    # snapshot after each sequence's last accepted row), not rows indexed by position.
+    recurrent: ClassVar[bool]
+    # The spec's head fields (kind.model_fields) -> this record's per-core counts: a core's
+    # share of the kind is the spec's kind with these replaced (the prefill).
+    own_heads: ClassVar[dict[str, str]]
+    # The XLA prefill (mkgen.runtime.prefill) computes each core's heads from its own
+    # pieces (heads_split), and each core keeps the cache of its own heads (own_cache)
+    # rather than the whole reference cache every core computes alike.
+    heads_split: ClassVar[bool]
+    own_cache: ClassVar[bool]
 
-    type: Literal["mla"] = "mla"
-    recurrent: ClassVar[bool] = False  # as GQALayout's
-    own_heads: ClassVar[dict[str, str]] = {"num_heads": "heads"}
-    name: str
-    index: int
-    layers: list[int]
-    heads: int  # q heads per core
-    kv_heads: Literal[1] = 1  # the latent, shared by every head
-    group: int  # q heads reading the latent: all of them
-    q_rows: int  # query rows of the latent in the attention scratch: heads x rows, padded to 8
-    q_lora_rank: int  # 0: q straight from the hidden state (segment down)
-    kv_lora_rank: int
-    nope_dim: int
-    rope_dim: int
-    v_dim: int
-    head_dim: int  # cache row: kv_lora_rank + rope_dim
-    value_dim: int  # kv_lora_rank: values are the cached latent
-    values_in_keys: Literal[True] = True
-    gate: bool
-    latent_eps: float  # eps of the q and kv latent norms
-    softmax_scale: float
-    window: None = None
-    sinks: Literal[False] = False
-    rope: Rope | None  # rope columns are stored de-interleaved (TensorView.rotary)
-    columns: dict[str, Columns]  # outputs of the down segment: wq_a | wq, wkv_a, wgate
-    # wq_a and wkv_a split over the cores: one all-gather joins each one's pieces.
-    latent_split: bool
-    segments: list[Segment]  # down, (q_b), uk, uv, o
-    ops: list[str]  # the layer's ops in program order (mkgen.kinds.mla.ops): the kernel's order
-    vectors: list[VectorRow]  # q_norm, kv_norm
-    kv_tile: int
-    caches: list[CacheArray]  # latent: [layers, batch, 1, context, head_dim] bf16
-    cache_arrays: Literal[1] = 1  # the latent row
+    if TYPE_CHECKING:
+        rope: Rope | None
+        caches: list[CacheArray]
 
+    def softplus(self) -> bool:
+        """Whether its kernel code calls the `_softplus` helper (KernelFeatures.softplus)."""
+        return False
 
-class RecurrentLayout(PlanModel):
-    """Delta-rule linear attention (Gated DeltaNet, KDA): heads split over cores.
+    @abstractmethod
+    def cache_pieces(
+        self, spec: ModelSpec, cache: Mapping[str, Array], rank: Rank
+    ) -> dict[str, Array]:
+        """What core `rank` holds of a layer's reference cache (mkgen.reference.model's
+        init_cache), per cache array of its kernel (`caches`) without the layer axis: what
+        the prefill writes and verify compares through."""
 
-    Gated DeltaNet: value heads split, each core with the key heads they read; one
-    scalar decay per head; output gated by silu(z). KDA: as many key as value heads;
-    a per-key-dim decay from a low-rank projection; output gated by a sigmoid gate."""
+    def own_cache_pieces(self, cache: Mapping[str, Array]) -> dict[str, Array]:
+        """A core's own reference cache of its heads (own_cache) in its kernel's layout:
+        what cache_pieces cuts for that core from the whole reference cache."""
+        raise NotImplementedError(f"{self.type} keeps no cache of its own heads (own_cache)")
 
-    type: Literal["gated_deltanet", "kda"]
-    # Its cache is a state a rejected draft row must not advance: the runner keeps the
-    # snapshot after each sequence's last accepted row (GQALayout has the facts' rules).
-    recurrent: ClassVar[bool] = True
-    # KDA's spec names num_heads (as many key as value heads), Gated DeltaNet's both.
-    own_heads: ClassVar[dict[str, str]] = {
-        "num_heads": "value_heads",
-        "num_key_heads": "key_heads",
-        "num_value_heads": "value_heads",
-    }
-    name: str
-    index: int
-    layers: list[int]
-    key_heads: int  # per core
-    value_heads: int  # per core; value head j reads key head j // group
-    group: int
-    key_dim: int
-    value_dim: int
-    conv_width: int
-    channels: int  # conv channels per core: q | k | v
-    gate_lower_bound: float | None = None  # KDA's decay bound (None: softplus form, as GDN's)
-    output_gate_rank: int | None = None  # KDA: low-rank output gate (None: full rank)
-    columns: dict[str, Columns]  # outputs of the "in" segment
-    segments: list[Segment]  # in, (f_b, g_b for KDA), o
-    ops: list[str]  # the layer's ops in program order (the kind module's ops): the kernel's order
-    vectors: list[VectorRow]
-    caches: list[CacheArray]  # conv tail (bf16), recurrent state (f32): after each row
-    rope: None = None  # no positions: the recurrence carries order
+    @abstractmethod
+    def prefill_cache(self, spec: ModelSpec, pieces: Mapping[str, Array]) -> dict[str, Array]:
+        """A layer's prefill cache from its kernel cache arrays on the host (numpy, each
+        [devices, B, ...]), cache_pieces undone: with own_cache each core's own reference
+        cache [devices, B, ...], else the whole reference cache [B, ...]."""
 
 
-class DenseLayout(PlanModel):
-    type: Literal["dense"] = "dense"
-    # A fact of the kind (ClassVar, as GQALayout's): no routed-expert arrays to pack.
-    routed_experts: ClassVar[bool] = False
-    name: str
-    index: int
-    layers: list[int]
-    width: int  # per core
-    gated: bool
-    activation: str
-    activation_params: dict[str, float]
-    bias: bool
-    segments: list[Segment]  # gate_up (gate | up), down
-    ops: list[str]  # the layer's ops in program order (mkgen.kinds.dense.OPS): the kernel's order
-    vectors: list[VectorRow]
+class FFNRecord(KindRecord):
+    """An FFN kind's record (the dense, plain MLP and MoE kinds' in mkgen/kinds/)."""
 
+    # It has routed-expert arrays of its own (routed_chunks) to pack and routes to verify.
+    routed_experts: ClassVar[bool]
 
-class MLPLayout(PlanModel):
-    """A plain MLP (mkgen.kinds.mlp): act(x W_up) W_down, width split over cores."""
+    if TYPE_CHECKING:
+        activation: str
 
-    type: Literal["mlp"] = "mlp"
-    routed_experts: ClassVar[bool] = False  # as DenseLayout's
-    name: str
-    index: int
-    layers: list[int]
-    width: int  # per core
-    activation: str  # a single-input activation: _activation's gated form with up = 1
-    activation_params: dict[str, float]  # none (common.activation_constants prints them)
-    segments: list[Segment]  # up, down
-    ops: list[str]  # the layer's ops in program order (mkgen.kinds.mlp.OPS): the kernel's order
-    vectors: list[VectorRow]
+    def routed_chunks(self) -> ExpertChunks | None:
+        """How its routed experts stream (None: it has none)."""
+        return None
+
+    def columns_split(self) -> bool:
+        """Whether it is an MLP split as tensor parallelism splits it (inputs by columns,
+        the output projection by rows, each core its own piece, no biases): the prefill
+        then runs it on each core's columns alone and sums the cores' outputs."""
+        return False
+
+    def shared_columns_split(self) -> bool:
+        """Whether its shared experts are split so (columns_split's rule)."""
+        return False
+
+    def slab_blocks(
+        self, tensors: Mapping[str, Array], prefix: str, rank: int
+    ) -> list[tuple[int, Array]]:
+        """(first row, rows [n, width]) it puts in core `rank`'s vector slab of a layer
+        (tensor names from `prefix` on) besides its VectorRows (none by default)."""
+        return []
+
+    def slab_pieces(self, slab: Array) -> dict[str, Array]:
+        """slab_blocks undone: its pieces (by unpack.piece_key) from a core's slab."""
+        return {}
+
+    def slab_rows(self) -> int:
+        """Rows of a layer's vector slab it uses after its first row."""
+        return sum(v.rows for v in self.vectors)
+
+    def slab_width(self) -> int:
+        """The widest row it puts in a layer's vector slab."""
+        return max((v.length for v in self.vectors), default=0)
 
 
 # Expert array dtypes (the VMEM plan's names) -> jnp names for the template.
@@ -377,56 +349,6 @@ def expert_chunks(
     return pieces_of(piece_chunks(gate_up, down, largest))
 
 
-class MoELayout(PlanModel):
-    type: Literal["moe"] = "moe"
-    # A fact of the kind (ClassVar, as GQALayout's): its experts are HBM arrays of their
-    # own (ExpertChunks), packed per core beside the stream.
-    routed_experts: ClassVar[bool] = True
-    name: str
-    index: int
-    layers: list[int]
-    num_experts: int
-    top_k: int
-    # Experts split by id over `groups` groups of `width_parts` consecutive cores; rank r
-    # holds experts [g * experts_per_rank, (g + 1) * experts_per_rank) of group
-    # g = r // width_parts, width part r % width_parts of each.
-    groups: int
-    width_parts: int
-    experts_per_rank: int
-    experts: ExpertChunks
-    expert_layers: int  # layers of this kind: the expert arrays' first dim
-    expert_format_note: str  # how the experts' format stores them
-    packed_codes: bool  # two 4-bit codes a byte
-    expert_slots: int  # expert pieces in flight: issued as soon as routing names them
-    activation: str
-    activation_params: dict[str, float]
-    score: Literal["softmax", "sigmoid"]
-    router_bias: bool
-    selection_bias: bool
-    renormalize: bool
-    routed_scaling: float
-    n_group: int
-    topk_group: int
-    latent_width: int  # 0: experts read the hidden state
-    latent_norm: bool
-    latent_design: Literal["rs_ar", "ar_ag", "none"]
-    latent_per_rank: int
-    # The router's columns split over the cores: its scores are all-gathered beside the
-    # latent piece (one collective), then every core routes on all of them.
-    router_split: bool
-    shared_width: int  # shared-expert columns per rank (0: none)
-    shared_gate: bool
-    columns: dict[str, Columns]  # outputs of the "in" segment: router, latent_in, shared_*
-    segments: list[Segment]  # in, latent_out, shared_down
-    in_segments: list[str]  # the "in" tensors' segments: one per format, outputs side by side
-    ops: list[str]  # the layer's ops in program order (mkgen.kinds.moe.ops): the kernel's order
-    vectors: list[VectorRow]
-    # Expert biases (gpt-oss), in the layer's vector slab from this row: one row per expert
-    # the core holds with its gate | up biases (its width part's columns), then one row per
-    # expert with its down biases, which width part 0 adds. None: no biases.
-    bias_row: int | None = None
-
-
 class AttentionResidualLayout(PlanModel):
     """Kimi K3's cross-block residual (mkgen/reference/model.py): snapshots of the stream
     at block starts, mixed by a softmax of the block's logits, which the first layer of
@@ -486,8 +408,8 @@ class KernelLayout(PlanModel):
     logit_multiplier: float
     logit_softcap: float | None
     stream: StreamPlan
-    attention: list[GQALayout | MLALayout | RecurrentLayout]
-    ffn: list[DenseLayout | MLPLayout | MoELayout]
+    attention: list[SerializeAsAny[AttentionRecord]]  # each kind's record, as its class dumps it
+    ffn: list[SerializeAsAny[FFNRecord]]
     attention_table: list[int]  # kind index of every layer
     ffn_table: list[int]
     attention_slot: list[int]  # position of every layer among layers of its kind
@@ -511,6 +433,28 @@ class KernelLayout(PlanModel):
     operands_before_caches: int
     vmem_limit_bytes: int  # Mosaic's scoped VMEM limit: the chip catalog's (mkgen.hardware)
 
+    @classmethod
+    def read(cls, data: Mapping[str, Any], kinds: KindRegistry) -> KernelLayout:
+        """A layout read back from its JSON data (plan.json's `kernel`): each kind's record
+        as the class `kinds` registers for its `type` tag."""
+        return cls.model_validate(data, context={_KINDS: kinds})
+
+    @field_validator("attention", "ffn", mode="before")
+    @classmethod
+    def _records(cls, value: Any, info: ValidationInfo) -> Any:
+        """Records given as data take their kind's class (read); built ones pass as they are."""
+        if not isinstance(value, list):
+            return value
+        kinds = (info.context or {}).get(_KINDS)
+        records = []
+        for item in value:
+            if isinstance(item, dict):
+                if kinds is None:
+                    raise ValueError("a layout read from data needs its kinds: KernelLayout.read")
+                item = kinds.record(str(item.get("type"))).model_validate(item)
+            records.append(item)
+        return records
+
     @property
     def table_rows(self) -> dict[str, int]:
         """The rows of the kernel's per-layer tables (LAYER_TABLES, in SMEM) by what they
@@ -526,6 +470,9 @@ class KernelLayout(PlanModel):
                 return buffer.index
         raise SpecError(f"{use}: no collective buffer holds it (the plan runs no such round)")
 
+
+# The validation context key of the KindRegistry a layout is read with (KernelLayout.read).
+_KINDS = "kinds"
 
 # The rows of the kernel's per-layer tables, in LAYER_TABLES' order (megakernel.py.j2).
 LAYER_TABLE_ROWS = (
@@ -636,22 +583,6 @@ def check_formats(spec: ModelSpec, stream: StreamPlan) -> None:
     check_stream_formats("lm_head", stream.tail)
 
 
-def slab_rows(kind: DenseLayout | MLPLayout | MoELayout) -> int:
-    """Rows of a layer's vector slab an FFN kind uses after its first row."""
-    rows = sum(v.rows for v in kind.vectors)
-    if isinstance(kind, MoELayout) and kind.bias_row is not None:
-        rows += 2 * kind.experts_per_rank
-    return rows
-
-
-def slab_width(kind: DenseLayout | MLPLayout | MoELayout) -> int:
-    """The widest row an FFN kind puts in a layer's vector slab."""
-    widths = [v.length for v in kind.vectors]
-    if isinstance(kind, MoELayout) and kind.bias_row is not None:
-        widths += [2 * kind.experts.width, kind.experts.d]
-    return max(widths, default=0)
-
-
 def stream_formats(segments: list[Segment]) -> list[StreamFormat]:
     """The quantized formats of the weight stream, each read as its first segment stores it."""
     from mkgen.spec.quant import parse_format
@@ -673,20 +604,20 @@ def stream_formats(segments: list[Segment]) -> list[StreamFormat]:
 
 
 def kernel_features(
-    attention: list[GQALayout | MLALayout | RecurrentLayout],
-    ffn: list[DenseLayout | MLPLayout | MoELayout],
+    attention: list[AttentionRecord],
+    ffn: list[FFNRecord],
     stream_formats: list[StreamFormat],
     held_refills: bool,
 ) -> KernelFeatures:
     """What the kernel's kinds call, so that it carries only those helpers."""
-    recurrent = [a for a in attention if isinstance(a, RecurrentLayout)]
-    expert_formats = list(dict.fromkeys(f.experts.kind for f in ffn if isinstance(f, MoELayout)))
+    chunks = [c for f in ffn if (c := f.routed_chunks()) is not None]
+    expert_formats = list(dict.fromkeys(c.kind for c in chunks))
     return KernelFeatures(
         rope=any(a.rope for a in attention),
         routing=bool(expert_formats),
         activations=list(dict.fromkeys(f.activation for f in ffn)),
-        recurrent=bool(recurrent),
-        softplus=any(a.gate_lower_bound is None for a in recurrent),
+        recurrent=any(a.recurrent for a in attention),
+        softplus=any(a.softplus() for a in attention),
         expert_formats=expert_formats,
         stream_formats=stream_formats,
         block_scales=bool(set(expert_formats) - {"bf16"})

@@ -58,8 +58,8 @@ from mkgen.spec.schema import (
     ModelSpec,
     MoEFFN,
 )
+from mkgen.spec.tensors import VECTORS
 from mkgen.spec.topology import Topology
-from mkgen.spec.weights import VECTORS
 
 LANES = 128
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter"]

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
+from mkgen.reference.dispatch import ATTENTION, CACHE
 from mkgen.reference.layers import Project, apply_rope, einsum, mm, multiply, rms_norm
 from mkgen.spec.rope import mla_softmax_scale
 from mkgen.spec.schema import Dims, GQAAttention, MLAAttention
@@ -66,11 +67,13 @@ def masked_softmax(
 # ---------------------------------------------------------------- GQA
 
 
+@CACHE.computes(GQAAttention)
 def init_gqa_cache(kind: GQAAttention, batch: int, max_len: int, dtype: jnp.dtype) -> Cache:
     shape = (batch, max_len, kind.num_kv_heads, kind.head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
+@ATTENTION.computes(GQAAttention)
 def gqa_attention(
     kind: GQAAttention,
     w: Weights,
@@ -148,6 +151,7 @@ def gqa_attend(
 # ---------------------------------------------------------------- MLA
 
 
+@CACHE.computes(MLAAttention)
 def init_mla_cache(kind: MLAAttention, batch: int, max_len: int, dtype: jnp.dtype) -> Cache:
     return {
         "latent": jnp.zeros((batch, max_len, kind.kv_lora_rank), dtype),
@@ -155,6 +159,7 @@ def init_mla_cache(kind: MLAAttention, batch: int, max_len: int, dtype: jnp.dtyp
     }
 
 
+@ATTENTION.computes(MLAAttention)
 def mla_attention(
     kind: MLAAttention,
     w: Weights,

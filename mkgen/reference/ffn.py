@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
+from mkgen.reference.dispatch import FFN
 from mkgen.reference.layers import Project, act_fn, einsum, gated_activation, mm, multiply, rms_norm
 from mkgen.spec.schema import DenseFFN, Dims, MoEFFN, PlainMLP
 
@@ -37,6 +38,7 @@ RoutedExperts = Callable[[MoEFFN, Weights, jax.Array, jax.Array, jax.Array], jax
 ChooseExperts = Callable[[MoEFFN, jax.Array, jax.Array], jax.Array]
 
 
+@FFN.computes(DenseFFN)
 def dense_ffn(kind: DenseFFN, w: Weights, x: jax.Array) -> jax.Array:
     """Gated: act(x W_gate + b_gate, x W_up + b_up) W_down + b_down; plain: act(x W_up) W_down."""
     up = mm(x, w["w_up"])
@@ -55,6 +57,7 @@ def dense_ffn(kind: DenseFFN, w: Weights, x: jax.Array) -> jax.Array:
     return out
 
 
+@FFN.computes(PlainMLP)
 def plain_mlp(kind: PlainMLP, w: Weights, x: jax.Array) -> jax.Array:
     """act(x W_up) W_down."""
     return mm(act_fn(kind.activation, mm(x, w["w_up"])), w["w_down"])
@@ -125,6 +128,7 @@ def routed_experts(
     return jnp.sum(out * weights[..., None], axis=1)
 
 
+@FFN.computes(MoEFFN)
 def moe_ffn(
     kind: MoEFFN,
     w: Weights,

@@ -28,7 +28,7 @@ def mm(x: jax.Array, w: jax.Array) -> jax.Array:
 # caller may hold in pieces (MLA's latent projections, the MoE router and latent
 # projections). The reference multiplies by the whole weight (`multiply`); the sharded
 # prefill multiplies by a core's piece and joins the cores' products
-# (mkgen/codegen/prefill.py).
+# (mkgen/runtime/prefill.py).
 Project = Callable[[jax.Array, str], jax.Array]
 
 

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
+from mkgen.reference.dispatch import ATTENTION, CACHE
 from mkgen.reference.layers import einsum, l2_normalize, mm, rms_norm
 from mkgen.spec.schema import Dims, GatedDeltaNetAttention, KDAAttention
 
@@ -92,6 +93,7 @@ def delta_rule_scan(
 # ---------------------------------------------------------------- KDA
 
 
+@CACHE.computes(KDAAttention)
 def init_kda_cache(kind: KDAAttention, batch: int, dtype: jnp.dtype) -> Cache:
     d = kind.num_heads * kind.head_dim
     return {
@@ -117,6 +119,7 @@ def kda_decay(kind: KDAAttention, w: Weights, x: jax.Array) -> jax.Array:
     return -rate * jax.nn.softplus(raw)
 
 
+@ATTENTION.computes(KDAAttention)
 def kda_attention(
     kind: KDAAttention, w: Weights, x: jax.Array, cache: Cache, dims: Dims
 ) -> tuple[jax.Array, Cache]:
@@ -147,6 +150,7 @@ def kda_attention(
 # ---------------------------------------------------------------- Gated DeltaNet
 
 
+@CACHE.computes(GatedDeltaNetAttention)
 def init_gated_deltanet_cache(kind: GatedDeltaNetAttention, batch: int, dtype: jnp.dtype) -> Cache:
     k = kind.num_key_heads * kind.key_head_dim
     v = kind.num_value_heads * kind.value_head_dim
@@ -157,6 +161,7 @@ def init_gated_deltanet_cache(kind: GatedDeltaNetAttention, batch: int, dtype: j
     }
 
 
+@ATTENTION.computes(GatedDeltaNetAttention)
 def gated_deltanet_attention(
     kind: GatedDeltaNetAttention, w: Weights, x: jax.Array, cache: Cache, dims: Dims
 ) -> tuple[jax.Array, Cache]:

@@ -54,36 +54,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mkgen.reference.attention import gqa_attention, init_gqa_cache, init_mla_cache, mla_attention
-from mkgen.reference.ffn import (
-    ChooseExperts,
-    RoutedExperts,
-    dense_ffn,
-    moe_ffn,
-    plain_mlp,
-    routed_experts,
-)
+# The math modules fill the dispatch tables (mkgen.reference.dispatch) as they load.
+from mkgen.reference import attention as _attention_math  # noqa: F401
+from mkgen.reference import linear_attention as _linear_attention_math  # noqa: F401
+from mkgen.reference.dispatch import ATTENTION, CACHE, FFN
+from mkgen.reference.ffn import ChooseExperts, RoutedExperts, routed_experts
 from mkgen.reference.layers import Project, mm, rms_norm, softcap
-from mkgen.reference.linear_attention import (
-    gated_deltanet_attention,
-    init_gated_deltanet_cache,
-    init_kda_cache,
-    kda_attention,
-)
-from mkgen.spec.schema import (
-    AttentionKind,
-    DenseFFN,
-    Dims,
-    FFNKind,
-    GatedDeltaNetAttention,
-    GQAAttention,
-    KDAAttention,
-    MLAAttention,
-    ModelSpec,
-    MoEFFN,
-    PlainMLP,
-)
-from mkgen.spec.weights import VECTORS, WeightSpec, model_weights
+from mkgen.spec.schema import AttentionKind, Dims, FFNKind, KDAAttention, ModelSpec, MoEFFN
+from mkgen.spec.tensors import VECTORS, WeightSpec
+from mkgen.spec.weights import model_weights
 
 Weights = Mapping[str, jax.Array]
 Cache = dict[str, Any]  # {"length": int32 [], "layers": [per-layer dict of arrays]}
@@ -206,13 +185,7 @@ def init_kind_cache(
     kind: AttentionKind, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32
 ) -> dict[str, jax.Array]:
     """An empty cache of attention `kind` (init_cache)."""
-    if isinstance(kind, GQAAttention):
-        return init_gqa_cache(kind, batch, max_len, dtype)
-    if isinstance(kind, MLAAttention):
-        return init_mla_cache(kind, batch, max_len, dtype)
-    if isinstance(kind, KDAAttention):
-        return init_kda_cache(kind, batch, dtype)
-    return init_gated_deltanet_cache(kind, batch, dtype)
+    return CACHE(kind, batch=batch, max_len=max_len, dtype=dtype)
 
 
 # ---------------------------------------------------------------- forward
@@ -243,14 +216,7 @@ def kind_attention(
     """Attention of `kind` of x [B, T, hidden] (normed) at positions start_pos..: its
     output and updated cache. `project` computes MLA's latent projections
     (mla_attention); the other kinds multiply by their weights in w."""
-    if isinstance(kind, GQAAttention):
-        return gqa_attention(kind, w, x, cache, start_pos, dims)
-    if isinstance(kind, MLAAttention):
-        return mla_attention(kind, w, x, cache, start_pos, dims, project)
-    if isinstance(kind, KDAAttention):
-        return kda_attention(kind, w, x, cache, dims)
-    assert isinstance(kind, GatedDeltaNetAttention)
-    return gated_deltanet_attention(kind, w, x, cache, dims)
+    return ATTENTION(kind, w=w, x=x, cache=cache, start_pos=start_pos, dims=dims, project=project)
 
 
 def ffn(
@@ -275,11 +241,7 @@ def kind_ffn(
     choose: ChooseExperts | None = None,
 ) -> jax.Array:
     """The FFN of `kind` of x [B, T, hidden] (normed) (ffn)."""
-    if isinstance(kind, DenseFFN):
-        return dense_ffn(kind, w, x)
-    if isinstance(kind, PlainMLP):
-        return plain_mlp(kind, w, x)
-    return moe_ffn(kind, w, x, dims, routed, choose)
+    return FFN(kind, w=w, x=x, dims=dims, routed=routed, choose=choose)
 
 
 def decoder_layer(

@@ -72,6 +72,7 @@ def load_build(build: Build) -> tuple[Any, Any, ModuleType]:
     """The build's spec and kernel layout (plan.json) and its megakernel module."""
     from pydantic import ValidationError
 
+    from mkgen.kinds import default_registry
     from mkgen.plan.layout import KernelLayout
     from mkgen.spec.schema import ModelSpec
 
@@ -84,7 +85,7 @@ def load_build(build: Build) -> tuple[Any, Any, ModuleType]:
     plan = json.loads((build.directory / "plan.json").read_text())
     try:
         spec = ModelSpec.model_validate(plan["spec"])
-        layout = KernelLayout.model_validate(plan["kernel"])
+        layout = KernelLayout.read(plan["kernel"], default_registry())
     except ValidationError:
         hint = _rebuild_hint(build.directory)
         raise MkgenError(

@@ -85,12 +85,12 @@ def prefill(model: Model, prompts: list[list[int]], where: str) -> tuple[list[ja
     """The kernel's caches after the prompts' first tokens, and how many tokens they hold.
 
     With --prefill xla (the default), all but the last token of the shortest prompt run
-    through the model in XLA over the placed per-core weights (mkgen.codegen.prefill: a
+    through the model in XLA over the placed per-core weights (mkgen.runtime.prefill: a
     shard_map in which each core unpacks its own banks, the routed experts run where
     they lie) and land in the kernel's cache layout; the rest of every prompt then goes
     through the kernel ROWS tokens per call. With --prefill kernel the caches start
     empty and the whole prompt goes through the kernel."""
-    from mkgen.codegen.prefill import prefill as xla_prefill
+    from mkgen.runtime.prefill import prefill as xla_prefill
 
     held = min(len(p) for p in prompts) - 1 if where == "xla" else 0
     axis = model.kernel.AXIS
@@ -132,7 +132,7 @@ def prefill_sequence(
     follows them; None when start is 0). Zeros when there are no tokens;
     mkgen.runtime.slots.insert_sequence puts them in a slot of the decode caches. The
     server's engine prefills every admitted prompt through this one function."""
-    from mkgen.codegen.prefill import prefill as xla_prefill
+    from mkgen.runtime.prefill import prefill as xla_prefill
 
     if not prompt_ids:
         assert cached is None, "cached caches with nothing after them are restored, not prefilled"

@@ -2,7 +2,7 @@
 handed to the decode mesh; idle sequences' caches offloaded to host memory and back.
 
 A prefill model is the decode model's build and weights placed again on a second mesh
-of build.devices devices (prefill_model). Its prefill (mkgen.codegen.prefill) writes the
+of build.devices devices (prefill_model). Its prefill (mkgen.runtime.prefill) writes the
 kernel's cache arrays on that mesh, in the kernel's layout ([devices, layers, batch, ...]
 sharded on the mesh axis: KV caches, MLA latent caches, recurrent conv tails and states),
 so handing them over is a device-to-device copy of each core's share to the same core of

@@ -28,7 +28,8 @@ from typing import Any
 
 from mkgen.errors import SpecError
 from mkgen.spec.schema import BlockDraft, ModelDraft, ModelSpec, MtpDraft
-from mkgen.spec.weights import VECTORS, WeightSpec, attention_weights, ffn_weights, model_weights
+from mkgen.spec.tensors import VECTORS, WeightSpec
+from mkgen.spec.weights import attention_weights, ffn_weights, model_weights
 
 # ---------------------------------------------------------------- weights
 

@@ -17,7 +17,8 @@ from mkgen.spec.schema import (
     MLAAttention,
     ModelSpec,
 )
-from mkgen.spec.weights import VECTORS, model_weights
+from mkgen.spec.tensors import VECTORS
+from mkgen.spec.weights import model_weights
 
 CACHE_BYTES = 2  # bf16 KV / latent cache entries
 STATE_BYTES = 4  # f32 recurrent state

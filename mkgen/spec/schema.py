@@ -5,11 +5,16 @@ table that assigns one attention kind and one FFN kind to every layer, optional
 cross-block attention residual, and a weight format per weight family. All
 models are strict (unknown keys and wrong types are rejected) and frozen.
 docs/spec-reference.md documents every field.
+
+Each layer kind's class also holds its rules of the spec stage: its tensors (`tensors`,
+the weight inventory's part of it, mkgen.spec.weights) and how its sizes shrink in the
+mini twin (`mini`, mkgen.spec.mini).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import math
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -24,6 +29,10 @@ from pydantic import (
 
 from mkgen.errors import SpecError
 from mkgen.spec.quant import parse_format
+from mkgen.spec.tensors import VECTORS, Tensor, WeightSpec, gated_mlp
+
+if TYPE_CHECKING:  # annotations only: mkgen.spec.mini builds on this module
+    from mkgen.spec.mini import Shrink
 
 # Upper bounds of the integer fields, each from the hardware or a number format
 # (docs/spec-reference.md#bounds). Floats must be finite (StrictModel).
@@ -146,6 +155,49 @@ class GQAAttention(StrictModel):
             return 0
         return self.rope.rotary_dim or self.head_dim
 
+    def tensors(self, hidden: int) -> list[Tensor]:
+        """Its tensors (mkgen.spec.weights.attention_weights)."""
+        h = hidden
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        out: list[Tensor] = [
+            ("wq", (h, q), "attention"),
+            ("wk", (h, kv), "attention"),
+            ("wv", (h, kv), "attention"),
+        ]
+        if self.output_gate == "sigmoid":
+            out.append(("wgate", (h, q), "attention"))
+        out.append(("wo", (q, h), "attention"))
+        if self.qkv_bias:
+            out += [("bq", (q,), VECTORS), ("bk", (kv,), VECTORS), ("bv", (kv,), VECTORS)]
+        if self.o_bias:
+            out.append(("bo", (h,), VECTORS))
+        if self.qk_norm == "rms":
+            out += [("q_norm", (self.head_dim,), VECTORS), ("k_norm", (self.head_dim,), VECTORS)]
+        if self.sinks:
+            out.append(("sinks", (self.num_heads,), VECTORS))
+        return out
+
+    def mini(self, shrink: Shrink) -> dict[str, Any]:
+        """Its fields in the mini twin (mkgen.spec.mini)."""
+        data = self.model_dump(mode="json")
+        kv = min(self.num_kv_heads, 2)
+        ratio = min(self.num_heads // self.num_kv_heads, shrink.MAX_HEADS)
+        head_dim = min(self.head_dim, shrink.HEAD_DIM)
+        data |= {
+            "num_kv_heads": kv,
+            "num_heads": math.lcm(kv * ratio, shrink.shards),
+            "head_dim": head_dim,
+        }
+        if self.rope:
+            data["rope"]["rotary_dim"] = shrink.scaled_rotary(
+                self.rope.rotary_dim, self.head_dim, head_dim
+            )
+        if self.sliding_window:
+            data["sliding_window"] = min(self.sliding_window, shrink.WINDOW)
+        if self.softmax_scale:
+            data["softmax_scale"] = shrink.inverse_sqrt(head_dim)
+        return data
+
 
 class MLAAttention(StrictModel):
     """Multi-head latent attention (DeepSeek-V3, Kimi K2/K3): low-rank q and kv."""
@@ -185,6 +237,55 @@ class MLAAttention(StrictModel):
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    def tensors(self, hidden: int) -> list[Tensor]:
+        """Its tensors (mkgen.spec.weights.attention_weights)."""
+        h, n = hidden, self.num_heads
+        out: list[Tensor] = []
+        if self.q_lora_rank:
+            out += [
+                ("wq_a", (h, self.q_lora_rank), "attention"),
+                ("q_norm", (self.q_lora_rank,), VECTORS),
+                ("wq_b", (self.q_lora_rank, n * self.qk_head_dim), "attention"),
+            ]
+        else:
+            out.append(("wq", (h, n * self.qk_head_dim), "attention"))
+        kv_b = n * (self.qk_nope_head_dim + self.v_head_dim)
+        out += [
+            ("wkv_a", (h, self.kv_lora_rank + self.qk_rope_head_dim), "attention"),
+            ("kv_norm", (self.kv_lora_rank,), VECTORS),
+            ("wkv_b", (self.kv_lora_rank, kv_b), "attention"),
+        ]
+        if self.output_gate == "sigmoid":
+            out.append(("wgate", (h, n * self.v_head_dim), "attention"))
+        out.append(("wo", (n * self.v_head_dim, h), "attention"))
+        return out
+
+    def mini(self, shrink: Shrink) -> dict[str, Any]:
+        """Its fields in the mini twin (mkgen.spec.mini)."""
+        data = self.model_dump(mode="json")
+        shards, head_dim = shrink.shards, shrink.HEAD_DIM
+        rope = head_dim // 2
+        q_lora, kv_lora = shrink.RANK, shrink.RANK
+        # Where the full wq_a and wkv_a split over the cores, the twin's do too, so that it
+        # can split them as the full-size build does (mkgen.plan.sharding.full_size_splits).
+        if self.q_lora_rank and self.q_lora_rank % shards == 0:
+            q_lora = -(-q_lora // shards) * shards
+        if (self.kv_lora_rank + self.qk_rope_head_dim) % shards == 0:
+            kv_lora = -(-(kv_lora + rope) // shards) * shards - rope
+        data |= {
+            "num_heads": shrink.heads(self.num_heads),
+            "q_lora_rank": q_lora if self.q_lora_rank else None,
+            "kv_lora_rank": kv_lora,
+            "qk_nope_head_dim": head_dim,
+            "qk_rope_head_dim": rope,
+            "v_head_dim": head_dim,
+        }
+        if self.rope and self.rope.rotary_dim:
+            data["rope"]["rotary_dim"] = head_dim // 2
+        if self.softmax_scale:
+            data["softmax_scale"] = shrink.inverse_sqrt(head_dim * 3 // 2)
+        return data
+
 
 class KDAAttention(StrictModel):
     """Kimi Delta Attention: gated delta-rule linear attention with a per-key-dim decay."""
@@ -208,6 +309,41 @@ class KDAAttention(StrictModel):
             raise ValueError(f"gate_lower_bound {value} must be negative (a log-decay bound)")
         return value
 
+    def tensors(self, hidden: int) -> list[Tensor]:
+        """Its tensors (mkgen.spec.weights.attention_weights)."""
+        h, d = hidden, self.num_heads * self.head_dim
+        out: list[Tensor] = [
+            ("wq", (h, d), "attention"),
+            ("wk", (h, d), "attention"),
+            ("wv", (h, d), "attention"),
+            ("conv_q", (self.conv_width, d), VECTORS),
+            ("conv_k", (self.conv_width, d), VECTORS),
+            ("conv_v", (self.conv_width, d), VECTORS),
+            ("wf_a", (h, self.decay_gate_rank), "attention"),
+            ("wf_b", (self.decay_gate_rank, d), "attention"),
+            ("A_log", (self.num_heads,), VECTORS),
+            ("dt_bias", (d,), VECTORS),
+            ("wbeta", (h, self.num_heads), "attention"),
+        ]
+        if self.output_gate_rank:
+            out += [
+                ("wg_a", (h, self.output_gate_rank), "attention"),
+                ("wg_b", (self.output_gate_rank, d), "attention"),
+            ]
+        else:
+            out.append(("wg", (h, d), "attention"))
+        out += [("o_norm", (self.head_dim,), VECTORS), ("wo", (d, h), "attention")]
+        return out
+
+    def mini(self, shrink: Shrink) -> dict[str, Any]:
+        """Its fields in the mini twin (mkgen.spec.mini)."""
+        return self.model_dump(mode="json") | {
+            "num_heads": shrink.heads(self.num_heads),
+            "head_dim": shrink.HEAD_DIM,
+            "decay_gate_rank": shrink.GATE_RANK,
+            "output_gate_rank": shrink.GATE_RANK if self.output_gate_rank else None,
+        }
+
 
 class GatedDeltaNetAttention(StrictModel):
     """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.8)."""
@@ -227,6 +363,38 @@ class GatedDeltaNetAttention(StrictModel):
                 f"{self.num_key_heads}"
             )
         return self
+
+    def tensors(self, hidden: int) -> list[Tensor]:
+        """Its tensors (mkgen.spec.weights.attention_weights)."""
+        h = hidden
+        k = self.num_key_heads * self.key_head_dim
+        v = self.num_value_heads * self.value_head_dim
+        return [
+            ("wq", (h, k), "attention"),
+            ("wk", (h, k), "attention"),
+            ("wv", (h, v), "attention"),
+            ("wz", (h, v), "attention"),
+            ("wb", (h, self.num_value_heads), "attention"),
+            ("wa", (h, self.num_value_heads), "attention"),
+            ("conv_q", (self.conv_width, k), VECTORS),
+            ("conv_k", (self.conv_width, k), VECTORS),
+            ("conv_v", (self.conv_width, v), VECTORS),
+            ("A_log", (self.num_value_heads,), VECTORS),
+            ("dt_bias", (self.num_value_heads,), VECTORS),
+            ("o_norm", (self.value_head_dim,), VECTORS),
+            ("wo", (v, h), "attention"),
+        ]
+
+    def mini(self, shrink: Shrink) -> dict[str, Any]:
+        """Its fields in the mini twin (mkgen.spec.mini)."""
+        key_heads = shrink.heads(self.num_key_heads)
+        ratio = min(self.num_value_heads // self.num_key_heads, 3)
+        return self.model_dump(mode="json") | {
+            "num_key_heads": key_heads,
+            "num_value_heads": key_heads * ratio,
+            "key_head_dim": shrink.HEAD_DIM,
+            "value_head_dim": shrink.HEAD_DIM,
+        }
 
 
 AttentionKind = Annotated[
@@ -292,6 +460,23 @@ class DenseFFN(StrictModel):
     gated: bool = True
     bias: bool = False
 
+    def tensors(self, hidden: int) -> list[WeightSpec]:
+        """Its tensors (mkgen.spec.weights.ffn_weights)."""
+        mlp = gated_mlp("w_", hidden, self.width, "mlp", self.gated)
+        out = [WeightSpec(n, s, f) for n, s, f in mlp]
+        if self.bias:
+            if self.gated:
+                out.append(WeightSpec("b_gate", (self.width,), VECTORS))
+            out += [
+                WeightSpec("b_up", (self.width,), VECTORS),
+                WeightSpec("b_down", (hidden,), VECTORS),
+            ]
+        return out
+
+    def mini(self, shrink: Shrink) -> dict[str, Any]:
+        """Its fields in the mini twin (mkgen.spec.mini)."""
+        return self.model_dump(mode="json") | {"width": min(self.width, shrink.FFN_WIDTH)}
+
 
 class PlainMLP(StrictModel):
     """A plain MLP: act(x W_up) W_down, no gate and no biases (the kind
@@ -301,6 +486,14 @@ class PlainMLP(StrictModel):
     width: Width
     # Single-input activations the kernel has (its gated _activation with up = 1).
     activation: Literal["silu", "gelu_tanh"]
+
+    def tensors(self, hidden: int) -> list[WeightSpec]:
+        """Its tensors (mkgen.spec.weights.ffn_weights): w_up and w_down."""
+        return [WeightSpec(*t) for t in gated_mlp("w_", hidden, self.width, "mlp", gated=False)]
+
+    def mini(self, shrink: Shrink) -> dict[str, Any]:
+        """Its fields in the mini twin (mkgen.spec.mini)."""
+        return self.model_dump(mode="json") | {"width": min(self.width, shrink.FFN_WIDTH)}
 
 
 class Router(StrictModel):
@@ -370,6 +563,63 @@ class MoEFFN(StrictModel):
                 f"top_k {self.top_k} exceeds the experts in topk_group {r.topk_group} groups"
             )
         return self
+
+    def tensors(self, hidden: int) -> list[WeightSpec]:
+        """Its tensors (mkgen.spec.weights.ffn_weights): router, latent projections,
+        routed experts stacked on a leading axis, shared experts."""
+        e, f = self.num_experts, self.expert_width
+        d = self.latent.width if self.latent else hidden
+        active = self.top_k / e
+        out = [WeightSpec("router", (hidden, e), "router")]
+        if self.router.bias:
+            out.append(WeightSpec("router_bias", (e,), VECTORS))
+        if self.router.selection_bias:
+            out.append(WeightSpec("selection_bias", (e,), VECTORS))
+        if self.latent:
+            out.append(WeightSpec("latent_in", (hidden, d), "projections"))
+            if self.latent.norm:
+                out.append(WeightSpec("latent_norm", (d,), VECTORS))
+            out.append(WeightSpec("latent_out", (d, hidden), "projections"))
+        for name, shape, family in gated_mlp("experts_", d, f, "experts"):
+            out.append(WeightSpec(name, (e, *shape), family, experts=e, active_fraction=active))
+        if self.expert_bias:
+            for name, size in (("experts_b_gate", f), ("experts_b_up", f), ("experts_b_down", d)):
+                out.append(WeightSpec(name, (e, size), VECTORS, experts=e, active_fraction=active))
+        if self.shared_experts:
+            s = self.shared_experts
+            shared = gated_mlp("shared_", hidden, s.width, "shared_experts")
+            out += [WeightSpec(n, sh, fam) for n, sh, fam in shared]
+            if s.gate:
+                out.append(WeightSpec("shared_gate_proj", (hidden, 1), "router"))
+        return out
+
+    def mini(self, shrink: Shrink) -> dict[str, Any]:
+        """Its fields in the mini twin (mkgen.spec.mini)."""
+        data = self.model_dump(mode="json")
+        shards = shrink.shards
+        experts = min(self.num_experts, shrink.EXPERTS)
+        if self.num_experts % shards == 0 and experts % shards:
+            # As many whole columns per core as the full router has, so a twin can split its
+            # router the way the full-size build does (mkgen.plan.sharding.full_size_splits).
+            experts = -(-shrink.EXPERTS // shards) * shards
+        router = data["router"]
+        if self.router.n_group > 1:
+            router["n_group"] = min(self.router.n_group, experts // 2)
+            router["topk_group"] = max(1, min(self.router.topk_group, router["n_group"] // 2))
+        per_group = experts // router["n_group"]
+        top_k = min(self.top_k, 2, router["topk_group"] * per_group)
+        # On many cores the experts also split by width: keep whole quantization blocks per core.
+        width = shrink.EXPERT_WIDTH * max(1, shards // experts)
+        data |= {"num_experts": experts, "top_k": top_k, "expert_width": width}
+        if self.shared_experts:
+            shared = shrink.EXPERT_WIDTH * self.shared_experts.count
+            if shrink.shared_block:  # split over every core: whole quantization blocks on each
+                block = shrink.shared_block
+                shared = -(-shared // (block * shards)) * block * shards
+            data["shared_experts"]["width"] = shared
+        if self.latent:
+            data["latent"]["width"] = shrink.LATENT
+        return data
 
 
 FFNKind = Annotated[DenseFFN | PlainMLP | MoEFFN, Field(discriminator="type")]

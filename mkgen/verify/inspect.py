@@ -34,7 +34,8 @@ from pydantic import ValidationError
 
 from mkgen.errors import MkgenError
 from mkgen.hardware import vmem_padded_bytes
-from mkgen.plan.layout import GQALayout, KernelLayout, MLALayout, RecurrentLayout
+from mkgen.kinds import default_registry
+from mkgen.plan.layout import AttentionRecord, KernelLayout
 from mkgen.plan.stream import Segment
 
 # ---------------------------------------------------------------- source structure
@@ -268,7 +269,7 @@ def load_build(ref: str | Path) -> Build:
         raise MkgenError(f"{directory}: no plan.json beside megakernel.py")
     plan = json.loads(plan_path.read_text())
     try:
-        layout = KernelLayout.model_validate(plan["kernel"])
+        layout = KernelLayout.read(plan["kernel"], default_registry())
     except (KeyError, ValidationError):
         rebuild = plan.get("build", {}).get("rebuild", "mkgen build ... --force")
         raise MkgenError(
@@ -578,7 +579,7 @@ def _summarise(owner: list[str], first: int, last: int) -> str:
     return "; ".join(f"{a}-{b} {what}" if a != b else f"{a} {what}" for a, b, what in runs)
 
 
-def _cache_lines(a: GQALayout | MLALayout | RecurrentLayout, slot: int) -> list[str]:
+def _cache_lines(a: AttentionRecord, slot: int) -> list[str]:
     """Where a layer's cache lies in its kind's per-core cache arrays (CacheArray: every
     kind's, from its layout), and the tiles it is read in when the kind streams it."""
     arrays = ", ".join(

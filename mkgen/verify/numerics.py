@@ -644,12 +644,10 @@ def _compare_caches(
     spec: Any, layout: Any, caches: list[Any], ref_cache: Any, position: int, rows: int
 ):
     """(max difference, largest reference value) over what this step wrote, core by core
-    (mkgen.codegen.prefill.kernel_cache_pieces cuts the reference's caches): the new KV
+    (each kind's record cuts the reference's caches: cache_pieces): the new KV
     rows of GQA layers, the new [latent | k_rope] rows of MLA layers and the whole f32
     state of Gated DeltaNet and KDA layers (their conv tails feed it)."""
     import numpy as np
-
-    from mkgen.codegen.prefill import kernel_cache_pieces
 
     arrays = iter(caches)
     diff, scale = 0.0, 0.0
@@ -657,7 +655,7 @@ def _compare_caches(
         mine = {c.name: np.asarray(next(arrays), np.float32) for c in a.caches}
         for slot, layer in enumerate(a.layers):
             for rank in range(layout.devices):
-                theirs = kernel_cache_pieces(spec, a, ref_cache["layers"][layer], rank)
+                theirs = a.cache_pieces(spec, ref_cache["layers"][layer], rank)
                 for name, ref in theirs.items():
                     if name == "conv":
                         continue

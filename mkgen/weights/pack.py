@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
-from mkgen.plan.layout import KernelLayout, MoELayout
+from mkgen.plan.layout import KernelLayout
 from mkgen.plan.stream import CHUNK, LANES, Part, Segment, TensorView
 from mkgen.spec.quant import parse_format
 from mkgen.weights.quantize import (
@@ -208,12 +208,8 @@ def pack_vectors_layer(
     for row in rows:
         value = part_slice(row.part, np.asarray(tensors[prefix + row.part.tensor]), rank)
         slab[row.row : row.row + row.rows, : row.length] = value.reshape(row.rows, row.length)
-    ffn = layout.ffn[layout.ffn_table[layer]]
-    if isinstance(ffn, MoELayout) and ffn.bias_row is not None:
-        gate_up, down = expert_biases(ffn, tensors, prefix, rank)
-        at, held = ffn.bias_row, ffn.experts_per_rank
-        slab[at : at + held, : gate_up.shape[1]] = gate_up
-        slab[at + held : at + 2 * held, : down.shape[1]] = down
+    for at, block in layout.ffn[layout.ffn_table[layer]].slab_blocks(tensors, prefix, rank):
+        slab[at : at + len(block), : block.shape[1]] = block
     residual = layout.attention_residual
     if residual and layer % residual.block_size == 0:  # the block's logits ride with it
         logits = np.asarray(tensors["attn_res_logits"])
@@ -225,29 +221,6 @@ def pack_vectors(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: 
     """One core's per-layer vector slabs [layers, vector_rows, vector_width] in f32."""
     layers = range(len(layout.attention_table))
     return np.stack([pack_vectors_layer(layout, tensors, rank, layer) for layer in layers])
-
-
-def expert_ids_and_columns(ffn: MoELayout, rank: int) -> tuple[range, slice]:
-    """The routed experts rank `rank` holds and the columns of their width it holds
-    (MoELayout: group rank // width_parts, width part rank % width_parts)."""
-    group, part = rank // ffn.width_parts, rank % ffn.width_parts
-    width = ffn.experts.width
-    ids = range(group * ffn.experts_per_rank, (group + 1) * ffn.experts_per_rank)
-    return ids, slice(part * width, (part + 1) * width)
-
-
-def expert_biases(
-    ffn: MoELayout, tensors: Mapping[str, np.ndarray], prefix: str, rank: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """(gate | up biases [E_r, 2 * width], down biases [E_r, d]) of the experts and columns
-    `rank` holds, as its vector slab stores them (MoELayout.bias_row)."""
-    ids, cols = expert_ids_and_columns(ffn, rank)
-    ids = slice(ids.start, ids.stop)
-    gate = np.asarray(tensors[prefix + "ffn.experts_b_gate"])[ids, cols]
-    up = np.asarray(tensors[prefix + "ffn.experts_b_up"])[ids, cols]
-    return np.concatenate([gate, up], axis=1), np.asarray(tensors[prefix + "ffn.experts_b_down"])[
-        ids
-    ]
 
 
 def _pieces(chunks: np.ndarray, pieces: int, piece_chunks: int) -> np.ndarray:
@@ -278,13 +251,13 @@ def pack_experts_layer(
     one int8 array; fp8: e4m3 codes, f32 block scales; int8: int8 codes, f32 column
     scales). Rank r holds experts [g * E_r,
     (g + 1) * E_r) of group g = r // width_parts and of each the columns of width part
-    r % width_parts (MoELayout). Every chunk is quantized on its own, so packing a layer at
+    r % width_parts (its record's held_experts). Every chunk is quantized on its own, so packing a layer at
     a time gives the same bytes as packing the kind at once."""
     f = layout.ffn[layout.ffn_table[layer]]
     if not f.routed_experts:
         return []
     e = f.experts
-    ids, cols = expert_ids_and_columns(f, rank)
+    ids, cols = f.held_experts(rank)
     prefix = f"layers.{layer}.ffn."
     gate, up = tensors[prefix + "experts_gate"], tensors[prefix + "experts_up"]
     down = tensors[prefix + "experts_down"]

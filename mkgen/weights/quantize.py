@@ -32,7 +32,8 @@ import numpy as np
 
 from mkgen.spec.quant import QuantFormat, parse_format
 from mkgen.spec.schema import ModelSpec
-from mkgen.spec.weights import VECTORS, model_weights
+from mkgen.spec.tensors import VECTORS
+from mkgen.spec.weights import model_weights
 
 INT4_MAX = 7
 INT8_MAX = 127

@@ -1,7 +1,7 @@
 """Per-core layouts back to tensors: the inverse of mkgen.weights.pack, in jax.numpy.
 
 Every shape comes from the layout, so the functions trace: the sharded XLA prefill
-(mkgen/codegen/prefill.py) unpacks each core's own banks, slab and expert arrays on its
+(mkgen/runtime/prefill.py) unpacks each core's own banks, slab and expert arrays on its
 device, gathers the pieces and assembles the layer's tensors, without the host ever
 holding a weight. Quantized values come back as the kernel reads them (codes times
 scales), so the prefill and the kernel compute with the same numbers.
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from mkgen.plan.layout import ExpertChunks, KernelLayout, MoELayout
+from mkgen.plan.layout import ExpertChunks, KernelLayout
 from mkgen.plan.stream import CHUNK, LANES, Part, Segment, TensorView
 from mkgen.spec.quant import parse_format
 from mkgen.weights.quantize import E2M1_VALUES
@@ -203,15 +203,12 @@ def layer_pieces(
         pieces[piece_key(row.part)] = slab[row.row : row.row + row.rows, : row.length].reshape(
             shape
         )
-    if isinstance(ffn, MoELayout):
-        chunks = expert_values(ffn.experts, experts)
-        for name, value in expert_matrices(ffn.experts, chunks).items():
+    routed = ffn.routed_chunks()
+    if routed is not None:
+        chunks = expert_values(routed, experts)
+        for name, value in expert_matrices(routed, chunks).items():
             pieces[f"ffn.{name}"] = value
-        if ffn.bias_row is not None:  # pack.expert_biases
-            at, held, width = ffn.bias_row, ffn.experts_per_rank, ffn.experts.width
-            pieces["ffn.experts_b_gate"] = slab[at : at + held, :width]
-            pieces["ffn.experts_b_up"] = slab[at : at + held, width : 2 * width]
-            pieces["ffn.experts_b_down"] = slab[at + held : at + 2 * held, : ffn.experts.d]
+    pieces.update(ffn.slab_pieces(slab))  # what its slab_blocks packed (expert biases)
     return pieces
 
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from mkgen.kinds.common import no_cache_geometry, no_rotary_dim, no_state_dims, no_views
+from mkgen.kinds.dense.record import DenseLayout
 from mkgen.plan.kind import BufferInputs, LayoutInputs, Step
-from mkgen.plan.layout import DenseLayout, activation_params, check_stream_formats, unsupported
+from mkgen.plan.layout import activation_params, check_stream_formats, unsupported
 from mkgen.plan.sharding import FFNSharding, KindShards
 from mkgen.plan.stream import part_of
 from mkgen.spec.weights import ffn_weights
 
 TEMPLATE = "kinds/dense.py.j2"
+RECORD = DenseLayout
 # Its weight-stream segments, in the order its ops consume them: tensors fused into one
 # segment read the same input.
 SEGMENTS = [("gate_up", ["ffn.w_gate", "ffn.w_up"]), ("down", ["ffn.w_down"])]

@@ -6,13 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 from mkgen.kinds import recurrent
+from mkgen.kinds.recurrent.record import RecurrentLayout
 from mkgen.plan.kind import BufferInputs, LayoutInputs, StateDims, Step
-from mkgen.plan.layout import RecurrentLayout
 from mkgen.plan.sharding import AttentionSharding, CacheShard, KindShards, group_map, heads_error
 from mkgen.spec.figures import CACHE_BYTES, STATE_BYTES
 from mkgen.spec.weights import attention_weights
 
 TEMPLATE = "kinds/gated_deltanet.py.j2"
+RECORD = RecurrentLayout
 # Its weight-stream segments, in the order its ops consume them: tensors fused into one
 # segment read the same input.
 SEGMENTS = [

@@ -6,10 +6,10 @@ from typing import Any
 
 from mkgen.kinds import cache_attention
 from mkgen.kinds.common import no_state_dims, no_views
+from mkgen.kinds.gqa.record import GQALayout
 from mkgen.plan.kind import BufferInputs, CacheGeometry, LayoutInputs, Step
 from mkgen.plan.layout import (
     CacheArray,
-    GQALayout,
     VectorRow,
     check_stream_formats,
     rope_layout,
@@ -23,6 +23,7 @@ from mkgen.spec.rope import inverse_sqrt
 from mkgen.spec.weights import attention_weights
 
 TEMPLATE = "kinds/gqa.py.j2"
+RECORD = GQALayout
 # Its weight-stream segments, in the order its ops consume them: tensors fused into one
 # segment read the same input.
 SEGMENTS = [("qkv", ["attn.wq", "attn.wk", "attn.wv", "attn.wgate"]), ("o", ["attn.wo"])]

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from mkgen.kinds import recurrent
+from mkgen.kinds.recurrent.record import RecurrentLayout
 from mkgen.plan.kind import BufferInputs, LayoutInputs, StateDims, Step
-from mkgen.plan.layout import RecurrentLayout
 from mkgen.plan.sharding import (
     AttentionSharding,
     CacheShard,
@@ -19,6 +19,7 @@ from mkgen.spec.figures import CACHE_BYTES, STATE_BYTES
 from mkgen.spec.weights import attention_weights
 
 TEMPLATE = "kinds/kda.py.j2"
+RECORD = RecurrentLayout
 # Its weight-stream segments, in the order its ops consume them: tensors fused into one
 # segment read the same input.
 SEGMENTS = [

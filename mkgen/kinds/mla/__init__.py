@@ -7,10 +7,10 @@ from typing import Any
 
 from mkgen.kinds import cache_attention
 from mkgen.kinds.common import no_state_dims
+from mkgen.kinds.mla.record import MLALayout
 from mkgen.plan.kind import BufferInputs, CacheGeometry, LayoutInputs, Step
 from mkgen.plan.layout import (
     CacheArray,
-    MLALayout,
     VectorRow,
     check_stream_formats,
     rope_layout,
@@ -30,6 +30,7 @@ from mkgen.spec.rope import mla_softmax_scale
 from mkgen.spec.weights import attention_weights
 
 TEMPLATE = "kinds/mla.py.j2"
+RECORD = MLALayout
 # Its weight-stream segments, in the order its ops consume them: tensors fused into one
 # segment read the same input. Absorbed, wkv_b streams twice as views, its key half
 # transposed (uk: q_nope -> latent) and its value half (uv: latent -> values); see

@@ -8,11 +8,13 @@ from typing import Any
 from mkgen.kinds.common import no_cache_geometry, no_rotary_dim, no_state_dims, no_views
 from mkgen.kinds.dense import shard as dense_shard
 from mkgen.kinds.dense import stream_mlp_program
+from mkgen.kinds.mlp.record import MLPLayout
 from mkgen.plan.kind import BufferInputs, LayoutInputs, Step
-from mkgen.plan.layout import MLPLayout, check_stream_formats
+from mkgen.plan.layout import check_stream_formats
 from mkgen.plan.stream import part_of
 
 TEMPLATE = "kinds/mlp.py.j2"
+RECORD = MLPLayout
 # Its weight-stream segments, in the order its ops consume them.
 SEGMENTS = [("up", ["ffn.w_up"]), ("down", ["ffn.w_down"])]
 SLAB_VECTORS = None

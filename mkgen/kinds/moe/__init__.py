@@ -8,9 +8,9 @@ from typing import Any, Literal
 
 from mkgen.errors import SpecError
 from mkgen.kinds.common import no_cache_geometry, no_rotary_dim, no_state_dims, no_views
+from mkgen.kinds.moe.record import MoELayout
 from mkgen.plan.kind import BufferInputs, LayoutInputs, Step
 from mkgen.plan.layout import (
-    MoELayout,
     VectorRow,
     activation_params,
     check_expert_format,
@@ -24,6 +24,7 @@ from mkgen.plan.stream import CHUNK, LANES, part_of
 from mkgen.spec.weights import ffn_weights
 
 TEMPLATE = "kinds/moe.py.j2"
+RECORD = MoELayout
 # Its weight-stream segments, in the order its ops consume them (the shared experts'
 # down projection right after the routed experts, then the latent back to hidden):
 # tensors fused into one segment read the same input.

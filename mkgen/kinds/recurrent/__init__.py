@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from mkgen.kinds.common import no_cache_geometry, no_rotary_dim, no_views
+from mkgen.kinds.recurrent.record import RecurrentLayout
 from mkgen.plan.kind import BufferInputs, LayoutInputs, StateDims, Step
 from mkgen.plan.layout import (
     CacheArray,
-    RecurrentLayout,
     VectorRow,
     check_stream_formats,
     segment_columns,

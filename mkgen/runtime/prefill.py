@@ -7,9 +7,9 @@ pieces (core_attention) and runs the reference layer's functions
 (mkgen.reference.model) on its pieces. Routed experts stay where they are: each core
 runs the experts it holds, one at a time over the prompt weighted by each token's
 combine weight for it, and a psum adds the cores' shares. Each core then puts its share
-of the layer's cache into the kernel's cache layout (own_kernel_cache_pieces,
-kernel_cache_pieces), so decoding continues in the megakernel at the position after the
-prompt.
+of the layer's cache into the kernel's cache layout (its attention record's
+own_cache_pieces or cache_pieces), so decoding continues in the megakernel at the
+position after the prompt.
 
 Prompt lengths are bucketed: a layer runs over the prompt in chunks of powers of two
 (prompt_chunks: 11 tokens go as 8, 2 and 1), each continuing the layer's reference
@@ -20,14 +20,14 @@ Memory: besides the weights already placed, a device holds the prompt's activati
 its pieces of the layer's tensors (f32, unpacked), one expert's activations and the
 layer's cache.
 Attention (core_attention: a core's heads, its rows of wo), routed experts, and dense
-MLPs and shared experts split by columns (_columns_split, _shared_columns_split) are
-computed by their own cores, each on its share, a psum adding the shares; GQA and
-recurrent cores keep only their own heads' cache. The MoE router and latent projections
-and MLA's latent projections, where the plan splits them, are multiplied by each core's
-own piece, the products all-gathered (column pieces) or summed (row pieces), as the
-kernel joins them (_project_pieces). A replicated tensor is each core's own whole copy;
-only the pieces of other split tensors (none in the shipped specs' layer kinds) are
-gathered and computed whole on every core.
+MLPs and shared experts split by columns (the FFN record's columns_split and
+shared_columns_split) are computed by their own cores, each on its share, a psum adding
+the shares; GQA and recurrent cores keep only their own heads' cache (own_cache). The
+MoE router and latent projections and MLA's latent projections, where the plan splits
+them, are multiplied by each core's own piece, the products all-gathered (column pieces)
+or summed (row pieces), as the kernel joins them (_project_pieces). A replicated tensor
+is each core's own whole copy; only the pieces of other split tensors (none in the
+shipped specs' layer kinds) are gathered and computed whole on every core.
 """
 
 from __future__ import annotations
@@ -42,120 +42,22 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mkgen.plan.layout import (
-    DenseLayout,
-    GQALayout,
-    KernelLayout,
-    MLALayout,
-    MoELayout,
-    RecurrentLayout,
-)
+from mkgen.kinds.common.caches import piece as cut_piece
+from mkgen.plan.layout import AttentionRecord, FFNRecord, KernelLayout, KindRecord
 from mkgen.plan.stream import Part
 from mkgen.reference import model as reference
 from mkgen.reference.attention import Cache
 from mkgen.reference.ffn import moe_ffn, shared_mlp
 from mkgen.reference.layers import Project, gated_activation, mm, multiply, rms_norm
 from mkgen.spec.schema import AttentionKind, ModelSpec
-from mkgen.spec.weights import attention_weights, model_weights
+from mkgen.spec.weights import model_weights
 from mkgen.weights import unpack
 from mkgen.weights.pack import expert_arrays
 
-AttentionLayout = GQALayout | MLALayout | RecurrentLayout
 
-
-def _piece(x: jax.Array, axis: int, size: int, index: jax.Array | int) -> jax.Array:
-    """Piece `index` of `size` along `axis` (index may be traced: a core's own rank)."""
-    return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis)
-
-
-def kernel_cache_pieces(
-    spec: ModelSpec, kind: AttentionLayout, cache: Mapping[str, jax.Array], rank: jax.Array | int
-) -> dict[str, jax.Array]:
-    """What core `rank` (an int, or traced) holds of a `kind` layer's reference cache
-    (mkgen.reference.model.init_cache), per cache array of the kernel's `kind` without the
-    kind's layer axis: GQA k and v [B, kv heads of the core, context, head_dim] (kv heads
-    split, or shared by kv_rank_divisor consecutive cores); MLA latent [B, 1, context,
-    latent | k_rope], whole on every core, rotary pairs stored as halves where the model's
-    rope is interleaved; Gated DeltaNet / KDA conv [B, ROWS, W - 1, the core's q | k | v
-    channels] and f32 state [B, ROWS, the core's value heads, Dk, Dv], the reference's in
-    snapshot ROWS - 1 (the one a step starts from), the others zero."""
-    if isinstance(kind, GQALayout):
-        piece = rank // kind.kv_rank_divisor
-        return {
-            n: _piece(cache[n], 2, kind.kv_heads, piece).transpose(0, 2, 1, 3) for n in ("k", "v")
-        }
-    if isinstance(kind, MLALayout):
-        k_rope = cache["k_rope"]
-        rope = spec.attention_kinds[kind.name].rope
-        if rope is not None and rope.interleaved:  # as mkgen.kinds.mla.views stores it
-            k_rope = jnp.concatenate([k_rope[..., 0::2], k_rope[..., 1::2]], axis=-1)
-        row = jnp.concatenate([cache["latent"].astype(k_rope.dtype), k_rope], axis=-1)
-        return {"latent": row[:, None]}
-    parts = {row.name: row.part for row in kind.vectors}
-    widths = {n: shape[-1] for n, shape, _ in attention_weights(spec.attention_kinds[kind.name], 1)}
-    conv, start = [], 0
-    for name in ("conv_q", "conv_k", "conv_v"):
-        channels = cache["conv"][..., start : start + widths[name]]
-        part = parts[name]
-        if part.axis is not None:
-            channels = _piece(channels, -1, part.size, rank // part.rank_divisor)
-        conv.append(channels)
-        start += widths[name]
-    state = _piece(cache["state"], 1, kind.value_heads, rank)
-    rows = _snapshot_rows(kind)
-    return {"conv": _current(jnp.concatenate(conv, axis=-1), rows), "state": _current(state, rows)}
-
-
-def _snapshot_rows(kind: RecurrentLayout) -> int:
-    """The snapshots a recurrent kind's kernel caches keep per sequence (one a row)."""
-    return next(c for c in kind.caches if c.name == "state").shape[2]
-
-
-def _current(x: jax.Array, rows: int) -> jax.Array:
-    """x [B, ...] -> [B, rows, ...]: x as the snapshot a step starts from (row rows - 1),
-    the others zero."""
-    return jnp.zeros((x.shape[0], rows, *x.shape[1:]), x.dtype).at[:, rows - 1].set(x)
-
-
-def own_kernel_cache_pieces(
-    kind: GQALayout | RecurrentLayout, cache: Mapping[str, jax.Array]
-) -> dict[str, jax.Array]:
-    """A core's own cache of its heads (core_attention) in the kernel's layout, what
-    kernel_cache_pieces cuts for that core from the whole reference cache: GQA's [B,
-    context, kv heads, head_dim] as [B, kv heads, context, head_dim]; a recurrent kind's
-    conv tail and state in the snapshot a step starts from."""
-    if isinstance(kind, GQALayout):
-        return {n: v.transpose(0, 2, 1, 3) for n, v in cache.items()}
-    rows = _snapshot_rows(kind)
-    return {n: _current(v, rows) for n, v in cache.items()}
-
-
-def prefill_cache_of_kernel(
-    spec: ModelSpec, kind: AttentionLayout, pieces: Mapping[str, np.ndarray]
-) -> dict[str, np.ndarray]:
-    """A `kind` layer's prefill cache from its kernel cache arrays on the host (each
-    [devices, B, ...]: the layer's slot of every core's array), what _cache_cutter cut
-    undone: for a kind whose cores keep their own caches (_own_cache), each core's own
-    reference cache [devices, B, ...] (GQA's kv heads and positions swapped back, a
-    recurrent kind's snapshot a step starts from); for MLA, the whole reference cache
-    [B, ...] from core 0's latent row [latent | k_rope], its rotary halves interleaved
-    again where the model's rope is."""
-    if isinstance(kind, GQALayout):
-        return {n: v.transpose(0, 1, 3, 2, 4) for n, v in pieces.items()}
-    if isinstance(kind, RecurrentLayout):
-        return {n: v[:, :, -1] for n, v in pieces.items()}
-    mla = spec.attention_kinds[kind.name]
-    row = pieces["latent"][0, :, 0]  # [B, context, latent | k_rope]
-    latent, k_rope = row[..., : mla.kv_lora_rank], row[..., mla.kv_lora_rank :]
-    if mla.rope is not None and mla.rope.interleaved:
-        half = k_rope.shape[-1] // 2
-        k_rope = np.stack([k_rope[..., :half], k_rope[..., half:]], axis=-1).reshape(k_rope.shape)
-    return {"latent": latent, "k_rope": k_rope}
-
-
-def _routed_on_this_core(ffn: MoELayout, experts: Mapping[str, jax.Array], axis: str):
+def _routed_on_this_core(ffn: Any, experts: Mapping[str, jax.Array], axis: str):
     """A routed-experts function (mkgen.reference.ffn.RoutedExperts) for inside shard_map:
-    the experts and columns this core holds (MoELayout: group rank // width_parts), summed
+    the experts and columns this core holds (its record's held_experts), summed
     over the cores. One expert at a time over every token, weighted by the token's combine
     weight for it (zero when it did not choose it): memory stays one expert's activations,
     where gathering each token's chosen matrices would hold T x top_k of them."""
@@ -197,48 +99,15 @@ def prompt_chunks(length: int) -> list[tuple[int, int]]:
     return chunks
 
 
-def _columns_split(ffn: DenseLayout | MoELayout) -> bool:
-    """Whether a dense FFN kind is split over the cores as tensor parallelism splits it:
-    W_gate and W_up by columns, W_down by rows, each core its own piece, no biases. Each
-    core then runs the MLP on its columns alone and a psum adds the cores' outputs, so
-    no core computes the whole MLP."""
-    if not isinstance(ffn, DenseLayout) or ffn.vectors:
-        return False
-    parts = {p.tensor: p for segment in ffn.segments for p in segment.parts}
-    inputs = [n for n in ("ffn.w_gate", "ffn.w_up") if n in parts]
-    return len(parts) == len(inputs) + 1 and _split_as_mlp(parts, inputs, "ffn.w_down")
-
-
-def _shared_columns_split(ffn: DenseLayout | MoELayout) -> bool:
-    """Whether a MoE kind's shared experts are split over the cores by columns
-    (shared_gate and shared_up by columns, shared_down by rows, each core its own piece),
-    so each core runs them on its columns alone and a psum adds the cores' outputs."""
-    if not isinstance(ffn, MoELayout) or not ffn.shared_width:
-        return False
-    parts = {p.tensor: p for segment in ffn.segments for p in segment.parts}
-    return _split_as_mlp(parts, ["ffn.shared_gate", "ffn.shared_up"], "ffn.shared_down")
-
-
-def _split_as_mlp(parts: Mapping[str, Part], inputs: list[str], down: str) -> bool:
-    """Whether the `inputs` tensors are all split by columns and `down` by rows, in pieces
-    of one size, one per core, without views."""
-    if down not in parts or not inputs or any(n not in parts for n in inputs):
-        return False
-    return all(
-        p.view is None and p.rank_divisor == 1 and p.size == parts[down].size and p.axis == axis
-        for p, axis in [(parts[down], -2), *((parts[n], -1) for n in inputs)]
-    )
-
-
 # The tensors each core multiplies by its own piece alone where the plan splits them,
 # joining the products rather than the weight (_project_pieces): MoE's router and latent
 # projections, MLA's latent (A) projections.
 PROJECTED = ("ffn.router", "ffn.latent_in", "ffn.latent_out", "attn.wq_a", "attn.wkv_a")
 
 
-def _projected_parts(kind: AttentionLayout | DenseLayout | MoELayout) -> dict[str, Part]:
+def _projected_parts(kind: KindRecord) -> dict[str, Part]:
     """A layer kind's parts of the PROJECTED tensors the plan splits, by tensor name."""
-    parts = {p.tensor: p for segment in kind.segments for p in segment.parts}
+    parts = kind.stream_parts()
     split = {n: parts[n] for n in PROJECTED if n in parts and parts[n].axis is not None}
     # One piece per core (KindShards.add_low_rank, mkgen.kinds.moe); a view (MLA's rotary
     # columns reordered) only on a column split, undone on the gathered product.
@@ -269,13 +138,13 @@ def _project_pieces(
         if part.axis == -1:
             product = jax.lax.all_gather(mm(x, piece), axis, axis=x.ndim - 1, tiled=True)
             return unpack.unviewed_columns(part.view, product) if part.view else product
-        mine = _piece(x, -1, part.size, jax.lax.axis_index(axis))
+        mine = cut_piece(x, -1, part.size, jax.lax.axis_index(axis))
         return jax.lax.psum(mm(mine, piece), axis)
 
     return project
 
 
-def _replicated_pieces(*kinds: AttentionLayout | DenseLayout | MoELayout) -> set[str]:
+def _replicated_pieces(*kinds: KindRecord) -> set[str]:
     """The keys (unpack.piece_key) of the layer kinds' replicated pieces and the layer's
     norms: whole on every core, so that no core gathers them from the others."""
     parts = [p for kind in kinds for segment in kind.segments for p in segment.parts]
@@ -283,21 +152,7 @@ def _replicated_pieces(*kinds: AttentionLayout | DenseLayout | MoELayout) -> set
     return {unpack.piece_key(p) for p in parts if p.axis is None} | {"attn_norm", "ffn_norm"}
 
 
-def _heads_split(attention: AttentionLayout) -> bool:
-    """Whether each core computes a kind's attention for its own heads alone, from its
-    own pieces (a psum adds the cores' output projections): every kind the layouts have
-    (GQA, MLA, Gated DeltaNet, KDA)."""
-    return isinstance(attention, GQALayout | MLALayout | RecurrentLayout)
-
-
-def _own_cache(attention: AttentionLayout) -> bool:
-    """Whether each core keeps its own prefill cache, of its own heads (GQA kv heads, a
-    recurrent kind's conv channels and state), rather than the whole reference cache that
-    every core computes alike (MLA's latent cache, whole on every core)."""
-    return isinstance(attention, GQALayout | RecurrentLayout)
-
-
-def _own_heads_kind(spec: ModelSpec, layer: int, attention: AttentionLayout) -> AttentionKind:
+def _own_heads_kind(spec: ModelSpec, layer: int, attention: AttentionRecord) -> AttentionKind:
     """Layer `layer`'s attention kind cut to one core's heads: its q (value) heads and the
     kv (key) heads they read, kv heads shared by several cores computed by each of them;
     no output bias (added once, after the cores' outputs are summed)."""
@@ -361,8 +216,8 @@ def _layer_step(
     attention = layout.attention[layout.attention_table[layer]]
     ffn = layout.ffn[layout.ffn_table[layer]]
     sizes = (layout.stream.attention[attention.name].rows, layout.stream.ffn[ffn.name].rows)
-    columns_split, shared_split = _columns_split(ffn), _shared_columns_split(ffn)
-    heads_split, own_cache = _heads_split(attention), _own_cache(attention)
+    columns_split, shared_split = ffn.columns_split(), ffn.shared_columns_split()
+    heads_split, own_cache = attention.heads_split, attention.own_cache
     projected_parts = _projected_parts(ffn)
     whole = _replicated_pieces(attention, ffn)
     kind = spec.attention_of(layer)
@@ -457,7 +312,7 @@ def _kept_pieces(
 def _ffn_out(
     spec: ModelSpec,
     layer: int,
-    ffn: Any,
+    ffn: FFNRecord,
     w: Mapping[str, Any],
     x: jax.Array,
     kept: _KeptPieces,
@@ -470,7 +325,7 @@ def _ffn_out(
     if kept.mine is not None:
         return jax.lax.psum(reference.ffn(spec, layer, kept.mine, x), axis)
     weights = reference.layer_weights(w, "ffn.")
-    if not isinstance(ffn, MoELayout):
+    if not ffn.routed_experts:
         return reference.ffn(spec, layer, weights, x)
     moe, on_this_core = spec.ffn_of(layer), _routed_on_this_core(ffn, kept.routed, axis)
     project = _project_pieces(projected_parts, kept.projected, "ffn.", axis, multiply(weights))
@@ -488,15 +343,15 @@ def _ffn_out(
 def _cache_cutter(spec: ModelSpec, layout: KernelLayout, mesh: Mesh, axis: str, layer: int):
     """A jitted cut of layer `layer`'s prefill cache into its kernel cache pieces, each
     [devices, B, ...] sharded on `axis`: every core keeps its own share. A kind whose
-    cores keep their own caches (_own_cache) comes as those, sharded on `axis`, each put in
-    the kernel's layout (own_kernel_cache_pieces); another as the whole
-    reference cache, replicated, cut per core."""
+    cores keep their own caches (own_cache) comes as those, sharded on `axis`, each put in
+    the kernel's layout (its record's own_cache_pieces); another as the whole
+    reference cache, replicated, cut per core (its record's cache_pieces)."""
     attention = layout.attention[layout.attention_table[layer]]
-    if _own_cache(attention):  # vmapped over the cores' axis, which stays sharded
-        return jax.jit(jax.vmap(lambda cache: own_kernel_cache_pieces(attention, cache)))
+    if attention.own_cache:  # vmapped over the cores' axis, which stays sharded
+        return jax.jit(jax.vmap(attention.own_cache_pieces))
 
     def body(cache):
-        mine = kernel_cache_pieces(spec, attention, cache, jax.lax.axis_index(axis))
+        mine = attention.cache_pieces(spec, cache, jax.lax.axis_index(axis))
         return {n: v[None] for n, v in mine.items()}
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(axis), check_vma=False))
@@ -514,11 +369,11 @@ def _start_cache(
     """Layer `layer`'s prefill cache before the prompt's first chunk (bf16 entries,
     recurrent states f32), made on the host so that each process places the same: zeros,
     or the layer's part of `cached` (the kernel's cache arrays on the host, in
-    kernel.cache_shapes() order) turned back by prefill_cache_of_kernel. The reference
-    cache, replicated; for a kind whose cores keep their own (_own_cache), each core's own
+    kernel.cache_shapes() order) turned back by its record's prefill_cache. The reference
+    cache, replicated; for a kind whose cores keep their own (own_cache), each core's own
     reference cache of its heads, [devices, ...] sharded on `axis`."""
     attention = layout.attention[layout.attention_table[layer]]
-    if _own_cache(attention):
+    if attention.own_cache:
         kind = _own_heads_kind(spec, layer, attention)
         to, lead = NamedSharding(mesh, P(axis)), (layout.devices,)
     else:
@@ -533,7 +388,7 @@ def _start_cache(
         arrays = cached[first : first + len(attention.caches)]
         slot = layout.attention_slot[layer]
         pieces = {c.name: a[:, slot] for c, a in zip(attention.caches, arrays, strict=True)}
-        values = prefill_cache_of_kernel(spec, attention, pieces)
+        values = attention.prefill_cache(spec, pieces)
     return {n: jax.device_put(values[n].astype(a.dtype), to) for n, a in empty.items()}
 
 
