@@ -58,7 +58,7 @@ from mkgen.kinds import default_registry  # noqa: E402
 from mkgen.kinds.gqa.record import GQALayout  # noqa: E402
 from mkgen.plan import plan_build  # noqa: E402
 from mkgen.plan.layout import JNP_DTYPES  # noqa: E402
-from mkgen.plan.options import BuildOptions  # noqa: E402
+from mkgen.plan.options import KV_TILE_CHOICES, BuildOptions  # noqa: E402
 from mkgen.spec.loader import load_spec  # noqa: E402
 from mkgen.spec.topology import parse_topology  # noqa: E402
 from mkgen.verify.llo import GROUPS, LloKernel, StepCounter, parse_llo  # noqa: E402
@@ -365,9 +365,9 @@ def print_attend_ops() -> None:
         for a in plan.kernel.attention:
             if not hasattr(kernel, f"_attend_{a.name}"):
                 continue  # a recurrent kind
-            # 128-token tiles as the template's, 256 as the calibrated kernel's; 8 and
-            # 24 query rows (24: Kimi K3's MLA at 8 rows on 2x2x4).
-            for rows, tile in itertools.product((1, 8), (128, 256)):
+            # Every KV tile the planner chooses from (256 is also the calibrated
+            # kernel's); 8 and 24 query rows (24: Kimi K3's MLA at 8 rows on 2x2x4).
+            for rows, tile in itertools.product((1, 8), KV_TILE_CHOICES):
                 low = attend_counts(kernel, a, rows, 8, tile)
                 high = attend_counts(kernel, a, rows, 24, tile)
                 entry = []

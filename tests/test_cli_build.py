@@ -108,7 +108,7 @@ def test_inspect_prints_the_outline_with_line_ranges(built) -> None:
         "matmul qkv [5120 x 1280] from the weight stream",
         "consumes rows +0..+25599 of the layer's attention",
         "_write_cache_gqa",
-        "K and V tiles of 128 tokens",
+        "K and V tiles of 1024 tokens",  # the planner's choice for this build
         "all-reduce across 8 cores",
         "lm_head (once per step)",
         "kernel structure:",

@@ -70,7 +70,7 @@ def test_calibration_prices_the_measured_kernels_program():
     assert program.stream.ring_depth == MEASURED_RING_DEPTH == 12
     assert program.vmem.expert_slots == MEASURED_EXPERT_SLOTS == 4
     assert program.stream.bank_bytes == 2 * MiB
-    assert program.vmem.dims.kv_tile == 256
+    assert set(program.vmem.dims.kv_tiles.values()) == {256}
 
 
 def test_calibration_orders_match_the_measurements(table):
@@ -285,19 +285,23 @@ def test_the_walk_runs_exactly_the_schedules_ops(kimi) -> None:
 
 def test_the_kv_tile_of_the_layout_sets_the_priced_kv_time() -> None:
     """The walk prices the KV tile the program streams: 256-token tiles halve the tile
-    DMAs of 128-token ones, and the KV time changes with them."""
+    DMAs of 128-token ones, and the KV time changes with them; the planner's own program
+    is priced at the tile it chose."""
     spec, topo = load_spec("qwen3-30b-a3b"), parse_topology("2x2x1")
     options = BuildOptions.create(batch=8, context=4096)
     steps = {}
     for tile in (128, 256):
         program = plan_program(spec, topo, options, kv_tile_tokens=tile, kinds=default_registry())
-        assert program.vmem.dims.kv_tile == tile
+        assert program.vmem.dims.kv_tiles == {"gqa": tile}
         tiles = program.schedule.summary().dmas_by_category["kv_tile"]
         steps[tile] = (tiles, estimate(topo, options, program).breakdown_ms["kv_state"])
     assert steps[128][0] == 2 * steps[256][0]
     assert steps[128][1] != pytest.approx(steps[256][1], rel=1e-3)
     default = plan_program(spec, topo, options, kinds=default_registry())
-    assert estimate(topo, options, default).breakdown_ms["kv_state"] == steps[128][1]
+    chosen = default.kv_tiles.tiles["gqa"]
+    forced = plan_program(spec, topo, options, kv_tile_tokens=chosen, kinds=default_registry())
+    kv_state = estimate(topo, options, default).breakdown_ms["kv_state"]
+    assert kv_state == estimate(topo, options, forced).breakdown_ms["kv_state"]
 
 
 def test_the_acceptance_table_comes_from_one_walk(kimi) -> None:

@@ -5,7 +5,7 @@ regenerate with `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --force` (add -o 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Kimi K3: 93 layers, 3 KDA to 1 MLA plus a final MLA layer, latent MoE of 896 experts, top-16"
 Build options: batch 1, rows 8, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 14 refills held for collectives, 5 a round.
-Inputs sha256: 9af74d5f9b0e8fd27e45d2e2ded50e7857177e0b31977441fa71e3d8c0fdd89b (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 0be6b87990fc9396ae7dab158aede48369626578e9dbd578b7650b95ca74ce43 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 32 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -202,7 +202,7 @@ MLA_CACHES = 1  # cache arrays: latent
 MLA_Q_ROWS = 24  # group x rows, padded to 8 sublanes
 MLA_SCALE = 0.07216878364870322
 MLA_WINDOW = None  # None: full attention
-MLA_KV_TILE = 128  # cache tokens per streamed tile
+MLA_KV_TILE = 1024  # cache tokens per streamed tile
 # Its weight-stream segments in the order a layer reads them; offsets in stream rows from
 # the layer's first row of this kind.
 # attn.wq_a | attn.wkv_a | attn.wgate: one pass over their input

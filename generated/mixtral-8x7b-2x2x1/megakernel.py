@@ -5,7 +5,7 @@ regenerate with `mkgen build mixtral-8x7b --topology 2x2x1 --force` (add -o and 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Imported from the Hugging Face config mixtral-8x7b.json (MixtralForCausalLM, model_type mixtral)."
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 6 refills held for collectives, 5 a round.
-Inputs sha256: b338bc771c8a447d1e9c6b5fcf7b39936362c3cc94fe0f0b766f42706aae8cb4 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: a5fd1eade73fd93ee65a11595f71fa941104efb3b675942817149bf9bdbe138b (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
@@ -131,7 +131,7 @@ GQA_CACHES = 2  # cache arrays: k, v
 GQA_Q_ROWS = 8  # group x rows, padded to 8 sublanes
 GQA_SCALE = 0.08838834764831845
 GQA_WINDOW = None  # None: full attention
-GQA_KV_TILE = 128  # cache tokens per streamed tile
+GQA_KV_TILE = 1024  # cache tokens per streamed tile
 # Its weight-stream segments in the order a layer reads them; offsets in stream rows from
 # the layer's first row of this kind.
 # attn.wq | attn.wk | attn.wv: one pass over their input

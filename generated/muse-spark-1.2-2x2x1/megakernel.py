@@ -5,7 +5,7 @@ regenerate with `mkgen build muse-spark-1.2 --topology 2x2x1 --force` (add -o an
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Muse Spark 1.2: 62 layers, SWA(2048)+RoPE with NoPE full attention at l % 4 == 1, MoE 256 top-8"
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 12 refills held for collectives, 5 a round.
-Inputs sha256: 37318025d669b5bc75799f5db5cb096daadc86dec44ed6ae786695cdbd7fbc63 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 1213486d1124003cfa404b6d7950033e50c99c204b3034c59f059762ad63c5bb (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
@@ -135,7 +135,7 @@ LOCAL_CACHES = 2  # cache arrays: k, v
 LOCAL_Q_ROWS = 8  # group x rows, padded to 8 sublanes
 LOCAL_SCALE = 0.125
 LOCAL_WINDOW = 2048  # None: full attention
-LOCAL_KV_TILE = 128  # cache tokens per streamed tile
+LOCAL_KV_TILE = 1024  # cache tokens per streamed tile
 # Its weight-stream segments in the order a layer reads them; offsets in stream rows from
 # the layer's first row of this kind.
 # attn.wq | attn.wk | attn.wv: one pass over their input
@@ -158,7 +158,7 @@ GLOBAL_CACHES = 2  # cache arrays: k, v
 GLOBAL_Q_ROWS = 8  # group x rows, padded to 8 sublanes
 GLOBAL_SCALE = 0.125
 GLOBAL_WINDOW = None  # None: full attention
-GLOBAL_KV_TILE = 128  # cache tokens per streamed tile
+GLOBAL_KV_TILE = 1024  # cache tokens per streamed tile
 # Its weight-stream segments in the order a layer reads them; offsets in stream rows from
 # the layer's first row of this kind.
 # attn.wq | attn.wk | attn.wv: one pass over their input

@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3-30b-a3b --topology 2x2x1 --force` (add -o and
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Imported from the Hugging Face config qwen3-30b-a3b.json (Qwen3MoeForCausalLM, model_type qwen3_moe)."
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 3 refills held for collectives, 5 a round.
-Inputs sha256: 9ebb38114710a0bb27705edd752abb43dc7f1449738690a889d8b761b6038d13 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 91080e0ae5835248eb0f28bb290e232084cd0747d7c7f127029300175e1e7397 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
@@ -131,7 +131,7 @@ GQA_CACHES = 2  # cache arrays: k, v
 GQA_Q_ROWS = 8  # group x rows, padded to 8 sublanes
 GQA_SCALE = 0.08838834764831845
 GQA_WINDOW = None  # None: full attention
-GQA_KV_TILE = 128  # cache tokens per streamed tile
+GQA_KV_TILE = 1024  # cache tokens per streamed tile
 # Its weight-stream segments in the order a layer reads them; offsets in stream rows from
 # the layer's first row of this kind.
 # attn.wq | attn.wk | attn.wv: one pass over their input

@@ -88,6 +88,7 @@ def verify_command(
     ring_depth: int | None,
     expert_slots: int | None,
     held_refills: int | None,
+    kv_tile: int | None,
 ) -> None:
     """Run SPEC's mini twin on TOPOLOGY's mesh in TPU interpret mode (virtual CPU devices,
     race detection, uninitialised memory as NaN) against the reference model, in each DMA
@@ -106,6 +107,7 @@ def verify_command(
             ("ring_depth", ring_depth),
             ("expert_slots", expert_slots),
             ("held_refills", held_refills),
+            ("kv_tile", kv_tile),
         )
         if v is not None
     }
@@ -215,6 +217,7 @@ def compile_command(
     ring_depth: int | None,
     expert_slots: int | None,
     held_refills: int | None,
+    kv_tile: int | None,
     update_report: bool,
     output: Path | None,
     profile: bool,
@@ -229,6 +232,7 @@ def compile_command(
     spec, topo, options = plan_inputs(
         spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,
         quant=quant, ring_depth=ring_depth, expert_slots=expert_slots, held_refills=held_refills,
+        kv_tile=kv_tile,
     )  # fmt: skip
     directory = _build_dir_for(spec, topo, options, output) if update_report else None
     if profile:

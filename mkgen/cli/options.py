@@ -106,6 +106,12 @@ knob_options = compose(
         default=None,
         help="Ring refills held for the collectives' rounds [planner].",
     ),
+    click.option(
+        "--kv-tile",
+        type=int,
+        default=None,
+        help="Cache tokens per KV tile of every cache attention kind [planner].",
+    ),
 )
 
 # --topology and the build options shared by `build` and `compile`.

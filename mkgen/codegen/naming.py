@@ -37,7 +37,7 @@ def cli_flags(topology: Topology, options: BuildOptions) -> list[str]:
     topo = topology.shape_name if topology.chip == DEFAULT_CHIP else topology.name
     flags = ["--topology", topo]
     default = BuildOptions()
-    for name in ("batch", "rows", "context", "ring_depth", "expert_slots"):
+    for name in ("batch", "rows", "context", "ring_depth", "expert_slots", "kv_tile"):
         if getattr(options, name) != getattr(default, name):
             flags += [f"--{name.replace('_', '-')}", str(getattr(options, name))]
     if options.acceptance != default.acceptance:

@@ -96,6 +96,7 @@ def report_context(
         "bar": bar_text(est.step_ms, plan.ideal_floor, plan.hand_written),
         "collective_latency": collective_latency_note(topology.chip_info),
         **_estimate_rows(est, acceptance),
+        "kv_tiles": _kv_tile_rows(plan.kv_tiles, options.context),
         "measured_compile": measurements.get("compile"),
         "measured_profile": measurements.get("profile"),
         "measured_verify": measurements.get("verify"),
@@ -246,6 +247,29 @@ def _estimate_rows(est: Any, acceptance: list[Any]) -> dict[str, list[dict[str, 
                 "aggregate": f"{e.tokens_per_s:,.1f}",
             }
             for e in acceptance
+        ],
+    }
+
+
+def _kv_tile_rows(choice: Any, context: int) -> dict[str, Any] | None:
+    """Each cache attention kind's KV tile and the predicted step at every candidate
+    (mkgen/plan/kvtiles.py); None when the planner had no choice to make."""
+    if choice is None:
+        return None
+    from mkgen.plan.options import kv_tile_candidates
+
+    tiles = kv_tile_candidates(context)
+
+    def cell(kind: str, tile: int) -> str:
+        if tile in choice.refused[kind]:
+            return "refused (VMEM)"
+        return f"{choice.scores[kind][tile]:.3f}"
+
+    return {
+        "candidates": tiles,
+        "rows": [
+            {"kind": kind, "tile": tile, "cells": [cell(kind, t) for t in tiles]}
+            for kind, tile in choice.tiles.items()
         ],
     }
 

@@ -43,6 +43,7 @@ from mkgen.plan.graph import GraphSummary, ScheduleCheckError, analyse
 from mkgen.plan.holds import HoldChoice, hold_digest, known_choice, remember, score_holds
 from mkgen.plan.kernel import build_layout
 from mkgen.plan.kind import KindRegistry
+from mkgen.plan.kvtiles import KvTileChoice, choose_program
 from mkgen.plan.layout import FULL_BANK_ROWS, MAX_PIECE_CHUNKS, KernelLayout
 from mkgen.plan.memory import MemoryPlan, check_fit, plan_memory
 from mkgen.plan.options import BuildOptions
@@ -51,7 +52,7 @@ from mkgen.plan.schedule import ScheduleSummary, build_schedule
 from mkgen.plan.sharding import ShardingPlan, TensorShard, plan_sharding
 from mkgen.plan.stream import StreamPlan, plan_stream
 from mkgen.plan.timeline import ProgramPlan, estimate, price_program
-from mkgen.plan.vmem import VmemPlan, plan_vmem
+from mkgen.plan.vmem import VmemPlan, cache_kinds, plan_vmem
 from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology
 
@@ -84,6 +85,8 @@ class BuildPlan(BaseModel):
     # The drafter's passes, when the plan prices one (plan_build's price_drafter); the
     # estimate's step is then verify + draft (Estimate.drafted_step_ms).
     draft: DraftPrice | None = None
+    # How the planner chose the KV tiles (mkgen.plan.kvtiles; None: one candidate or forced).
+    kv_tiles: KvTileChoice | None = None
     _step: Any = PrivateAttr(default=None)
     _program: Any = PrivateAttr(default=None)  # the ProgramPlan the estimate walked
     _topology: Any = PrivateAttr(default=None)
@@ -193,10 +196,16 @@ def build_digest(
     return _digest(spec, topo, options, DEFAULT_SHAPE, base)
 
 
+def tile_digest(spec: ModelSpec, topo: Topology, options: BuildOptions) -> str:
+    """The KV tile table's key of a build planned with plan_build's defaults (kvtiles.py)."""
+    return hold_digest(options.apply(spec), topo, options, DEFAULT_SHAPE)
+
+
 def _digest(
     spec: ModelSpec, topo: Topology, options: BuildOptions, shape: dict[str, Any], base: ProgramPlan
 ) -> str:
-    return hold_digest(spec, topo, options, {**shape, "ring_depth": base.vmem.ring_depth})
+    chosen = {"ring_depth": base.vmem.ring_depth, "kv_tiles": base.vmem.dims.kv_tiles}
+    return hold_digest(spec, topo, options, {**shape, **chosen})
 
 
 def _score(
@@ -223,7 +232,8 @@ def _unheld_program(
     shape: dict[str, Any], require_fit: bool,
 ) -> ProgramPlan:  # fmt: skip
     """Stages 1 to 5 and the schedule with no refill held (rounds would start the banks
-    their flight covers); refuses a forced hold the ring cannot take."""
+    their flight covers), at the KV tiles `shape` forces or the cost model chooses
+    (mkgen.plan.kvtiles); refuses a forced hold the ring cannot take."""
     spec = options.apply(spec)
     sharding = plan_sharding(spec, topo, options, kinds=kinds)
     memory = plan_memory(spec, topo, options, sharding)
@@ -231,6 +241,29 @@ def _unheld_program(
         check_fit(spec, topo, options, memory, kinds=kinds)
     # The ring depth does not change the stream's layout: plan it, then size the ring.
     stream = plan_stream(spec, sharding, bank_rows=shape["bank_rows"], ring_depth=2, kinds=kinds)
+
+    def program_at(kv_tiles: dict[str, int]) -> ProgramPlan:
+        return _tiled_program(
+            spec, topo, options, kinds, shape, (sharding, memory, stream), kv_tiles
+        )
+
+    names = cache_kinds(spec, sharding, kinds, options.rows)
+    forced = shape["kv_tile_tokens"] or options.kv_tile
+    if forced is not None:
+        return program_at(dict.fromkeys(names, forced))
+    return choose_program(
+        program_at, names, options.context, lambda p: estimate(topo, options, p).step_ms,
+        hold_digest(spec, topo, options, shape),
+    )  # fmt: skip
+
+
+def _tiled_program(
+    spec: ModelSpec, topo: Topology, options: BuildOptions, kinds: KindRegistry,
+    shape: dict[str, Any], planned: tuple[ShardingPlan, MemoryPlan, StreamPlan],
+    kv_tiles: dict[str, int],
+) -> ProgramPlan:  # fmt: skip
+    """_unheld_program's VMEM plan and schedule at the cache kinds' `kv_tiles`."""
+    sharding, memory, stream = planned
     vmem = plan_vmem(
         spec,
         topo,
@@ -240,7 +273,7 @@ def _unheld_program(
         kinds=kinds,
         max_piece_chunks=shape["max_piece_chunks"],
         ring_depth=shape["ring_depth"],
-        kv_tile_tokens=shape["kv_tile_tokens"],
+        kv_tiles=kv_tiles,
         inline_scales=shape["inline_scales"],
     )
     if sharding.devices == 1 and options.held_refills:
@@ -358,7 +391,7 @@ def plan_build(
     vmem, schedule = program.vmem, program.schedule
     kernel = build_layout(spec, topo, sharding, stream, options, kinds=kinds,
                           max_piece_chunks=max_piece_chunks, expert_slots=vmem.expert_slots,
-                          trace_residuals=trace_residuals)  # fmt: skip
+                          kv_tiles=vmem.dims.kv_tiles, trace_residuals=trace_residuals)  # fmt: skip
     step = analyse(schedule, vmem)
     if enforce:
         step.enforce()
@@ -378,6 +411,7 @@ def plan_build(
         ideal_floor=ideal_floor(spec, topo, options),
         hand_written=hand_written_for(base, spec, topo, options),
         draft=drafter,
+        kv_tiles=program.kv_tiles,
     )
     plan._step, plan._program, plan._topology = step, program, topo
     return plan
@@ -409,6 +443,7 @@ __all__ = [
     "plan_program",
     "plan_sharding",
     "score_held_refills",
+    "tile_digest",
     "to_chrome_trace",
     "with_held_refills",
 ]

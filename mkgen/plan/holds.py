@@ -175,16 +175,32 @@ def _parse_fields(items: list[str]) -> dict[str, Any]:
 
 
 def main(argv: list[str], kinds: KindRegistry) -> None:
-    """Score every entry of the table again (and a new one, if given) and rewrite it."""
+    """Score every entry of the table again (and a new one, if given) and rewrite it, and
+    the KV tile table (mkgen/plan/kvtiles.py) with the tiles each entry's build chose."""
+    from mkgen.plan import tile_digest
+    from mkgen.plan.kvtiles import rescoring, scored_choice
+    from mkgen.plan.kvtiles import write_table as write_tile_table
+    from mkgen.spec.loader import load_spec
+    from mkgen.spec.topology import parse_topology
+
     current = json.loads(TABLE.read_text())["entries"]
     wanted = [(e["spec"], e["topology"], e["options"]) for e in current]
     if argv:
         wanted.append((argv[0], argv[1], _parse_fields(argv[2:])))
-    entries = []
+    entries, tiles = [], []
     for spec_name, topology, fields in wanted:
-        made = entry(spec_name, topology, fields, kinds)
+        with rescoring():
+            made = entry(spec_name, topology, fields, kinds)
+        digest = tile_digest(
+            load_spec(spec_name), parse_topology(topology), BuildOptions.create(**fields)
+        )
+        choice = scored_choice(digest)
+        if choice is not None and all(t["digest"] != digest for t in tiles):
+            tiles.append({**{k: made[k] for k in ("spec", "topology", "options")},
+                          "digest": digest, "choice": choice.model_dump(mode="json")})  # fmt: skip
         if all(made["digest"] != e["digest"] for e in entries):
             entries.append(made)
             print(f"{spec_name} {topology} {fields}: {made['held_refills']} held, "
                   f"{made['refills_per_round']} a round")  # fmt: skip
     write_table(entries)
+    write_tile_table(tiles)

@@ -34,11 +34,12 @@ def build_layout(
     kinds: KindRegistry,
     max_piece_chunks: int,
     expert_slots: int,
+    kv_tiles: dict[str, int],
     trace_residuals: bool = False,
 ) -> KernelLayout:
     """The kernel layout of `spec` on `topology`: per-rank pieces as `sharding` decided, the
-    stream as planned, `expert_slots` as the VMEM plan chose them, each layer kind's record
-    built by its rule in `kinds`."""
+    stream as planned, `expert_slots` and the cache kinds' `kv_tiles` as the VMEM plan
+    chose them, each layer kind's record built by its rule in `kinds`."""
     check_formats(spec, stream)
 
     def layouts(
@@ -57,6 +58,7 @@ def build_layout(
                 devices=topology.num_devices, options=options, dims=spec.dims,
                 first_row=first_row, expert_format=spec.quantization.experts,
                 max_piece_chunks=max_piece_chunks, expert_slots=expert_slots,
+                kv_tile=kv_tiles.get(name),
             )))  # fmt: skip
         return built, table
 

@@ -44,6 +44,9 @@ class LayoutInputs:
     expert_format: str
     max_piece_chunks: int
     expert_slots: int
+    # A cache attention kind's tokens per streamed KV tile, as the plan chose it
+    # (mkgen.plan.kvtiles); None for the kinds without a KV cache.
+    kv_tile: int | None = None
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,8 @@ OUTPUT_BLOCK_OPS = {8: OpCounts(loads=4, stores=4), 16: OpCounts(loads=8, stores
 # _write_cache_<kind> and _attend_<kind> of each shipped cache attention geometry compiled
 # alone for one TPU7x core with Mosaic's LLO dump, the KV-tile loop counted at 1 and 2
 # tiles, at 8 and 24 query rows (24: Kimi K3's MLA at 8 rows on 2x2x4), 1 and 8 rows, and
-# KV tiles of 128 tokens (the template's) and 256 (the calibrated kernel's).
+# every KV tile the planner chooses from (options.KV_TILE_CHOICES: 128 to 1024 tokens;
+# 256 is also the calibrated kernel's).
 # Key: (kind, key width, value width, windowed, rows, tile tokens); value: (vpu, mxu, loads, stores) of
 # one KV tile at 8 query rows, more per further 8 query rows; the same per (sequence, kv
 # head) pair outside the tile loop; the cache write per pair and cache array. 2 to 7 rows
@@ -123,24 +124,44 @@ OUTPUT_BLOCK_OPS = {8: OpCounts(loads=4, stores=4), 16: OpCounts(loads=8, stores
 ATTEND_OPS: dict[tuple[str, int, int, bool, int, int], tuple[tuple[float, ...], ...]] = {
     ("gqa", 128, 128, False, 1, 128): ((22, 78, 16, 0), (18.5, 6, 0, 0), (6, 0, 1, 1), (6, 0, 1, 1), (26, 0, 2, 1)),
     ("gqa", 128, 128, False, 1, 256): ((35, 78, 32, 0), (28, 6, 0, 0), (6, 0, 1, 1), (6, 0, 1, 1), (26, 0, 2, 1)),
+    ("gqa", 128, 128, False, 1, 512): ((62, 156, 64, 0), (48, 12, 0, 0), (6, 0, 1, 1), (6, 0, 1, 1), (26, 0, 2, 1)),
+    ("gqa", 128, 128, False, 1, 1024): ((116, 312, 128, 0), (88, 24, 0, 0), (6, 0, 1, 1), (6, 0, 1, 1), (26, 0, 2, 1)),
     ("gqa", 128, 128, False, 8, 128): ((22, 78, 16, 0), (19.5, 6, 0, 0), (13, 0, 1, 1), (12.5, 0, 1, 1), (43.5, 0, 3, 2)),
     ("gqa", 128, 128, False, 8, 256): ((35, 78, 32, 0), (30, 6, 0, 0), (13, 0, 1, 1), (12.5, 0, 1, 1), (43.5, 0, 3, 2)),
+    ("gqa", 128, 128, False, 8, 512): ((62, 156, 64, 0), (52, 12, 0, 0), (13, 0, 1, 1), (12.5, 0, 1, 1), (43.5, 0, 3, 2)),
+    ("gqa", 128, 128, False, 8, 1024): ((116, 312, 128, 0), (96, 24, 0, 0), (13, 0, 1, 1), (12.5, 0, 1, 1), (43.5, 0, 3, 2)),
     ("gqa", 64, 64, True, 1, 128): ((53, 78, 16, 0), (21, 6, 0, 0), (6, 0, 1, 1), (6, 0, 1, 1), (20.75, 0, 2, 1)),
     ("gqa", 64, 64, True, 1, 256): ((92, 78, 32, 0), (31.5, 6, 0, 0), (6, 0, 1, 1), (6, 0, 1, 1), (20.75, 0, 2, 1)),
+    ("gqa", 64, 64, True, 1, 512): ((171, 156, 64, 0), (53.5, 12, 0, 0), (6, 0, 1, 1), (6, 0, 1, 1), (20.75, 0, 2, 1)),
+    ("gqa", 64, 64, True, 1, 1024): ((329, 312, 128, 0), (97.5, 24, 0, 0), (6, 0, 1, 1), (6, 0, 1, 1), (20.75, 0, 2, 1)),
     ("gqa", 64, 64, True, 8, 128): ((53, 78, 16, 0), (24, 6, 0, 0), (13, 0, 1, 1), (12.5, 0, 1, 1), (34, 0, 3, 2)),
     ("gqa", 64, 64, True, 8, 256): ((92, 78, 32, 0), (36.5, 6, 0, 0), (13, 0, 1, 1), (12.5, 0, 1, 1), (34, 0, 3, 2)),
+    ("gqa", 64, 64, True, 8, 512): ((171, 156, 64, 0), (62.5, 12, 0, 0), (13, 0, 1, 1), (12.5, 0, 1, 1), (34, 0, 3, 2)),
+    ("gqa", 64, 64, True, 8, 1024): ((329, 312, 128, 0), (114.5, 24, 0, 0), (13, 0, 1, 1), (12.5, 0, 1, 1), (34, 0, 3, 2)),
     ("gqa", 64, 64, False, 1, 128): ((50, 78, 16, 0), (20, 6, 0, 0), (6, 0, 1, 1), (6, 0, 1, 1), (20.75, 0, 2, 1)),
     ("gqa", 64, 64, False, 1, 256): ((87, 78, 32, 0), (29.5, 6, 0, 0), (6, 0, 1, 1), (6, 0, 1, 1), (20.75, 0, 2, 1)),
+    ("gqa", 64, 64, False, 1, 512): ((162, 156, 64, 0), (49.5, 12, 0, 0), (6, 0, 1, 1), (6, 0, 1, 1), (20.75, 0, 2, 1)),
+    ("gqa", 64, 64, False, 1, 1024): ((312, 312, 128, 0), (89.5, 24, 0, 0), (6, 0, 1, 1), (6, 0, 1, 1), (20.75, 0, 2, 1)),
     ("gqa", 64, 64, False, 8, 128): ((50, 78, 16, 0), (21, 6, 0, 0), (13, 0, 1, 1), (12.5, 0, 1, 1), (34, 0, 3, 2)),
     ("gqa", 64, 64, False, 8, 256): ((87, 78, 32, 0), (31.5, 6, 0, 0), (13, 0, 1, 1), (12.5, 0, 1, 1), (34, 0, 3, 2)),
+    ("gqa", 64, 64, False, 8, 512): ((162, 156, 64, 0), (53.5, 12, 0, 0), (13, 0, 1, 1), (12.5, 0, 1, 1), (34, 0, 3, 2)),
+    ("gqa", 64, 64, False, 8, 1024): ((312, 312, 128, 0), (97.5, 24, 0, 0), (13, 0, 1, 1), (12.5, 0, 1, 1), (34, 0, 3, 2)),
     ("gqa", 256, 256, False, 1, 128): ((25, 78, 32, 0), (21.5, 6, 0, 0), (8, 0, 2, 2), (7.5, 0, 2, 2), (45, 0, 3, 2)),
     ("gqa", 256, 256, False, 1, 256): ((38, 78, 64, 0), (31, 6, 0, 0), (8, 0, 2, 2), (7.5, 0, 2, 2), (45, 0, 3, 2)),
+    ("gqa", 256, 256, False, 1, 512): ((66, 156, 128, 0), (52, 12, 0, 0), (8, 0, 2, 2), (7.5, 0, 2, 2), (45, 0, 3, 2)),
+    ("gqa", 256, 256, False, 1, 1024): ((122, 312, 256, 0), (94, 24, 0, 0), (8, 0, 2, 2), (7.5, 0, 2, 2), (45, 0, 3, 2)),
     ("gqa", 256, 256, False, 8, 128): ((25, 78, 32, 0), (22.5, 6, 0, 0), (15, 0, 2, 2), (14, 0, 2, 2), (67.5, 0, 5, 4)),
     ("gqa", 256, 256, False, 8, 256): ((38, 78, 64, 0), (33, 6, 0, 0), (15, 0, 2, 2), (14, 0, 2, 2), (67.5, 0, 5, 4)),
+    ("gqa", 256, 256, False, 8, 512): ((66, 156, 128, 0), (56, 12, 0, 0), (15, 0, 2, 2), (14, 0, 2, 2), (67.5, 0, 5, 4)),
+    ("gqa", 256, 256, False, 8, 1024): ((122, 312, 256, 0), (102, 24, 0, 0), (15, 0, 2, 2), (14, 0, 2, 2), (67.5, 0, 5, 4)),
     ("mla", 576, 512, False, 1, 128): ((61, 195, 40, 0), (31, 15, 0, 0), (13, 0, 5, 4), (11, 0, 5, 4), (98, 0, 6, 5)),
     ("mla", 576, 512, False, 1, 256): ((100, 195, 80, 0), (42.5, 15, 0, 0), (13, 0, 5, 4), (11, 0, 5, 4), (98, 0, 6, 5)),
+    ("mla", 576, 512, False, 1, 512): ((182, 390, 160, 0), (69.5, 30, 0, 0), (13, 0, 5, 4), (11, 0, 5, 4), (98, 0, 6, 5)),
+    ("mla", 576, 512, False, 1, 1024): ((346, 780, 320, 0), (123.5, 60, 0, 0), (13, 0, 5, 4), (11, 0, 5, 4), (98, 0, 6, 5)),
     ("mla", 576, 512, False, 8, 128): ((61, 195, 40, 0), (32, 15, 0, 0), (20, 0, 5, 4), (17.5, 0, 5, 4), (143, 0, 13, 10)),
     ("mla", 576, 512, False, 8, 256): ((100, 195, 80, 0), (44.5, 15, 0, 0), (20, 0, 5, 4), (17.5, 0, 5, 4), (143, 0, 13, 10)),
+    ("mla", 576, 512, False, 8, 512): ((182, 390, 160, 0), (73.5, 30, 0, 0), (20, 0, 5, 4), (17.5, 0, 5, 4), (143, 0, 13, 10)),
+    ("mla", 576, 512, False, 8, 1024): ((346, 780, 320, 0), (131.5, 60, 0, 0), (20, 0, 5, 4), (17.5, 0, 5, 4), (143, 0, 13, 10)),
 }
 # fmt: on
 # Measured with `scripts/measure_chunk_ops.py vector` (libtpu 0.0.50.1): the template's
@@ -364,17 +385,18 @@ class _NodeCounter:
         if g is None:
             return  # recurrent kinds read no KV tiles
         rows_key = 1 if dims.rows == 1 else 8
-        key = (kind.type, g.key, g.value, bool(g.window), rows_key, dims.kv_tile)
+        tokens = dims.kv_tiles[name]
+        key = (kind.type, g.key, g.value, bool(g.window), rows_key, tokens)
         measured = ATTEND_OPS.get(key)
         self.tile_ops[name], self.write_ops[name] = OpCounts(), OpCounts()
         if measured is None or g.sinks:
             self.unpriced.add(f"attention {name} ({kind.type}, keys {g.key}, values {g.value}"
                               f"{', window' if g.window else ''}{', sinks' if g.sinks else ''}, "
-                              f"{dims.rows} rows, {dims.kv_tile}-token tiles)")  # fmt: skip
+                              f"{dims.rows} rows, {tokens}-token tiles)")  # fmt: skip
             return
         tile, tile_more, pair, pair_more, write = (OpCounts(*ops) for ops in measured)
         more = g.q_rows / 8 - 1  # query rows beyond the measured 8, in 8-row groups
-        tiles = kv_tiles(dims.context, dims.kv_tile, g.window, dims.rows)
+        tiles = kv_tiles(dims.context, tokens, g.window, dims.rows)
         self.tile_ops[name].add_all(tile)
         self.tile_ops[name].add_all(tile_more, more)
         self.tile_ops[name].add_all(pair, 1 / tiles)

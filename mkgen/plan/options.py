@@ -47,6 +47,10 @@ MAX_VMEM_BYTES = max(chip.vmem_bytes_per_core for chip in CATALOG.values())
 # KV caches stream in tiles of up to 128 tokens (the lane width); a longer context is
 # whole tiles. plan, build and verify all apply this one rule (BuildOptions).
 KV_TILE_TOKENS = 128
+# The KV tiles the planner chooses from for each cache attention kind (never above the
+# context, which is whole tiles of each): the cost model scores them
+# (mkgen.plan.kvtiles); the op-count model has each measured (opcount.ATTEND_OPS).
+KV_TILE_CHOICES = (128, 256, 512, 1024)
 # A chip-hour price above this is a slip of the keyboard, not a price: the catalog's and
 # the published references' estimates are a few USD (docs/spec-reference.md#bounds).
 MAX_CHIP_HOUR_USD = 1000.0
@@ -65,6 +69,14 @@ def check_chip_hour_price(given: str, usd: float) -> None:
 def kv_tile(context: int) -> int:
     """Cache tokens per streamed KV tile: the whole context up to 128 tokens, else 128."""
     return min(context, KV_TILE_TOKENS)
+
+
+def kv_tile_candidates(context: int) -> list[int]:
+    """The KV tiles a kind may stream a `context`-token cache in, smallest first: the
+    context rule's and the KV_TILE_CHOICES above it up to the context that divide it (the
+    kernel's copies read whole tiles)."""
+    least = kv_tile(context)
+    return [least] + [t for t in KV_TILE_CHOICES if least < t <= context and context % t == 0]
 
 
 def kv_tiles(context: int, tile: int, window: int | None, rows: int) -> int:
@@ -179,6 +191,9 @@ class BuildOptions(BaseModel):
     # Ring refills held back until a collective round's copies are under way, so that
     # they stream while it travels (at most ring depth - 2).
     held_refills: int | None = None
+    # Cache tokens per KV tile of every cache attention kind (None: the planner scores
+    # kv_tile_candidates(context) for each kind, mkgen.plan.kvtiles).
+    kv_tile: int | None = None
     # What is split over the cores rather than replicated, as "ffn.<kind>.router" and
     # "attention.<kind>.latent", and "ffn.<kind>.ar_ag" for a latent MoE combined by
     # all-gather (None: the planner scores split against replicated, rs_ar against ar_ag). Set
@@ -211,6 +226,13 @@ class BuildOptions(BaseModel):
             raise SpecError(
                 f"--context {self.context} must be a multiple of the "
                 f"{kv_tile(self.context)}-token KV tile"
+            )
+        if self.kv_tile is not None and self.kv_tile not in kv_tile_candidates(self.context):
+            raise SpecError(
+                f"--kv-tile {self.kv_tile}: must be one of "
+                f"{', '.join(map(str, kv_tile_candidates(self.context)))} (tiles of "
+                f"{', '.join(map(str, KV_TILE_CHOICES))} tokens up to --context {self.context} "
+                "that divide it)"
             )
         if self.ring_depth is not None and not MIN_RING_DEPTH <= self.ring_depth <= MAX_RING_DEPTH:
             raise SpecError(
@@ -298,6 +320,7 @@ class BuildOptions(BaseModel):
                 ("ring depth", self.ring_depth),
                 ("expert slots", self.expert_slots),
                 ("held refills", self.held_refills),
+                ("KV tile", self.kv_tile),
             )
             if value is not None
         )
@@ -314,4 +337,5 @@ _NULLABLE = (
     "ring_depth",
     "expert_slots",
     "held_refills",
+    "kv_tile",
 )

@@ -69,7 +69,23 @@ def plan_dict(plan: BuildPlan) -> dict[str, Any]:
             "failures": dict(plan.graph.failures),
         },
         "estimate": _estimate_dict(plan),
+        "kv_tiles": _kv_tiles_dict(plan),
     }
+
+
+def _kv_tiles_dict(plan: BuildPlan) -> dict[str, Any]:
+    """Each cache attention kind's KV tile and, where the planner chose it, the predicted
+    step (ms, no refill held) at each candidate and the candidates it refused
+    (mkgen/plan/kvtiles.py)."""
+    choice = plan.kv_tiles
+    return {
+        "tiles": dict(plan.vmem.dims.kv_tiles),
+        "chosen_by": "cost model" if choice else "context rule or --kv-tile",
+        "step_ms_by_tile": {k: {str(t): ms for t, ms in s.items()} for k, s in choice.scores.items()}
+        if choice else {},
+        "refused": {k: {str(t): why for t, why in r.items()} for k, r in choice.refused.items()}
+        if choice else {},
+    }  # fmt: skip
 
 
 def _memory_dict(plan: BuildPlan) -> dict[str, Any]:
@@ -299,6 +315,22 @@ def _chip(plan: BuildPlan) -> Chip:
     return parse_topology(plan.sharding.topology).chip_info
 
 
+def kv_tiles_text(plan: BuildPlan) -> str:
+    """One line: each cache attention kind's KV tile and how it was chosen."""
+    tiles = plan.vmem.dims.kv_tiles
+    if not tiles:
+        return "KV tiles: none (no cache attention kind)"
+    choice = plan.kv_tiles
+    parts = []
+    for kind, tile in tiles.items():
+        scores = choice.scores[kind] if choice else {}
+        scored = ", ".join(f"{t}: {ms:.3f}" for t, ms in scores.items())
+        parts.append(f"{kind} {tile} tokens" + (f" (predicted ms/step, no refill held: {scored})"
+                                                 if scored else ""))  # fmt: skip
+    how = "chosen by the cost model" if choice else "the context rule's or --kv-tile's"
+    return f"KV tiles, {how}: " + "; ".join(parts)
+
+
 def plan_text(plan: BuildPlan) -> str:
     """The human output of ``mkgen plan``."""
     o, sh = plan.options, plan.sharding
@@ -317,6 +349,7 @@ def plan_text(plan: BuildPlan) -> str:
             vmem_table(plan),
             plan.stream.describe(),
             schedule_text(plan),
+            kv_tiles_text(plan),
             "Estimate: " + plan.estimate.describe(),
             *([plan.draft.describe()] if plan.draft else []),
             "\n".join(plan.confidence.lines()),

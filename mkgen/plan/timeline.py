@@ -30,6 +30,7 @@ from mkgen.plan.collectives import round_time_s
 from mkgen.plan.cost import CATEGORIES, US, CostConstants, Estimate, KindTime, TraceEvent
 from mkgen.plan.graph import ScheduleCheckError
 from mkgen.plan.kind import KindRegistry
+from mkgen.plan.kvtiles import KvTileChoice
 from mkgen.plan.memory import MemoryPlan
 from mkgen.plan.opcount import OpCounts, bound_us, node_op_counts
 from mkgen.plan.options import BuildOptions
@@ -54,6 +55,8 @@ class ProgramPlan(NamedTuple):
     # The same program with no refill held, when this one holds some (the calibrated
     # regime's program, mkgen/plan/confidence.py).
     unheld: ProgramPlan | None = None
+    # How the planner chose the cache kinds' KV tiles (None: forced, or one candidate).
+    kv_tiles: KvTileChoice | None = None
 
 
 # The DMA engine's queues, highest priority first, and the queue of each schedule DMA

@@ -26,6 +26,7 @@ under the budget.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict
@@ -126,7 +127,8 @@ class KernelDims(_Frozen):
     tokens_padded: int  # token rows rounded up to 8 f32 sublanes
     hidden: int
     context: int
-    kv_tile: int  # cache tokens per streamed tile
+    # Cache tokens per streamed KV tile of each cache attention kind (mkgen.plan.kvtiles)
+    kv_tiles: dict[str, int]
     cache_block: int  # cache rows rewritten around a step's new entries
     max_k_chunks: int  # largest stream segment fan-in, in CHUNK rows
     max_col_blocks: int  # largest stream segment fan-out, in LANES columns
@@ -242,6 +244,18 @@ def _vector_rows(
     return rows, lengths
 
 
+def cache_kinds(
+    spec: ModelSpec, sharding: ShardingPlan, kinds: KindRegistry, rows: int
+) -> list[str]:
+    """The attention kinds that stream a KV cache in tiles (not the recurrent ones), in
+    the spec's order."""
+    return [
+        name for name, kind in spec.attention_kinds.items()
+        if kinds.rules(kind.type, f"attention_kinds.{name}").cache_geometry(
+            kind, sharding.attention[name], rows) is not None
+    ]  # fmt: skip
+
+
 def kernel_dims(
     spec: ModelSpec,
     sharding: ShardingPlan,
@@ -249,11 +263,12 @@ def kernel_dims(
     options: BuildOptions,
     kinds: KindRegistry,
     max_piece_chunks: int = MAX_PIECE_CHUNKS,
-    kv_tile_tokens: int | None = None,
+    kv_tiles: Mapping[str, int] | None = None,
     inline_scales: bool = True,
 ) -> KernelDims:
-    """The kernel's constants, derived as mkgen.plan.layout derives them (`kv_tile_tokens`:
-    another KV tile than the template's, for the cost model's calibration only)."""
+    """The kernel's constants, derived as mkgen.plan.layout derives them (`kv_tiles`: the
+    KV tile of each cache attention kind; None: every one at the context rule's,
+    options.kv_tile)."""
     h = spec.dims.hidden
     segments = [s for k in stream.attention.values() for s in k.segments]
     segments += [s for k in stream.ffn.values() for s in k.segments] + list(stream.tail)
@@ -277,7 +292,12 @@ def kernel_dims(
         tokens_padded=round_up(tokens, SUBLANES_F32),
         hidden=h,
         context=options.context,
-        kv_tile=kv_tile_tokens or kv_tile(options.context),
+        kv_tiles=dict(
+            kv_tiles
+            or dict.fromkeys(
+                cache_kinds(spec, sharding, kinds, options.rows), kv_tile(options.context)
+            )
+        ),  # fmt: skip
         cache_block=round_up(options.rows + CACHE_ALIGN - 1, CACHE_ALIGN),
         max_k_chunks=max(s.k_chunks for s in segments),
         max_col_blocks=max(s.col_blocks for s in segments),
@@ -508,11 +528,11 @@ def plan_vmem(
     ring_target_bytes: int | None = None,
     max_piece_chunks: int = MAX_PIECE_CHUNKS,
     ring_depth: int | None = None,
-    kv_tile_tokens: int | None = None,
+    kv_tiles: Mapping[str, int] | None = None,
     inline_scales: bool = True,
 ) -> VmemPlan:
     """Every VMEM buffer, each layer kind's as its rule in `kinds` declares them, with the
-    ring depth and expert slots chosen under the budget (`kv_tile_tokens`: as kernel_dims').
+    ring depth and expert slots chosen under the budget (`kv_tiles`: as kernel_dims').
 
     Raises a one-line SpecError with the numbers when the fixed buffers exceed the budget,
     when the budget cannot hold one weight bank, or when it cannot hold two banks and
@@ -528,7 +548,7 @@ def plan_vmem(
         )
     target = ring_target_bytes or RING_VMEM_BYTES
     dims = kernel_dims(
-        spec, sharding, stream, options, kinds, max_piece_chunks, kv_tile_tokens, inline_scales
+        spec, sharding, stream, options, kinds, max_piece_chunks, kv_tiles, inline_scales
     )
     where = f"{spec.name} on {topo.name} (batch {options.batch} x rows {options.rows})"
     # Everything but the ring and the expert slots is fixed by the build.

@@ -122,7 +122,7 @@ def compiled_op_counts(llo_text: str, plan: Any, spec: ModelSpec) -> dict[str, O
             return None
         if f"_attend_{kind}" in names:
             window = getattr(spec.attention_kinds[kind], "sliding_window", None)
-            return kv_tiles(dims.context, dims.kv_tile, window, dims.rows)
+            return kv_tiles(dims.context, dims.kv_tiles[kind], window, dims.rows)
         if f"_experts_{kind}" in names and kind in experts:
             return sum(experts[kind]) / len(experts[kind])
         return None

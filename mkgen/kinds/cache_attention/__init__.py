@@ -19,7 +19,7 @@ def buffers(
             why="the step's new cache rows")  # fmt: skip
     out.add(f"{name}_q_vmem", "attention", (b, kvh, qr, d), "f32", why="q rows per kv head")
     out.add(f"{name}_o_vmem", "attention", (b, kvh, qr, dv), "f32", why="attention outputs")
-    out.add(f"{name}_tiles_vmem", "attention", (caches, 2, dims.kv_tile, d), "bf16",
+    out.add(f"{name}_tiles_vmem", "attention", (caches, 2, dims.kv_tiles[name], d), "bf16",
             resource=f"{name}.tiles", slots=2, why="cache tiles, double buffered")  # fmt: skip
     out.sems(f"{name}_tile_sems", (caches, 2))
     out.sems(f"{name}_write_sems", (caches, b, kvh))

@@ -15,7 +15,7 @@ from mkgen.plan.layout import (
     rope_layout,
     segment_columns,
 )
-from mkgen.plan.options import kv_tile, kv_tiles, q_rows
+from mkgen.plan.options import kv_tiles, q_rows
 from mkgen.plan.sharding import AttentionSharding, CacheShard, KindShards, group_map, heads_error
 from mkgen.plan.stream import part_of
 from mkgen.spec.figures import CACHE_BYTES
@@ -137,7 +137,7 @@ def layout(i: LayoutInputs) -> GQALayout:
         segments=i.segments,
         ops=OPS,
         vectors=vectors,
-        kv_tile=kv_tile(context),
+        kv_tile=i.kv_tile,
         cache_arrays=2,
         caches=[
             CacheArray(name=n, shape=[len(i.layers), batch, kv_heads, context, d], dtype="bfloat16")
@@ -196,15 +196,16 @@ def _attend(b: Any, s: Step, q: int, wrote: int) -> int:
     """Online-softmax attention of each (sequence, kv head) over its cache's tiles."""
     layer, name, kind, a, dims = s.layer, s.name, s.kind, s.shard, b.dims
     g = a.kv_heads_per_rank
-    n = kv_tiles(dims.context, dims.kv_tile, kind.sliding_window, dims.rows)
+    tile = dims.kv_tiles[name]
+    n = kv_tiles(dims.context, tile, kind.sliding_window, dims.rows)
     qr = q_rows(a.heads_per_rank // g, dims.rows)
     sems = [(f"{name}_tile_sems[0,{buf}]", f"{name}_tile_sems[1,{buf}]") for buf in range(2)]
-    flops = 4 * qr * dims.kv_tile * kind.head_dim
+    flops = 4 * qr * tile * kind.head_dim
     out = {}
 
     def pair() -> None:
         out["o"] = cache_attention.tiles(b, layer, name, wrote, q, n,
-                                         2 * dims.kv_tile * kind.head_dim * 2, sems, flops)  # fmt: skip
+                                         2 * tile * kind.head_dim * 2, sems, flops)  # fmt: skip
 
     b.folded(dims.batch * g, pair)  # for each (sequence, kv head)
     return out["o"]

@@ -16,7 +16,7 @@ from mkgen.plan.layout import (
     rope_layout,
     segment_columns,
 )
-from mkgen.plan.options import kv_tile, kv_tiles, q_rows
+from mkgen.plan.options import kv_tiles, q_rows
 from mkgen.plan.sharding import (
     AttentionSharding,
     CacheShard,
@@ -139,7 +139,7 @@ def layout(i: LayoutInputs) -> MLALayout:
         segments=i.segments,
         ops=ops(kind),
         vectors=vectors,
-        kv_tile=kv_tile(context),
+        kv_tile=i.kv_tile,
         caches=[
             CacheArray(
                 name="latent", shape=[len(i.layers), batch, 1, context, width], dtype="bfloat16"
@@ -210,14 +210,15 @@ def _attend(b: Any, s: Step, q: int, wrote: int) -> int:
     """Online-softmax attention of each sequence's q heads over the latent cache's tiles."""
     layer, name, kind, dims = s.layer, s.name, s.kind, b.dims
     lat = kind.kv_lora_rank + kind.qk_rope_head_dim
-    n = kv_tiles(dims.context, dims.kv_tile, None, dims.rows)
+    tile = dims.kv_tiles[name]
+    n = kv_tiles(dims.context, tile, None, dims.rows)
     qr = q_rows(s.shard.heads_per_rank, dims.rows)
     sems = [(f"{name}_tile_sems[0,{buf}]",) for buf in range(2)]
-    flops = 2 * qr * dims.kv_tile * (lat + kind.kv_lora_rank)
+    flops = 2 * qr * tile * (lat + kind.kv_lora_rank)
     out = {}
 
     def sequence() -> None:
-        out["o"] = cache_attention.tiles(b, layer, name, wrote, q, n, dims.kv_tile * lat * 2,
+        out["o"] = cache_attention.tiles(b, layer, name, wrote, q, n, tile * lat * 2,
                                          sems, flops)  # fmt: skip
 
     b.folded(dims.batch, sequence)
