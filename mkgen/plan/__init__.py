@@ -146,8 +146,9 @@ def plan_program(
 ) -> ProgramPlan:
     """Stages 1 to 5 and the schedule (stage 7) of `plan_build`, without the kernel layout:
     the program the cost model prices. Arguments as `plan_build`'s (`kinds`: the layer
-    kinds' rules, mkgen.kinds.default_registry()); the KV tile is the
-    template's unless `kv_tile_tokens` says another, and mxfp4 / nvfp4 expert scales are
+    kinds' rules, mkgen.kinds.default_registry()); every cache kind's KV tile is
+    `kv_tile_tokens` (or --kv-tile) when given, else the cost model's choice
+    (mkgen.plan.kvtiles), and mxfp4 / nvfp4 expert scales are
     inline after their codes unless `inline_scales` is False (the calibration prices the
     measured kernel's 256-token tiles and its codes and scales in separate DMAs, which the
     template does not render). `require_fit` False prices a build that does not fit HBM
