@@ -123,7 +123,7 @@ def test_plan_text_says_verify_plus_draft_is_predicted_and_not_run() -> None:
                    "kimi-k3-mtp")  # fmt: skip
     assert result.returncode == 0, result.stderr
     line = next(x for x in result.stdout.splitlines() if x.startswith("Estimate: "))
-    assert "ms/step at batch 1 x rows 8 (the draft is priced; no kernel runs it yet)" in (line)
+    assert "ms/step at batch 1 x rows 8 (the draft is priced; no kernel runs it yet; " in line
     verify, draft, total = (float(x) for x in _numbers(line))
     assert total == pytest.approx(verify + draft, abs=2e-3)  # each rounded to 1e-3
     bar = next(x for x in result.stdout.splitlines() if x.startswith("Against the bar: "))

@@ -351,18 +351,24 @@ class Estimate(_Frozen):
         make, so it is not a step with a drafter's cost in it. With a drafter priced:
         'predicted verify 6.967 + draft 0.747 = 7.714 ms/step at batch 1 x rows 8 (the draft
         is priced; no kernel runs it yet)'."""
+        return self._stated()
+
+    def _stated(self, *more: str) -> str:
+        """The headline, `more` added to what its parenthesis says."""
         if self.draft_ms is not None:
-            return (
+            figure = (
                 f"predicted verify {self.step_ms:.3f} + draft {self.draft_ms:.3f} = "
-                f"{self.drafted_step_ms:.3f} ms/step at {self.point} (the draft is priced; no "
-                "kernel runs it yet)"
+                f"{self.drafted_step_ms:.3f} ms/step at {self.point}"
             )
-        verify_only = " (verify only, no drafting)" if self.rows > 1 else ""
-        return f"predicted {self.step_ms:.3f} ms/step at {self.point}{verify_only}"
+            said = ["the draft is priced", "no kernel runs it yet", *more]
+        else:
+            figure = f"predicted {self.step_ms:.3f} ms/step at {self.point}"
+            said = [*(["verify only, no drafting"] if self.rows > 1 else []), *more]
+        return f"{figure} ({'; '.join(said)})" if said else figure
 
     def describe(self) -> str:
         lines = [
-            f"{self.headline} (the cost model's prediction); {self.tokens_per_s_per_user:.1f} "
+            f"{self._stated("the cost model's prediction")}; {self.tokens_per_s_per_user:.1f} "
             f"tok/s per user, {self.tokens_per_s:.1f} tok/s"
             + (
                 f", {self.tokens_per_dollar:,.0f} tokens per $"
