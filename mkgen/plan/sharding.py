@@ -60,8 +60,9 @@ from mkgen.spec.schema import (
     ModelSpec,
     MoEFFN,
 )
-from mkgen.spec.tensors import VECTORS
+from mkgen.spec.tensors import VECTORS, Tensor
 from mkgen.spec.topology import Topology
+from mkgen.spec.weights import attention_weights
 
 LANES = 128
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter"]
@@ -571,6 +572,12 @@ class KindShards:
             kind=kind_name, type=a.type, tensors=tuple(self.tensors),
             collectives=tuple(self.collectives), cache=cache, **fields,
         )  # fmt: skip
+
+
+def attention_shards(ctx: _Ctx, kind_name: str, a: Any) -> tuple[KindShards, list[Tensor]]:
+    """An attention kind's KindShards (tensors `attn.*`, errors naming the kind) and the
+    tensors it fills them with, (name, shape, family) in inventory order."""
+    return KindShards(ctx, "attn.", f"attention_kinds.{kind_name}: "), attention_weights(a, ctx.h)
 
 
 def _suggest_topologies(ctx: _Ctx, count: int) -> str:

@@ -8,8 +8,7 @@ from typing import Any
 from mkgen.kinds import recurrent
 from mkgen.kinds.recurrent.record import RecurrentLayout
 from mkgen.plan.kind import BufferInputs, LayoutInputs, StateDims, Step
-from mkgen.plan.sharding import AttentionSharding, KindShards, held_heads, split_heads
-from mkgen.spec.weights import attention_weights
+from mkgen.plan.sharding import AttentionSharding, attention_shards, held_heads, split_heads
 
 TEMPLATE = "kinds/gated_deltanet.py.j2"
 RECORD = RecurrentLayout
@@ -37,8 +36,7 @@ def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
     """How the kind's tensors split over the cores (mkgen.plan.sharding's context `ctx`):
     value heads (and their state) split over the cores; key heads split, or each core holds the ones its value heads read."""
     d = ctx.d
-    s = KindShards(ctx, "attn.", f"attention_kinds.{kind_name}: ")
-    specs = attention_weights(a, ctx.h)
+    s, specs = attention_shards(ctx, kind_name, a)
     vpr = split_heads(ctx, kind_name, "value heads", a.num_value_heads)
     k = held_heads(
         ctx, a.num_value_heads, a.num_key_heads, a.key_head_dim, "key heads split",

@@ -19,14 +19,13 @@ from mkgen.plan.options import kv_tile, kv_tiles, q_rows
 from mkgen.plan.sharding import (
     AttentionSharding,
     CacheShard,
-    KindShards,
+    attention_shards,
     held_heads,
     split_heads,
 )
 from mkgen.plan.stream import part_of
 from mkgen.spec.figures import CACHE_BYTES
 from mkgen.spec.rope import inverse_sqrt
-from mkgen.spec.weights import attention_weights
 
 TEMPLATE = "kinds/gqa.py.j2"
 RECORD = GQALayout
@@ -47,8 +46,7 @@ def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
     """How the kind's tensors split over the cores (mkgen.plan.sharding's context `ctx`):
     q heads split over the cores; kv heads split, or each core holds the ones its q heads read."""
     d = ctx.d
-    s = KindShards(ctx, "attn.", f"attention_kinds.{kind_name}: ")
-    specs = attention_weights(a, ctx.h)
+    s, specs = attention_shards(ctx, kind_name, a)
     hpr = split_heads(ctx, kind_name, "query heads", a.num_heads)
     kv = held_heads(
         ctx, a.num_heads, a.num_kv_heads, a.head_dim, "KV heads split",

@@ -8,8 +8,7 @@ from typing import Any
 from mkgen.kinds import recurrent
 from mkgen.kinds.recurrent.record import RecurrentLayout
 from mkgen.plan.kind import BufferInputs, LayoutInputs, StateDims, Step
-from mkgen.plan.sharding import AttentionSharding, KindShards, latent_choice, split_heads
-from mkgen.spec.weights import attention_weights
+from mkgen.plan.sharding import AttentionSharding, attention_shards, latent_choice, split_heads
 
 TEMPLATE = "kinds/kda.py.j2"
 RECORD = RecurrentLayout
@@ -42,8 +41,7 @@ def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
     """How the kind's tensors split over the cores (mkgen.plan.sharding's context `ctx`):
     heads (and their state) split over the cores; the low-rank gate projections replicated or split (latent_choice)."""
     d = ctx.d
-    s = KindShards(ctx, "attn.", f"attention_kinds.{kind_name}: ")
-    specs = attention_weights(a, ctx.h)
+    s, specs = attention_shards(ctx, kind_name, a)
     hpr = split_heads(ctx, kind_name, "heads", a.num_heads)
     a_names = [n for n, _, _ in specs if n in ("wf_a", "wg_a")]
     latent, why_latent = latent_choice(ctx, kind_name, specs, a_names, "kda_gate_rank")

@@ -20,14 +20,13 @@ from mkgen.plan.options import kv_tile, kv_tiles, q_rows
 from mkgen.plan.sharding import (
     AttentionSharding,
     CacheShard,
-    KindShards,
+    attention_shards,
     latent_choice,
     split_heads,
 )
 from mkgen.plan.stream import CHUNK, LANES, TensorView, part_of
 from mkgen.spec.figures import CACHE_BYTES
 from mkgen.spec.rope import mla_softmax_scale
-from mkgen.spec.weights import attention_weights
 
 TEMPLATE = "kinds/mla.py.j2"
 RECORD = MLALayout
@@ -69,8 +68,7 @@ def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
     """How the kind's tensors split over the cores (mkgen.plan.sharding's context `ctx`):
     heads split over the cores; the low-rank latent projections replicated or split (latent_choice); the latent cache on every core."""
     d = ctx.d
-    s = KindShards(ctx, "attn.", f"attention_kinds.{kind_name}: ")
-    specs = attention_weights(a, ctx.h)
+    s, specs = attention_shards(ctx, kind_name, a)
     hpr = split_heads(ctx, kind_name, "heads", a.num_heads)
     a_names = [n for n, _, _ in specs if n in ("wq_a", "wkv_a")]
     latent, why_latent = latent_choice(ctx, kind_name, specs, a_names, "mla_latent")
