@@ -148,6 +148,15 @@ def calibrate(kinds: KindRegistry) -> list[CalibrationRow]:
     ]
 
 
+# The published per-layer figures and the estimate's breakdown part each compares with.
+_PER_LAYER_PARTS = {
+    "dense_stream_per_layer": "weights",
+    "collectives_per_layer": "collectives",
+    "experts_per_layer": "experts",
+    "attention_per_layer": "kv_state",
+}
+
+
 def batch1_breakdown(kinds: KindRegistry) -> dict[str, tuple[float, float]]:
     """(published, predicted) microseconds of the batch-1 breakdown (int4, bf16 dense)."""
     est = predict("int4 experts, bf16 dense", 1, kinds)
@@ -155,27 +164,13 @@ def batch1_breakdown(kinds: KindRegistry) -> dict[str, tuple[float, float]]:
     per_layer_us = sum(k.total_ms for k in est.by_layer_kind.values()) * 1e3 / layers
     b = est.breakdown_ms
     fixed_us = est.step_ms * 1e3 - per_layer_us * layers
-    return {
-        "per_layer": (PUBLISHED_BREAKDOWN_US["per_layer"], per_layer_us),
-        "dense_stream_per_layer": (
-            PUBLISHED_BREAKDOWN_US["dense_stream_per_layer"],
-            b["weights"] * 1e3 / layers,
-        ),
-        "collectives_per_layer": (
-            PUBLISHED_BREAKDOWN_US["collectives_per_layer"],
-            b["collectives"] * 1e3 / layers,
-        ),
-        "experts_per_layer": (
-            PUBLISHED_BREAKDOWN_US["experts_per_layer"],
-            b["experts"] * 1e3 / layers,
-        ),
-        "attention_per_layer": (
-            PUBLISHED_BREAKDOWN_US["attention_per_layer"],
-            b["kv_state"] * 1e3 / layers,
-        ),
-        "fixed_per_step": (PUBLISHED_BREAKDOWN_US["fixed_per_step"], fixed_us),
-        "lm_head_per_step": (PUBLISHED_BREAKDOWN_US["lm_head_per_step"], b["lm_head"] * 1e3),
+    predicted_us = {
+        "per_layer": per_layer_us,
+        **{key: b[part] * 1e3 / layers for key, part in _PER_LAYER_PARTS.items()},
+        "fixed_per_step": fixed_us,
+        "lm_head_per_step": b["lm_head"] * 1e3,
     }
+    return {key: (PUBLISHED_BREAKDOWN_US[key], us) for key, us in predicted_us.items()}
 
 
 def format_table(rows: list[CalibrationRow]) -> str:

@@ -55,14 +55,15 @@ never folded.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from mkgen.plan.collectives import CollectiveRound, RoundCall, collective_buffers
 from mkgen.plan.kind import KindRegistry, Step
 from mkgen.plan.options import BuildOptions
-from mkgen.plan.sharding import Collective, ShardingPlan
-from mkgen.plan.stream import RingRefills, Segment, StreamPlan, bank_visits
+from mkgen.plan.sharding import AttentionSharding, Collective, FFNSharding, ShardingPlan
+from mkgen.plan.stream import KindStream, RingRefills, Segment, StreamPlan, bank_visits
 from mkgen.plan.vmem import VmemPlan
 from mkgen.spec.schema import (
     ModelSpec,
@@ -737,26 +738,33 @@ class _Builder:
 
     # --- the layer kinds (each kind's rule in the registry emits its ops) ---
     def attention(self, layer: int, name: str, v: int) -> int:
-        x = self.vec(layer, f"{name}: attn_norm", self.res, 5 * self.t * self.dims.hidden,
-                     ((v, None, 0),))  # fmt: skip
-        kind = self.spec.attention_kinds[name]
-        shard = self.sh.attention[name]
-        return self.kinds.rules(kind.type, name).program(self, Step(
-            layer=layer, name=name, kind=kind, shard=shard,
-            segments={s.name: s for s in self.stream.attention[name].segments},
-            stream_row=self.stream.attention_rows[layer],
-            collectives={c.name: c for c in shard.collectives}, vectors=v, x=x,
-        ))  # fmt: skip
+        return self.kind_ops(layer, name, v, "attn_norm", self.spec.attention_kinds[name],
+                             self.sh.attention[name], self.stream.attention[name],
+                             self.stream.attention_rows[layer])  # fmt: skip
 
     def ffn(self, layer: int, name: str, v: int) -> int:
-        x = self.vec(layer, f"{name}: ffn_norm", self.res, 5 * self.t * self.dims.hidden,
+        return self.kind_ops(layer, name, v, "ffn_norm", self.spec.ffn_kinds[name],
+                             self.sh.ffn[name], self.stream.ffn[name],
+                             self.stream.ffn_rows[layer])  # fmt: skip
+
+    def kind_ops(
+        self,
+        layer: int,
+        name: str,
+        v: int,
+        norm: str,
+        kind: Any,
+        shard: AttentionSharding | FFNSharding,
+        stream: KindStream,
+        stream_row: int,
+    ) -> int:
+        """The layer's `norm` of the residual (v: its vector slab's load), then the ops the
+        rule of its attention or FFN kind `name` emits."""
+        x = self.vec(layer, f"{name}: {norm}", self.res, 5 * self.t * self.dims.hidden,
                      ((v, None, 0),))  # fmt: skip
-        kind = self.spec.ffn_kinds[name]
-        shard = self.sh.ffn[name]
         return self.kinds.rules(kind.type, name).program(self, Step(
             layer=layer, name=name, kind=kind, shard=shard,
-            segments={s.name: s for s in self.stream.ffn[name].segments},
-            stream_row=self.stream.ffn_rows[layer],
+            segments={s.name: s for s in stream.segments}, stream_row=stream_row,
             collectives={c.name: c for c in shard.collectives}, vectors=v, x=x,
         ))  # fmt: skip
 

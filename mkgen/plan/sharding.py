@@ -30,6 +30,8 @@ collectives it needs. Decisions (docs/cost-model.md has the reasoning):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal
 
@@ -58,8 +60,9 @@ from mkgen.spec.schema import (
     ModelSpec,
     MoEFFN,
 )
-from mkgen.spec.tensors import VECTORS
+from mkgen.spec.tensors import VECTORS, Tensor
 from mkgen.spec.topology import Topology
+from mkgen.spec.weights import attention_weights
 
 LANES = 128
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter"]
@@ -538,6 +541,44 @@ class KindShards:
             width = sum(shape[1] for n, shape, _ in specs if n in names)
             self.collectives.append(self.ctx.collective(what, "all_gather", after, width))
 
+    def add_held(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        family: str,
+        split_axis: int,
+        held: HeldHeads,
+        why_split: str,
+    ) -> None:
+        """A tensor along key (KV) heads: split over the cores, or cut into the groups of
+        heads each core holds (held_heads)."""
+        if held.copies == 1:
+            self.add(name, shape, family, split_axis=split_axis, parts=self.ctx.d, why=why_split)
+        else:
+            self.add(
+                name, shape, family, split_axis=split_axis, parts=held.count // held.per_rank,
+                rank_extent=held.per_rank * held.head_dim, why=held.why,
+            )  # fmt: skip
+
+    def attention(
+        self, kind_name: str, a: Any, cache: CacheShard, **fields: Any
+    ) -> AttentionSharding:
+        """The attention kind's sharding: its tensors and collectives so far, then the
+        all-reduce of its output projection that every attention kind ends with."""
+        self.collectives.append(
+            self.ctx.collective("attn_out", "all_reduce", "attn.wo", self.ctx.h)
+        )
+        return AttentionSharding(
+            kind=kind_name, type=a.type, tensors=tuple(self.tensors),
+            collectives=tuple(self.collectives), cache=cache, **fields,
+        )  # fmt: skip
+
+
+def attention_shards(ctx: _Ctx, kind_name: str, a: Any) -> tuple[KindShards, list[Tensor]]:
+    """An attention kind's KindShards (tensors `attn.*`, errors naming the kind) and the
+    tensors it fills them with, (name, shape, family) in inventory order."""
+    return KindShards(ctx, "attn.", f"attention_kinds.{kind_name}: "), attention_weights(a, ctx.h)
+
 
 def _suggest_topologies(ctx: _Ctx, count: int) -> str:
     chip = ctx.topo.chip_info
@@ -556,6 +597,42 @@ def heads_error(ctx: _Ctx, kind: str, what: str, count: int) -> SpecError:
         f"replicated, so use a topology whose device count divides {count}: "
         f"{_suggest_topologies(ctx, count)}"
     )
+
+
+def split_heads(ctx: _Ctx, kind: str, what: str, count: int) -> int:
+    """Heads per rank of `count` heads split evenly over the devices (heads_error if not)."""
+    if count % ctx.d:
+        raise heads_error(ctx, kind, what, count)
+    return count // ctx.d
+
+
+@dataclass(frozen=True)
+class HeldHeads:
+    """The key (KV) heads a rank holds: `per_rank` of the kind's `count` heads of
+    `head_dim`, each held by `copies` ranks, and why."""
+
+    count: int
+    per_rank: int
+    copies: float
+    head_dim: int
+    why: str
+
+
+def held_heads(
+    ctx: _Ctx,
+    readers: int,
+    count: int,
+    head_dim: int,
+    why_split: str,
+    why_held: Callable[[int, float], str],
+) -> HeldHeads:
+    """`count` key heads read by `readers` query (value) heads split over the ranks: split
+    too when the devices divide them, else each rank holds those its readers read
+    (`why_held` of the heads per rank and copies says so)."""
+    if count % ctx.d == 0:
+        return HeldHeads(count, count // ctx.d, 1.0, head_dim, why_split)
+    per_rank, copies = group_map(ctx, readers, readers // count)
+    return HeldHeads(count, per_rank, copies, head_dim, why_held(per_rank, copies))
 
 
 def group_map(ctx: _Ctx, units: int, per_unit_group: int) -> tuple[int, float]:

@@ -57,6 +57,7 @@ from mkgen.reference.model import (
     init_kind_cache,
     init_tensor,
     init_weights,
+    jit_once,
     layer_weights,
     tensor_key,
 )
@@ -219,10 +220,7 @@ def _mtp_entry(
 
 def _compile_mtp_entry(spec: ModelSpec) -> Callable[..., Any]:
     """jax.jit of _mtp_entry for one spec (a chain reuses the one-entry compilation)."""
-    key = (spec.model_dump_json(), "mtp")
-    if key not in _COMPILED:
-        _COMPILED[key] = jax.jit(functools.partial(_mtp_entry, spec))
-    return _COMPILED[key]
+    return jit_once(_COMPILED, (spec.model_dump_json(), "mtp"), functools.partial(_mtp_entry, spec))
 
 
 def _block_step(
@@ -317,24 +315,22 @@ def compile_draft_step(spec: ModelSpec, rows: int) -> Callable[..., Any]:
     hidden, next_token)."""
     if not isinstance(spec.draft, BlockDraft):  # jitted a forward or an MTP entry at a time
         return functools.partial(draft_step, spec, rows=rows)
-    key = (spec.model_dump_json(), rows)
-    if key not in _COMPILED:
-        _COMPILED[key] = jax.jit(
-            lambda w, state, tokens, hidden, next_token: draft_step(
-                spec, w, state, tokens, hidden, next_token, rows
-            )
-        )
-    return _COMPILED[key]
+    return jit_once(
+        _COMPILED,
+        (spec.model_dump_json(), rows),
+        lambda w, state, tokens, hidden, next_token: draft_step(
+            spec, w, state, tokens, hidden, next_token, rows
+        ),
+    )
 
 
 def compile_traced(spec: ModelSpec) -> Callable[..., Any]:
     """jax.jit of the target's forward_traced: f(weights, tokens, cache) -> (logits, cache,
     residual stream after every layer); shared by every drafter of the same target."""
     target = spec.model_copy(update={"draft": None})
-    key = (target.model_dump_json(), None)
-    if key not in _COMPILED:
-        _COMPILED[key] = jax.jit(lambda w, t, c: forward_traced(target, w, t, c))
-    return _COMPILED[key]
+    return jit_once(
+        _COMPILED, (target.model_dump_json(), None), lambda w, t, c: forward_traced(target, w, t, c)
+    )
 
 
 # ---------------------------------------------------------------- accepting and generating

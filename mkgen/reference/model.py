@@ -375,6 +375,16 @@ def residual_stream(spec: ModelSpec, weights: Weights, tokens: jax.Array) -> jax
     return forward_traced(spec, weights, tokens, cache, 0)[2]
 
 
+def jit_once[K, R](
+    jitted: dict[K, Callable[..., R]], key: K, fn: Callable[..., R]
+) -> Callable[..., R]:
+    """jitted[key], jax.jit of `fn` the first time: the jitted function keeps its
+    compilations, so later calls with an equal key reuse them."""
+    if key not in jitted:
+        jitted[key] = jax.jit(fn)
+    return jitted[key]
+
+
 # One jitted forward per distinct spec (ModelSpec holds dicts, so it cannot be a static
 # jit argument); keyed by the spec's JSON so equal specs share their compilations.
 _COMPILED: dict[str, Callable[..., tuple[jax.Array, Cache]]] = {}
@@ -382,10 +392,7 @@ _COMPILED: dict[str, Callable[..., tuple[jax.Array, Cache]]] = {}
 
 def compile_forward(spec: ModelSpec) -> Callable[..., tuple[jax.Array, Cache]]:
     """jax.jit of `forward` for one spec: f(weights, tokens, cache, start_pos=None)."""
-    key = spec.model_dump_json()
-    if key not in _COMPILED:
-        _COMPILED[key] = jax.jit(functools.partial(forward, spec))
-    return _COMPILED[key]
+    return jit_once(_COMPILED, spec.model_dump_json(), functools.partial(forward, spec))
 
 
 def prefill(

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mkgen.plan.kind import BufferInputs
 from mkgen.plan.stream import Part
 
 
@@ -22,6 +23,11 @@ def no_state_dims(kind: Any, shard: Any) -> None:
 def no_cache_geometry(kind: Any, shard: Any, rows: int) -> None:
     """A kind that attends over no KV cache."""
     return None
+
+
+def no_buffers(out: Any, i: BufferInputs) -> None:
+    """A kind with no scratch beyond the stream's: its matmuls use the ring's staging
+    buffers."""
 
 
 def no_views(kind: Any) -> dict[tuple[str, str], Any]:

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from mkgen.kinds.common import no_cache_geometry, no_rotary_dim, no_state_dims, no_views
+from mkgen.kinds.common import (
+    no_buffers,
+    no_cache_geometry,
+    no_rotary_dim,
+    no_state_dims,
+    no_views,
+)
 from mkgen.kinds.dense.record import DenseLayout
-from mkgen.plan.kind import BufferInputs, LayoutInputs, Step
+from mkgen.plan.kind import LayoutInputs, Step
 from mkgen.plan.layout import activation_params, check_stream_formats, unsupported
 from mkgen.plan.sharding import FFNSharding, KindShards
 from mkgen.plan.stream import part_of
@@ -22,6 +28,7 @@ rotary_dim = no_rotary_dim  # LayerKind: none
 state_dims = no_state_dims  # LayerKind: none
 views = no_views  # LayerKind: none
 cache_geometry = no_cache_geometry  # LayerKind: none
+buffers = no_buffers  # LayerKind: none
 # The layer's ops in the order its kernel function runs them: `program` emits them in this
 # order and the template prints them in it (DenseLayout.ops).
 OPS = ["gate_up", "activation", "down", "combine"]
@@ -69,10 +76,6 @@ def layout(i: LayoutInputs) -> DenseLayout:
         ops=OPS,
         vectors=[],
     )
-
-
-def buffers(out: Any, i: BufferInputs) -> None:
-    """Nothing beyond the stream's: its matmuls use the ring's staging buffers."""
 
 
 def program(b: Any, s: Step) -> int:

@@ -8,9 +8,7 @@ from typing import Any
 from mkgen.kinds import recurrent
 from mkgen.kinds.recurrent.record import RecurrentLayout
 from mkgen.plan.kind import BufferInputs, LayoutInputs, StateDims, Step
-from mkgen.plan.sharding import AttentionSharding, CacheShard, KindShards, group_map, heads_error
-from mkgen.spec.figures import CACHE_BYTES, STATE_BYTES
-from mkgen.spec.weights import attention_weights
+from mkgen.plan.sharding import AttentionSharding, attention_shards, held_heads, split_heads
 
 TEMPLATE = "kinds/gated_deltanet.py.j2"
 RECORD = RecurrentLayout
@@ -37,30 +35,17 @@ def state_dims(kind: Any, shard: Any) -> StateDims:
 def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
     """How the kind's tensors split over the cores (mkgen.plan.sharding's context `ctx`):
     value heads (and their state) split over the cores; key heads split, or each core holds the ones its value heads read."""
-    h, d = ctx.h, ctx.d
-    s = KindShards(ctx, "attn.", f"attention_kinds.{kind_name}: ")
-    specs = attention_weights(a, h)
-    if a.num_value_heads % d:
-        raise heads_error(ctx, kind_name, "value heads", a.num_value_heads)
-    vpr = a.num_value_heads // d
-    ratio = a.num_value_heads // a.num_key_heads
-    if a.num_key_heads % d == 0:
-        kpr, k_copies, k_why = a.num_key_heads // d, 1.0, "key heads split"
-    else:
-        kpr, k_copies = group_map(ctx, a.num_value_heads, ratio)
-        k_why = (
-            f"{a.num_key_heads} key heads over {d}: each rank holds the {kpr} its "
-            f"value heads use (x{k_copies:g} copies)"
-        )
+    d = ctx.d
+    s, specs = attention_shards(ctx, kind_name, a)
+    vpr = split_heads(ctx, kind_name, "value heads", a.num_value_heads)
+    k = held_heads(
+        ctx, a.num_value_heads, a.num_key_heads, a.key_head_dim, "key heads split",
+        lambda kpr, k_copies: f"{a.num_key_heads} key heads over {d}: each rank holds the "
+        f"{kpr} its value heads use (x{k_copies:g} copies)",
+    )  # fmt: skip
     for name, shape, family in specs:
         if name in ("wq", "wk", "conv_q", "conv_k"):
-            if k_copies == 1:
-                s.add(name, shape, family, split_axis=1, parts=d, why="key heads")
-            else:
-                s.add(
-                    name, shape, family, split_axis=1, parts=a.num_key_heads // kpr,
-                    rank_extent=kpr * a.key_head_dim, why=k_why,
-                )  # fmt: skip
+            s.add_held(name, shape, family, 1, k, why_split="key heads")
         elif name in ("wv", "wz", "wb", "wa", "conv_v"):
             s.add(name, shape, family, split_axis=1, parts=d, why="value heads")
         elif name in ("A_log", "dt_bias"):
@@ -69,23 +54,16 @@ def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
             s.add(name, shape, family, split_axis=0, parts=d, why="input rows by value head")
         else:  # o_norm
             s.add(name, shape, family, why="replicated")
-    s.collectives.append(ctx.collective("attn_out", "all_reduce", "attn.wo", h))
-    k_dim, v_dim = kpr * a.key_head_dim, vpr * a.value_head_dim
-    cache = CacheShard(
-        kind="state",
-        bytes_per_token=0,
-        fixed_bytes=vpr * a.key_head_dim * a.value_head_dim * STATE_BYTES
-        + (a.conv_width - 1) * (2 * k_dim + v_dim) * CACHE_BYTES,
-        window=None,
+    cache = recurrent.state_cache(
         heads_per_rank=vpr,
-        copies=1.0,
+        state_elements=vpr * a.key_head_dim * a.value_head_dim,
+        conv_channels=2 * k.per_rank * a.key_head_dim + vpr * a.value_head_dim,
+        conv_width=a.conv_width,
         why="state per value head, split with the value heads",
     )
-    return AttentionSharding(
-        kind=kind_name, type=a.type, heads_per_rank=vpr, kv_heads_per_rank=kpr,
-        kv_copies=k_copies, latent="none", tensors=tuple(s.tensors),
-        collectives=tuple(s.collectives), cache=cache,
-        why=f"{vpr} value heads per rank; {k_why}",
+    return s.attention(
+        kind_name, a, cache, heads_per_rank=vpr, kv_heads_per_rank=k.per_rank,
+        kv_copies=k.copies, latent="none", why=f"{vpr} value heads per rank; {k.why}",
     )  # fmt: skip
 
 

@@ -16,11 +16,16 @@ from mkgen.plan.layout import (
     segment_columns,
 )
 from mkgen.plan.options import kv_tiles, q_rows
-from mkgen.plan.sharding import AttentionSharding, CacheShard, KindShards, group_map, heads_error
+from mkgen.plan.sharding import (
+    AttentionSharding,
+    CacheShard,
+    attention_shards,
+    held_heads,
+    split_heads,
+)
 from mkgen.plan.stream import part_of
 from mkgen.spec.figures import CACHE_BYTES
 from mkgen.spec.rope import inverse_sqrt
-from mkgen.spec.weights import attention_weights
 
 TEMPLATE = "kinds/gqa.py.j2"
 RECORD = GQALayout
@@ -40,61 +45,39 @@ views = no_views  # LayerKind: none
 def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
     """How the kind's tensors split over the cores (mkgen.plan.sharding's context `ctx`):
     q heads split over the cores; kv heads split, or each core holds the ones its q heads read."""
-    h, d = ctx.h, ctx.d
-    s = KindShards(ctx, "attn.", f"attention_kinds.{kind_name}: ")
-    specs = attention_weights(a, h)
-    if a.num_heads % d:
-        raise heads_error(ctx, kind_name, "query heads", a.num_heads)
-    hpr = a.num_heads // d
-    group = a.num_heads // a.num_kv_heads
-    if a.num_kv_heads % d == 0:
-        kv_pr, kv_copies, kv_why = a.num_kv_heads // d, 1.0, "KV heads split"
-    else:
-        kv_pr, kv_copies = group_map(ctx, a.num_heads, group)
-        kv_why = (
-            f"{a.num_kv_heads} KV heads < or not divisible by {d}: each rank holds "
-            f"the {kv_pr} its {hpr} q heads use (x{kv_copies:g} copies)"
-        )
+    d = ctx.d
+    s, specs = attention_shards(ctx, kind_name, a)
+    hpr = split_heads(ctx, kind_name, "query heads", a.num_heads)
+    kv = held_heads(
+        ctx, a.num_heads, a.num_kv_heads, a.head_dim, "KV heads split",
+        lambda kv_pr, kv_copies: f"{a.num_kv_heads} KV heads < or not divisible by {d}: each "
+        f"rank holds the {kv_pr} its {hpr} q heads use (x{kv_copies:g} copies)",
+    )  # fmt: skip
     for name, shape, family in specs:
         if name in ("wq", "wgate"):
             s.add(name, shape, family, split_axis=1, parts=d, why="q heads")
         elif name in ("wk", "wv"):
-            if kv_copies == 1:
-                s.add(name, shape, family, split_axis=1, parts=d, why="KV heads")
-            else:
-                s.add(
-                    name, shape, family, split_axis=1, parts=a.num_kv_heads // kv_pr,
-                    rank_extent=kv_pr * a.head_dim, why=kv_why,
-                )  # fmt: skip
+            s.add_held(name, shape, family, 1, kv, why_split="KV heads")
         elif name == "wo":
             s.add(name, shape, family, split_axis=0, parts=d, why="input rows by q head")
         elif name == "bq" or name == "sinks":
             s.add(name, shape, family, split_axis=0, parts=d, why="per q head")
         elif name in ("bk", "bv"):
-            if kv_copies == 1:
-                s.add(name, shape, family, split_axis=0, parts=d, why="per KV head")
-            else:
-                s.add(
-                    name, shape, family, split_axis=0, parts=a.num_kv_heads // kv_pr,
-                    rank_extent=kv_pr * a.head_dim, why=kv_why,
-                )  # fmt: skip
+            s.add_held(name, shape, family, 0, kv, why_split="per KV head")
         else:  # bo (added once after the all-reduce), q_norm, k_norm
             s.add(name, shape, family, why="replicated")
-    s.collectives.append(ctx.collective("attn_out", "all_reduce", "attn.wo", h))
     cache = CacheShard(
         kind="kv",
-        bytes_per_token=2 * kv_pr * a.head_dim * CACHE_BYTES,
+        bytes_per_token=2 * kv.per_rank * a.head_dim * CACHE_BYTES,
         fixed_bytes=0,
         window=a.sliding_window,
-        heads_per_rank=kv_pr,
-        copies=kv_copies,
-        why=kv_why,
+        heads_per_rank=kv.per_rank,
+        copies=kv.copies,
+        why=kv.why,
     )
-    return AttentionSharding(
-        kind=kind_name, type=a.type, heads_per_rank=hpr, kv_heads_per_rank=kv_pr,
-        kv_copies=kv_copies, latent="none", tensors=tuple(s.tensors),
-        collectives=tuple(s.collectives), cache=cache,
-        why=f"{hpr} q heads per rank; {kv_why}",
+    return s.attention(
+        kind_name, a, cache, heads_per_rank=hpr, kv_heads_per_rank=kv.per_rank,
+        kv_copies=kv.copies, latent="none", why=f"{hpr} q heads per rank; {kv.why}",
     )  # fmt: skip
 
 

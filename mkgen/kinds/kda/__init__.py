@@ -8,15 +8,7 @@ from typing import Any
 from mkgen.kinds import recurrent
 from mkgen.kinds.recurrent.record import RecurrentLayout
 from mkgen.plan.kind import BufferInputs, LayoutInputs, StateDims, Step
-from mkgen.plan.sharding import (
-    AttentionSharding,
-    CacheShard,
-    KindShards,
-    heads_error,
-    latent_choice,
-)
-from mkgen.spec.figures import CACHE_BYTES, STATE_BYTES
-from mkgen.spec.weights import attention_weights
+from mkgen.plan.sharding import AttentionSharding, attention_shards, latent_choice, split_heads
 
 TEMPLATE = "kinds/kda.py.j2"
 RECORD = RecurrentLayout
@@ -48,12 +40,9 @@ def ops(kind: Any) -> list[str]:
 def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
     """How the kind's tensors split over the cores (mkgen.plan.sharding's context `ctx`):
     heads (and their state) split over the cores; the low-rank gate projections replicated or split (latent_choice)."""
-    h, d = ctx.h, ctx.d
-    s = KindShards(ctx, "attn.", f"attention_kinds.{kind_name}: ")
-    specs = attention_weights(a, h)
-    if a.num_heads % d:
-        raise heads_error(ctx, kind_name, "heads", a.num_heads)
-    hpr = a.num_heads // d
+    d = ctx.d
+    s, specs = attention_shards(ctx, kind_name, a)
+    hpr = split_heads(ctx, kind_name, "heads", a.num_heads)
     a_names = [n for n, _, _ in specs if n in ("wf_a", "wg_a")]
     latent, why_latent = latent_choice(ctx, kind_name, specs, a_names, "kda_gate_rank")
     for name, shape, family in specs:
@@ -71,22 +60,16 @@ def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
         else:  # o_norm (per head dim)
             s.add(name, shape, family, why="replicated")
     s.gather_low_rank(latent, specs, a_names, "kda_gate_rank", "attn.wf_a")
-    s.collectives.append(ctx.collective("attn_out", "all_reduce", "attn.wo", h))
-    dim = hpr * a.head_dim
-    cache = CacheShard(
-        kind="state",
-        bytes_per_token=0,
-        fixed_bytes=hpr * a.head_dim * a.head_dim * STATE_BYTES
-        + (a.conv_width - 1) * 3 * dim * CACHE_BYTES,
-        window=None,
+    cache = recurrent.state_cache(
         heads_per_rank=hpr,
-        copies=1.0,
+        state_elements=hpr * a.head_dim * a.head_dim,
+        conv_channels=3 * hpr * a.head_dim,
+        conv_width=a.conv_width,
         why="state heads split with the heads",
     )
-    return AttentionSharding(
-        kind=kind_name, type=a.type, heads_per_rank=hpr, kv_heads_per_rank=hpr,
-        kv_copies=1.0, latent=latent, tensors=tuple(s.tensors),
-        collectives=tuple(s.collectives), cache=cache,
+    return s.attention(
+        kind_name, a, cache, heads_per_rank=hpr, kv_heads_per_rank=hpr, kv_copies=1.0,
+        latent=latent,
         why=f"{hpr} heads per rank; low-rank gate projections {latent} ({why_latent})",
     )  # fmt: skip
 

@@ -20,14 +20,13 @@ from mkgen.plan.options import kv_tiles, q_rows
 from mkgen.plan.sharding import (
     AttentionSharding,
     CacheShard,
-    KindShards,
-    heads_error,
+    attention_shards,
     latent_choice,
+    split_heads,
 )
 from mkgen.plan.stream import CHUNK, LANES, TensorView, part_of
 from mkgen.spec.figures import CACHE_BYTES
 from mkgen.spec.rope import mla_softmax_scale
-from mkgen.spec.weights import attention_weights
 
 TEMPLATE = "kinds/mla.py.j2"
 RECORD = MLALayout
@@ -68,12 +67,9 @@ def views(kind: Any) -> dict[tuple[str, str], TensorView]:
 def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
     """How the kind's tensors split over the cores (mkgen.plan.sharding's context `ctx`):
     heads split over the cores; the low-rank latent projections replicated or split (latent_choice); the latent cache on every core."""
-    h, d = ctx.h, ctx.d
-    s = KindShards(ctx, "attn.", f"attention_kinds.{kind_name}: ")
-    specs = attention_weights(a, h)
-    if a.num_heads % d:
-        raise heads_error(ctx, kind_name, "heads", a.num_heads)
-    hpr = a.num_heads // d
+    d = ctx.d
+    s, specs = attention_shards(ctx, kind_name, a)
+    hpr = split_heads(ctx, kind_name, "heads", a.num_heads)
     a_names = [n for n, _, _ in specs if n in ("wq_a", "wkv_a")]
     latent, why_latent = latent_choice(ctx, kind_name, specs, a_names, "mla_latent")
     for name, shape, family in specs:
@@ -86,18 +82,15 @@ def shard(ctx: Any, kind_name: str, a: Any) -> AttentionSharding:
         else:  # q_norm, kv_norm: applied to the full latent
             s.add(name, shape, family, why="replicated (norm of the full latent)")
     s.gather_low_rank(latent, specs, a_names, "mla_latent", "attn.wq_a")
-    s.collectives.append(ctx.collective("attn_out", "all_reduce", "attn.wo", h))
     per_token = (a.kv_lora_rank + a.qk_rope_head_dim) * CACHE_BYTES
     cache = CacheShard(
         kind="mla_latent", bytes_per_token=per_token, fixed_bytes=0, window=None,
         heads_per_rank=1, copies=float(d),
         why="every head reads the whole latent: the latent cache is replicated",
     )  # fmt: skip
-    return AttentionSharding(
-        kind=kind_name, type=a.type, heads_per_rank=hpr, kv_heads_per_rank=0,
-        kv_copies=float(d), latent=latent, tensors=tuple(s.tensors),
-        collectives=tuple(s.collectives), cache=cache,
-        why=f"{hpr} heads per rank; latent projections {latent} ({why_latent})",
+    return s.attention(
+        kind_name, a, cache, heads_per_rank=hpr, kv_heads_per_rank=0, kv_copies=float(d),
+        latent=latent, why=f"{hpr} heads per rank; latent projections {latent} ({why_latent})",
     )  # fmt: skip
 
 

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from mkgen.kinds.common import no_cache_geometry, no_rotary_dim, no_state_dims, no_views
+from mkgen.kinds.common import (
+    no_buffers,
+    no_cache_geometry,
+    no_rotary_dim,
+    no_state_dims,
+    no_views,
+)
 from mkgen.kinds.dense import shard as dense_shard
 from mkgen.kinds.dense import stream_mlp_program
 from mkgen.kinds.mlp.record import MLPLayout
-from mkgen.plan.kind import BufferInputs, LayoutInputs, Step
+from mkgen.plan.kind import LayoutInputs, Step
 from mkgen.plan.layout import check_stream_formats
 from mkgen.plan.stream import part_of
 
@@ -22,6 +28,7 @@ rotary_dim = no_rotary_dim  # LayerKind: none
 state_dims = no_state_dims  # LayerKind: none
 views = no_views  # LayerKind: none
 cache_geometry = no_cache_geometry  # LayerKind: none
+buffers = no_buffers  # LayerKind: none
 # The layer's ops in the order its kernel function runs them (MLPLayout.ops).
 OPS = ["up", "activation", "down", "combine"]
 # The dense kind's rule serves unchanged: up split by columns, down by rows, all-reduce.
@@ -42,10 +49,6 @@ def layout(i: LayoutInputs) -> MLPLayout:
         ops=OPS,
         vectors=[],
     )
-
-
-def buffers(out: Any, i: BufferInputs) -> None:
-    """Nothing beyond the stream's: its matmuls use the ring's staging buffers."""
 
 
 def program(b: Any, s: Step) -> int:

@@ -16,7 +16,9 @@ from mkgen.plan.layout import (
     segment_columns,
     unsupported,
 )
+from mkgen.plan.sharding import CacheShard
 from mkgen.plan.stream import part_of
+from mkgen.spec.figures import CACHE_BYTES, STATE_BYTES
 
 SLAB_VECTORS = None  # every vector-family tensor takes its rows (conv taps: one per tap)
 
@@ -24,6 +26,22 @@ SLAB_VECTORS = None  # every vector-family tensor takes its rows (conv taps: one
 rotary_dim = no_rotary_dim  # no positions: the recurrence carries order
 cache_geometry = no_cache_geometry  # its state replaces a KV cache
 views = no_views  # every tensor as stored
+
+
+def state_cache(
+    heads_per_rank: int, state_elements: int, conv_channels: int, conv_width: int, why: str
+) -> CacheShard:
+    """A recurrent layer's cache on a rank, per sequence: its f32 state and the bf16 tail
+    (conv_width - 1 taps) of its conv channels; fixed in size, held by one rank."""
+    return CacheShard(
+        kind="state",
+        bytes_per_token=0,
+        fixed_bytes=state_elements * STATE_BYTES + (conv_width - 1) * conv_channels * CACHE_BYTES,
+        window=None,
+        heads_per_rank=heads_per_rank,
+        copies=1.0,
+        why=why,
+    )
 
 
 def ops(own: list[str]) -> list[str]:

@@ -340,6 +340,25 @@ def used_kinds(kinds: dict[str, dict[str, Any]], table: list[str]) -> dict[str, 
     return {name: kind for name, kind in kinds.items() if name in table}
 
 
+def parts_of_used_kinds(
+    c: Config,
+    dims: dict[str, Any],
+    attention: tuple[dict[str, dict[str, Any]], list[str]],
+    ffn: tuple[dict[str, dict[str, Any]], list[str]],
+) -> Parts:
+    """The Parts of a model mixing kinds: each (kinds, table) keeps the kinds its table
+    names; the quantization is the config's."""
+    (attention_kinds, attention_table), (ffn_kinds, ffn_table) = attention, ffn
+    return Parts(
+        dims=dims,
+        attention_kinds=used_kinds(attention_kinds, attention_table),
+        attention_table=attention_table,
+        ffn_kinds=used_kinds(ffn_kinds, ffn_table),
+        ffn_table=ffn_table,
+        quantization=quantization_of(c),
+    )
+
+
 def gqa_kind(
     c: Config,
     *,

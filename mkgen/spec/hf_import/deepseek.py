@@ -13,6 +13,7 @@ from mkgen.spec.hf_import.common import (
     dims_of,
     layer_list,
     mtp_layers,
+    parts_of_used_kinds,
     quantization_of,
     rope_of,
     used_kinds,
@@ -189,13 +190,8 @@ def kimi_linear(c: Config) -> Parts:
     ffn_table = _kimi_ffn_table(c, count, experts)
     ffn_kinds = _kimi_ffn_kinds(c, act, ffn_table, experts)
     mtp_layers(c, ("num_nextn_predict_layers",))
-    return Parts(
-        dims=dims,
-        attention_kinds=used_kinds({"kda": kda, "mla": mla}, attention_table),
-        attention_table=attention_table,
-        ffn_kinds=used_kinds(ffn_kinds, ffn_table),
-        ffn_table=ffn_table,
-        quantization=quantization_of(c),
+    return parts_of_used_kinds(
+        c, dims, ({"kda": kda, "mla": mla}, attention_table), (ffn_kinds, ffn_table)
     )
 
 

@@ -14,6 +14,7 @@ from mkgen.spec.hf_import.common import (
     head_dim_of,
     layer_list,
     mtp_layers,
+    parts_of_used_kinds,
     quantization_of,
     rope_of,
     sliding_kinds,
@@ -176,13 +177,8 @@ def qwen3_next(c: Config) -> Parts:
         c, count, act, renormalize_default=True, shared_key="shared_expert_intermediate_size"
     )
     mtp_layers(c, ("num_nextn_predict_layers", "mtp_num_hidden_layers"))
-    return Parts(
-        dims=dims,
-        attention_kinds=used_kinds({"linear": linear, "full": full}, attention_table),
-        attention_table=attention_table,
-        ffn_kinds=used_kinds(ffn_kinds, table),
-        ffn_table=table,
-        quantization=quantization_of(c),
+    return parts_of_used_kinds(
+        c, dims, ({"linear": linear, "full": full}, attention_table), (ffn_kinds, table)
     )
 
 
