@@ -1,4 +1,5 @@
-"""Rewrite mkgen/plan/holds.json, the tuned held-refill choices (mkgen/plan/holds.py).
+"""Rewrite mkgen/plan/holds.json, the tuned held-refill choices (mkgen/plan/holds.py) and
+mkgen/plan/kvtiles.json, the KV tiles (mkgen/plan/tuning.py).
 
     python scripts/tune_holds.py                                # score every entry again
     python scripts/tune_holds.py kimi-k3 2x2x4 rows=8           # add a build, then rewrite
@@ -13,7 +14,7 @@ from __future__ import annotations
 import sys
 
 from mkgen.kinds import default_registry
-from mkgen.plan.holds import main
+from mkgen.plan.tuning import main
 
 if __name__ == "__main__":
     main(sys.argv[1:], default_registry())

@@ -46,19 +46,26 @@ def _imports() -> nx.DiGraph:
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                # `from P import m` imports the module P.m where there is one, else a name
+                # of P itself.
+                targets = [
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules
+                    else node.module
+                    for a in node.names
+                ]  # fmt: skip
             else:
                 continue
             for target in targets:
                 while target not in modules and "." in target:
                     target = target.rsplit(".", 1)[0]
                 # Importing a module runs its packages' __init__ first: they count too. A
-                # module's own package is imported with it; only other modules count.
+                # module's own package is imported with it, so only a name taken from it
+                # (`from mkgen.plan import plan_build` inside mkgen.plan.x) counts.
                 for package in _with_packages(target):
                     if (
                         package in modules
                         and package != name
-                        and not name.startswith(package + ".")
+                        and (package == target or not name.startswith(package + "."))
                     ):
                         graph.add_edge(name, package)
     return graph

@@ -64,7 +64,7 @@ def test_a_tuned_build_is_planned_without_scoring(monkeypatch) -> None:
     def refuse(*_args, **_kwargs):
         raise AssertionError("scored a build the table knows")
 
-    monkeypatch.setattr("mkgen.plan.score_holds", refuse)
+    monkeypatch.setattr("mkgen.plan.program.score_holds", refuse)
     monkeypatch.setattr(holds_module, "_SCORED", {})
     plan = plan_build(
         load_spec("kimi-k3"),
@@ -86,7 +86,7 @@ def test_an_unknown_build_is_scored_once_a_process(monkeypatch) -> None:
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("mkgen.plan.score_holds", counting)
+    monkeypatch.setattr("mkgen.plan.program.score_holds", counting)
     monkeypatch.setattr(holds_module, "_SCORED", {})
     spec, topo = load_spec("qwen3-30b-a3b"), parse_topology("2x2x1")
     options = BuildOptions.create(batch=2)  # not in the table

@@ -16,10 +16,10 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from mkgen.hardware import MiB
-from mkgen.plan import plan_program
 from mkgen.plan.cost import Estimate
 from mkgen.plan.kind import KindRegistry
 from mkgen.plan.options import BuildOptions
+from mkgen.plan.program import plan_program
 from mkgen.plan.published import CONFIGS, MEASURED_MS
 from mkgen.plan.timeline import estimate
 from mkgen.spec.loader import load_spec

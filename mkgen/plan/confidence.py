@@ -168,7 +168,7 @@ def calibrated_estimate(
 ) -> Estimate:
     """`est` (the walk of `program`) in the calibrated regime: the same build with no
     refill held (`est` itself when none is)."""
-    from mkgen.plan import with_held_refills
+    from mkgen.plan.program import with_held_refills
 
     if not program.stream.held_refills:
         return est

@@ -177,7 +177,7 @@ class _Pricer:
     ) -> DraftPass:
         """`count` passes of `program_spec` at `rows` rows per sequence, each after a
         projection (fan_in, fan_out) of `projection_rows` rows (default: `rows`)."""
-        from mkgen.plan import plan_program
+        from mkgen.plan.program import plan_program
         from mkgen.plan.timeline import estimate
 
         # A forced --held-refills is the verify ring's: a pass's program chooses its own.

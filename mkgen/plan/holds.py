@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from mkgen.plan.cost import CostConstants
-from mkgen.plan.kind import KindRegistry
 from mkgen.plan.opcount import measured_tables
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.schema import ModelSpec
@@ -123,84 +122,3 @@ def score_holds(
 
 def remember(digest: str, choice: HoldChoice) -> None:
     _SCORED[digest] = choice
-
-
-# --------------------------------------------------------------------------- the table
-
-
-def entry(
-    spec_name: str, topology: str, fields: dict[str, Any], kinds: KindRegistry
-) -> dict[str, Any]:
-    """The table entry of a build: its inputs, digest and the scorer's choice (scored
-    now, whatever the table says; its layer kinds sharded by the rules in `kinds`)."""
-    from mkgen.plan import score_held_refills
-    from mkgen.spec.loader import load_spec
-    from mkgen.spec.topology import parse_topology
-
-    digest, choice, _ = score_held_refills(
-        load_spec(spec_name), parse_topology(topology), BuildOptions.create(**fields), kinds
-    )
-    return {
-        "spec": spec_name,
-        "topology": topology,
-        "options": fields,
-        "digest": digest,
-        "held_refills": choice.held,
-        "refills_per_round": choice.per_round,
-    }
-
-
-def write_table(entries: list[dict[str, Any]]) -> None:
-    data = {
-        "about": "Tuned held-refill choices (mkgen/plan/holds.py): what the planner's scorer "
-        "chose for each build, keyed by the digest of its inputs and the cost model's "
-        "constants. Rewrite with `python scripts/tune_holds.py`.",
-        "entries": entries,
-    }
-    staged = TABLE.with_suffix(".json.tmp")  # never a half-written table
-    staged.write_text(json.dumps(data, indent=1) + "\n")
-    staged.replace(TABLE)
-
-
-def _parse_fields(items: list[str]) -> dict[str, Any]:
-    """`rows=8 quant=experts=int4:128` -> BuildOptions fields (ints where they are)."""
-    fields: dict[str, Any] = {}
-    for item in items:
-        key, _, value = item.partition("=")
-        if key == "quant":
-            fields.setdefault("quant", []).append(value)
-        else:
-            fields[key] = int(value) if value.isdigit() else value
-    return fields
-
-
-def main(argv: list[str], kinds: KindRegistry) -> None:
-    """Score every entry of the table again (and a new one, if given) and rewrite it, and
-    the KV tile table (mkgen/plan/kvtiles.py) with the tiles each entry's build chose."""
-    from mkgen.plan import tile_digest
-    from mkgen.plan.kvtiles import rescoring, scored_choice
-    from mkgen.plan.kvtiles import write_table as write_tile_table
-    from mkgen.spec.loader import load_spec
-    from mkgen.spec.topology import parse_topology
-
-    current = json.loads(TABLE.read_text())["entries"]
-    wanted = [(e["spec"], e["topology"], e["options"]) for e in current]
-    if argv:
-        wanted.append((argv[0], argv[1], _parse_fields(argv[2:])))
-    entries, tiles = [], []
-    for spec_name, topology, fields in wanted:
-        with rescoring():
-            made = entry(spec_name, topology, fields, kinds)
-        digest = tile_digest(
-            load_spec(spec_name), parse_topology(topology), BuildOptions.create(**fields)
-        )
-        choice = scored_choice(digest)
-        if choice is not None and all(t["digest"] != digest for t in tiles):
-            tiles.append({**{k: made[k] for k in ("spec", "topology", "options")},
-                          "digest": digest, "choice": choice.model_dump(mode="json")})  # fmt: skip
-        if all(made["digest"] != e["digest"] for e in entries):
-            entries.append(made)
-            print(f"{spec_name} {topology} {fields}: {made['held_refills']} held, "
-                  f"{made['refills_per_round']} a round")  # fmt: skip
-    write_table(entries)
-    write_tile_table(tiles)

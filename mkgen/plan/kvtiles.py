@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
@@ -83,19 +83,6 @@ def known_choice(digest: str) -> KvTileChoice | None:
 def scored_choice(digest: str) -> KvTileChoice | None:
     """The choice scored in this process for `digest` (the tuning script's entries)."""
     return _CHOSEN.get(digest)
-
-
-def write_table(entries: list[dict[str, Any]]) -> None:
-    """kvtiles.json from `entries` ({"spec", "topology", "options", "digest", "choice"})."""
-    data = {
-        "about": "Tuned KV tile choices (mkgen/plan/kvtiles.py): what the planner's scorer "
-        "chose for each build, keyed by the digest of its inputs and the cost model's "
-        "constants. Rewrite with `python scripts/tune_holds.py`.",
-        "entries": entries,
-    }
-    staged = TABLE.with_suffix(".json.tmp")  # never a half-written table
-    staged.write_text(json.dumps(data, indent=1) + "\n")
-    staged.replace(TABLE)
 
 
 def choose_program(

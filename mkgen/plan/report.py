@@ -451,11 +451,11 @@ def _sweep_point(
 ) -> SweepRow:  # fmt: skip
     """One point of the sweep (a build that does not fit HBM is priced all the same; one
     whose buffers do not fit VMEM has no program to price)."""
-    from mkgen.plan import plan_program
     from mkgen.plan.confidence import calibrated_estimate
     from mkgen.plan.draft import price_draft
     from mkgen.plan.floor import ideal_floor
     from mkgen.plan.memory import plan_memory
+    from mkgen.plan.program import plan_program
     from mkgen.plan.sharding import plan_sharding
     from mkgen.plan.tco import total_tokens_per_dollar
     from mkgen.plan.timeline import estimate

@@ -1,0 +1,232 @@
+"""Stages 1 to 5 and the schedule of a build: the program the cost model prices.
+
+``plan_program`` plans a build's sharding, memory fit, weight stream, VMEM and schedule
+with the KV tiles the cost model chooses (mkgen/plan/kvtiles.py) and the refills held
+for collectives from the tuned table or scored (mkgen/plan/holds.py). ``plan_build``
+(mkgen/plan/__init__.py) adds the kernel layout, the checks and the estimate; the
+drafter's price (mkgen/plan/draft.py) and the calibration plan their programs here too,
+so this module imports neither.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mkgen.errors import SpecError
+from mkgen.plan.cost import CostConstants
+from mkgen.plan.holds import HoldChoice, hold_digest, known_choice, remember, score_holds
+from mkgen.plan.kind import KindRegistry
+from mkgen.plan.kvtiles import choose_program
+from mkgen.plan.layout import FULL_BANK_ROWS, MAX_PIECE_CHUNKS
+from mkgen.plan.memory import MemoryPlan, check_fit, plan_memory
+from mkgen.plan.options import BuildOptions
+from mkgen.plan.schedule import build_schedule
+from mkgen.plan.sharding import ShardingPlan, plan_sharding
+from mkgen.plan.stream import StreamPlan, plan_stream
+from mkgen.plan.timeline import ProgramPlan, estimate, price_program
+from mkgen.plan.vmem import cache_kinds, plan_vmem
+from mkgen.spec.schema import ModelSpec
+from mkgen.spec.topology import Topology
+
+# plan_program's arguments that size the program, at plan_build's defaults.
+DEFAULT_SHAPE: dict[str, Any] = {"bank_rows": FULL_BANK_ROWS, "ring_depth": None,
+    "max_piece_chunks": MAX_PIECE_CHUNKS, "kv_tile_tokens": None, "inline_scales": True}  # fmt: skip
+
+
+def plan_program(
+    spec: ModelSpec,
+    topo: Topology,
+    options: BuildOptions,
+    *,
+    kinds: KindRegistry,
+    bank_rows: int = FULL_BANK_ROWS,
+    ring_depth: int | None = None,
+    max_piece_chunks: int = MAX_PIECE_CHUNKS,
+    held_refills: int | None = None,
+    refills_per_round: int | None = None,
+    kv_tile_tokens: int | None = None,
+    inline_scales: bool = True,
+    require_fit: bool = True,
+) -> ProgramPlan:
+    """Stages 1 to 5 and the schedule (stage 7) of `plan_build`, without the kernel layout:
+    the program the cost model prices. Arguments as `plan_build`'s (`kinds`: the layer
+    kinds' rules, mkgen.kinds.default_registry()); every cache kind's KV tile is
+    `kv_tile_tokens` (or --kv-tile) when given, else the cost model's choice
+    (mkgen.plan.kvtiles), and mxfp4 / nvfp4 expert scales are
+    inline after their codes unless `inline_scales` is False (the calibration prices the
+    measured kernel's 256-token tiles and its codes and scales in separate DMAs, which the
+    template does not render). `require_fit` False prices a build that does not fit HBM
+    (`mkgen estimate`'s hollow points).
+
+    The refills held for the collectives are forced (`--held-refills`, `held_refills`) or
+    chosen: from the tuned table (mkgen/plan/holds.py) when it knows the build, else by
+    scoring (`score_held_refills`), once per build in a process."""
+    shape = {"bank_rows": bank_rows, "ring_depth": ring_depth, "max_piece_chunks": max_piece_chunks,
+             "kv_tile_tokens": kv_tile_tokens, "inline_scales": inline_scales}  # fmt: skip
+    base = _unheld_program(spec, topo, options, kinds, shape, require_fit)
+    if base.sharding.devices == 1:
+        return base
+    forced = options.held_refills
+    if forced is not None or held_refills is not None:
+        most = max(0, base.vmem.ring_depth - 2)
+        held = forced if forced is not None else min(held_refills or 0, most)
+        per_round = refills_per_round or base.stream.refills_per_round
+        return with_held_refills(base, options, HoldChoice(held, per_round))
+    digest = _digest(spec, topo, options, shape, base)
+    choice = known_choice(digest)
+    if choice is not None:
+        return with_held_refills(base, options, choice)
+    built: dict[HoldChoice, ProgramPlan] = {}
+    choice, _ = _score(base, topo, options, built)
+    remember(digest, choice)
+    return built.get(choice) or with_held_refills(base, options, choice)
+
+
+def score_held_refills(
+    spec: ModelSpec, topo: Topology, options: BuildOptions, kinds: KindRegistry
+) -> tuple[str, HoldChoice, dict[int, dict[int, float]]]:
+    """What the scorer chooses for a build planned with plan_build's defaults, whatever the
+    tuned table says: (the build's digest, the choice, {refills a round: {held: predicted
+    step ms}}). The tuned table's entries are this function's answers (tests/test_holds.py)."""
+    base = _unheld_program(spec, topo, options, kinds, DEFAULT_SHAPE, require_fit=True)
+    choice, scores = _score(base, topo, options, {})
+    return _digest(spec, topo, options, DEFAULT_SHAPE, base), choice, scores
+
+
+def build_digest(
+    spec: ModelSpec, topo: Topology, options: BuildOptions, kinds: KindRegistry
+) -> str:
+    """The tuned table's key of a build planned with plan_build's defaults (holds.py)."""
+    base = _unheld_program(spec, topo, options, kinds, DEFAULT_SHAPE, require_fit=True)
+    return _digest(spec, topo, options, DEFAULT_SHAPE, base)
+
+
+def tile_digest(spec: ModelSpec, topo: Topology, options: BuildOptions) -> str:
+    """The KV tile table's key of a build planned with plan_build's defaults (kvtiles.py)."""
+    return hold_digest(options.apply(spec), topo, options, DEFAULT_SHAPE)
+
+
+def _digest(
+    spec: ModelSpec, topo: Topology, options: BuildOptions, shape: dict[str, Any], base: ProgramPlan
+) -> str:
+    chosen = {"ring_depth": base.vmem.ring_depth, "kv_tiles": base.vmem.dims.kv_tiles}
+    return hold_digest(spec, topo, options, {**shape, **chosen})
+
+
+def _score(
+    base: ProgramPlan, topo: Topology, options: BuildOptions, built: dict[HoldChoice, ProgramPlan]
+) -> tuple[HoldChoice, dict[int, dict[int, float]]]:
+    """Holding refills for the collectives moves ring traffic under their flights, but
+    shortens the ring ahead of the core; a round starting only the banks its flight covers
+    keeps the next round's copies from queueing behind them, but leaves the rest held for
+    longer. The cost model walks a few holds for each (holds.score_holds); the programs it
+    builds are kept in `built`. Holding refills moves only when ring banks start, not what
+    a node is (with_held_refills), so every variant is walked with the base's pricing."""
+    priced = price_program(base)
+
+    def step_ms(choice: HoldChoice) -> float:
+        built[choice] = with_held_refills(base, options, choice)
+        return estimate(topo, options, built[choice], priced=priced).step_ms
+
+    most = max(0, base.vmem.ring_depth - 2)
+    return score_holds(step_ms, base.stream.refills_per_round, most)
+
+
+def _unheld_program(
+    spec: ModelSpec, topo: Topology, options: BuildOptions, kinds: KindRegistry,
+    shape: dict[str, Any], require_fit: bool,
+) -> ProgramPlan:  # fmt: skip
+    """Stages 1 to 5 and the schedule with no refill held (rounds would start the banks
+    their flight covers), at the KV tiles `shape` forces or the cost model chooses
+    (mkgen.plan.kvtiles); refuses a forced hold the ring cannot take."""
+    spec = options.apply(spec)
+    sharding = plan_sharding(spec, topo, options, kinds=kinds)
+    memory = plan_memory(spec, topo, options, sharding)
+    if require_fit:
+        check_fit(spec, topo, options, memory, kinds=kinds)
+    # The ring depth does not change the stream's layout: plan it, then size the ring.
+    stream = plan_stream(spec, sharding, bank_rows=shape["bank_rows"], ring_depth=2, kinds=kinds)
+
+    def program_at(kv_tiles: dict[str, int]) -> ProgramPlan:
+        return _tiled_program(
+            spec, topo, options, kinds, shape, (sharding, memory, stream), kv_tiles
+        )
+
+    names = cache_kinds(spec, sharding, kinds, options.rows)
+    forced = shape["kv_tile_tokens"] or options.kv_tile
+    if forced is not None:
+        return program_at(dict.fromkeys(names, forced))
+    return choose_program(
+        program_at, names, options.context, lambda p: estimate(topo, options, p).step_ms,
+        hold_digest(spec, topo, options, shape),
+    )  # fmt: skip
+
+
+def _tiled_program(
+    spec: ModelSpec, topo: Topology, options: BuildOptions, kinds: KindRegistry,
+    shape: dict[str, Any], planned: tuple[ShardingPlan, MemoryPlan, StreamPlan],
+    kv_tiles: dict[str, int],
+) -> ProgramPlan:  # fmt: skip
+    """_unheld_program's VMEM plan and schedule at the cache kinds' `kv_tiles`."""
+    sharding, memory, stream = planned
+    vmem = plan_vmem(
+        spec,
+        topo,
+        options,
+        sharding,
+        stream,
+        kinds=kinds,
+        max_piece_chunks=shape["max_piece_chunks"],
+        ring_depth=shape["ring_depth"],
+        kv_tiles=kv_tiles,
+        inline_scales=shape["inline_scales"],
+    )
+    if sharding.devices == 1 and options.held_refills:
+        raise SpecError(
+            f"--held-refills {options.held_refills}: one core has no collectives to hold ring "
+            "refills for; leave it out"
+        )
+    most = max(0, vmem.ring_depth - 2)
+    forced = options.held_refills
+    if forced is not None and forced > most:
+        raise SpecError(
+            f"--held-refills {forced}: a ring of {vmem.ring_depth} banks holds at most {most} "
+            "(a bank waited before its held refill starts would hang); lower it or raise "
+            "--ring-depth"
+        )
+    flight = _round_refills(topo, options, stream.bank_bytes)
+    stream = stream.model_copy(
+        update={"ring_depth": vmem.ring_depth, "held_refills": 0, "refills_per_round": flight}
+    )
+    schedule = build_schedule(spec, sharding, stream, vmem, options, kinds=kinds)
+    return ProgramPlan(spec, sharding, memory, stream, vmem, schedule, kinds)
+
+
+def with_held_refills(
+    program: ProgramPlan, options: BuildOptions, choice: HoldChoice
+) -> ProgramPlan:
+    """`program` with `choice.held` refills held for the collectives, `choice.per_round`
+    started a round (its schedule built again; `program` itself when nothing changes). The
+    schedule's nodes are the same (tests/test_holds.py): only the events that start ring
+    banks move."""
+    stream = program.stream
+    if (stream.held_refills, stream.refills_per_round) == choice:
+        return program
+    held_stream = stream.model_copy(
+        update={"held_refills": choice.held, "refills_per_round": choice.per_round}
+    )
+    schedule = build_schedule(
+        program.spec, program.sharding, held_stream, program.vmem, options, kinds=program.kinds
+    )
+    unheld = program.unheld if stream.held_refills else program
+    if choice.held == 0:
+        unheld = None
+    return program._replace(stream=held_stream, schedule=schedule, unheld=unheld)
+
+
+def _round_refills(topo: Topology, options: BuildOptions, bank_bytes: int) -> int:
+    """Held refills a collective round starts: the banks the DMA engine streams during the
+    shortest round's flight (the catalog's phase latencies), at least one. More would
+    still be streaming when the next round's copies queue behind them."""
+    c = CostConstants.from_chip(topo.chip_info, options)
+    return max(1, int(min(c.collective_phase_s, c.cross_host_phase_s) / c.dma_s(bank_bytes)))

@@ -1,0 +1,87 @@
+"""Rewriting the planner's tables of tuned choices: holds.json (the refills held for
+collectives, mkgen/plan/holds.py) and kvtiles.json (the KV tiles, mkgen/plan/kvtiles.py).
+
+Only scripts/tune_holds.py runs it: it plans builds, so the planner never imports it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from mkgen.plan import holds, kvtiles
+from mkgen.plan.kind import KindRegistry
+from mkgen.plan.options import BuildOptions
+from mkgen.plan.program import score_held_refills, tile_digest
+from mkgen.spec.loader import load_spec
+from mkgen.spec.topology import parse_topology
+
+
+def entry(
+    spec_name: str, topology: str, fields: dict[str, Any], kinds: KindRegistry
+) -> dict[str, Any]:
+    """The table entry of a build: its inputs, digest and the scorer's choice (scored
+    now, whatever the table says; its layer kinds sharded by the rules in `kinds`)."""
+    digest, choice, _ = score_held_refills(
+        load_spec(spec_name), parse_topology(topology), BuildOptions.create(**fields), kinds
+    )
+    return {
+        "spec": spec_name,
+        "topology": topology,
+        "options": fields,
+        "digest": digest,
+        "held_refills": choice.held,
+        "refills_per_round": choice.per_round,
+    }
+
+
+def write_table(table: Path, what: str, entries: list[dict[str, Any]]) -> None:
+    """`table` (holds.json or kvtiles.json) holding `entries`, the tuned `what` choices."""
+    data = {
+        "about": f"Tuned {what} choices (mkgen/plan/{table.stem}.py): what the planner's "
+        "scorer chose for each build, keyed by the digest of its inputs and the cost model's "
+        "constants. Rewrite with `python scripts/tune_holds.py`.",
+        "entries": entries,
+    }
+    staged = table.with_suffix(".json.tmp")  # never a half-written table
+    staged.write_text(json.dumps(data, indent=1) + "\n")
+    staged.replace(table)
+
+
+def _parse_fields(items: list[str]) -> dict[str, Any]:
+    """`rows=8 quant=experts=int4:128` -> BuildOptions fields (ints where they are)."""
+    fields: dict[str, Any] = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key == "quant":
+            fields.setdefault("quant", []).append(value)
+        else:
+            fields[key] = int(value) if value.isdigit() else value
+    return fields
+
+
+def main(argv: list[str], kinds: KindRegistry) -> None:
+    """Score every entry of the table again (and a new one, if given) and rewrite it, and
+    the KV tile table (mkgen/plan/kvtiles.py) with the tiles each entry's build chose."""
+    current = json.loads(holds.TABLE.read_text())["entries"]
+    wanted = [(e["spec"], e["topology"], e["options"]) for e in current]
+    if argv:
+        wanted.append((argv[0], argv[1], _parse_fields(argv[2:])))
+    entries, tiles = [], []
+    for spec_name, topology, fields in wanted:
+        with kvtiles.rescoring():
+            made = entry(spec_name, topology, fields, kinds)
+        digest = tile_digest(
+            load_spec(spec_name), parse_topology(topology), BuildOptions.create(**fields)
+        )
+        choice = kvtiles.scored_choice(digest)
+        if choice is not None and all(t["digest"] != digest for t in tiles):
+            tiles.append({**{k: made[k] for k in ("spec", "topology", "options")},
+                          "digest": digest, "choice": choice.model_dump(mode="json")})  # fmt: skip
+        if all(made["digest"] != e["digest"] for e in entries):
+            entries.append(made)
+            print(f"{spec_name} {topology} {fields}: {made['held_refills']} held, "
+                  f"{made['refills_per_round']} a round")  # fmt: skip
+    write_table(holds.TABLE, "held-refill", entries)
+    write_table(kvtiles.TABLE, "KV tile", tiles)
