@@ -95,6 +95,25 @@ def test_a_round_across_hosts_with_bf16_on_the_wire() -> None:
     _check(verify_numerics("qwen3-30b-a3b", "2x2x2", mode="eager", steps=1, timeout=TIMEOUT_16))
 
 
+@pytest.mark.timeout(TIMEOUT_16)
+def test_flat_collectives_in_one_round_of_every_core() -> None:
+    """2x2x2 with --collectives flat: the latent MoE's all-gather and reduce-scatter, the
+    bf16 all-reduces of hidden and the greedy exchange each run one round of all 16 cores
+    (the build's 32 landing slots a buffer), and the barrier signals every core. Both DMA
+    modes pass by hand (`mkgen verify ... --collectives flat`); the test runs one."""
+    spec = str(SPECS / "latent-moe-shared.yaml")
+    topology = parse_topology("2x2x2")
+    twin = mini_twin(load_spec(spec), topology.num_devices)
+    options = BuildOptions.create(collectives="flat")
+    layout = plan_build(twin, topology, options, kinds=default_registry()).kernel
+    assert [r.name for r in layout.collectives.rounds] == ["all"]
+    ops = {op for b in layout.collectives.buffers for op, *_ in b.wires}
+    assert ops == {"all_reduce", "all_gather", "reduce_scatter"}
+    knobs = {"collectives": "flat"}
+    _check(verify_numerics(spec, "2x2x2", mode="on_wait", steps=1, knobs=knobs,
+                           timeout=TIMEOUT_16))  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("spec", "topology", "mode"), [("kimi-k3", "2x2x1", "on_wait"), ("kimi-k2", "2x2x1", "eager")]
