@@ -336,6 +336,17 @@ def test_more_held_refills_than_the_ring_allows_is_one_line() -> None:
     assert_user_error(result, "--held-refills -1: must be 0 to 14")
 
 
+def test_a_bad_collectives_mode_and_flat_rounds_over_the_vmem_budget_are_one_line() -> None:
+    result = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--collectives", "ring")
+    assert_user_error(result, "--collectives ring: must be one of auto, staged, flat")
+    # Flat rounds land a slot per core: where that does not fit, the refusal names the way out.
+    result = mkgen(
+        "plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--collectives", "flat",
+        "--vmem-budget", "20MiB",
+    )  # fmt: skip
+    assert_user_error(result, "VMEM:", "or run --collectives staged")
+
+
 def test_a_plan_over_the_vmem_budget_is_one_line() -> None:
     result = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--batch", "8")
     assert_user_error(result, "VMEM:", "MiB it may use", "collective0_vmem")
