@@ -3,7 +3,7 @@
 The kernel's mesh is one axis of D cores, host by host: position p holds topology
 device `mesh_order[p]`, and each host's L cores (sibling cores adjacent, then its chips
 in device order) take L consecutive positions, so a position is a two-digit number
-(core in its host, host). A collective runs at most two *rounds*, one per digit of size
+(core in its host, host). A staged collective runs at most two *rounds*, one per digit of size
 > 1: first the L cores of a host, then the H cores holding the same place in every host.
 A round is one-shot: every member writes its piece straight into its own slot of every
 other member's landing buffer (one remote DMA per peer, each on its own semaphore) and
