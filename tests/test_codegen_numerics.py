@@ -106,8 +106,10 @@ def test_flat_collectives_in_one_round_of_every_core() -> None:
     twin = mini_twin(load_spec(spec), topology.num_devices)
     options = BuildOptions.create(collectives="flat")
     layout = plan_build(twin, topology, options, kinds=default_registry()).kernel
-    assert [r.name for r in layout.collectives.rounds] == ["all"]
-    ops = {op for b in layout.collectives.buffers for op, *_ in b.wires}
+    coll = layout.collectives
+    assert [r.name for r in coll.rounds] == ["host", "hosts", "all"]
+    assert coll.schemes() == [[2]] and coll.barrier == [2]  # every call, and the greedy, flat
+    ops = {op for b in coll.buffers for op, *_ in b.wires}
     assert ops == {"all_reduce", "all_gather", "reduce_scatter"}
     knobs = {"collectives": "flat"}
     _check(verify_numerics(spec, "2x2x2", mode="on_wait", steps=1, knobs=knobs,
