@@ -83,16 +83,20 @@ def test_batch_and_verification_rows(
 
 @pytest.mark.timeout(TIMEOUT_16)
 def test_a_round_across_hosts_with_bf16_on_the_wire() -> None:
-    """2x2x2, 16 virtual devices: every collective runs a round among the 8 cores of a
-    host, then one across the 2 hosts, and the twin's hidden all-reduces put bf16 on the
-    wire in both (summed in f32)."""
+    """2x2x2, 16 virtual devices, --collectives staged (auto runs this model's all-reduces
+    flat on 2x2x2): every collective runs a round among the 8 cores of a host, then one
+    across the 2 hosts, and the twin's hidden all-reduces put bf16 on the wire in both
+    (summed in f32)."""
     topology = parse_topology("2x2x2")
     twin = mini_twin(load_spec("qwen3-30b-a3b"), topology.num_devices)
-    layout = plan_build(twin, topology, BuildOptions.create(), kinds=default_registry()).kernel
+    staged = BuildOptions.create(collectives="staged")
+    layout = plan_build(twin, topology, staged, kinds=default_registry()).kernel
     assert [r.name for r in layout.collectives.rounds] == ["host", "hosts"]
-    wires = [w for b in layout.collectives.buffers for _, _, ws in b.wires for w, _ in ws]
+    wires = [w for b in layout.collectives.buffers for _, _, ws in b.wires for _, w, _ in ws]
     assert wires and set(wires) == {"bf16"}
-    _check(verify_numerics("qwen3-30b-a3b", "2x2x2", mode="eager", steps=1, timeout=TIMEOUT_16))
+    knobs = {"collectives": "staged"}
+    _check(verify_numerics("qwen3-30b-a3b", "2x2x2", mode="eager", steps=1, knobs=knobs,
+                           timeout=TIMEOUT_16))  # fmt: skip
 
 
 @pytest.mark.timeout(TIMEOUT_16)
