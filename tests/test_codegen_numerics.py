@@ -83,16 +83,41 @@ def test_batch_and_verification_rows(
 
 @pytest.mark.timeout(TIMEOUT_16)
 def test_a_round_across_hosts_with_bf16_on_the_wire() -> None:
-    """2x2x2, 16 virtual devices: every collective runs a round among the 8 cores of a
-    host, then one across the 2 hosts, and the twin's hidden all-reduces put bf16 on the
-    wire in both (summed in f32)."""
+    """2x2x2, 16 virtual devices, --collectives staged (auto runs this model's all-reduces
+    flat on 2x2x2): every collective runs a round among the 8 cores of a host, then one
+    across the 2 hosts, and the twin's hidden all-reduces put bf16 on the wire in both
+    (summed in f32)."""
     topology = parse_topology("2x2x2")
     twin = mini_twin(load_spec("qwen3-30b-a3b"), topology.num_devices)
-    layout = plan_build(twin, topology, BuildOptions.create(), kinds=default_registry()).kernel
+    staged = BuildOptions.create(collectives="staged")
+    layout = plan_build(twin, topology, staged, kinds=default_registry()).kernel
     assert [r.name for r in layout.collectives.rounds] == ["host", "hosts"]
-    wires = [w for b in layout.collectives.buffers for _, _, ws in b.wires for w, _ in ws]
+    wires = [w for b in layout.collectives.buffers for _, _, ws in b.wires for _, w, _ in ws]
     assert wires and set(wires) == {"bf16"}
-    _check(verify_numerics("qwen3-30b-a3b", "2x2x2", mode="eager", steps=1, timeout=TIMEOUT_16))
+    knobs = {"collectives": "staged"}
+    _check(verify_numerics("qwen3-30b-a3b", "2x2x2", mode="eager", steps=1, knobs=knobs,
+                           timeout=TIMEOUT_16))  # fmt: skip
+
+
+@pytest.mark.timeout(TIMEOUT_16)
+def test_flat_collectives_in_one_round_of_every_core() -> None:
+    """2x2x2 with --collectives flat: the latent MoE's all-gather and reduce-scatter, the
+    bf16 all-reduces of hidden and the greedy exchange each run one round of all 16 cores
+    (the build's 32 landing slots a buffer), and the barrier signals every core. Both DMA
+    modes pass by hand (`mkgen verify ... --collectives flat`); the test runs one."""
+    spec = str(SPECS / "latent-moe-shared.yaml")
+    topology = parse_topology("2x2x2")
+    twin = mini_twin(load_spec(spec), topology.num_devices)
+    options = BuildOptions.create(collectives="flat")
+    layout = plan_build(twin, topology, options, kinds=default_registry()).kernel
+    coll = layout.collectives
+    assert [r.name for r in coll.rounds] == ["host", "hosts", "all"]
+    assert coll.schemes() == [[2]] and coll.barrier == [2]  # every call, and the greedy, flat
+    ops = {op for b in coll.buffers for op, *_ in b.wires}
+    assert ops == {"all_reduce", "all_gather", "reduce_scatter"}
+    knobs = {"collectives": "flat"}
+    _check(verify_numerics(spec, "2x2x2", mode="on_wait", steps=1, knobs=knobs,
+                           timeout=TIMEOUT_16))  # fmt: skip
 
 
 @pytest.mark.slow

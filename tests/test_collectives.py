@@ -17,7 +17,9 @@ from mkgen.plan.collectives import (
     CollectivePlan,
     arrange_devices,
     check_rounds,
+    choose_rounds,
     collective_time_us,
+    flat_round,
     host_order,
     plan_collectives,
     plan_rounds,
@@ -26,6 +28,7 @@ from mkgen.plan.collectives import (
     wire_error_bound,
     wire_lanes,
 )
+from mkgen.plan.cost import CostConstants
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.loader import load_spec
 from mkgen.spec.topology import parse_topology
@@ -76,7 +79,7 @@ def test_hosts_that_are_not_contiguous_in_device_order_are_made_so_by_the_mesh_o
 
 
 def test_kimi_k3_slice_sends_10_copies_in_two_rounds_into_12_slots() -> None:
-    plan = plan_collectives(parse_topology("2x2x4"), [[("attn_out", "all_reduce", 7168)]])
+    plan = plan_collectives(parse_topology("2x2x4"), [[("attn_out", "all_reduce", 7168, "staged")]])
     assert [r.size for r in plan.rounds] == [8, 4]
     assert plan.copies == 10 and plan.slots == 12
     assert plan.mesh_order == list(range(32))
@@ -86,17 +89,17 @@ def test_kimi_k3_slice_sends_10_copies_in_two_rounds_into_12_slots() -> None:
 def test_buffers_hold_the_widest_copy_a_round_lands_in_32_bit_words() -> None:
     topo = parse_topology("2x2x4")  # rounds of 8 (in a host) and 4 (across hosts)
     uses = [
-        [("attn_out", "all_reduce", 7168)],
-        [("latent_in", "all_gather", 3584)],
-        [("expert_out", "reduce_scatter", 3584)],
+        [("attn_out", "all_reduce", 7168, "staged")],
+        [("latent_in", "all_gather", 3584, "staged")],
+        [("expert_out", "reduce_scatter", 3584, "staged")],
     ]
     plan = plan_collectives(topo, uses)
     # all-reduce: 7168 bf16 values in 3584 words; all-gather: 112 f32 columns in one
     # 128-lane row, then 896 bf16 in 512 words; reduce-scatter: the other way round.
     assert [b.wires for b in plan.buffers] == [
-        [("all_reduce", 7168, [("bf16", 3584), ("bf16", 3584)])],
-        [("all_gather", 112, [("f32", 128), ("bf16", 512)])],
-        [("reduce_scatter", 3584, [("bf16", 512), ("f32", 128)])],
+        [("all_reduce", 7168, [(0, "bf16", 3584), (1, "bf16", 3584)])],
+        [("all_gather", 112, [(0, "f32", 128), (1, "bf16", 512)])],
+        [("reduce_scatter", 3584, [(1, "bf16", 512), (0, "f32", 128)])],
     ]
     assert [b.width for b in plan.buffers] == [3584, 512, 512]
     assert [b.send_rows for b in plan.buffers] == [0, 0, 8]
@@ -125,10 +128,17 @@ def _bf16(x: np.ndarray) -> np.ndarray:
     return x.astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def _round_sums(values: list[np.ndarray], topology: str, width: int) -> list[np.ndarray]:
+def _rounds(topology: str, flat: bool) -> list:
+    topo = parse_topology(topology)
+    return [flat_round(topo)] if flat and flat_round(topo) else plan_rounds(topo)
+
+
+def _round_sums(
+    values: list[np.ndarray], topology: str, width: int, flat: bool
+) -> list[np.ndarray]:
     """What every core holds after the kernel's all-reduce: per round, each member's
     running sum on its wire dtype, summed in f32 in member order."""
-    rounds = plan_rounds(parse_topology(topology))
+    rounds = _rounds(topology, flat)
     calls = round_calls("x", "all_reduce", width, 8, rounds)
     cur = [v.astype(np.float32) for v in values]
     for r, call in zip(rounds, calls, strict=True):
@@ -144,8 +154,9 @@ def _round_sums(values: list[np.ndarray], topology: str, width: int) -> list[np.
     return cur
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["staged", "flat"])
 @pytest.mark.parametrize("topology", ["2x2x1", "2x2x2", "2x2x4", "2x4x4"])
-def test_bf16_wire_sum_is_within_its_bound_and_bit_identical_on_every_core(topology) -> None:
+def test_bf16_wire_sum_is_within_its_bound_and_bit_identical_on_every_core(topology, flat) -> None:
     d = parse_topology(topology).num_devices
     width = 4096
     rng = np.random.default_rng(0)
@@ -154,12 +165,12 @@ def test_bf16_wire_sum_is_within_its_bound_and_bit_identical_on_every_core(topol
     partials = [
         rng.standard_normal(width).astype(np.float32) * 10.0 ** (k % 5 - 2) for k in range(d)
     ]
-    out = _round_sums(partials, topology, width)
+    out = _round_sums(partials, topology, width, flat)
     for core in range(d):
         assert np.array_equal(out[core], out[0])
     exact = np.sum(np.asarray(partials, np.float64), axis=0)
     magnitude = np.sum(np.abs(np.asarray(partials, np.float64)), axis=0)
-    calls = round_calls("x", "all_reduce", width, 8, plan_rounds(parse_topology(topology)))
+    calls = round_calls("x", "all_reduce", width, 8, _rounds(topology, flat))
     bound = wire_error_bound("all_reduce", calls)
     error = np.abs(out[0] - exact) / magnitude
     assert error.max() <= bound
@@ -184,7 +195,7 @@ def test_f32_rounds_bound_only_the_f32_sums() -> None:
 
 def _two_hosts(**second_round: int) -> CollectivePlan:
     """2x2x2's rounds with fields of the second (across the hosts) replaced."""
-    plan = plan_collectives(parse_topology("2x2x2"), [[("attn_out", "all_reduce", 256)]])
+    plan = plan_collectives(parse_topology("2x2x2"), [[("attn_out", "all_reduce", 256, "staged")]])
     host, hosts = plan.rounds
     rounds = [host.model_dump(), hosts.model_dump() | second_round]
     return CollectivePlan.model_validate(plan.model_dump() | {"rounds": rounds})
@@ -232,11 +243,12 @@ def test_the_program_carries_what_pricing_needs_for_every_round() -> None:
     )
     program = plan.program
     rounds = [e for e in program["kda/moe"] if e["event"] == "start" and "collective" in e]
-    # attn_out, latent_in, expert_out, ffn_out: two rounds each, in execution order.
+    # attn_out, latent_in, expert_out, ffn_out in execution order: the all-reduces of
+    # hidden in two rounds, the gather and the scatter flat (the cost model's choice).
     assert [(e["collective"]["collective"], e["collective"]["round"]) for e in rounds] == [
         ("attn_out", "host"), ("attn_out", "hosts"),
-        ("latent_in", "host"), ("latent_in", "hosts"),
-        ("expert_out", "hosts"), ("expert_out", "host"),
+        ("latent_in", "all"),
+        ("expert_out", "all"),
         ("ffn_out", "host"), ("ffn_out", "hosts"),
     ]  # fmt: skip
     chip = CATALOG["tpu7x"]
@@ -283,3 +295,83 @@ def test_latent_moe_designs_in_the_layout() -> None:
         kinds=default_registry(),
     ).kernel
     assert next(f for f in plain.ffn if f.type == "moe").latent_design == "ar_ag"
+
+
+# --------------------------------------------------------------------------- flat
+
+
+def test_a_flat_round_is_every_core_in_one_group_where_the_staged_rounds_are_two() -> None:
+    flat = flat_round(parse_topology("2x2x4"))
+    assert flat is not None
+    assert (flat.name, flat.size, flat.stride, flat.offset) == ("all", 32, 1, 0)
+    assert flat.peers == {"core": 1, "chip": 6, "host": 24} and flat.level == "host"
+    # One host (or one core) already runs a single round: nothing to flatten.
+    assert flat_round(parse_topology("2x2x1")) is None
+    assert flat_round(parse_topology("1x1x1")) is None
+
+
+def _choice(op: str, width: int, constants: CostConstants) -> list[str]:
+    topo = parse_topology("2x2x4")
+    return [c.round for c in choose_rounds(topo, "x", op, width, 8, constants, "auto")]
+
+
+def test_auto_takes_the_flat_round_only_where_the_cost_model_prices_it_lower() -> None:
+    """Kimi K3's latent gather (140 columns a core) and scatter (112) send a few KiB to each
+    of 31 peers: one phase plus 21 more copies beats two phases. Its all-reduce of hidden
+    (7168, bf16) would move 30 x 112 KiB over the chip's links: more than a second phase."""
+    c = CostConstants.from_chip(CATALOG["tpu7x"])
+    assert _choice("all_gather", 32 * 140, c) == ["all"]
+    assert _choice("reduce_scatter", 3584, c) == ["all"]
+    assert _choice("all_reduce", 7168, c) == ["host", "hosts"]
+    # The cross-host constants move the choice: host links of 20 GB/s make the gather's 24
+    # cross-host copies slower than the staged rounds' 3.
+    narrow = c.with_inputs(host_bandwidth=20e9)
+    assert _choice("all_gather", 32 * 140, narrow) == ["host", "hosts"]
+    # A dearer copy issue does too: at 0.5 us a copy the 21 extra copies cost more than a phase.
+    dear = c.with_inputs(dma_overhead_s=0.5e-6)
+    assert _choice("reduce_scatter", 3584, dear) == ["hosts", "host"]  # across hosts first
+
+
+@pytest.mark.parametrize("mode", ["staged", "flat"])
+def test_a_forced_mode_runs_every_collective_that_way(mode: str) -> None:
+    c = CostConstants.from_chip(CATALOG["tpu7x"])
+    topo = parse_topology("2x2x4")
+    calls = choose_rounds(topo, "x", "all_reduce", 7168, 8, c, mode)
+    assert [call.round for call in calls] == (["all"] if mode == "flat" else ["host", "hosts"])
+
+
+def test_staged_and_flat_collectives_share_buffers_and_balance() -> None:
+    """A buffer that lands a staged all-reduce and a flat gather holds 32 slots; the greedy
+    runs flat; the entry barrier signals every core once (31 signals), and every scheme's
+    copies balance (the same check as the graph's `collectives_balanced`)."""
+    uses = [
+        [("attn_out", "all_reduce", 7168, "staged")],
+        [("ffn_out", "all_reduce", 7168, "staged"), ("latent_in", "all_gather", 4480, "flat")],
+        [("expert_out", "reduce_scatter", 3584, "flat")],
+    ]
+    plan = plan_collectives(parse_topology("2x2x4"), uses, "flat")
+    assert [r.name for r in plan.rounds] == ["host", "hosts", "all"]
+    assert [b.slots for b in plan.buffers] == [12, 32, 32]
+    assert [b.send_rows for b in plan.buffers] == [0, 0, 32]
+    assert plan.buffers[1].wires[1] == ("all_gather", 140, [(2, "f32", 256)])
+    assert plan.greedy == [2] and plan.barrier == [2] and plan.copies == 31
+    assert plan.schemes() == [[2], [0, 1]]
+    assert check_rounds(plan, 32) is None
+    # A barrier that signals only the staged rounds' members misses the flat round's.
+    short = CollectivePlan.model_validate(plan.model_dump() | {"barrier": [0, 1]})
+    assert check_rounds(short, 32) == "round all: core 0 is written to before its barrier signal"
+
+
+def test_a_flat_round_sums_in_one_round_and_bounds_its_error_by_one_rounding() -> None:
+    """A flat all-reduce in bf16 rounds each partial once: its bound is one round's (3.9e-3),
+    half the staged two rounds' (7.8e-3); a flat f32 scatter only sums (31 f32 additions)."""
+    c = CostConstants.from_chip(CATALOG["tpu7x"])
+    topo = parse_topology("2x2x4")
+    flat = choose_rounds(topo, "x", "all_reduce", 7168, 8, c, "flat")
+    staged = choose_rounds(topo, "x", "all_reduce", 7168, 8, c, "staged")
+    assert wire_error_bound("all_reduce", flat) == pytest.approx(BF16_UNIT_ROUNDOFF, rel=1e-3)
+    assert wire_error_bound("all_reduce", staged) > 2 * BF16_UNIT_ROUNDOFF
+    scatter = choose_rounds(topo, "x", "reduce_scatter", 3584, 8, c, "flat")
+    assert [x.wire for x in scatter] == ["f32"] and wire_error_bound(
+        "reduce_scatter", scatter
+    ) < 2e-6

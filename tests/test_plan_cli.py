@@ -78,7 +78,7 @@ def test_plan_says_which_point_its_step_is_of() -> None:
 
 def test_plan_shows_each_collectives_rounds_and_wire_dtype(kimi_json) -> None:
     rounds = kimi_json["collectives"]["rounds"]
-    assert [(r["name"], r["size"]) for r in rounds] == [("host", 8), ("hosts", 4)]
+    assert [(r["name"], r["size"]) for r in rounds] == [("host", 8), ("hosts", 4), ("all", 32)]
     attn_out = kimi_json["sharding"]["attention"]["kda"]["collectives"][0]
     assert [(r["round"], r["wire"], r["bytes_per_peer"]) for r in attn_out["rounds"]] == [
         ("host", "bf16", 8 * 7168 * 2), ("hosts", "bf16", 8 * 7168 * 2)
@@ -86,8 +86,10 @@ def test_plan_shows_each_collectives_rounds_and_wire_dtype(kimi_json) -> None:
     assert 0 < attn_out["error_bound"] < 0.01
     assert kimi_json["graph"]["checks"]["collectives_balanced"]
     text = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8")
-    assert "collectives: 2 one-shot round(s) [host: groups of 8" in text.stdout
+    assert "collectives: 3 one-shot round(s) [host: groups of 8" in text.stdout
+    assert "run as all or host+hosts" in text.stdout
     assert "2 round(s) [host x8 bf16 112.0 KiB/peer; hosts x4 bf16 112.0 KiB/peer]" in text.stdout
+    assert "1 round(s) [all x32 f32 8.0 KiB/peer]" in text.stdout  # the MoE's latent gather
 
 
 def test_kimi_k3_fits_with_every_check_true(kimi_json) -> None:
@@ -334,6 +336,17 @@ def test_more_held_refills_than_the_ring_allows_is_one_line() -> None:
     assert_user_error(result, "--held-refills 3: a ring of 4 banks holds at most 2", "--ring-depth")
     result = mkgen("plan", "qwen3-30b-a3b", "--topology", "2x2x1", "--held-refills", "-1")
     assert_user_error(result, "--held-refills -1: must be 0 to 14")
+
+
+def test_a_bad_collectives_mode_and_flat_rounds_over_the_vmem_budget_are_one_line() -> None:
+    result = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--collectives", "ring")
+    assert_user_error(result, "--collectives ring: must be one of auto, staged, flat")
+    # Flat rounds land a slot per core: where that does not fit, the refusal names the way out.
+    result = mkgen(
+        "plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--collectives", "flat",
+        "--vmem-budget", "20MiB",
+    )  # fmt: skip
+    assert_user_error(result, "VMEM:", "or run --collectives staged")
 
 
 def test_a_plan_over_the_vmem_budget_is_one_line() -> None:

@@ -88,8 +88,8 @@ def test_mla_gather_borrows_the_ffn_buffer_the_attention_all_reduce_protects():
     }  # fmt: skip
     uses = layer_uses(plan)
     assert len(uses) == 4
-    assert ("mla.mla_latent", "all_gather", 2112) in uses[1]
-    assert ("moe.latent_in", "all_gather", 3584 + 896) in uses[1]
+    assert ("mla.mla_latent", "all_gather", 2112, "flat") in uses[1]
+    assert ("moe.latent_in", "all_gather", 3584 + 896, "flat") in uses[1]
 
 
 def test_fp8_blocks_a_split_would_cut_are_reblocked_losslessly():
@@ -194,7 +194,11 @@ def test_a_mini_twin_takes_its_full_size_builds_split_choices():
     spec = BuildOptions.create().apply(load_spec("kimi-k3"))
     topo = parse_topology("2x2x4")
     options = BuildOptions.create(rows=8)
-    splits = ("ffn.moe.router", "attention.mla.latent")
+    flats = (
+        "flat.all_gather.latent_in", "flat.all_gather.mla_latent", "flat.all_gather.sampling",
+        "flat.reduce_scatter.expert_out",
+    )  # fmt: skip
+    splits = ("ffn.moe.router", "attention.mla.latent", *flats)
     assert full_size_splits(spec, topo, options, kinds=default_registry()) == splits
     mini = mini_twin(spec, topo.num_devices)
     # At CPU sizes the planner would replicate the twin's A-projections (its router's
@@ -210,6 +214,16 @@ def test_a_mini_twin_takes_its_full_size_builds_split_choices():
     assert "as in the full-size build" in moe.why and "as in the full-size build" in mla.why
     assert _rel_of(moe)["router"].rank_shape == (256, 1)
     assert _rel_of(mla)["wkv_a"].rank_shape == (256, 3)
+    # Its collectives run as the full-size build's: the gathers and the scatter flat, the
+    # all-reduces staged (at CPU sizes the cost model would flatten those too).
+    assert [c.name for c in planned.ffn["moe"].collectives if len(c.rounds) == 1] == [
+        "latent_in", "expert_out", "ffn_out"
+    ]  # fmt: skip
+    rounds = {c.name: [r.round for r in c.rounds] for c in moe.collectives + mla.collectives}
+    assert rounds == {
+        "latent_in": ["all"], "expert_out": ["all"], "ffn_out": ["host", "hosts"],
+        "mla_latent": ["all"], "attn_out": ["host", "hosts"],
+    }  # fmt: skip
 
 
 def test_kimi_k3_vocabulary_split():

@@ -5,7 +5,7 @@ regenerate with `mkgen build muse-spark-1.2 --topology 2x2x1 --force` (add -o an
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Muse Spark 1.2: 62 layers, SWA(2048)+RoPE with NoPE full attention at l % 4 == 1, MoE 256 top-8"
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 12 refills held for collectives, 5 a round.
-Inputs sha256: 1213486d1124003cfa404b6d7950033e50c99c204b3034c59f059762ad63c5bb (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 80cf2cddf9042f1857c156d6436d8f207f203898d283896597131c3d1d4fe579 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
@@ -83,23 +83,26 @@ COLLECTIVE_BUFFERS = 4  # one per collective of a layer (at most)
 ROUNDS = (
     (8, 1, 0),  # host: groups of 8, stride 1 (1 core, 6 chip)
 )
-COLLECTIVE_SLOTS = 8  # landing slots of a buffer: the sum of the group sizes
-COLLECTIVE_PEERS = 7  # cores one core writes to: sum of (size - 1)
-# Landing buffers, one per collective of a layer: (32-bit lanes of a slot, the widest
-# copy it lands; reduce-scatter staging rows after its COLLECTIVE_SLOTS landing slots).
+GREEDY_ROUNDS = (0,)  # the greedy exchange's rounds
+BARRIER_ROUNDS = (0,)  # rounds whose members the entry barrier signals
+COLLECTIVE_SLOTS = 8  # semaphores of a buffer: the most slots a round reaches
+COLLECTIVE_PEERS = 7  # cores one core signals at the entry barrier
+# Landing buffers, one per collective of a layer: (landing slots, 32-bit lanes of a slot:
+# the widest copy it lands, reduce-scatter staging rows after its landing slots).
 COLLECTIVE_LANDING = (
-    (4096, 0),  # global.attn_out all_reduce, local.attn_out all_reduce
-    (640, 0),  # moe.latent_in all_gather
-    (2048, 0),  # moe.expert_out all_reduce
-    (512, 0),  # moe.ffn_out all_gather
+    (8, 4096, 0),  # global.attn_out all_reduce, local.attn_out all_reduce
+    (8, 640, 0),  # moe.latent_in all_gather
+    (8, 2048, 0),  # moe.expert_out all_reduce
+    (8, 512, 0),  # moe.ffn_out all_gather
 )
-# (buffer, op, columns of the argument) -> (wire dtype, 32-bit lanes) of each round in
-# execution order: bf16 where a piece is whole 128-lane blocks of at least 256 columns.
+# (buffer, op, columns of the argument) -> (round, wire dtype, 32-bit lanes) of each round
+# it runs, in execution order: bf16 where a piece is whole 128-lane blocks of at least 256
+# columns.
 COLLECTIVE_WIRES = {
-    (0, "all_reduce", 8192): (("bf16", 4096),),
-    (1, "all_gather", 544): (("f32", 640),),
-    (2, "all_reduce", 4096): (("bf16", 2048),),
-    (3, "all_gather", 1024): (("bf16", 512),),
+    (0, "all_reduce", 8192): ((0, "bf16", 4096),),
+    (1, "all_gather", 544): ((0, "f32", 640),),
+    (2, "all_reduce", 4096): ((0, "bf16", 2048),),
+    (3, "all_gather", 1024): ((0, "bf16", 512),),
 }
 DMA_LANES = 128  # remote copies move whole 128-lane rows: Mosaic needs 512-byte runs
 VECTOR_ROWS = 3  # rows of a layer's vector slab
@@ -608,33 +611,33 @@ def _from_wire(words, wire, width):
 
 
 class Collectives:
-    """All-reduce, all-gather and reduce-scatter in one-shot rounds (ROUNDS): the cores of
-    a host, then one core of every host.
+    """All-reduce, all-gather and reduce-scatter in the one-shot rounds the plan gives each
+    call (COLLECTIVE_WIRES: indices into ROUNDS, in execution order): the cores of a host,
+    then one core of every host, or one round of every core (flat).
 
     In a round every member writes its piece straight to every other member, and each
     combines the group's slots in member order, so a group ends bit-identical and, after
     the last round, every core does. A round's wire dtype and lanes come from
-    COLLECTIVE_WIRES (bf16: sent rounded, summed in f32 on arrival). Each collective of a
-    layer has its own buffer (the attention's all-reduce 0, the FFN's 1..3; a split MLA
-    A-projection's all-gather borrows 1 before the all-reduce) and each round its own
+    COLLECTIVE_WIRES too (bf16: sent rounded, summed in f32 on arrival). Each collective
+    of a layer has its own buffer (the attention's all-reduce 0, the FFN's 1..3; a split
+    MLA A-projection's all-gather borrows 1 before the all-reduce) and each round its own
     slots: a core cannot write a buffer again before every member of its groups has read
     it, since it first needs their contributions to the collectives in between.
     """
 
     def __init__(self, buffers, send_sems, recv_sems, on_sent):
-        self.bufs = buffers  # per collective k of a layer: [COLLECTIVE_SLOTS (+ staging), TOKENS_PADDED, lanes_k] uint32
+        self.bufs = buffers  # per collective k of a layer: [slots_k (+ staging), TOKENS_PADDED, lanes_k] uint32
         self.send = send_sems  # DMA[COLLECTIVE_BUFFERS, COLLECTIVE_SLOTS]
         self.recv = recv_sems  # DMA[COLLECTIVE_BUFFERS, COLLECTIVE_SLOTS]
         self.on_sent = on_sent  # what starts once a round's copies are under way (the held refills)
 
-    def _round(self, which, round_, wire, width, value=None, send_row=None):
+    def _round(self, which, round_, wire, lanes, width, value=None, send_row=None):
         """This core's piece into its own slot of the round (`value` put on the wire, or
         its own staged row send_row(position)), exchanged (each member m gets row
         send_row(m), by default that slot); the group's pieces in member order as f32
         [TOKENS_PADDED, width]."""
         size, stride, offset = ROUNDS[round_]
         buf = self.bufs[which]
-        wire, lanes = wire
         pos = (jax.lax.axis_index(AXIS) // stride) % size
         mine = offset + pos
         if send_row is None:
@@ -650,10 +653,9 @@ class Collectives:
 
     def all_reduce(self, which, partial):
         """The sum over all cores, bit-identical on every core: [TOKENS_PADDED, width]."""
-        wires = COLLECTIVE_WIRES[which, "all_reduce", partial.shape[1]]
         total = partial
-        for round_ in range(len(ROUNDS)):
-            slots = self._round(which, round_, wires[round_], total.shape[1], value=total)
+        for round_, wire, lanes in COLLECTIVE_WIRES[which, "all_reduce", partial.shape[1]]:
+            slots = self._round(which, round_, wire, lanes, total.shape[1], value=total)
             total = slots[0]
             for piece in slots[1:]:
                 total = total + piece
@@ -667,10 +669,10 @@ class Collectives:
         """Several pieces in the rounds of one all-gather: each part of every core side by
         side, in mesh order, one [TOKENS_PADDED, D * width_i] per part."""
         wires = COLLECTIVE_WIRES[which, "all_gather", sum(part.shape[1] for part in parts)]
-        for round_ in range(len(ROUNDS)):
+        for round_, wire, lanes in wires:
             widths = [part.shape[1] for part in parts]
             piece = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
-            slots = self._round(which, round_, wires[round_], piece.shape[1], value=piece)
+            slots = self._round(which, round_, wire, lanes, piece.shape[1], value=piece)
             parts, start = [], 0
             for width in widths:
                 parts.append(
@@ -682,22 +684,20 @@ class Collectives:
     def reduce_scatter(self, which, partial):
         """This core's columns [me * W / D, (me + 1) * W / D) of the sum over all cores.
 
-        Rounds in reverse (across hosts first): each splits the running sum into `size`
-        contiguous parts (staged in rows COLLECTIVE_SLOTS + j), sends part j to member j
-        and sums the parts it receives in member order."""
+        Rounds as the plan orders them (staged: across hosts first): each splits the
+        running sum into `size` contiguous parts (staged in the rows after the buffer's
+        landing slots), sends part j to member j and sums the parts it receives in member
+        order."""
         buf = self.bufs[which]
-        wires = COLLECTIVE_WIRES[which, "reduce_scatter", partial.shape[1]]
+        staging = COLLECTIVE_LANDING[which][0]
         total = partial
-        for step, round_ in enumerate(reversed(range(len(ROUNDS)))):
-            size, stride, _ = ROUNDS[round_]
+        for round_, wire, lanes in COLLECTIVE_WIRES[which, "reduce_scatter", partial.shape[1]]:
+            size = ROUNDS[round_][0]
             width = total.shape[1] // size
-            wire, lanes = wires[step]
             for j in range(size):
                 words = _to_wire(total[:, j * width : (j + 1) * width], wire, lanes)
-                buf[COLLECTIVE_SLOTS + j, :, : words.shape[1]] = words
-            slots = self._round(
-                which, round_, wires[step], width, send_row=lambda m: COLLECTIVE_SLOTS + m
-            )
+                buf[staging + j, :, : words.shape[1]] = words
+            slots = self._round(which, round_, wire, lanes, width, send_row=lambda m: staging + m)
             total = slots[0]
             for piece in slots[1:]:
                 total = total + piece
@@ -705,12 +705,14 @@ class Collectives:
 
 
 def _barrier():
-    """Every core this one will write to (the members of its round groups) is inside the kernel."""
+    """Every core this one will write to (the members of its groups in BARRIER_ROUNDS, which
+    cover every round's) is inside the kernel."""
     if NUM_DEVICES == 1:
         return
     me = jax.lax.axis_index(AXIS)
     sem = pltpu.get_barrier_semaphore()
-    for size, stride, _ in ROUNDS:
+    for round_ in BARRIER_ROUNDS:
+        size, stride, _ = ROUNDS[round_]
         pos = (me // stride) % size
         for k in range(1, size):
             pl.semaphore_signal(sem, 1, device_id={AXIS: me + ((pos + k) % size - pos) * stride})
@@ -1203,7 +1205,8 @@ def _lm_head(ctx, x, final_norm, logits_ref, tokens_ref, greedy_vmem, greedy_sem
     # group's best in member order; a larger value wins and a tie keeps the lower id, so
     # every core chooses the same token.
     value, token = best, best_id.astype(jnp.float32)
-    for round_, (size, stride, offset) in enumerate(ROUNDS):
+    for round_ in GREEDY_ROUNDS:
+        size, stride, offset = ROUNDS[round_]
         row = offset + (me // stride) % size
         greedy_vmem[row] = mine
         _round_exchange(
@@ -1256,10 +1259,10 @@ def _kernel(
     vec_vmem,  # [2, VECTOR_ROWS, VECTOR_WIDTH] f32: this layer's and the next layer's vectors
     vec_sems,  # DMA[2]
     x_res_vmem,  # [TOKENS_PADDED, HIDDEN] f32: the residual stream
-    collective0_vmem,  # [COLLECTIVE_SLOTS, TOKENS_PADDED, 4096] uint32: landing slots of collective 0 of a layer
-    collective1_vmem,  # [COLLECTIVE_SLOTS, TOKENS_PADDED, 640] uint32: landing slots of collective 1 of a layer
-    collective2_vmem,  # [COLLECTIVE_SLOTS, TOKENS_PADDED, 2048] uint32: landing slots of collective 2 of a layer
-    collective3_vmem,  # [COLLECTIVE_SLOTS, TOKENS_PADDED, 512] uint32: landing slots of collective 3 of a layer
+    collective0_vmem,  # [8, TOKENS_PADDED, 4096] uint32: landing slots of collective 0 of a layer
+    collective1_vmem,  # [8, TOKENS_PADDED, 640] uint32: landing slots of collective 1 of a layer
+    collective2_vmem,  # [8, TOKENS_PADDED, 2048] uint32: landing slots of collective 2 of a layer
+    collective3_vmem,  # [8, TOKENS_PADDED, 512] uint32: landing slots of collective 3 of a layer
     send_sems,  # DMA[COLLECTIVE_BUFFERS, COLLECTIVE_SLOTS]
     recv_sems,  # DMA[COLLECTIVE_BUFFERS, COLLECTIVE_SLOTS]
     greedy_vmem,  # [COLLECTIVE_SLOTS, TOKENS_PADDED, 128] f32: round members' (max, argmax)
@@ -1412,8 +1415,8 @@ def _scratch_shapes():
         pltpu.SemaphoreType.DMA((2,)),
         pltpu.VMEM((TOKENS_PADDED, HIDDEN), jnp.float32),
         *(
-            pltpu.VMEM((COLLECTIVE_SLOTS + staging, TOKENS_PADDED, width), jnp.uint32)
-            for width, staging in COLLECTIVE_LANDING
+            pltpu.VMEM((slots + staging, TOKENS_PADDED, width), jnp.uint32)
+            for slots, width, staging in COLLECTIVE_LANDING
         ),
         pltpu.SemaphoreType.DMA((COLLECTIVE_BUFFERS, COLLECTIVE_SLOTS)),
         pltpu.SemaphoreType.DMA((COLLECTIVE_BUFFERS, COLLECTIVE_SLOTS)),

@@ -89,6 +89,7 @@ def verify_command(
     expert_slots: int | None,
     held_refills: int | None,
     kv_tile: int | None,
+    collectives: str | None,
 ) -> None:
     """Run SPEC's mini twin on TOPOLOGY's mesh in TPU interpret mode (virtual CPU devices,
     race detection, uninitialised memory as NaN) against the reference model, in each DMA
@@ -108,6 +109,7 @@ def verify_command(
             ("expert_slots", expert_slots),
             ("held_refills", held_refills),
             ("kv_tile", kv_tile),
+            ("collectives", collectives),
         )
         if v is not None
     }
@@ -218,6 +220,7 @@ def compile_command(
     expert_slots: int | None,
     held_refills: int | None,
     kv_tile: int | None,
+    collectives: str | None,
     update_report: bool,
     output: Path | None,
     profile: bool,
@@ -232,7 +235,7 @@ def compile_command(
     spec, topo, options = plan_inputs(
         spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,
         quant=quant, ring_depth=ring_depth, expert_slots=expert_slots, held_refills=held_refills,
-        kv_tile=kv_tile,
+        kv_tile=kv_tile, collectives=collectives,
     )  # fmt: skip
     directory = _build_dir_for(spec, topo, options, output) if update_report else None
     if profile:

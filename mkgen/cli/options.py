@@ -112,6 +112,13 @@ knob_options = compose(
         default=None,
         help="Cache tokens per KV tile of every cache attention kind [planner].",
     ),
+    click.option(
+        "--collectives",
+        default=None,
+        metavar="auto|staged|flat",
+        help="Rounds of the collectives: a round in each host then one across hosts, one "
+        "round of every core, or per collective whichever the cost model prices lower [auto].",
+    ),
 )
 
 # --topology and the build options shared by `build` and `compile`.

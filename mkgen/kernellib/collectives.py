@@ -1,6 +1,6 @@
 """Collectives by remote DMA in one-shot rounds (ROUNDS: the cores of a host, then one core
-of every host), their wire format (f32, or bf16 pairs in 32-bit words) and the barrier
-before the first copy."""
+of every host, or one round of every core), their wire format (f32, or bf16 pairs in 32-bit
+words) and the barrier before the first copy."""
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +9,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mkgen.kernellib.constants import (
     AXIS,
+    BARRIER_ROUNDS,
+    COLLECTIVE_LANDING,
     COLLECTIVE_PEERS,
-    COLLECTIVE_SLOTS,
     COLLECTIVE_WIRES,
     DMA_LANES,
     NUM_DEVICES,
@@ -79,33 +80,33 @@ def _from_wire(words, wire, width):
 # fmt: off
 
 class Collectives:
-    """All-reduce, all-gather and reduce-scatter in one-shot rounds (ROUNDS): the cores of
-    a host, then one core of every host.
+    """All-reduce, all-gather and reduce-scatter in the one-shot rounds the plan gives each
+    call (COLLECTIVE_WIRES: indices into ROUNDS, in execution order): the cores of a host,
+    then one core of every host, or one round of every core (flat).
 
     In a round every member writes its piece straight to every other member, and each
     combines the group's slots in member order, so a group ends bit-identical and, after
     the last round, every core does. A round's wire dtype and lanes come from
-    COLLECTIVE_WIRES (bf16: sent rounded, summed in f32 on arrival). Each collective of a
-    layer has its own buffer (the attention's all-reduce 0, the FFN's 1..3; a split MLA
-    A-projection's all-gather borrows 1 before the all-reduce) and each round its own
+    COLLECTIVE_WIRES too (bf16: sent rounded, summed in f32 on arrival). Each collective
+    of a layer has its own buffer (the attention's all-reduce 0, the FFN's 1..3; a split
+    MLA A-projection's all-gather borrows 1 before the all-reduce) and each round its own
     slots: a core cannot write a buffer again before every member of its groups has read
     it, since it first needs their contributions to the collectives in between.
     """
 
     def __init__(self, buffers, send_sems, recv_sems, on_sent):
-        self.bufs = buffers  # per collective k of a layer: [COLLECTIVE_SLOTS (+ staging), TOKENS_PADDED, lanes_k] uint32
+        self.bufs = buffers  # per collective k of a layer: [slots_k (+ staging), TOKENS_PADDED, lanes_k] uint32
         self.send = send_sems  # DMA[COLLECTIVE_BUFFERS, COLLECTIVE_SLOTS]
         self.recv = recv_sems  # DMA[COLLECTIVE_BUFFERS, COLLECTIVE_SLOTS]
         self.on_sent = on_sent  # what starts once a round's copies are under way (the held refills)
 
-    def _round(self, which, round_, wire, width, value=None, send_row=None):
+    def _round(self, which, round_, wire, lanes, width, value=None, send_row=None):
         """This core's piece into its own slot of the round (`value` put on the wire, or
         its own staged row send_row(position)), exchanged (each member m gets row
         send_row(m), by default that slot); the group's pieces in member order as f32
         [TOKENS_PADDED, width]."""
         size, stride, offset = ROUNDS[round_]
         buf = self.bufs[which]
-        wire, lanes = wire
         pos = (jax.lax.axis_index(AXIS) // stride) % size
         mine = offset + pos
         if send_row is None:
@@ -119,10 +120,9 @@ class Collectives:
 
     def all_reduce(self, which, partial):
         """The sum over all cores, bit-identical on every core: [TOKENS_PADDED, width]."""
-        wires = COLLECTIVE_WIRES[which, "all_reduce", partial.shape[1]]
         total = partial
-        for round_ in range(len(ROUNDS)):
-            slots = self._round(which, round_, wires[round_], total.shape[1], value=total)
+        for round_, wire, lanes in COLLECTIVE_WIRES[which, "all_reduce", partial.shape[1]]:
+            slots = self._round(which, round_, wire, lanes, total.shape[1], value=total)
             total = slots[0]
             for piece in slots[1:]:
                 total = total + piece
@@ -136,10 +136,10 @@ class Collectives:
         """Several pieces in the rounds of one all-gather: each part of every core side by
         side, in mesh order, one [TOKENS_PADDED, D * width_i] per part."""
         wires = COLLECTIVE_WIRES[which, "all_gather", sum(part.shape[1] for part in parts)]
-        for round_ in range(len(ROUNDS)):
+        for round_, wire, lanes in wires:
             widths = [part.shape[1] for part in parts]
             piece = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
-            slots = self._round(which, round_, wires[round_], piece.shape[1], value=piece)
+            slots = self._round(which, round_, wire, lanes, piece.shape[1], value=piece)
             parts, start = [], 0
             for width in widths:
                 parts.append(jnp.concatenate([slot[:, start : start + width] for slot in slots], axis=1))
@@ -149,20 +149,20 @@ class Collectives:
     def reduce_scatter(self, which, partial):
         """This core's columns [me * W / D, (me + 1) * W / D) of the sum over all cores.
 
-        Rounds in reverse (across hosts first): each splits the running sum into `size`
-        contiguous parts (staged in rows COLLECTIVE_SLOTS + j), sends part j to member j
-        and sums the parts it receives in member order."""
+        Rounds as the plan orders them (staged: across hosts first): each splits the
+        running sum into `size` contiguous parts (staged in the rows after the buffer's
+        landing slots), sends part j to member j and sums the parts it receives in member
+        order."""
         buf = self.bufs[which]
-        wires = COLLECTIVE_WIRES[which, "reduce_scatter", partial.shape[1]]
+        staging = COLLECTIVE_LANDING[which][0]
         total = partial
-        for step, round_ in enumerate(reversed(range(len(ROUNDS)))):
-            size, stride, _ = ROUNDS[round_]
+        for round_, wire, lanes in COLLECTIVE_WIRES[which, "reduce_scatter", partial.shape[1]]:
+            size = ROUNDS[round_][0]
             width = total.shape[1] // size
-            wire, lanes = wires[step]
             for j in range(size):
                 words = _to_wire(total[:, j * width : (j + 1) * width], wire, lanes)
-                buf[COLLECTIVE_SLOTS + j, :, : words.shape[1]] = words
-            slots = self._round(which, round_, wires[step], width, send_row=lambda m: COLLECTIVE_SLOTS + m)
+                buf[staging + j, :, : words.shape[1]] = words
+            slots = self._round(which, round_, wire, lanes, width, send_row=lambda m: staging + m)
             total = slots[0]
             for piece in slots[1:]:
                 total = total + piece
@@ -173,12 +173,14 @@ class Collectives:
 
 
 def _barrier():
-    """Every core this one will write to (the members of its round groups) is inside the kernel."""
+    """Every core this one will write to (the members of its groups in BARRIER_ROUNDS, which
+    cover every round's) is inside the kernel."""
     if NUM_DEVICES == 1:
         return
     me = jax.lax.axis_index(AXIS)
     sem = pltpu.get_barrier_semaphore()
-    for size, stride, _ in ROUNDS:
+    for round_ in BARRIER_ROUNDS:
+        size, stride, _ = ROUNDS[round_]
         pos = (me // stride) % size
         for k in range(1, size):
             pl.semaphore_signal(sem, 1, device_id={AXIS: me + ((pos + k) % size - pos) * stride})

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from mkgen.kernellib.collectives import _round_exchange
 from mkgen.kernellib.constants import (
     AXIS,
+    GREEDY_ROUNDS,
     LM_HEAD,
     LM_HEAD_ROW,
     LOGIT_MULTIPLIER,
@@ -40,7 +41,8 @@ def _lm_head(ctx, x, final_norm, logits_ref, tokens_ref, greedy_vmem, greedy_sem
     # group's best in member order; a larger value wins and a tie keeps the lower id, so
     # every core chooses the same token.
     value, token = best, best_id.astype(jnp.float32)
-    for round_, (size, stride, offset) in enumerate(ROUNDS):
+    for round_ in GREEDY_ROUNDS:
+        size, stride, offset = ROUNDS[round_]
         row = offset + (me // stride) % size
         greedy_vmem[row] = mine
         _round_exchange(greedy_vmem, greedy_sems.at[0], greedy_sems.at[1], round_, 128, lambda m, row=row: row)

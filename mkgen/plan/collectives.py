@@ -3,7 +3,7 @@
 The kernel's mesh is one axis of D cores, host by host: position p holds topology
 device `mesh_order[p]`, and each host's L cores (sibling cores adjacent, then its chips
 in device order) take L consecutive positions, so a position is a two-digit number
-(core in its host, host). A collective runs at most two *rounds*, one per digit of size
+(core in its host, host). A staged collective runs at most two *rounds*, one per digit of size
 > 1: first the L cores of a host, then the H cores holding the same place in every host.
 A round is one-shot: every member writes its piece straight into its own slot of every
 other member's landing buffer (one remote DMA per peer, each on its own semaphore) and
@@ -11,6 +11,11 @@ combines the group's slots in member order once they have all landed, so a group
 bit-identical and, after the second round, every core does (all-reduce, greedy) or holds
 its exact share (reduce-scatter). 2x2x4 (32 cores, 4 hosts of 8): rounds of 8 and 4, two
 dependent rounds instead of the four of a stage per topology axis.
+
+A collective may instead run *flat*: one round of all D cores (`flat_round`, position =
+member), 31 copies on 2x2x4 instead of 10 but one phase instead of two. `choose_rounds`
+takes it per collective where the cost model prices it lower (`rounds_price`: each round's
+phase or wire time plus the DMA issue of its copies), or as `--collectives` forces.
 
 - all-reduce: each round exchanges the running sum and adds the group's in order;
 - all-gather: each round exchanges the pieces gathered so far and places them in member
@@ -45,6 +50,7 @@ if TYPE_CHECKING:
 
 Op = Literal["all_reduce", "all_gather", "reduce_scatter"]
 Level = Literal["core", "chip", "host"]
+RoundName = Literal["host", "hosts", "all"]
 WireDtype = Literal["bf16", "f32"]
 LANES = 128  # a remote DMA moves whole 128-lane rows of 32-bit words (512-byte runs)
 WORD_BYTES = 4  # the landing buffers hold 32-bit words: one f32 or two bf16
@@ -61,7 +67,7 @@ class _Plan(BaseModel):
 class CollectiveRound(_Plan):
     """One round: every member of a group writes its piece to every other member."""
 
-    name: Literal["host", "hosts"]  # the cores of one host / one core of every host
+    name: RoundName  # the cores of one host / one core of every host / every core (flat)
     level: Level  # widest interconnect level the group spans
     size: int  # members of a group
     stride: int  # mesh distance between consecutive members
@@ -78,7 +84,7 @@ class RoundCall(_Plan):
 
     collective: str  # the collective's name (attn_out, latent_in, ...)
     op: Op
-    round: str  # CollectiveRound.name
+    round: RoundName
     index: int  # 0-based position among the collective's rounds, in execution order
     rounds: int  # rounds the collective runs
     level: Level
@@ -106,37 +112,54 @@ class CollectiveBuffer(_Plan):
 
     index: int
     uses: list[str]  # "kind.collective op" of every layer kind that runs it
+    slots: int  # landing slots: the most any of its uses' rounds reach (offset + size)
     width: int  # 32-bit lanes of a slot: the widest copy any round lands, 128-aligned
-    send_rows: int  # reduce-scatter staging rows (0 when no use scatters)
-    # (op, columns of the kernel's argument) -> (wire dtype, lanes) of each round, in
-    # execution order: what the kernel's call with that argument sends.
-    wires: list[tuple[Op, int, list[tuple[WireDtype, int]]]]
+    send_rows: int  # reduce-scatter staging rows after the slots (0 when no use scatters)
+    # (op, columns of the kernel's argument) -> (round, wire dtype, lanes) of each round
+    # it runs, in execution order (round: an index into CollectivePlan.rounds): what the
+    # kernel's call with that argument does.
+    wires: list[tuple[Op, int, list[tuple[int, WireDtype, int]]]]
 
 
 class CollectivePlan(_Plan):
     """The rounds, the landing buffers and the mesh order of one build."""
 
-    rounds: list[CollectiveRound]  # host round first
-    slots: int  # landing slots of one buffer: the sum of the group sizes
+    rounds: list[CollectiveRound]  # every round a collective runs: host, hosts, then all
+    slots: int  # semaphores per buffer (and greedy slots): the most any round reaches
     mesh_order: list[int]  # topology device index at each position of the 1-D mesh
     buffers: list[CollectiveBuffer]
+    greedy: list[int]  # the rounds of the greedy exchange (indices into rounds)
+    barrier: list[int]  # the rounds whose members the entry barrier signals
 
     @property
     def copies(self) -> int:
-        """Remote copies one core sends per collective: sum(size - 1)."""
-        return sum(r.size - 1 for r in self.rounds)
+        """Cores one core signals at the entry barrier: every core any round writes to."""
+        return sum(self.rounds[i].size - 1 for i in self.barrier)
+
+    def schemes(self) -> list[list[int]]:
+        """Every distinct sequence of rounds a collective runs (the greedy's too)."""
+        out = [self.greedy] if self.greedy else []
+        for b in self.buffers:
+            for *_, ws in b.wires:
+                rounds = [i for i, *_ in ws]
+                if rounds not in out:
+                    out.append(rounds)
+        return out
 
     def describe(self) -> str:
         if not self.rounds:
             return "collectives: one core, none"
         rounds = "; ".join(r.describe() for r in self.rounds)
         bufs = ", ".join(
-            f"{b.index}: [{self.slots + b.send_rows}, T, {b.width}] ({', '.join(b.uses)})"
+            f"{b.index}: [{b.slots + b.send_rows}, T, {b.width}] ({', '.join(b.uses)})"
             for b in self.buffers
         )
+        schemes = " or ".join(
+            "+".join(self.rounds[i].name for i in scheme) for scheme in self.schemes()
+        )
         return (
-            f"collectives: {len(self.rounds)} one-shot round(s) [{rounds}], {self.copies} "
-            f"copies; buffers {bufs}"
+            f"collectives: {len(self.rounds)} one-shot round(s) [{rounds}], run as {schemes}; "
+            f"buffers {bufs}"
         )
 
 
@@ -151,24 +174,38 @@ def plan_rounds(topology: Topology) -> list[CollectiveRound]:
     """The rounds of `topology` in mesh order (`host_order`): the cores of one host,
     then one core of every host; a digit of size 1 has no round. 2x2x4 (4 hosts of 8
     cores): [8, 4] with strides [1, 8]."""
-    order = host_order(topology)
     per_host = topology.num_devices // topology.num_hosts
     rounds: list[CollectiveRound] = []
     offset = 0
     for name, size, stride in (("host", per_host, 1), ("hosts", topology.num_hosts, per_host)):
         if size == 1:
             continue
-        peers = dict.fromkeys(_LEVELS, 0)
-        for m in range(1, size):
-            peers[topology.level_between(order[0], order[m * stride])] += 1
-        level = max((k for k, n in peers.items() if n), key=_LEVELS.index)
-        rounds.append(
-            CollectiveRound(
-                name=name, level=level, size=size, stride=stride, offset=offset, peers=peers
-            )
-        )
+        rounds.append(_round(topology, name, size, stride, offset))
         offset += size
     return rounds
+
+
+def flat_round(topology: Topology) -> CollectiveRound | None:
+    """One round of every core (member = mesh position), its slots from 0: what a flat
+    collective runs instead of the staged rounds; None where those are a single round
+    already (one host, or one core a host)."""
+    if len(plan_rounds(topology)) < 2:
+        return None
+    return _round(topology, "all", topology.num_devices, 1, 0)
+
+
+def _round(
+    topology: Topology, name: RoundName, size: int, stride: int, offset: int
+) -> CollectiveRound:
+    """A round of groups of `size` cores `stride` apart, with its peers by link level."""
+    order = host_order(topology)
+    peers = dict.fromkeys(_LEVELS, 0)
+    for m in range(1, size):
+        peers[topology.level_between(order[0], order[m * stride])] += 1
+    level = max((k for k, n in peers.items() if n), key=_LEVELS.index)
+    return CollectiveRound(
+        name=name, level=level, size=size, stride=stride, offset=offset, peers=peers
+    )
 
 
 def round_pieces(
@@ -261,6 +298,40 @@ def round_time_s(call: RoundCall, constants: CostConstants) -> float:
     return max(latency, sibling, off_chip)
 
 
+def rounds_price(calls: Sequence[RoundCall], constants: CostConstants) -> float:
+    """Seconds a collective's rounds take one after the other: each round's phase or wire
+    time (`round_time_s`) plus the DMA engine's issue of its size - 1 copies (the walk
+    charges the same per copy). What `choose_rounds` compares."""
+    return sum(
+        round_time_s(c, constants) + (c.members - 1) * constants.dma_overhead_s for c in calls
+    )
+
+
+def choose_rounds(
+    topology: Topology,
+    name: str,
+    op: Op,
+    width: int,
+    rows: int,
+    constants: CostConstants,
+    mode: str,
+) -> list[RoundCall]:
+    """The rounds collective `name` runs: staged (the cores of a host, then across hosts)
+    or flat (one round of every core), as `mode` forces ("staged", "flat") or, for
+    "auto", whichever `rounds_price` prices lower: the flat round saves a phase but sends
+    to every core (31 copies instead of 10 on 2x2x4, each issued and moved over its link
+    level), so it wins for the small pieces of a gather or scatter and loses for a wide
+    all-reduce."""
+    staged = round_calls(name, op, width, rows, plan_rounds(topology))
+    flat = flat_round(topology)
+    if flat is None or mode == "staged":
+        return staged
+    single = round_calls(name, op, width, rows, [flat])
+    if mode == "flat" or rounds_price(single, constants) < rounds_price(staged, constants):
+        return single
+    return staged
+
+
 def collective_time_us(op: Mapping[str, Any], chip: Chip) -> float:
     """Predicted microseconds of one collective round of the kernel program: `op` is the
     program's start entry of the round, whose "collective" field holds its RoundCall
@@ -281,10 +352,19 @@ def collective_buffers(attention: Sequence[Any], ffn: Sequence[Any]) -> dict[str
     return buffers | {c.name: 1 + k for k, c in enumerate(ffn)}
 
 
-def layer_uses(sharding: Any) -> list[list[tuple[str, Op, int]]]:
-    """(name, op, width) of the collectives landing in buffer k, for every layer kind pair
-    of `sharding` (a ShardingPlan), numbered by collective_buffers."""
-    uses: list[list[tuple[str, Op, int]]] = []
+Scheme = Literal["staged", "flat"]
+Use = tuple[str, Op, int, Scheme]  # (name, op, width, how it runs) of a collective
+
+
+def scheme_of(calls: Sequence[RoundCall]) -> Scheme:
+    """ "flat" for the one round of every core, "staged" for the host and hosts rounds."""
+    return "flat" if any(c.round == "all" for c in calls) else "staged"
+
+
+def layer_uses(sharding: Any) -> list[list[Use]]:
+    """(name, op, width, scheme) of the collectives landing in buffer k, for every layer
+    kind pair of `sharding` (a ShardingPlan), numbered by collective_buffers."""
+    uses: list[list[Use]] = []
     for attn, ffn in sorted(set(sharding.layer_table)):
         a, f = sharding.attention[attn], sharding.ffn[ffn]
         buffers = collective_buffers(a.collectives, f.collectives)
@@ -292,7 +372,7 @@ def layer_uses(sharding: Any) -> list[list[tuple[str, Op, int]]]:
             k = buffers[c.name]
             while k >= len(uses):
                 uses.append([])
-            use = (f"{kind}.{c.name}", c.op, c.width)
+            use = (f"{kind}.{c.name}", c.op, c.width, scheme_of(c.rounds))
             if use not in uses[k]:
                 uses[k].append(use)
     while len(uses) < 2:  # attention and FFN always have a buffer each
@@ -300,74 +380,113 @@ def layer_uses(sharding: Any) -> list[list[tuple[str, Op, int]]]:
     return uses
 
 
-def plan_collectives(topology: Topology, uses: list[list[tuple[str, Op, int]]]) -> CollectivePlan:
+def greedy_scheme(sharding: Any) -> Scheme:
+    """How the greedy exchange runs: the plan's sampling all-gather's rounds."""
+    sampling = [c for c in sharding.step_collectives if c.name == "sampling"]
+    return scheme_of(sampling[0].rounds) if sampling else "staged"
+
+
+def plan_collectives(
+    topology: Topology, uses: list[list[Use]], greedy: Scheme = "staged"
+) -> CollectivePlan:
     """Rounds, mesh order and landing buffers for the collectives each layer runs.
 
-    `uses[k]` lists (name, op, width) of every layer kind whose k-th collective of a
-    layer this is (each collective of a layer has its own buffer: a core cannot write
-    a buffer again before every member of its groups has read it, since it first
-    needs their contributions to the collectives in between)."""
-    rounds = plan_rounds(topology)
+    `uses[k]` lists (name, op, width, scheme) of every layer kind whose k-th collective
+    of a layer this is (each collective of a layer has its own buffer: a core cannot
+    write a buffer again before every member of its groups has read it, since it first
+    needs their contributions to the collectives in between; any collective's result
+    combines every core's partial, so this holds across staged and flat ones too).
+    `greedy`: how the greedy exchange runs."""
+    staged, flat = plan_rounds(topology), flat_round(topology)
+    wanted = {scheme for group in uses for *_, scheme in group} | {greedy}
+    rounds = staged + ([flat] if flat is not None and "flat" in wanted else [])
+    schemes = {"staged": staged, "flat": [flat] if flat is not None else staged}
+    index = {r.name: i for i, r in enumerate(rounds)}
     d = topology.num_devices
     buffers = []
     for k, group in enumerate(uses):
-        wires: list[tuple[Op, int, list[tuple[WireDtype, int]]]] = []
-        for name, op, width in group:
+        wires: list[tuple[Op, int, list[tuple[int, WireDtype, int]]]] = []
+        for name, op, width, scheme in group:
             if width % d and op != "all_reduce":
                 raise ValueError(f"collective {name}: {op} of {width} columns over {d} cores")
             argument = width // d if op == "all_gather" else width
-            calls = round_calls(name, op, width, 1, rounds)
-            entry = (op, argument, [(c.wire, c.lanes) for c in calls])
+            calls = round_calls(name, op, width, 1, schemes[scheme])
+            entry = (op, argument, [(index[c.round], c.wire, c.lanes) for c in calls])
             if entry not in wires:
                 wires.append(entry)
-        scatter = any(op == "reduce_scatter" for _, op, _ in group)
+        landed = [rounds[i] for *_, ws in wires for i, *_ in ws]
+        scattered = [rounds[i] for op, _, ws in wires if op == "reduce_scatter" for i, *_ in ws]
         buffers.append(
             CollectiveBuffer(
                 index=k,
-                uses=[f"{name} {op}" for name, op, _ in group],
-                width=max([lanes for *_, ws in wires for _, lanes in ws], default=LANES),
-                send_rows=max((r.size for r in rounds), default=0) if scatter else 0,
+                uses=[f"{name} {op}" for name, op, *_ in group],
+                slots=max([r.offset + r.size for r in landed], default=1),
+                width=max([lanes for *_, ws in wires for *_, lanes in ws], default=LANES),
+                send_rows=max((r.size for r in scattered), default=0),
                 wires=wires,
             )
         )
+    barrier = [index["all"]] if "all" in index else list(range(len(staged)))
     return CollectivePlan(
         rounds=rounds,
-        slots=max(1, sum(r.size for r in rounds)),
+        slots=max([r.offset + r.size for r in rounds], default=1),
         mesh_order=host_order(topology),
         buffers=buffers,
+        greedy=[index[r.name] for r in schemes[greedy]],
+        barrier=barrier,
     )
 
 
 def check_rounds(plan: CollectivePlan, devices: int) -> str | None:
     """The first way the rounds fail to balance, or None.
 
-    Each round's groups must partition the mesh; every member sends one copy to every
-    other member of its group, into the slot (and onto the receive semaphore) of its own
+    For every sequence of rounds a collective runs (`CollectivePlan.schemes`): each
+    round's groups must partition the mesh; every member sends one copy to every other
+    member of its group, into the slot (and onto the receive semaphore) of its own
     position, and every core waits for one copy in each other slot of the round, so the
-    copies a core waits for are exactly those sent to it; the entry barrier's signals
-    balance the same way; and the rounds together bring every core's partial to every
-    core. Every core then reaches the rounds in the same order, with all its sends started
-    before its waits, so no round can wait forever."""
-    if math.prod(r.size for r in plan.rounds) != devices:
-        return f"rounds of {[r.size for r in plan.rounds]} members do not cover {devices} cores"
+    copies a core waits for are exactly those sent to it; and the rounds together bring
+    every core's partial to every core. The entry barrier's signals balance the same way
+    and reach every core any round writes to. Every core then reaches the rounds in the
+    same order, with all its sends started before its waits, so no round can wait
+    forever."""
+    for b in plan.buffers:
+        for *_, ws in b.wires:
+            for i, *_ in ws:
+                r = plan.rounds[i]
+                if r.offset + r.size > min(b.slots, plan.slots):
+                    last = r.offset + r.size - 1
+                    return f"round {r.name}: slots {r.offset}..{last} past {b.slots}"
+    for scheme in plan.schemes():
+        problem = _check_scheme([plan.rounds[i] for i in scheme], plan.slots, devices)
+        if problem:
+            return problem
+    return _check_barrier(plan, devices)
+
+
+def _members(r: CollectiveRound, me: int) -> list[int]:
+    """Core `me`'s group in round `r`, in member order."""
+    base = me - ((me // r.stride) % r.size) * r.stride
+    return [base + j * r.stride for j in range(r.size)]
+
+
+def _check_scheme(rounds: list[CollectiveRound], slots: int, devices: int) -> str | None:
+    """check_rounds for one sequence of rounds: cover, copies against waits, reach."""
+    if math.prod(r.size for r in rounds) != devices:
+        return f"rounds of {[r.size for r in rounds]} members do not cover {devices} cores"
     sent: dict[tuple[int, int], int] = {}
     waited: dict[tuple[int, int], int] = {}
-    signals = dict.fromkeys(range(devices), 0)
-    for r in plan.rounds:
-        if r.offset + r.size > plan.slots:
-            return f"round {r.name}: slots {r.offset}..{r.offset + r.size - 1} past {plan.slots}"
+    for r in rounds:
+        if r.offset + r.size > slots:
+            return f"round {r.name}: slots {r.offset}..{r.offset + r.size - 1} past {slots}"
         for me in range(devices):
             pos = (me // r.stride) % r.size
-            base = me - pos * r.stride
-            members = [base + j * r.stride for j in range(r.size)]
-            for j, m in enumerate(members):
+            for j, m in enumerate(_members(r, me)):
                 if not 0 <= m < devices:
                     return f"round {r.name}: core {me}'s member {j} is core {m}, not in the mesh"
                 if m == me:
                     continue
                 sent[m, r.offset + pos] = sent.get((m, r.offset + pos), 0) + 1
                 waited[me, r.offset + j] = waited.get((me, r.offset + j), 0) + 1
-                signals[m] += 1
     for key in sorted(sent.keys() | waited.keys()):
         if sent.get(key, 0) != waited.get(key, 0):
             core, slot = key
@@ -375,22 +494,35 @@ def check_rounds(plan: CollectivePlan, devices: int) -> str | None:
                 f"core {core} slot {slot}: {sent.get(key, 0)} copies land on its semaphore, "
                 f"it waits for {waited.get(key, 0)}"
             )
-    copies = sum(r.size - 1 for r in plan.rounds)
-    for core, n in signals.items():
-        if n != copies:
-            return f"core {core} gets {n} barrier signals, waits for {copies}"
     # Every core's result must combine every core's partial (once: the sizes multiply to D).
     reach = [{me} for me in range(devices)]
-    for r in plan.rounds:
-        reach = [
-            set().union(
-                *(reach[me - ((me // r.stride) % r.size - j) * r.stride] for j in range(r.size))
-            )
-            for me in range(devices)
-        ]
+    for r in rounds:
+        reach = [set().union(*(reach[m] for m in _members(r, me))) for me in range(devices)]
     for core, cores in enumerate(reach):
         if len(cores) != devices:
             return f"core {core} combines the partials of {len(cores)} of {devices} cores"
+    return None
+
+
+def _check_barrier(plan: CollectivePlan, devices: int) -> str | None:
+    """The entry barrier: each core gets as many signals as it waits for, from every core
+    that writes to it in any round."""
+    signals = dict.fromkeys(range(devices), 0)
+    signalled: dict[int, set[int]] = {me: set() for me in range(devices)}
+    for r in (plan.rounds[i] for i in plan.barrier):
+        for me in range(devices):
+            for m in _members(r, me):
+                if m != me and 0 <= m < devices:
+                    signals[m] += 1
+                    signalled[m].add(me)
+    for core, n in signals.items():
+        if n != plan.copies:
+            return f"core {core} gets {n} barrier signals, waits for {plan.copies}"
+    for r in plan.rounds:
+        for me in range(devices):
+            writers = {m for m in _members(r, me) if m != me and 0 <= m < devices}
+            if not writers <= signalled[me]:
+                return f"round {r.name}: core {me} is written to before its barrier signal"
     return None
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mkgen.plan.collectives import layer_uses, plan_collectives
+from mkgen.plan.collectives import greedy_scheme, layer_uses, plan_collectives
 from mkgen.plan.kind import KindRegistry, LayoutInputs
 from mkgen.plan.layout import (
     CACHE_ALIGN,
@@ -101,7 +101,7 @@ def _assemble(
     segments += stream.tail
     formats = stream_formats(segments)
     tokens = options.batch * options.rows
-    collectives = plan_collectives(topology, layer_uses(sharding))
+    collectives = plan_collectives(topology, layer_uses(sharding), greedy_scheme(sharding))
     cache_arrays = sum(len(a.caches) for a in attention)
     expert_arrays = sum(c.arrays for f in ffn if (c := f.routed_chunks()) is not None)
     return KernelLayout(

@@ -162,6 +162,10 @@ def refuse_repeated_families(items: Iterable[str]) -> None:
         given[family] = item
 
 
+# How a build's collectives choose their rounds (BuildOptions.collectives, --collectives).
+COLLECTIVE_MODES = ("auto", "staged", "flat")
+
+
 class BuildOptions(BaseModel):
     """Everything about one build that is neither the spec nor the topology.
 
@@ -194,6 +198,10 @@ class BuildOptions(BaseModel):
     # Cache tokens per KV tile of every cache attention kind (None: the planner scores
     # kv_tile_candidates(context) for each kind, mkgen.plan.kvtiles).
     kv_tile: int | None = None
+    # How collectives run (mkgen.plan.collectives.choose_rounds): "staged" (a round in each
+    # host, then one across hosts), "flat" (one round of every core) or "auto" (per
+    # collective, whichever the cost model prices lower).
+    collectives: str = "auto"
     # What is split over the cores rather than replicated, as "ffn.<kind>.router" and
     # "attention.<kind>.latent", and "ffn.<kind>.ar_ag" for a latent MoE combined by
     # all-gather (None: the planner scores split against replicated, rs_ar against ar_ag). Set
@@ -248,6 +256,11 @@ class BuildOptions(BaseModel):
             raise SpecError(
                 f"--held-refills {self.held_refills}: must be 0 to {MAX_RING_DEPTH - 2} refills "
                 "(at most the ring depth - 2)"
+            )
+        if self.collectives not in COLLECTIVE_MODES:
+            raise SpecError(
+                f"--collectives {self.collectives}: must be one of {', '.join(COLLECTIVE_MODES)} "
+                "(auto: the cost model chooses staged or flat rounds per collective)"
             )
         if not 0 < self.acceptance <= self.rows:
             raise SpecError(
@@ -321,6 +334,7 @@ class BuildOptions(BaseModel):
                 ("expert slots", self.expert_slots),
                 ("held refills", self.held_refills),
                 ("KV tile", self.kv_tile),
+                ("collectives", None if self.collectives == "auto" else self.collectives),
             )
             if value is not None
         )

@@ -405,7 +405,7 @@ def collective_latency_note(chip: Chip) -> str:
     return (
         f"Collective latency: {inside.cost_model * 1e6:.1f} us per round within a host "
         f"({state(inside)}: {inside.source}); {across.cost_model * 1e6:.1f} us per round "
-        f"across hosts ({state(across)}: {across.why})"
+        f"across hosts, and per flat round of every core ({state(across)}: {across.why})"
     )
 
 

@@ -41,9 +41,9 @@ from mkgen.errors import SpecError
 from mkgen.hardware import vmem_tile
 from mkgen.plan.collectives import (
     RoundCall,
-    plan_rounds,
-    round_calls,
+    choose_rounds,
     round_time_s,
+    scheme_of,
     wire_error_bound,
 )
 from mkgen.plan.cost import (
@@ -143,12 +143,13 @@ def collective_cost(
     after: str,
     width: int,
     tokens: int,
+    mode: str = "auto",
 ) -> Collective:
-    """The kernel's one-shot rounds (mkgen.plan.collectives) for this payload, each priced
-    by `round_time_s` (the catalog's collective phase plus its copies over the links),
-    one after the other."""
+    """The kernel's one-shot rounds (mkgen.plan.collectives) for this payload, staged or
+    flat as `mode` says (`choose_rounds`), each priced by `round_time_s` (the catalog's
+    collective phase plus its copies over the links), one after the other."""
     rows = pad_rows(tokens)
-    calls = round_calls(name, op, width, rows, plan_rounds(topo))
+    calls = choose_rounds(topo, name, op, width, rows, chip_constants(topo.chip_info), mode)
     sent = {"core": 0, "chip": 0, "host": 0}
     for call in calls:
         for level, nbytes in call.bytes_by_level.items():
@@ -499,7 +500,12 @@ class _Ctx:
         return make_shard(name, shape, family, self.fmt(family), self.d, **kw)
 
     def collective(self, name: str, op: CollectiveOp, after: str, width: int) -> Collective:
-        return collective_cost(self.topo, name, op, after, width, self.tokens)
+        """A collective with its rounds: the full-size build's for a mini twin (it takes
+        `flat.<op>.<name>` from BuildOptions.splits), else as --collectives says."""
+        mode = self.options.collectives
+        if self.options.splits is not None:
+            mode = "flat" if flat_key(name, op) in self.options.splits else "staged"
+        return collective_cost(self.topo, name, op, after, width, self.tokens, mode)
 
     def stream_s(self, nbytes: float) -> float:
         return self.c.dma_s(nbytes)
@@ -943,8 +949,9 @@ def plan_sharding(
 def full_size_splits(
     full: ModelSpec, topo: Topology, options: BuildOptions, *, kinds: KindRegistry
 ) -> tuple[str, ...]:
-    """What the full-size build of `full` splits rather than replicates, and its MoE latent
-    designs where they combine by all-gather (BuildOptions.splits): its mini twin takes
+    """What the full-size build of `full` splits rather than replicates, its MoE latent
+    designs where they combine by all-gather and the collectives it runs flat
+    (BuildOptions.splits): its mini twin takes
     these choices, since at CPU sizes replicating (and rs_ar) always costs less,
     so that the twin proves the full-size build's kernel. A spec with no full-size build
     on `topo` (its heads do not split over the cores) has no choices to pass on."""
@@ -955,4 +962,13 @@ def full_size_splits(
     routers = [f"ffn.{name}.router" for name, f in plan.ffn.items() if f.router == "split"]
     designs = [f"ffn.{name}.ar_ag" for name, f in plan.ffn.items() if f.latent_design == "ar_ag"]
     latents = [f"attention.{n}.latent" for n, a in plan.attention.items() if a.latent == "split"]
-    return tuple(routers + designs + latents)
+    sharded = [*plan.attention.values(), *plan.ffn.values()]
+    every = [c for k in sharded for c in k.collectives] + list(plan.step_collectives)
+    flats = sorted({flat_key(c.name, c.op) for c in every if scheme_of(c.rounds) == "flat"})
+    return tuple(routers + designs + latents + flats)
+
+
+def flat_key(name: str, op: CollectiveOp) -> str:
+    """How BuildOptions.splits names a collective that runs flat (one round of every
+    core): its mini twin runs the same collectives flat as its full-size build."""
+    return f"flat.{op}.{name}"

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict
 
 from mkgen.errors import SpecError
 from mkgen.hardware import MiB, vmem_padded_bytes
-from mkgen.plan.collectives import CollectivePlan, layer_uses, plan_collectives
+from mkgen.plan.collectives import CollectivePlan, greedy_scheme, layer_uses, plan_collectives
 from mkgen.plan.kind import BufferInputs, KindRegistry
 from mkgen.plan.layout import MAX_PIECE_CHUNKS, ExpertChunks
 from mkgen.plan.options import BuildOptions, kv_tile
@@ -282,7 +282,9 @@ def kernel_dims(
     for f in sharding.ffn.values():
         r, ls = _vector_rows(f.tensors, None)
         ffn_rows, lengths = max(ffn_rows, r), lengths + ls
-    collectives = plan_collectives(parse_topology(sharding.topology), layer_uses(sharding))
+    collectives = plan_collectives(
+        parse_topology(sharding.topology), layer_uses(sharding), greedy_scheme(sharding)
+    )
     tokens = options.tokens
     return KernelDims(
         devices=sharding.devices,
@@ -396,10 +398,10 @@ def _base(out: _List, dims: KernelDims, depth: int) -> None:
     out.sems("vec_sems", (2,))
     out.add("x_res_vmem", "activations", (tp, h), "f32", why="the residual stream")
     # One landing buffer per collective of a layer (the schedule's resource "gather",
-    # slot k), each with a slot per round member (sum of the group sizes, not D); 32-bit
-    # words: an f32 or two bf16 values each.
+    # slot k), each with a slot per round member (the sum of the staged group sizes, or D
+    # where a flat round lands in it); 32-bit words: an f32 or two bf16 values each.
     for b in coll.buffers:
-        out.add(f"collective{b.index}_vmem", "collectives", (coll.slots + b.send_rows, tp, b.width),
+        out.add(f"collective{b.index}_vmem", "collectives", (b.slots + b.send_rows, tp, b.width),
                 "uint32", why=f"landing slots of every round for {', '.join(b.uses) or 'nothing'}"
                 + (f", {b.send_rows} reduce-scatter staging rows" if b.send_rows else ""))  # fmt: skip
     out.resources["gather"] = cb
@@ -465,7 +467,7 @@ def _buffers(
     out.add("mosaic_hidden", "internal", (2, tp, h), "f32", "internal",
             why="estimate: residual and normed rows")  # fmt: skip
     wires = [w for b in dims.collectives.buffers for *_, ws in b.wires for w in ws]
-    bf16_lanes = [lanes for wire, lanes in wires if wire == "bf16"]
+    bf16_lanes = [lanes for _, wire, lanes in wires if wire == "bf16"]
     if bf16_lanes:  # a bf16 piece unpacked: its high and low halves side by side, and
         # the packed words they come from (without those, kimi-k2 on 2x2x4 compiled to
         # 35,568,128 B of VMEM against 35,553,280 B planned: tests/test_codegen.py)
@@ -551,22 +553,28 @@ def plan_vmem(
         spec, sharding, stream, options, kinds, max_piece_chunks, kv_tiles, inline_scales
     )
     where = f"{spec.name} on {topo.name} (batch {options.batch} x rows {options.rows})"
-    # Everything but the ring and the expert slots is fixed by the build.
-    probe, slot_bytes = _buffers(spec, sharding, stream, kinds, dims, 1, 1)
-    left = _left_for_ring(probe, chip.name, options, budget, limit, where, dims.bank_bytes,
-                          slot_bytes)  # fmt: skip
-    depth, slots = _ring_and_slots(
-        options, ring_depth, where, left, dims, slot_bytes, target, budget
-    )
-    out, _ = _buffers(spec, sharding, stream, kinds, dims, depth, slots)
-    explicit = sum(b.bytes for b in out.buffers if b.role != "internal")
-    internal = sum(b.bytes for b in out.buffers if b.role == "internal")
-    if explicit + internal > limit:
-        raise SpecError(
-            f"VMEM: {where} needs {_mib(explicit)} explicit + {_mib(internal)} of Mosaic scratch "
-            f"(estimate) per core, over the {_mib(limit)} limit; lower --vmem-budget, --batch "
-            "or --rows"
+    try:
+        # Everything but the ring and the expert slots is fixed by the build.
+        probe, slot_bytes = _buffers(spec, sharding, stream, kinds, dims, 1, 1)
+        left = _left_for_ring(probe, chip.name, options, budget, limit, where, dims.bank_bytes,
+                              slot_bytes)  # fmt: skip
+        depth, slots = _ring_and_slots(
+            options, ring_depth, where, left, dims, slot_bytes, target, budget
         )
+        out, _ = _buffers(spec, sharding, stream, kinds, dims, depth, slots)
+        explicit = sum(b.bytes for b in out.buffers if b.role != "internal")
+        internal = sum(b.bytes for b in out.buffers if b.role == "internal")
+        if explicit + internal > limit:
+            raise SpecError(
+                f"VMEM: {where} needs {_mib(explicit)} explicit + {_mib(internal)} of Mosaic "
+                f"scratch (estimate) per core, over the {_mib(limit)} limit; lower "
+                "--vmem-budget, --batch or --rows"
+            )
+    except SpecError as refusal:
+        if any(r.name == "all" for r in dims.collectives.rounds):
+            # A flat round lands a slot per core in its buffer: the staged rounds need fewer.
+            raise SpecError(f"{refusal}, or run --collectives staged") from None
+        raise
     bank = dims.bank_bytes
     why = f"ring {depth} x {_mib(bank)}" + (
         f", {slots} expert piece slot(s) of {_mib(slot_bytes)}" if slots else ""

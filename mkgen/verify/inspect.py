@@ -371,17 +371,22 @@ def _describe_collective(build: Build, phase: Phase) -> None:
     L = build.layout
     op = str(phase.detail)
     coll = L.collectives
-    peers = coll.copies
     phase.label = f"{op.replace('_', '-')} across {L.devices} cores"
-    rounds = " then ".join(f"{r.name} x{r.size}" for r in coll.rounds)
+    ways = []
+    for scheme in coll.schemes():
+        rounds = [coll.rounds[i] for i in scheme]
+        peers = sum(r.size - 1 for r in rounds)
+        named = " then ".join(f"{r.name} x{r.size}" for r in rounds)
+        ways.append(
+            f"{peers} remote DMAs out and {peers} in over {len(rounds)} one-shot round(s) ({named})"
+        )
     phase.dmas = (
         [
-            f"{peers} remote DMAs out and {peers} in over {len(coll.rounds)} one-shot "
-            f"round(s) ({rounds}), at most [{L.tokens_padded}, "
+            f"{' or '.join(ways)}, as the plan gives each call, at most [{L.tokens_padded}, "
             f"{max(b.width for b in coll.buffers)}] 32-bit words each (f32, or bf16 "
             "pairs), one semaphore per copy, combined in member order"
         ]
-        if peers
+        if coll.rounds
         else ["none (one core)"]
     )
     phase.dmas.append(f"weight ring: {L.stream.ring_depth} banks stay in flight")
@@ -492,12 +497,13 @@ _STRUCTURE = {
     "(kinds chosen by pl.when on the SMEM layer tables), the lm_head",
     "Stream.prime": "start the first RING_DEPTH bank DMAs of the step",
     "Ring.prime": "start the first DMAs of a ring (weight banks or expert pieces)",
-    "Collectives.all_reduce": "one-shot rounds (host, then across hosts): the running sum "
-    "to every other member of the round's group; summed in f32 in member order",
+    "Collectives.all_reduce": "one-shot rounds (host, then across hosts, or one of every "
+    "core): the running sum to every other member of the round's group; summed in f32 in "
+    "member order",
     "Collectives.all_gather": "one-shot rounds: the pieces gathered so far to every other "
     "member of the round's group",
-    "Collectives.reduce_scatter": "one-shot rounds in reverse: part j of the running sum "
-    "to member j",
+    "Collectives.reduce_scatter": "one-shot rounds (across hosts first, or one of every "
+    "core): part j of the running sum to member j",
 }
 
 

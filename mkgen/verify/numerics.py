@@ -168,7 +168,7 @@ def verify_numerics(
     seed: int = 0,
     timeout: float = 900.0,
     quant: tuple[str, ...] = (),
-    knobs: dict[str, int] | None = None,
+    knobs: dict[str, Any] | None = None,
     mutations: list[tuple[str, str]] | None = None,
     on_step: Callable[[], None] | None = None,
 ) -> NumericsReport:
@@ -176,7 +176,7 @@ def verify_numerics(
 
     `quant` (FAMILY=FORMAT) are the build's format overrides: the twin is made from the
     spec as built, with its own (smaller) blocks. `knobs` are the kernel knobs of the build
-    (ring_depth, expert_slots): the twin is rendered with them.
+    (ring_depth, expert_slots, collectives, ...): the twin is rendered with them.
 
     `mutations` (tests only) are (old, new) text replacements applied to the rendered
     kernel, to prove that a broken schedule is caught. `on_step` is called as each decode
@@ -411,7 +411,7 @@ def _run_child(
     context: int,
     seed: int,
     quant: list[str],
-    knobs: dict[str, int],
+    knobs: dict[str, Any],
     mutations: list[tuple[str, str]],
 ) -> dict[str, Any]:
     import jax
@@ -478,7 +478,7 @@ def _child_kernel(
     rows: int,
     context: int,
     quant: list[str],
-    knobs: dict[str, int],
+    knobs: dict[str, Any],
     mutations: list[tuple[str, str]],
 ) -> tuple[Any, Any, Any, Any]:
     """(topology, the spec's mini twin, its kernel layout, the rendered kernel module with
