@@ -19,8 +19,8 @@ that the planned figure is not below what the compiled kernel really uses
 
 The explicit buffers must fit the budget (BuildOptions.vmem_budget_bytes or the
 chip's default, 58 of TPU7x's 64 MiB); the estimate of Mosaic's scratch must fit
-in the rest of the limit. The ring depth and the expert slot count are chosen here,
-under the budget.
+in the rest of the limit, less the 64 KiB Mosaic keeps of it (Chip.vmem_usable_bytes).
+The ring depth and the expert slot count are chosen here, under the budget.
 """
 
 from __future__ import annotations
@@ -539,12 +539,13 @@ def plan_vmem(
     one expert slot.
     """
     chip = topo.chip_info
-    limit = chip.vmem_limit_bytes
+    limit = chip.vmem_usable_bytes
     budget = options.vmem_budget_bytes or chip.vmem_budget_bytes
     if budget > limit:
         raise SpecError(
-            f"--vmem-budget {_mib(budget)}: exceeds {chip.name}'s VMEM limit of {_mib(limit)} "
-            "(the budget is the explicit VMEM the plan may allocate)"
+            f"--vmem-budget {_mib(budget)}: exceeds the {_mib(limit)} of VMEM a {chip.name} kernel "
+            "may use (its VMEM limit less the 64 KiB Mosaic keeps; the budget is the explicit "
+            "VMEM the plan may allocate)"
         )
     target = ring_target_bytes or RING_VMEM_BYTES
     dims = kernel_dims(
