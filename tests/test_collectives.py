@@ -3,6 +3,7 @@ balance across cores and their price."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import ml_dtypes
@@ -17,8 +18,11 @@ from mkgen.plan.collectives import (
     CollectivePlan,
     arrange_devices,
     check_rounds,
+    collective_buffers,
     collective_time_us,
+    ffn_out_buffer,
     host_order,
+    layer_uses,
     plan_collectives,
     plan_rounds,
     round_calls,
@@ -27,6 +31,7 @@ from mkgen.plan.collectives import (
     wire_lanes,
 )
 from mkgen.plan.options import BuildOptions
+from mkgen.plan.sharding import plan_sharding
 from mkgen.spec.loader import load_spec
 from mkgen.spec.topology import parse_topology
 
@@ -283,3 +288,26 @@ def test_latent_moe_designs_in_the_layout() -> None:
         kinds=default_registry(),
     ).kernel
     assert next(f for f in plain.ffn if f.type == "moe").latent_design == "ar_ag"
+
+
+@pytest.mark.parametrize(
+    ("spec", "topology"),
+    [("kimi-k3", "2x2x4"), (str(Path(__file__).parent / "specs/mla-hybrid.yaml"), "2x2x1")],
+)
+def test_no_two_collectives_in_a_row_share_a_landing_buffer(spec: str, topology: str) -> None:
+    """Over the step's layers in order, each collective lands in another buffer than the
+    one before it (a peer done with the earlier one may already write the next); every
+    FFN's output all-reduce lands in one buffer, so Kimi K3's dense first layer does not
+    widen the latent all-gather's buffer (3584 words a row there, 1152 now)."""
+    topo = parse_topology(topology)
+    sharding = plan_sharding(load_spec(spec), topo, BuildOptions.create(), kinds=default_registry())
+    ffn_out = ffn_out_buffer(sharding)
+    order = []
+    for attn, ffn in sharding.layer_table:
+        a, f = sharding.attention[attn], sharding.ffn[ffn]
+        buffers = collective_buffers(a.collectives, f.collectives, ffn_out)
+        order += [buffers[c.name] for c in (*a.collectives, *f.collectives)]
+    assert all(x != y for x, y in zip(order, order[1:], strict=False))
+    if spec == "kimi-k3":
+        plan = plan_collectives(topo, layer_uses(sharding))
+        assert [b.width for b in plan.buffers] == [3584, 1152, 512, 3584]

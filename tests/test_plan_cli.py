@@ -337,7 +337,7 @@ def test_more_held_refills_than_the_ring_allows_is_one_line() -> None:
 
 
 def test_a_plan_over_the_vmem_budget_is_one_line() -> None:
-    result = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--batch", "8")
+    result = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--batch", "16")
     assert_user_error(result, "VMEM:", "MiB it may use", "collective0_vmem")
 
 

@@ -5,7 +5,7 @@ regenerate with `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --force` (add -o 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Kimi K3: 93 layers, 3 KDA to 1 MLA plus a final MLA layer, latent MoE of 896 experts, top-16"
 Build options: batch 1, rows 8, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 14 refills held for collectives, 5 a round.
-Inputs sha256: 0be6b87990fc9396ae7dab158aede48369626578e9dbd578b7650b95ca74ce43 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 3928897b6879baa3b1c90067b85cf632386b2e46dab5b6e5493f27c5f2cfbe51 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 32 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -90,18 +90,14 @@ COLLECTIVE_PEERS = 10  # cores one core writes to: sum of (size - 1)
 # copy it lands; reduce-scatter staging rows after its COLLECTIVE_SLOTS landing slots).
 COLLECTIVE_LANDING = (
     (3584, 0),  # kda.attn_out all_reduce, mla.attn_out all_reduce
-    (3584, 0),  # dense.ffn_out all_reduce, moe.latent_in all_gather, mla.mla_latent all_gather
+    (1152, 0),  # moe.latent_in all_gather, mla.mla_latent all_gather
     (512, 8),  # moe.expert_out reduce_scatter
-    (3584, 0),  # moe.ffn_out all_reduce
+    (3584, 0),  # dense.ffn_out all_reduce, moe.ffn_out all_reduce
 )
 # (buffer, op, columns of the argument) -> (wire dtype, 32-bit lanes) of each round in
 # execution order: bf16 where a piece is whole 128-lane blocks of at least 256 columns.
 COLLECTIVE_WIRES = {
     (0, "all_reduce", 7168): (
-        ("bf16", 3584),
-        ("bf16", 3584),
-    ),
-    (1, "all_reduce", 7168): (
         ("bf16", 3584),
         ("bf16", 3584),
     ),
@@ -848,6 +844,16 @@ class Collectives:
         return total
 
 
+def _mix_weights(vec, n):
+    """The softmax of the block's logits over its n live snapshots, [1, MAX_SNAPSHOTS]
+    (zero past n)."""
+    logits = vec[RESIDUAL_LOGITS_ROW : RESIDUAL_LOGITS_ROW + 1, :MAX_SNAPSHOTS]
+    live = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1) < n
+    top = jnp.max(jnp.where(live, logits, -jnp.inf), axis=1, keepdims=True)
+    weights = jnp.where(live, jnp.exp(logits - top), 0.0)
+    return weights / jnp.sum(weights, axis=1, keepdims=True)
+
+
 def _attention_residual(snapshots, x_res, vec, block):
     """Block `block` starts: snapshot the stream; from the second block on, the stream (and
     its snapshot) becomes the softmax mixture of the last n = min(block + 1, MAX_SNAPSHOTS)
@@ -858,11 +864,7 @@ def _attention_residual(snapshots, x_res, vec, block):
     @pl.when(block >= 1)
     def _():
         n = jnp.minimum(block + 1, MAX_SNAPSHOTS)
-        logits = vec[RESIDUAL_LOGITS_ROW : RESIDUAL_LOGITS_ROW + 1, :MAX_SNAPSHOTS]
-        live = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1) < n
-        top = jnp.max(jnp.where(live, logits, -jnp.inf), axis=1, keepdims=True)
-        weights = jnp.where(live, jnp.exp(logits - top), 0.0)
-        mix = weights / jnp.sum(weights, axis=1, keepdims=True)
+        mix = _mix_weights(vec, n)
         mixed = jnp.zeros(x_res.shape, jnp.float32)
         for j in range(MAX_SNAPSHOTS):
             source = (block - n + 1 + j) % MAX_SNAPSHOTS
@@ -1184,7 +1186,7 @@ def _ffn_dense(ctx, layer, first_row, x):
     y = ctx.stream.matmul(h, first_row, DENSE_GATE_UP)
     a = _activation(DENSE_ACTIVATION, y[:, :DENSE_WIDTH], y[:, DENSE_WIDTH : 2 * DENSE_WIDTH])
     partial = ctx.stream.matmul(a, first_row, DENSE_DOWN)
-    return ctx.collectives.all_reduce(1, partial)
+    return ctx.collectives.all_reduce(3, partial)
 
 
 # ----------------------------------------------------------------------------- FFN "moe" (MoE)
@@ -1376,7 +1378,7 @@ def _kernel(
     vec_sems,  # DMA[2]
     x_res_vmem,  # [TOKENS_PADDED, HIDDEN] f32: the residual stream
     collective0_vmem,  # [COLLECTIVE_SLOTS, TOKENS_PADDED, 3584] uint32: landing slots of collective 0 of a layer
-    collective1_vmem,  # [COLLECTIVE_SLOTS, TOKENS_PADDED, 3584] uint32: landing slots of collective 1 of a layer
+    collective1_vmem,  # [COLLECTIVE_SLOTS, TOKENS_PADDED, 1152] uint32: landing slots of collective 1 of a layer
     collective2_vmem,  # [COLLECTIVE_SLOTS + 8, TOKENS_PADDED, 512] uint32: landing slots of collective 2 of a layer (+ reduce-scatter staging)
     collective3_vmem,  # [COLLECTIVE_SLOTS, TOKENS_PADDED, 3584] uint32: landing slots of collective 3 of a layer
     send_sems,  # DMA[COLLECTIVE_BUFFERS, COLLECTIVE_SLOTS]

@@ -5,7 +5,7 @@ regenerate with `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --force` (add -o 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Kimi K3: 93 layers, 3 KDA to 1 MLA plus a final MLA layer, latent MoE of 896 experts, top-16"
 Build options: batch 1, rows 8, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 14 refills held for collectives, 5 a round.
-Inputs sha256: 0be6b87990fc9396ae7dab158aede48369626578e9dbd578b7650b95ca74ce43 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 3928897b6879baa3b1c90067b85cf632386b2e46dab5b6e5493f27c5f2cfbe51 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -39,6 +39,8 @@ def build_command(
     expert_slots: int | None,
     held_refills: int | None,
     kv_tile: int | None,
+    residual_snapshots: str | None,
+    recurrent_states: str | None,
     output: Path | None,
     force: bool,
 ) -> None:
@@ -55,7 +57,7 @@ def build_command(
     spec, topo, options = plan_inputs(
         spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,
         quant=quant, ring_depth=ring_depth, expert_slots=expert_slots, held_refills=held_refills,
-        kv_tile=kv_tile,
+        kv_tile=kv_tile, residual_snapshots=residual_snapshots, recurrent_states=recurrent_states,
     )  # fmt: skip
     # The printed commands name the build as the user did, so they run as printed.
     default_dir = output is None or output.resolve() == default_build_dir(spec.name, topo).resolve()

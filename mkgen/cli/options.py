@@ -112,6 +112,18 @@ knob_options = compose(
         default=None,
         help="Cache tokens per KV tile of every cache attention kind [planner].",
     ),
+    click.option(
+        "--residual-snapshots",
+        type=click.Choice(["vmem", "hbm"]),
+        default=None,
+        help="Where the attention-residual snapshots live [planner: VMEM if it holds them].",
+    ),
+    click.option(
+        "--recurrent-states",
+        type=click.Choice(["vmem", "stream"]),
+        default=None,
+        help="Recurrent states all in VMEM, or streamed a sequence at a time [planner].",
+    ),
 )
 
 # --topology and the build options shared by `build` and `compile`.

@@ -31,6 +31,7 @@ report and the checks all read the BuildPlan it returns.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr
@@ -52,7 +53,7 @@ from mkgen.plan.schedule import ScheduleSummary, build_schedule
 from mkgen.plan.sharding import ShardingPlan, TensorShard, plan_sharding
 from mkgen.plan.stream import StreamPlan, plan_stream
 from mkgen.plan.timeline import ProgramPlan, estimate, price_program
-from mkgen.plan.vmem import VmemPlan, cache_kinds, plan_vmem
+from mkgen.plan.vmem import MAX_EXPERT_SLOTS, VmemPlan, cache_kinds, comfort_depth, plan_vmem
 from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology
 
@@ -228,6 +229,24 @@ def _score(
     return score_holds(step_ms, base.stream.refills_per_round, most)
 
 
+def full_size_kernel_modes(
+    spec: ModelSpec, topo: Topology, options: BuildOptions, *, kinds: KindRegistry
+) -> dict[str, Any]:
+    """The kernel modes the full-size build of `spec` at `options` chose that its mini
+    twin, whose small buffers would choose otherwise, takes to prove that kernel (as
+    BuildOptions fields): the attention-residual snapshots in HBM, the recurrent states
+    streamed. Nothing when the full size does not plan (the twin keeps its own choice)."""
+    shape = {"bank_rows": FULL_BANK_ROWS, "ring_depth": None, "max_piece_chunks": MAX_PIECE_CHUNKS,
+             "kv_tile_tokens": None, "inline_scales": True}  # fmt: skip
+    try:
+        vmem = _unheld_program(spec, topo, options, kinds, shape, require_fit=False).vmem
+    except SpecError:
+        return {}
+    modes = {"residual_snapshots": "hbm" if vmem.snapshots_in_hbm else None,
+             "recurrent_states": "stream" if vmem.state_slots else None}  # fmt: skip
+    return {k: v for k, v in modes.items() if v is not None and getattr(options, k) is None}
+
+
 def _unheld_program(
     spec: ModelSpec, topo: Topology, options: BuildOptions, kinds: KindRegistry,
     shape: dict[str, Any], require_fit: bool,
@@ -244,9 +263,12 @@ def _unheld_program(
     stream = plan_stream(spec, sharding, bank_rows=shape["bank_rows"], ring_depth=2, kinds=kinds)
 
     def program_at(kv_tiles: dict[str, int]) -> ProgramPlan:
-        return _tiled_program(
-            spec, topo, options, kinds, shape, (sharding, memory, stream), kv_tiles
-        )
+        def planned(opts: BuildOptions) -> ProgramPlan:
+            return _tiled_program(
+                spec, topo, opts, kinds, shape, (sharding, memory, stream), kv_tiles
+            )
+
+        return _with_scored_slots(planned, options, shape, topo)
 
     names = cache_kinds(spec, sharding, kinds, options.rows)
     forced = shape["kv_tile_tokens"] or options.kv_tile
@@ -256,6 +278,32 @@ def _unheld_program(
         program_at, names, options.context, lambda p: estimate(topo, options, p).step_ms,
         hold_digest(spec, topo, options, shape),
     )  # fmt: skip
+
+
+def _with_scored_slots(
+    planned: Callable[[BuildOptions], ProgramPlan], options: BuildOptions,
+    shape: dict[str, Any], topo: Topology,
+) -> ProgramPlan:  # fmt: skip
+    """The program `planned(options)`, or, where VMEM leaves the ring under its comfort
+    depth (mkgen.plan.vmem: the plan's rule gives the ring every byte up to it before a
+    second expert slot), the program with more expert slots and the ring what is left, when
+    the cost model predicts it faster: at batch 8 x rows 8 Kimi K3's experts wait on one
+    slot (predicted 42.786 ms a step with 1 slot, 33.250 with 2 and smaller KV tiles)."""
+    program = planned(options)
+    vmem = program.vmem
+    forced = options.expert_slots or options.ring_depth or shape["ring_depth"]
+    if forced or not vmem.expert_slots or vmem.ring_depth >= comfort_depth(vmem.dims.bank_bytes):
+        return program
+    best, best_ms = program, estimate(topo, options, program).step_ms
+    for slots in range(vmem.expert_slots + 1, MAX_EXPERT_SLOTS + 1):
+        try:
+            trial = planned(options.model_copy(update={"expert_slots": slots}))
+        except SpecError:  # no room left for the ring's two banks
+            break
+        ms = estimate(topo, options, trial).step_ms
+        if ms < best_ms:
+            best, best_ms = trial, ms
+    return best
 
 
 def _tiled_program(
@@ -392,7 +440,9 @@ def plan_build(
     vmem, schedule = program.vmem, program.schedule
     kernel = build_layout(spec, topo, sharding, stream, options, kinds=kinds,
                           max_piece_chunks=max_piece_chunks, expert_slots=vmem.expert_slots,
-                          kv_tiles=vmem.dims.kv_tiles, trace_residuals=trace_residuals)  # fmt: skip
+                          kv_tiles=vmem.dims.kv_tiles, trace_residuals=trace_residuals,
+                          snapshots_in_hbm=vmem.snapshots_in_hbm,
+                          state_slots=vmem.state_slots)  # fmt: skip
     step = analyse(schedule, vmem)
     if enforce:
         step.enforce()

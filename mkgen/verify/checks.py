@@ -180,7 +180,7 @@ def run_verify(
     seed: int,
     timeout: float,
     quant: tuple[str, ...] = (),
-    knobs: dict[str, int] | None = None,
+    knobs: dict[str, int | str] | None = None,
     on_step: Callable[[], None] | None = None,
 ) -> list[NumericsReport]:
     return [
@@ -251,7 +251,7 @@ def verify_record(
     context: int,
     seed: int,
     quant: tuple[str, ...] = (),
-    knobs: dict[str, int] | None = None,
+    knobs: dict[str, int | str] | None = None,
 ) -> dict[str, Any]:
     return {
         **({"knobs": dict(knobs)} if knobs else {}),

@@ -168,7 +168,7 @@ def verify_numerics(
     seed: int = 0,
     timeout: float = 900.0,
     quant: tuple[str, ...] = (),
-    knobs: dict[str, int] | None = None,
+    knobs: dict[str, int | str] | None = None,
     mutations: list[tuple[str, str]] | None = None,
     on_step: Callable[[], None] | None = None,
 ) -> NumericsReport:
@@ -411,7 +411,7 @@ def _run_child(
     context: int,
     seed: int,
     quant: list[str],
-    knobs: dict[str, int],
+    knobs: dict[str, int | str],
     mutations: list[tuple[str, str]],
 ) -> dict[str, Any]:
     import jax
@@ -478,7 +478,7 @@ def _child_kernel(
     rows: int,
     context: int,
     quant: list[str],
-    knobs: dict[str, int],
+    knobs: dict[str, int | str],
     mutations: list[tuple[str, str]],
 ) -> tuple[Any, Any, Any, Any]:
     """(topology, the spec's mini twin, its kernel layout, the rendered kernel module with

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --force`
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of kimi-k3 for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: bf2326d5080f2cb5a259eb8e72905915f24bcbea23010d9ce4f8767cb917c7cc (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: afe7ed47550a987dab47574b46770e0dcbd7b77972103aca3e6870fc6a23fe14 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 32 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -90,18 +90,14 @@ COLLECTIVE_PEERS = 10  # cores one core writes to: sum of (size - 1)
 # copy it lands; reduce-scatter staging rows after its COLLECTIVE_SLOTS landing slots).
 COLLECTIVE_LANDING = (
     (128, 0),  # kda.attn_out all_reduce, mla.attn_out all_reduce
-    (128, 0),  # dense.ffn_out all_reduce, moe.latent_in all_gather, mla.mla_latent all_gather
+    (128, 0),  # moe.latent_in all_gather, mla.mla_latent all_gather
     (128, 8),  # moe.expert_out reduce_scatter
-    (128, 0),  # moe.ffn_out all_reduce
+    (128, 0),  # dense.ffn_out all_reduce, moe.ffn_out all_reduce
 )
 # (buffer, op, columns of the argument) -> (wire dtype, 32-bit lanes) of each round in
 # execution order: bf16 where a piece is whole 128-lane blocks of at least 256 columns.
 COLLECTIVE_WIRES = {
     (0, "all_reduce", 256): (
-        ("bf16", 128),
-        ("bf16", 128),
-    ),
-    (1, "all_reduce", 256): (
         ("bf16", 128),
         ("bf16", 128),
     ),
@@ -836,6 +832,16 @@ class Collectives:
         return total
 
 
+def _mix_weights(vec, n):
+    """The softmax of the block's logits over its n live snapshots, [1, MAX_SNAPSHOTS]
+    (zero past n)."""
+    logits = vec[RESIDUAL_LOGITS_ROW : RESIDUAL_LOGITS_ROW + 1, :MAX_SNAPSHOTS]
+    live = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1) < n
+    top = jnp.max(jnp.where(live, logits, -jnp.inf), axis=1, keepdims=True)
+    weights = jnp.where(live, jnp.exp(logits - top), 0.0)
+    return weights / jnp.sum(weights, axis=1, keepdims=True)
+
+
 def _attention_residual(snapshots, x_res, vec, block):
     """Block `block` starts: snapshot the stream; from the second block on, the stream (and
     its snapshot) becomes the softmax mixture of the last n = min(block + 1, MAX_SNAPSHOTS)
@@ -846,11 +852,7 @@ def _attention_residual(snapshots, x_res, vec, block):
     @pl.when(block >= 1)
     def _():
         n = jnp.minimum(block + 1, MAX_SNAPSHOTS)
-        logits = vec[RESIDUAL_LOGITS_ROW : RESIDUAL_LOGITS_ROW + 1, :MAX_SNAPSHOTS]
-        live = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1) < n
-        top = jnp.max(jnp.where(live, logits, -jnp.inf), axis=1, keepdims=True)
-        weights = jnp.where(live, jnp.exp(logits - top), 0.0)
-        mix = weights / jnp.sum(weights, axis=1, keepdims=True)
+        mix = _mix_weights(vec, n)
         mixed = jnp.zeros(x_res.shape, jnp.float32)
         for j in range(MAX_SNAPSHOTS):
             source = (block - n + 1 + j) % MAX_SNAPSHOTS
@@ -1172,7 +1174,7 @@ def _ffn_dense(ctx, layer, first_row, x):
     y = ctx.stream.matmul(h, first_row, DENSE_GATE_UP)
     a = _activation(DENSE_ACTIVATION, y[:, :DENSE_WIDTH], y[:, DENSE_WIDTH : 2 * DENSE_WIDTH])
     partial = ctx.stream.matmul(a, first_row, DENSE_DOWN)
-    return ctx.collectives.all_reduce(1, partial)
+    return ctx.collectives.all_reduce(3, partial)
 
 
 # ----------------------------------------------------------------------------- FFN "moe" (MoE)

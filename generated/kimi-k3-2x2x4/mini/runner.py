@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --force`
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of kimi-k3 for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: bf2326d5080f2cb5a259eb8e72905915f24bcbea23010d9ce4f8767cb917c7cc (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: afe7ed47550a987dab47574b46770e0dcbd7b77972103aca3e6870fc6a23fe14 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build muse-spark-1.2 --topology 2x2x1 --force`` 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of muse-spark-1.2 for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 49569913b690d5fe6b6a5eb103e95b0413e457693609c553bf85e4b56cc35efb (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 4c4bce158f8c144c58e8bb8becc91d73f7864d57718b546c8de6b0b5c6c6b9ad (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3-32b --topology 2x2x1 --force`` (add 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3-32b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: cf3e8eac731ce88e633663d675319df9c93112c338b07603ed38040a1bd1073a (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 0057c64d923fcee4d44d6c3c81d02e70e58342bae3509661584e6022fc5428c0 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3.8-27b --topology 2x2x1 --force`` (ad
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3.8-27b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 11b182f339cee2f28f35d3f3613bbb14f4d4e209551d25adf4082437392731a1 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: f0b9afe81d63c1aaeaa4be25b9186fbf65a8a2b5d7308df1369fb94b3bcfdbd5 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
