@@ -238,6 +238,8 @@ FULL_SIZE = [
     # Kimi K3 as the hand-written kernel runs it: KDA + MLA, latent MoE of mxfp4 experts
     # combined by reduce-scatter, the attention residual, 32 cores on 4 hosts.
     ("kimi-k3", "2x2x4", {"rows": 8}),
+    # 64 token rows: the compact modes (snapshots in HBM, states streamed), ring 2, 2 slots.
+    ("kimi-k3", "2x2x4", {"rows": 8, "batch": 8}),
     ("kimi-k2", "2x2x4", {}),  # MLA with YaRN, fp8 everywhere (MLP re-blocked to fp8:64)
 ]
 
@@ -248,7 +250,7 @@ def _id(case) -> str:
         [
             Path(name).stem,
             topology,
-            *(f"{k}{v}" for k, v in options.items() if k == "rows"),
+            *(f"{k}{v}" for k, v in options.items() if k in ("batch", "rows")),
             *options.get("quant", []),
         ]
     )
@@ -263,7 +265,8 @@ def test_full_size_kernel_compiles_for_tpu7x(name: str, topology: str, options: 
     opts = BuildOptions.create(context=4096, **options)
     plan = plan_build(spec, topo, opts, kinds=default_registry())
     layout, vmem = plan.kernel, plan.vmem
-    module = f"compile_{layout.model}_{topology}_{layout.rows}".replace("-", "_").replace(".", "_")
+    module = f"compile_{layout.model}_{topology}_{layout.batch}x{layout.rows}"
+    module = module.replace("-", "_").replace(".", "_")
     kernel = load_module(render_kernel(layout, "test"), module)
     devices = arrange_devices(compile_only_devices(topo), topo, layout.collectives.mesh_order)
     mesh = Mesh(np.array(devices), (kernel.AXIS,))

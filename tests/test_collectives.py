@@ -3,6 +3,7 @@ balance across cores and their price."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import ml_dtypes
@@ -18,9 +19,12 @@ from mkgen.plan.collectives import (
     arrange_devices,
     check_rounds,
     choose_rounds,
+    collective_buffers,
     collective_time_us,
+    ffn_out_buffer,
     flat_round,
     host_order,
+    layer_uses,
     plan_collectives,
     plan_rounds,
     round_calls,
@@ -30,6 +34,7 @@ from mkgen.plan.collectives import (
 )
 from mkgen.plan.cost import CostConstants
 from mkgen.plan.options import BuildOptions
+from mkgen.plan.sharding import plan_sharding
 from mkgen.spec.loader import load_spec
 from mkgen.spec.topology import parse_topology
 
@@ -375,3 +380,26 @@ def test_a_flat_round_sums_in_one_round_and_bounds_its_error_by_one_rounding() -
     assert [x.wire for x in scatter] == ["f32"] and wire_error_bound(
         "reduce_scatter", scatter
     ) < 2e-6
+
+
+@pytest.mark.parametrize(
+    ("spec", "topology"),
+    [("kimi-k3", "2x2x4"), (str(Path(__file__).parent / "specs/mla-hybrid.yaml"), "2x2x1")],
+)
+def test_no_two_collectives_in_a_row_share_a_landing_buffer(spec: str, topology: str) -> None:
+    """Over the step's layers in order, each collective lands in another buffer than the
+    one before it (a peer done with the earlier one may already write the next); every
+    FFN's output all-reduce lands in one buffer, so Kimi K3's dense first layer does not
+    widen the latent all-gather's buffer (3584 words a row there, 1152 now)."""
+    topo = parse_topology(topology)
+    sharding = plan_sharding(load_spec(spec), topo, BuildOptions.create(), kinds=default_registry())
+    ffn_out = ffn_out_buffer(sharding)
+    order = []
+    for attn, ffn in sharding.layer_table:
+        a, f = sharding.attention[attn], sharding.ffn[ffn]
+        buffers = collective_buffers(a.collectives, f.collectives, ffn_out)
+        order += [buffers[c.name] for c in (*a.collectives, *f.collectives)]
+    assert all(x != y for x, y in zip(order, order[1:], strict=False))
+    if spec == "kimi-k3":
+        plan = plan_collectives(topo, layer_uses(sharding))
+        assert [b.width for b in plan.buffers] == [3584, 1152, 512, 3584]

@@ -350,7 +350,7 @@ def test_a_bad_collectives_mode_and_flat_rounds_over_the_vmem_budget_are_one_lin
 
 
 def test_a_plan_over_the_vmem_budget_is_one_line() -> None:
-    result = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--batch", "8")
+    result = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--batch", "16")
     assert_user_error(result, "VMEM:", "MiB it may use", "collective0_vmem")
 
 

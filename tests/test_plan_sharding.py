@@ -10,7 +10,7 @@ import pytest
 from mkgen.errors import SpecError
 from mkgen.kinds import default_registry
 from mkgen.plan import BuildOptions, plan_build
-from mkgen.plan.collectives import collective_buffers, layer_uses
+from mkgen.plan.collectives import collective_buffers, ffn_out_buffer, layer_uses
 from mkgen.plan.memory import check_fit, plan_memory
 from mkgen.plan.options import parse_quant_overrides, parse_size
 from mkgen.plan.sharding import expected_max, full_size_splits, plan_sharding
@@ -83,7 +83,7 @@ def test_kimi_k3_mla_latent_projections_split_into_unaligned_pieces_and_gathered
 def test_mla_gather_borrows_the_ffn_buffer_the_attention_all_reduce_protects():
     _, plan = _plan("kimi-k3", "2x2x4", rows=8)
     mla, moe = plan.attention["mla"], plan.ffn["moe"]
-    assert collective_buffers(mla.collectives, moe.collectives) == {
+    assert collective_buffers(mla.collectives, moe.collectives, ffn_out_buffer(plan)) == {
         "mla_latent": 1, "attn_out": 0, "latent_in": 1, "expert_out": 2, "ffn_out": 3,
     }  # fmt: skip
     uses = layer_uses(plan)

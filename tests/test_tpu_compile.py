@@ -75,3 +75,36 @@ def test_oversized_vmem_request_fails_the_compile(tpu7x_device) -> None:
     rows = 80 * 1024  # a 2 x 40 MiB ring: more than TPU7x's 64 MiB of VMEM
     with pytest.raises(CompileError, match="would exceed memory"):
         compile_for_tpu(_streaming_kernel(rows), _shapes(tpu7x_device, rows))
+
+
+def _one_buffer_kernel(scratch_bytes: int):
+    """A kernel of one bf16 scratch buffer of `scratch_bytes` and an [8, 256] block in and out."""
+    rows = scratch_bytes // (256 * 2)
+
+    def kernel(x_ref, o_ref, big):
+        big[0:8, :] = x_ref[...]
+        o_ref[...] = big[rows - 8 : rows, :].astype(jnp.float32)
+
+    def call(x):
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((8, 256), jnp.float32),
+            in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
+            out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+            scratch_shapes=[pltpu.VMEM((rows, 256), jnp.bfloat16)],
+            compiler_params=pltpu.CompilerParams(vmem_limit_bytes=64 * MiB),
+        )(x)
+
+    return jax.jit(call)
+
+
+def test_mosaic_keeps_64_kib_of_the_vmem_limit(tpu7x_device) -> None:
+    """The measurement behind hardware.MOSAIC_RESERVED_VMEM_BYTES: under a 64 MiB limit,
+    Mosaic lets a kernel use 64 MiB - 64 KiB (the blocks in and out take 12 KiB)."""
+    usable = parse_topology("2x2x1").chip_info.vmem_usable_bytes
+    assert usable == 64 * MiB - 64 * 1024
+    x = [jax.ShapeDtypeStruct((8, 256), jnp.bfloat16, sharding=SingleDeviceSharding(tpu7x_device))]
+    fits = compile_for_tpu(_one_buffer_kernel(usable - 20 * 1024), x)
+    assert usable - 8 * 1024 <= fits.vmem_bytes <= usable
+    with pytest.raises(CompileError, match="of 63.94M vmem"):
+        compile_for_tpu(_one_buffer_kernel(usable), x)

@@ -40,6 +40,8 @@ def build_command(
     held_refills: int | None,
     kv_tile: int | None,
     collectives: str | None,
+    residual_snapshots: str | None,
+    recurrent_states: str | None,
     output: Path | None,
     force: bool,
 ) -> None:
@@ -57,6 +59,7 @@ def build_command(
         spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,
         quant=quant, ring_depth=ring_depth, expert_slots=expert_slots, held_refills=held_refills,
         kv_tile=kv_tile, collectives=collectives,
+        residual_snapshots=residual_snapshots, recurrent_states=recurrent_states,
     )  # fmt: skip
     # The printed commands name the build as the user did, so they run as printed.
     default_dir = output is None or output.resolve() == default_build_dir(spec.name, topo).resolve()

@@ -90,13 +90,15 @@ def verify_command(
     held_refills: int | None,
     kv_tile: int | None,
     collectives: str | None,
+    residual_snapshots: str | None,
+    recurrent_states: str | None,
 ) -> None:
     """Run SPEC's mini twin on TOPOLOGY's mesh in TPU interpret mode (virtual CPU devices,
     race detection, uninitialised memory as NaN) against the reference model, in each DMA
     execution mode. Exit 0 if every check passes, 1 naming the first failure."""
     from mkgen.codegen.package import mini_kernel_args
     from mkgen.kinds import default_registry
-    from mkgen.plan import plan_build
+    from mkgen.plan import full_size_kernel_modes, plan_build
     from mkgen.plan.options import BuildOptions
     from mkgen.plan.sharding import full_size_splits
     from mkgen.spec.mini import mini_twin
@@ -110,6 +112,8 @@ def verify_command(
             ("held_refills", held_refills),
             ("kv_tile", kv_tile),
             ("collectives", collectives),
+            ("residual_snapshots", residual_snapshots),
+            ("recurrent_states", recurrent_states),
         )
         if v is not None
     }
@@ -125,6 +129,10 @@ def verify_command(
     # Unsupported kinds or formats, or a plan that would hang: exit 2 here, not later.
     plan_build(spec, topo, built, kinds=default_registry())
     spec = built.apply(spec)
+    full_size = built.model_copy(update={"batch": batch, "rows": rows})
+    modes = full_size_kernel_modes(spec, topo, full_size, kinds=default_registry())
+    knobs |= modes  # the twin takes the full-size build's kernel modes, to prove that kernel
+    options = options.model_copy(update=modes)
     mini = mini_twin(spec, topo.num_devices)
     splits = full_size_splits(spec, topo, options, kinds=default_registry())
     plan_build(
@@ -134,22 +142,27 @@ def verify_command(
         **mini_kernel_args(),
         kinds=default_registry(),
     )
-    directory = None
-    if update_report:
-        from mkgen.codegen.naming import default_build_dir
-        from mkgen.codegen.package import load_build_inputs
-
-        directory = output or default_build_dir(spec.name, topo)
-        built = load_build_inputs(directory)[2]
-        if (built.batch, built.rows) != (batch, rows):
-            raise MkgenError(
-                f"{shown(directory)} is built for batch {built.batch} x rows {built.rows}; "
-                f"verify with --batch {built.batch} --rows {built.rows}"
-            )
+    directory = _verified_build(output, spec, topo, batch, rows) if update_report else None
     verify_and_print(
         spec_ref, spec, topo, checks.modes_of(mode), directory, steps=steps, batch=batch,
         rows=rows, context=context, seed=seed, timeout=timeout, quant=quant, knobs=knobs,
     )  # fmt: skip
+
+
+def _verified_build(output: Path | None, spec: Any, topo: Any, batch: int, rows: int) -> Path:
+    """The build whose REPORT.md `verify --update-report` records into: `output` or the
+    default, refused unless it is built for the verified batch and rows."""
+    from mkgen.codegen.naming import default_build_dir
+    from mkgen.codegen.package import load_build_inputs
+
+    directory = output or default_build_dir(spec.name, topo)
+    built = load_build_inputs(directory)[2]
+    if (built.batch, built.rows) != (batch, rows):
+        raise MkgenError(
+            f"{shown(directory)} is built for batch {built.batch} x rows {built.rows}; "
+            f"verify with --batch {built.batch} --rows {built.rows}"
+        )
+    return directory
 
 
 def verify_and_print(
@@ -221,6 +234,8 @@ def compile_command(
     held_refills: int | None,
     kv_tile: int | None,
     collectives: str | None,
+    residual_snapshots: str | None,
+    recurrent_states: str | None,
     update_report: bool,
     output: Path | None,
     profile: bool,
@@ -236,6 +251,7 @@ def compile_command(
         spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,
         quant=quant, ring_depth=ring_depth, expert_slots=expert_slots, held_refills=held_refills,
         kv_tile=kv_tile, collectives=collectives,
+        residual_snapshots=residual_snapshots, recurrent_states=recurrent_states,
     )  # fmt: skip
     directory = _build_dir_for(spec, topo, options, output) if update_report else None
     if profile:

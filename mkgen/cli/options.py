@@ -119,6 +119,18 @@ knob_options = compose(
         help="Rounds of the collectives: a round in each host then one across hosts, one "
         "round of every core, or per collective whichever the cost model prices lower [auto].",
     ),
+    click.option(
+        "--residual-snapshots",
+        type=click.Choice(["vmem", "hbm"]),
+        default=None,
+        help="Where the attention-residual snapshots live [planner: VMEM if it holds them].",
+    ),
+    click.option(
+        "--recurrent-states",
+        type=click.Choice(["vmem", "stream"]),
+        default=None,
+        help="Recurrent states all in VMEM, or streamed a sequence at a time [planner].",
+    ),
 )
 
 # --topology and the build options shared by `build` and `compile`.

@@ -247,16 +247,21 @@ def _render_mini(
     """The build's mini twin: the twin of the spec as built (overrides applied), with the
     twin's own formats, on the same mesh and with the full size's expert splits."""
     from mkgen.kinds import default_registry
+    from mkgen.plan import full_size_kernel_modes
     from mkgen.plan.sharding import full_size_splits
     from mkgen.spec.mini import mini_twin
 
+    built = options.apply(spec)
+    modes = {k: getattr(options, k) for k in ("residual_snapshots", "recurrent_states")}
+    modes |= full_size_kernel_modes(built, topology, options, kinds=default_registry())
     mini_options = BuildOptions.create(
         batch=options.batch,
         rows=options.rows,
         context=MINI_CONTEXT,
         ring_depth=options.ring_depth,
         expert_slots=options.expert_slots,
-        splits=full_size_splits(options.apply(spec), topology, options, kinds=default_registry()),
+        splits=full_size_splits(built, topology, options, kinds=default_registry()),
+        **modes,
     )
     return render_build(
         mini_twin(options.apply(spec), topology.num_devices),

@@ -4,8 +4,19 @@ stream's snapshots at earlier block starts."""
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from mkgen.kernellib.constants import MAX_SNAPSHOTS, RESIDUAL_LOGITS_ROW
+
+
+def _mix_weights(vec, n):
+    """The softmax of the block's logits over its n live snapshots, [1, MAX_SNAPSHOTS]
+    (zero past n)."""
+    logits = vec[RESIDUAL_LOGITS_ROW : RESIDUAL_LOGITS_ROW + 1, :MAX_SNAPSHOTS]
+    live = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1) < n
+    top = jnp.max(jnp.where(live, logits, -jnp.inf), axis=1, keepdims=True)
+    weights = jnp.where(live, jnp.exp(logits - top), 0.0)
+    return weights / jnp.sum(weights, axis=1, keepdims=True)
 
 
 def _attention_residual(snapshots, x_res, vec, block):
@@ -18,11 +29,7 @@ def _attention_residual(snapshots, x_res, vec, block):
     @pl.when(block >= 1)
     def _():
         n = jnp.minimum(block + 1, MAX_SNAPSHOTS)
-        logits = vec[RESIDUAL_LOGITS_ROW : RESIDUAL_LOGITS_ROW + 1, :MAX_SNAPSHOTS]
-        live = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1) < n
-        top = jnp.max(jnp.where(live, logits, -jnp.inf), axis=1, keepdims=True)
-        weights = jnp.where(live, jnp.exp(logits - top), 0.0)
-        mix = weights / jnp.sum(weights, axis=1, keepdims=True)
+        mix = _mix_weights(vec, n)
         mixed = jnp.zeros(x_res.shape, jnp.float32)
         for j in range(MAX_SNAPSHOTS):
             source = (block - n + 1 + j) % MAX_SNAPSHOTS
@@ -30,3 +37,35 @@ def _attention_residual(snapshots, x_res, vec, block):
             mixed = jnp.where(j < n, mixed + mix[:, j : j + 1] * snapshots[source], mixed)
         snapshots[slot] = mixed
         x_res[...] = mixed
+
+
+def _attention_residual_hbm(snapshots_hbm, landing, sem, x_res, vec, block):
+    """_attention_residual with the snapshots in HBM: from the second block on, the stream
+    (the newest snapshot) is scaled by its weight and each of the n - 1 earlier snapshots,
+    copied into `landing`, added in place, oldest first (no loop-carried value: Mosaic would
+    keep one more [TOKENS_PADDED, HIDDEN] array for it); the mixed stream is then copied
+    out as the block's snapshot."""
+    slot = block % MAX_SNAPSHOTS
+
+    @pl.when(block >= 1)
+    def _():
+        n = jnp.minimum(block + 1, MAX_SNAPSHOTS)
+        mix = _mix_weights(vec, n)
+        lanes = jax.lax.broadcasted_iota(jnp.int32, mix.shape, 1)
+        x_res[...] = (
+            jnp.sum(jnp.where(lanes == n - 1, mix, 0.0), axis=1, keepdims=True) * x_res[...]
+        )
+
+        @pl.loop(0, n - 1)
+        def _(j):
+            copy = pltpu.make_async_copy(
+                snapshots_hbm.at[(block - n + 1 + j) % MAX_SNAPSHOTS], landing, sem.at[0]
+            )
+            copy.start()
+            copy.wait()
+            weight = jnp.sum(jnp.where(lanes == j, mix, 0.0), axis=1, keepdims=True)
+            x_res[...] = x_res[...] + weight * landing[...]
+
+    copy = pltpu.make_async_copy(x_res, snapshots_hbm.at[slot], sem.at[0])
+    copy.start()
+    copy.wait()

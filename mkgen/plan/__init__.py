@@ -47,6 +47,7 @@ from mkgen.plan.memory import MemoryPlan, check_fit, plan_memory
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.program import (
     build_digest,
+    full_size_kernel_modes,
     plan_program,
     score_held_refills,
     tile_digest,
@@ -193,7 +194,9 @@ def plan_build(
     vmem, schedule = program.vmem, program.schedule
     kernel = build_layout(spec, topo, sharding, stream, options, kinds=kinds,
                           max_piece_chunks=max_piece_chunks, expert_slots=vmem.expert_slots,
-                          kv_tiles=vmem.dims.kv_tiles, trace_residuals=trace_residuals)  # fmt: skip
+                          kv_tiles=vmem.dims.kv_tiles, trace_residuals=trace_residuals,
+                          snapshots_in_hbm=vmem.snapshots_in_hbm,
+                          state_slots=vmem.state_slots)  # fmt: skip
     step = analyse(schedule, vmem)
     if enforce:
         step.enforce()
@@ -240,6 +243,7 @@ __all__ = [
     "build_digest",
     "check_fit",
     "estimate",
+    "full_size_kernel_modes",
     "plan_build",
     "plan_memory",
     "plan_program",

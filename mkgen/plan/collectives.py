@@ -341,15 +341,30 @@ def collective_time_us(op: Mapping[str, Any], chip: Chip) -> float:
     return round_time_s(call, CostConstants.from_chip(chip)) * 1e6
 
 
-def collective_buffers(attention: Sequence[Any], ffn: Sequence[Any]) -> dict[str, int]:
+def collective_buffers(
+    attention: Sequence[Any], ffn: Sequence[Any], ffn_out: int
+) -> dict[str, int]:
     """The landing buffer of each collective of a layer, by name, as the kernel numbers
     them: the attention's output all-reduce (its last) lands in buffer 0, the FFN's k-th
-    collective in 1 + k. An all-gather before the attention's all-reduce (MLA's split
+    collective in 1 + k, but the FFN's last (its output all-reduce) in buffer `ffn_out`
+    (ffn_out_buffer: the same for every layer kind, after every other's), so that a dense
+    layer's all-reduce shares the MoE's wide output buffer instead of widening its
+    narrow all-gather's. An all-gather before the attention's all-reduce (MLA's split
     A-projections) borrows buffer 1: the FFN writes a member's slot of it again only after
     that all-reduce, which needs the member's contribution, sent after it read the slot."""
     buffers = {c.name: 1 + k for k, c in enumerate(attention[:-1])}
     buffers[attention[-1].name] = 0
-    return buffers | {c.name: 1 + k for k, c in enumerate(ffn)}
+    buffers |= {c.name: 1 + k for k, c in enumerate(ffn[:-1])}
+    return buffers | ({ffn[-1].name: ffn_out} if ffn else {})
+
+
+def ffn_out_buffer(sharding: Any) -> int:
+    """The buffer every FFN's last collective lands in: past the other collectives of any
+    layer (the attention's before its all-reduce, the FFN's before its last), so that two
+    collectives in a row never share a buffer."""
+    attention = max(len(a.collectives) for a in sharding.attention.values())
+    ffn = max(len(f.collectives) for f in sharding.ffn.values())
+    return max(1, attention, ffn)
 
 
 Scheme = Literal["staged", "flat"]
@@ -365,9 +380,10 @@ def layer_uses(sharding: Any) -> list[list[Use]]:
     """(name, op, width, scheme) of the collectives landing in buffer k, for every layer
     kind pair of `sharding` (a ShardingPlan), numbered by collective_buffers."""
     uses: list[list[Use]] = []
+    ffn_out = ffn_out_buffer(sharding)
     for attn, ffn in sorted(set(sharding.layer_table)):
         a, f = sharding.attention[attn], sharding.ffn[ffn]
-        buffers = collective_buffers(a.collectives, f.collectives)
+        buffers = collective_buffers(a.collectives, f.collectives, ffn_out)
         for kind, c in [(attn, c) for c in a.collectives] + [(ffn, c) for c in f.collectives]:
             k = buffers[c.name]
             while k >= len(uses):

@@ -36,6 +36,9 @@ TABLE = Path(__file__).with_name("holds.json")
 # Options that do not change the program or its walk's step: left out of the digest so
 # that a plan at another acceptance or price finds the same entry.
 _NOT_PRICED = {"acceptance", "price_per_chip_hour_usd", "held_refills"}
+# Kernel modes the VMEM plan chooses from the other inputs when not forced: left out of
+# the digest unless forced (a forced mode is an input; a chosen one follows from them).
+_CHOSEN_MODES = ("residual_snapshots", "recurrent_states")
 
 
 class HoldChoice(NamedTuple):
@@ -55,7 +58,10 @@ def hold_digest(
     payload = {
         "spec": spec.model_dump(mode="json"),
         "topology": topo.name,
-        "options": options.model_dump(mode="json", exclude=_NOT_PRICED),
+        "options": options.model_dump(
+            mode="json",
+            exclude=_NOT_PRICED | {m for m in _CHOSEN_MODES if getattr(options, m) is None},
+        ),
         "shape": shape,
         # Every figure the walk computes with; not the price, the sources' text or the
         # clock's range (the sensitivity table's ends), which no walk of a plan reads.

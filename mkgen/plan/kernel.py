@@ -36,6 +36,8 @@ def build_layout(
     expert_slots: int,
     kv_tiles: dict[str, int],
     trace_residuals: bool = False,
+    snapshots_in_hbm: bool = False,
+    state_slots: int = 0,
 ) -> KernelLayout:
     """The kernel layout of `spec` on `topology`: per-rank pieces as `sharding` decided, the
     stream as planned, `expert_slots` and the cache kinds' `kv_tiles` as the VMEM plan
@@ -58,7 +60,7 @@ def build_layout(
                 devices=topology.num_devices, options=options, dims=spec.dims,
                 first_row=first_row, expert_format=spec.quantization.experts,
                 max_piece_chunks=max_piece_chunks, expert_slots=expert_slots,
-                kv_tile=kv_tiles.get(name),
+                kv_tile=kv_tiles.get(name), state_slots=state_slots,
             )))  # fmt: skip
         return built, table
 
@@ -79,7 +81,10 @@ def build_layout(
     if spec.attention_residual:
         r = spec.attention_residual
         residual = AttentionResidualLayout(
-            block_size=r.block_size, max_snapshots=r.max_snapshots, logits_row=ffn_rows_end
+            block_size=r.block_size,
+            max_snapshots=r.max_snapshots,
+            logits_row=ffn_rows_end,
+            in_hbm=snapshots_in_hbm,
         )
     return _assemble(
         spec, topology, sharding, stream, options, attention, ffn, (attn_table, ffn_table),

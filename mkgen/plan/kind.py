@@ -47,6 +47,8 @@ class LayoutInputs:
     # A cache attention kind's tokens per streamed KV tile, as the plan chose it
     # (mkgen.plan.kvtiles); None for the kinds without a KV cache.
     kv_tile: int | None = None
+    # A recurrent kind's sequences in VMEM at once (0: every one; mkgen.plan.vmem)
+    state_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class BufferInputs:
     stream: StreamPlan
     expert_slots: int
     expert_format: str
+    state_slots: int = 0  # a recurrent kind's sequences in VMEM at once (0: every one)
 
 
 @dataclass(frozen=True)

@@ -357,6 +357,9 @@ class AttentionResidualLayout(PlanModel):
     block_size: int
     max_snapshots: int
     logits_row: int  # row of the block's first layer's slab holding its logits
+    # The snapshots live in HBM (a kernel output), each read back into one VMEM buffer to be
+    # mixed, instead of all in VMEM (the VMEM plan's choice, mkgen.plan.vmem)
+    in_hbm: bool = False
 
 
 class StreamFormat(PlanModel):

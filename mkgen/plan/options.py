@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
@@ -202,6 +202,12 @@ class BuildOptions(BaseModel):
     # host, then one across hosts), "flat" (one round of every core) or "auto" (per
     # collective, whichever the cost model prices lower).
     collectives: str = "auto"
+    # Where the attention-residual snapshots live (None: VMEM unless it cannot hold them
+    # beside the smallest ring, mkgen.plan.vmem)
+    residual_snapshots: Literal["vmem", "hbm"] | None = None
+    # Whether the recurrent kinds keep every sequence's conv tail and states in VMEM, or
+    # stream them a sequence at a time through two slots (None: as residual_snapshots)
+    recurrent_states: Literal["vmem", "stream"] | None = None
     # What is split over the cores rather than replicated, as "ffn.<kind>.router" and
     # "attention.<kind>.latent", and "ffn.<kind>.ar_ag" for a latent MoE combined by
     # all-gather (None: the planner scores split against replicated, rs_ar against ar_ag). Set
@@ -335,6 +341,8 @@ class BuildOptions(BaseModel):
                 ("held refills", self.held_refills),
                 ("KV tile", self.kv_tile),
                 ("collectives", None if self.collectives == "auto" else self.collectives),
+                ("residual snapshots in", self.residual_snapshots),
+                ("recurrent states in", self.recurrent_states),
             )
             if value is not None
         )
@@ -352,4 +360,6 @@ _NULLABLE = (
     "expert_slots",
     "held_refills",
     "kv_tile",
+    "residual_snapshots",
+    "recurrent_states",
 )

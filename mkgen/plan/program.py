@@ -10,6 +10,7 @@ so this module imports neither.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from mkgen.errors import SpecError
@@ -24,7 +25,7 @@ from mkgen.plan.schedule import build_schedule
 from mkgen.plan.sharding import ShardingPlan, plan_sharding
 from mkgen.plan.stream import StreamPlan, plan_stream
 from mkgen.plan.timeline import ProgramPlan, estimate, price_program
-from mkgen.plan.vmem import cache_kinds, plan_vmem
+from mkgen.plan.vmem import MAX_EXPERT_SLOTS, cache_kinds, comfort_depth, plan_vmem
 from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology
 
@@ -132,6 +133,22 @@ def _score(
     return score_holds(step_ms, base.stream.refills_per_round, most)
 
 
+def full_size_kernel_modes(
+    spec: ModelSpec, topo: Topology, options: BuildOptions, *, kinds: KindRegistry
+) -> dict[str, Any]:
+    """The kernel modes the full-size build of `spec` at `options` chose that its mini
+    twin, whose small buffers would choose otherwise, takes to prove that kernel (as
+    BuildOptions fields): the attention-residual snapshots in HBM, the recurrent states
+    streamed. Nothing when the full size does not plan (the twin keeps its own choice)."""
+    try:
+        vmem = _unheld_program(spec, topo, options, kinds, DEFAULT_SHAPE, require_fit=False).vmem
+    except SpecError:
+        return {}
+    modes = {"residual_snapshots": "hbm" if vmem.snapshots_in_hbm else None,
+             "recurrent_states": "stream" if vmem.state_slots else None}  # fmt: skip
+    return {k: v for k, v in modes.items() if v is not None and getattr(options, k) is None}
+
+
 def _unheld_program(
     spec: ModelSpec, topo: Topology, options: BuildOptions, kinds: KindRegistry,
     shape: dict[str, Any], require_fit: bool,
@@ -148,9 +165,12 @@ def _unheld_program(
     stream = plan_stream(spec, sharding, bank_rows=shape["bank_rows"], ring_depth=2, kinds=kinds)
 
     def program_at(kv_tiles: dict[str, int]) -> ProgramPlan:
-        return _tiled_program(
-            spec, topo, options, kinds, shape, (sharding, memory, stream), kv_tiles
-        )
+        def planned(opts: BuildOptions) -> ProgramPlan:
+            return _tiled_program(
+                spec, topo, opts, kinds, shape, (sharding, memory, stream), kv_tiles
+            )
+
+        return _with_scored_slots(planned, options, shape, topo)
 
     names = cache_kinds(spec, sharding, kinds, options.rows)
     forced = shape["kv_tile_tokens"] or options.kv_tile
@@ -160,6 +180,32 @@ def _unheld_program(
         program_at, names, options.context, lambda p: estimate(topo, options, p).step_ms,
         hold_digest(spec, topo, options, shape),
     )  # fmt: skip
+
+
+def _with_scored_slots(
+    planned: Callable[[BuildOptions], ProgramPlan], options: BuildOptions,
+    shape: dict[str, Any], topo: Topology,
+) -> ProgramPlan:  # fmt: skip
+    """The program `planned(options)`, or, where VMEM leaves the ring under its comfort
+    depth (mkgen.plan.vmem: the plan's rule gives the ring every byte up to it before a
+    second expert slot), the program with more expert slots and the ring what is left, when
+    the cost model predicts it faster: at batch 8 x rows 8 Kimi K3's experts wait on one
+    slot (predicted 42.786 ms a step with 1 slot, 33.250 with 2 and smaller KV tiles)."""
+    program = planned(options)
+    vmem = program.vmem
+    forced = options.expert_slots or options.ring_depth or shape["ring_depth"]
+    if forced or not vmem.expert_slots or vmem.ring_depth >= comfort_depth(vmem.dims.bank_bytes):
+        return program
+    best, best_ms = program, estimate(topo, options, program).step_ms
+    for slots in range(vmem.expert_slots + 1, MAX_EXPERT_SLOTS + 1):
+        try:
+            trial = planned(options.model_copy(update={"expert_slots": slots}))
+        except SpecError:  # no room left for the ring's two banks
+            break
+        ms = estimate(topo, options, trial).step_ms
+        if ms < best_ms:
+            best, best_ms = trial, ms
+    return best
 
 
 def _tiled_program(

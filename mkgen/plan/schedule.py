@@ -59,7 +59,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from mkgen.plan.collectives import CollectiveRound, RoundCall, collective_buffers
+from mkgen.plan.collectives import CollectiveRound, RoundCall, collective_buffers, ffn_out_buffer
 from mkgen.plan.kind import KindRegistry, Step
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.sharding import AttentionSharding, Collective, FFNSharding, ShardingPlan
@@ -674,9 +674,10 @@ class _Builder:
         ]
         self.start(vec[0])
         self.res = self.run("vector", "x rows -> residual", -1, 0, ((INIT, "x_vmem", 0),))
+        ffn_out = ffn_out_buffer(self.sh)
         for layer, (attn, ffn) in enumerate(self.sh.layer_table):
             self.buffers = collective_buffers(
-                self.sh.attention[attn].collectives, self.sh.ffn[ffn].collectives
+                self.sh.attention[attn].collectives, self.sh.ffn[ffn].collectives, ffn_out
             )
             self.wait(vec[layer])
             if layer + 1 < layers:
@@ -684,7 +685,9 @@ class _Builder:
             v = self.run("vector", f"L{layer} load vectors", layer, 0,
                          ((vec[layer], "vectors", layer % 2),))  # fmt: skip
             r = self.spec.attention_residual
-            if r is not None and layer % r.block_size == 0:
+            if r is not None and layer % r.block_size == 0 and self.vmem.snapshots_in_hbm:
+                self.res = self.residual_snapshots_in_hbm(layer, r.block_size, r.max_snapshots)
+            elif r is not None and layer % r.block_size == 0:
                 self.res = self.vec(layer, "attention-residual snapshot", self.res,
                                     self.t * dims.hidden * r.max_snapshots * 2)  # fmt: skip
             out = self.attention(layer, attn, v)
@@ -772,6 +775,29 @@ class _Builder:
     def cache_slot(self, layer: int) -> int:
         """The layer's position among the layers of its attention kind (its cache slot)."""
         return self.cache_slots[layer]
+
+    def residual_snapshots_in_hbm(self, layer: int, block_size: int, most: int) -> int:
+        """A block's start with the snapshots in HBM (the kernel's _attention_residual_hbm):
+        each earlier live snapshot copied into the landing buffer and added, in order, the
+        stream added last, then the mixed stream copied out as the block's snapshot."""
+        block = layer // block_size
+        nbytes, flops = self.t * self.dims.hidden * 4, 2 * self.t * self.dims.hidden
+        sems = ("snapshot_sems[0]",)
+        mixed = self.res
+        for j in range(min(block, most - 1)):
+            land = self.dma("snapshot", f"L{layer} attention-residual snapshot {j} in", layer,
+                            "snapshot", 0, sems, nbytes)  # fmt: skip
+            self.start(land)
+            self.wait(land)
+            mixed = self.vec(layer, f"attention-residual snapshot {j} added", mixed, flops,
+                             ((land, "snapshot", 0),))  # fmt: skip
+        if block:
+            mixed = self.vec(layer, "attention-residual stream added", mixed, flops)
+        out = self.dma("snapshot", f"L{layer} attention-residual snapshot out", layer, None, 0,
+                       sems, nbytes, reads=((mixed, None, 0),))  # fmt: skip
+        self.start(out)
+        self.wait(out)
+        return mixed
 
     def block_sems(self, name: str, shape: tuple[int, ...]) -> tuple[str, ...]:
         """The semaphores of a DMA group over an array of `shape`, one per copy."""

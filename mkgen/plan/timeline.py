@@ -78,6 +78,7 @@ DMA_QUEUE = {
     "cache_write": "cache",
     "state_read": "cache",
     "state_write": "cache",
+    "snapshot": "cache",
 }
 # DMAs that move no HBM bytes: VMEM -> SMEM, and remote copies (ICI).
 NOT_HBM = frozenset({"ids", "collective"})
@@ -101,6 +102,7 @@ CATEGORY = {
     "collective": "collectives",
     "sync": "fixed",
     "vector": "compute",
+    "snapshot": "compute",  # the attention-residual snapshots in HBM, copied in and out
 }
 
 

@@ -19,8 +19,8 @@ that the planned figure is not below what the compiled kernel really uses
 
 The explicit buffers must fit the budget (BuildOptions.vmem_budget_bytes or the
 chip's default, 58 of TPU7x's 64 MiB); the estimate of Mosaic's scratch must fit
-in the rest of the limit. The ring depth and the expert slot count are chosen here,
-under the budget.
+in the rest of the limit, less the 64 KiB Mosaic keeps of it (Chip.vmem_usable_bytes).
+The ring depth and the expert slot count are chosen here, under the budget.
 """
 
 from __future__ import annotations
@@ -55,9 +55,18 @@ RING_VMEM_BYTES = 32 * 1024 * 1024
 # Tuning choice: the ring is worth more than a fourth expert slot only while it is
 # shallow; below half the design depth slots give way first.
 RING_COMFORT_FRACTION = 0.5
+# Design choice: a recurrent kind that streams its sequences' conv tails and states keeps
+# two in VMEM, the one it updates and the next one's copy in (the template's order).
+STATE_SLOTS = 2
+# Fit to compiles (_buffers): 675,840 B at 32 token rows (21,120 B a row) alone, and at 64
+# rows with the snapshots in HBM too, 57,344 B more than 64 rows of 5,376 lanes and the
+# snapshots' estimate: 22,528 B a row (5,632 f32 lanes) holds both.
+STREAMED_STATES_LANES = 5632
 SUBLANES_F32 = 8
 CACHE_ALIGN = 16  # bf16 HBM rows are tiled by 16: cache blocks start on a multiple
 GREEDY_LANES = 128  # (max, argmax) per row, padded to one lane row
+# The ring's slots are followed by a copy of the first CHUNK rows of slot 0 (the wrap).
+RING_WRAP_BYTES = CHUNK * LANES * 2
 
 Category = Literal[
     "ring",
@@ -163,6 +172,11 @@ class VmemPlan(_Frozen):
     ring_depth: int
     expert_slots: int  # 0 without routed experts
     expert_slot_bytes: int  # one slot of every MoE kind together
+    # The attention-residual snapshots live in HBM (a kernel output), read back one at a
+    # time, rather than in VMEM (_kernel_modes)
+    snapshots_in_hbm: bool = False
+    # The recurrent kinds' sequences in VMEM at once, streamed in turn (0: every sequence)
+    state_slots: int = 0
     budget_bytes: int
     limit_bytes: int
     explicit_bytes: int  # scratch + VMEM-resident inputs and outputs
@@ -420,7 +434,11 @@ def _buffers(
     dims: KernelDims,
     depth: int,
     slots: int,
+    modes: tuple[bool, int] = (False, 0),
 ) -> tuple[_List, int]:
+    """The buffers with a ring of `depth` banks, `slots` expert slots and the kernel
+    `modes` (attention-residual snapshots in HBM, recurrent state slots: _kernel_modes)."""
+    snapshots_in_hbm, state_slots = modes
     out = _List()
     _base(out, dims, depth)
     used = [(n, spec.attention_kinds[n], a) for n, a in sharding.attention.items()]
@@ -429,11 +447,16 @@ def _buffers(
         inputs = BufferInputs(
             name=name, kind=kind, shard=shard, dims=dims, stream=stream,
             expert_slots=max(slots, 1), expert_format=sharding.quantization["experts"],
+            state_slots=state_slots,
         )  # fmt: skip
         kinds.rules(kind.type, name).buffers(out, inputs)
     slot_bytes = sum(_slot_bytes(e) for e in out.experts.values())
     tp, h = dims.tokens_padded, dims.hidden
-    if spec.attention_residual:
+    if spec.attention_residual and snapshots_in_hbm:
+        out.add("snapshot_vmem", "activations", (tp, h), "f32", resource="snapshot",
+                why="an attention-residual snapshot read back from HBM")  # fmt: skip
+        out.sems("snapshot_sems", (1,))
+    elif spec.attention_residual:
         r = spec.attention_residual
         out.add("snapshots_vmem", "activations", (r.max_snapshots, tp, h), "f32",
                 why="attention-residual snapshots")  # fmt: skip
@@ -448,6 +471,17 @@ def _buffers(
             out.add(f"{name}_sin_vmem", "attention", (tp, rot // 2), "f32", "input")
     out.add("logits_vmem", "logits", (tp, dims.vocab_per_core), "f32", "output")
     out.add("tokens_vmem", "logits", (tp, GREEDY_LANES), "int32", "output")
+    _mosaic_scratch(out, spec, sharding, kinds, dims, modes)
+    return out, slot_bytes
+
+
+def _mosaic_scratch(
+    out: _List, spec: ModelSpec, sharding: ShardingPlan, kinds: KindRegistry,
+    dims: KernelDims, modes: tuple[bool, int],
+) -> None:  # fmt: skip
+    """The estimate of Mosaic's own scratch (category internal), checked against compiles."""
+    snapshots_in_hbm, state_slots = modes
+    tp, h = dims.tokens_padded, dims.hidden
     # Mosaic keeps large values (a matmul's concatenated output, the residual rows and
     # their normed copy) in its own scratch: an estimate, checked against compiles.
     widest = max(dims.max_col_blocks * LANES, h)
@@ -466,6 +500,16 @@ def _buffers(
                 why="estimate: one sequence's recurrent states")  # fmt: skip
     out.add("mosaic_hidden", "internal", (2, tp, h), "f32", "internal",
             why="estimate: residual and normed rows")  # fmt: skip
+    # The compact modes' own scratch, fit to compiles of Kimi K3 at batch 4 x rows 8 on 2x2x4
+    # (32 token rows), each mode alone: Mosaic used 229,376 B more than the plan without
+    # these with the snapshots in HBM, 675,840 B more with the states streamed
+    # (docs/planner.md#5-the-vmem-plan); both grow with the token rows.
+    if spec.attention_residual and snapshots_in_hbm:
+        out.add("mosaic_snapshot_mix", "internal", (tp, h // 4), "f32", "internal",
+                why="estimate (fit to compiles): mixing snapshots read back from HBM")  # fmt: skip
+    if state_slots:
+        out.add("mosaic_streamed_states", "internal", (tp, STREAMED_STATES_LANES), "f32",
+                "internal", why="estimate (fit to compiles): states streamed a sequence at a time")  # fmt: skip
     wires = [w for b in dims.collectives.buffers for *_, ws in b.wires for w in ws]
     bf16_lanes = [lanes for _, wire, lanes in wires if wire == "bf16"]
     if bf16_lanes:  # a bf16 piece unpacked: its high and low halves side by side, and
@@ -473,7 +517,6 @@ def _buffers(
         # 35,568,128 B of VMEM against 35,553,280 B planned: tests/test_codegen.py)
         out.add("mosaic_wire", "internal", (1, tp, 3 * max(bf16_lanes)), "f32", "internal",
                 why="estimate: a bf16 wire piece, packed and unpacked to f32")  # fmt: skip
-    return out, slot_bytes
 
 
 # --------------------------------------------------------------------------- the plan
@@ -486,6 +529,11 @@ def _mib(n: float) -> str:
 def _largest(buffers: list[VmemBuffer], n: int = 3) -> str:
     top = sorted(buffers, key=lambda b: -b.bytes)[:n]
     return ", ".join(f"{b.name} {list(b.shape)} {_mib(b.bytes)}" for b in top)
+
+
+def comfort_depth(bank: int, target: int = RING_VMEM_BYTES) -> int:
+    """The ring depth the plan gives every byte to before a second expert slot."""
+    return max(2, int(target * RING_COMFORT_FRACTION) // bank)
 
 
 def _expert_slots(
@@ -512,7 +560,7 @@ def _expert_slots(
         )
     if forced is not None:
         return forced
-    comfort = max(2 * bank, int(target * RING_COMFORT_FRACTION) // bank * bank)
+    comfort = comfort_depth(bank, target) * bank
     if ring_depth is not None:
         comfort = ring_depth * bank
     ring_floor = min(comfort, left - slot_bytes)
@@ -541,12 +589,13 @@ def plan_vmem(
     one expert slot.
     """
     chip = topo.chip_info
-    limit = chip.vmem_limit_bytes
+    limit = chip.vmem_usable_bytes
     budget = options.vmem_budget_bytes or chip.vmem_budget_bytes
     if budget > limit:
         raise SpecError(
-            f"--vmem-budget {_mib(budget)}: exceeds {chip.name}'s VMEM limit of {_mib(limit)} "
-            "(the budget is the explicit VMEM the plan may allocate)"
+            f"--vmem-budget {_mib(budget)}: exceeds the {_mib(limit)} of VMEM a {chip.name} kernel "
+            "may use (its VMEM limit less the 64 KiB Mosaic keeps; the budget is the explicit "
+            "VMEM the plan may allocate)"
         )
     target = ring_target_bytes or RING_VMEM_BYTES
     dims = kernel_dims(
@@ -554,14 +603,15 @@ def plan_vmem(
     )
     where = f"{spec.name} on {topo.name} (batch {options.batch} x rows {options.rows})"
     try:
+        modes = _kernel_modes(spec, sharding, stream, kinds, dims, options, budget, limit)
         # Everything but the ring and the expert slots is fixed by the build.
-        probe, slot_bytes = _buffers(spec, sharding, stream, kinds, dims, 1, 1)
+        probe, slot_bytes = _buffers(spec, sharding, stream, kinds, dims, 1, 1, modes)
         left = _left_for_ring(probe, chip.name, options, budget, limit, where, dims.bank_bytes,
                               slot_bytes)  # fmt: skip
         depth, slots = _ring_and_slots(
             options, ring_depth, where, left, dims, slot_bytes, target, budget
         )
-        out, _ = _buffers(spec, sharding, stream, kinds, dims, depth, slots)
+        out, _ = _buffers(spec, sharding, stream, kinds, dims, depth, slots, modes)
         explicit = sum(b.bytes for b in out.buffers if b.role != "internal")
         internal = sum(b.bytes for b in out.buffers if b.role == "internal")
         if explicit + internal > limit:
@@ -590,12 +640,44 @@ def plan_vmem(
         ring_depth=depth,
         expert_slots=slots,
         expert_slot_bytes=slot_bytes,
+        snapshots_in_hbm=modes[0],
+        state_slots=modes[1],
         budget_bytes=budget,
         limit_bytes=limit,
         explicit_bytes=explicit,
         internal_bytes=internal,
         why=why,
     )
+
+
+def _kernel_modes(
+    spec: ModelSpec, sharding: ShardingPlan, stream: StreamPlan, kinds: KindRegistry,
+    dims: KernelDims, options: BuildOptions, budget: int, limit: int,
+) -> tuple[bool, int]:  # fmt: skip
+    """(attention-residual snapshots in HBM, recurrent state slots): as --residual-snapshots
+    and --recurrent-states say, else the first of: everything in VMEM; the snapshots in HBM
+    (their copies cost microseconds a step); the recurrent states also streamed a sequence
+    at a time through STATE_SLOTS (a copy's wait a sequence), that leaves the ring two
+    banks and one expert slot, or the last (whose refusal names what is still over)."""
+    recurrent = any(
+        kinds.rules(spec.attention_kinds[n].type, n).state_dims(spec.attention_kinds[n], a)
+        for n, a in sharding.attention.items()
+    )
+    snapshots = (False, True) if spec.attention_residual else (False,)
+    if options.residual_snapshots is not None:
+        snapshots = (options.residual_snapshots == "hbm",)
+    states = (0, STATE_SLOTS) if recurrent and dims.batch > STATE_SLOTS else (0,)
+    if options.recurrent_states is not None:
+        states = (STATE_SLOTS if options.recurrent_states == "stream" and recurrent else 0,)
+    candidates = [(s, n) for n in states for s in snapshots]
+    for modes in candidates:
+        probe, slot_bytes = _buffers(spec, sharding, stream, kinds, dims, 1, 1, modes)
+        total = sum(b.bytes for b in probe.buffers if b.category not in {"ring", "expert_slots"})
+        internal = sum(b.bytes for b in probe.buffers if b.role == "internal")
+        ring = 2 * dims.bank_bytes + RING_WRAP_BYTES
+        if total + ring + slot_bytes <= min(budget + internal, limit):
+            return modes
+    return candidates[-1]
 
 
 def _left_for_ring(
@@ -650,7 +732,7 @@ def _ring_and_slots(
             f"--vmem-budget {_mib(budget)} leaves {_mib(left - slots * slot_bytes)} for the "
             f"weight ring, less than two {_mib(bank)} banks; raise --vmem-budget"
         )
-    ring_bytes = left - slots * slot_bytes
+    ring_bytes = left - slots * slot_bytes - RING_WRAP_BYTES
     depth = forced_depth or choose_ring(dims.bank_rows, min(target, ring_bytes))
     if depth * bank > ring_bytes:
         raise SpecError(

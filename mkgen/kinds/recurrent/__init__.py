@@ -92,6 +92,7 @@ def layout(i: LayoutInputs, dims: dict[str, int], extra: dict[str, Any]) -> Recu
             ),
             CacheArray(name="state", shape=state, dtype="float32"),
         ],  # fmt: skip
+        state_slots=i.state_slots,
         **dims,
         **extra,
     )
@@ -102,11 +103,14 @@ def buffers(out: Any, i: BufferInputs, state: StateDims) -> None:
     read at the top of the layer, all written back at its end; `state` is the kind's
     (state heads, key dim, value dim, conv channels) per core."""
     heads, dk, dv, conv = state.heads, state.key_dim, state.value_dim, state.channels
-    name, b, rows = i.name, i.dims.batch, i.dims.rows
+    name, b, rows = i.name, i.state_slots or i.dims.batch, i.dims.rows
+    which = f"of {b} sequences streamed in turn" if i.state_slots else "of every sequence"
     out.add(f"{name}_conv_vmem", "attention", (b, rows, i.kind.conv_width - 1, conv), "bf16",
-            resource=f"{name}.state", why="conv tail of every sequence after each row")  # fmt: skip
+            resource=f"{name}.state", slots=i.state_slots or 1,
+            why=f"conv tail {which} after each row")  # fmt: skip
     out.add(f"{name}_state_vmem", "attention", (b, rows, heads, dk, dv), "f32",
-            resource=f"{name}.state", why="recurrent state of every sequence after each row")  # fmt: skip
+            resource=f"{name}.state", slots=i.state_slots or 1,
+            why=f"recurrent state {which} after each row")  # fmt: skip
     out.sems(f"{name}_cache_sems", (2, b))
 
 
@@ -137,10 +141,13 @@ def program(b: Any, s: Step, state: StateDims, ops: list[str]) -> int:
 def _state_update(b: Any, layer: int, name: str, a: Any, y: int,
                   state: StateDims) -> int:  # fmt: skip
     """The current conv tail and state of every sequence in, the rows in order, the
-    snapshot after every row written back."""
-    batch = b.dims.batch
+    snapshot after every row written back; streamed a sequence at a time when the VMEM
+    plan keeps only `state_slots` sequences (_streamed_state_update)."""
+    batch, slots = b.dims.batch, b.vmem.state_slots
     heads, dk, dv = state.heads, state.key_dim, state.value_dim
     res = f"{name}.state"
+    if slots:
+        return _streamed_state_update(b, layer, name, a, y, state)
     sems = b.block_sems(f"{name}_cache_sems", (2, batch))
     nbytes = batch * a.cache.fixed_bytes
     rd = b.dma("state_read", f"L{layer} {name}: conv tails and states in", layer, res,
@@ -159,4 +166,44 @@ def _state_update(b: Any, layer: int, name: str, a: Any, y: int,
                reads=((prev, res, 0),))  # fmt: skip
     b.start(wr)
     b.wait(wr)
+    return prev
+
+
+def _streamed_state_update(b: Any, layer: int, name: str, a: Any, y: int,
+                           state: StateDims) -> int:  # fmt: skip
+    """The template's streamed order: sequence 0's conv tail and state in; for each
+    sequence, the next one's in once the snapshots of the one before it in its slot are
+    out, its own in waited, its rows, its snapshots out; every copy out waited at the end."""
+    batch, slots = b.dims.batch, b.vmem.state_slots
+    res = f"{name}.state"
+    sems = b.block_sems(f"{name}_cache_sems", (2, slots))
+    ops = 8 * b.o.rows * state.heads * state.key_dim * state.value_dim
+
+    def copy(seq: int, out: bool, reads: tuple = ()) -> int:
+        s = seq % slots
+        what = "snapshots after each row out" if out else "conv tail and state in"
+        return b.dma("state_write" if out else "state_read",
+                     f"L{layer} {name}: sequence {seq} {what}", layer, None if out else res, s,
+                     (sems[s], sems[slots + s]),
+                     a.cache.fixed_bytes * (b.dims.rows if out else 1), count=2,
+                     reads=reads)  # fmt: skip
+
+    reads, writes = {0: copy(0, False)}, {}
+    b.start(reads[0])
+    prev = y
+    for seq in range(batch):
+        if seq + 1 < batch:
+            if seq + 1 - slots in writes:
+                b.wait(writes.pop(seq + 1 - slots))
+            reads[seq + 1] = copy(seq + 1, False)
+            b.start(reads[seq + 1])
+        rd = reads.pop(seq)
+        b.wait(rd)
+        prev = b.run("recurrent", f"L{layer} {name}: conv, delta rule, sequence {seq}", layer,
+                     ops, ((rd, res, seq % slots), (y, None, 0)),
+                     writes=(res, seq % slots))  # fmt: skip
+        writes[seq] = copy(seq, True, reads=((prev, res, seq % slots),))
+        b.start(writes[seq])
+    for wr in writes.values():
+        b.wait(wr)
     return prev

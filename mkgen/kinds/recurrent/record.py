@@ -48,6 +48,9 @@ class RecurrentLayout(AttentionRecord):
     ops: list[str]  # the layer's ops in program order (the kind module's ops): the kernel's order
     vectors: list[VectorRow]
     caches: list[CacheArray]  # conv tail (bf16), recurrent state (f32): after each row
+    # 0: every sequence's conv tail and states in VMEM at once; else this many sequences',
+    # streamed in and out one sequence at a time (the VMEM plan's choice, mkgen.plan.vmem)
+    state_slots: int = 0
     rope: None = None  # no positions: the recurrence carries order
 
     def softplus(self) -> bool:
