@@ -344,7 +344,7 @@ def test_a_bad_collectives_mode_and_flat_rounds_over_the_vmem_budget_are_one_lin
     # Flat rounds land a slot per core: where that does not fit, the refusal names the way out.
     result = mkgen(
         "plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--collectives", "flat",
-        "--vmem-budget", "20MiB",
+        "--vmem-budget", "12MiB",
     )  # fmt: skip
     assert_user_error(result, "VMEM:", "or run --collectives staged")
 

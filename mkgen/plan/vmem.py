@@ -625,8 +625,7 @@ def plan_vmem(
             # A flat round lands a slot per core in its buffer: the staged rounds need fewer.
             raise SpecError(f"{refusal}, or run --collectives staged") from None
         raise
-    bank = dims.bank_bytes
-    why = f"ring {depth} x {_mib(bank)}" + (
+    why = f"ring {depth} x {_mib(dims.bank_bytes)}" + (
         f", {slots} expert piece slot(s) of {_mib(slot_bytes)}" if slots else ""
     )
     return VmemPlan(

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --force`
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of kimi-k3 for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: f170f02666dbd4c927a14465aacb7599aef6ebb3930f3ca4f7de4a39536633ca (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 8f7737774c19db68fec0e751ce08824c6c71005dc798e10a8245f0e790c06a00 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 32 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -93,19 +93,15 @@ COLLECTIVE_PEERS = 31  # cores one core signals at the entry barrier
 # the widest copy it lands, reduce-scatter staging rows after its landing slots).
 COLLECTIVE_LANDING = (
     (12, 128, 0),  # kda.attn_out all_reduce, mla.attn_out all_reduce
-    (32, 128, 0),  # dense.ffn_out all_reduce, moe.latent_in all_gather, mla.mla_latent all_gather
+    (32, 128, 0),  # moe.latent_in all_gather, mla.mla_latent all_gather
     (32, 128, 32),  # moe.expert_out reduce_scatter
-    (12, 128, 0),  # moe.ffn_out all_reduce
+    (12, 128, 0),  # dense.ffn_out all_reduce, moe.ffn_out all_reduce
 )
 # (buffer, op, columns of the argument) -> (round, wire dtype, 32-bit lanes) of each round
 # it runs, in execution order: bf16 where a piece is whole 128-lane blocks of at least 256
 # columns.
 COLLECTIVE_WIRES = {
     (0, "all_reduce", 256): (
-        (0, "bf16", 128),
-        (1, "bf16", 128),
-    ),
-    (1, "all_reduce", 256): (
         (0, "bf16", 128),
         (1, "bf16", 128),
     ),
@@ -831,6 +827,16 @@ class Collectives:
         return total
 
 
+def _mix_weights(vec, n):
+    """The softmax of the block's logits over its n live snapshots, [1, MAX_SNAPSHOTS]
+    (zero past n)."""
+    logits = vec[RESIDUAL_LOGITS_ROW : RESIDUAL_LOGITS_ROW + 1, :MAX_SNAPSHOTS]
+    live = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1) < n
+    top = jnp.max(jnp.where(live, logits, -jnp.inf), axis=1, keepdims=True)
+    weights = jnp.where(live, jnp.exp(logits - top), 0.0)
+    return weights / jnp.sum(weights, axis=1, keepdims=True)
+
+
 def _attention_residual(snapshots, x_res, vec, block):
     """Block `block` starts: snapshot the stream; from the second block on, the stream (and
     its snapshot) becomes the softmax mixture of the last n = min(block + 1, MAX_SNAPSHOTS)
@@ -841,11 +847,7 @@ def _attention_residual(snapshots, x_res, vec, block):
     @pl.when(block >= 1)
     def _():
         n = jnp.minimum(block + 1, MAX_SNAPSHOTS)
-        logits = vec[RESIDUAL_LOGITS_ROW : RESIDUAL_LOGITS_ROW + 1, :MAX_SNAPSHOTS]
-        live = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1) < n
-        top = jnp.max(jnp.where(live, logits, -jnp.inf), axis=1, keepdims=True)
-        weights = jnp.where(live, jnp.exp(logits - top), 0.0)
-        mix = weights / jnp.sum(weights, axis=1, keepdims=True)
+        mix = _mix_weights(vec, n)
         mixed = jnp.zeros(x_res.shape, jnp.float32)
         for j in range(MAX_SNAPSHOTS):
             source = (block - n + 1 + j) % MAX_SNAPSHOTS
@@ -1169,7 +1171,7 @@ def _ffn_dense(ctx, layer, first_row, x):
     y = ctx.stream.matmul(h, first_row, DENSE_GATE_UP)
     a = _activation(DENSE_ACTIVATION, y[:, :DENSE_WIDTH], y[:, DENSE_WIDTH : 2 * DENSE_WIDTH])
     partial = ctx.stream.matmul(a, first_row, DENSE_DOWN)
-    return ctx.collectives.all_reduce(1, partial)
+    return ctx.collectives.all_reduce(3, partial)
 
 
 # ----------------------------------------------------------------------------- FFN "moe" (MoE)

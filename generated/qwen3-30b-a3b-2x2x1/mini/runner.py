@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3-30b-a3b --topology 2x2x1 --force`` (
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3-30b-a3b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: e698728dcfd43e718d5cb2dcff62755afd1a573d8fd30f95f4a66360b6d6b285 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 73eb6fb971ef4355cc15bb770f910b1c8e9706fc9f4abbc0774dac8b7eba46ea (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 
