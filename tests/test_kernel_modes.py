@@ -1,8 +1,10 @@
 """The VMEM plan's kernel modes for many token rows: the attention-residual snapshots in
 HBM and the recurrent states streamed a sequence at a time (mkgen/plan/vmem.py), planned
-for Kimi K3 at batch 8 and proven on its mini twin in TPU interpret mode."""
+for Kimi K3 at batch 8 and proven on a model of its layer mix in TPU interpret mode."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +17,7 @@ from mkgen.spec.topology import parse_topology
 from mkgen.verify.numerics import verify_numerics
 
 TIMEOUT = 900
+SPEC = Path(__file__).parent / "specs" / "kda-residual.yaml"
 
 
 def _plan(batch: int, **knobs: str):
@@ -55,12 +58,13 @@ def test_kimi_k3_batch_16_is_refused_with_what_is_over() -> None:
 @pytest.mark.timeout(2 * TIMEOUT + 60)
 @pytest.mark.parametrize("mode", ["on_wait", "eager"])
 def test_hbm_snapshots_and_streamed_states_match_the_reference(mode: str) -> None:
-    """Kimi K3's twin on 2x2x1 with both modes forced (its small buffers would keep
-    everything in VMEM): 3 sequences of 2 rows, so the state slots are reused and every
-    row's snapshot goes out for the rollback, over 2 steps, so the second reads the states
-    the first wrote; its 4 layers in blocks of 2 read back a snapshot from HBM."""
+    """Kimi K3's layer mix at test size (tests/specs/kda-residual.yaml: MLA and KDA, MoE,
+    the attention residual) on one chip with both modes forced (its small buffers would
+    keep everything in VMEM): 3 sequences of 2 rows, so the 2 state slots are reused and
+    every row's snapshot goes out for the rollback, over 2 steps, so the second reads the
+    states the first wrote; its 4 layers in blocks of 2 read back a snapshot from HBM."""
     report = verify_numerics(
-        "kimi-k3", "2x2x1", mode=mode, steps=2, batch=3, rows=2, timeout=TIMEOUT,
+        str(SPEC), "1x1x1", mode=mode, steps=2, batch=3, rows=2, timeout=TIMEOUT,
         knobs={"residual_snapshots": "hbm", "recurrent_states": "stream"},
     )  # fmt: skip
     assert report.passed, report.failure()
