@@ -99,9 +99,11 @@ def test_a_plan_without_a_drafter_is_unchanged(qwen_block) -> None:
     record = plain.to_dict()["estimate"]
     assert record["step_ms"] == record["verify_ms"] == est.step_ms
     assert record["draft_ms"] is None and record["draft"] is None
-    # A draft section the plan is not asked to price changes nothing either.
+    # A draft section the plan is not asked to price adds only the hidden states the kernel
+    # writes for the drafter (5 feature layers x 8 rows x 5120 f32: under a microsecond).
     unpriced = plan_build(qwen_block, QWEN_TOPOLOGY, options, kinds=KINDS)
-    assert unpriced.estimate.step_ms == est.step_ms and unpriced.draft is None
+    assert est.step_ms < unpriced.estimate.step_ms < est.step_ms + 1e-3
+    assert unpriced.draft is None
     assert unpriced.hand_written == plain.hand_written
 
 

@@ -114,8 +114,13 @@ def test_a_spec_with_a_drafter_round_trips_through_its_dump():
     assert spec_from_dict(spec.model_dump(mode="json"), "again") == spec
 
 
-def test_the_mini_twin_has_no_drafter():
-    assert mini_twin(_spec(BLOCK)).draft is None
+def test_the_mini_twin_keeps_the_drafter_at_its_sizes():
+    # verify's kernel writes the hidden states the twin's drafter reads.
+    twin = mini_twin(_spec(BLOCK))
+    assert twin.draft.hidden == twin.dims.hidden and twin.draft.attention.head_dim <= 32
+    assert max(twin.draft.feature_layers) < twin.layers.count
+    assert mini_twin(_spec(MTP)).draft == _spec(MTP).draft
+    assert mini_twin(_spec(MODEL)).draft.model.dims.vocab == twin.dims.vocab
 
 
 def test_draft_weights_name_every_drafter_tensor_and_nothing_for_no_drafter():

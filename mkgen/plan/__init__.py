@@ -174,11 +174,12 @@ def plan_build(
     collective round starts (by default the banks its flight covers); `trace_residuals` makes the
     kernel also return the residual stream after every layer (verify's per-layer check);
     `price_drafter` prices the spec's drafter (its draft section, mkgen/plan/draft.py) beside
-    the verify step. No kernel reads a drafter, so the program is planned without it."""
+    the verify step. The verify program keeps the draft section for the hidden states the
+    drafter reads, which the kernel writes (layout.draft_hidden_states); the drafter's own
+    passes are priced, not generated."""
 
     drafting = spec if price_drafter else None
-    spec = spec.model_copy(update={"draft": None})
-    base = spec
+    base = spec.model_copy(update={"draft": None})  # the published kernels draft apart
     program = plan_program(
         spec,
         topo,

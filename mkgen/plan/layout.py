@@ -13,7 +13,13 @@ from abc import abstractmethod
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import SerializeAsAny, ValidationInfo, field_validator
+from pydantic import (
+    SerializeAsAny,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
 
 from mkgen.errors import SpecError
 from mkgen.plan.collectives import CollectivePlan
@@ -362,6 +368,24 @@ class AttentionResidualLayout(PlanModel):
     in_hbm: bool = False
 
 
+class DraftHidden(PlanModel):
+    """One hidden state of the target the build's drafter reads (docs/drafting.md), which
+    the kernel writes as one entry of its draft-hidden output."""
+
+    layer: int  # the target layer after which the residual stream is taken
+    # Final-normed (the last layer's: transformers' last hidden state, vLLM's MTP input)
+    normed: bool
+
+
+def draft_hidden_states(spec: ModelSpec, rows: int) -> list[DraftHidden]:
+    """The hidden states the spec's drafter reads, in the order it reads them: none
+    without a draft section or at rows 1 (a step that verifies no draft)."""
+    if spec.draft is None or rows <= 1:
+        return []
+    last = spec.layers.count - 1
+    return [DraftHidden(layer=i, normed=i == last) for i in spec.draft.target_layers(last + 1)]
+
+
 class StreamFormat(PlanModel):
     """How a bank of a quantized weight-stream format is read (mkgen.plan.stream.Segment)."""
 
@@ -422,6 +446,8 @@ class KernelLayout(PlanModel):
     collectives: CollectivePlan  # stages over the topology, landing buffers, mesh order
     attention_residual: AttentionResidualLayout | None
     trace_residuals: bool = False  # verification builds return the stream after each layer
+    # The hidden states the drafter reads, written as one more output (none: no output)
+    draft_hidden: list[DraftHidden] = []
     final_norm: Part
     max_k_chunks: int
     max_col_blocks: int
@@ -435,6 +461,20 @@ class KernelLayout(PlanModel):
     # tables (cos, sin of each kind with rotary positions), stream, vectors, the experts
     operands_before_caches: int
     vmem_limit_bytes: int  # Mosaic's scoped VMEM limit: the chip catalog's (mkgen.hardware)
+
+    @model_serializer(mode="wrap")
+    def _without_draft_hidden(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A build without a drafter dumps as before drafters existed (plan.json unchanged).
+        data: dict[str, Any] = handler(self)
+        if not self.draft_hidden:
+            data.pop("draft_hidden", None)
+        return data
+
+    @property
+    def outputs_before_caches(self) -> int:
+        """The pallas_call's outputs before the caches: logits and tokens, the verification
+        build's residuals and routes, the drafter's hidden states."""
+        return 2 + 2 * self.trace_residuals + (1 if self.draft_hidden else 0)
 
     @classmethod
     def read(cls, data: Mapping[str, Any], kinds: KindRegistry) -> KernelLayout:

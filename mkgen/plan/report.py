@@ -461,7 +461,9 @@ def _sweep_point(
     from mkgen.plan.timeline import estimate
     from mkgen.spec.figures import params_active
 
-    drafting, spec = spec, spec.model_copy(update={"draft": None})  # no kernel reads it
+    # The verify program keeps the draft section: the kernel writes the hidden states the
+    # drafter reads (mkgen.plan.layout.draft_hidden_states); its passes are priced apart.
+    drafting = spec
     applied = opts.apply(spec)
     try:
         program = plan_program(spec, topo, opts, kinds=kinds, require_fit=False)

@@ -61,6 +61,7 @@ from pydantic import BaseModel, ConfigDict
 
 from mkgen.plan.collectives import CollectiveRound, RoundCall, collective_buffers, ffn_out_buffer
 from mkgen.plan.kind import KindRegistry, Step
+from mkgen.plan.layout import draft_hidden_states
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.sharding import AttentionSharding, Collective, FFNSharding, ShardingPlan
 from mkgen.plan.stream import KindStream, RingRefills, Segment, StreamPlan, bank_visits
@@ -433,6 +434,7 @@ class _Builder:
         self.total = stream.total_banks
         self.d = sharding.devices
         self.t = options.tokens
+        self.draft_hidden = draft_hidden_states(spec, options.rows)  # the drafter's reads
         self.buffers: dict[str, int] = {}  # the landing buffer of each collective of the layer
         self.res = INIT  # the node that last wrote the residual stream
         self.experts_per_layer: dict[int, tuple[int, int]] = {}
@@ -696,7 +698,10 @@ class _Builder:
             out = self.ffn(layer, ffn, v)
             self.res = self.vec(layer, "residual += ffn", self.res, self.t * dims.hidden,
                                 ((out, None, 0),))  # fmt: skip
+            if any(d.layer == layer and not d.normed for d in self.draft_hidden):
+                self.vec(layer, "residual -> draft hidden", self.res, self.t * dims.hidden)
         self.epilogue(layers)
+        self.draft_hidden_out(layers)
         resources = dict(self.vmem.resources)
         return Schedule(
             self.nodes,
@@ -738,6 +743,23 @@ class _Builder:
             g = self.run("vector", f"token: best of the {call.round} group in member order",
                          layers, 2 * call.members * self.t, ((x, "greedy", 0),),
                          writes=("greedy", 0))  # fmt: skip
+
+    def draft_hidden_out(self, layers: int) -> None:
+        """The hidden states the drafter reads: the last layer's final-normed again (the
+        lm_head's norm is a value), then the output's copy to HBM after the body (Pallas
+        writes a VMEM output back once the kernel ends), a small write."""
+        if not self.draft_hidden:
+            return
+        h = self.dims.hidden
+        x = self.res
+        if any(d.normed for d in self.draft_hidden):
+            x = self.vec(layers, "final norm -> draft hidden", self.res, 5 * self.t * h,
+                         ((INIT, "final_norm_vmem", 0),))  # fmt: skip
+        nbytes = len(self.draft_hidden) * self.dims.tokens_padded * h * 4
+        out = self.dma("output", "draft hidden states -> HBM", layers, None, 0, (), nbytes,
+                       reads=((x, None, 0),))  # fmt: skip
+        self.start(out)
+        self.wait(out)
 
     # --- the layer kinds (each kind's rule in the registry emits its ops) ---
     def attention(self, layer: int, name: str, v: int) -> int:

@@ -79,6 +79,7 @@ DMA_QUEUE = {
     "state_read": "cache",
     "state_write": "cache",
     "snapshot": "cache",
+    "output": "cache",
 }
 # DMAs that move no HBM bytes: VMEM -> SMEM, and remote copies (ICI).
 NOT_HBM = frozenset({"ids", "collective"})
@@ -103,6 +104,7 @@ CATEGORY = {
     "sync": "fixed",
     "vector": "compute",
     "snapshot": "compute",  # the attention-residual snapshots in HBM, copied in and out
+    "output": "compute",  # an output beside logits and tokens written back to HBM
 }
 
 

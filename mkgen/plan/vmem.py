@@ -35,7 +35,7 @@ from mkgen.errors import SpecError
 from mkgen.hardware import MiB, vmem_padded_bytes
 from mkgen.plan.collectives import CollectivePlan, greedy_scheme, layer_uses, plan_collectives
 from mkgen.plan.kind import BufferInputs, KindRegistry
-from mkgen.plan.layout import MAX_PIECE_CHUNKS, ExpertChunks
+from mkgen.plan.layout import MAX_PIECE_CHUNKS, ExpertChunks, draft_hidden_states
 from mkgen.plan.options import BuildOptions, kv_tile
 from mkgen.plan.sharding import ShardingPlan, TensorShard
 from mkgen.plan.stream import CHUNK, LANES, StreamPlan, choose_ring, round_up
@@ -471,6 +471,10 @@ def _buffers(
             out.add(f"{name}_sin_vmem", "attention", (tp, rot // 2), "f32", "input")
     out.add("logits_vmem", "logits", (tp, dims.vocab_per_core), "f32", "output")
     out.add("tokens_vmem", "logits", (tp, GREEDY_LANES), "int32", "output")
+    needed = len(draft_hidden_states(spec, dims.rows))
+    if needed:
+        out.add("draft_hidden_vmem", "activations", (needed, tp, h), "f32", "output",
+                why="the target's hidden states the drafter reads")  # fmt: skip
     _mosaic_scratch(out, spec, sharding, kinds, dims, modes)
     return out, slot_bytes
 

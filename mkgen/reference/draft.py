@@ -167,13 +167,10 @@ def _mtp_step(
             f"the reference drafts with one MTP module; this spec has {draft.layers} (vLLM "
             "and SGLang run module j % layers at draft j; not modelled yet)"
         )
-    dims = spec.dims
     start, entry = state["length"], _compile_mtp_entry(spec)
-    target_hidden = rms_norm(
-        hidden[-1], weights["final_norm"], dims.norm_eps, dims.norm_style == "zero_centered"
-    )
+    last_hidden = target_hidden(spec, weights, hidden, spec.layers.count - 1)
     following = jnp.concatenate([tokens[:, 1:], next_token[:, None]], axis=1)
-    logits, out, cache = entry(weights, state["layers"][0], following, target_hidden, start)
+    logits, out, cache = entry(weights, state["layers"][0], following, last_hidden, start)
     drafts, all_logits = [], []
     at = start + tokens.shape[1]
     for j in range(rows - 1):
@@ -237,7 +234,7 @@ def _block_step(
     eps = draft.norm_eps
     start, n = state["length"], tokens.shape[1]
     features = jnp.concatenate(
-        [_feature(spec, weights, hidden, i) for i in draft.feature_layers], -1
+        [target_hidden(spec, weights, hidden, i) for i in draft.feature_layers], -1
     )
     context = rms_norm(mm(features, weights["draft.fc"]), weights["draft.hidden_norm"], eps)
     block = jnp.concatenate(
@@ -275,9 +272,10 @@ def _block_step(
     return drafts, logits, {"length": start + n, "layers": caches}
 
 
-def _feature(spec: ModelSpec, weights: Weights, hidden: jax.Array, layer: int) -> jax.Array:
-    """Target layer `layer`'s output as DFlash reads it (transformers' hidden_states[layer +
-    1]): the residual stream after the layer, final-normed for the last layer."""
+def target_hidden(spec: ModelSpec, weights: Weights, hidden: jax.Array, layer: int) -> jax.Array:
+    """Target layer `layer`'s output as a drafter reads it (transformers' hidden_states[layer
+    + 1]): the residual stream after the layer (`hidden`: forward_traced's, [layers, ...]),
+    final-normed for the last layer (what vLLM hands an MTP module)."""
     if layer < spec.layers.count - 1:
         return hidden[layer]
     zero_centered = spec.dims.norm_style == "zero_centered"

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from mkgen.spec.quant import parse_format
 from mkgen.spec.rope import inverse_sqrt
-from mkgen.spec.schema import LayerAssignment, ModelSpec
+from mkgen.spec.schema import BlockDraft, LayerAssignment, ModelDraft, ModelSpec
 
 MINI_HIDDEN = 256
 MINI_VOCAB = 512
@@ -130,13 +130,40 @@ def _mini_format(text: str) -> str:
     return f"{kind}:{min(int(group), largest)}" if group else text
 
 
+def _mini_draft(spec: ModelSpec, count: int, shrink: Shrink) -> dict[str, Any]:
+    """The twin's draft section: the same drafter at the twin's sizes. A block drafter's
+    feature layers keep their places in the shorter model (the first and the last stay
+    first and last), each once."""
+    draft = spec.draft
+    assert draft is not None
+    if isinstance(draft, ModelDraft):
+        return {
+            "kind": "model",
+            "model": mini_twin(draft.model, shrink.shards).model_dump(mode="json"),
+        }
+    data = draft.model_dump(mode="json")
+    if isinstance(draft, BlockDraft):
+        last = max(spec.layers.count - 1, 1)
+        layers = [round(i * (count - 1) / last) for i in draft.feature_layers]
+        data |= {
+            "hidden": MINI_HIDDEN,
+            "attention": draft.attention.mini(shrink),
+            "ffn": draft.ffn.mini(shrink),
+            "feature_layers": list(dict.fromkeys(layers)),
+            "mask_token": min(draft.mask_token, MINI_VOCAB - 1),
+        }
+        if draft.draft_vocab is not None:
+            data["draft_vocab"] = min(draft.draft_vocab, MINI_VOCAB)
+    return data
+
+
 def mini_twin(spec: ModelSpec, shards: int = 1) -> ModelSpec:
     """The small twin of `spec`; head counts are multiples of `shards` (test mesh cores)."""
     count = _mini_layer_count(spec)
     data = spec.model_dump(mode="json")
     data["name"] = f"{spec.name}-mini"
-    # No kernel reads a drafter yet, so the twin (what verify runs) has none.
-    data.pop("draft", None)
+    if spec.draft is not None:  # the kernel writes the hidden states the drafter reads
+        data["draft"] = _mini_draft(spec, count, Shrink(shards))
     data["description"] = f"mini twin of {spec.name} for CPU tests"
     dims = data["dims"]
     dims["hidden"], dims["vocab"] = MINI_HIDDEN, MINI_VOCAB

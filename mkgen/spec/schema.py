@@ -830,6 +830,11 @@ class MtpDraft(StrictModel):
     # final norm (DeepSeek-V3) or after it (Qwen3-Next).
     chain: Literal["pre_norm", "normed"] = "pre_norm"
 
+    def target_layers(self, count: int) -> list[int]:
+        """The target layers (of `count`) whose hidden state the drafter reads: the last
+        (final-normed, as vLLM hands the MTP module its hidden state)."""
+        return [count - 1]
+
     def check_against(self, target: ModelSpec) -> None:
         for field, name, kinds in (
             ("attention", self.attention, target.attention_kinds),
@@ -878,6 +883,11 @@ class BlockDraft(StrictModel):
         if len(set(layers)) != len(layers):
             raise ValueError(f"{layers} names a layer twice")
         return layers
+
+    def target_layers(self, count: int) -> list[int]:
+        """The target layers whose hidden state the drafter reads: its feature layers, in
+        their order (the last one final-normed, transformers' hidden_states[count])."""
+        return list(self.feature_layers)
 
     @model_validator(mode="after")
     def _check(self) -> BlockDraft:
@@ -936,6 +946,10 @@ class ModelDraft(StrictModel):
         if model.draft is not None:
             raise ValueError("a drafter model has no draft section of its own; remove it")
         return model
+
+    def target_layers(self, count: int) -> list[int]:
+        """None: a standalone model reads only the tokens."""
+        return []
 
     def check_against(self, target: ModelSpec) -> None:
         ours, theirs = self.model.dims, target.dims

@@ -30,6 +30,9 @@ step is held against the reference fed the same tokens:
   go on from the same choice; any other difference fails, naming layer, token and experts;
 - the residual stream after every layer, within RESIDUAL_RTOL of its largest value:
   the first layer beyond it is named (the kernel's verification build returns it);
+- the hidden states the drafter reads (a spec with a draft section at rows > 1: the
+  kernel's draft-hidden output) against the reference's at the same layers and rows
+  (mkgen.reference.draft.target_hidden), within RESIDUAL_RTOL of each one's largest value;
 - finiteness: a NaN anywhere (uninitialised VMEM reads) fails;
 - every core's greedy tokens and residual stream after every layer are identical bit
   for bit (the staged collectives combine in member order; the verification build
@@ -85,6 +88,9 @@ class StepCheck:
     route_ties: list[str] = field(default_factory=list)
     route_mismatch: str | None = None
     route_mismatch_layer: int | None = None
+    # The drafter's hidden states (none without a drafter): the first beyond its tolerance.
+    max_draft_hidden_diff: float = 0.0
+    draft_hidden_mismatch: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -96,6 +102,7 @@ class StepCheck:
             and self.tokens_equal + self.tokens_near_tie == self.tokens_total
             and self.max_cache_diff <= self.cache_tolerance
             and self.first_diverging_layer is None
+            and self.draft_hidden_mismatch is None
         )
 
     def failure(self) -> str | None:
@@ -129,6 +136,8 @@ class StepCheck:
             return f"step {self.step}: {wrong} greedy token(s) differ"
         if self.max_cache_diff > self.cache_tolerance:
             return f"step {self.step}: cache rows differ by {self.max_cache_diff:.4g}"
+        if self.draft_hidden_mismatch is not None:
+            return f"step {self.step}: {self.draft_hidden_mismatch}"
         return None
 
 
@@ -461,7 +470,8 @@ def _run_child(
             )  # fmt: skip
             out = jax.block_until_ready(out)
         seconds = time.perf_counter() - start
-        _, _, _, _, *caches = out  # after the tokens, logits, residuals and routes
+        # After the tokens, logits, residuals, routes and the drafter's hidden states.
+        caches = list(out[layout.outputs_before_caches :])
         check, ref_cache, expected = _step_check(
             step, seconds, spec, layout, weights, tokens, position, ref_cache, out, moe_layers
         )
@@ -553,28 +563,22 @@ def _step_check(
 
     from mkgen.reference import model as reference
 
-    core_tokens, kernel_logits, core_residuals, core_routes, *caches = out
-    # Every core's greedy tokens, residual stream and routing after every layer, bit
-    # for bit (only MoE layers write their routing).
-    core_tokens, core_residuals = np.asarray(core_tokens), np.asarray(core_residuals)
-    core_routes = np.asarray(core_routes)[:, moe_layers]
-    identical = all(
-        np.array_equal(core_tokens[0], core_tokens[r])
-        and np.array_equal(core_residuals[0], core_residuals[r], equal_nan=True)
-        and np.array_equal(core_routes[0], core_routes[r])
-        for r in range(1, len(core_tokens))
-    )
-    kernel_tokens, residuals = core_tokens[0], core_residuals[0]
-    kernel_routes = dict(zip(moe_layers, core_routes[0], strict=True))
+    kernel_logits = out[1]
+    caches = list(out[layout.outputs_before_caches :])
+    identical, (kernel_tokens, residuals, routes, hidden) = _core_outputs(layout, out, moe_layers)
+    kernel_routes = dict(zip(moe_layers, routes, strict=True))
     differences: list[RouteDifference] = []
     ref_logits, ref_cache, ref_residuals = reference.forward_traced(
         spec, weights, jnp.asarray(tokens), ref_cache, position,
         _following_near_ties(kernel_routes, differences),
     )  # fmt: skip
     mismatches = [d for d in differences if not d.near_tie]
+    ref_residuals = np.asarray(ref_residuals).reshape(len(residuals), layout.tokens, -1)
     layer_diff, layer_tolerance, first_layer = _compare_residuals(
-        np.asarray(residuals),
-        np.asarray(ref_residuals).reshape(len(residuals), layout.tokens, -1),
+        np.asarray(residuals), ref_residuals
+    )
+    hidden_diff, hidden_mismatch = _compare_draft_hidden(
+        spec, layout, weights, hidden, ref_residuals
     )
     ref_logits = np.asarray(ref_logits).reshape(layout.tokens, -1)
     got = np.asarray(kernel_logits)[:, : spec.dims.vocab]
@@ -607,8 +611,26 @@ def _step_check(
         route_ties=[d.describe() for d in differences if d.near_tie],
         route_mismatch=mismatches[0].describe() if mismatches else None,
         route_mismatch_layer=mismatches[0].layer if mismatches else None,
+        max_draft_hidden_diff=hidden_diff,
+        draft_hidden_mismatch=hidden_mismatch,
     )
     return check, ref_cache, expected
+
+
+def _core_outputs(layout: Any, out: list[Any], moe_layers: list[int]) -> tuple[bool, list[Any]]:
+    """(whether every core's greedy tokens, residual stream, routing after every layer (only
+    MoE layers write theirs) and the drafter's hidden states are equal bit for bit, core
+    0's of each)."""
+    import numpy as np
+
+    per_core = [np.asarray(out[0]), np.asarray(out[2]), np.asarray(out[3])[:, moe_layers]]
+    per_core.append(np.asarray(out[4]) if layout.draft_hidden else np.zeros((len(out[0]), 0)))
+    identical = all(
+        np.array_equal(values[0], values[r], equal_nan=True)
+        for values in per_core
+        for r in range(1, len(values))
+    )
+    return identical, [values[0] for values in per_core]
 
 
 def _following_near_ties(
@@ -638,6 +660,31 @@ def _compare_residuals(ours: Any, theirs: Any) -> tuple[float, float, int | None
     bad = np.nonzero(diffs > limits)[0]
     worst = int(np.argmax(diffs / limits))
     return float(diffs[worst]), float(limits[worst]), int(bad[0]) if len(bad) else None
+
+
+def _compare_draft_hidden(
+    spec: Any, layout: Any, weights: Any, ours: Any, residuals: Any
+) -> tuple[float, str | None]:
+    """(largest difference, the first hidden state beyond its tolerance) of the kernel's
+    draft-hidden output `ours` [entries, tokens, hidden] against the reference's states at
+    the layers the plan names (`residuals`: forward_traced's [layers, tokens, hidden])."""
+    import numpy as np
+
+    from mkgen.reference.draft import target_hidden
+
+    worst, first = 0.0, None
+    for entry, wanted in enumerate(layout.draft_hidden):
+        theirs = np.asarray(target_hidden(spec, weights, residuals, wanted.layer))
+        diff = float(np.abs(ours[entry] - theirs).max())
+        limit = RESIDUAL_RTOL * max(float(np.abs(theirs).max()), 1.0)
+        worst = max(worst, diff)
+        if first is None and not diff <= limit:  # a NaN fails too
+            what = "final-normed " if wanted.normed else ""
+            first = (
+                f"the drafter's hidden state {entry} (the {what}stream after layer "
+                f"{wanted.layer}) differs by {diff:.4g} (tolerance {limit:.4g})"
+            )
+    return worst, first
 
 
 def _compare_caches(
