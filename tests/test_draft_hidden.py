@@ -4,12 +4,13 @@ The plan names them (mkgen.plan.layout.draft_hidden_states: an mtp drafter's fin
 last layer, a block drafter's feature layers) only for a spec with a draft section at
 rows > 1; the kernel writes them as one more output, priced and counted in VMEM; verify
 holds them against the reference's (mkgen.reference.draft.target_hidden), and a kernel
-writing the wrong layer fails.
+writing the wrong layer fails; the runner hands them to decode beside tokens and logits.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,6 +18,7 @@ from mkgen.kinds import default_registry
 from mkgen.plan import plan_build
 from mkgen.plan.layout import DraftHidden
 from mkgen.plan.options import BuildOptions
+from mkgen.runtime.build import kernel_outputs
 from mkgen.spec.loader import load_spec
 from mkgen.spec.mini import mini_twin
 from mkgen.spec.schema import ModelDraft
@@ -77,3 +79,10 @@ def test_a_kernel_writing_the_wrong_layer_fails() -> None:
     )  # fmt: skip
     assert not report.passed
     assert "the drafter's hidden state 0 (the stream after layer 0) differs" in report.failure()
+
+
+def test_the_runner_hands_decode_the_states() -> None:
+    drafting = SimpleNamespace(draft_hidden=[DraftHidden(layer=1, normed=True)])
+    plain = SimpleNamespace(draft_hidden=[])
+    assert kernel_outputs(drafting, ("t", "l", "h", "c0", "c1")) == ("t", "l", "h", ["c0", "c1"])
+    assert kernel_outputs(plain, ("t", "l", "c0")) == ("t", "l", None, ["c0"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -92,3 +93,13 @@ def load_build(build: Build) -> tuple[Any, Any, ModuleType]:
             f"the installed mkgen cannot read this build's plan.json; {hint}"
         ) from None
     return spec, layout, _import_file(build.directory / "megakernel.py", "megakernel")
+
+
+def kernel_outputs(layout: Any, outputs: Sequence[Any]) -> tuple[Any, Any, Any, list[Any]]:
+    """A decode step's outputs (the kernel's make_decode_step) as (tokens, logits, the
+    target's hidden states its drafter reads, [len(layout.draft_hidden), TOKENS, HIDDEN] f32
+    in the plan's order, or None for a build without them, the caches)."""
+    tokens, logits, *rest = outputs
+    if layout.draft_hidden:
+        return tokens, logits, rest[0], rest[1:]
+    return tokens, logits, None, rest

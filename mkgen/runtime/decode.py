@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mkgen.runtime.arguments import NGRAM_DEFAULT
-from mkgen.runtime.build import Build, load_build
+from mkgen.runtime.build import Build, kernel_outputs, load_build
 from mkgen.runtime.device_speculation import accept_on_device, prompt_lookup_on_device
 from mkgen.runtime.devices import host_value, make_mesh
 from mkgen.runtime.sampling import Sampler
@@ -223,10 +223,11 @@ def chunk_decoder(
             fed = jnp.concatenate([history[sequences, positions][:, None], drafts], axis=1)
             x = jnp.zeros((layout.tokens_padded, layout.hidden), jnp.float32)
             x = x.at[: layout.tokens].set(embedding[fed.reshape(-1)].astype(jnp.float32))
-            greedy, logits, *caches = step_fn(
+            # hidden: the states a drafter reads (None without one), not used yet.
+            greedy, logits, hidden, caches = kernel_outputs(layout, step_fn(
                 tables, positions, x, placed["final_norm"], placed["stream"],
                 placed["vectors"], *placed["experts"], *caches,
-            )  # fmt: skip
+            ))  # fmt: skip
             new, accepted = accept_on_device(
                 fed, greedy.reshape(batch, rows), logits, sampling, positions,
                 build.vocab_used,
@@ -421,11 +422,12 @@ class _HostSteps:
         x = np.zeros((layout.tokens_padded, layout.hidden), np.float32)
         x[: layout.tokens] = self.model.weights.embedding[rows.reshape(-1)].astype(np.float32)
         start = time.perf_counter()
-        tokens, logits, *caches = self.step_fn(
+        # hidden: the states a drafter reads (None without one), not used yet.
+        tokens, logits, hidden, caches = kernel_outputs(layout, self.step_fn(
             self.tables, jnp.asarray(sequences.positions, jnp.int32), jnp.asarray(x),
             placed["final_norm"], placed["stream"], placed["vectors"], *placed["experts"],
             *caches,
-        )  # fmt: skip
+        ))  # fmt: skip
         tokens = host_value(jax.block_until_ready(tokens)).reshape(batch, rows_per_call)
         sequences.seconds.append(time.perf_counter() - start)
         if self.sampler is not None:
