@@ -17,8 +17,10 @@ The drafter classes live in mkgen/spec/schema.py (a ModelDraft nests a ModelSpec
 is checked against its target when the spec is validated (ModelSpec calls
 `check_against`): one line naming the mismatch. This module holds a drafter's weight
 inventory, `with_draft`, which attaches a drafter to a target, and the MTP section of an
-import; mkgen/spec/draft_import.py reads a drafter's own config.json. No kernel reads a drafter yet; a build's
-inputs include the section only when it is present, so specs without one are unchanged.
+import; mkgen/spec/draft_import.py reads a drafter's own config.json. No kernel drafts
+yet (a build writes the hidden states the drafter reads: `target_layers`,
+docs/drafting.md); a build's inputs include the section only when it is present, so specs
+without one are unchanged.
 """
 
 from __future__ import annotations

@@ -978,7 +978,8 @@ class ModelSpec(StrictModel):
     layers: Layers
     attention_residual: AttentionResidual | None = None
     quantization: Quantization = Quantization()
-    # The drafter that proposes a step's rows (kernels do not read it yet).
+    # The drafter that proposes a step's rows (no kernel drafts yet; a build at rows > 1
+    # writes the hidden states it reads).
     draft: Drafter | None = None
 
     @model_serializer(mode="wrap")
