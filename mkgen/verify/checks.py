@@ -147,6 +147,8 @@ TOLERANCES = (
     "reported, and the reference takes the kernel's experts); "
     + (
         f"the residual stream after every layer within {_RESIDUAL_RTOL:g} x its largest value; "
+        f"the drafter's hidden states (a build with a drafter) within {_RESIDUAL_RTOL:g} x "
+        "each one's largest value; "
         if RESIDUALS and _RESIDUAL_RTOL is not None
         else ""
     )
@@ -231,6 +233,12 @@ def verify_lines(report: NumericsReport) -> list[str]:
             + (f" ({s.tokens_near_tie} near tie)" if s.tokens_near_tie else "")
         )
         out += [f"        routing: {tie}" for tie in s.route_ties]
+        if s.draft_hidden_states:
+            out.append(
+                f"        the drafter's {s.draft_hidden_states} hidden state(s): max diff "
+                f"{s.max_draft_hidden_diff:.5f}"
+                + (f"; {s.draft_hidden_mismatch}" if s.draft_hidden_mismatch else "")
+            )
     return out
 
 

@@ -89,6 +89,7 @@ class StepCheck:
     route_mismatch: str | None = None
     route_mismatch_layer: int | None = None
     # The drafter's hidden states (none without a drafter): the first beyond its tolerance.
+    draft_hidden_states: int = 0
     max_draft_hidden_diff: float = 0.0
     draft_hidden_mismatch: str | None = None
 
@@ -611,6 +612,7 @@ def _step_check(
         route_ties=[d.describe() for d in differences if d.near_tie],
         route_mismatch=mismatches[0].describe() if mismatches else None,
         route_mismatch_layer=mismatches[0].layer if mismatches else None,
+        draft_hidden_states=len(layout.draft_hidden),
         max_draft_hidden_diff=hidden_diff,
         draft_hidden_mismatch=hidden_mismatch,
     )
