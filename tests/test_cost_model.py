@@ -88,9 +88,9 @@ def test_batch1_breakdown_close_to_the_published_one():
     for key, (published, predicted) in parts.items():
         print(f"{key:<26} published {published:7.1f} us  predicted {predicted:7.1f} us")
     assert parts["per_layer"][1] == pytest.approx(55.0, rel=0.15)
-    # The spec streams 56 of the measured kernel's 76 MiB per layer (see the bytes test
-    # below), so its dense stream is shorter by about that ratio.
-    assert parts["dense_stream_per_layer"][1] == pytest.approx(25.0 * 56 / 76, rel=0.15)
+    # The spec streams 68.5 of the measured kernel's 76 MiB per layer (see the bytes test
+    # below): its dense stream is within 15 % of the published one.
+    assert parts["dense_stream_per_layer"][1] == pytest.approx(25.0, rel=0.15)
     # ~14 us published for 4 phases whose catalog range is 3.5 to 4.7 us each (14 to 18.8);
     # the walk adds the issue of each collective's remote copies on the DMA engine.
     assert parts["collectives_per_layer"][1] == pytest.approx(14.0, rel=0.4)
@@ -102,12 +102,13 @@ def test_batch1_breakdown_close_to_the_published_one():
 def test_muse_spark_bytes_per_core_against_the_published_counts():
     """What the spec streams per core, and the known gap to the measured kernel.
 
-    Per layer and core the spec's dense weights are q (16 heads x 64) and o (8192 x
-    1024 each), k and v (2 kv heads x 64), the pre/post expert projections and the router
-    split 8 ways (its scores ride in the latent all-gather): 52.5 MiB in bf16. The
-    measured kernel streams 76 MiB; the gap (its attention output gate and a replicated
-    f32 router, which models.md does not list) is the model's main blind spot, recorded
-    in docs/cost-model.md.
+    Per layer and core the spec's dense weights are q, the attention output gate (16
+    heads x 64 each) and o (8192 x 1024 each), k and v (2 kv heads x 64), the pre/post
+    expert projections and the router split 8 ways (its scores ride in the latent
+    all-gather): 68.5 MiB in bf16. The measured kernel streams 76 MiB; the gap is its router,
+    kept in f32 as two bf16 halves and replicated (musespark/layout.py `router_hi`,
+    `router_lo`: 8 MiB where mkgen's bf16 split router is 0.5), recorded in
+    docs/cost-model.md.
     """
     topo = parse_topology("2x2x1")
     spec = load_spec("muse-spark-1.2")
@@ -118,18 +119,19 @@ def test_muse_spark_bytes_per_core_against_the_published_counts():
         for t in plan.attention["local"].tensors + plan.ffn["moe"].tensors
         if not t.name.startswith("ffn.experts") and t.family != "vectors"
     )
-    attention = 2 * (8192 * 1024 * 2) + 2 * (8192 * 128 * 2)
+    attention = 3 * (8192 * 1024 * 2) + 2 * (8192 * 128 * 2)
     projections = 2 * (8192 * 4096 * 2) // 8
     router = 8192 * 256 * 2 // 8
     assert plan.ffn["moe"].router == "split"
     assert dense == attention + projections + router
-    assert dense / MiB == pytest.approx(52.5, abs=0.1)
-    assert PUBLISHED_DENSE_BYTES_PER_LAYER - dense == pytest.approx(23.5 * MiB, abs=0.1 * MiB)
+    assert dense / MiB == pytest.approx(68.5, abs=0.1)
+    measured_router = 2 * (8192 * 256 * 2)
+    assert PUBLISHED_DENSE_BYTES_PER_LAYER - dense == measured_router - router
     # Bytes per core per step: published 7.02 GB (bf16 dense), 4.70 GB (int8 dense). In
-    # bf16 the spec reads 21 % less, about the missing dense bytes above in every layer.
+    # bf16 the spec reads 6 % less, about the router's difference above in every layer.
     bf16 = predict("int4 experts, bf16 dense", 1, default_registry()).hbm_bytes_per_device_per_step
     missing = len(spec.layer_table()) * (PUBLISHED_DENSE_BYTES_PER_LAYER - dense)
-    assert 7.02e9 - bf16 == pytest.approx(missing, rel=0.05)
+    assert 7.02e9 - bf16 == pytest.approx(missing, rel=0.1)
     int8 = predict("nvfp4 experts, int8 dense", 1, default_registry()).hbm_bytes_per_device_per_step
     assert int8 == pytest.approx(4.70e9, rel=0.20)
 
@@ -428,15 +430,15 @@ def test_flat_collectives_are_chosen_where_the_walk_says_they_save_time(kimi) ->
 
 
 def test_the_calibration_bias_is_reported_and_held(table) -> None:
-    """Not only the worst row: the mean signed error. It is -6.6 %, outside +-5 %: the model
-    leans fast (11 of 12 rows), and no constant is tuned to hide it. RECORDED, which
-    REPORT.md and `mkgen plan` state, is the calibration's summary."""
+    """Not only the worst row: the mean signed error, within +-5 % (+0.7 %: 5 of 12 rows
+    predicted faster than measured). RECORDED, which REPORT.md and `mkgen plan` state, is
+    the calibration's summary."""
     summary = summarise(table)
     assert summary == RECORDED
-    assert -0.07 <= summary.bias <= -0.06
-    assert summary.faster == 11 and abs(summary.worst) <= TARGET
+    assert abs(summary.bias) <= 0.05
+    assert summary.faster == 5 and abs(summary.worst) <= TARGET
     assert f"**{100 * summary.bias:+.1f} %**" in format_table(table)
-    assert "mean error -6.6 %" in RECORDED.describe()
+    assert "mean error +0.7 %" in RECORDED.describe()
 
 
 def test_a_step_is_shown_beside_its_calibrated_regime_and_uncalibrated_parts(kimi) -> None:

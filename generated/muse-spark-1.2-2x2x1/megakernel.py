@@ -5,7 +5,7 @@ regenerate with `mkgen build muse-spark-1.2 --topology 2x2x1 --force` (add -o an
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Muse Spark 1.2: 62 layers, SWA(2048)+RoPE with NoPE full attention at l % 4 == 1, MoE 256 top-8"
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 12 refills held for collectives, 5 a round.
-Inputs sha256: 4582b2eeb2017763dc2a42a3474fb8f5c56386f4b59ede695de2a28992e5abf5 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 99bb986628a91d9e3af538e0f92fe7d19c7647888be9e281472550ff0440c83e (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
@@ -72,7 +72,7 @@ CHUNKS_PER_BANK = BANK_ROWS // CHUNK
 RING_DEPTH = 16  # banks in flight: the plan's prefetch distance
 HELD_REFILLS = 12  # refills held until a collective round's copies are under way
 REFILLS_PER_ROUND = 5  # held refills a round starts: the banks its flight covers
-TOTAL_BANKS = 1825  # banks each core streams per step
+TOTAL_BANKS = 2321  # banks each core streams per step
 MAX_K_CHUNKS = 32  # largest segment fan-in, in chunks
 MAX_COL_BLOCKS = 99  # largest segment fan-out, in column blocks
 CACHE_ALIGN = 16  # bf16 HBM rows are tiled by 16: cache writes start on a multiple
@@ -119,11 +119,11 @@ LAYER_TABLES = (
     [0, 0, 1, 2, 3, 1, 4, 5, 6, 2, 7, 8, 9, 3, 10, 11, 12, 4, 13, 14, 15, 5, 16, 17, 18, 6, 19, 20, 21, 7, 22, 23, 24, 8, 25, 26, 27, 9, 28, 29, 30, 10, 31, 32, 33, 11, 34, 35, 36, 12, 37, 38, 39, 13, 40, 41, 42, 14, 43, 44, 45, 15],  # its cache slot
     [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # FFN kind
     [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61],  # its slot
-    [0, 107520, 215040, 322560, 430080, 537600, 645120, 752640, 860160, 967680, 1075200, 1182720, 1290240, 1397760, 1505280, 1612800, 1720320, 1827840, 1935360, 2042880, 2150400, 2257920, 2365440, 2472960, 2580480, 2688000, 2795520, 2903040, 3010560, 3118080, 3225600, 3333120, 3440640, 3548160, 3655680, 3763200, 3870720, 3978240, 4085760, 4193280, 4300800, 4408320, 4515840, 4623360, 4730880, 4838400, 4945920, 5053440, 5160960, 5268480, 5376000, 5483520, 5591040, 5698560, 5806080, 5913600, 6021120, 6128640, 6236160, 6343680, 6451200, 6558720],  # first stream row of the layer's attention
-    [73728, 181248, 288768, 396288, 503808, 611328, 718848, 826368, 933888, 1041408, 1148928, 1256448, 1363968, 1471488, 1579008, 1686528, 1794048, 1901568, 2009088, 2116608, 2224128, 2331648, 2439168, 2546688, 2654208, 2761728, 2869248, 2976768, 3084288, 3191808, 3299328, 3406848, 3514368, 3621888, 3729408, 3836928, 3944448, 4051968, 4159488, 4267008, 4374528, 4482048, 4589568, 4697088, 4804608, 4912128, 5019648, 5127168, 5234688, 5342208, 5449728, 5557248, 5664768, 5772288, 5879808, 5987328, 6094848, 6202368, 6309888, 6417408, 6524928, 6632448],  # of its FFN
+    [0, 140288, 280576, 420864, 561152, 701440, 841728, 982016, 1122304, 1262592, 1402880, 1543168, 1683456, 1823744, 1964032, 2104320, 2244608, 2384896, 2525184, 2665472, 2805760, 2946048, 3086336, 3226624, 3366912, 3507200, 3647488, 3787776, 3928064, 4068352, 4208640, 4348928, 4489216, 4629504, 4769792, 4910080, 5050368, 5190656, 5330944, 5471232, 5611520, 5751808, 5892096, 6032384, 6172672, 6312960, 6453248, 6593536, 6733824, 6874112, 7014400, 7154688, 7294976, 7435264, 7575552, 7715840, 7856128, 7996416, 8136704, 8276992, 8417280, 8557568],  # first stream row of the layer's attention
+    [106496, 246784, 387072, 527360, 667648, 807936, 948224, 1088512, 1228800, 1369088, 1509376, 1649664, 1789952, 1930240, 2070528, 2210816, 2351104, 2491392, 2631680, 2771968, 2912256, 3052544, 3192832, 3333120, 3473408, 3613696, 3753984, 3894272, 4034560, 4174848, 4315136, 4455424, 4595712, 4736000, 4876288, 5016576, 5156864, 5297152, 5437440, 5577728, 5718016, 5858304, 5998592, 6138880, 6279168, 6419456, 6559744, 6700032, 6840320, 6980608, 7120896, 7261184, 7401472, 7541760, 7682048, 7822336, 7962624, 8102912, 8243200, 8383488, 8523776, 8664064],  # of its FFN
 )
 # fmt: on
-LM_HEAD_ROW = 6666240  # the lm_head's first row: the stream ends with it
+LM_HEAD_ROW = 8697856  # the lm_head's first row: the stream ends with it
 # The lm_head: this core's vocabulary shard.
 LM_HEAD = Segment(offset=0, fan_in=8192, fan_out=25256, k_chunks=32, col_blocks=99, tail_rows=176)
 TRACE_RESIDUALS = False  # verification builds return the stream after each layer
@@ -141,14 +141,15 @@ LOCAL_WINDOW = 2048  # None: full attention
 LOCAL_KV_TILE = 1024  # cache tokens per streamed tile
 # Its weight-stream segments in the order a layer reads them; offsets in stream rows from
 # the layer's first row of this kind.
-# attn.wq | attn.wk | attn.wv: one pass over their input
-LOCAL_QKV = Segment(offset=0, fan_in=8192, fan_out=1280, k_chunks=32, col_blocks=5)
+# attn.wq | attn.wk | attn.wv | attn.wgate: one pass over their input
+LOCAL_QKV = Segment(offset=0, fan_in=8192, fan_out=2304, k_chunks=32, col_blocks=9)
 # output projection, row-split over cores: the partial sums meet in an all-reduce
-LOCAL_O = Segment(offset=40960, fan_in=1024, fan_out=8192, k_chunks=4, col_blocks=32)
+LOCAL_O = Segment(offset=73728, fan_in=1024, fan_out=8192, k_chunks=4, col_blocks=32)
 # Where each fused tensor's outputs lie in the columns of the segment that computes it.
 LOCAL_WQ_COLS = slice(0, 1024)  # queries of the core's heads
 LOCAL_WK_COLS = slice(1024, 1152)  # keys of its kv heads
 LOCAL_WV_COLS = slice(1152, 1280)  # values
+LOCAL_WGATE_COLS = slice(1280, 2304)  # output gate logits
 
 
 # Attention kind 1 "global" (GQA), layers [1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61].
@@ -164,14 +165,15 @@ GLOBAL_WINDOW = None  # None: full attention
 GLOBAL_KV_TILE = 1024  # cache tokens per streamed tile
 # Its weight-stream segments in the order a layer reads them; offsets in stream rows from
 # the layer's first row of this kind.
-# attn.wq | attn.wk | attn.wv: one pass over their input
-GLOBAL_QKV = Segment(offset=0, fan_in=8192, fan_out=1280, k_chunks=32, col_blocks=5)
+# attn.wq | attn.wk | attn.wv | attn.wgate: one pass over their input
+GLOBAL_QKV = Segment(offset=0, fan_in=8192, fan_out=2304, k_chunks=32, col_blocks=9)
 # output projection, row-split over cores: the partial sums meet in an all-reduce
-GLOBAL_O = Segment(offset=40960, fan_in=1024, fan_out=8192, k_chunks=4, col_blocks=32)
+GLOBAL_O = Segment(offset=73728, fan_in=1024, fan_out=8192, k_chunks=4, col_blocks=32)
 # Where each fused tensor's outputs lie in the columns of the segment that computes it.
 GLOBAL_WQ_COLS = slice(0, 1024)  # queries of the core's heads
 GLOBAL_WK_COLS = slice(1024, 1152)  # keys of its kv heads
 GLOBAL_WV_COLS = slice(1152, 1280)  # values
+GLOBAL_WGATE_COLS = slice(1280, 2304)  # output gate logits
 
 
 # FFN kind 0 "moe" (MoE), layers [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61].
@@ -722,7 +724,7 @@ def _barrier():
 # ----------------------------------------------------------------------------- attention "local"
 def _attention_local(ctx, layer, first_row, x):
     """GQA layer: norm, q|k|v projection, q/k norm, RoPE, cache write, attention over
-    streamed KV tiles (window 2048), output projection, all-reduce."""
+    streamed KV tiles (window 2048), sigmoid gate, output projection, all-reduce."""
     vec = ctx.vectors
     slot = ctx.tables[1, layer]
     h = _rms_norm(x, vec[ATTN_NORM_VEC])
@@ -730,6 +732,7 @@ def _attention_local(ctx, layer, first_row, x):
     q = y[:, LOCAL_WQ_COLS]
     k = y[:, LOCAL_WK_COLS]
     v = y[:, LOCAL_WV_COLS]
+    gate = y[:, LOCAL_WGATE_COLS]
     d = LOCAL_HEAD_DIM
     q_heads = [q[:, i * d : (i + 1) * d] for i in range(LOCAL_HEADS)]
     k_heads = [k[:, i * d : (i + 1) * d] for i in range(LOCAL_KV_HEADS)]
@@ -759,6 +762,7 @@ def _attention_local(ctx, layer, first_row, x):
         ]
         o_rows.append(jnp.concatenate(heads, axis=1))
     o_all = _stack_rows(o_rows)
+    o_all = o_all * _sigmoid(gate)
     partial = ctx.stream.matmul(o_all, first_row, LOCAL_O)
     return ctx.collectives.all_reduce(0, partial)
 
@@ -908,7 +912,7 @@ def _attend_local(ctx, slot):
 # ----------------------------------------------------------------------------- attention "global"
 def _attention_global(ctx, layer, first_row, x):
     """GQA layer: norm, q|k|v projection, q/k norm, cache write, attention over
-    streamed KV tiles, output projection, all-reduce."""
+    streamed KV tiles, sigmoid gate, output projection, all-reduce."""
     vec = ctx.vectors
     slot = ctx.tables[1, layer]
     h = _rms_norm(x, vec[ATTN_NORM_VEC])
@@ -916,6 +920,7 @@ def _attention_global(ctx, layer, first_row, x):
     q = y[:, GLOBAL_WQ_COLS]
     k = y[:, GLOBAL_WK_COLS]
     v = y[:, GLOBAL_WV_COLS]
+    gate = y[:, GLOBAL_WGATE_COLS]
     d = GLOBAL_HEAD_DIM
     q_heads = [q[:, i * d : (i + 1) * d] for i in range(GLOBAL_HEADS)]
     k_heads = [k[:, i * d : (i + 1) * d] for i in range(GLOBAL_KV_HEADS)]
@@ -942,6 +947,7 @@ def _attention_global(ctx, layer, first_row, x):
         ]
         o_rows.append(jnp.concatenate(heads, axis=1))
     o_all = _stack_rows(o_rows)
+    o_all = o_all * _sigmoid(gate)
     partial = ctx.stream.matmul(o_all, first_row, GLOBAL_O)
     return ctx.collectives.all_reduce(0, partial)
 

@@ -102,9 +102,10 @@ def summarise(rows: list[CalibrationRow]) -> CalibrationSummary:
 
 # `summarise(calibrate())` of the current model, rounded: what REPORT.md and `mkgen plan`
 # state beside a step without walking the twelve rows every time. tests/test_cost_model.py
-# holds it equal to the calibration; the bias is outside +-5 %: the model leans fast, and
-# no constant is tuned to hide it (docs/cost-model.md).
-RECORDED = CalibrationSummary(rows=12, bias=-0.066, faster=11, worst=-0.150)
+# holds it equal to the calibration (docs/cost-model.md). It was -6.6 % (11 rows fast)
+# while the spec lacked the attention output gate the measured kernel streams; no
+# constant changed with it.
+RECORDED = CalibrationSummary(rows=12, bias=0.007, faster=5, worst=0.109)
 
 
 def options_for(config: str, batch: int) -> BuildOptions:

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build muse-spark-1.2 --topology 2x2x1 --force`` 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of muse-spark-1.2 for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: b288519437f9f8c921393238b5aad48ad1c5d74c5e0afc18c27c50af76782a5c (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 337e5052795f3ecdc89c23488f19e4071ffeb9cc76d26caa12eb5e5ce4e466c1 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
@@ -72,7 +72,7 @@ CHUNKS_PER_BANK = BANK_ROWS // CHUNK
 RING_DEPTH = 4  # banks in flight: the plan's prefetch distance
 HELD_REFILLS = 2  # refills held until a collective round's copies are under way
 REFILLS_PER_ROUND = 1  # held refills a round starts: the banks its flight covers
-TOTAL_BANKS = 5  # banks each core streams per step
+TOTAL_BANKS = 6  # banks each core streams per step
 MAX_K_CHUNKS = 1  # largest segment fan-in, in chunks
 MAX_COL_BLOCKS = 1  # largest segment fan-out, in column blocks
 CACHE_ALIGN = 16  # bf16 HBM rows are tiled by 16: cache writes start on a multiple
@@ -119,11 +119,11 @@ LAYER_TABLES = (
     [0, 0, 1, 2, 3, 1],  # its cache slot
     [0, 0, 0, 0, 0, 0],  # FFN kind
     [0, 1, 2, 3, 4, 5],  # its slot
-    [0, 192, 384, 576, 768, 960],  # first stream row of the layer's attention
-    [128, 320, 512, 704, 896, 1088],  # of its FFN
+    [0, 224, 448, 672, 896, 1120],  # first stream row of the layer's attention
+    [160, 384, 608, 832, 1056, 1280],  # of its FFN
 )
 # fmt: on
-LM_HEAD_ROW = 1152  # the lm_head's first row: the stream ends with it
+LM_HEAD_ROW = 1344  # the lm_head's first row: the stream ends with it
 # The lm_head: this core's vocabulary shard.
 LM_HEAD = Segment(offset=0, fan_in=256, fan_out=64, k_chunks=1, col_blocks=1, tail_rows=64)
 TRACE_RESIDUALS = False  # verification builds return the stream after each layer
@@ -141,14 +141,15 @@ LOCAL_WINDOW = 8  # None: full attention
 LOCAL_KV_TILE = 128  # cache tokens per streamed tile
 # Its weight-stream segments in the order a layer reads them; offsets in stream rows from
 # the layer's first row of this kind.
-# attn.wq | attn.wk | attn.wv: one pass over their input
-LOCAL_QKV = Segment(offset=0, fan_in=256, fan_out=96, k_chunks=1, col_blocks=1, tail_rows=96)
+# attn.wq | attn.wk | attn.wv | attn.wgate: one pass over their input
+LOCAL_QKV = Segment(offset=0, fan_in=256, fan_out=128, k_chunks=1, col_blocks=1, tail_rows=128)
 # output projection, row-split over cores: the partial sums meet in an all-reduce
-LOCAL_O = Segment(offset=96, fan_in=32, fan_out=256, k_chunks=1, col_blocks=1, chunk_rows=32)
+LOCAL_O = Segment(offset=128, fan_in=32, fan_out=256, k_chunks=1, col_blocks=1, chunk_rows=32)
 # Where each fused tensor's outputs lie in the columns of the segment that computes it.
 LOCAL_WQ_COLS = slice(0, 32)  # queries of the core's heads
 LOCAL_WK_COLS = slice(32, 64)  # keys of its kv heads
 LOCAL_WV_COLS = slice(64, 96)  # values
+LOCAL_WGATE_COLS = slice(96, 128)  # output gate logits
 
 
 # Attention kind 1 "global" (GQA), layers [1, 5].
@@ -164,14 +165,15 @@ GLOBAL_WINDOW = None  # None: full attention
 GLOBAL_KV_TILE = 128  # cache tokens per streamed tile
 # Its weight-stream segments in the order a layer reads them; offsets in stream rows from
 # the layer's first row of this kind.
-# attn.wq | attn.wk | attn.wv: one pass over their input
-GLOBAL_QKV = Segment(offset=0, fan_in=256, fan_out=96, k_chunks=1, col_blocks=1, tail_rows=96)
+# attn.wq | attn.wk | attn.wv | attn.wgate: one pass over their input
+GLOBAL_QKV = Segment(offset=0, fan_in=256, fan_out=128, k_chunks=1, col_blocks=1, tail_rows=128)
 # output projection, row-split over cores: the partial sums meet in an all-reduce
-GLOBAL_O = Segment(offset=96, fan_in=32, fan_out=256, k_chunks=1, col_blocks=1, chunk_rows=32)
+GLOBAL_O = Segment(offset=128, fan_in=32, fan_out=256, k_chunks=1, col_blocks=1, chunk_rows=32)
 # Where each fused tensor's outputs lie in the columns of the segment that computes it.
 GLOBAL_WQ_COLS = slice(0, 32)  # queries of the core's heads
 GLOBAL_WK_COLS = slice(32, 64)  # keys of its kv heads
 GLOBAL_WV_COLS = slice(64, 96)  # values
+GLOBAL_WGATE_COLS = slice(96, 128)  # output gate logits
 
 
 # FFN kind 0 "moe" (MoE), layers [0, 1, 2, 3, 4, 5].
@@ -722,7 +724,7 @@ def _barrier():
 # ----------------------------------------------------------------------------- attention "local"
 def _attention_local(ctx, layer, first_row, x):
     """GQA layer: norm, q|k|v projection, q/k norm, RoPE, cache write, attention over
-    streamed KV tiles (window 8), output projection, all-reduce."""
+    streamed KV tiles (window 8), sigmoid gate, output projection, all-reduce."""
     vec = ctx.vectors
     slot = ctx.tables[1, layer]
     h = _rms_norm(x, vec[ATTN_NORM_VEC])
@@ -730,6 +732,7 @@ def _attention_local(ctx, layer, first_row, x):
     q = y[:, LOCAL_WQ_COLS]
     k = y[:, LOCAL_WK_COLS]
     v = y[:, LOCAL_WV_COLS]
+    gate = y[:, LOCAL_WGATE_COLS]
     d = LOCAL_HEAD_DIM
     q_heads = [q[:, i * d : (i + 1) * d] for i in range(LOCAL_HEADS)]
     k_heads = [k[:, i * d : (i + 1) * d] for i in range(LOCAL_KV_HEADS)]
@@ -759,6 +762,7 @@ def _attention_local(ctx, layer, first_row, x):
         ]
         o_rows.append(jnp.concatenate(heads, axis=1))
     o_all = _stack_rows(o_rows)
+    o_all = o_all * _sigmoid(gate)
     partial = ctx.stream.matmul(o_all, first_row, LOCAL_O)
     return ctx.collectives.all_reduce(0, partial)
 
@@ -908,7 +912,7 @@ def _attend_local(ctx, slot):
 # ----------------------------------------------------------------------------- attention "global"
 def _attention_global(ctx, layer, first_row, x):
     """GQA layer: norm, q|k|v projection, q/k norm, cache write, attention over
-    streamed KV tiles, output projection, all-reduce."""
+    streamed KV tiles, sigmoid gate, output projection, all-reduce."""
     vec = ctx.vectors
     slot = ctx.tables[1, layer]
     h = _rms_norm(x, vec[ATTN_NORM_VEC])
@@ -916,6 +920,7 @@ def _attention_global(ctx, layer, first_row, x):
     q = y[:, GLOBAL_WQ_COLS]
     k = y[:, GLOBAL_WK_COLS]
     v = y[:, GLOBAL_WV_COLS]
+    gate = y[:, GLOBAL_WGATE_COLS]
     d = GLOBAL_HEAD_DIM
     q_heads = [q[:, i * d : (i + 1) * d] for i in range(GLOBAL_HEADS)]
     k_heads = [k[:, i * d : (i + 1) * d] for i in range(GLOBAL_KV_HEADS)]
@@ -942,6 +947,7 @@ def _attention_global(ctx, layer, first_row, x):
         ]
         o_rows.append(jnp.concatenate(heads, axis=1))
     o_all = _stack_rows(o_rows)
+    o_all = o_all * _sigmoid(gate)
     partial = ctx.stream.matmul(o_all, first_row, GLOBAL_O)
     return ctx.collectives.all_reduce(0, partial)
 
