@@ -163,7 +163,10 @@ def render_build(
 
     check_renderable(spec)
     spec = options.apply(spec)
-    plan = plan_build(spec, topology, options, **(kernel_args or {}), kinds=default_registry())
+    plan = plan_build(
+        spec, topology, options, **(kernel_args or {}), kinds=default_registry(),
+        price_drafter=spec.draft is not None,
+    )  # fmt: skip
     layout = plan.kernel
     kernel_args = resolved_kernel_args(plan, kernel_args)
     digest = inputs_digest(spec, topology, options, kernel_args)
@@ -227,7 +230,8 @@ def _header(
         description=spec.description,
         options=f"{options.describe()}; weight banks of {stream.bank_rows} rows, ring depth "
         f"{stream.ring_depth}"
-        + (f", {held} refills held for collectives, {per_round} a round" if held else ""),
+        + (f", {held} refills held for collectives, {per_round} a round" if held else "")
+        + (f"; drafter {plan.draft.drafter}" if plan.draft else ""),
         rebuild=rebuild,
     )
 
@@ -325,7 +329,9 @@ def _plan_data(
             "mkgen_version": __version__,
             "inputs_sha256": digest,
             "rebuild": rebuild,
-            "command_line": {"spec": line.spec},
+            # The --draft is kept only where there is one: a build without a drafter
+            # keeps its bytes.
+            "command_line": {"spec": line.spec, **({"draft": line.draft} if line.draft else {})},
         },
         "spec": spec.model_dump(mode="json"),
         "topology": topology.name,
