@@ -303,6 +303,7 @@ def _render_runner(
         # Kinds whose cache is a recurrent state: the runner keeps the snapshot after each
         # sequence's last accepted row (RecurrentLayout.recurrent).
         recurrent_kinds=repr(tuple(a.name for a in layout.attention if a.recurrent)),
+        drafter=safe_text(spec.draft.kind) if spec.draft else None,
     )
 
 

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --force`
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of kimi-k3 for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 8f7737774c19db68fec0e751ce08824c6c71005dc798e10a8245f0e790c06a00 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 1c6dc3524e5a0b2ccdaeb73ffb7958cd22694b59ab8d7d284bc0abad1b01ea7f (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build mixtral-8x7b --topology 2x2x1 --force`` (a
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of mixtral-8x7b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: cc570f16599f4795d2560f321a0e6f458d98bbf25c12a6cf05bd56c994ac232f (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 972bc9ad4fbc82cbe526dca9ff08012f730a218e86d69c2be9dd51044203c0a8 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

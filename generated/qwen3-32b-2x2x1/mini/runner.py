@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3-32b --topology 2x2x1 --force`` (add 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3-32b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 7680be0ff65cc5d8080853ead2b0b375ab6eb5c937aa2482929b82fb0c88b25b (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 8ad04c0f0f0bf71ff07fa7c5ce7bb9bd545cc875346f083064d0ba1032e9a42f (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 
