@@ -124,8 +124,9 @@ def test_plan_text_says_verify_plus_draft_is_predicted_and_not_run() -> None:
     assert result.returncode == 0, result.stderr
     line = next(x for x in result.stdout.splitlines() if x.startswith("Estimate: "))
     assert (
-        "ms/step at batch 1 x rows 8 (the draft priced as fused into the kernel; the runner "
-        "drafts in a separate jitted JAX step between kernel calls instead; " in line
+        "ms/step at batch 1 x rows 8 (the draft priced as fused into the kernel; no kernel "
+        "runs it fused: a runner drafts with a model drafter in a separate jitted JAX step "
+        "between kernel calls; " in line
     )
     verify, draft, total = (float(x) for x in _numbers(line))
     assert total == pytest.approx(verify + draft, abs=2e-3)  # each rounded to 1e-3
