@@ -125,7 +125,11 @@ def test_plan_text_says_verify_plus_draft_is_predicted_and_not_run() -> None:
                    "kimi-k3-mtp")  # fmt: skip
     assert result.returncode == 0, result.stderr
     line = next(x for x in result.stdout.splitlines() if x.startswith("Estimate: "))
-    assert "ms/step at batch 1 x rows 8 (the draft is priced; no kernel runs it yet; " in line
+    assert (
+        "ms/step at batch 1 x rows 8 (the draft priced as fused into the kernel; no kernel "
+        "runs it fused: a runner drafts with a model drafter in a separate jitted JAX step "
+        "between kernel calls; " in line
+    )
     verify, draft, total = (float(x) for x in _numbers(line))
     assert total == pytest.approx(verify + draft, abs=2e-3)  # each rounded to 1e-3
     bar = next(x for x in result.stdout.splitlines() if x.startswith("Against the bar: "))
@@ -221,12 +225,41 @@ def test_draft_on_the_command_line_refuses_bad_input_in_one_line(tmp_path) -> No
 
 
 @pytest.mark.parametrize("command", ["build", "verify", "compile"])
-def test_build_verify_and_compile_do_not_take_draft_yet(command) -> None:
-    """No kernel drafts, so only plan and estimate price a drafter."""
-    assert_user_error(
-        mkgen(command, "qwen3.8-27b", "--topology", "2x2x1", "--rows", "8", "--draft", "mtp"),
-        "--draft",
-    )
+def test_build_verify_and_compile_refuse_a_bad_draft_in_one_line(command, tmp_path) -> None:
+    """They take --draft as plan does: on rows 1, or a drafter the spec lacks, one line."""
+    out = ["-o", str(tmp_path / "b")] if command == "build" else []
+    base = [command, "qwen3.8-27b", "--topology", "2x2x1", *out, "--draft"]
+    assert_user_error(mkgen(*base, "qwen3.8-27b-dflash"), "--rows 1 verifies no drafts")
+    assert_user_error(mkgen(*base, "mtp", "--rows", "8"), "draft mtp needs")
+
+
+def test_a_build_with_a_drafter_carries_it_and_prices_verify_plus_draft(tmp_path) -> None:
+    """`build --draft`: the spec in plan.json holds the drafter (the inputs hash covers
+    it), the header and rebuild line name it, the plan prices verify + draft, and a
+    generated/BUILDS line with the same --draft renders the same build."""
+    from mkgen.codegen.build_list import entry_inputs, read_build_list
+    from mkgen.codegen.naming import CommandLine
+    from mkgen.codegen.package import render_build
+
+    config = str(REPO / "tests" / "fixtures" / "hf" / "qwen3" / "config.json")
+    flags = [config, "--topology", "1x1x1", "--rows", "3", "--context", "64", "--draft", config]
+    result = mkgen("build", *flags, "-o", str(tmp_path / "b"))
+    assert result.returncode == 0, result.stderr
+    plan = json.loads((tmp_path / "b" / "plan.json").read_text())
+    assert plan["spec"]["draft"]["kind"] == "model"
+    assert f"--draft {config}" in plan["build"]["rebuild"]
+    estimate = plan["plan"]["estimate"]
+    assert estimate["draft_ms"] > 0
+    assert estimate["step_ms"] == pytest.approx(estimate["verify_ms"] + estimate["draft_ms"])
+    assert "drafter model: config, 2 layers" in (tmp_path / "b" / "runner.py").read_text()
+    (tmp_path / "BUILDS").write_text(" ".join(flags) + "\n")
+    (entry,) = read_build_list(tmp_path / "BUILDS")
+    line = CommandLine(spec=config, draft=entry.draft)
+    again = render_build(*entry_inputs(entry), line=line)
+    assert again.inputs_sha256 == plan["build"]["inputs_sha256"]
+    assert again.files["runner.py"] == (tmp_path / "b" / "runner.py").read_text()
+    plain = render_build(*entry_inputs(entry.__class__(**{**vars(entry), "draft": None})))
+    assert plain.inputs_sha256 != again.inputs_sha256
 
 
 def test_the_bar_names_both_drafters_and_the_draft_that_makes_it_like_for_like() -> None:

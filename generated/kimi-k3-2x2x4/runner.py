@@ -5,7 +5,7 @@ regenerate with `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --force` (add -o 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Kimi K3: 93 layers, 3 KDA to 1 MLA plus a final MLA layer, latent MoE of 896 experts, top-16"
 Build options: batch 1, rows 8, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 14 refills held for collectives, 5 a round.
-Inputs sha256: 0bcab199223297ab411483cebbe579ce86914e701391d049df455c2dec9f4dde (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: f4c02391386c5aba886e2f37b680c7f7b6e398e8a51d0557cf2168ce73226ae2 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 
 from mkgen.cli.checks import compile_and_print, verify_and_print
 from mkgen.cli.options import (
+    draft_option,
+    drafting_spec,
     force_option,
     kernel_options,
     output_option,
@@ -22,6 +25,7 @@ from mkgen.cli.options import (
 @click.command("build", short_help="Generate the megakernel build of a spec.")
 @spec_argument()
 @kernel_options
+@draft_option
 @output_option("Build directory (default: generated/<spec>-<shape>/ in the checkout).")
 @force_option(
     "Overwrite a build mkgen wrote whose files were edited or deleted (never a "
@@ -42,13 +46,15 @@ def build_command(
     collectives: str | None,
     residual_snapshots: str | None,
     recurrent_states: str | None,
+    draft: str | None,
     output: Path | None,
     force: bool,
 ) -> None:
     """Generate the megakernel build of SPEC: megakernel.py, runner.py, plan.json,
     REPORT.md and mini/ (the mini twin's build), written atomically. Same inputs give
     identical bytes; compile and verify results are added by `mkgen compile/verify
-    --update-report`."""
+    --update-report`. With --draft the build carries the drafter: its plan prices verify +
+    draft and its runner drafts with it (docs/drafting.md)."""
     import time
 
     from mkgen.codegen.naming import CommandLine, build_commands, default_build_dir
@@ -61,17 +67,18 @@ def build_command(
         kv_tile=kv_tile, collectives=collectives,
         residual_snapshots=residual_snapshots, recurrent_states=recurrent_states,
     )  # fmt: skip
+    spec = drafting_spec(spec, draft, rows)
     # The printed commands name the build as the user did, so they run as printed.
     default_dir = output is None or output.resolve() == default_build_dir(spec.name, topo).resolve()
     line = CommandLine(
         spec=None if spec_ref == spec.name else spec_ref,
         output=None if default_dir else str(output),
+        draft=draft,
     )
     start = time.perf_counter()
     result = make_build(spec, topo, options, output=output, force=force, line=line)
     seconds = time.perf_counter() - start
     r, where = result.rendered, shown(result.directory)
-    L, est = r.layout, r.plan.estimate
     if not result.written:
         click.echo(f"{where}/ is up to date (same inputs, identical files); nothing written")
         return
@@ -79,6 +86,16 @@ def build_command(
         f"wrote {where}/ in {seconds:.1f} s: {spec.name} on {topo.name} ({topo.num_devices} "
         f"cores), batch {options.batch} x rows {options.rows}, context {options.context}"
     )
+    _print_files(r, where)
+    commands = build_commands(spec.name, topo, options, line)
+    if result.dropped:
+        click.echo(f"  {_dropped(result.dropped)}")
+    click.echo(f"next: {commands['verify']}; {commands['compile']}; {commands['inspect']}")
+
+
+def _print_files(r: Any, where: str) -> None:
+    """One line per file of the rendered build `r` written to `where`."""
+    L, est = r.layout, r.plan.estimate
     kernel_lines = r.files["megakernel.py"].count("\n")
     click.echo(
         f"  megakernel.py  {kernel_lines:>5} lines  one pallas_call per step, "
@@ -103,10 +120,6 @@ def build_command(
         f"{mini['stream']['ring_depth']}"
     )
     click.echo(f"  inputs sha256 {r.inputs_sha256}")
-    commands = build_commands(spec.name, topo, options, line)
-    if result.dropped:
-        click.echo(f"  {_dropped(result.dropped)}")
-    click.echo(f"next: {commands['verify']}; {commands['compile']}; {commands['inspect']}")
 
 
 def _dropped(measurements: tuple[str, ...]) -> str:
@@ -139,14 +152,15 @@ def inspect_command(build: str, layer: int | None) -> None:
 def regen_command(measure: bool) -> None:
     """Rebuild every checked-in build listed in generated/BUILDS (with --force)."""
     from mkgen.codegen.build_list import BUILD_LIST, entry_inputs, read_build_list
-    from mkgen.codegen.naming import default_build_dir
+    from mkgen.codegen.naming import CommandLine, default_build_dir
     from mkgen.codegen.package import MINI_CONTEXT, make_build
 
     prepare_jax()
     for entry in read_build_list(BUILD_LIST):
         spec, topo, options = entry_inputs(entry)
         directory = default_build_dir(spec.name, topo)
-        result = make_build(spec, topo, options, output=directory, force=True)
+        line = CommandLine(draft=entry.draft)
+        result = make_build(spec, topo, options, output=directory, force=True, line=line)
         state = "rewritten" if result.written else "unchanged"
         dropped = f"; {_dropped(result.dropped)}" if result.dropped else ""
         click.echo(f"{shown(directory)}: {state} (mkgen build {entry.line}){dropped}")

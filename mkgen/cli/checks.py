@@ -14,6 +14,8 @@ import click
 from mkgen.cli.options import (
     SEED,
     batch_option,
+    draft_option,
+    drafting_spec,
     json_option,
     kernel_options,
     knob_options,
@@ -70,6 +72,7 @@ def _build_dir_for(spec: Any, topo: Any, options: Any, output: Path | None) -> P
 @click.option(
     "--timeout", type=float, default=900.0, show_default=True, help="Seconds per mode (deadlock)."
 )
+@draft_option
 @update_report_options
 @knob_options
 def verify_command(
@@ -92,6 +95,7 @@ def verify_command(
     collectives: str | None,
     residual_snapshots: str | None,
     recurrent_states: str | None,
+    draft: str | None,
 ) -> None:
     """Run SPEC's mini twin on TOPOLOGY's mesh in TPU interpret mode (virtual CPU devices,
     race detection, uninitialised memory as NaN) against the reference model, in each DMA
@@ -118,6 +122,8 @@ def verify_command(
         if v is not None
     }
     spec, topo, built = plan_inputs(spec_ref, topology, quant=quant, **knobs)
+    # The twin drafts nothing (mkgen.spec.mini): the drafter is checked against the spec.
+    spec = drafting_spec(spec, draft, rows)
     options = BuildOptions.create(batch=batch, rows=rows, context=context, **knobs)
     if not 1 <= steps * rows <= context:
         raise MkgenError(
@@ -214,6 +220,7 @@ def verify_and_print(
 @click.command("compile", short_help="Compile a spec's full-size kernel for TPU7x.")
 @spec_argument()
 @kernel_options
+@draft_option
 @update_report_options
 @click.option(
     "--profile",
@@ -236,6 +243,7 @@ def compile_command(
     collectives: str | None,
     residual_snapshots: str | None,
     recurrent_states: str | None,
+    draft: str | None,
     update_report: bool,
     output: Path | None,
     profile: bool,
@@ -253,6 +261,7 @@ def compile_command(
         kv_tile=kv_tile, collectives=collectives,
         residual_snapshots=residual_snapshots, recurrent_states=recurrent_states,
     )  # fmt: skip
+    spec = drafting_spec(spec, draft, rows)  # the kernel verifies; the drafter is not in it
     directory = _build_dir_for(spec, topo, options, output) if update_report else None
     if profile:
         _profile_and_print(spec, topo, options, as_json, directory)

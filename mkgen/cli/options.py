@@ -61,8 +61,9 @@ context_option = click.option(
 )
 draft_option = click.option(
     "--draft", metavar="DRAFT", default=None,
-    help="Price a drafter beside the verify step (rows > 1): mtp (the spec's own MTP layers), "
-    "a drafter spec in model_specs/drafters/ or a .yaml, or a drafter's config.json.",
+    help="A drafter (rows > 1), priced beside the verify step; a build carries it and its "
+    "runner drafts with it: mtp (the spec's own MTP layers), a drafter spec in "
+    "model_specs/drafters/ or a .yaml, or a drafter's config.json.",
 )  # fmt: skip
 acceptance_option = click.option(
     "--acceptance", type=float, default=None, help="Mean accepted tokens per step."
@@ -176,9 +177,10 @@ def positive_list(flag: str, text: str) -> tuple[int, ...]:
 
 def drafting_spec(spec: Any, draft: str | None, rows: int) -> Any:
     """`spec` with the drafter `--draft` names attached (mkgen.spec.draft_import), or
-    itself without one; refused in one line on a rows-1 plan, which verifies no draft."""
+    without a drafter when none is named (a spec's own MTP section drafts only with --draft
+    mtp); refused in one line on a rows-1 plan, which verifies no draft."""
     if draft is None:
-        return spec
+        return spec.model_copy(update={"draft": None})
     if rows < 2:
         raise MkgenError(
             f"--draft {draft}: --rows {rows} verifies no drafts, so there is no draft to price; "

@@ -34,6 +34,12 @@ from mkgen.serve import DRAIN_S, HOST_CACHE_MIB, MAX_BODY_MIB
     help="Kernel steps per device call.",
 )  # fmt: skip
 @click.option(
+    "--drafter", type=click.Choice(["build", "ngram"]), default=None,
+    help="Draft source when ROWS > 1: build (the drafter the build carries, drafting on the "
+    "device in a separate jitted step between kernel steps; the default for a build made "
+    "with --draft) or ngram (prompt lookup, the default otherwise).",
+)  # fmt: skip
+@click.option(
     "--queue-limit", type=click.IntRange(min=0), default=64, show_default=True,
     help="Requests waiting for a slot before new ones get 429.",
 )  # fmt: skip
@@ -74,7 +80,8 @@ from mkgen.serve import DRAIN_S, HOST_CACHE_MIB, MAX_BODY_MIB
 )  # fmt: skip
 def serve_command(
     build: str, weights: Path | None, random_weights: int | None, host: str, port: int,
-    interpret: bool, steps_per_call: int, queue_limit: int, trust_weights: bool,
+    interpret: bool, steps_per_call: int, drafter: str | None, queue_limit: int,
+    trust_weights: bool,
     disaggregate: bool, host_cache_mib: int, multi_host: bool, coordinator: str | None,
     num_processes: int | None, process_id: int | None, served_model_name: str | None,
     max_body_mib: int, drain_seconds: float,
@@ -98,10 +105,15 @@ def serve_command(
         raise MkgenError(INTERPRET_ACROSS_PROCESSES)
     distributed = {"coordinator": coordinator, "num_processes": num_processes}
     distributed["process_id"] = process_id
+    from mkgen.runtime.arguments import check_build_drafter
     from mkgen.serve.server import serve
 
+    built = runner_build(build)
+    drafter = drafter or ("build" if built.drafter else "ngram")
+    if drafter == "build":
+        check_build_drafter(built, None if weights is None else str(weights))
     serve(
-        runner_build(build), weights=weights, random_weights=random_weights, host=host,
+        built, draft=drafter == "build", weights=weights, random_weights=random_weights, host=host,
         port=port, interpret=interpret, steps_per_call=steps_per_call,
         queue_limit=queue_limit, trust_weights=trust_weights, disaggregate=disaggregate,
         host_cache_mib=host_cache_mib,

@@ -25,6 +25,7 @@ class BuildEntry:
     spec: str
     topology: str
     options: dict[str, Any]
+    draft: str | None = None  # --draft: the build's drafter (mkgen.spec.draft_import)
 
 
 def _entry_parser() -> argparse.ArgumentParser:
@@ -35,6 +36,7 @@ def _entry_parser() -> argparse.ArgumentParser:
         parser.add_argument(flag, type=int)
     parser.add_argument("--acceptance", type=float)
     parser.add_argument("--quant", action="append")
+    parser.add_argument("--draft")
     return parser
 
 
@@ -49,23 +51,27 @@ def read_build_list(path: Path = BUILD_LIST) -> list[BuildEntry]:
             args = _entry_parser().parse_args(shlex.split(line))
         except (argparse.ArgumentError, SystemExit) as error:
             raise MkgenError(f"{path}:{number}: {line!r}: {error}") from None
-        options = {k: v for k, v in vars(args).items() if k not in ("spec", "topology")}
+        options = {k: v for k, v in vars(args).items() if k not in ("spec", "topology", "draft")}
         entries.append(
             BuildEntry(
                 line=line,
                 spec=args.spec,
                 topology=args.topology,
                 options={k: v for k, v in options.items() if v is not None},
+                draft=args.draft,
             )
         )
     return entries
 
 
 def entry_inputs(entry: BuildEntry) -> tuple[ModelSpec, Topology, BuildOptions]:
+    """The spec (with the drafter its --draft names), topology and options of a line."""
+    from mkgen.spec.draft_import import load_drafter
     from mkgen.spec.loader import load_spec
 
+    spec = load_spec(entry.spec)
     return (
-        load_spec(entry.spec),
+        load_drafter(entry.draft, spec) if entry.draft else spec.model_copy(update={"draft": None}),
         parse_topology(entry.topology),
         BuildOptions.create(**entry.options),
     )

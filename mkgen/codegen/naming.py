@@ -67,9 +67,13 @@ class CommandLine:
 
     spec: str | None = None  # None: the spec's name (a name in model_specs/)
     output: str | None = None  # None: generated/<build>/, no -o needed
+    draft: str | None = None  # the --draft the build's drafter came from; None: no drafter
 
     def spec_arg(self, spec_name: str) -> str:
         return self.spec or spec_name
+
+    def draft_flags(self) -> list[str]:
+        return [] if self.draft is None else ["--draft", self.draft]
 
     def output_flags(self) -> list[str]:
         return [] if self.output is None else ["-o", self.output]
@@ -79,7 +83,7 @@ class CommandLine:
         return self.output or name
 
     def for_files(self) -> CommandLine:
-        return CommandLine(spec=self.spec)
+        return CommandLine(spec=self.spec, draft=self.draft)
 
 
 # The defaults: the spec's name, the build in generated/<build>/ (`mkgen regen`, libraries).
@@ -91,7 +95,7 @@ def rebuild_command(
 ) -> str:
     return shlex.join(
         ["mkgen", "build", line.spec_arg(spec_name), *cli_flags(topology, options),
-         *line.output_flags(), "--force"]
+         *line.draft_flags(), *line.output_flags(), "--force"]
     )  # fmt: skip
 
 
@@ -104,12 +108,12 @@ def build_commands(
     spec_arg, output = line.spec_arg(spec_name), line.output_flags()
     return {
         "compile": shlex.join(
-            ["mkgen", "compile", spec_arg, *cli_flags(topology, options), *output,
-             "--update-report"]
+            ["mkgen", "compile", spec_arg, *cli_flags(topology, options), *line.draft_flags(),
+             *output, "--update-report"]
         ),
         "verify": shlex.join(
-            ["mkgen", "verify", spec_arg, *_verify_flags(topology, options), *output,
-             "--update-report"]
+            ["mkgen", "verify", spec_arg, *_verify_flags(topology, options),
+             *line.draft_flags(), *output, "--update-report"]
         ),
         "inspect": shlex.join(["mkgen", "inspect", line.build_ref(build_name(spec_name, topology))]),
     }  # fmt: skip

@@ -163,7 +163,10 @@ def render_build(
 
     check_renderable(spec)
     spec = options.apply(spec)
-    plan = plan_build(spec, topology, options, **(kernel_args or {}), kinds=default_registry())
+    plan = plan_build(
+        spec, topology, options, **(kernel_args or {}), kinds=default_registry(),
+        price_drafter=spec.draft is not None,
+    )  # fmt: skip
     layout = plan.kernel
     kernel_args = resolved_kernel_args(plan, kernel_args)
     digest = inputs_digest(spec, topology, options, kernel_args)
@@ -227,7 +230,8 @@ def _header(
         description=spec.description,
         options=f"{options.describe()}; weight banks of {stream.bank_rows} rows, ring depth "
         f"{stream.ring_depth}"
-        + (f", {held} refills held for collectives, {per_round} a round" if held else ""),
+        + (f", {held} refills held for collectives, {per_round} a round" if held else "")
+        + (f"; drafter {plan.draft.drafter}" if plan.draft else ""),
         rebuild=rebuild,
     )
 
@@ -299,6 +303,7 @@ def _render_runner(
         # Kinds whose cache is a recurrent state: the runner keeps the snapshot after each
         # sequence's last accepted row (RecurrentLayout.recurrent).
         recurrent_kinds=repr(tuple(a.name for a in layout.attention if a.recurrent)),
+        drafter=safe_text(spec.draft.kind) if spec.draft else None,
     )
 
 
@@ -325,7 +330,9 @@ def _plan_data(
             "mkgen_version": __version__,
             "inputs_sha256": digest,
             "rebuild": rebuild,
-            "command_line": {"spec": line.spec},
+            # The --draft is kept only where there is one: a build without a drafter
+            # keeps its bytes.
+            "command_line": {"spec": line.spec, **({"draft": line.draft} if line.draft else {})},
         },
         "spec": spec.model_dump(mode="json"),
         "topology": topology.name,

@@ -93,7 +93,13 @@ def report_context(
         "estimate": est,
         "confidence": _confidence(plan.confidence),
         "profile_bound": _profile_bound(measurements.get("profile"), est),
-        "bar": bar_text(est.step_ms, plan.ideal_floor, plan.hand_written),
+        "bar": bar_text(
+            est.step_ms,
+            plan.ideal_floor,
+            plan.hand_written,
+            est.draft_ms,
+            plan.draft.drafter if plan.draft else "",
+        ),  # fmt: skip
         "collective_latency": collective_latency_note(topology.chip_info),
         **_estimate_rows(est, acceptance),
         "kv_tiles": _kv_tile_rows(plan.kv_tiles, options.context),

@@ -350,7 +350,8 @@ class Estimate(_Frozen):
         (verify only, no drafting)': with rows > 1 the step verifies drafts it does not
         make, so it is not a step with a drafter's cost in it. With a drafter priced:
         'predicted verify 6.967 + draft 0.747 = 7.714 ms/step at batch 1 x rows 8 (the draft
-        is priced; no kernel runs it yet)'."""
+        priced as fused into the kernel; no kernel runs it fused: a runner drafts with a
+        model drafter in a separate jitted JAX step between kernel calls)'."""
         return self._stated()
 
     def _stated(self, *more: str) -> str:
@@ -360,7 +361,12 @@ class Estimate(_Frozen):
                 f"predicted verify {self.step_ms:.3f} + draft {self.draft_ms:.3f} = "
                 f"{self.drafted_step_ms:.3f} ms/step at {self.point}"
             )
-            said = ["the draft is priced", "no kernel runs it yet", *more]
+            said = [
+                "the draft priced as fused into the kernel",
+                "no kernel runs it fused: a runner drafts with a model drafter in a separate "
+                "jitted JAX step between kernel calls",
+                *more,
+            ]
         else:
             figure = f"predicted {self.step_ms:.3f} ms/step at {self.point}"
             said = [*(["verify only, no drafting"] if self.rows > 1 else []), *more]

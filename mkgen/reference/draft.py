@@ -290,18 +290,27 @@ def _model_step(
     next_token: jax.Array,
     rows: int,
 ) -> tuple[jax.Array, jax.Array, Cache]:
-    run = compile_forward(model)
     # The committed tokens first: that cache is the state, since recurrent layers cannot
     # drop the drafted positions afterwards.
-    _, committed = run(weights, tokens, cache)
-    fed, cache = next_token[:, None], committed
-    drafts, all_logits = [], []
+    _, committed = compile_forward(model)(weights, tokens, cache)
+    drafts, logits = model_drafts(model, weights, committed, next_token, rows)
+    return drafts, logits, committed
+
+
+def model_drafts(
+    model: ModelSpec, weights: Weights, cache: Cache, next_token: jax.Array, rows: int
+) -> tuple[jax.Array, jax.Array]:
+    """A model drafter's rows - 1 greedy drafts [B, rows - 1] and their logits [B, rows -
+    1, vocab]: `next_token` [B] fed at the cache's length, then each draft after it (what
+    they write in the cache is speculative, so the cache is not returned)."""
+    run = compile_forward(model)
+    fed, drafts, all_logits = next_token[:, None], [], []
     for _ in range(rows - 1):
         logits, cache = run(weights, fed, cache)
         drafts.append(greedy_token(model, logits[:, -1]))
         all_logits.append(logits[:, -1])
         fed = drafts[-1][:, None]
-    return jnp.stack(drafts, axis=1), jnp.stack(all_logits, axis=1), committed
+    return jnp.stack(drafts, axis=1), jnp.stack(all_logits, axis=1)
 
 
 # Jitted steps per (spec, rows), keyed by the spec's JSON like compile_forward.

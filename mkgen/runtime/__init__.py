@@ -14,12 +14,15 @@ calls `run`; `mkgen run BUILD` calls the same function. The work is split by con
     slots.py        one sequence's caches into and out of a batch slot (mkgen serve)
     sampling.py     sampling from logits: on the host (speculation) or in a jitted step
     speculation.py  drafters (prompt lookup or a user callable) and draft acceptance
+    device_speculation.py  prompt lookup and acceptance on the device (decode's loop)
+    device_drafting.py     the build's own drafter on the device (decode's loop)
     bench.py        step-time medians and tokens/s
     main.py         run: the steps above in order, and what is printed
 
 JAX reads its environment (interpret mode's virtual CPU devices) when it is imported, so
 nothing imports it before `run` has set that: devices.py imports it inside its functions,
-weights.py, decode.py, disaggregation.py, sampling.py and slots.py at their top, and
+weights.py, decode.py, device_drafting.py, device_speculation.py, disaggregation.py,
+sampling.py and slots.py at their top, and
 `run` imports them only afterwards.
 """
 

@@ -202,17 +202,19 @@ def _add_drafting_options(parser: OptionParser, build: Build) -> None:
         "--steps-per-call",
         type=integer(1, build.context),
         metavar="N",
-        help="up to N kernel steps in one device call, each step's tokens drafted (ngram "
-        "drafter), accepted (greedy or sampled) and embedded on the device for the next (1: "
+        help="up to N kernel steps in one device call, each step's tokens drafted (build or "
+        "ngram drafter), accepted (greedy or sampled) and embedded on the device for the next (1: "
         f"a host round trip per step; default {STEPS_PER_CALL_DEFAULT}, at most the context, "
         f"{build.context})",
     )
     parser.add_argument(
         "--drafter",
         metavar="NAME",
-        help="draft source when ROWS > 1: ngram (prompt lookup, default) or MODULE:CALLABLE, "
-        "a callable (history, count) -> count token ids, or (ids, distributions) for a "
-        "sampling drafter",
+        help="draft source when ROWS > 1: build (the drafter the build carries, drafting on "
+        "the device in a separate jitted step between kernel steps: the default for a build "
+        "made with --draft), ngram (prompt lookup, the default otherwise) or "
+        "MODULE:CALLABLE, a callable (history, count) -> count token ids, or (ids, "
+        "distributions) for a sampling drafter",
     )
     parser.add_argument(
         "--ngram",
@@ -251,7 +253,8 @@ def _add_bench_and_process_options(parser: OptionParser, build: Build) -> None:
         "--json",
         action="store_true",
         help='print one object: {"tokens": [[...], ...], "calls": device calls} (+ text, '
-        "acceptance_length, bench)",
+        "acceptance_length and accepted_per_step (per sequence, the tokens each kernel step "
+        "gave) when ROWS > 1, bench)",
     )
 
 
@@ -333,7 +336,8 @@ def _prompts(args: argparse.Namespace, build: Build) -> list[list[int]]:
 
 def _check_drafting(args: argparse.Namespace, build: Build) -> None:
     """Drafter flags only where drafts are verified, --ngram only for the ngram drafter,
-    several steps per call only where drafts come from the device (the ngram drafter)."""
+    several steps per call only where drafts come from the device (the build's drafter or
+    the ngram one); the build's drafter only where the runner can run it."""
     for flag, value in (("--drafter", args.drafter), ("--ngram", args.ngram)):
         if value is not None and build.rows == 1:
             raise MkgenError(
@@ -342,14 +346,44 @@ def _check_drafting(args: argparse.Namespace, build: Build) -> None:
             )
     if args.ngram is not None and args.drafter not in (None, "ngram"):
         raise MkgenError(f"--ngram: only the ngram drafter uses it, not {args.drafter}")
-    args.drafter = args.drafter or "ngram"
+    args.drafter = args.drafter or ("build" if build.drafter else "ngram")
     args.ngram = args.ngram or NGRAM_DEFAULT
-    if args.steps_per_call is not None and args.drafter != "ngram":
+    if args.drafter == "build":
+        check_build_drafter(build, args.weights)
+    if args.steps_per_call is not None and args.drafter not in ("ngram", "build"):
         raise MkgenError(
             f"--steps-per-call: the {args.drafter} drafter runs on the host, one step per "
-            "call; the ngram drafter runs several steps per call"
+            "call; the build and ngram drafters run several steps per call"
         )
     args.steps_per_call = args.steps_per_call or STEPS_PER_CALL_DEFAULT
+
+
+NEEDS_HIDDEN_STATES = (
+    "reads the target's hidden states, which the kernel writes but the runner does not draft "
+    "with yet"
+)
+
+
+def check_build_drafter(build: Build, weights: str | None) -> None:
+    """One line when `--drafter build` (the default of a build with a drafter) cannot run:
+    no drafter, one that reads hidden states the kernel does not emit, or converted
+    weights (the drafter's are random only)."""
+    if build.drafter is None:
+        raise MkgenError(
+            "--drafter build: this build carries no drafter (mkgen build --draft DRAFT); "
+            "pass --drafter ngram (prompt lookup)"
+        )
+    if build.drafter != "model":
+        raise MkgenError(
+            f"--drafter build: this build's {build.drafter} drafter {NEEDS_HIDDEN_STATES}; "
+            "pass --drafter ngram (prompt lookup)"
+        )
+    if weights is not None:
+        raise MkgenError(
+            "--weights: the build's drafter has no converted weights yet (mkgen convert "
+            "--draft-checkpoint is not built); use --random-weights, or pass --drafter ngram "
+            "(prompt lookup)"
+        )
 
 
 def _check_companions(args: argparse.Namespace, build: Build) -> None:

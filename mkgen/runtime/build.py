@@ -34,6 +34,9 @@ class Build:
     # and the runner keeps the snapshot after each sequence's last valid row.
     recurrent_kinds: tuple[str, ...]
     default_steps: int  # tokens generated per sequence when --steps is not given
+    # The kind of the drafter the build carries (mkgen build --draft): model, mtp or block;
+    # None without one.
+    drafter: str | None = None
 
 
 def _import_file(path: Path, name: str) -> ModuleType:

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from mkgen.runtime.arguments import NGRAM_DEFAULT
 from mkgen.runtime.build import Build, kernel_outputs, load_build
+from mkgen.runtime.device_drafting import DeviceDrafting, device_drafting
 from mkgen.runtime.device_speculation import accept_on_device, prompt_lookup_on_device
 from mkgen.runtime.devices import host_value, make_mesh
 from mkgen.runtime.sampling import Sampler
@@ -34,7 +35,8 @@ from mkgen.runtime.weights import embedding_on_devices, progress_bar
 @dataclass(frozen=True)
 class Model:
     """A build's kernel ready to run: its layout, the megakernel module, the mesh, the
-    weights (host side: the embedding) and the weights placed on the devices."""
+    weights (host side: the embedding), the weights placed on the devices and, when the
+    runner drafts with the build's drafter, that drafter on the devices."""
 
     build: Build
     spec: Any
@@ -43,6 +45,7 @@ class Model:
     mesh: Mesh
     weights: Any
     placed: dict[str, Any]
+    drafting: DeviceDrafting | None = None
 
 
 def load_model(
@@ -52,11 +55,13 @@ def load_model(
     *,
     verify: bool = True,
     meshes: int = 1,
+    draft: bool = False,
 ) -> Model:
     """The build's kernel on its mesh with the converted `weights` (checked against
     layout.json's sha256 when `verify`), or the reference's random weights drawn with
     seed `random_weights` when `weights` is None, placed on the devices. Of `meshes`
-    meshes (a disaggregated prefill's and the decode's), the decode takes the first."""
+    meshes (a disaggregated prefill's and the decode's), the decode takes the first.
+    With `draft`, the build's drafter too (device_drafting: random weights only)."""
     from mkgen.runtime.weights import ConvertedWeights, RandomWeights, place_weights
 
     spec, layout, kernel = load_build(build)
@@ -66,19 +71,27 @@ def load_model(
     else:
         loaded = RandomWeights(spec, layout, random_weights or 0)
     placed = place_weights(build, loaded, mesh, kernel)
-    return Model(build, spec, layout, kernel, mesh, loaded, placed)
+    drafting = None
+    if draft:
+        assert weights is None, "converted drafter weights are not read yet"
+        seed = random_weights or 0
+        drafting = device_drafting(spec, build.batch, build.rows, build.context, seed, mesh)
+    return Model(build, spec, layout, kernel, mesh, loaded, placed, drafting)
 
 
 @dataclass(frozen=True)
 class Generation:
     """What decode returns: the generated tokens per sequence, the device calls made, the
-    mean tokens generated per generating kernel step (the acceptance length) and the
-    seconds per kernel step of each call."""
+    mean tokens generated per generating kernel step (the acceptance length), the
+    seconds per kernel step of each call, and per sequence the tokens each of its
+    generating kernel steps gave (accepted drafts + the bonus; every token comes from a
+    kernel step, the prefill holding all but the prompt's last token)."""
 
     tokens: list[list[int]]
     calls: int
     acceptance: float
     seconds: list[float]
+    accepted_per_step: list[list[int]]
 
 
 def prefill(model: Model, prompts: list[list[int]], where: str) -> tuple[list[jax.Array], int]:
@@ -199,7 +212,7 @@ def chunk_decoder(
     cache: its history holds one more, the token to feed), budget [BATCH] tokens each
     sequence may still gain, count, SamplingParams, the embedding on the devices
     (embedding_on_devices), placed weights, caches) -> (tokens [steps_per_call, BATCH,
-    ROWS], gained [steps_per_call, BATCH], caches): step i gave sequence b
+    ROWS], gained [steps_per_call, BATCH], caches, drafter state): step i gave sequence b
     tokens[i, b, :gained[i, b]].
 
     Each step feeds every sequence's next token and ROWS - 1 prompt-lookup drafts from its
@@ -208,18 +221,29 @@ def chunk_decoder(
     temperature) and the gained tokens extend the history for the next step, so the host
     is visited once per call. A rejected row's recurrent state is dropped (the snapshot
     of the last accepted row is kept). A sequence whose budget is spent repeats its step
-    in place."""
+    in place.
+
+    With the build's drafter (model.drafting) the drafts are its own, made on the device
+    between kernel steps (device_drafting; not fused into the kernel): the call takes its
+    weights and state after the caches, and returns the state after them (else None)."""
     layout, build = model.layout, model.build
     batch, rows = build.batch, build.rows
     tables = jnp.asarray(model.kernel.LAYER_TABLES, jnp.int32)
     keep_snapshots = snapshot_keeper(model)
+    drafter = model.drafting.drafter if model.drafting is not None else None
 
-    def run(history, positions, budget, count, sampling, embedding, placed, caches):
+    def run(history, positions, budget, count, sampling, embedding, placed, caches,
+            draft_weights=None, draft_state=None):  # fmt: skip
         sequences, row = jnp.arange(batch), jnp.arange(rows)
+        if drafter is not None:
+            draft_state = drafter.catch_up(draft_weights, draft_state, history, positions)
 
         def step(i, carry):
-            history, positions, spent, caches, out, gained = carry
-            drafts = prompt_lookup_on_device(history, positions + 1, rows - 1, ngram)
+            history, positions, spent, caches, out, gained, draft_state = carry
+            if drafter is None:
+                drafts = prompt_lookup_on_device(history, positions + 1, rows - 1, ngram)
+            else:  # the kernel emits no hidden states yet: a model drafter reads tokens
+                drafts, draft_state = drafter.draft(draft_weights, draft_state, history, positions)
             fed = jnp.concatenate([history[sequences, positions][:, None], drafts], axis=1)
             x = jnp.zeros((layout.tokens_padded, layout.hidden), jnp.float32)
             x = x.at[: layout.tokens].set(embedding[fed.reshape(-1)].astype(jnp.float32))
@@ -241,15 +265,24 @@ def chunk_decoder(
             written = jnp.where(row < taken[:, None], positions[:, None] + 1 + row, beyond)
             history = history.at[sequences[:, None], written].set(new, mode="drop")
             out, gained = out.at[i].set(new), gained.at[i].set(taken)
-            return history, positions + taken, spent + taken, caches, out, gained
+            return history, positions + taken, spent + taken, caches, out, gained, draft_state
 
         out = jnp.zeros((steps_per_call, batch, rows), jnp.int32)
         gained = jnp.zeros((steps_per_call, batch), jnp.int32)
-        carry = (history, positions, jnp.zeros_like(budget), list(caches), out, gained)
-        _, _, _, caches, out, gained = jax.lax.fori_loop(0, count, step, carry)
-        return out, gained, caches
+        spent = jnp.zeros_like(budget)
+        carry = (history, positions, spent, list(caches), out, gained, draft_state)
+        _, _, _, caches, out, gained, draft_state = jax.lax.fori_loop(0, count, step, carry)
+        return out, gained, caches, draft_state
 
     return jax.jit(run, donate_argnums=7)
+
+
+def drafter_inputs(model: Model) -> tuple[Any, Any]:
+    """chunk_decoder's last two inputs: the build's drafter's weights and its first state
+    (model.drafting), or (None, None) when the drafts come from prompt lookup."""
+    if model.drafting is None:
+        return None, None
+    return model.drafting.weights, model.drafting.drafter.initial_state()
 
 
 def history_array(histories: list[list[int]], capacity: int) -> jax.Array:
@@ -282,10 +315,12 @@ def decode(
     without drafts or with the built-in prompt-lookup drafter runs up to --steps-per-call
     steps per device call, drafted, accepted and sampled on the device (chunk_decoder); a
     MODULE:CALLABLE drafter drafts on the host, one step per call. `stream` (batch 1) gets
-    the generated ids after every call."""
+    the generated ids after every call. With the build's drafter (--drafter build,
+    model.drafting) the device calls draft with it, whatever --steps-per-call; host steps
+    (the prompt's rest, a last token) draft by prompt lookup."""
     step_fn = model.kernel.make_decode_step(model.mesh)
     chunked = None
-    if args.steps_per_call > 1 and args.drafter == "ngram":
+    if model.drafting is not None or (args.steps_per_call > 1 and args.drafter == "ngram"):
         chunked = _ChunkedCalls(model, step_fn, args)
     host_step = _HostSteps(model, step_fn, args, drafter)
     sequences = _Sequences(args, held, model.build.batch, stream)
@@ -303,7 +338,9 @@ def decode(
             else:
                 caches = host_step(sequences, caches)
     acceptance = sequences.produced / max(sequences.generating, 1)
-    return Generation(sequences.generated, sequences.calls, acceptance, sequences.seconds)
+    return Generation(
+        sequences.generated, sequences.calls, acceptance, sequences.seconds, sequences.step_counts
+    )
 
 
 class _Sequences:
@@ -318,6 +355,7 @@ class _Sequences:
         self.history = [list(p) for p in args.prompts]  # prompt, then generated tokens
         self.positions = [held] * batch  # tokens already in each sequence's cache
         self.generated: list[list[int]] = [[] for _ in range(batch)]
+        self.step_counts: list[list[int]] = [[] for _ in range(batch)]  # per generating step
         self.finished = [False] * batch
         self.calls = self.produced = self.generating = 0
         self.seconds: list[float] = []
@@ -333,6 +371,17 @@ class _Sequences:
         """Whether every sequence generates: its whole history is in its cache but the
         token to feed."""
         return all(p + 1 == len(h) for p, h in zip(self.positions, self.history, strict=True))
+
+    def take_steps(self, b: int, counts: list[int], new: list[int]) -> int:
+        """Sequence b gains `new`, the tokens of kernel steps that gave `counts` tokens
+        each, cut at --steps and after a stop id; how many it kept."""
+        kept = self.take(b, new)
+        left = kept
+        for count in counts:
+            if left > 0:
+                self.step_counts[b].append(min(count, left))
+            left -= count
+        return kept
 
     def take(self, b: int, new: list[int]) -> int:
         """Sequence b gains `new`, cut at --steps and after a stop id; how many it kept."""
@@ -356,6 +405,7 @@ class _ChunkedCalls:
         build, batch = model.build, model.build.batch
         self.model, self.steps_per_call = model, args.steps_per_call
         self.run = chunk_decoder(model, step_fn, args.steps_per_call, args.ngram)
+        self.draft_weights, self.draft_state = drafter_inputs(model)
         self.embedding = embedding_on_devices(
             build, model.weights.embedding, model.mesh, model.kernel
         )
@@ -369,17 +419,19 @@ class _ChunkedCalls:
     ) -> list[jax.Array]:
         count = min(self.steps_per_call, max(budget))
         start = time.perf_counter()
-        out, gained, caches = self.run(
+        out, gained, caches, self.draft_state = self.run(
             history_array(sequences.history, self.model.build.context),
             jnp.asarray(sequences.positions, jnp.int32), jnp.asarray(budget, jnp.int32), count,
-            self.sampling, self.embedding, self.model.placed, caches,
+            self.sampling, self.embedding, self.model.placed, caches, self.draft_weights,
+            self.draft_state,
         )  # fmt: skip
         out, gained = host_value(jax.block_until_ready(out)), host_value(gained)
         sequences.seconds.append((time.perf_counter() - start) / count)
         sequences.calls += 1
         for b in range(self.model.build.batch):
             if not sequences.finished[b]:
-                kept = sequences.take(b, gained_tokens(out, gained, b))
+                counts = [int(n) for n in gained[:, b] if n > 0]
+                kept = sequences.take_steps(b, counts, gained_tokens(out, gained, b))
                 sequences.produced += kept
                 sequences.generating += int(np.count_nonzero(gained[:, b]))
                 sequences.positions[b] += kept
@@ -446,7 +498,7 @@ class _HostSteps:
                 new, valid = accept(
                     rows[b], tokens[b], row_logits, known, proposals[b], self.sampler, self.rng
                 )
-                sequences.produced += sequences.take(b, new)
+                sequences.produced += sequences.take_steps(b, [len(new)], new)
                 sequences.generating += 1
             sequences.positions[b] += valid
             last_valid[b] = valid - 1

@@ -53,7 +53,10 @@ def run(
 
 
 def _generate(build: Build, args: Namespace) -> None:
-    drafter = load_drafter(args.drafter, args.ngram)  # a user's module: before the slow work
+    # A user's module: before the slow work. The build's drafter runs on the device; the
+    # host steps around it (the prompt's rest, a last token) draft by prompt lookup.
+    drafts_on_device = args.drafter == "build"
+    drafter = load_drafter("ngram" if drafts_on_device else args.drafter, args.ngram)
     if args.multi_host and args.interpret:
         raise MkgenError(devices.INTERPRET_ACROSS_PROCESSES)
     meshes = 2 if args.disaggregate else 1  # disaggregation.MESHES (it imports JAX)
@@ -68,8 +71,9 @@ def _generate(build: Build, args: Namespace) -> None:
 
     start = time.perf_counter()
     model = load_model(
-        build, args.weights, args.random_weights, verify=not args.trust_weights, meshes=meshes
-    )
+        build, args.weights, args.random_weights, verify=not args.trust_weights, meshes=meshes,
+        draft=drafts_on_device,
+    )  # fmt: skip
     prefiller = disaggregation.prefill_model(model) if args.disaggregate else model
     for _ in range(2 if args.bench and args.prefill == "xla" else 1):
         # --bench times the second prefill, the first having compiled its layer steps.
@@ -97,6 +101,7 @@ def _generate(build: Build, args: Namespace) -> None:
             out["text"] = [args.tokenizer.decode(tokens) for tokens in result.tokens]
         if build.rows > 1:
             out["acceptance_length"] = result.acceptance
+            out["accepted_per_step"] = result.accepted_per_step
         if bench:
             out["bench"] = bench
         print(json.dumps(out))

@@ -58,6 +58,7 @@ from mkgen.runtime.decode import (
     Model,
     SamplingParams,
     chunk_decoder,
+    drafter_inputs,
     empty_caches,
     gained_tokens,
     history_array,
@@ -237,6 +238,8 @@ class Engine:
         self.steps_per_call, self.queue_limit = steps_per_call, queue_limit
         step_fn = model.kernel.make_decode_step(model.mesh)
         self._decoder = chunk_decoder(model, step_fn, steps_per_call)
+        # The build's drafter when it drafts (--drafter build), kept across calls.
+        self._draft_weights, self._draft_state = drafter_inputs(model)
         self._embedding = embedding_on_devices(
             build, model.weights.embedding, model.mesh, model.kernel
         )
@@ -559,11 +562,11 @@ class Engine:
             seed[b] = params.seed
         if count is None:
             count = min(self.steps_per_call, max(budget))
-        out, gained, self._caches = self._decoder(
+        out, gained, self._caches, self._draft_state = self._decoder(
             history_array(histories, self.model.build.context),
             jnp.asarray(positions, jnp.int32), jnp.asarray(budget, jnp.int32), count,
             SamplingParams.create(temperature, top_k, top_p, seed), self._embedding,
-            self.model.placed, self._caches,
+            self.model.placed, self._caches, self._draft_weights, self._draft_state,
         )  # fmt: skip
         return host_value(jax.block_until_ready(out)), host_value(gained), count
 

@@ -45,6 +45,7 @@ def serve(
     *,
     weights: Path | None,
     random_weights: int | None,
+    draft: bool = False,
     host: str,
     port: int,
     interpret: bool,
@@ -66,7 +67,8 @@ def serve(
     on a TPU pod, which tells its processes) makes it one process of a multi-host job.
     Clients name the model `served_model_name` (default: the build's spec name); request
     bodies over `max_body_mib` MiB are refused (413); SIGTERM drains for `drain_seconds`
-    (the module docstring). Bad inputs (a port taken, weights that do not fit, too few
+    (the module docstring). With `draft` the build's drafter drafts on the device
+    (mkgen.runtime.device_drafting), else prompt lookup. Bad inputs (a port taken, weights that do not fit, too few
     devices, a broken tokenizer_config.json, tokenizer files changed since the
     conversion) are MkgenErrors before any request is taken, and so is a failed warm-up
     (nothing could be served)."""
@@ -83,7 +85,7 @@ def serve(
             Namespace(multi_host=True, interpret=interpret, **vars(multi_host))
         )
     engine, following = _start_engine(
-        build, weights, random_weights, verify=not trust_weights, meshes=meshes,
+        build, weights, random_weights, verify=not trust_weights, meshes=meshes, draft=draft,
         interpret=interpret, steps_per_call=steps_per_call, queue_limit=queue_limit,
         disaggregate=disaggregate, host_cache_mib=host_cache_mib,
         multi_host=multi_host is not None,
@@ -138,6 +140,7 @@ def _start_engine(
     *,
     verify: bool,
     meshes: int,
+    draft: bool,
     interpret: bool,
     steps_per_call: int,
     queue_limit: int,
@@ -155,7 +158,7 @@ def _start_engine(
     from mkgen.serve.metrics import Metrics
     from mkgen.serve.turns import BroadcastTurns
 
-    model = load_model(build, weights, random_weights, verify=verify, meshes=meshes)
+    model = load_model(build, weights, random_weights, verify=verify, meshes=meshes, draft=draft)
     following = jax.process_index() != 0
     engine = Engine(
         model, interpret=interpret, metrics=Metrics(), steps_per_call=steps_per_call,

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --force`
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of kimi-k3 for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 36cad0eea79cd6f85ddc8cbf8115419215ff72f7b7a0ae94ecdbad2a8e9a5c7f (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: e8403bc225726239b4e3f36059027e33bdd440db102144472027f20b1908222e (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

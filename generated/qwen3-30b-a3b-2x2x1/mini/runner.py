@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3-30b-a3b --topology 2x2x1 --force`` (
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3-30b-a3b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 7af14d4f48b4ffb5dce02eadbd6f96db45b851bd752d9ec326789a272b7c2228 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 0b5fc3823bb8bfd8573316b8b9174065a727d8aabf9bacfbbb51ee162834c974 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3.8-27b --topology 2x2x1 --force`` (ad
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3.8-27b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 80a14ca36ab68180681ed65b71dfb5a820d88d6c72a14205f751e5a562093625 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 6c0ed168362c20089897fa6672c98aaedaeab2531f6960bad36cb9dd80c0296c (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

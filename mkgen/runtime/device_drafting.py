@@ -1,0 +1,148 @@
+"""The build's own drafter (`mkgen build --draft`, docs/drafting.md) on the device: every
+sequence's drafts made inside the jitted multi-step call (decode.chunk_decoder), as a
+separate JAX computation between kernel steps. It is not fused into the pallas_call, so
+the plan's draft_ms (the cost model's price of a fused draft) is not this path's time.
+
+The draft math is the reference's (mkgen.reference.draft): a `model` drafter commits the
+tokens the target accepted, then drafts its greedy continuation of the next token
+(model_drafts). Shapes stay static on the device: each step commits ROWS tokens of the
+history from what the drafter holds (at most ROWS were gained since), and only those
+before the sequence's position count as committed; the rest, like the drafts, sit past
+the committed length and are written again next step (the roll-back of
+mkgen.reference.draft's docstring). `mtp` and `block` drafters read the target's hidden
+states, an input of the draft step (`hidden`) the kernel does not emit yet: the runner
+refuses them at start (runtime.arguments.check_build_drafter).
+
+Imports JAX: imported by decode.py after the device environment is set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mkgen.errors import MkgenError
+from mkgen.kinds import default_registry
+from mkgen.reference.draft import model_drafts
+from mkgen.reference.model import forward, init_cache
+from mkgen.spec.schema import ModelDraft, ModelSpec
+
+
+@dataclass(frozen=True)
+class DeviceDrafter:
+    """A `model` drafter for `batch` sequences verified `rows` rows a step, whose
+    histories hold up to `capacity` tokens. Its state (a pytree): "length" [batch] the
+    positions committed in its cache (-1: nothing yet), "tokens" [batch, capacity] the
+    histories they came from, "layers" the small model's caches."""
+
+    model: ModelSpec
+    batch: int
+    rows: int
+    capacity: int
+
+    @property
+    def cache_len(self) -> int:
+        # A commit writes ROWS tokens from the committed length, at most the position.
+        return self.capacity + 2 * self.rows
+
+    def initial_state(self) -> dict[str, Any]:
+        return {
+            "length": jnp.full((self.batch,), -1, jnp.int32),
+            "tokens": jnp.zeros((self.batch, self.capacity), jnp.int32),
+            "layers": init_cache(self.model, self.batch, self.cache_len)["layers"],
+        }
+
+    def catch_up(
+        self, weights: Any, state: dict[str, Any], history: jax.Array, positions: jax.Array
+    ) -> dict[str, Any]:
+        """`state` with every sequence whose cache does not hold a prefix of its history
+        within ROWS tokens of its position (a new sequence in the slot, or the first
+        call) committed afresh: the whole history through the small model from 0."""
+        length = state["length"]
+        held = jnp.arange(self.capacity) < length[:, None]
+        same = jnp.all((state["tokens"] == history) | ~held, axis=1)
+        stale = ~same | (length < 0) | (positions - length > self.rows) | (positions < length)
+
+        def afresh(state: dict[str, Any]) -> dict[str, Any]:
+            cache = init_cache(self.model, self.batch, self.cache_len)
+            layers = forward(self.model, weights, history, cache, 0)[1]["layers"]
+            pick = lambda new, old: jnp.where(  # noqa: E731
+                stale.reshape((-1,) + (1,) * (new.ndim - 1)), new, old
+            )
+            return {
+                "length": jnp.where(stale, positions, length),
+                "tokens": jnp.where(stale[:, None], history, state["tokens"]),
+                "layers": jax.tree.map(pick, layers, state["layers"]),
+            }
+
+        return jax.lax.cond(jnp.any(stale), afresh, lambda state: state, state)
+
+    def draft(
+        self,
+        weights: Any,
+        state: dict[str, Any],
+        history: jax.Array,
+        positions: jax.Array,
+        hidden: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, Any]]:
+        """Drafts [batch, rows - 1] after each sequence's next token history[b,
+        positions[b]], and the state with history[:positions] committed. `hidden` (the
+        target's hidden states of the verify rows) is what an mtp or block drafter would
+        read; a model drafter reads tokens only."""
+        del hidden  # a model drafter's input is the tokens
+        padded = jnp.pad(history, ((0, 0), (0, self.rows)))
+
+        def one(layers: Any, length: jax.Array, tokens: jax.Array, position: jax.Array) -> Any:
+            cache = {"length": length, "layers": jax.tree.map(lambda a: a[None], layers)}
+            block = jax.lax.dynamic_slice(tokens, (length,), (self.rows,))
+            committed = forward(self.model, weights, block[None], cache, length)[1]
+            committed = {"length": position, "layers": committed["layers"]}
+            drafts, _ = model_drafts(
+                self.model, weights, committed, tokens[position][None], self.rows
+            )
+            return drafts[0], jax.tree.map(lambda a: a[0], committed["layers"])
+
+        drafts, layers = jax.vmap(one)(state["layers"], state["length"], padded, positions)
+        return drafts, {"length": positions, "tokens": history, "layers": layers}
+
+
+def drafter_weights(model: ModelSpec, seed: int) -> dict[str, Any]:
+    """A model drafter's random weights: init_draft_weights' (the reference's init_weights
+    of the drafter model) as a kernel stores them (rounded to bf16, fake-quantized), so a
+    drafter identical to the target gets the target's very weights."""
+    from mkgen.weights.quantize import stored_random_weights
+
+    return stored_random_weights(model, seed)
+
+
+@dataclass(frozen=True)
+class DeviceDrafting:
+    """A build's drafter ready on the devices: the drafter and its weights (replicated)."""
+
+    drafter: DeviceDrafter
+    weights: Any
+
+
+def device_drafting(
+    spec: ModelSpec, batch: int, rows: int, capacity: int, seed: int, mesh: Mesh
+) -> DeviceDrafting:
+    """The build's drafter (its spec's draft section) with random weights drawn with
+    `seed` (drafter_weights), replicated on `mesh`.
+    A drafter model with recurrent layers is one line (MkgenError)."""
+    draft = spec.draft
+    # runtime.arguments.check_build_drafter refused every other drafter at start.
+    assert isinstance(draft, ModelDraft), f"not a model drafter: {draft}"
+    model = draft.model
+    kinds = default_registry()
+    if any(kinds.record(k.type).recurrent for k in model.attention_kinds.values()):
+        raise MkgenError(
+            f"--drafter build: the drafter {model.name} has recurrent layers, whose state the "
+            "device step cannot roll back yet; pass --drafter ngram (prompt lookup)"
+        )
+    weights = jax.device_put(drafter_weights(model, seed), NamedSharding(mesh, P()))
+    return DeviceDrafting(DeviceDrafter(model, batch, rows, capacity), weights)
