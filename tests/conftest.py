@@ -60,7 +60,7 @@ def checked_in_renders() -> list[tuple[Path, Any, Any]]:
     holds them byte for byte against generated/, test_codegen reads their kernels as text."""
     from mkgen.codegen.build_list import entry_inputs, read_build_list
     from mkgen.codegen.measurements import read_measurements
-    from mkgen.codegen.naming import default_build_dir
+    from mkgen.codegen.naming import CommandLine, default_build_dir
     from mkgen.codegen.package import render_build
 
     out = []
@@ -68,7 +68,8 @@ def checked_in_renders() -> list[tuple[Path, Any, Any]]:
         spec, topology, options = entry_inputs(entry)
         checked_in = default_build_dir(spec.name, topology)
         measurements = read_measurements(checked_in)
-        rendered = render_build(spec, topology, options, measurements=measurements)
+        line = CommandLine(draft=entry.draft).for_files()  # as `mkgen regen` names it
+        rendered = render_build(spec, topology, options, measurements=measurements, line=line)
         out.append((checked_in, topology, rendered))
     return out
 

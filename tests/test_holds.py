@@ -20,6 +20,7 @@ from mkgen.plan import (
 from mkgen.plan import holds as holds_module
 from mkgen.plan.holds import TABLE, HoldChoice, hold_digest
 from mkgen.plan.timeline import estimate, price_program
+from mkgen.plan.tuning import build_spec
 from mkgen.spec.loader import load_spec
 from mkgen.spec.topology import parse_topology
 
@@ -27,18 +28,20 @@ ENTRIES = json.loads(TABLE.read_text())["entries"]
 
 
 @cache
-def _scored(spec: str, topology: str, fields: str) -> tuple:
-    """score_held_refills of a build (fields as JSON), once per test session."""
+def _scored(spec: str, topology: str, fields: str, draft: str | None = None) -> tuple:
+    """score_held_refills of a build (fields as JSON; drafting with `draft` if named), once
+    per test session."""
     return score_held_refills(
-        load_spec(spec),
+        build_spec(spec, draft),
         parse_topology(topology),
         BuildOptions.create(**json.loads(fields)),
         default_registry(),
     )
 
 
-def _entry_key(entry: dict) -> tuple[str, str, str]:
-    return entry["spec"], entry["topology"], json.dumps(entry["options"], sort_keys=True)
+def _entry_key(entry: dict) -> tuple[str, str, str, str | None]:
+    options = json.dumps(entry["options"], sort_keys=True)
+    return entry["spec"], entry["topology"], options, entry.get("draft")
 
 
 def test_every_tuned_entry_is_what_the_scorer_chooses() -> None:

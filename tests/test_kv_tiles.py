@@ -17,6 +17,7 @@ from mkgen.kinds import default_registry
 from mkgen.plan import estimate, plan_build, plan_program, tile_digest
 from mkgen.plan.kvtiles import TABLE, KvTileChoice, choose_program, rescoring
 from mkgen.plan.options import BuildOptions, kv_tile_candidates
+from mkgen.plan.tuning import build_spec
 from mkgen.spec.loader import load_spec
 from mkgen.spec.topology import parse_topology
 from mkgen.verify.numerics import verify_numerics
@@ -123,8 +124,8 @@ def test_every_tuned_kv_tile_entry_is_what_the_scorer_chooses() -> None:
     entries = json.loads(TABLE.read_text())["entries"]
     assert len(entries) >= 6
     for entry in entries:
-        spec, topo = load_spec(entry["spec"]), parse_topology(entry["topology"])
-        options = BuildOptions.create(**entry["options"])
+        spec = build_spec(entry["spec"], entry.get("draft"))
+        topo, options = parse_topology(entry["topology"]), BuildOptions.create(**entry["options"])
         assert tile_digest(spec, topo, options) == entry["digest"], entry["spec"]
         with rescoring():  # held refills forced: only the tiles are scored
             program = plan_program(spec, topo, options, held_refills=0, kinds=default_registry())
