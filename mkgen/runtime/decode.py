@@ -7,6 +7,7 @@ Imports JAX: imported by `run` after the device environment is set.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from argparse import Namespace
 from collections.abc import Callable
@@ -75,7 +76,9 @@ def load_model(
     if draft:
         assert weights is None, "converted drafter weights are not read yet"
         seed = random_weights or 0
-        drafting = device_drafting(spec, build.batch, build.rows, build.context, seed, mesh)
+        drafting = device_drafting(
+            spec, build.batch, build.rows, build.context, seed, mesh, loaded.inventory
+        )
     return Model(build, spec, layout, kernel, mesh, loaded, placed, drafting)
 
 
@@ -94,15 +97,20 @@ class Generation:
     accepted_per_step: list[list[int]]
 
 
-def prefill(model: Model, prompts: list[list[int]], where: str) -> tuple[list[jax.Array], int]:
-    """The kernel's caches after the prompts' first tokens, and how many tokens they hold.
+def prefill(
+    model: Model, prompts: list[list[int]], where: str
+) -> tuple[list[jax.Array], int, jax.Array | None]:
+    """The kernel's caches after the prompts' first tokens, how many tokens they hold and,
+    for a drafter that reads the target's hidden states (an mtp or block drafter), those
+    states of the held tokens as the kernel writes them ([len(draft_hidden), BATCH, held,
+    HIDDEN]; else None).
 
     With --prefill xla (the default), all but the last token of the shortest prompt run
     through the model in XLA over the placed per-core weights (mkgen.runtime.prefill: a
     shard_map in which each core unpacks its own banks, the routed experts run where
     they lie) and land in the kernel's cache layout; the rest of every prompt then goes
     through the kernel ROWS tokens per call. With --prefill kernel the caches start
-    empty and the whole prompt goes through the kernel."""
+    empty and the whole prompt goes through the kernel (and its hidden states with it)."""
     from mkgen.runtime.prefill import prefill as xla_prefill
 
     held = min(len(p) for p in prompts) - 1 if where == "xla" else 0
@@ -116,12 +124,46 @@ def prefill(model: Model, prompts: list[list[int]], where: str) -> tuple[list[ja
                     jax.block_until_ready(output)
                 bar.update()
 
+            states = _DrafterStates(model)
             caches = xla_prefill(
                 model.spec, model.layout, model.mesh, axis, model.placed,
                 model.weights.embedding, tokens, progress=layer_done,
+                layer_output=states.keep if states.layers else None,
             )  # fmt: skip
-        return caches, held
-    return empty_caches(model, model.build.batch), 0
+        return caches, held, states.hidden()
+    return empty_caches(model, model.build.batch), 0, None
+
+
+class _DrafterStates:
+    """The XLA prefill's residual stream after the layers the build's drafter reads (an
+    mtp or block drafter: KernelLayout.draft_hidden), kept as the prefill goes."""
+
+    def __init__(self, model: Model) -> None:
+        drafting = model.drafting
+        reads = drafting is not None and drafting.drafter.reads_hidden
+        self.model, self.entries = model, model.layout.draft_hidden if reads else []
+        self.layers = {entry.layer for entry in self.entries}
+        self.kept: dict[int, jax.Array] = {}
+
+    def keep(self, layer: int, stream: list[jax.Array]) -> None:
+        if layer in self.layers:
+            self.kept[layer] = jnp.concatenate(stream, axis=1)
+
+    def hidden(self) -> jax.Array | None:
+        """[len(draft_hidden), BATCH, held, HIDDEN]: the last layer's final-normed, as the
+        kernel writes it."""
+        if not self.entries:
+            return None
+        from mkgen.reference.layers import rms_norm
+
+        dims = self.model.spec.dims
+        final = jnp.asarray(self.model.weights.final_norm, jnp.float32)
+        zero_centered = dims.norm_style == "zero_centered"
+        return jnp.stack([
+            rms_norm(self.kept[e.layer], final, dims.norm_eps, zero_centered) if e.normed
+            else self.kept[e.layer]
+            for e in self.entries
+        ])  # fmt: skip
 
 
 def empty_caches(model: Model, batch: int) -> list[jax.Array]:
@@ -231,6 +273,7 @@ def chunk_decoder(
     tables = jnp.asarray(model.kernel.LAYER_TABLES, jnp.int32)
     keep_snapshots = snapshot_keeper(model)
     drafter = model.drafting.drafter if model.drafting is not None else None
+    fed_rows = functools.partial(hidden_rows, layout, batch, rows)
 
     def run(history, positions, budget, count, sampling, embedding, placed, caches,
             draft_weights=None, draft_state=None):  # fmt: skip
@@ -240,14 +283,16 @@ def chunk_decoder(
 
         def step(i, carry):
             history, positions, spent, caches, out, gained, draft_state = carry
+            lookup = lambda: prompt_lookup_on_device(history, positions + 1, rows - 1, ngram)  # noqa: E731
             if drafter is None:
-                drafts = prompt_lookup_on_device(history, positions + 1, rows - 1, ngram)
-            else:  # the kernel emits no hidden states yet: a model drafter reads tokens
-                drafts, draft_state = drafter.draft(draft_weights, draft_state, history, positions)
+                drafts = lookup()
+            else:
+                drafts, draft_state = drafter.draft(
+                    draft_weights, draft_state, history, positions, lookup
+                )
             fed = jnp.concatenate([history[sequences, positions][:, None], drafts], axis=1)
             x = jnp.zeros((layout.tokens_padded, layout.hidden), jnp.float32)
             x = x.at[: layout.tokens].set(embedding[fed.reshape(-1)].astype(jnp.float32))
-            # hidden: the states a drafter reads (None without one), not used yet.
             greedy, logits, hidden, caches = kernel_outputs(layout, step_fn(
                 tables, positions, x, placed["final_norm"], placed["stream"],
                 placed["vectors"], *placed["experts"], *caches,
@@ -265,6 +310,10 @@ def chunk_decoder(
             written = jnp.where(row < taken[:, None], positions[:, None] + 1 + row, beyond)
             history = history.at[sequences[:, None], written].set(new, mode="drop")
             out, gained = out.at[i].set(new), gained.at[i].set(taken)
+            if drafter is not None and drafter.reads_hidden:  # the accepted rows' states
+                draft_state = drafter.observe(
+                    draft_weights, draft_state, history, positions, fed_rows(hidden), taken
+                )
             return history, positions + taken, spent + taken, caches, out, gained, draft_state
 
         out = jnp.zeros((steps_per_call, batch, rows), jnp.int32)
@@ -275,6 +324,12 @@ def chunk_decoder(
         return out, gained, caches, draft_state
 
     return jax.jit(run, donate_argnums=7)
+
+
+def hidden_rows(layout: Any, batch: int, rows: int, hidden: jax.Array) -> jax.Array:
+    """The kernel's draft-hidden output [len(draft_hidden), TOKENS, HIDDEN] per sequence:
+    [len(draft_hidden), batch, rows, HIDDEN] (sequence b's rows are b * rows ..)."""
+    return hidden[:, : batch * rows].reshape(len(layout.draft_hidden), batch, rows, -1)
 
 
 def drafter_inputs(model: Model) -> tuple[Any, Any]:
@@ -305,6 +360,7 @@ def decode(
     args: Namespace,
     drafter: Drafter,
     stream: Callable[[list[int]], None] | None = None,
+    prefill_hidden: jax.Array | None = None,
 ) -> Generation:
     """Generation through the megakernel.
 
@@ -317,13 +373,25 @@ def decode(
     MODULE:CALLABLE drafter drafts on the host, one step per call. `stream` (batch 1) gets
     the generated ids after every call. With the build's drafter (--drafter build,
     model.drafting) the device calls draft with it, whatever --steps-per-call; host steps
-    (the prompt's rest, a last token) draft by prompt lookup."""
+    (the prompt's rest, a last token) draft by prompt lookup. An mtp or block drafter
+    commits the hidden states of the held tokens (`prefill_hidden`, prefill's) and of
+    every kernel step's accepted rows, host steps' too."""
     step_fn = model.kernel.make_decode_step(model.mesh)
     chunked = None
     if model.drafting is not None or (args.steps_per_call > 1 and args.drafter == "ngram"):
         chunked = _ChunkedCalls(model, step_fn, args)
-    host_step = _HostSteps(model, step_fn, args, drafter)
     sequences = _Sequences(args, held, model.build.batch, stream)
+    observe = None
+    if chunked is not None and model.drafting is not None and model.drafting.drafter.reads_hidden:
+        observe = chunked.observe
+        if prefill_hidden is not None:
+            observe(
+                sequences.history,
+                [0] * model.build.batch,
+                prefill_hidden,
+                [held] * model.build.batch,
+            )
+    host_step = _HostSteps(model, step_fn, args, drafter, observe)
     mode = (
         pltpu.force_tpu_interpret_mode(pltpu.InterpretParams())
         if args.interpret
@@ -406,6 +474,8 @@ class _ChunkedCalls:
         self.model, self.steps_per_call = model, args.steps_per_call
         self.run = chunk_decoder(model, step_fn, args.steps_per_call, args.ngram)
         self.draft_weights, self.draft_state = drafter_inputs(model)
+        if model.drafting is not None and model.drafting.drafter.reads_hidden:
+            self.commit = jax.jit(model.drafting.drafter.observe)
         self.embedding = embedding_on_devices(
             build, model.weights.embedding, model.mesh, model.kernel
         )
@@ -437,15 +507,34 @@ class _ChunkedCalls:
                 sequences.positions[b] += kept
         return caches
 
+    def observe(
+        self, histories: list[list[int]], start: list[int], hidden: jax.Array, count: list[int]
+    ) -> None:
+        """The build's mtp or block drafter commits rows fed outside the device calls (the
+        prefill's, a host step's): HiddenStateDrafter.observe."""
+        replicated = NamedSharding(self.model.mesh, P())  # a disaggregated prefill's mesh
+        self.draft_state = self.commit(
+            self.draft_weights, self.draft_state,
+            history_array(histories, self.model.build.context), jnp.asarray(start, jnp.int32),
+            jax.device_put(hidden, replicated), jnp.asarray(count, jnp.int32),
+        )  # fmt: skip
+
 
 class _HostSteps:
     """One kernel step per device call: each sequence's known tokens and the drafter's
     drafts in, the kernel's tokens accepted on the host (accept)."""
 
     def __init__(
-        self, model: Model, step_fn: Callable[..., Any], args: Namespace, drafter: Drafter
+        self,
+        model: Model,
+        step_fn: Callable[..., Any],
+        args: Namespace,
+        drafter: Drafter,
+        observe: Callable[..., None] | None = None,
     ) -> None:
-        self.model, self.step_fn, self.drafter = model, step_fn, drafter
+        """`observe` (_ChunkedCalls.observe): the build's mtp or block drafter commits the
+        states of each step's standing rows."""
+        self.model, self.step_fn, self.drafter, self.observe = model, step_fn, drafter, observe
         self.keep_snapshots = snapshot_keeper(model)
         self.tables = jnp.asarray(model.kernel.LAYER_TABLES, jnp.int32)
         self.sampler = None
@@ -474,7 +563,6 @@ class _HostSteps:
         x = np.zeros((layout.tokens_padded, layout.hidden), np.float32)
         x[: layout.tokens] = self.model.weights.embedding[rows.reshape(-1)].astype(np.float32)
         start = time.perf_counter()
-        # hidden: the states a drafter reads (None without one), not used yet.
         tokens, logits, hidden, caches = kernel_outputs(layout, self.step_fn(
             self.tables, jnp.asarray(sequences.positions, jnp.int32), jnp.asarray(x),
             placed["final_norm"], placed["stream"], placed["vectors"], *placed["experts"],
@@ -487,6 +575,7 @@ class _HostSteps:
         sequences.calls += 1
         # The snapshot of each sequence's recurrent state to keep.
         last_valid = [rows_per_call - 1] * batch
+        start, standing = list(sequences.positions), [0] * batch
         for b in range(batch):
             if sequences.finished[b]:
                 continue  # done: rerun at the same position until the others finish
@@ -501,7 +590,10 @@ class _HostSteps:
                 sequences.produced += sequences.take_steps(b, [len(new)], new)
                 sequences.generating += 1
             sequences.positions[b] += valid
-            last_valid[b] = valid - 1
+            last_valid[b], standing[b] = valid - 1, valid
+        if self.observe is not None:
+            fed = hidden_rows(layout, batch, rows_per_call, hidden)
+            self.observe(sequences.history, start, fed, standing)
         if self.keep_snapshots is not None and min(last_valid) < rows_per_call - 1:
             caches = self.keep_snapshots(caches, jnp.asarray(last_valid, jnp.int32))
         return caches
