@@ -35,7 +35,7 @@ from mkgen.runtime.hidden_drafting import (
     hidden_drafter_weights,
     holds_history,
 )
-from mkgen.spec.schema import ModelDraft, ModelSpec
+from mkgen.spec.schema import ModelDraft, ModelSpec, MtpDraft
 
 
 @dataclass(frozen=True)
@@ -150,9 +150,15 @@ def device_drafting(
     """The build's drafter (its spec's draft section) with random weights drawn with
     `seed` (drafter_weights; an mtp or block drafter's beside the embedding and LM head of
     `target`, the runner's stored target weights), replicated on `mesh`.
-    A drafter model with recurrent layers is one line (MkgenError)."""
+    A drafter model with recurrent layers, or an mtp drafter of several modules, is one
+    line (MkgenError)."""
     replicated = NamedSharding(mesh, P())
     draft = spec.draft
+    if isinstance(draft, MtpDraft) and draft.layers != 1:
+        raise MkgenError(
+            f"--drafter build: the mtp drafter has {draft.layers} modules; the runner drafts "
+            "with one, as the reference does; pass --drafter ngram (prompt lookup)"
+        )
     if not isinstance(draft, ModelDraft):
         weights = jax.device_put(hidden_drafter_weights(spec, target, seed), replicated)
         return DeviceDrafting(HiddenStateDrafter(spec, batch, rows, capacity), weights)
