@@ -99,11 +99,10 @@ class Generation:
 
 def prefill(
     model: Model, prompts: list[list[int]], where: str
-) -> tuple[list[jax.Array], int, jax.Array | None]:
+) -> tuple[list[jax.Array], int, list[tuple[int, jax.Array]]]:
     """The kernel's caches after the prompts' first tokens, how many tokens they hold and,
     for a drafter that reads the target's hidden states (an mtp or block drafter), those
-    states of the held tokens as the kernel writes them ([len(draft_hidden), BATCH, held,
-    HIDDEN]; else None).
+    states of the held tokens as the kernel writes them (DrafterStates.chunks; else []).
 
     With --prefill xla (the default), all but the last token of the shortest prompt run
     through the model in XLA over the placed per-core weights (mkgen.runtime.prefill: a
@@ -124,17 +123,17 @@ def prefill(
                     jax.block_until_ready(output)
                 bar.update()
 
-            states = _DrafterStates(model)
+            states = DrafterStates(model)
             caches = xla_prefill(
                 model.spec, model.layout, model.mesh, axis, model.placed,
                 model.weights.embedding, tokens, progress=layer_done,
                 layer_output=states.keep if states.layers else None,
             )  # fmt: skip
-        return caches, held, states.hidden()
-    return empty_caches(model, model.build.batch), 0, None
+        return caches, held, states.chunks()
+    return empty_caches(model, model.build.batch), 0, []
 
 
-class _DrafterStates:
+class DrafterStates:
     """The XLA prefill's residual stream after the layers the build's drafter reads (an
     mtp or block drafter: KernelLayout.draft_hidden), kept as the prefill goes."""
 
@@ -147,23 +146,49 @@ class _DrafterStates:
 
     def keep(self, layer: int, stream: list[jax.Array]) -> None:
         if layer in self.layers:
-            self.kept[layer] = jnp.concatenate(stream, axis=1)
+            self.kept[layer] = list(stream)
 
-    def hidden(self) -> jax.Array | None:
-        """[len(draft_hidden), BATCH, held, HIDDEN]: the last layer's final-normed, as the
-        kernel writes it."""
-        if not self.entries:
-            return None
+    def chunks(self) -> list[tuple[int, jax.Array]]:
+        """Per prefill chunk (prompt_chunks' power-of-two sizes, so a drafter's commit
+        compiles for those only), its first position and its states [len(draft_hidden),
+        B, size, HIDDEN], the last layer's final-normed as the kernel writes it."""
+        if not self.kept:
+            return []
         from mkgen.reference.layers import rms_norm
 
         dims = self.model.spec.dims
         final = jnp.asarray(self.model.weights.final_norm, jnp.float32)
         zero_centered = dims.norm_style == "zero_centered"
-        return jnp.stack([
-            rms_norm(self.kept[e.layer], final, dims.norm_eps, zero_centered) if e.normed
-            else self.kept[e.layer]
-            for e in self.entries
-        ])  # fmt: skip
+        out, offset = [], 0
+        for c, piece in enumerate(self.kept[self.entries[0].layer]):
+            out.append((offset, jnp.stack([
+                rms_norm(self.kept[e.layer][c], final, dims.norm_eps, zero_centered)
+                if e.normed else self.kept[e.layer][c]
+                for e in self.entries
+            ])))  # fmt: skip
+            offset += piece.shape[1]
+        return out
+
+
+def commit_states(
+    model: Model,
+    observe: Callable[..., Any],
+    weights: Any,
+    state: Any,
+    histories: list[list[int]],
+    start: list[int],
+    hidden: jax.Array,
+    count: list[int],
+) -> Any:
+    """`observe` (a jitted HiddenStateDrafter.observe) of host-side inputs: the drafter's
+    state with hidden [len(draft_hidden), BATCH, n, HIDDEN] committed at positions
+    start[b].., count[b] of them standing (0: sequence b unchanged)."""
+    replicated = NamedSharding(model.mesh, P())  # a disaggregated prefill's states too
+    return observe(
+        weights, state, history_array(histories, model.build.context),
+        jnp.asarray(start, jnp.int32), jax.device_put(hidden, replicated),
+        jnp.asarray(count, jnp.int32),
+    )  # fmt: skip
 
 
 def empty_caches(model: Model, batch: int) -> list[jax.Array]:
@@ -178,7 +203,11 @@ def empty_caches(model: Model, batch: int) -> list[jax.Array]:
 
 
 def prefill_sequence(
-    model: Model, prompt_ids: list[int], start: int = 0, cached: list[np.ndarray] | None = None
+    model: Model,
+    prompt_ids: list[int],
+    start: int = 0,
+    cached: list[np.ndarray] | None = None,
+    layer_output: Callable[[int, list[jax.Array]], None] | None = None,
 ) -> list[jax.Array]:
     """One sequence's kernel cache arrays (batch 1: [devices, layers, 1, ...]) holding
     `prompt_ids` at positions start..start + len - 1, through the XLA prefill, after what
@@ -186,7 +215,8 @@ def prefill_sequence(
     disaggregation.offload left them on the host, restored as they are when nothing
     follows them; None when start is 0). Zeros when there are no tokens;
     mkgen.runtime.slots.insert_sequence puts them in a slot of the decode caches. The
-    server's engine prefills every admitted prompt through this one function."""
+    server's engine prefills every admitted prompt through this one function;
+    `layer_output` as mkgen.runtime.prefill.prefill's."""
     from mkgen.runtime.prefill import prefill as xla_prefill
 
     if not prompt_ids:
@@ -195,7 +225,7 @@ def prefill_sequence(
     return xla_prefill(
         model.spec, model.layout, model.mesh, model.kernel.AXIS, model.placed,
         model.weights.embedding, np.asarray([prompt_ids], np.int32), start=start,
-        cached=cached,
+        cached=cached, layer_output=layer_output,
     )  # fmt: skip
 
 
@@ -360,7 +390,7 @@ def decode(
     args: Namespace,
     drafter: Drafter,
     stream: Callable[[list[int]], None] | None = None,
-    prefill_hidden: jax.Array | None = None,
+    prefill_states: list[tuple[int, jax.Array]] | None = None,
 ) -> Generation:
     """Generation through the megakernel.
 
@@ -374,7 +404,7 @@ def decode(
     the generated ids after every call. With the build's drafter (--drafter build,
     model.drafting) the device calls draft with it, whatever --steps-per-call; host steps
     (the prompt's rest, a last token) draft by prompt lookup. An mtp or block drafter
-    commits the hidden states of the held tokens (`prefill_hidden`, prefill's) and of
+    commits the hidden states of the held tokens (`prefill_states`, prefill's) and of
     every kernel step's accepted rows, host steps' too."""
     step_fn = model.kernel.make_decode_step(model.mesh)
     chunked = None
@@ -384,13 +414,9 @@ def decode(
     observe = None
     if chunked is not None and model.drafting is not None and model.drafting.drafter.reads_hidden:
         observe = chunked.observe
-        if prefill_hidden is not None:
-            observe(
-                sequences.history,
-                [0] * model.build.batch,
-                prefill_hidden,
-                [held] * model.build.batch,
-            )
+        for offset, states in prefill_states or []:
+            batch = model.build.batch
+            observe(sequences.history, [offset] * batch, states, [states.shape[2]] * batch)
     host_step = _HostSteps(model, step_fn, args, drafter, observe)
     mode = (
         pltpu.force_tpu_interpret_mode(pltpu.InterpretParams())
@@ -512,11 +538,9 @@ class _ChunkedCalls:
     ) -> None:
         """The build's mtp or block drafter commits rows fed outside the device calls (the
         prefill's, a host step's): HiddenStateDrafter.observe."""
-        replicated = NamedSharding(self.model.mesh, P())  # a disaggregated prefill's mesh
-        self.draft_state = self.commit(
-            self.draft_weights, self.draft_state,
-            history_array(histories, self.model.build.context), jnp.asarray(start, jnp.int32),
-            jax.device_put(hidden, replicated), jnp.asarray(count, jnp.int32),
+        self.draft_state = commit_states(
+            self.model, self.commit, self.draft_weights, self.draft_state, histories, start,
+            hidden, count,
         )  # fmt: skip
 
 

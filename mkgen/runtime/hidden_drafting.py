@@ -12,10 +12,11 @@ counted: what sits past the committed length is written again next step, which i
 roll-back. `draft` then drafts after the sequence's next token from what is committed.
 
 A drafter needs the hidden states of every position before the one it drafts after. The
-runner hands it the XLA prefill's states at the drafter's layers and every kernel step's;
-a sequence whose history the drafter has not seen whole (a request prefilled into a serve
-slot) cannot be caught up without them, so its drafts come from the fallback (prompt
-lookup) rather than from caches with holes.
+runner and the server hand it the XLA prefill's states at the drafter's layers (a commit
+from position 0 begins a sequence afresh) and every kernel step's; a sequence whose
+history the drafter has not seen whole (a prompt restored from the server's host cache)
+cannot be caught up without them, so its drafts come from the fallback (prompt lookup)
+rather than from caches with holes.
 
 Imports JAX: imported by decode.py after the device environment is set.
 """
@@ -114,7 +115,9 @@ class HiddenStateDrafter:
         batch, n, HIDDEN] their target states (the kernel's draft-hidden output, in the
         plan's order), count[b] how many of them stand (accepted, or known prompt rows),
         history [batch, capacity] every sequence's tokens with the new ones. A sequence
-        whose committed length is not `start` is lost (-1); one with count 0 is unchanged."""
+        whose committed length is not `start` is lost (-1), unless `start` is 0 (a commit
+        from the first position begins the sequence afresh); one with count 0 is
+        unchanged."""
         n = hidden.shape[2]
         padded = jnp.pad(history, ((0, 0), (0, n + 1)))
         rows = jnp.moveaxis(hidden, 1, 0)  # [batch, len(draft_hidden), n, HIDDEN]
@@ -125,12 +128,16 @@ class HiddenStateDrafter:
             commit = jax.vmap(lambda *a: self._commit_block(weights, *a))
             layers, last = commit(state["layers"], padded, start, rows), None
         gained = count > 0
-        kept = gained & (state["length"] == start)
+        kept = gained & ((state["length"] == start) | (start == 0))
+        pick = lambda new, old: jnp.where(  # noqa: E731
+            gained.reshape((-1,) + (1,) * (new.ndim - 1)), new, old
+        )
         out = {
             "length": jnp.where(gained, jnp.where(kept, start + count, -1), state["length"]),
             "tokens": jnp.where(gained[:, None], history, state["tokens"]),
-            # Rows past the committed length are written whatever: rewritten next step.
-            "layers": layers,
+            # All the fed rows, accepted or not: those past the committed length are
+            # written again next step.
+            "layers": jax.tree.map(pick, layers, state["layers"]),
         }
         if last is not None:
             out["last"] = jnp.where(kept[:, None, None], last, state["last"])
