@@ -107,13 +107,17 @@ def _build(drafter: str | None) -> Build:
 @pytest.mark.parametrize(
     ("drafter", "weights", "fragment"),
     [
-        ("mtp", None, "mtp drafter reads the target's hidden states, which the kernel writes"),
-        ("block", None, "block drafter reads the target's hidden states"),
         (None, None, "this build carries no drafter"),
         ("model", "w", "--weights: the build's drafter has no converted weights yet"),
+        ("mtp", "w", "--weights: the build's drafter has no converted weights yet"),
     ],
 )
 def test_a_drafter_the_runner_cannot_run_is_one_line_at_start(drafter, weights, fragment) -> None:
     with pytest.raises(MkgenError, match=fragment) as error:
         check_build_drafter(_build(drafter), weights)
     assert "\n" not in str(error.value) and "--drafter ngram" in str(error.value)
+
+
+@pytest.mark.parametrize("drafter", ["model", "mtp", "block"])
+def test_every_drafter_kind_runs_with_random_weights(drafter) -> None:
+    check_build_drafter(_build(drafter), None)  # mtp and block: tests/test_hidden_drafting.py

@@ -193,6 +193,22 @@ def _mtp_entry(
     """MTP entries at positions at.. pairing token_ids [B, n] with the previous hidden
     states [B, n, hidden]: the last entry's logits [B, vocab], what the next draft chains
     on [B, 1, hidden] (the output before or after the module's final norm) and the cache."""
+    out, cache = mtp_layer(spec, weights, cache, token_ids, previous, at)
+    logits, chained = mtp_head(spec, weights, out[:, -1:])
+    return logits, chained, cache
+
+
+def mtp_layer(
+    spec: ModelSpec,
+    weights: Weights,
+    cache: dict[str, jax.Array],
+    token_ids: jax.Array,
+    previous: jax.Array,
+    at: jax.Array,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The MTP module's layer over entries at positions at.. pairing token_ids [B, n] with
+    the previous hidden states [B, n, hidden] (final-normed target states, or a chained
+    output): every entry's output [B, n, hidden] before the final norm, and the cache."""
     draft = spec.draft
     assert isinstance(draft, MtpDraft)
     dims, w = spec.dims, layer_weights(weights, "draft.0.")
@@ -209,10 +225,18 @@ def _mtp_entry(
         axis=-1,
     )
     attention, ffn = spec.attention_kinds[draft.attention], spec.ffn_kinds[draft.ffn]
-    out, cache = decoder_layer(attention, ffn, w, mm(joined, w["eh_proj"]), cache, at, dims)
-    normed = rms_norm(out[:, -1:], w["final_norm"], dims.norm_eps, zero_centered)
-    chained = normed if draft.chain == "normed" else out[:, -1:]
-    return head_logits(dims, weights, normed[:, 0]), chained, cache
+    return decoder_layer(attention, ffn, w, mm(joined, w["eh_proj"]), cache, at, dims)
+
+
+def mtp_head(spec: ModelSpec, weights: Weights, out: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One entry's output [B, 1, hidden] (mtp_layer) as its logits [B, vocab] and what the
+    next draft chains on [B, 1, hidden]."""
+    draft = spec.draft
+    assert isinstance(draft, MtpDraft)
+    dims, w = spec.dims, layer_weights(weights, "draft.0.")
+    normed = rms_norm(out, w["final_norm"], dims.norm_eps, dims.norm_style == "zero_centered")
+    chained = normed if draft.chain == "normed" else out
+    return head_logits(dims, weights, normed[:, 0]), chained
 
 
 def _compile_mtp_entry(spec: ModelSpec) -> Callable[..., Any]:
@@ -230,46 +254,78 @@ def _block_step(
     next_token: jax.Array,
     rows: int,
 ) -> tuple[jax.Array, jax.Array, DraftState]:
-    dims = Dims(hidden=spec.dims.hidden, vocab=spec.dims.vocab, norm_eps=draft.norm_eps)
-    eps = draft.norm_eps
     start, n = state["length"], tokens.shape[1]
     features = jnp.concatenate(
         [target_hidden(spec, weights, hidden, i) for i in draft.feature_layers], -1
     )
-    context = rms_norm(mm(features, weights["draft.fc"]), weights["draft.hidden_norm"], eps)
+    caches = block_context(draft, weights, state["layers"], features, start)
+    drafts, logits = block_drafts(spec, draft, weights, caches, next_token, start + n, rows)
+    return drafts, logits, {"length": start + n, "layers": caches}
+
+
+def block_context(
+    draft: BlockDraft, weights: Weights, caches: list[Any], features: jax.Array, start: jax.Array
+) -> list[Any]:
+    """The block drafter's caches with the context of features [B, n, len(feature_layers)
+    x hidden] (the target's states at its feature layers, concatenated) at positions
+    start..start + n - 1: fc, hidden_norm, then every layer's k/v projections of it."""
+    dims = Dims(hidden=draft.hidden, vocab=1, norm_eps=draft.norm_eps)
+    context = rms_norm(
+        mm(features, weights["draft.fc"]), weights["draft.hidden_norm"], dims.norm_eps
+    )
+    positions = start + jnp.arange(features.shape[1])
+    out = []
+    for i, cache in enumerate(caches):
+        w_attn = layer_weights(weights, f"draft.layers.{i}.attn.")
+        _, k, v = gqa_project(draft.attention, w_attn, context, positions, dims)
+        out.append({"k": store(cache["k"], k, start), "v": store(cache["v"], v, start)})
+    return out
+
+
+def block_drafts(
+    spec: ModelSpec,
+    draft: BlockDraft,
+    weights: Weights,
+    caches: list[Any],
+    next_token: jax.Array,
+    at: jax.Array,
+    rows: int,
+) -> tuple[jax.Array, jax.Array]:
+    """The block drafter's rows - 1 drafts [B, rows - 1] after next_token [B] at position
+    `at` (the context committed before it), and their logits: one non-causal pass over
+    the block (next_token, then mask tokens) attending to the committed context."""
+    dims = Dims(hidden=spec.dims.hidden, vocab=spec.dims.vocab, norm_eps=draft.norm_eps)
+    eps = draft.norm_eps
     block = jnp.concatenate(
-        [next_token[:, None], jnp.full((tokens.shape[0], draft.block_size - 1), draft.mask_token)],
+        [
+            next_token[:, None],
+            jnp.full((next_token.shape[0], draft.block_size - 1), draft.mask_token),
+        ],
         axis=1,
     )
     x = jnp.asarray(weights["embedding"], jnp.float32)[block]
-    context_positions = start + jnp.arange(n)
-    block_positions = start + n + jnp.arange(draft.block_size)
-    caches = []
-    for i, cache in enumerate(state["layers"]):
+    block_positions = at + jnp.arange(draft.block_size)
+    for i, cache in enumerate(caches):
         w = layer_weights(weights, f"draft.layers.{i}.")
         w_attn = layer_weights(w, "attn.")
-        _, k, v = gqa_project(draft.attention, w_attn, context, context_positions, dims)
-        cache = {"k": store(cache["k"], k, start), "v": store(cache["v"], v, start)}
-        caches.append(cache)
         normed = rms_norm(x, w["attn_norm"], eps)
         q, k_block, v_block = gqa_project(draft.attention, w_attn, normed, block_positions, dims)
         keys = jnp.concatenate([cache["k"].astype(jnp.float32), k_block], axis=1)
         values = jnp.concatenate([cache["v"].astype(jnp.float32), v_block], axis=1)
         # Every block row sees the committed context and the whole block (non-causal).
-        committed = jnp.arange(cache["k"].shape[1]) < start + n
+        committed = jnp.arange(cache["k"].shape[1]) < at
         visible = jnp.concatenate([committed, jnp.ones(draft.block_size, bool)])[None, :]
         x = x + gqa_attend(draft.attention, w_attn, normed, q, keys, values, visible)
         x = x + dense_ffn(draft.ffn, layer_weights(w, "ffn."), rms_norm(x, w["ffn_norm"], eps))
     out = rms_norm(x[:, 1:rows], weights["draft.final_norm"], eps)
     if draft.lm_head == "shared":
         logits = mm(out, weights["embedding"].T if spec.dims.tie_embeddings else weights["lm_head"])
-        drafts = greedy_token(spec, logits)
-    else:
-        logits = mm(out, weights["draft.lm_head"])
-        drafts = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        if draft.draft_vocab is not None:
-            drafts = drafts + weights["draft.d2t"][drafts]
-    return drafts, logits, {"length": start + n, "layers": caches}
+        return greedy_token(spec, logits), logits
+    logits = mm(out, weights["draft.lm_head"])
+    drafts = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if draft.draft_vocab is not None:
+        drafts = drafts + weights["draft.d2t"][drafts]
+    return drafts, logits
 
 
 def target_hidden(spec: ModelSpec, weights: Weights, hidden: jax.Array, layer: int) -> jax.Array:

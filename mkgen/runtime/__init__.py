@@ -16,12 +16,14 @@ calls `run`; `mkgen run BUILD` calls the same function. The work is split by con
     speculation.py  drafters (prompt lookup or a user callable) and draft acceptance
     device_speculation.py  prompt lookup and acceptance on the device (decode's loop)
     device_drafting.py     the build's own drafter on the device (decode's loop)
+    hidden_drafting.py     an mtp or block drafter there, from the kernel's hidden states
     bench.py        step-time medians and tokens/s
     main.py         run: the steps above in order, and what is printed
 
 JAX reads its environment (interpret mode's virtual CPU devices) when it is imported, so
 nothing imports it before `run` has set that: devices.py imports it inside its functions,
-weights.py, decode.py, device_drafting.py, device_speculation.py, disaggregation.py,
+weights.py, decode.py, device_drafting.py, hidden_drafting.py, device_speculation.py,
+disaggregation.py,
 sampling.py and slots.py at their top, and
 `run` imports them only afterwards.
 """

@@ -358,24 +358,12 @@ def _check_drafting(args: argparse.Namespace, build: Build) -> None:
     args.steps_per_call = args.steps_per_call or STEPS_PER_CALL_DEFAULT
 
 
-NEEDS_HIDDEN_STATES = (
-    "reads the target's hidden states, which the kernel writes but the runner does not draft "
-    "with yet"
-)
-
-
 def check_build_drafter(build: Build, weights: str | None) -> None:
     """One line when `--drafter build` (the default of a build with a drafter) cannot run:
-    no drafter, one that reads hidden states the kernel does not emit, or converted
-    weights (the drafter's are random only)."""
+    no drafter, or converted weights (the drafter's are random only)."""
     if build.drafter is None:
         raise MkgenError(
             "--drafter build: this build carries no drafter (mkgen build --draft DRAFT); "
-            "pass --drafter ngram (prompt lookup)"
-        )
-    if build.drafter != "model":
-        raise MkgenError(
-            f"--drafter build: this build's {build.drafter} drafter {NEEDS_HIDDEN_STATES}; "
             "pass --drafter ngram (prompt lookup)"
         )
     if weights is not None:

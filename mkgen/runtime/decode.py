@@ -7,6 +7,7 @@ Imports JAX: imported by `run` after the device environment is set.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from argparse import Namespace
 from collections.abc import Callable
@@ -75,7 +76,9 @@ def load_model(
     if draft:
         assert weights is None, "converted drafter weights are not read yet"
         seed = random_weights or 0
-        drafting = device_drafting(spec, build.batch, build.rows, build.context, seed, mesh)
+        drafting = device_drafting(
+            spec, build.batch, build.rows, build.context, seed, mesh, loaded.inventory
+        )
     return Model(build, spec, layout, kernel, mesh, loaded, placed, drafting)
 
 
@@ -94,15 +97,19 @@ class Generation:
     accepted_per_step: list[list[int]]
 
 
-def prefill(model: Model, prompts: list[list[int]], where: str) -> tuple[list[jax.Array], int]:
-    """The kernel's caches after the prompts' first tokens, and how many tokens they hold.
+def prefill(
+    model: Model, prompts: list[list[int]], where: str
+) -> tuple[list[jax.Array], int, list[tuple[int, jax.Array]]]:
+    """The kernel's caches after the prompts' first tokens, how many tokens they hold and,
+    for a drafter that reads the target's hidden states (an mtp or block drafter), those
+    states of the held tokens as the kernel writes them (DrafterStates.chunks; else []).
 
     With --prefill xla (the default), all but the last token of the shortest prompt run
     through the model in XLA over the placed per-core weights (mkgen.runtime.prefill: a
     shard_map in which each core unpacks its own banks, the routed experts run where
     they lie) and land in the kernel's cache layout; the rest of every prompt then goes
     through the kernel ROWS tokens per call. With --prefill kernel the caches start
-    empty and the whole prompt goes through the kernel."""
+    empty and the whole prompt goes through the kernel (and its hidden states with it)."""
     from mkgen.runtime.prefill import prefill as xla_prefill
 
     held = min(len(p) for p in prompts) - 1 if where == "xla" else 0
@@ -116,12 +123,72 @@ def prefill(model: Model, prompts: list[list[int]], where: str) -> tuple[list[ja
                     jax.block_until_ready(output)
                 bar.update()
 
+            states = DrafterStates(model)
             caches = xla_prefill(
                 model.spec, model.layout, model.mesh, axis, model.placed,
                 model.weights.embedding, tokens, progress=layer_done,
+                layer_output=states.keep if states.layers else None,
             )  # fmt: skip
-        return caches, held
-    return empty_caches(model, model.build.batch), 0
+        return caches, held, states.chunks()
+    return empty_caches(model, model.build.batch), 0, []
+
+
+class DrafterStates:
+    """The XLA prefill's residual stream after the layers the build's drafter reads (an
+    mtp or block drafter: KernelLayout.draft_hidden), kept as the prefill goes."""
+
+    def __init__(self, model: Model) -> None:
+        drafting = model.drafting
+        reads = drafting is not None and drafting.drafter.reads_hidden
+        self.model, self.entries = model, model.layout.draft_hidden if reads else []
+        self.layers = {entry.layer for entry in self.entries}
+        self.kept: dict[int, jax.Array] = {}
+
+    def keep(self, layer: int, stream: list[jax.Array]) -> None:
+        if layer in self.layers:
+            self.kept[layer] = list(stream)
+
+    def chunks(self) -> list[tuple[int, jax.Array]]:
+        """Per prefill chunk (prompt_chunks' power-of-two sizes, so a drafter's commit
+        compiles for those only), its first position and its states [len(draft_hidden),
+        B, size, HIDDEN], the last layer's final-normed as the kernel writes it."""
+        if not self.kept:
+            return []
+        from mkgen.reference.layers import rms_norm
+
+        dims = self.model.spec.dims
+        final = jnp.asarray(self.model.weights.final_norm, jnp.float32)
+        zero_centered = dims.norm_style == "zero_centered"
+        out, offset = [], 0
+        for c, piece in enumerate(self.kept[self.entries[0].layer]):
+            out.append((offset, jnp.stack([
+                rms_norm(self.kept[e.layer][c], final, dims.norm_eps, zero_centered)
+                if e.normed else self.kept[e.layer][c]
+                for e in self.entries
+            ])))  # fmt: skip
+            offset += piece.shape[1]
+        return out
+
+
+def commit_states(
+    model: Model,
+    observe: Callable[..., Any],
+    weights: Any,
+    state: Any,
+    histories: list[list[int]],
+    start: list[int],
+    hidden: jax.Array,
+    count: list[int],
+) -> Any:
+    """`observe` (a jitted HiddenStateDrafter.observe) of host-side inputs: the drafter's
+    state with hidden [len(draft_hidden), BATCH, n, HIDDEN] committed at positions
+    start[b].., count[b] of them standing (0: sequence b unchanged)."""
+    replicated = NamedSharding(model.mesh, P())  # a disaggregated prefill's states too
+    return observe(
+        weights, state, history_array(histories, model.build.context),
+        jnp.asarray(start, jnp.int32), jax.device_put(hidden, replicated),
+        jnp.asarray(count, jnp.int32),
+    )  # fmt: skip
 
 
 def empty_caches(model: Model, batch: int) -> list[jax.Array]:
@@ -136,7 +203,11 @@ def empty_caches(model: Model, batch: int) -> list[jax.Array]:
 
 
 def prefill_sequence(
-    model: Model, prompt_ids: list[int], start: int = 0, cached: list[np.ndarray] | None = None
+    model: Model,
+    prompt_ids: list[int],
+    start: int = 0,
+    cached: list[np.ndarray] | None = None,
+    layer_output: Callable[[int, list[jax.Array]], None] | None = None,
 ) -> list[jax.Array]:
     """One sequence's kernel cache arrays (batch 1: [devices, layers, 1, ...]) holding
     `prompt_ids` at positions start..start + len - 1, through the XLA prefill, after what
@@ -144,7 +215,8 @@ def prefill_sequence(
     disaggregation.offload left them on the host, restored as they are when nothing
     follows them; None when start is 0). Zeros when there are no tokens;
     mkgen.runtime.slots.insert_sequence puts them in a slot of the decode caches. The
-    server's engine prefills every admitted prompt through this one function."""
+    server's engine prefills every admitted prompt through this one function;
+    `layer_output` as mkgen.runtime.prefill.prefill's."""
     from mkgen.runtime.prefill import prefill as xla_prefill
 
     if not prompt_ids:
@@ -153,7 +225,7 @@ def prefill_sequence(
     return xla_prefill(
         model.spec, model.layout, model.mesh, model.kernel.AXIS, model.placed,
         model.weights.embedding, np.asarray([prompt_ids], np.int32), start=start,
-        cached=cached,
+        cached=cached, layer_output=layer_output,
     )  # fmt: skip
 
 
@@ -231,6 +303,7 @@ def chunk_decoder(
     tables = jnp.asarray(model.kernel.LAYER_TABLES, jnp.int32)
     keep_snapshots = snapshot_keeper(model)
     drafter = model.drafting.drafter if model.drafting is not None else None
+    fed_rows = functools.partial(hidden_rows, layout, batch, rows)
 
     def run(history, positions, budget, count, sampling, embedding, placed, caches,
             draft_weights=None, draft_state=None):  # fmt: skip
@@ -240,14 +313,16 @@ def chunk_decoder(
 
         def step(i, carry):
             history, positions, spent, caches, out, gained, draft_state = carry
+            lookup = lambda: prompt_lookup_on_device(history, positions + 1, rows - 1, ngram)  # noqa: E731
             if drafter is None:
-                drafts = prompt_lookup_on_device(history, positions + 1, rows - 1, ngram)
-            else:  # the kernel emits no hidden states yet: a model drafter reads tokens
-                drafts, draft_state = drafter.draft(draft_weights, draft_state, history, positions)
+                drafts = lookup()
+            else:
+                drafts, draft_state = drafter.draft(
+                    draft_weights, draft_state, history, positions, lookup
+                )
             fed = jnp.concatenate([history[sequences, positions][:, None], drafts], axis=1)
             x = jnp.zeros((layout.tokens_padded, layout.hidden), jnp.float32)
             x = x.at[: layout.tokens].set(embedding[fed.reshape(-1)].astype(jnp.float32))
-            # hidden: the states a drafter reads (None without one), not used yet.
             greedy, logits, hidden, caches = kernel_outputs(layout, step_fn(
                 tables, positions, x, placed["final_norm"], placed["stream"],
                 placed["vectors"], *placed["experts"], *caches,
@@ -265,6 +340,10 @@ def chunk_decoder(
             written = jnp.where(row < taken[:, None], positions[:, None] + 1 + row, beyond)
             history = history.at[sequences[:, None], written].set(new, mode="drop")
             out, gained = out.at[i].set(new), gained.at[i].set(taken)
+            if drafter is not None and drafter.reads_hidden:  # the accepted rows' states
+                draft_state = drafter.observe(
+                    draft_weights, draft_state, history, positions, fed_rows(hidden), taken
+                )
             return history, positions + taken, spent + taken, caches, out, gained, draft_state
 
         out = jnp.zeros((steps_per_call, batch, rows), jnp.int32)
@@ -275,6 +354,12 @@ def chunk_decoder(
         return out, gained, caches, draft_state
 
     return jax.jit(run, donate_argnums=7)
+
+
+def hidden_rows(layout: Any, batch: int, rows: int, hidden: jax.Array) -> jax.Array:
+    """The kernel's draft-hidden output [len(draft_hidden), TOKENS, HIDDEN] per sequence:
+    [len(draft_hidden), batch, rows, HIDDEN] (sequence b's rows are b * rows ..)."""
+    return hidden[:, : batch * rows].reshape(len(layout.draft_hidden), batch, rows, -1)
 
 
 def drafter_inputs(model: Model) -> tuple[Any, Any]:
@@ -305,6 +390,7 @@ def decode(
     args: Namespace,
     drafter: Drafter,
     stream: Callable[[list[int]], None] | None = None,
+    prefill_states: list[tuple[int, jax.Array]] | None = None,
 ) -> Generation:
     """Generation through the megakernel.
 
@@ -317,13 +403,21 @@ def decode(
     MODULE:CALLABLE drafter drafts on the host, one step per call. `stream` (batch 1) gets
     the generated ids after every call. With the build's drafter (--drafter build,
     model.drafting) the device calls draft with it, whatever --steps-per-call; host steps
-    (the prompt's rest, a last token) draft by prompt lookup."""
+    (the prompt's rest, a last token) draft by prompt lookup. An mtp or block drafter
+    commits the hidden states of the held tokens (`prefill_states`, prefill's) and of
+    every kernel step's accepted rows, host steps' too."""
     step_fn = model.kernel.make_decode_step(model.mesh)
     chunked = None
     if model.drafting is not None or (args.steps_per_call > 1 and args.drafter == "ngram"):
         chunked = _ChunkedCalls(model, step_fn, args)
-    host_step = _HostSteps(model, step_fn, args, drafter)
     sequences = _Sequences(args, held, model.build.batch, stream)
+    observe = None
+    if chunked is not None and model.drafting is not None and model.drafting.drafter.reads_hidden:
+        observe = chunked.observe
+        for offset, states in prefill_states or []:
+            batch = model.build.batch
+            observe(sequences.history, [offset] * batch, states, [states.shape[2]] * batch)
+    host_step = _HostSteps(model, step_fn, args, drafter, observe)
     mode = (
         pltpu.force_tpu_interpret_mode(pltpu.InterpretParams())
         if args.interpret
@@ -406,6 +500,8 @@ class _ChunkedCalls:
         self.model, self.steps_per_call = model, args.steps_per_call
         self.run = chunk_decoder(model, step_fn, args.steps_per_call, args.ngram)
         self.draft_weights, self.draft_state = drafter_inputs(model)
+        if model.drafting is not None and model.drafting.drafter.reads_hidden:
+            self.commit = jax.jit(model.drafting.drafter.observe)
         self.embedding = embedding_on_devices(
             build, model.weights.embedding, model.mesh, model.kernel
         )
@@ -437,15 +533,32 @@ class _ChunkedCalls:
                 sequences.positions[b] += kept
         return caches
 
+    def observe(
+        self, histories: list[list[int]], start: list[int], hidden: jax.Array, count: list[int]
+    ) -> None:
+        """The build's mtp or block drafter commits rows fed outside the device calls (the
+        prefill's, a host step's): HiddenStateDrafter.observe."""
+        self.draft_state = commit_states(
+            self.model, self.commit, self.draft_weights, self.draft_state, histories, start,
+            hidden, count,
+        )  # fmt: skip
+
 
 class _HostSteps:
     """One kernel step per device call: each sequence's known tokens and the drafter's
     drafts in, the kernel's tokens accepted on the host (accept)."""
 
     def __init__(
-        self, model: Model, step_fn: Callable[..., Any], args: Namespace, drafter: Drafter
+        self,
+        model: Model,
+        step_fn: Callable[..., Any],
+        args: Namespace,
+        drafter: Drafter,
+        observe: Callable[..., None] | None = None,
     ) -> None:
-        self.model, self.step_fn, self.drafter = model, step_fn, drafter
+        """`observe` (_ChunkedCalls.observe): the build's mtp or block drafter commits the
+        states of each step's standing rows."""
+        self.model, self.step_fn, self.drafter, self.observe = model, step_fn, drafter, observe
         self.keep_snapshots = snapshot_keeper(model)
         self.tables = jnp.asarray(model.kernel.LAYER_TABLES, jnp.int32)
         self.sampler = None
@@ -474,7 +587,6 @@ class _HostSteps:
         x = np.zeros((layout.tokens_padded, layout.hidden), np.float32)
         x[: layout.tokens] = self.model.weights.embedding[rows.reshape(-1)].astype(np.float32)
         start = time.perf_counter()
-        # hidden: the states a drafter reads (None without one), not used yet.
         tokens, logits, hidden, caches = kernel_outputs(layout, self.step_fn(
             self.tables, jnp.asarray(sequences.positions, jnp.int32), jnp.asarray(x),
             placed["final_norm"], placed["stream"], placed["vectors"], *placed["experts"],
@@ -487,6 +599,7 @@ class _HostSteps:
         sequences.calls += 1
         # The snapshot of each sequence's recurrent state to keep.
         last_valid = [rows_per_call - 1] * batch
+        start, standing = list(sequences.positions), [0] * batch
         for b in range(batch):
             if sequences.finished[b]:
                 continue  # done: rerun at the same position until the others finish
@@ -501,7 +614,10 @@ class _HostSteps:
                 sequences.produced += sequences.take_steps(b, [len(new)], new)
                 sequences.generating += 1
             sequences.positions[b] += valid
-            last_valid[b] = valid - 1
+            last_valid[b], standing[b] = valid - 1, valid
+        if self.observe is not None:
+            fed = hidden_rows(layout, batch, rows_per_call, hidden)
+            self.observe(sequences.history, start, fed, standing)
         if self.keep_snapshots is not None and min(last_valid) < rows_per_call - 1:
             caches = self.keep_snapshots(caches, jnp.asarray(last_valid, jnp.int32))
         return caches

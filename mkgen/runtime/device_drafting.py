@@ -10,14 +10,14 @@ history from what the drafter holds (at most ROWS were gained since), and only t
 before the sequence's position count as committed; the rest, like the drafts, sit past
 the committed length and are written again next step (the roll-back of
 mkgen.reference.draft's docstring). `mtp` and `block` drafters read the target's hidden
-states, an input of the draft step (`hidden`) the kernel does not emit yet: the runner
-refuses them at start (runtime.arguments.check_build_drafter).
+states: mkgen.runtime.hidden_drafting drafts with them.
 
 Imports JAX: imported by decode.py after the device environment is set.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,12 @@ from mkgen.errors import MkgenError
 from mkgen.kinds import default_registry
 from mkgen.reference.draft import model_drafts
 from mkgen.reference.model import forward, init_cache
-from mkgen.spec.schema import ModelDraft, ModelSpec
+from mkgen.runtime.hidden_drafting import (
+    HiddenStateDrafter,
+    hidden_drafter_weights,
+    holds_history,
+)
+from mkgen.spec.schema import ModelDraft, ModelSpec, MtpDraft
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,8 @@ class DeviceDrafter:
     batch: int
     rows: int
     capacity: int
+
+    reads_hidden = False
 
     @property
     def cache_len(self) -> int:
@@ -64,9 +71,12 @@ class DeviceDrafter:
         within ROWS tokens of its position (a new sequence in the slot, or the first
         call) committed afresh: the whole history through the small model from 0."""
         length = state["length"]
-        held = jnp.arange(self.capacity) < length[:, None]
-        same = jnp.all((state["tokens"] == history) | ~held, axis=1)
-        stale = ~same | (length < 0) | (positions - length > self.rows) | (positions < length)
+        stale = (
+            ~holds_history(state, history)
+            | (length < 0)
+            | (positions - length > self.rows)
+            | (positions < length)
+        )
 
         def afresh(state: dict[str, Any]) -> dict[str, Any]:
             cache = init_cache(self.model, self.batch, self.cache_len)
@@ -88,13 +98,13 @@ class DeviceDrafter:
         state: dict[str, Any],
         history: jax.Array,
         positions: jax.Array,
-        hidden: jax.Array | None = None,
+        fallback: Callable[[], jax.Array],
     ) -> tuple[jax.Array, dict[str, Any]]:
         """Drafts [batch, rows - 1] after each sequence's next token history[b,
-        positions[b]], and the state with history[:positions] committed. `hidden` (the
-        target's hidden states of the verify rows) is what an mtp or block drafter would
-        read; a model drafter reads tokens only."""
-        del hidden  # a model drafter's input is the tokens
+        positions[b]], and the state with history[:positions] committed. catch_up has
+        caught every sequence up, so none takes fallback()'s drafts (HiddenStateDrafter's
+        may)."""
+        del fallback  # every sequence was caught up
         padded = jnp.pad(history, ((0, 0), (0, self.rows)))
 
         def one(layers: Any, length: jax.Array, tokens: jax.Array, position: jax.Array) -> Any:
@@ -124,19 +134,34 @@ def drafter_weights(model: ModelSpec, seed: int) -> dict[str, Any]:
 class DeviceDrafting:
     """A build's drafter ready on the devices: the drafter and its weights (replicated)."""
 
-    drafter: DeviceDrafter
+    drafter: DeviceDrafter | HiddenStateDrafter
     weights: Any
 
 
 def device_drafting(
-    spec: ModelSpec, batch: int, rows: int, capacity: int, seed: int, mesh: Mesh
+    spec: ModelSpec,
+    batch: int,
+    rows: int,
+    capacity: int,
+    seed: int,
+    mesh: Mesh,
+    target: Mapping[str, Any],
 ) -> DeviceDrafting:
     """The build's drafter (its spec's draft section) with random weights drawn with
-    `seed` (drafter_weights), replicated on `mesh`.
-    A drafter model with recurrent layers is one line (MkgenError)."""
+    `seed` (drafter_weights; an mtp or block drafter's beside the embedding and LM head of
+    `target`, the runner's stored target weights), replicated on `mesh`.
+    A drafter model with recurrent layers, or an mtp drafter of several modules, is one
+    line (MkgenError)."""
+    replicated = NamedSharding(mesh, P())
     draft = spec.draft
-    # runtime.arguments.check_build_drafter refused every other drafter at start.
-    assert isinstance(draft, ModelDraft), f"not a model drafter: {draft}"
+    if isinstance(draft, MtpDraft) and draft.layers != 1:
+        raise MkgenError(
+            f"--drafter build: the mtp drafter has {draft.layers} modules; the runner drafts "
+            "with one, as the reference does; pass --drafter ngram (prompt lookup)"
+        )
+    if not isinstance(draft, ModelDraft):
+        weights = jax.device_put(hidden_drafter_weights(spec, target, seed), replicated)
+        return DeviceDrafting(HiddenStateDrafter(spec, batch, rows, capacity), weights)
     model = draft.model
     kinds = default_registry()
     if any(kinds.record(k.type).recurrent for k in model.attention_kinds.values()):
@@ -144,5 +169,5 @@ def device_drafting(
             f"--drafter build: the drafter {model.name} has recurrent layers, whose state the "
             "device step cannot roll back yet; pass --drafter ngram (prompt lookup)"
         )
-    weights = jax.device_put(drafter_weights(model, seed), NamedSharding(mesh, P()))
+    weights = jax.device_put(drafter_weights(model, seed), replicated)
     return DeviceDrafting(DeviceDrafter(model, batch, rows, capacity), weights)

@@ -78,7 +78,7 @@ def _generate(build: Build, args: Namespace) -> None:
     for _ in range(2 if args.bench and args.prefill == "xla" else 1):
         # --bench times the second prefill, the first having compiled its layer steps.
         prefill_start = time.perf_counter()
-        caches, held = jax.block_until_ready(prefill(prefiller, args.prompts, args.prefill))
+        caches, held, states = jax.block_until_ready(prefill(prefiller, args.prompts, args.prefill))
         prefill_seconds = time.perf_counter() - prefill_start
     if prefiller is not model:
         caches = disaggregation.hand_over(caches, model)
@@ -87,7 +87,7 @@ def _generate(build: Build, args: Namespace) -> None:
     if build.batch == 1 and not args.json and jax.process_index() == 0:
         stream = Streamer(args.tokenizer)
         print(f"sequence 0: {stream.show(args.prompts[0])} -> ", end="", flush=True)
-    result = decode(model, caches, held, args, drafter, stream)
+    result = decode(model, caches, held, args, drafter, stream, states)
     done = time.perf_counter()
     if jax.process_index() != 0:
         return

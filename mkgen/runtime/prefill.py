@@ -430,6 +430,7 @@ class XlaPrefill:
         progress: Callable[[jax.Array], None] | None = None,
         start: int = 0,
         cached: Sequence[np.ndarray] | None = None,
+        layer_output: Callable[[int, list[jax.Array]], None] | None = None,
     ) -> list[jax.Array]:
         """prefill's caches of tokens [B, T] at positions start.. (prefill)."""
         spec, layout = self.spec, self.layout
@@ -464,6 +465,8 @@ class XlaPrefill:
                 written.setdefault((kind, name), []).append(value)
             if progress is not None:
                 progress(h[-1])
+            if layer_output is not None:
+                layer_output(layer, h)
         sharded = NamedSharding(self.mesh, P(self.axis))
         caches = []
         for kind in layout.attention:
@@ -498,17 +501,20 @@ def prefill(
     progress: Callable[[jax.Array], None] | None = None,
     start: int = 0,
     cached: Sequence[np.ndarray] | None = None,
+    layer_output: Callable[[int, list[jax.Array]], None] | None = None,
 ) -> list[jax.Array]:
     """The kernel's cache arrays (in kernel.cache_shapes() order, [devices, ...] sharded on
     `axis`) holding tokens [B, T] at positions start..start + T - 1 and, before them,
     what `cached` holds (kernel cache arrays on the host, as offloaded, holding the
     sequences' first `start` tokens; None: start is 0). `placed` holds the build's
     stream, vectors and experts as the runner places them; `progress` gets each layer's
-    output as it is dispatched (the runner's progress bar waits for it).
+    output as it is dispatched (the runner's progress bar waits for it); `layer_output`
+    gets (layer, its output [B, n, HIDDEN] f32 per chunk), the residual stream after it
+    (the runner keeps the layers its mtp or block drafter reads).
 
     Layer by layer, the prompt goes through in chunks (prompt_chunks), each continuing
     the layer's reference cache (empty, or `cached` turned back into it), which is then
     cut into the kernel's layout."""
     return prefill_steps(spec, layout, mesh, axis)(
-        placed, embedding, tokens, progress, start, cached
+        placed, embedding, tokens, progress, start, cached, layer_output
     )

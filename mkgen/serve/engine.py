@@ -55,9 +55,11 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from mkgen.runtime.decode import (
+    DrafterStates,
     Model,
     SamplingParams,
     chunk_decoder,
+    commit_states,
     drafter_inputs,
     empty_caches,
     gained_tokens,
@@ -240,6 +242,9 @@ class Engine:
         self._decoder = chunk_decoder(model, step_fn, steps_per_call)
         # The build's drafter when it drafts (--drafter build), kept across calls.
         self._draft_weights, self._draft_state = drafter_inputs(model)
+        drafter = model.drafting.drafter if model.drafting is not None else None
+        # An mtp or block drafter commits each admitted prompt's prefill states.
+        self._observe = jax.jit(drafter.observe) if drafter and drafter.reads_hidden else None
         self._embedding = embedding_on_devices(
             build, model.weights.embedding, model.mesh, model.kernel
         )
@@ -383,7 +388,7 @@ class Engine:
             # The longest prompt leaves a token of room (and the drafts' rows); its last
             # token is fed to the kernel, not prefilled.
             for length in warm_up_prefills(build.context - build.rows - 1):
-                sequence = self._prefilled([0] * (length + 1), None)
+                sequence, _ = self._prefilled([0] * (length + 1), None)
                 self._caches = insert_sequence(self._caches, 0, sequence)
             # count 0: the device call's program is compiled (the step count is one of
             # its inputs) and run for no step, so no kernel step is spent on the dummy.
@@ -461,12 +466,13 @@ class Engine:
                 continue
             hit = self._host_cache.lookup(prompt) if self._host_cache is not None else None
             try:
-                sequence = self._prefilled(prompt, hit)
+                sequence, states = self._prefilled(prompt, hit)
             except Exception as error:  # this request fails; the others are untouched
                 self._refuse(request, f"prefill of request {request.id} failed ({one_line(error)})")
                 continue
             slot = free.pop(0)
             self._caches = insert_sequence(self._caches, slot, sequence)
+            self._commit_prompt(slot, prompt, states)
             self._slots[slot] = _Running(request, list(prompt))
             self.metrics.prompt_tokens.inc(len(prompt))
             self.metrics.slots_in_use.set(sum(s is not None for s in self._slots))
@@ -498,15 +504,43 @@ class Engine:
         self.metrics.requests.labels("error").inc()
         request.deliver(Update([], "error"))
 
-    def _prefilled(self, prompt: list[int], hit: CachedPrefix | None) -> list[jax.Array]:
+    def _prefilled(
+        self, prompt: list[int], hit: CachedPrefix | None
+    ) -> tuple[list[jax.Array], list[tuple[int, jax.Array]]]:
         """A prompt's caches on the decode mesh, holding all its tokens but the last (the
         kernel is fed that one): prefilled, or `hit`'s cached caches restored with the
-        tokens after them prefilled at the positions that follow."""
+        tokens after them prefilled at the positions that follow; and, for an mtp or
+        block drafter, the prefilled states it reads (DrafterStates.chunks: none after a
+        hit, whose first tokens' states are not kept, so that sequence drafts by prompt
+        lookup)."""
         if hit is not None and hit.length == len(prompt) - 1:
-            return restore(hit.caches, self.model)
+            return restore(hit.caches, self.model), []
         start, cached = (hit.length, hit.caches) if hit is not None else (0, None)
-        sequence = prefill_sequence(self.prefiller, prompt[start:-1], start, cached)
-        return sequence if self.prefiller is self.model else hand_over(sequence, self.model)
+        states = DrafterStates(self.model)
+        keep = states.keep if self._observe is not None and hit is None else None
+        sequence = prefill_sequence(self.prefiller, prompt[start:-1], start, cached, keep)
+        if self.prefiller is not self.model:
+            sequence = hand_over(sequence, self.model)
+        return sequence, states.chunks()
+
+    def _commit_prompt(
+        self, slot: int, prompt: list[int], chunks: list[tuple[int, jax.Array]]
+    ) -> None:
+        """The build's mtp or block drafter commits a prompt prefilled into `slot` from
+        its prefill's states (a commit from position 0 begins the slot afresh)."""
+        batch = len(self._slots)
+        histories: list[list[int]] = [[] for _ in range(batch)]
+        histories[slot] = prompt
+        for offset, states in chunks:
+            # On the host: the states may lie on a disaggregated prefill's mesh.
+            hidden = np.zeros(states.shape[:1] + (batch,) + states.shape[2:], np.float32)
+            hidden[:, slot] = host_value(states[:, 0])
+            count = [0] * batch
+            count[slot] = states.shape[2]
+            self._draft_state = commit_states(
+                self.model, self._observe, self._draft_weights, self._draft_state, histories,
+                [offset] * batch, hidden, count,
+            )  # fmt: skip
 
     def _decode_call(self) -> None:
         """One device call for every running sequence; each gets its tokens. When the
