@@ -127,9 +127,12 @@ def test_plan_text_says_verify_plus_draft_is_predicted_and_not_run() -> None:
     line = next(x for x in result.stdout.splitlines() if x.startswith("Estimate: "))
     assert (
         "ms/step at batch 1 x rows 8 (the draft priced as fused into the kernel; no kernel "
-        "runs it fused: a runner drafts with a model drafter in a separate jitted JAX step "
-        "between kernel calls; " in line
+        "runs it fused: a runner drafts with it in a separate jitted JAX step between "
+        "kernel calls; " in line
     )
+    # The calibrated regime is of the verify step, and says so.
+    calibrated = next(x for x in result.stdout.splitlines() if x.startswith("Calibrated regime"))
+    assert "rows 8, the verify step alone (the draft adds " in calibrated
     verify, draft, total = (float(x) for x in _numbers(line))
     assert total == pytest.approx(verify + draft, abs=2e-3)  # each rounded to 1e-3
     bar = next(x for x in result.stdout.splitlines() if x.startswith("Against the bar: "))

@@ -185,10 +185,13 @@ def assess(
     from mkgen.plan.calibration import RECORDED
 
     calibrated = calibrated_estimate(topo, options, program, est)
+    point = est.point
+    if est.draft_ms is not None:
+        point += f", the verify step alone (the draft adds {est.draft_ms:.3f} ms)"
     return Confidence(
         step_ms=est.step_ms,
         calibrated_step_ms=calibrated.step_ms,
-        point=est.point,
+        point=point,
         coverage=calibration_coverage(),
         calibration=RECORDED.describe(),
         uncalibrated=tuple(uncalibrated_parts(topo, options, program, est, calibrated)),

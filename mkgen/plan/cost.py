@@ -363,8 +363,8 @@ class Estimate(_Frozen):
             )
             said = [
                 "the draft priced as fused into the kernel",
-                "no kernel runs it fused: a runner drafts with a model drafter in a separate "
-                "jitted JAX step between kernel calls",
+                "no kernel runs it fused: a runner drafts with it in a separate jitted JAX "
+                "step between kernel calls",
                 *more,
             ]
         else:
