@@ -32,7 +32,8 @@ for entry in build_list.read_build_list():
     spec, topology, options = build_list.entry_inputs(entry)
     checked_in = naming.default_build_dir(spec.name, topology)
     rendered = package.render_build(
-        spec, topology, options, measurements=measurements.read_measurements(checked_in)
+        spec, topology, options, measurements=measurements.read_measurements(checked_in),
+        line=naming.CommandLine(draft=entry.draft).for_files(),  # as `mkgen regen` names it
     )
     for name, text in rendered.files.items():
         if (checked_in / name).read_text() != text:
