@@ -72,7 +72,7 @@ def test_verify_holds_the_states_to_the_reference(
 
 def test_a_kernel_writing_the_wrong_layer_fails() -> None:
     # The block drafter's layer-0 state written after layer 1 instead.
-    written = "@pl.when(layer == {})\n        def _():\n            draft_hidden_vmem[0]"
+    written = "DRAFT_HIDDEN = (\n    ({}, False),"
     report = verify_numerics(
         BLOCK, "1x1x1", mode="on_wait", steps=1, rows=3, timeout=TIMEOUT,
         mutations=[(written.format(0), written.format(1))],

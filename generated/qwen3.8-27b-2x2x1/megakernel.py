@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3.8-27b --topology 2x2x1 --rows 8 --draft qwen3
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Qwen3.8-27B: 64 layers, pattern LLLF (Gated DeltaNet x3, gated GQA), SwiGLU 17408"
 Build options: batch 1, rows 8, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 9 refills held for collectives, 14 a round; drafter block: 5 layers, block_size 16, 5 feature layers.
-Inputs sha256: 00fbd7c9c2cebd43754fd6d8ce5cafeec044eb843fb69dcaf05379547f64f2c9 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: bcf67abf08e9918ae0995234b1f75f39b63f285a53dfb3791fc5ec81a16cef51 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -1129,25 +1129,12 @@ def _kernel(
             x = x_res_vmem[...]
             x_res_vmem[...] = x + _ffn_mlp(ctx, layer, tables_smem[5, layer], x)
 
-        @pl.when(layer == 1)
-        def _():
-            draft_hidden_vmem[0] = x_res_vmem[...]  # a layer the drafter reads
+        for entry, (read_after, normed) in enumerate(DRAFT_HIDDEN):
+            if not normed:  # the final-normed entry is written after the lm_head
 
-        @pl.when(layer == 16)
-        def _():
-            draft_hidden_vmem[1] = x_res_vmem[...]  # a layer the drafter reads
-
-        @pl.when(layer == 31)
-        def _():
-            draft_hidden_vmem[2] = x_res_vmem[...]  # a layer the drafter reads
-
-        @pl.when(layer == 46)
-        def _():
-            draft_hidden_vmem[3] = x_res_vmem[...]  # a layer the drafter reads
-
-        @pl.when(layer == 61)
-        def _():
-            draft_hidden_vmem[4] = x_res_vmem[...]  # a layer the drafter reads
+                @pl.when(layer == read_after)
+                def _(entry=entry):
+                    draft_hidden_vmem[entry] = x_res_vmem[...]  # a layer the drafter reads
 
         return carry
 

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build mixtral-8x7b --topology 2x2x1 --force`` (a
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of mixtral-8x7b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 9471c8c1af651406c6f8fb23cea8dbbab4a1f93431cd5b142addcb8860bd175b (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 9db58ed75af7b84e54e4332ed0390e316eef7d09d5482dbe5a65fd6d900d3ada (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3-30b-a3b --topology 2x2x1 --force`` (
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3-30b-a3b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 0b5fc3823bb8bfd8573316b8b9174065a727d8aabf9bacfbbb51ee162834c974 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: ac49eb159ba991e0dea2d3b85e3883c337e96fa6580c364d6e544b3534151505 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

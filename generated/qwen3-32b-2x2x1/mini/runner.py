@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3-32b --topology 2x2x1 --force`` (add 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3-32b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 14fec189a49f975391456a8bce0b41bcfffb7ba472db36a3b1285c4d3ef28994 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 3c3d73804dc104d030bff6f73d3a0ebd73af29284b2006555b7aaea73fe7d8e1 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

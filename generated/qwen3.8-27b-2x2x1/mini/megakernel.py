@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3.8-27b --topology 2x2x1 --rows 8 --dr
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3.8-27b for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round; drafter block: 5 layers, block_size 16, 5 feature layers.
-Inputs sha256: bbf466de0f0bfc0d518bb4fb110c74cec6e49beff96e2e43dbb5bbce0afccd47 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: d073b7130eed581966a26b64f49c96ab82d9b1569cfa97b19e5a54ceb91ac05f (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -1129,21 +1129,12 @@ def _kernel(
             x = x_res_vmem[...]
             x_res_vmem[...] = x + _ffn_mlp(ctx, layer, tables_smem[5, layer], x)
 
-        @pl.when(layer == 0)
-        def _():
-            draft_hidden_vmem[0] = x_res_vmem[...]  # a layer the drafter reads
+        for entry, (read_after, normed) in enumerate(DRAFT_HIDDEN):
+            if not normed:  # the final-normed entry is written after the lm_head
 
-        @pl.when(layer == 2)
-        def _():
-            draft_hidden_vmem[1] = x_res_vmem[...]  # a layer the drafter reads
-
-        @pl.when(layer == 3)
-        def _():
-            draft_hidden_vmem[2] = x_res_vmem[...]  # a layer the drafter reads
-
-        @pl.when(layer == 5)
-        def _():
-            draft_hidden_vmem[3] = x_res_vmem[...]  # a layer the drafter reads
+                @pl.when(layer == read_after)
+                def _(entry=entry):
+                    draft_hidden_vmem[entry] = x_res_vmem[...]  # a layer the drafter reads
 
         return carry
 

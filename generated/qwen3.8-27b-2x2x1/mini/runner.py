@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3.8-27b --topology 2x2x1 --rows 8 --dr
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3.8-27b for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round; drafter block: 5 layers, block_size 16, 5 feature layers.
-Inputs sha256: bbf466de0f0bfc0d518bb4fb110c74cec6e49beff96e2e43dbb5bbce0afccd47 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: d073b7130eed581966a26b64f49c96ab82d9b1569cfa97b19e5a54ceb91ac05f (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 
