@@ -105,17 +105,25 @@ def _build(drafter: str | None) -> Build:
 
 
 @pytest.mark.parametrize(
-    ("drafter", "weights", "fragment"),
+    ("drafter", "converted", "fragment"),
     [
-        (None, None, "this build carries no drafter"),
-        ("model", "w", "--weights: the build's drafter has no converted weights yet"),
-        ("mtp", "w", "--weights: the build's drafter has no converted weights yet"),
+        (None, False, "this build carries no drafter"),
+        ("model", True, "holds no weights of the build's model drafter"),
+        ("mtp", True, "holds no weights of the build's mtp drafter"),
     ],
 )
-def test_a_drafter_the_runner_cannot_run_is_one_line_at_start(drafter, weights, fragment) -> None:
+def test_a_drafter_the_runner_cannot_run_is_one_line_at_start(
+    drafter, converted, fragment, tmp_path
+) -> None:
+    weights = None
+    if converted:  # converted weights without --draft-checkpoint: no `draft` in layout.json
+        (tmp_path / "layout.json").write_text(json.dumps({"identity": {}, "files": {}}))
+        weights = str(tmp_path)
     with pytest.raises(MkgenError, match=fragment) as error:
         check_build_drafter(_build(drafter), weights)
-    assert "\n" not in str(error.value) and "--drafter ngram" in str(error.value)
+    message = str(error.value)
+    assert "\n" not in message and "--drafter ngram" in message
+    assert converted is False or "--draft-checkpoint" in message
 
 
 @pytest.mark.parametrize("drafter", ["model", "mtp", "block"])

@@ -39,6 +39,13 @@ from mkgen.errors import MkgenError
     help="Hugging Face checkpoint directory (config.json, safetensors shards and index).",
 )
 @click.option(
+    "--draft-checkpoint",
+    type=click.Path(path_type=Path),
+    help="The build's drafter's checkpoint (config.json and safetensors, its published "
+    "tensor names): mtp the target's own MTP layers (may be --checkpoint itself), block a "
+    "DFlash drafter, model a Hugging Face checkpoint; written beside the target's weights.",
+)
+@click.option(
     "--random-weights", type=SEED, metavar="SEED", help="The reference's random weights instead."
 )
 @click.option(
@@ -57,6 +64,7 @@ from mkgen.errors import MkgenError
 def convert_command(
     spec_ref: str | None,
     checkpoint: Path | None,
+    draft_checkpoint: Path | None,
     random_weights: int | None,
     build_dir: Path | None,
     topology: str | None,
@@ -74,11 +82,15 @@ def convert_command(
     and dtype is checked before the first layer is converted. Bounded memory (one layer at
     a time), atomic per file, resumable: run it again after an interruption (or after the
     checkpoint's tokenizer files changed: they are copied, the weights kept). A progress
-    bar on stderr when it is a terminal."""
+    bar on stderr when it is a terminal. With --draft-checkpoint, the build's drafter
+    (mkgen build --draft) is converted too, checked first like the target."""
     from mkgen.weights import convert
+    from mkgen.weights.draft import draft_checkpoint as drafter_source
 
     if (checkpoint is None) == (random_weights is None):
         raise MkgenError("give one of --checkpoint DIR and --random-weights SEED")
+    if draft_checkpoint is not None and checkpoint is None:
+        raise MkgenError("--draft-checkpoint: only with --checkpoint (a drafter beside a model)")
     convert.check_output(output)  # before the plan and the checkpoint's headers are read
     spec, topo, options, layout, kernel_args = _conversion_target(
         spec_ref, checkpoint, build_dir, topology, batch=batch, rows=rows, context=context,
@@ -88,18 +100,21 @@ def convert_command(
     if checkpoint is not None:
         source, fingerprint = convert.checkpoint_source(spec, Path(checkpoint))
         identity["checkpoint"] = fingerprint
+        draft = None if draft_checkpoint is None else drafter_source(spec, draft_checkpoint)
+        if draft is not None:
+            identity["draft_checkpoint"] = draft.fingerprint
     else:
         from mkgen.weights.quantize import stored_random_weights
 
         prepare_jax()
         source = convert.InventorySource(stored_random_weights(spec, random_weights))
-        identity["random_weights"] = random_weights
+        identity["random_weights"], draft = random_weights, None
     tokenizer_files = [
         Path(checkpoint) / name for name in convert.TOKENIZER_FILES if checkpoint is not None
     ]
     result = convert.convert(
         spec, layout, source, output, identity=identity, force=force, progress=True,
-        tokenizer_files=[path for path in tokenizer_files if path.is_file()],
+        tokenizer_files=[path for path in tokenizer_files if path.is_file()], draft=draft,
     )  # fmt: skip
     if result.skipped == ["all"]:
         changes = [f"copied {name} from the checkpoint" for name in result.tokenizers_copied]
@@ -110,8 +125,9 @@ def convert_command(
     resumed = (
         f"; resumed: {len(result.skipped)} unit(s) verified and kept" if result.skipped else ""
     )
+    drafter = f" with its {spec.draft.kind} drafter" if draft is not None else ""
     click.echo(
-        f"wrote {shown(output)}/ in {result.seconds:.1f} s: {spec.name} for {topo.name} "
+        f"wrote {shown(output)}/ in {result.seconds:.1f} s: {spec.name}{drafter} for {topo.name} "
         f"({layout.devices} cores), {result.files} files, {result.bytes / 2**20:,.1f} MiB{resumed}"
     )
 

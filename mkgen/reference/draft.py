@@ -482,42 +482,54 @@ _BLOCK_TENSORS = {"draft.hidden_norm": "hidden_norm.weight", "draft.final_norm":
 
 
 def load_draft_weights(
-    spec: ModelSpec, arch: str, tensors: Mapping[str, np.ndarray], source: str = "drafter"
-) -> dict[str, np.ndarray]:
+    spec: ModelSpec, arch: str, tensors: Mapping[str, Any], source: str = "drafter"
+) -> dict[str, Any]:
     """A drafter checkpoint's tensors as `draft.*` (numpy, matrices [fan_in, fan_out]).
 
     mtp: DeepSeek-V3's layout, `model.layers.{N}.*` (N: the target's layer count): enorm,
-    hnorm, eh_proj, shared_head.norm and the decoder layer as a target layer of `arch`.
-    block: DFlash's layout: fc, hidden_norm, norm and Qwen3 layers `layers.{i}.*`. A
-    tensor the mapping does not read is an error (SpecError), like a missing one."""
-    from mkgen.reference.hf_weights import HFMapping  # numpy only
+    hnorm, eh_proj, shared_head.norm and the decoder layer as a target layer of `arch`;
+    the checkpoint's other tensors (the target's own, when the MTP layers sit in the
+    target's checkpoint) are not the drafter's. block: DFlash's layout: fc, hidden_norm,
+    norm and Qwen3 layers `layers.{i}.*`. model: the small model's checkpoint of `arch`.
+    A missing tensor, or one the mapping does not read, is a one-line SpecError naming it.
+    Over `header_shapes(tensors)` it reads no data and gives the shapes alone."""
+    from mkgen.reference.hf_weights import HFMapping, TensorView  # numpy only
 
     draft = spec.draft
+    if isinstance(draft, ModelDraft):
+        model = HFMapping(draft.model, arch, tensors, source=source)
+        values = model.globals()
+        for i in range(draft.model.layers.count):
+            values |= model.layer(i)
+        model.check_complete()
+        return {f"draft.{name}": value for name, value in values.items()}
     if isinstance(draft, MtpDraft):
         n = spec.layers.count
         prefix = f"model.layers.{n}."
-        extra = {prefix + t for t in (*_MTP_COPIES, "eh_proj.weight")}
-        extra |= {f"{prefix}{t}.weight" for t in _MTP_TENSORS.values()}
-        mapping = HFMapping(_mtp_host(spec, draft), arch, tensors, source=source)
+        view = TensorView(tensors, {name: name for name in tensors if name.startswith(prefix)})
+        mapping = HFMapping(_mtp_host(spec, draft), arch, view, source=source)
         out = _renamed(mapping.layer(n), f"layers.{n}.", "draft.0.")
         for ours, theirs in _MTP_TENSORS.items():
-            out[f"draft.0.{ours}"] = np.asarray(tensors[f"{prefix}{theirs}.weight"])
-        out["draft.0.eh_proj"] = np.asarray(tensors[prefix + "eh_proj.weight"]).T
+            out[f"draft.0.{ours}"] = mapping.src.take(f"{prefix}{theirs}.weight")
+        out["draft.0.eh_proj"] = mapping.src.linear(prefix + "eh_proj.weight")
+        copies = {prefix + name for name in _MTP_COPIES}
     else:
-        assert isinstance(draft, BlockDraft), "load_draft_weights reads mtp and block drafters"
-        layers = {"model." + k: v for k, v in tensors.items() if k.startswith("layers.")}
-        mapping = HFMapping(_block_layers(spec, draft), "Qwen3ForCausalLM", layers, source=source)
+        assert isinstance(draft, BlockDraft), "the spec has no draft section"
+        # DFlash's layers under the names of a Qwen3 checkpoint's (model.layers.{i}.*).
+        names = {("model." + k if k.startswith("layers.") else k): k for k in tensors}
+        view = TensorView(tensors, names)
+        mapping = HFMapping(_block_layers(spec, draft), "Qwen3ForCausalLM", view, source=source)
         out = {}
         for i in range(draft.layers):
             out |= _renamed(mapping.layer(i), f"layers.{i}.", f"draft.layers.{i}.")
-        out["draft.fc"] = np.asarray(tensors["fc.weight"]).T
-        out |= {ours: np.asarray(tensors[theirs]) for ours, theirs in _BLOCK_TENSORS.items()}
-        extra = {"fc.weight", *_BLOCK_TENSORS.values()}
-    read = extra | {name.removeprefix("model.") if isinstance(draft, BlockDraft) else name
-                    for name in mapping.src.used}  # fmt: skip
-    unread = sorted(set(tensors) - read)
+        out["draft.fc"] = mapping.src.linear("fc.weight")
+        out |= {ours: mapping.src.take(theirs) for ours, theirs in _BLOCK_TENSORS.items()}
+        copies = set()
+    unread = sorted(set(view) - mapping.src.used - copies)
     if unread:
-        raise SpecError(f"{source}: {unread[0]}: not a tensor of this {draft.kind} drafter")
+        raise SpecError(
+            f"{source}: {view.names[unread[0]]}: not a tensor of this {draft.kind} drafter"
+        )
     return out
 
 

@@ -428,6 +428,36 @@ class _Shapes(Mapping[str, Any]):
         return len(self.tensors)
 
 
+def header_shapes(tensors: Mapping[str, np.ndarray], source: str) -> Mapping[str, Any]:
+    """A checkpoint's tensors as their shapes (from the headers, nothing read): run a
+    mapping over them to check a checkpoint before any tensor is read."""
+    return _Shapes(tensors, source)
+
+
+class TensorView(Mapping[str, Any]):
+    """Some of a checkpoint's tensors under other names (`names`: a name here -> the
+    tensor's name in `tensors`), their stored dtypes with them: a part of a checkpoint
+    (a drafter's tensors) read as a checkpoint of its own."""
+
+    def __init__(self, tensors: Mapping[str, Any], names: Mapping[str, str]) -> None:
+        self.tensors, self.names = tensors, dict(names)
+
+    def stored_dtype(self, name: str) -> str | None:
+        return getattr(self.tensors, "stored_dtype", lambda _n: None)(self.names[name])
+
+    def __getitem__(self, name: str) -> Any:
+        return self.tensors[self.names[name]]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 class _Out:
     """The inventory being filled: shapes are checked as tensors arrive."""
 
@@ -448,7 +478,8 @@ class _Out:
                 f"{self.source}: {hf}: gives {name} of shape {tuple(array.shape)}, but the spec "
                 f"needs {want} (the config and the checkpoint disagree)"
             )
-        self.values[name] = np.ascontiguousarray(array)
+        # A shape stands for itself (np.ascontiguousarray would box it in an array).
+        self.values[name] = array if isinstance(array, _Shape) else np.ascontiguousarray(array)
 
 
 def _split_rows(array: np.ndarray, sizes: Sequence[int], name: str, src: _Source) -> list:
@@ -866,6 +897,8 @@ __all__: list[str] = [
     "IGNORED",
     "HFMapping",
     "SafetensorsCheckpoint",
+    "TensorView",
+    "header_shapes",
     "load_hf_checkpoint",
     "load_hf_weights",
     "mtp_layer_count",

@@ -360,16 +360,19 @@ def _check_drafting(args: argparse.Namespace, build: Build) -> None:
 
 def check_build_drafter(build: Build, weights: str | None) -> None:
     """One line when `--drafter build` (the default of a build with a drafter) cannot run:
-    no drafter, or converted weights (the drafter's are random only)."""
+    no drafter, or converted weights without the drafter's (mkgen convert
+    --draft-checkpoint writes them; which drafter they are is checked as they are read)."""
+    from mkgen.weights.convert import read_manifest
+
     if build.drafter is None:
         raise MkgenError(
             "--drafter build: this build carries no drafter (mkgen build --draft DRAFT); "
             "pass --drafter ngram (prompt lookup)"
         )
-    if weights is not None:
+    if weights is not None and "draft" not in read_manifest(Path(weights)):
         raise MkgenError(
-            "--weights: the build's drafter has no converted weights yet (mkgen convert "
-            "--draft-checkpoint is not built); use --random-weights, or pass --drafter ngram "
+            f"--weights {weights}: holds no weights of the build's {build.drafter} drafter; "
+            "convert with mkgen convert --draft-checkpoint DRAFT, or pass --drafter ngram "
             "(prompt lookup)"
         )
 

@@ -25,7 +25,11 @@ from jax.sharding import PartitionSpec as P
 
 from mkgen.runtime.arguments import NGRAM_DEFAULT
 from mkgen.runtime.build import Build, kernel_outputs, load_build
-from mkgen.runtime.device_drafting import DeviceDrafting, device_drafting
+from mkgen.runtime.device_drafting import (
+    DeviceDrafting,
+    device_drafting,
+    random_drafter_tensors,
+)
 from mkgen.runtime.device_speculation import accept_on_device, prompt_lookup_on_device
 from mkgen.runtime.devices import host_value, make_mesh
 from mkgen.runtime.sampling import Sampler
@@ -62,7 +66,8 @@ def load_model(
     layout.json's sha256 when `verify`), or the reference's random weights drawn with
     seed `random_weights` when `weights` is None, placed on the devices. Of `meshes`
     meshes (a disaggregated prefill's and the decode's), the decode takes the first.
-    With `draft`, the build's drafter too (device_drafting: random weights only)."""
+    With `draft`, the build's drafter too (device_drafting): its converted weights
+    beside `weights`, else its random ones drawn with `random_weights`."""
     from mkgen.runtime.weights import ConvertedWeights, RandomWeights, place_weights
 
     spec, layout, kernel = load_build(build)
@@ -74,11 +79,13 @@ def load_model(
     placed = place_weights(build, loaded, mesh, kernel)
     drafting = None
     if draft:
-        assert weights is None, "converted drafter weights are not read yet"
         seed = random_weights or 0
-        drafting = device_drafting(
-            spec, build.batch, build.rows, build.context, seed, mesh, loaded.inventory
+        tensors = (
+            (lambda: loaded.drafter(spec))
+            if weights is not None
+            else (lambda: random_drafter_tensors(spec, seed, loaded.inventory))
         )
+        drafting = device_drafting(spec, build.batch, build.rows, build.context, mesh, tensors)
     return Model(build, spec, layout, kernel, mesh, loaded, placed, drafting)
 
 

@@ -30,37 +30,24 @@ from mkgen.errors import MkgenError
 from mkgen.kinds import default_registry
 from mkgen.reference.draft import model_drafts
 from mkgen.reference.model import forward, init_cache
-from mkgen.runtime.hidden_drafting import (
-    HiddenStateDrafter,
-    hidden_drafter_weights,
-    holds_history,
-)
+from mkgen.runtime.drafter_slots import DrafterSlots, holds_history, per_sequence
+from mkgen.runtime.hidden_drafting import HiddenStateDrafter, hidden_drafter_weights
 from mkgen.spec.schema import ModelDraft, ModelSpec, MtpDraft
 
 
 @dataclass(frozen=True)
-class DeviceDrafter:
-    """A `model` drafter for `batch` sequences verified `rows` rows a step, whose
-    histories hold up to `capacity` tokens. Its state (a pytree): "length" [batch] the
-    positions committed in its cache (-1: nothing yet), "tokens" [batch, capacity] the
-    histories they came from, "layers" the small model's caches."""
+class DeviceDrafter(DrafterSlots):
+    """A `model` drafter (DrafterSlots: batch, rows, capacity). Its state (a pytree):
+    "length" [batch] the positions committed in its cache (-1: nothing yet), "tokens"
+    [batch, capacity] the histories they came from, "layers" the small model's caches."""
 
     model: ModelSpec
-    batch: int
-    rows: int
-    capacity: int
 
     reads_hidden = False
 
-    @property
-    def cache_len(self) -> int:
-        # A commit writes ROWS tokens from the committed length, at most the position.
-        return self.capacity + 2 * self.rows
-
     def initial_state(self) -> dict[str, Any]:
         return {
-            "length": jnp.full((self.batch,), -1, jnp.int32),
-            "tokens": jnp.zeros((self.batch, self.capacity), jnp.int32),
+            **self.slots(-1),
             "layers": init_cache(self.model, self.batch, self.cache_len)["layers"],
         }
 
@@ -81,13 +68,13 @@ class DeviceDrafter:
         def afresh(state: dict[str, Any]) -> dict[str, Any]:
             cache = init_cache(self.model, self.batch, self.cache_len)
             layers = forward(self.model, weights, history, cache, 0)[1]["layers"]
-            pick = lambda new, old: jnp.where(  # noqa: E731
-                stale.reshape((-1,) + (1,) * (new.ndim - 1)), new, old
-            )
             return {
                 "length": jnp.where(stale, positions, length),
-                "tokens": jnp.where(stale[:, None], history, state["tokens"]),
-                "layers": jax.tree.map(pick, layers, state["layers"]),
+                **per_sequence(
+                    stale,
+                    {"tokens": history, "layers": layers},
+                    {"tokens": state["tokens"], "layers": state["layers"]},
+                ),
             }
 
         return jax.lax.cond(jnp.any(stale), afresh, lambda state: state, state)
@@ -130,6 +117,16 @@ def drafter_weights(model: ModelSpec, seed: int) -> dict[str, Any]:
     return stored_random_weights(model, seed)
 
 
+def random_drafter_tensors(spec: ModelSpec, seed: int, target: Mapping[str, Any]) -> dict[str, Any]:
+    """The build's drafter's random weights drawn with `seed`: a model drafter's
+    (drafter_weights), an mtp or block drafter's beside the embedding and LM head of
+    `target`, the runner's stored target weights (hidden_drafter_weights)."""
+    draft = spec.draft
+    if isinstance(draft, ModelDraft):
+        return drafter_weights(draft.model, seed)
+    return hidden_drafter_weights(spec, target, seed)
+
+
 @dataclass(frozen=True)
 class DeviceDrafting:
     """A build's drafter ready on the devices: the drafter and its weights (replicated)."""
@@ -143,15 +140,13 @@ def device_drafting(
     batch: int,
     rows: int,
     capacity: int,
-    seed: int,
     mesh: Mesh,
-    target: Mapping[str, Any],
+    tensors: Callable[[], Mapping[str, Any]],
 ) -> DeviceDrafting:
-    """The build's drafter (its spec's draft section) with random weights drawn with
-    `seed` (drafter_weights; an mtp or block drafter's beside the embedding and LM head of
-    `target`, the runner's stored target weights), replicated on `mesh`.
-    A drafter model with recurrent layers, or an mtp drafter of several modules, is one
-    line (MkgenError)."""
+    """The build's drafter (its spec's draft section) with the weights `tensors()` gives
+    (random_drafter_tensors, or converted ones: mkgen.runtime.weights.ConvertedWeights
+    .drafter), replicated on `mesh`. A drafter model with recurrent layers, or an mtp
+    drafter of several modules, is one line (MkgenError), before the weights are made."""
     replicated = NamedSharding(mesh, P())
     draft = spec.draft
     if isinstance(draft, MtpDraft) and draft.layers != 1:
@@ -160,8 +155,10 @@ def device_drafting(
             "with one, as the reference does; pass --drafter ngram (prompt lookup)"
         )
     if not isinstance(draft, ModelDraft):
-        weights = jax.device_put(hidden_drafter_weights(spec, target, seed), replicated)
-        return DeviceDrafting(HiddenStateDrafter(spec, batch, rows, capacity), weights)
+        weights = jax.device_put(dict(tensors()), replicated)
+        return DeviceDrafting(
+            HiddenStateDrafter(spec, batch=batch, rows=rows, capacity=capacity), weights
+        )
     model = draft.model
     kinds = default_registry()
     if any(kinds.record(k.type).recurrent for k in model.attention_kinds.values()):
@@ -169,5 +166,5 @@ def device_drafting(
             f"--drafter build: the drafter {model.name} has recurrent layers, whose state the "
             "device step cannot roll back yet; pass --drafter ngram (prompt lookup)"
         )
-    weights = jax.device_put(drafter_weights(model, seed), replicated)
-    return DeviceDrafting(DeviceDrafter(model, batch, rows, capacity), weights)
+    weights = jax.device_put(dict(tensors()), replicated)
+    return DeviceDrafting(DeviceDrafter(model, batch=batch, rows=rows, capacity=capacity), weights)

@@ -39,15 +39,8 @@ from mkgen.reference.draft import (
     mtp_layer,
 )
 from mkgen.reference.model import greedy_token
+from mkgen.runtime.drafter_slots import DrafterSlots, holds_history, per_sequence
 from mkgen.spec.schema import BlockDraft, ModelSpec, MtpDraft
-
-
-def holds_history(state: dict[str, Any], history: jax.Array) -> jax.Array:
-    """[batch] whether each sequence's committed tokens (state["tokens"] before
-    state["length"]) are a prefix of its history: the same sequence, not a new one in
-    the slot."""
-    held = jnp.arange(history.shape[1]) < state["length"][:, None]
-    return jnp.all((state["tokens"] == history) | ~held, axis=1)
 
 
 def _one(tree: Any) -> Any:
@@ -60,25 +53,17 @@ def _unbatched(tree: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class HiddenStateDrafter:
+class HiddenStateDrafter(DrafterSlots):
     """The `mtp` or `block` drafter of `spec` (the target's spec with its draft section)
-    for `batch` sequences verified `rows` rows a step, whose histories hold up to
-    `capacity` tokens. Its state (a pytree): "length" [batch] the positions committed
-    (-1: lost, the sequence drafts by the fallback), "tokens" [batch, capacity] the
-    history they came from, "layers" the drafter's caches and, for mtp, "last" [batch, 1,
-    hidden] the layer's output for the last committed entry (draft 1 comes from it)."""
+    (DrafterSlots: batch, rows, capacity). Its state (a pytree): "length" [batch] the
+    positions committed (-1: lost, the sequence drafts by the fallback), "tokens" [batch,
+    capacity] the history they came from, "layers" the drafter's caches and, for mtp,
+    "last" [batch, 1, hidden] the layer's output for the last committed entry (draft 1
+    comes from it)."""
 
     spec: ModelSpec
-    batch: int
-    rows: int
-    capacity: int
 
     reads_hidden = True
-
-    @property
-    def cache_len(self) -> int:
-        # A commit writes ROWS entries from the committed length, at most the position.
-        return self.capacity + 2 * self.rows
 
     @property
     def mtp(self) -> bool:
@@ -86,8 +71,7 @@ class HiddenStateDrafter:
 
     def initial_state(self) -> dict[str, Any]:
         state = {
-            "length": jnp.zeros((self.batch,), jnp.int32),
-            "tokens": jnp.zeros((self.batch, self.capacity), jnp.int32),
+            **self.slots(0),
             "layers": init_draft_state(self.spec, self.batch, self.cache_len)["layers"],
         }
         if self.mtp:
@@ -129,15 +113,15 @@ class HiddenStateDrafter:
             layers, last = commit(state["layers"], padded, start, rows), None
         gained = count > 0
         kept = gained & ((state["length"] == start) | (start == 0))
-        pick = lambda new, old: jnp.where(  # noqa: E731
-            gained.reshape((-1,) + (1,) * (new.ndim - 1)), new, old
-        )
         out = {
             "length": jnp.where(gained, jnp.where(kept, start + count, -1), state["length"]),
-            "tokens": jnp.where(gained[:, None], history, state["tokens"]),
-            # All the fed rows, accepted or not: those past the committed length are
-            # written again next step.
-            "layers": jax.tree.map(pick, layers, state["layers"]),
+            # The layers with all the fed rows, accepted or not: those past the committed
+            # length are written again next step.
+            **per_sequence(
+                gained,
+                {"tokens": history, "layers": layers},
+                {"tokens": state["tokens"], "layers": state["layers"]},
+            ),
         }
         if last is not None:
             out["last"] = jnp.where(kept[:, None, None], last, state["last"])

@@ -64,6 +64,26 @@ class ConvertedWeights:
             self.directory, self.manifest, verify=verify
         )
 
+    def drafter(self, spec: Any) -> dict[str, np.ndarray]:
+        """The build's drafter's converted weights (mkgen.weights.draft.read_drafter), as
+        its random ones come: a model drafter's by the small model's names as its kernel
+        would store them (fake-quantized to its formats); an mtp or block drafter's
+        `draft.*` beside the target's embedding and, untied, its LM head in the target's
+        lm_head format."""
+        from mkgen.spec.schema import ModelDraft
+        from mkgen.weights.draft import read_drafter
+        from mkgen.weights.quantize import fake_quantize
+
+        tensors = read_drafter(self.directory, self.manifest, spec, verify=self.verify)
+        if isinstance(spec.draft, ModelDraft):
+            own = {name.removeprefix("draft."): value for name, value in tensors.items()}
+            return fake_quantize(spec.draft.model, own)
+        shared = {"embedding": np.asarray(self.embedding, np.float32)}
+        shared |= (
+            fake_quantize(spec, {"lm_head": tensors.pop("lm_head")}) if "lm_head" in tensors else {}
+        )
+        return {**tensors, **shared}
+
     def _read(self, reader: Callable[..., np.ndarray], *args: int) -> np.ndarray:
         return reader(self.directory, self.manifest, self.layout, *args, verify=self.verify)
 

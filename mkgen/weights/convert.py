@@ -15,6 +15,8 @@ formats), and writes::
       core-000/head.stream.npy               its lm_head rows (to the last bank's end)
       tokenizer.json                         the checkpoint's tokenizer, when it has one
       tokenizer_config.json                  its chat template and special tokens (mkgen serve)
+      draft/draft.0.enorm.npy ...            the build's drafter (--draft-checkpoint,
+                                             mkgen.weights.draft), named by layout.json's draft
       ...
 
 A core's stream is its layers' rows then the head's, in that order
@@ -254,7 +256,10 @@ def checkpoint_source(spec: ModelSpec, checkpoint: Path) -> tuple[Any, dict[str,
 _OUR_FILE = re.compile(
     r"(embedding|final_norm)\.npy|tokenizer\.json|tokenizer_config\.json"
     r"|core-\d{3,}/(layer-\d{3,}|head)\.(stream|vectors|experts-\d+)\.npy"
+    r"|draft/[A-Za-z0-9_.]+\.npy"
 )
+# Directories of a weights directory: each core's, and the drafter's.
+_OUR_DIRECTORY = re.compile(r"core-\d{3,}|draft")
 
 
 def _sha256(path: Path) -> str:
@@ -390,6 +395,10 @@ class Unit:
     layer: int | None  # decoder layer, -1 for the head, None for the globals
 
 
+# The build's drafter's tensors (mkgen.weights.draft), converted after the target's.
+DRAFT_UNIT = Unit("draft", None)
+
+
 def units(layout: KernelLayout) -> list[Unit]:
     count = len(layout.attention_table)
     return [
@@ -441,7 +450,7 @@ def _foreign_entry(output: Path) -> str | None:
             if path.is_symlink():
                 return rel
             if name in dirs:
-                ours = here == output and re.fullmatch(r"core-\d{3,}", name) is not None
+                ours = here == output and _OUR_DIRECTORY.fullmatch(name) is not None
             else:
                 ours = (
                     rel in (LAYOUT_FILE, PROGRESS_FILE)
@@ -467,12 +476,13 @@ def _remove_conversion(
     for name in sorted(names):
         (output / name).unlink(missing_ok=True)
     (output / PROGRESS_FILE).unlink(missing_ok=True)
-    for directory in sorted(output.glob("core-*")):
-        if directory.is_dir() and not any(directory.iterdir()):
+    for directory in sorted(output.iterdir()):
+        ours = _OUR_DIRECTORY.fullmatch(directory.name) is not None
+        if ours and directory.is_dir() and not any(directory.iterdir()):
             directory.rmdir()
 
 
-def _unit_bytes(spec: ModelSpec, work: list[Unit]) -> list[int]:
+def _unit_bytes(spec: ModelSpec, work: list[Unit], draft: Any) -> list[int]:
     """Each unit's tensors' bytes in bf16 (the checkpoint's bytes for a bf16 checkpoint):
     what the progress bar counts."""
     sizes = {w.name: math.prod(w.shape) * 2 for w in model_weights(spec)}
@@ -482,7 +492,11 @@ def _unit_bytes(spec: ModelSpec, work: list[Unit]) -> list[int]:
             layers[int(name.split(".")[1])] += size
     head = sizes.get("lm_head", sizes["embedding"])  # tied: the embedding is the head
     outside = sum(v for k, v in sizes.items() if not k.startswith("layers.") and k != "lm_head")
-    return [outside if u.layer is None else head if u.layer < 0 else layers[u.layer] for u in work]
+    return [
+        draft.bytes() if u == DRAFT_UNIT
+        else outside if u.layer is None else head if u.layer < 0 else layers[u.layer]
+        for u in work
+    ]  # fmt: skip
 
 
 @dataclass
@@ -518,10 +532,12 @@ def convert(
     force: bool = False,
     progress: bool = False,
     tokenizer_files: Sequence[Path] = (),
+    draft: Any = None,
 ) -> ConvertResult:
     """Pack `source` (HFMapping or InventorySource) for `layout` into `output`, with a
-    copy of each of the checkpoint's `tokenizer_files` (TOKENIZER_FILES); `progress`:
-    a progress bar on a terminal's stderr (tqdm: bytes/s and ETA).
+    copy of each of the checkpoint's `tokenizer_files` (TOKENIZER_FILES) and, given
+    `draft` (mkgen.weights.draft.DraftCheckpoint), the build's drafter; `progress`: a
+    progress bar on a terminal's stderr (tqdm: bytes/s and ETA).
 
     `identity` describes the inputs (build and checkpoint); a progress.json with the same
     identity resumes, a complete conversion with the same identity is left as it is (its
@@ -552,8 +568,9 @@ def convert(
             _refuse_or_remove(output, manifest, replaced, identity, force)
         done = dict(state["units"]) if resumable and state else {}
         return _write_conversion(
-            spec, layout, source, output, identity, done, progress, tokenizer_files, start
-        )
+            spec, layout, (source, draft), output, identity, done, progress, tokenizer_files,
+            start,
+        )  # fmt: skip
     except OSError as error:  # a full disk, or a directory made read-only meanwhile
         raise MkgenError(f"{error.filename or output}: {error.strerror or error}") from None
 
@@ -636,7 +653,7 @@ def _match_tokenizers(
 def _write_conversion(
     spec: ModelSpec,
     layout: KernelLayout,
-    source: Any,
+    sources: tuple[Any, Any],
     output: Path,
     identity: Mapping[str, Any],
     done: dict[str, dict[str, Any]],
@@ -644,16 +661,18 @@ def _write_conversion(
     tokenizer_files: Sequence[Path],
     start: float,
 ) -> ConvertResult:
-    """Convert every unit not `done` (and verified) into `output`, recording each in
-    progress.json, then copy the tokenizer files and write layout.json."""
+    """Convert every unit not `done` (and verified) into `output` from `sources` (the
+    target's and the drafter's, or None), recording each in progress.json, then copy the
+    tokenizer files and write layout.json."""
     layout_path, progress_path = output / LAYOUT_FILE, output / PROGRESS_FILE
     created = not output.exists()
     output.mkdir(parents=True, exist_ok=True)
     try:
         skipped: list[str] = []
         files: dict[str, dict[str, Any]] = {}
-        work = units(layout)
-        sizes = _unit_bytes(spec, work)
+        source, draft = sources
+        work = units(layout) + ([DRAFT_UNIT] if draft is not None else [])
+        sizes = _unit_bytes(spec, work, draft)
         bar = progress_bar(
             total=sum(sizes), desc="convert", unit="B", unit_scale=True, unit_divisor=1024,
             shown=progress,
@@ -665,14 +684,11 @@ def _write_conversion(
                 if recorded is not None and _verified(output, recorded):
                     files.update(recorded)
                     skipped.append(unit.name)
-                    if unit.layer is None or unit.layer < 0:
-                        source.skip_globals()
-                    else:
-                        source.skip_layer(unit.layer)
+                    _skip(source, unit)
                     bar.update(size)
                     continue
                 done.pop(unit.name, None)
-                unit_files = _convert_unit(layout, source, unit, output)
+                unit_files = _convert_unit(layout, sources, unit, output)
                 files.update(unit_files)
                 done[unit.name] = unit_files
                 _write_json(progress_path, {"identity": identity, "units": done})
@@ -688,6 +704,7 @@ def _write_conversion(
             "units": [u.name for u in work],
             "expert_arrays": [list(x) for x in pack.expert_arrays(layout)],
             "files": files,
+            **({"draft": draft.entry()} if draft is not None else {}),
         }
         _write_json(layout_path, manifest)
         progress_path.unlink(missing_ok=True)
@@ -700,11 +717,25 @@ def _write_conversion(
         raise
 
 
+def _skip(source: Any, unit: Unit) -> None:
+    """Count a unit an earlier run converted (and verified) as taken from the target's
+    `source` (the drafter's unit takes nothing from it)."""
+    if unit == DRAFT_UNIT:
+        return
+    if unit.layer is None or unit.layer < 0:
+        source.skip_globals()
+    else:
+        source.skip_layer(unit.layer)
+
+
 def _convert_unit(
-    layout: KernelLayout, source: Any, unit: Unit, output: Path
+    layout: KernelLayout, sources: tuple[Any, Any], unit: Unit, output: Path
 ) -> dict[str, dict[str, Any]]:
-    """Read one unit's tensors from `source`, pack and write them for every core: the
-    entries of its files."""
+    """Read one unit's tensors from `sources` (the target's, the drafter's), pack and write
+    them for every core (the drafter's: once, unpacked): the entries of its files."""
+    source, draft = sources
+    if unit == DRAFT_UNIT:
+        return {name: _write_array(output / name, array) for name, array in draft.arrays(source)}
     if unit.layer is None or unit.layer < 0:
         tensors = source.globals()
     else:

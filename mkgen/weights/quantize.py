@@ -236,11 +236,12 @@ def dequantize(codes: np.ndarray, scales: np.ndarray, fmt: QuantFormat) -> np.nd
 
 def fake_quantize(spec: ModelSpec, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The weights as a kernel stores them: every matrix through its family's format
-    (vectors stay as they are; the embedding is gathered by XLA before the kernel)."""
+    (vectors stay as they are; the embedding is gathered by XLA before the kernel). Of
+    `weights`, some of the spec's (the LM head a drafter reads) come back alike."""
     formats = spec.quantization.model_dump()
     out = dict(weights)
     for w in model_weights(spec):
-        if w.family in (VECTORS, "embedding"):
+        if w.family in (VECTORS, "embedding") or w.name not in out:
             continue
         fmt = parse_format(formats[w.family])
         if fmt.kind != "bf16":
