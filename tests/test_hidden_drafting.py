@@ -106,7 +106,7 @@ def test_device_drafts_are_the_references_given_the_accepted_rows(name: str, tar
         assert [d[b].tolist() for d in device] == [r.tolist() for r in reference], f"sequence {b}"
 
 
-# Both builds' runs in one process (JAX imported once), recording whether each device
+# The builds' runs (comma-separated) in one process (JAX imported once), recording whether each device
 # step drafted with the drafter (its committed length at the sequence's position).
 RUNS = """
 import contextlib, io, json, sys
@@ -130,11 +130,11 @@ def recording(self, weights, state, history, positions, fallback):
 
 hidden_drafting.HiddenStateDrafter.draft = recording
 runs = {}
-for directory in sys.argv[1:3]:
+for directory in sys.argv[1].split(","):
     usable.clear()
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        run(runner_build(Path(directory)), sys.argv[3:])
+        run(runner_build(Path(directory)), sys.argv[2:])
     runs[directory] = {**json.loads(out.getvalue()), "usable": list(usable)}
 print(json.dumps(runs))
 """
@@ -156,7 +156,7 @@ def test_the_runner_drafts_with_its_mtp_and_block_drafters(tmp_path) -> None:
     args = ["--interpret", "--random-weights", "0", "--prompt-ids", ",".join(map(str, PROMPT)),
             "--steps", str(STEPS), "--steps-per-call", "2", "--json"]  # fmt: skip
     result = subprocess.run(
-        [sys.executable, "-c", RUNS, *builds, *args], capture_output=True, text=True,
+        [sys.executable, "-c", RUNS, ",".join(builds), *args], capture_output=True, text=True,
         timeout=600, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -171,3 +171,32 @@ def test_the_runner_drafts_with_its_mtp_and_block_drafters(tmp_path) -> None:
         assert sum(steps) == STEPS and all(1 <= n <= ROWS for n in steps), directory
         # Every device step drafted from caches caught up through the prefill's states.
         assert run["usable"] and all(all(ok) for ok in run["usable"]), (directory, run["usable"])
+
+
+MESH_TOPOLOGY, MESH_STEPS = "2x2x1", 4  # 8 cores: 8 virtual CPU devices
+
+
+def test_the_block_drafter_on_an_eight_device_mesh_keeps_the_greedy_tokens(tmp_path) -> None:
+    """draft-block at 2x2x1: the target's weights sharded over 8 devices, the drafter's
+    replicated, its hidden states gathered from the sharded kernel: the greedy tokens are
+    the target's, and every device step drafted with the drafter."""
+    from mkgen.codegen.package import make_build
+    from mkgen.plan.options import BuildOptions
+    from mkgen.spec.topology import parse_topology
+    from mkgen.weights.quantize import stored_random_weights
+
+    spec = load_spec(SPECS / "draft-block.yaml")
+    options = BuildOptions.create(rows=ROWS, context=64)
+    make_build(spec, parse_topology(MESH_TOPOLOGY), options, output=tmp_path / "block")
+    args = ["--interpret", "--random-weights", "0", "--prompt-ids", ",".join(map(str, PROMPT)),
+            "--steps", str(MESH_STEPS), "--steps-per-call", "2", "--json"]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", RUNS, str(tmp_path / "block"), *args], capture_output=True,
+        text=True, timeout=600, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = json.loads(result.stdout).values()
+    target = spec.model_copy(update={"draft": None})
+    greedy = generate(target, stored_random_weights(target, 0), np.asarray(PROMPT), MESH_STEPS)
+    assert run["tokens"] == [greedy.tolist()]
+    assert run["usable"] and all(all(ok) for ok in run["usable"]), run["usable"]
