@@ -283,3 +283,19 @@ def test_a_build_without_a_drafter_refuses_a_drafter_checkpoint(converted, tmp_p
     )  # fmt: skip
     assert code == 2 and "carries no drafter" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "w").exists()
+
+
+def test_run_and_serve_refuse_weights_converted_without_the_drafter(converted, tmp_path):
+    from cli_run import assert_user_error, mkgen
+
+    _, build, _ = converted["block"]
+    weights = tmp_path / "w"
+    main(["convert", "--build", str(build), "--checkpoint", str(FIXTURES / "qwen3"),
+          "-o", str(weights)])  # fmt: skip
+    for command in ("run", "serve"):
+        extra = ["--prompt-ids", "1,2"] if command == "run" else []
+        result = mkgen(command, str(build), "--weights", str(weights), "--interpret", *extra)
+        assert_user_error(
+            result, "holds no weights of the build's block drafter", "--draft-checkpoint DRAFT",
+            "--drafter ngram",
+        )  # fmt: skip

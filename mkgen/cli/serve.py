@@ -37,7 +37,8 @@ from mkgen.serve import DRAIN_S, HOST_CACHE_MIB, MAX_BODY_MIB
     "--drafter", type=click.Choice(["build", "ngram"]), default=None,
     help="Draft source when ROWS > 1: build (the drafter the build carries, drafting on the "
     "device in a separate jitted step between kernel steps; the default for a build made "
-    "with --draft) or ngram (prompt lookup, the default otherwise).",
+    "with --draft; with --weights, its weights converted by mkgen convert "
+    "--draft-checkpoint) or ngram (prompt lookup, the default otherwise).",
 )  # fmt: skip
 @click.option(
     "--queue-limit", type=click.IntRange(min=0), default=64, show_default=True,

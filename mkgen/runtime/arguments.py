@@ -212,7 +212,8 @@ def _add_drafting_options(parser: OptionParser, build: Build) -> None:
         metavar="NAME",
         help="draft source when ROWS > 1: build (the drafter the build carries, drafting on "
         "the device in a separate jitted step between kernel steps: the default for a build "
-        "made with --draft), ngram (prompt lookup, the default otherwise) or "
+        "made with --draft; with --weights, its weights converted by mkgen convert "
+        "--draft-checkpoint), ngram (prompt lookup, the default otherwise) or "
         "MODULE:CALLABLE, a callable (history, count) -> count token ids, or (ids, "
         "distributions) for a sampling drafter",
     )

@@ -614,11 +614,13 @@ def _refuse_or_remove(
     files removed."""
     if not force:
         earlier = (manifest if manifest is not None else replaced or {})["identity"]
-        what = (
-            "a conversion whose files no longer match its layout.json"
-            if earlier == identity
-            else f"another conversion ({earlier.get('spec')} for {earlier.get('topology')})"
-        )
+        target = lambda ids: {k: v for k, v in ids.items() if k != "draft_checkpoint"}  # noqa: E731
+        if earlier == identity:
+            what = "a conversion whose files no longer match its layout.json"
+        elif target(earlier) == target(identity):
+            what = "a conversion of this target with other drafter weights (or none)"
+        else:
+            what = f"another conversion ({earlier.get('spec')} for {earlier.get('topology')})"
         raise MkgenError(f"{output} holds {what}; pass --force to replace it")
     _remove_conversion(output, manifest, replaced)
 
