@@ -177,26 +177,30 @@ MESH_TOPOLOGY, MESH_STEPS = "2x2x1", 4  # 8 cores: 8 virtual CPU devices
 
 
 def test_the_block_drafter_on_an_eight_device_mesh_keeps_the_greedy_tokens(tmp_path) -> None:
-    """draft-block at 2x2x1: the target's weights sharded over 8 devices, the drafter's
-    replicated, its hidden states gathered from the sharded kernel: the greedy tokens are
-    the target's, and every device step drafted with the drafter."""
+    """draft-block's mini twin (hidden 256) at 2x2x1: the target's weights sharded over 8
+    devices, the drafter's replicated, its hidden states from the sharded kernel: the
+    greedy tokens are the target's, and every device step drafted with the drafter."""
     from mkgen.codegen.package import make_build
     from mkgen.plan.options import BuildOptions
+    from mkgen.spec.schema import ModelSpec
     from mkgen.spec.topology import parse_topology
     from mkgen.weights.quantize import stored_random_weights
 
-    spec = load_spec(SPECS / "draft-block.yaml")
     options = BuildOptions.create(rows=ROWS, context=64)
+    spec = load_spec(SPECS / "draft-block.yaml")
     make_build(spec, parse_topology(MESH_TOPOLOGY), options, output=tmp_path / "block")
+    mini = tmp_path / "block" / "mini"
     args = ["--interpret", "--random-weights", "0", "--prompt-ids", ",".join(map(str, PROMPT)),
             "--steps", str(MESH_STEPS), "--steps-per-call", "2", "--json"]  # fmt: skip
     result = subprocess.run(
-        [sys.executable, "-c", RUNS, str(tmp_path / "block"), *args], capture_output=True,
-        text=True, timeout=600, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        [sys.executable, "-c", RUNS, str(mini), *args], capture_output=True, text=True,
+        timeout=600, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = json.loads(result.stdout).values()
-    target = spec.model_copy(update={"draft": None})
+    twin = ModelSpec.model_validate(json.loads((mini / "plan.json").read_text())["spec"])
+    assert twin.draft is not None and twin.draft.kind == "block"
+    target = twin.model_copy(update={"draft": None})
     greedy = generate(target, stored_random_weights(target, 0), np.asarray(PROMPT), MESH_STEPS)
     assert run["tokens"] == [greedy.tolist()]
     assert run["usable"] and all(all(ok) for ok in run["usable"]), run["usable"]
