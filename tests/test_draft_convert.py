@@ -173,22 +173,30 @@ def _reference_weights(kind: str, spec, converted) -> dict:
     return target | drafter
 
 
-def _reference_drafts(spec, weights: dict, tokens: list[int], position: int):
-    """The reference's drafts after tokens[position] from everything before it, and how
-    far each draft's logit leads the runner-up."""
+def _reference_drafts(spec, weights: dict, tokens: list[int], positions: list[int]) -> list:
+    """Per position (ascending), the reference's drafts after tokens[position] from
+    everything before it, and how far each draft's logit leads the runner-up: one
+    draft_step per position, its caches carried from the one before (jitted, as
+    tests/test_reference_draft.py replays the torch runs)."""
     import jax.numpy as jnp
 
-    from mkgen.reference.draft import draft_step, init_draft_state
-    from mkgen.reference.model import forward_traced, init_cache
+    from mkgen.reference.draft import compile_draft_step, compile_traced, init_draft_state
+    from mkgen.reference.model import init_cache
 
     target = spec.model_copy(update={"draft": None})
-    seen = jnp.asarray(tokens[:position])[None]
-    _, _, hidden = forward_traced(target, weights, seen, init_cache(target, 1, len(tokens)))
+    run, draft = compile_traced(target), compile_draft_step(spec, ROWS)
+    cache = init_cache(target, 1, len(tokens))
     state = init_draft_state(spec, 1, len(tokens) + ROWS)
-    next_token = jnp.asarray(tokens[position : position + 1])
-    drafts, logits, _ = draft_step(spec, weights, state, seen, hidden, next_token, ROWS)
-    top = np.sort(np.asarray(logits[0], np.float32), axis=-1)
-    return np.asarray(drafts[0]).tolist(), (top[:, -1] - top[:, -2]).tolist()
+    out, start = [], 0
+    for position in positions:
+        seen = jnp.asarray(tokens[start:position])[None]
+        _, cache, hidden = run(weights, seen, cache)
+        next_token = jnp.asarray(tokens[position : position + 1])
+        drafts, logits, state = draft(weights, state, seen, hidden, next_token)
+        top = np.sort(np.asarray(logits[0], np.float32), axis=-1)
+        out.append((np.asarray(drafts[0]).tolist(), (top[:, -1] - top[:, -2]).tolist()))
+        start = position
+    return out
 
 
 @pytest.mark.parametrize("kind", ["mtp", "block", "model"])
@@ -207,13 +215,13 @@ def test_the_runner_drafts_with_the_converted_drafter(kind: str, converted) -> N
     if kind == "model":  # a copy of the target: every row of every step accepted
         assert steps == [ROWS] * (STEPS[kind] // ROWS)
         return
-    assert run["calls"], "the drafter never drafted"
-    tokens = PROMPT + greedy
-    for positions, drafts, usable in run["calls"]:
-        assert usable == [True], (positions, run["calls"])
-        expected, leads = _reference_drafts(spec, reference, tokens, positions[0])
-        for got, want, lead in zip(drafts[0], expected, leads, strict=True):
-            assert got == want or lead < TIE_MARGIN, (positions, drafts, expected, leads)
+    calls = sorted(run["calls"])  # [[position], drafts, usable] per device draft
+    assert calls and all(usable == [True] for _, _, usable in calls), calls
+    positions = [position for (position,), _, _ in calls]
+    expected = _reference_drafts(spec, reference, PROMPT + greedy, positions)
+    for (_, drafts, _), (want_drafts, leads) in zip(calls, expected, strict=True):
+        for got, want, lead in zip(drafts[0], want_drafts, leads, strict=True):
+            assert got == want or lead < TIE_MARGIN, (positions, drafts, want_drafts, leads)
             if got != want:
                 break  # later drafts follow a different one
 
