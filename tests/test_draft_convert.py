@@ -307,3 +307,13 @@ def test_run_and_serve_refuse_weights_converted_without_the_drafter(converted, t
             result, "holds no weights of the build's block drafter", "--draft-checkpoint DRAFT",
             "--drafter ngram",
         )  # fmt: skip
+
+
+def test_the_runner_refuses_another_drafters_weights(converted) -> None:
+    from cli_run import assert_user_error, mkgen
+
+    _, model_build, _ = converted["model"]
+    _, _, block_weights = converted["block"]  # the same target, another drafter
+    result = mkgen("run", str(model_build), "--weights", str(block_weights), "--interpret",
+                   "--prompt-ids", "1,2")  # fmt: skip
+    assert_user_error(result, "drafter weights are of another drafter (block)", "--drafter ngram")

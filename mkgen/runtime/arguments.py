@@ -364,6 +364,7 @@ def check_build_drafter(build: Build, weights: str | None) -> None:
     no drafter, or converted weights without the drafter's (mkgen convert
     --draft-checkpoint writes them; which drafter they are is checked as they are read)."""
     from mkgen.weights.convert import read_manifest
+    from mkgen.weights.draft import without_drafter
 
     if build.drafter is None:
         raise MkgenError(
@@ -371,11 +372,7 @@ def check_build_drafter(build: Build, weights: str | None) -> None:
             "pass --drafter ngram (prompt lookup)"
         )
     if weights is not None and "draft" not in read_manifest(Path(weights)):
-        raise MkgenError(
-            f"--weights {weights}: holds no weights of the build's {build.drafter} drafter; "
-            "convert with mkgen convert --draft-checkpoint DRAFT, or pass --drafter ngram "
-            "(prompt lookup)"
-        )
+        raise MkgenError(without_drafter(weights, build.drafter))
 
 
 def _check_companions(args: argparse.Namespace, build: Build) -> None:

@@ -195,6 +195,14 @@ def _check_shapes(spec: ModelSpec, shapes: Mapping[str, Any], source: str) -> No
             )
 
 
+def without_drafter(weights: Path | str, kind: str) -> str:
+    """The one line for converted weights without the build's drafter's."""
+    return (
+        f"--weights {weights}: holds no weights of the build's {kind} drafter; convert with "
+        "mkgen convert --draft-checkpoint DRAFT, or pass --drafter ngram (prompt lookup)"
+    )
+
+
 def read_drafter(
     directory: Path, manifest: Mapping[str, Any], spec: ModelSpec, *, verify: bool = True
 ) -> dict[str, np.ndarray]:
@@ -203,13 +211,10 @@ def read_drafter(
     drafter, or with another drafter's, are one line."""
     from mkgen.weights.convert import read_array
 
+    assert spec.draft is not None
     entry = manifest.get("draft")
     if entry is None:
-        raise MkgenError(
-            f"--weights {directory}: holds no drafter weights, and the build drafts with its "
-            "drafter; convert with --draft-checkpoint DRAFT, or pass --drafter ngram "
-            "(prompt lookup)"
-        )
+        raise MkgenError(without_drafter(directory, spec.draft.kind))
     if entry.get("weights_sha256") != draft_digest(spec):
         raise MkgenError(
             f"--weights {directory}: its drafter weights are of another drafter ({entry.get('kind')}) "
