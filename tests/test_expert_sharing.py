@@ -96,6 +96,25 @@ def test_none_is_todays_split() -> None:
     assert split.expected_max_experts_per_rank == expected_max(_pmf_binomial(112, KIMI_P), 8)
 
 
+def test_none_is_todays_plan_and_auto_is_faster() -> None:
+    """--expert-sharing none plans the unshared kernel (no partner experts, 21 slices a
+    layer); auto's calibrated regime is that plan's (no sharing, no refill held)."""
+    spec, topo = load_spec(KIMI[0]), parse_topology(KIMI[1])
+    plans = {
+        mode: plan_build(spec, topo, BuildOptions.create(rows=KIMI[2], expert_sharing=mode),
+                         kinds=default_registry())
+        for mode in ("none", "auto")
+    }  # fmt: skip
+    moe = {m: next(f for f in p.kernel.ffn if f.routed_experts) for m, p in plans.items()}
+    assert (moe["none"].partner_experts, moe["none"].held_per_rank) == (0, 112)
+    assert (moe["auto"].partner_experts, moe["auto"].held_per_rank) == (56, 168)
+    none, auto = plans["none"], plans["auto"]
+    assert none.estimate is not None and auto.estimate is not None
+    assert auto.estimate.step_ms < none.estimate.step_ms
+    assert none.confidence is not None and auto.confidence is not None
+    assert auto.confidence.calibrated_step_ms == pytest.approx(none.confidence.calibrated_step_ms)
+
+
 def test_a_forced_sharing_that_does_not_fit_or_pair_is_one_line() -> None:
     with pytest.raises(SpecError, match=r"^--expert-sharing full: .* GB are left; use a smaller"):
         _kimi_split("full")
