@@ -807,7 +807,7 @@ def pair_max_pmf(private: list[float], shared: list[float]) -> list[float]:
     From its CDF, P(M <= m) = sum over i, j <= m of a_i a_j P(nS <= 2m - i - j), summed by
     i + j and grown one m at a time (O(n^2)); pure Python, so that the bytes a plan
     prints do not depend on the host's SIMD path."""
-    top = len(private) - 1 + (len(shared) - 1 + 1) // 2  # ceil((2 (E_r - s) + 2 s) / 2)
+    top = len(private) - 1 + len(shared) // 2  # the most: a whole private part + ceil(nS / 2)
     shared_cdf, acc = [], 0.0
     for p in shared:
         acc += p
