@@ -442,19 +442,22 @@ def test_the_calibration_bias_is_reported_and_held(table) -> None:
 
 
 def test_a_step_is_shown_beside_its_calibrated_regime_and_uncalibrated_parts(kimi) -> None:
-    """Kimi K3 runs outside the calibration rows in four ways: held refills (the calibrated
-    step is the same build without them), cross-host rounds, mxfp4 experts and KDA / MLA
-    attention at 8 rows a sequence; each part is the walk's own figure."""
+    """Kimi K3 runs outside the calibration rows in five ways: held refills and expert
+    sharing (the calibrated step is the same build without either), cross-host rounds,
+    mxfp4 experts and KDA / MLA attention at 8 rows a sequence; each part is the walk's
+    own figure."""
     confidence, est = kimi.confidence, kimi.estimate
     assert confidence.calibrated_step_ms > confidence.step_ms == est.step_ms
-    parts = {p.what: p.ms for p in confidence.uncalibrated}
+    parts = {p.what.split(" (moe:")[0]: p.ms for p in confidence.uncalibrated}
     held = f"{kimi.stream.held_refills} refills held for collectives"
-    assert parts[held] == pytest.approx(est.step_ms - confidence.calibrated_step_ms)
+    shared = "expert sharing half"
+    assert parts[held] < 0 and parts[shared] < 0
+    assert parts[held] + parts[shared] == pytest.approx(est.step_ms - confidence.calibrated_step_ms)
     assert parts["cross-host rounds (4 hosts)"] == est.cross_host_wait_ms > 0
     assert est.cross_host_wait_ms <= est.breakdown_ms["collectives"]
     assert parts["experts in mxfp4"] == est.breakdown_ms["experts"]
     assert parts["kda/mla attention, 8 rows per sequence"] == est.breakdown_ms["kv_state"]
-    assert len(parts) == 4
+    assert len(parts) == 5
     assert confidence.point == "batch 1 x rows 8"
 
 

@@ -46,7 +46,10 @@ def test_kimi_k3_batch_8_rows_8_fits_with_the_compact_modes() -> None:
         load_spec("kimi-k3"), parse_topology("2x2x4"), BuildOptions.create(batch=8, rows=8),
         kinds=default_registry(),
     )  # fmt: skip
-    assert twin == {"residual_snapshots": "hbm", "recurrent_states": "stream"}
+    # and the expert sharing it chose (quarter: 81 whole expert slices a layer against 84)
+    assert twin == {
+        "residual_snapshots": "hbm", "recurrent_states": "stream", "expert_sharing": "quarter"
+    }  # fmt: skip
 
 
 def test_kimi_k3_batch_16_is_refused_with_what_is_over() -> None:

@@ -126,7 +126,9 @@ def test_every_tuned_kv_tile_entry_is_what_the_scorer_chooses() -> None:
     for entry in entries:
         spec = build_spec(entry["spec"], entry.get("draft"))
         topo, options = parse_topology(entry["topology"]), BuildOptions.create(**entry["options"])
-        assert tile_digest(spec, topo, options) == entry["digest"], entry["spec"]
+        assert tile_digest(spec, topo, options, default_registry()) == entry["digest"], entry[
+            "spec"
+        ]
         with rescoring():  # held refills forced: only the tiles are scored
             program = plan_program(spec, topo, options, held_refills=0, kinds=default_registry())
         assert program.kv_tiles == KvTileChoice.model_validate(entry["choice"]), entry["spec"]

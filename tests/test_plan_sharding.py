@@ -11,7 +11,7 @@ from mkgen.errors import SpecError
 from mkgen.kinds import default_registry
 from mkgen.plan import BuildOptions, plan_build
 from mkgen.plan.collectives import collective_buffers, ffn_out_buffer, layer_uses
-from mkgen.plan.memory import check_fit, plan_memory
+from mkgen.plan.memory import check_fit, plan_fitted
 from mkgen.plan.options import parse_quant_overrides, parse_size
 from mkgen.plan.sharding import expected_max, full_size_splits, plan_sharding
 from mkgen.spec.loader import load_spec
@@ -361,18 +361,18 @@ def _memory(model, topology, **options):
     opts = BuildOptions.create(**options)
     spec = opts.apply(spec)
     topo = parse_topology(topology)
-    return (
-        spec,
-        topo,
-        opts,
-        plan_memory(spec, topo, opts, plan_sharding(spec, topo, opts, kinds=default_registry())),
-    )
+    return spec, topo, opts, plan_fitted(spec, topo, opts, kinds=default_registry())[1]
 
 
 def test_kimi_k3_fits_only_with_quantized_experts():
-    spec, topo, opts, mem = _memory("kimi-k3", "2x2x4", rows=8)
+    *_, mem = _memory("kimi-k3", "2x2x4", rows=8, expert_sharing="none")
     assert mem.fits
     assert 40e9 < mem.weights_by_family["experts"] < 50e9  # ~1.45 TB of mxfp4 over 32 cores
+    *_, shared = _memory("kimi-k3", "2x2x4", rows=8)  # half of each group's experts twice
+    assert shared.fits
+    assert shared.weights_by_family["experts"] / mem.weights_by_family["experts"] == pytest.approx(
+        1.5
+    )
     spec, topo, opts, mem = _memory("kimi-k3", "2x2x4", rows=8, quant=["experts=bf16"])
     assert not mem.fits
     with pytest.raises(SpecError) as info:

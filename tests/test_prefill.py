@@ -34,14 +34,18 @@ PROMPTS = [
 
 
 # Cases other than a spec's mini twin splitting what the full-size build splits: by name,
-# (spec, the splits forced on its mini twin).
+# (spec, the splits forced on its mini twin or None: the full-size build's, its options).
 MLA_HYBRID = str(SPECS / "mla-hybrid.yaml")
+GPT_OSS = str(Path(__file__).parent / "fixtures" / "hf" / "gpt_oss" / "config.json")
 SPECIAL_CASES = {
     # Split though the full-size build does not: wkv_a's interleaved rotary columns, stored
     # as halves, in pieces.
     "mla-hybrid, latents split": (
-        MLA_HYBRID, ("attention.mla_rope.latent", "attention.mla_nope.latent"),
+        MLA_HYBRID, ("attention.mla_rope.latent", "attention.mla_nope.latent"), {},
     ),
+    # Expert sharing (4 groups of 2 experts, 2 width parts): each core also holds the last
+    # expert of its paired group's block, with its biases; the prefill runs its own block.
+    "gpt-oss, experts shared": (GPT_OSS, None, {"expert_sharing": "half"}),
 }  # fmt: skip
 
 
@@ -59,10 +63,9 @@ def _setup(spec_ref: str):
     from mkgen.weights.quantize import stored_random_weights
 
     topology = parse_topology(TOPOLOGY)
-    options = BuildOptions.create(context=CONTEXT, batch=BATCH)
-    if spec_ref in SPECIAL_CASES:
-        spec_ref, splits = SPECIAL_CASES[spec_ref]
-    else:
+    spec_ref, splits, knobs = SPECIAL_CASES.get(spec_ref, (spec_ref, None, {}))
+    options = BuildOptions.create(context=CONTEXT, batch=BATCH, **knobs)
+    if splits is None:
         splits = full_size_splits(load_spec(spec_ref), topology, options, kinds=default_registry())
     spec = mini_twin(load_spec(spec_ref), topology.num_devices)
     options = options.model_copy(update={"splits": splits})
@@ -77,7 +80,6 @@ def _relative(ours, theirs) -> float:
     return float(np.abs(ours - theirs).max() / max(np.abs(theirs).max(), 1e-6))
 
 
-GPT_OSS = str(Path(__file__).parent / "fixtures" / "hf" / "gpt_oss" / "config.json")
 QWEN3_NEXT = str(Path(__file__).parent / "fixtures" / "hf" / "qwen3_next" / "config.json")
 UNPACK_CASES = [
     GPT_OSS,  # expert biases, sinks, q/k/v/o biases
@@ -90,6 +92,7 @@ UNPACK_CASES = [
     str(SPECS / "formats-mxfp4.yaml"),
     str(SPECS / "formats-nvfp4.yaml"),  # and int8 dense weights and lm_head
     str(SPECS / "formats-int8-experts.yaml"),
+    "gpt-oss, experts shared",
 ]
 
 
@@ -112,11 +115,15 @@ def test_unpacking_gives_back_the_stored_tensors(spec_ref: str) -> None:
     """Every core's pieces of every layer, gathered and assembled, equal the weights the
     kernel stores (fake_quantize: the spec's formats); each core's routed-expert pieces
     equal its experts' column slices."""
+    import jax.numpy as jnp
+
     from mkgen.reference.model import layer_weights
     from mkgen.spec.weights import model_weights
     from mkgen.weights import pack, unpack
 
     spec, layout, weights = _setup(spec_ref)
+    shared = [f.partner_experts for f in layout.ffn if f.routed_experts and f.partner_experts]
+    assert bool(shared) == (spec_ref == "gpt-oss, experts shared"), shared
     shapes = {w.name: w.shape for w in model_weights(spec)}
     ranks = layout.devices
     for layer in range(spec.layers.count):
@@ -144,7 +151,7 @@ def test_unpacking_gives_back_the_stored_tensors(spec_ref: str) -> None:
             continue
         for rank in range(ranks):
             held, cols = ffn.held_experts(rank)
-            ids = slice(held.start, held.stop)
+            ids = held[: ffn.experts_per_rank]  # the pieces: its own group's block
             for name, index in (
                 ("experts_gate", (ids, slice(None), cols)),
                 ("experts_up", (ids, slice(None), cols)),
@@ -157,6 +164,18 @@ def test_unpacking_gives_back_the_stored_tensors(spec_ref: str) -> None:
                     continue  # no expert biases
                 stored = weights[f"{prefix}ffn.{name}"][index]
                 assert _relative(pieces[rank][f"ffn.{name}"], stored) == 0.0, (layer, name, rank)
+            # Every expert it holds as packed (with expert sharing, its partner's shared part
+            # after its own block).
+            arrays = [jnp.asarray(a) for a in pack.pack_experts_layer(layout, weights, rank, layer)]
+            chunks = unpack.expert_values(ffn.experts, arrays)
+            for name, value in unpack.expert_matrices(ffn.experts, chunks).items():
+                index = (
+                    (held, cols, slice(None))
+                    if name == "experts_down"
+                    else (held, slice(None), cols)
+                )
+                stored = weights[f"{prefix}ffn.{name}"][index]
+                assert _relative(value, stored) == 0.0, (layer, name, rank)
 
 
 # Builds that split the router, the MoE latent projections or MLA's latent projections
@@ -177,6 +196,7 @@ PREFILL_CASES = [
     str(SPECS / "latent-moe-shared.yaml"),
     QWEN3_NEXT,  # gated shared experts
     *SPLIT_CASES,  # split routers, MoE latent and MLA latent projections
+    "gpt-oss, experts shared",
 ]
 CACHE_RTOL = 2e-2  # bf16 caches; the same f32 computation summed in another order
 

@@ -5,7 +5,7 @@ regenerate with `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --draft kimi-k3-m
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Kimi K3: 93 layers, 3 KDA to 1 MLA plus a final MLA layer, latent MoE of 896 experts, top-16"
 Build options: batch 1, rows 8, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 14 refills held for collectives, 5 a round; drafter mtp: 1 module(s), mla + moe layer.
-Inputs sha256: ed23912e5e4ff07652052bbfd0f15b1efb7dcbfa83bd378fe86e7a776711e7f1 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 582ef4f48d6cec7136e1f8244ff4fc8e62d9d14967f40645d10c3c50b9cdcc41 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 32 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -238,6 +238,10 @@ MOE_EXPERTS = 896
 MOE_TOP_K = 16
 MOE_WIDTH_PARTS = 4  # consecutive cores sharing a group of experts
 MOE_EXPERTS_PER_RANK = 112  # experts of that group
+# Expert sharing: groups 2j and 2j + 1 pair; each core also holds the last PARTNER_EXPERTS
+# of its partner group's block (after its own), and the pair splits their active ones.
+MOE_PARTNER_EXPERTS = 56
+MOE_HELD_EXPERTS = 168  # its group's block, then its partner's shared part
 MOE_EXPERT_WIDTH = 768  # intermediate columns of each on a core
 MOE_EXPERT_FORMAT = "mxfp4"  # e2m1 codes, one E8M0 scale byte per 32 input rows
 MOE_PIECE_CHUNKS = 42  # CHUNK x LANES chunks per streamed piece of an expert
@@ -1206,44 +1210,93 @@ def _route_moe(vec, logits):
 def _experts_moe(ctx, moe_slot, ids, weights, x):
     """The chosen experts of this core's group, each on this core's width slice.
 
-    Expert ids go to SMEM; a scalar pass lists the distinct experts this core holds;
+    Expert ids go to SMEM; a scalar pass lists the distinct experts this core runs
+    (its group's private ones, then its share of its pair's shared ones);
     their slices stream in pieces through 4 slots, the first issued as soon as the
     list exists and each slot refilled right after its piece is used. Returns this
     core's partial sum over the experts it ran."""
-    ids_vmem, ids_smem, ids_sem, seen_smem, chosen_smem, slots, slot_sems, ex_in, ex_mid, ex_acc = (
-        ctx.scratch["moe_moe"]
-    )
+    (
+        ids_vmem,
+        ids_smem,
+        ids_sem,
+        seen_smem,
+        chosen_smem,
+        shared_smem,
+        slots,
+        slot_sems,
+        ex_in,
+        ex_mid,
+        ex_acc,
+    ) = ctx.scratch["moe_moe"]
     experts_hbm = ctx.experts["moe"]
     ids_vmem[...] = ids
     copy = pltpu.make_async_copy(ids_vmem, ids_smem, ids_sem)
     copy.start()
     copy.wait()
     me = jax.lax.axis_index(AXIS) if NUM_DEVICES > 1 else 0
-    first = (me // MOE_WIDTH_PARTS) * MOE_EXPERTS_PER_RANK
+    group = me // MOE_WIDTH_PARTS
+    pair_copy = group % 2  # copy 0 or copy 1 of its pair of groups
+    first = group * MOE_EXPERTS_PER_RANK
+    partner_first = (group + 1 - 2 * pair_copy) * MOE_EXPERTS_PER_RANK
+    pair_first = (group - pair_copy) * MOE_EXPERTS_PER_RANK
 
     def clear(expert, carry):
         seen_smem[expert] = 0
         return carry
 
     jax.lax.fori_loop(0, MOE_EXPERTS, clear, 0)
+    # A block's first `private` experts are its group's alone, the rest shared.
+    private = MOE_EXPERTS_PER_RANK - MOE_PARTNER_EXPERTS
 
-    def note(i, count):
+    def note(i, counts):
+        """Every core of the pair sees the same ids: each counts both groups' private
+        actives (its own listed) and lists the shared parts' in one list in token order."""
+        own, other, shared = counts
         expert = ids_smem[i // MOE_TOP_K, i % MOE_TOP_K]
-        new = (seen_smem[expert] == 0) & (expert >= first) & (expert < first + MOE_EXPERTS_PER_RANK)
+        local = expert - pair_first
+        new = (seen_smem[expert] == 0) & (local >= 0) & (local < 2 * MOE_EXPERTS_PER_RANK)
+        is_private = new & (local % MOE_EXPERTS_PER_RANK < private)
+        mine = is_private & (local // MOE_EXPERTS_PER_RANK == pair_copy)
+        is_shared = new & jnp.logical_not(is_private)
 
         @pl.when(new)
         def _():
             seen_smem[expert] = 1
-            chosen_smem[count] = expert
 
-        return count + jnp.where(new, 1, 0)
+        @pl.when(mine)
+        def _():
+            chosen_smem[own] = expert
 
-    count = jax.lax.fori_loop(0, TOKENS * MOE_TOP_K, note, 0)
+        @pl.when(is_shared)
+        def _():
+            shared_smem[shared] = expert
+
+        other = other + jnp.where(is_private & jnp.logical_not(mine), 1, 0)
+        return own + jnp.where(mine, 1, 0), other, shared + jnp.where(is_shared, 1, 0)
+
+    own, other, shared = jax.lax.fori_loop(0, TOKENS * MOE_TOP_K, note, (0, 0, 0))
+    # Copy 0 takes the first clamp(ceil(T / 2) - nA, 0, nS) shared actives, copy 1 the
+    # rest: the pair's worse-loaded core reads max(nA, nB, ceil(T / 2)) experts.
+    n_a = jnp.where(pair_copy == 0, own, other)
+    takes = jnp.minimum(jnp.maximum((own + other + shared + 1) // 2 - n_a, 0), shared)
+
+    def take(j, count):
+        chosen_smem[count] = shared_smem[j]
+        return count + 1
+
+    count = jax.lax.fori_loop(
+        jnp.where(pair_copy == 0, 0, takes), jnp.where(pair_copy == 0, takes, shared), take, own
+    )
     pieces = MOE_GATE_UP_PIECES + MOE_DOWN_PIECES
+
+    def held(expert):
+        """Where the core holds an expert: its own block from 0, its partner's shared part after it."""
+        own_block = (expert >= first) & (expert < first + MOE_EXPERTS_PER_RANK)
+        return jnp.where(own_block, expert - first, expert - partner_first + MOE_PARTNER_EXPERTS)
 
     def copies(q):
         """Piece q % pieces of the (q // pieces)-th chosen expert into slot q % slots."""
-        local = chosen_smem[q // pieces] - first
+        local = held(chosen_smem[q // pieces])
         slot = q % MOE_EXPERT_SLOTS
         return [
             pltpu.make_async_copy(
@@ -1358,7 +1411,7 @@ def _kernel(
     final_norm_vmem,  # [1, HIDDEN] f32
     stream_hbm,  # [1, TOTAL_BANKS, BANK_ROWS, LANES] bf16
     vectors_hbm,  # [1, NUM_LAYERS, VECTOR_ROWS, VECTOR_WIDTH] f32
-    moe_experts_hbm,  # [1, 92, 112, 3, 5728, LANES] int8: two 4-bit codes a byte, then the scale bytes
+    moe_experts_hbm,  # [1, 92, 168, 3, 5728, LANES] int8: two 4-bit codes a byte, then the scale bytes
     kda_conv_in,  # [1, 69, 1, 8, 3, 1152] bfloat16 (aliased)
     kda_state_in,  # [1, 69, 1, 8, 3, 128, 128] float32 (aliased)
     mla_latent_in,  # [1, 24, 1, 1, 4096, 576] bfloat16 (aliased)
@@ -1401,6 +1454,7 @@ def _kernel(
     moe_ids_sem,  # DMA
     moe_seen_smem,  # [896] int32: expert already listed
     moe_chosen_smem,  # [TOKENS * TOP_K] int32: distinct experts of this core's group
+    moe_shared_smem,  # [TOKENS * TOP_K] int32: distinct experts of its pair's shared parts
     moe_slots_vmem,  # [EXPERT_SLOTS, 5728, LANES] int8: expert pieces (codes, then scales)
     moe_slot_sems,  # DMA[2 (codes, scales), EXPERT_SLOTS]
     moe_in_vmem,  # [14, TOKENS_PADDED, CHUNK] bf16: expert input
@@ -1453,6 +1507,7 @@ def _kernel(
                 moe_ids_sem,
                 moe_seen_smem,
                 moe_chosen_smem,
+                moe_shared_smem,
                 (moe_slots_vmem,),
                 moe_slot_sems,
                 moe_in_vmem,
@@ -1564,6 +1619,7 @@ def _scratch_shapes():
         pltpu.SemaphoreType.DMA(()),
         pltpu.SMEM((MOE_EXPERTS,), jnp.int32),
         pltpu.SMEM((TOKENS * MOE_TOP_K,), jnp.int32),
+        pltpu.SMEM((TOKENS * MOE_TOP_K,), jnp.int32),
         pltpu.VMEM((MOE_EXPERT_SLOTS, MOE_PIECE_ROWS, LANES), jnp.int8),
         pltpu.SemaphoreType.DMA((2, MOE_EXPERT_SLOTS)),
         pltpu.VMEM((MOE_EXPERT_GATE_UP.k_chunks, TOKENS_PADDED, CHUNK), jnp.bfloat16),
@@ -1631,7 +1687,7 @@ def expert_shapes():
     """(shape, dtype) of each per-core routed-expert array, MoE kind by kind (global arrays
     add NUM_DEVICES first): bf16 pieces, or codes then their scales."""
     return [
-        ((92, MOE_EXPERTS_PER_RANK, 3, MOE_PIECE_ROWS, LANES), jnp.int8),
+        ((92, MOE_HELD_EXPERTS, 3, MOE_PIECE_ROWS, LANES), jnp.int8),
     ]
 
 

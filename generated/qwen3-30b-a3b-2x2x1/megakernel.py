@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3-30b-a3b --topology 2x2x1 --force` (add -o and
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Imported from the Hugging Face config qwen3-30b-a3b.json (Qwen3MoeForCausalLM, model_type qwen3_moe)."
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 3 refills held for collectives, 5 a round.
-Inputs sha256: 81262eb76c532f7f5b10cffbe211364b46895935f62bb77c2b0de666767fb42c (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: f632a23f95da6599e44e411b351648ae74db3e0dd55b8d4c1f62730d9e0b1bae (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
@@ -155,6 +155,10 @@ MOE_EXPERTS = 128
 MOE_TOP_K = 8
 MOE_WIDTH_PARTS = 2  # consecutive cores sharing a group of experts
 MOE_EXPERTS_PER_RANK = 32  # experts of that group
+# Expert sharing: groups 2j and 2j + 1 pair; each core also holds the last PARTNER_EXPERTS
+# of its partner group's block (after its own), and the pair splits their active ones.
+MOE_PARTNER_EXPERTS = 16
+MOE_HELD_EXPERTS = 48  # its group's block, then its partner's shared part
 MOE_EXPERT_WIDTH = 384  # intermediate columns of each on a core
 MOE_EXPERT_FORMAT = "bf16"
 MOE_PIECE_CHUNKS = 8  # CHUNK x LANES chunks per streamed piece of an expert
@@ -854,44 +858,93 @@ def _route_moe(vec, logits):
 def _experts_moe(ctx, moe_slot, ids, weights, x):
     """The chosen experts of this core's group, each on this core's width slice.
 
-    Expert ids go to SMEM; a scalar pass lists the distinct experts this core holds;
+    Expert ids go to SMEM; a scalar pass lists the distinct experts this core runs
+    (its group's private ones, then its share of its pair's shared ones);
     their slices stream in pieces through 4 slots, the first issued as soon as the
     list exists and each slot refilled right after its piece is used. Returns this
     core's partial sum over the experts it ran."""
-    ids_vmem, ids_smem, ids_sem, seen_smem, chosen_smem, slots, slot_sems, ex_in, ex_mid, ex_acc = (
-        ctx.scratch["moe_moe"]
-    )
+    (
+        ids_vmem,
+        ids_smem,
+        ids_sem,
+        seen_smem,
+        chosen_smem,
+        shared_smem,
+        slots,
+        slot_sems,
+        ex_in,
+        ex_mid,
+        ex_acc,
+    ) = ctx.scratch["moe_moe"]
     experts_hbm = ctx.experts["moe"]
     ids_vmem[...] = ids
     copy = pltpu.make_async_copy(ids_vmem, ids_smem, ids_sem)
     copy.start()
     copy.wait()
     me = jax.lax.axis_index(AXIS) if NUM_DEVICES > 1 else 0
-    first = (me // MOE_WIDTH_PARTS) * MOE_EXPERTS_PER_RANK
+    group = me // MOE_WIDTH_PARTS
+    pair_copy = group % 2  # copy 0 or copy 1 of its pair of groups
+    first = group * MOE_EXPERTS_PER_RANK
+    partner_first = (group + 1 - 2 * pair_copy) * MOE_EXPERTS_PER_RANK
+    pair_first = (group - pair_copy) * MOE_EXPERTS_PER_RANK
 
     def clear(expert, carry):
         seen_smem[expert] = 0
         return carry
 
     jax.lax.fori_loop(0, MOE_EXPERTS, clear, 0)
+    # A block's first `private` experts are its group's alone, the rest shared.
+    private = MOE_EXPERTS_PER_RANK - MOE_PARTNER_EXPERTS
 
-    def note(i, count):
+    def note(i, counts):
+        """Every core of the pair sees the same ids: each counts both groups' private
+        actives (its own listed) and lists the shared parts' in one list in token order."""
+        own, other, shared = counts
         expert = ids_smem[i // MOE_TOP_K, i % MOE_TOP_K]
-        new = (seen_smem[expert] == 0) & (expert >= first) & (expert < first + MOE_EXPERTS_PER_RANK)
+        local = expert - pair_first
+        new = (seen_smem[expert] == 0) & (local >= 0) & (local < 2 * MOE_EXPERTS_PER_RANK)
+        is_private = new & (local % MOE_EXPERTS_PER_RANK < private)
+        mine = is_private & (local // MOE_EXPERTS_PER_RANK == pair_copy)
+        is_shared = new & jnp.logical_not(is_private)
 
         @pl.when(new)
         def _():
             seen_smem[expert] = 1
-            chosen_smem[count] = expert
 
-        return count + jnp.where(new, 1, 0)
+        @pl.when(mine)
+        def _():
+            chosen_smem[own] = expert
 
-    count = jax.lax.fori_loop(0, TOKENS * MOE_TOP_K, note, 0)
+        @pl.when(is_shared)
+        def _():
+            shared_smem[shared] = expert
+
+        other = other + jnp.where(is_private & jnp.logical_not(mine), 1, 0)
+        return own + jnp.where(mine, 1, 0), other, shared + jnp.where(is_shared, 1, 0)
+
+    own, other, shared = jax.lax.fori_loop(0, TOKENS * MOE_TOP_K, note, (0, 0, 0))
+    # Copy 0 takes the first clamp(ceil(T / 2) - nA, 0, nS) shared actives, copy 1 the
+    # rest: the pair's worse-loaded core reads max(nA, nB, ceil(T / 2)) experts.
+    n_a = jnp.where(pair_copy == 0, own, other)
+    takes = jnp.minimum(jnp.maximum((own + other + shared + 1) // 2 - n_a, 0), shared)
+
+    def take(j, count):
+        chosen_smem[count] = shared_smem[j]
+        return count + 1
+
+    count = jax.lax.fori_loop(
+        jnp.where(pair_copy == 0, 0, takes), jnp.where(pair_copy == 0, takes, shared), take, own
+    )
     pieces = MOE_GATE_UP_PIECES + MOE_DOWN_PIECES
+
+    def held(expert):
+        """Where the core holds an expert: its own block from 0, its partner's shared part after it."""
+        own_block = (expert >= first) & (expert < first + MOE_EXPERTS_PER_RANK)
+        return jnp.where(own_block, expert - first, expert - partner_first + MOE_PARTNER_EXPERTS)
 
     def copies(q):
         """Piece q % pieces of the (q // pieces)-th chosen expert into slot q % slots."""
-        local = chosen_smem[q // pieces] - first
+        local = held(chosen_smem[q // pieces])
         slot = q % MOE_EXPERT_SLOTS
         return [
             pltpu.make_async_copy(
@@ -988,7 +1041,7 @@ def _kernel(
     gqa_sin_vmem,
     stream_hbm,  # [1, TOTAL_BANKS, BANK_ROWS, LANES] bf16
     vectors_hbm,  # [1, NUM_LAYERS, VECTOR_ROWS, VECTOR_WIDTH] f32
-    moe_experts_hbm,  # [1, 48, 32, 5, 2048, LANES] bf16
+    moe_experts_hbm,  # [1, 48, 48, 5, 2048, LANES] bf16
     gqa_k_in,  # [1, 48, 1, 1, 4096, 128] bfloat16 (aliased)
     gqa_v_in,  # [1, 48, 1, 1, 4096, 128] bfloat16 (aliased)
     logits_vmem,  # out [TOKENS_PADDED, VOCAB_PER_CORE] f32
@@ -1021,6 +1074,7 @@ def _kernel(
     moe_ids_sem,  # DMA
     moe_seen_smem,  # [128] int32: expert already listed
     moe_chosen_smem,  # [TOKENS * TOP_K] int32: distinct experts of this core's group
+    moe_shared_smem,  # [TOKENS * TOP_K] int32: distinct experts of its pair's shared parts
     moe_slots_vmem,  # [EXPERT_SLOTS, 2048, LANES] bf16: expert pieces
     moe_slot_sems,  # DMA[2 (codes, scales), EXPERT_SLOTS]
     moe_in_vmem,  # [8, TOKENS_PADDED, CHUNK] bf16: expert input
@@ -1068,6 +1122,7 @@ def _kernel(
                 moe_ids_sem,
                 moe_seen_smem,
                 moe_chosen_smem,
+                moe_shared_smem,
                 (moe_slots_vmem,),
                 moe_slot_sems,
                 moe_in_vmem,
@@ -1154,6 +1209,7 @@ def _scratch_shapes():
         pltpu.SMEM((TOKENS_PADDED, 128), jnp.int32),
         pltpu.SemaphoreType.DMA(()),
         pltpu.SMEM((MOE_EXPERTS,), jnp.int32),
+        pltpu.SMEM((TOKENS * MOE_TOP_K,), jnp.int32),
         pltpu.SMEM((TOKENS * MOE_TOP_K,), jnp.int32),
         pltpu.VMEM((MOE_EXPERT_SLOTS, MOE_CODE_ROWS, LANES), jnp.bfloat16),
         pltpu.SemaphoreType.DMA((2, MOE_EXPERT_SLOTS)),
@@ -1252,7 +1308,7 @@ def expert_shapes():
     """(shape, dtype) of each per-core routed-expert array, MoE kind by kind (global arrays
     add NUM_DEVICES first): bf16 pieces, or codes then their scales."""
     return [
-        ((48, MOE_EXPERTS_PER_RANK, 5, MOE_CODE_ROWS, LANES), jnp.bfloat16),
+        ((48, MOE_HELD_EXPERTS, 5, MOE_CODE_ROWS, LANES), jnp.bfloat16),
     ]
 
 

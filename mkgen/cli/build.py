@@ -44,6 +44,7 @@ def build_command(
     held_refills: int | None,
     kv_tile: int | None,
     collectives: str | None,
+    expert_sharing: str | None,
     residual_snapshots: str | None,
     recurrent_states: str | None,
     draft: str | None,
@@ -64,7 +65,7 @@ def build_command(
     spec, topo, options = plan_inputs(
         spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,
         quant=quant, ring_depth=ring_depth, expert_slots=expert_slots, held_refills=held_refills,
-        kv_tile=kv_tile, collectives=collectives,
+        kv_tile=kv_tile, collectives=collectives, expert_sharing=expert_sharing,
         residual_snapshots=residual_snapshots, recurrent_states=recurrent_states,
     )  # fmt: skip
     spec = drafting_spec(spec, draft, rows)

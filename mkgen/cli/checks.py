@@ -93,6 +93,7 @@ def verify_command(
     held_refills: int | None,
     kv_tile: int | None,
     collectives: str | None,
+    expert_sharing: str | None,
     residual_snapshots: str | None,
     recurrent_states: str | None,
     draft: str | None,
@@ -116,6 +117,7 @@ def verify_command(
             ("held_refills", held_refills),
             ("kv_tile", kv_tile),
             ("collectives", collectives),
+            ("expert_sharing", expert_sharing),
             ("residual_snapshots", residual_snapshots),
             ("recurrent_states", recurrent_states),
         )
@@ -241,6 +243,7 @@ def compile_command(
     held_refills: int | None,
     kv_tile: int | None,
     collectives: str | None,
+    expert_sharing: str | None,
     residual_snapshots: str | None,
     recurrent_states: str | None,
     draft: str | None,
@@ -258,7 +261,7 @@ def compile_command(
     spec, topo, options = plan_inputs(
         spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,
         quant=quant, ring_depth=ring_depth, expert_slots=expert_slots, held_refills=held_refills,
-        kv_tile=kv_tile, collectives=collectives,
+        kv_tile=kv_tile, collectives=collectives, expert_sharing=expert_sharing,
         residual_snapshots=residual_snapshots, recurrent_states=recurrent_states,
     )  # fmt: skip
     spec = drafting_spec(spec, draft, rows)  # the kernel verifies; the drafter is not in it

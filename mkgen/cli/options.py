@@ -121,6 +121,13 @@ knob_options = compose(
         "round of every core, or per collective whichever the cost model prices lower [auto].",
     ),
     click.option(
+        "--expert-sharing",
+        default=None,
+        metavar="auto|none|quarter|half|full",
+        help="Of each expert group's experts, the share its paired group also holds (the "
+        "pair splits their active ones): the planner's choice, or forced [auto].",
+    ),
+    click.option(
         "--residual-snapshots",
         type=click.Choice(["vmem", "hbm"]),
         default=None,

@@ -40,6 +40,8 @@ def cli_flags(topology: Topology, options: BuildOptions) -> list[str]:
     for name in ("batch", "rows", "context", "ring_depth", "expert_slots", "kv_tile"):
         if getattr(options, name) != getattr(default, name):
             flags += [f"--{name.replace('_', '-')}", str(getattr(options, name))]
+    if options.expert_sharing != default.expert_sharing:
+        flags += ["--expert-sharing", options.expert_sharing]
     if options.acceptance != default.acceptance:
         flags += ["--acceptance", f"{options.acceptance:g}"]
     for family, fmt in options.quant:

@@ -256,7 +256,9 @@ def _render_mini(
     from mkgen.spec.mini import mini_twin
 
     built = options.apply(spec)
-    modes = {k: getattr(options, k) for k in ("residual_snapshots", "recurrent_states")}
+    modes = {
+        k: getattr(options, k) for k in ("residual_snapshots", "recurrent_states", "expert_sharing")
+    }
     modes |= full_size_kernel_modes(built, topology, options, kinds=default_registry())
     mini_options = BuildOptions.create(
         batch=options.batch,

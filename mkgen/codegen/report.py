@@ -177,7 +177,8 @@ def _collective_rows(sharding: Any) -> list[dict[str, Any]]:
 
 
 def _split_choices(sharding: Any) -> list[dict[str, Any]]:
-    """Split or replicated, as the planner scored it: low-rank A-projections and routers."""
+    """Split or replicated, as the planner scored it: low-rank A-projections, routers and
+    the routed experts' split (with its sharing between paired groups)."""
     return [
         {"where": f"attention {k}", "what": "low-rank A-projections", "choice": a.latent,
          "why": a.why}
@@ -188,7 +189,23 @@ def _split_choices(sharding: Any) -> list[dict[str, Any]]:
          "why": next(t.why for t in f.tensors if t.name == "ffn.router")}
         for k, f in sharding.ffn.items()
         if f.router != "none"
+    ] + [
+        {"where": f"ffn {k}", "what": "routed experts", "choice": _expert_split(f.experts),
+         "why": f.experts.why}
+        for k, f in sharding.ffn.items()
+        if f.experts is not None
     ]  # fmt: skip
+
+
+def _expert_split(x: Any) -> str:
+    """The expert split the planner chose: groups x width parts, and the sharing."""
+    split = f"{x.groups} groups x {x.width_parts} width parts"
+    if not x.partner_experts:
+        return split
+    return (
+        f"{split}, expert sharing {x.sharing} (each core holds {x.held_per_rank}: its "
+        f"group's {x.experts_per_rank}, then {x.partner_experts} of its paired group's)"
+    )
 
 
 def _hbm_rows(mem: Any) -> list[dict[str, str]]:

@@ -8,10 +8,13 @@ ring refill held for collectives, experts in int4:128 or nvfp4, the dense stream
 lm_head in bf16 or int8, GQA attention, one row per sequence at 1 to 8 token rows a step,
 context 4096. For every predicted step (`mkgen plan`, plan.json, REPORT.md):
 
-- `calibrated_step_ms`: the same build with no refill held. Holding refills is the one
-  mechanism outside the rows that a build can switch off; the rest is part of the build;
+- `calibrated_step_ms`: the same build with no refill held and no expert sharing. Holding
+  refills and sharing experts between paired groups are the mechanisms outside the rows
+  that a build can switch off (the rows run one expert group, so no pair); the rest is
+  part of the build;
 - the uncalibrated parts: what each mechanism outside the rows contributes to the step.
-  Held refills: the step minus the calibrated step. Cross-host rounds: the core's waits on
+  Held refills: the step minus the step with no refill held. Expert sharing: that step
+  minus the calibrated step (a gain: negative). Cross-host rounds: the core's waits on
   their flights that no DMA covers. A format, attention type, row count or context no row
   runs: the share of the step the walk credits to the phase it prices (the breakdown's
   experts, weights, kv_state), or the core's runs for more token rows than measured. These
@@ -56,6 +59,7 @@ class Coverage(_Frozen):
     chip: str
     hosts: int
     held_refills: int
+    expert_sharing: str
     expert_formats: tuple[str, ...]
     stream_formats: tuple[str, ...]
     attention_types: tuple[str, ...]
@@ -66,7 +70,7 @@ class Coverage(_Frozen):
     def describe(self) -> str:
         return (
             f"{self.chip}, {self.hosts} host (in-host collectives only), {self.held_refills} "
-            f"refills held, experts {' or '.join(self.expert_formats)}, dense stream and "
+            f"refills held, expert sharing {self.expert_sharing}, experts {' or '.join(self.expert_formats)}, dense stream and "
             f"lm_head {' or '.join(self.stream_formats)}, {'/'.join(self.attention_types)} "
             f"attention, {self.rows} row per sequence at 1 to {self.token_rows} token rows, "
             f"context {self.context}"
@@ -87,6 +91,7 @@ def calibration_coverage() -> Coverage:
         chip=topo.chip_info.name,
         hosts=topo.num_hosts,
         held_refills=cal.MEASURED_HELD_REFILLS,
+        expert_sharing="none",  # one expert group (Muse Spark on 2x2x1): nothing pairs
         expert_formats=tuple(sorted({q["experts"] for q in quants})),
         stream_formats=tuple(
             sorted({f for q in quants for fam, f in q.items() if fam not in _NOT_STREAMED})
@@ -148,7 +153,7 @@ class Confidence(_Frozen):
         """Human text (`mkgen plan`); REPORT.md shows the same as tables."""
         out = [
             f"Calibrated regime: predicted {self.calibrated_step_ms:.3f} ms/step at "
-            f"{self.point} with no refill held, beside the full {self.step_ms:.3f} ms. The "
+            f"{self.point} with no refill held and no expert sharing, beside the full {self.step_ms:.3f} ms. The "
             f"calibration rows run {self.coverage.describe()}; {self.calibration}. "
             + ("Outside them:" if self.uncalibrated else "The build runs inside them.")
         ]
@@ -163,19 +168,43 @@ class Confidence(_Frozen):
         return out
 
 
+def _unheld(
+    topo: Topology, options: BuildOptions, program: ProgramPlan, est: Estimate
+) -> tuple[ProgramPlan, Estimate]:
+    """`program` with no refill held and its walk (`est` itself when none is)."""
+    from mkgen.plan.program import with_held_refills
+
+    if not program.stream.held_refills:
+        return program, est
+    unheld = program.unheld or with_held_refills(
+        program, options, HoldChoice(0, program.stream.refills_per_round)
+    )
+    return unheld, estimate(topo, options, unheld)
+
+
+def _unshared(
+    topo: Topology, options: BuildOptions, program: ProgramPlan, est: Estimate
+) -> Estimate:
+    """The walk of `program` (walked as `est`) with no expert sharing: its schedule built
+    again from the sharding without it (the experts each core reads per layer)."""
+    from mkgen.plan.schedule import build_schedule
+
+    sharding = program.sharding.without_expert_sharing()
+    if sharding is program.sharding:
+        return est
+    schedule = build_schedule(
+        program.spec, sharding, program.stream, program.vmem, options, kinds=program.kinds
+    )
+    return estimate(topo, options, program._replace(sharding=sharding, schedule=schedule))
+
+
 def calibrated_estimate(
     topo: Topology, options: BuildOptions, program: ProgramPlan, est: Estimate
 ) -> Estimate:
     """`est` (the walk of `program`) in the calibrated regime: the same build with no
-    refill held (`est` itself when none is)."""
-    from mkgen.plan.program import with_held_refills
-
-    if not program.stream.held_refills:
-        return est
-    unheld = program.unheld or with_held_refills(
-        program, options, HoldChoice(0, program.stream.refills_per_round)
-    )
-    return estimate(topo, options, unheld)
+    refill held and no expert sharing (`est` itself when it has neither)."""
+    unheld, walked = _unheld(topo, options, program, est)
+    return _unshared(topo, options, unheld, walked)
 
 
 def assess(
@@ -184,7 +213,8 @@ def assess(
     """The confidence of `est`, the walk of `program` (module docstring)."""
     from mkgen.plan.calibration import RECORDED
 
-    calibrated = calibrated_estimate(topo, options, program, est)
+    unheld, unheld_est = _unheld(topo, options, program, est)
+    calibrated = _unshared(topo, options, unheld, unheld_est)
     point = est.point
     if est.draft_ms is not None:
         point += f", the verify step alone (the draft adds {est.draft_ms:.3f} ms)"
@@ -194,7 +224,9 @@ def assess(
         point=point,
         coverage=calibration_coverage(),
         calibration=RECORDED.describe(),
-        uncalibrated=tuple(uncalibrated_parts(topo, options, program, est, calibrated)),
+        uncalibrated=tuple(
+            uncalibrated_parts(topo, options, program, est, (unheld_est, calibrated))
+        ),
         sensitivity=tuple(sensitivity(topo, options, program, est)),
     )
 
@@ -204,10 +236,12 @@ def uncalibrated_parts(
     options: BuildOptions,
     program: ProgramPlan,
     est: Estimate,
-    calibrated: Estimate,
+    regimes: tuple[Estimate, Estimate],
 ) -> list[UncalibratedPart]:
-    """What each mechanism no calibration row runs contributes to `est` (module docstring)."""
+    """What each mechanism no calibration row runs contributes to `est` (module docstring);
+    `regimes`: its walk with no refill held, and that with no expert sharing either."""
     cov = calibration_coverage()
+    unheld, calibrated = regimes
     step, parts = est.step_ms, []
     if topo.chip_info.name != cov.chip:
         return [UncalibratedPart(what=f"chip {topo.chip_info.name}", ms=step,
@@ -215,9 +249,18 @@ def uncalibrated_parts(
     held = program.stream.held_refills
     if held:
         parts.append(UncalibratedPart(
-            what=f"{held} refills held for collectives", ms=step - calibrated.step_ms,
-            how="the step minus the calibrated one: that the DMA engine takes a round's "
+            what=f"{held} refills held for collectives", ms=step - unheld.step_ms,
+            how="the step minus the one with no refill held: that the DMA engine takes a round's "
             "copies before the refills started after them is assumed, not measured",
+        ))  # fmt: skip
+    for name, split in program.sharding.expert_sharing.items():
+        parts.append(UncalibratedPart(
+            what=f"expert sharing {split.sharing} ({name}: {split.partner_experts} of each "
+            f"group's {split.experts_per_rank} experts held by its paired group too)",
+            ms=unheld.step_ms - calibrated.step_ms,
+            how="the step with no refill held minus the calibrated one: that a pair's "
+            "worse-loaded core reads max(nA, nB, ceil(T / 2)) slices is the cost model's "
+            "expectation, not measured",
         ))  # fmt: skip
     if topo.num_hosts > cov.hosts:
         parts.append(UncalibratedPart(

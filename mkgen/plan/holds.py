@@ -37,7 +37,8 @@ TABLE = Path(__file__).with_name("holds.json")
 # that a plan at another acceptance or price finds the same entry.
 _NOT_PRICED = {"acceptance", "price_per_chip_hour_usd", "held_refills"}
 # Kernel modes the VMEM plan chooses from the other inputs when not forced: left out of
-# the digest unless forced (a forced mode is an input; a chosen one follows from them).
+# the digest unless forced (a forced mode is an input; a chosen one follows from them);
+# so is the expert sharing when auto (the planner's choice, mkgen.plan.sharding).
 _CHOSEN_MODES = ("residual_snapshots", "recurrent_states")
 
 
@@ -60,7 +61,9 @@ def hold_digest(
         "topology": topo.name,
         "options": options.model_dump(
             mode="json",
-            exclude=_NOT_PRICED | {m for m in _CHOSEN_MODES if getattr(options, m) is None},
+            exclude=_NOT_PRICED
+            | {m for m in _CHOSEN_MODES if getattr(options, m) is None}
+            | ({"expert_sharing"} if options.expert_sharing == "auto" else set()),
         ),
         "shape": shape,
         # Every figure the walk computes with; not the price, the sources' text or the

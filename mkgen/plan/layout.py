@@ -175,6 +175,11 @@ class FFNRecord(KindRecord):
         """How its routed experts stream (None: it has none)."""
         return None
 
+    def own_experts(self, arrays: list[Array]) -> list[Array]:
+        """A core's routed-expert arrays cut to the experts the prefill runs on it (all of
+        them unless its kind holds some for another core too)."""
+        return arrays
+
     def columns_split(self) -> bool:
         """Whether it is an MLP split as tensor parallelism splits it (inputs by columns,
         the output projection by rows, each core its own piece, no biases): the prefill

@@ -3,7 +3,8 @@
 Everything is per rank and comes from the sharding plan (the rank shapes are the
 single source of truth), so replication and tile padding are counted:
 
-- weights: every tensor's ``rank_bytes`` at its format, scales included;
+- weights: every tensor's ``rank_bytes`` at its format, scales included; with expert
+  sharing a core's experts grow by (E_r + s) / E_r (its partner group's shared part);
 - caches: KV / MLA latent in bf16 per token, for min(context, window) + rows - 1
   tokens per sequence (a sliding-window layer keeps its window, verification rows
   need their slots), times the batch; recurrent state in f32 plus bf16 conv taps
@@ -14,6 +15,7 @@ single source of truth), so replication and tile padding are counted:
   dequantized to bf16 for the XLA prefill that shares the HBM, and a fixed 256 MiB
   for XLA glue temporaries.
 
+``plan_fitted`` chooses the expert sharing within the HBM a build leaves without it;
 ``check_fit`` raises a one-line SpecError saying by how much it does not fit and
 which expert formats or which larger slice would.
 """
@@ -87,6 +89,9 @@ def plan_memory(
 ) -> MemoryPlan:
     """HBM per device of this build (does not raise; see check_fit)."""
     weights = sharding.rank_bytes_by_family()
+    for name, split in sharding.expert_sharing.items():  # the partner's shared parts
+        layers = sum(1 for _, ffn in sharding.layer_table if ffn == name)
+        weights["experts"] += split.partner_bytes_per_layer * layers
     cache = {"kv": 0, "mla_latent": 0, "state": 0}
     for attn_name, _ in sharding.layer_table:
         c = sharding.attention[attn_name].cache
@@ -127,11 +132,28 @@ def plan_memory(
     )
 
 
+def plan_fitted(
+    spec: ModelSpec, topo: Topology, options: BuildOptions, *, kinds: KindRegistry
+) -> tuple[ShardingPlan, MemoryPlan]:
+    """The sharding and its HBM, the expert sharing chosen (or a forced one checked) within
+    the HBM the build leaves without any: planned once without sharing, then again with
+    that headroom where an MoE kind's groups pair."""
+    unshared = options.model_copy(update={"expert_sharing": "none"})
+    sharding = plan_sharding(spec, topo, unshared, kinds=kinds)
+    memory = plan_memory(spec, topo, unshared, sharding)
+    pairs = any(f.experts and f.experts.groups % 2 == 0 for f in sharding.ffn.values())
+    if options.expert_sharing == "none" or not (pairs or options.expert_sharing != "auto"):
+        return sharding, memory
+    room = max(0, memory.headroom_bytes)
+    sharing = plan_sharding(spec, topo, options, kinds=kinds, expert_room_bytes=room)
+    return sharing, plan_memory(spec, topo, options, sharing)
+
+
 def _try(
     spec: ModelSpec, topo: Topology, options: BuildOptions, kinds: KindRegistry
 ) -> MemoryPlan | None:
     try:
-        return plan_memory(spec, topo, options, plan_sharding(spec, topo, options, kinds=kinds))
+        return plan_fitted(spec, topo, options, kinds=kinds)[1]
     except SpecError:
         return None
 

@@ -164,6 +164,11 @@ def refuse_repeated_families(items: Iterable[str]) -> None:
 
 # How a build's collectives choose their rounds (BuildOptions.collectives, --collectives).
 COLLECTIVE_MODES = ("auto", "staged", "flat")
+# How much of each expert group's block its paired group also holds (BuildOptions.
+# expert_sharing, --expert-sharing; mkgen.plan.sharding.choose_expert_split): the fraction
+# of the block, the shared part its last experts. "auto": the planner chooses.
+EXPERT_SHARING = {"none": 0.0, "quarter": 0.25, "half": 0.5, "full": 1.0}
+EXPERT_SHARING_MODES = ("auto", *EXPERT_SHARING)
 
 
 class BuildOptions(BaseModel):
@@ -202,6 +207,10 @@ class BuildOptions(BaseModel):
     # host, then one across hosts), "flat" (one round of every core) or "auto" (per
     # collective, whichever the cost model prices lower).
     collectives: str = "auto"
+    # Expert sharing between paired groups: "none", "quarter", "half", "full" (of each
+    # group's experts its partner group also holds) or "auto" (the smallest within 1 % of
+    # the best predicted expert time that fits HBM).
+    expert_sharing: str = "auto"
     # Where the attention-residual snapshots live (None: VMEM unless it cannot hold them
     # beside the smallest ring, mkgen.plan.vmem)
     residual_snapshots: Literal["vmem", "hbm"] | None = None
@@ -267,6 +276,16 @@ class BuildOptions(BaseModel):
             raise SpecError(
                 f"--collectives {self.collectives}: must be one of {', '.join(COLLECTIVE_MODES)} "
                 "(auto: the cost model chooses staged or flat rounds per collective)"
+            )
+        if self.expert_sharing not in EXPERT_SHARING_MODES:
+            raise SpecError(
+                f"--expert-sharing {self.expert_sharing}: must be one of "
+                f"{', '.join(EXPERT_SHARING_MODES)} (auto: the planner chooses)"
+            )
+        if self.expert_sharing not in ("auto", "none") and self.distinct_experts_per_layer:
+            raise SpecError(
+                f"--expert-sharing {self.expert_sharing}: the calibration's forced distinct "
+                "experts price no sharing; leave --expert-sharing out"
             )
         if not 0 < self.acceptance <= self.rows:
             raise SpecError(
@@ -341,6 +360,7 @@ class BuildOptions(BaseModel):
                 ("held refills", self.held_refills),
                 ("KV tile", self.kv_tile),
                 ("collectives", None if self.collectives == "auto" else self.collectives),
+                ("expert sharing", None if self.expert_sharing == "auto" else self.expert_sharing),
                 ("residual snapshots in", self.residual_snapshots),
                 ("recurrent states in", self.recurrent_states),
             )

@@ -19,10 +19,10 @@ from mkgen.plan.holds import HoldChoice, hold_digest, known_choice, remember, sc
 from mkgen.plan.kind import KindRegistry
 from mkgen.plan.kvtiles import choose_program
 from mkgen.plan.layout import FULL_BANK_ROWS, MAX_PIECE_CHUNKS
-from mkgen.plan.memory import MemoryPlan, check_fit, plan_memory
+from mkgen.plan.memory import MemoryPlan, check_fit, plan_fitted
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.schedule import build_schedule
-from mkgen.plan.sharding import ShardingPlan, plan_sharding
+from mkgen.plan.sharding import ShardingPlan
 from mkgen.plan.stream import StreamPlan, plan_stream
 from mkgen.plan.timeline import ProgramPlan, estimate, price_program
 from mkgen.plan.vmem import MAX_EXPERT_SLOTS, cache_kinds, comfort_depth, plan_vmem
@@ -102,16 +102,25 @@ def build_digest(
     return _digest(spec, topo, options, DEFAULT_SHAPE, base)
 
 
-def tile_digest(spec: ModelSpec, topo: Topology, options: BuildOptions) -> str:
+def tile_digest(spec: ModelSpec, topo: Topology, options: BuildOptions, kinds: KindRegistry) -> str:
     """The KV tile table's key of a build planned with plan_build's defaults (kvtiles.py)."""
-    return hold_digest(options.apply(spec), topo, options, DEFAULT_SHAPE)
+    spec = options.apply(spec)
+    sharding, _ = plan_fitted(spec, topo, options, kinds=kinds)
+    return hold_digest(spec, topo, options, _with_sharing(DEFAULT_SHAPE, sharding))
+
+
+def _with_sharing(shape: dict[str, Any], sharding: ShardingPlan) -> dict[str, Any]:
+    """`shape` with the expert sharing the planner chose where a kind shares (the walk reads
+    it; the options' digest leaves "auto" out, holds.py), else `shape` itself."""
+    chosen = {name: split.sharing for name, split in sharding.expert_sharing.items()}
+    return {**shape, "expert_sharing": chosen} if chosen else shape
 
 
 def _digest(
     spec: ModelSpec, topo: Topology, options: BuildOptions, shape: dict[str, Any], base: ProgramPlan
 ) -> str:
     chosen = {"ring_depth": base.vmem.ring_depth, "kv_tiles": base.vmem.dims.kv_tiles}
-    return hold_digest(spec, topo, options, {**shape, **chosen})
+    return hold_digest(spec, topo, options, {**_with_sharing(shape, base.sharding), **chosen})
 
 
 def _score(
@@ -139,14 +148,19 @@ def full_size_kernel_modes(
     """The kernel modes the full-size build of `spec` at `options` chose that its mini
     twin, whose small buffers would choose otherwise, takes to prove that kernel (as
     BuildOptions fields): the attention-residual snapshots in HBM, the recurrent states
-    streamed. Nothing when the full size does not plan (the twin keeps its own choice)."""
+    streamed, the expert sharing (where the full size chose it). Nothing when the full size does not plan (the twin keeps its own choice)."""
     try:
-        vmem = _unheld_program(spec, topo, options, kinds, DEFAULT_SHAPE, require_fit=False).vmem
+        program = _unheld_program(spec, topo, options, kinds, DEFAULT_SHAPE, require_fit=False)
     except SpecError:
         return {}
+    vmem = program.vmem
     modes = {"residual_snapshots": "hbm" if vmem.snapshots_in_hbm else None,
              "recurrent_states": "stream" if vmem.state_slots else None}  # fmt: skip
-    return {k: v for k, v in modes.items() if v is not None and getattr(options, k) is None}
+    chosen = {k: v for k, v in modes.items() if v is not None and getattr(options, k) is None}
+    if options.expert_sharing == "auto":  # the twin's own choice could differ either way
+        shared = [s.sharing for s in program.sharding.expert_sharing.values()]
+        chosen["expert_sharing"] = shared[0] if shared else "none"
+    return chosen
 
 
 def _unheld_program(
@@ -157,8 +171,7 @@ def _unheld_program(
     their flight covers), at the KV tiles `shape` forces or the cost model chooses
     (mkgen.plan.kvtiles); refuses a forced hold the ring cannot take."""
     spec = options.apply(spec)
-    sharding = plan_sharding(spec, topo, options, kinds=kinds)
-    memory = plan_memory(spec, topo, options, sharding)
+    sharding, memory = plan_fitted(spec, topo, options, kinds=kinds)
     if require_fit:
         check_fit(spec, topo, options, memory, kinds=kinds)
     # The ring depth does not change the stream's layout: plan it, then size the ring.
@@ -178,7 +191,7 @@ def _unheld_program(
         return program_at(dict.fromkeys(names, forced))
     return choose_program(
         program_at, names, options.context, lambda p: estimate(topo, options, p).step_ms,
-        hold_digest(spec, topo, options, shape),
+        hold_digest(spec, topo, options, _with_sharing(shape, sharding)),
     )  # fmt: skip
 
 

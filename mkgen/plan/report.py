@@ -225,6 +225,11 @@ def _sharding_dict(plan: BuildPlan) -> dict[str, Any]:
                 "width_per_rank": x.width_per_rank,
                 "slice_bytes": x.slice_bytes,
                 "expected_max_experts_per_rank": x.expected_max_experts_per_rank,
+                "sharing": x.sharing,
+                "partner_experts": x.partner_experts,
+                "held_per_rank": x.held_per_rank,
+                "group_pairs": [list(p) for p in x.group_pairs],
+                "sharing_candidates": [c.model_dump() for c in x.sharing_candidates],
             }
         out["ffn"][name] = entry
     return out
@@ -454,9 +459,8 @@ def _sweep_point(
     from mkgen.plan.confidence import calibrated_estimate
     from mkgen.plan.draft import price_draft
     from mkgen.plan.floor import ideal_floor
-    from mkgen.plan.memory import plan_memory
+    from mkgen.plan.memory import plan_fitted
     from mkgen.plan.program import plan_program
-    from mkgen.plan.sharding import plan_sharding
     from mkgen.plan.tco import total_tokens_per_dollar
     from mkgen.plan.timeline import estimate
     from mkgen.spec.figures import params_active
@@ -469,11 +473,7 @@ def _sweep_point(
         program = plan_program(spec, topo, opts, kinds=kinds, require_fit=False)
     except MkgenError:
         program = None
-    mem = (
-        program.memory
-        if program
-        else plan_memory(applied, topo, opts, plan_sharding(applied, topo, opts, kinds=kinds))
-    )
+    mem = program.memory if program else plan_fitted(applied, topo, opts, kinds=kinds)[1]
     notes = [] if mem.fits else [f"HBM {mem.total_bytes / GB:.1f} > {mem.usable_bytes / GB:.1f} GB"]
     if program is None:
         notes.append("VMEM over budget: not priced")

@@ -15,7 +15,10 @@ collectives it needs. Decisions (docs/cost-model.md has the reasoning):
 - low-rank "A" projections (MLA wq_a / wkv_a, KDA wf_a / wg_a) are replicated or
   split along their output with one all-gather, whichever costs less per layer;
 - dense MLP and shared-expert width split; routed experts split by expert id over
-  G groups and by width over W = D / G (the candidates and their scores are kept);
+  G groups and by width over W = D / G (the candidates and their scores are kept); with
+  an even G, groups 2j and 2j + 1 may pair and share the last s experts of each block
+  (expert sharing: each core also holds its partner's shared part, and the pair splits
+  the active shared experts so that its worse-loaded core reads fewer slices);
 - latent MoE: latent_in output-split + all-gather; after the experts either a
   reduce-scatter, an input-split latent_out and an all-reduce of hidden, or an
   all-reduce of the latent, an output-split latent_out and an all-gather of
@@ -54,7 +57,7 @@ from mkgen.plan.cost import (
     widest_level,
 )
 from mkgen.plan.kind import KindRegistry
-from mkgen.plan.options import BuildOptions
+from mkgen.plan.options import EXPERT_SHARING, BuildOptions
 from mkgen.spec.quant import QuantFormat, parse_format
 from mkgen.spec.schema import (
     ModelSpec,
@@ -219,6 +222,18 @@ class ExpertCandidate(_Frozen):
     rejected: str = ""  # why not eligible ("" when eligible)
 
 
+class SharingCandidate(_Frozen):
+    """Expert sharing between paired groups at one shared count (choose_expert_split)."""
+
+    sharing: str  # a key of EXPERT_SHARING
+    partner_experts: int  # experts of its partner group's block each core also holds
+    expected_max_experts: float  # slices the worst-loaded core reads (expectation)
+    score_s: float  # its expert time per layer: the split's slice time x the whole slices
+    extra_hbm_bytes: int  # HBM a core adds to hold them, every layer of the kind
+    fits: bool  # within the HBM left (always, where the planner was not given it)
+    chosen: bool = False
+
+
 class ExpertSplit(_Frozen):
     groups: int
     width_parts: int
@@ -233,6 +248,31 @@ class ExpertSplit(_Frozen):
     slice_dmas: int  # DMAs per expert slice (one per matrix)
     candidates: tuple[ExpertCandidate, ...]
     why: str
+    # Expert sharing between paired groups (2j, 2j + 1; none: no pairs): each core also
+    # holds the last `partner_experts` experts of its partner group's block (its width
+    # part) after its own, and the pair splits the active experts of both shared parts
+    # (docs/planner.md#expert-sharing). expected_max_experts_per_rank is then the pair's.
+    sharing: str = "none"
+    partner_experts: int = 0
+    group_pairs: tuple[tuple[int, int], ...] = ()
+    partner_bytes_per_layer: int = 0  # HBM a core adds per layer to hold them
+    sharing_candidates: tuple[SharingCandidate, ...] = ()
+
+    @property
+    def held_per_rank(self) -> int:
+        """Experts each core holds: its group's block, then its partner's shared part."""
+        return self.experts_per_rank + self.partner_experts
+
+    def unshared(self) -> ExpertSplit:
+        """The same split with no expert sharing (the calibrated regime's)."""
+        if not self.partner_experts:
+            return self
+        none = next(c for c in self.sharing_candidates if not c.partner_experts)
+        return self.model_copy(update={
+            "sharing": "none", "partner_experts": 0, "group_pairs": (),
+            "partner_bytes_per_layer": 0,
+            "expected_max_experts_per_rank": none.expected_max_experts,
+        })  # fmt: skip
 
 
 class FFNSharding(_Frozen):
@@ -304,6 +344,19 @@ class ShardingPlan(_Frozen):
         for _, t in self.all_tensors():
             out[t.family] = out.get(t.family, 0) + t.rank_bytes
         return out
+
+    def without_expert_sharing(self) -> ShardingPlan:
+        """This plan with no expert sharing (the calibrated regime's; itself without any)."""
+        ffn = {n: f.model_copy(update={"experts": f.experts.unshared()}) if f.experts else f
+               for n, f in self.ffn.items()}  # fmt: skip
+        return self.model_copy(update={"ffn": ffn}) if ffn != self.ffn else self
+
+    @property
+    def expert_sharing(self) -> dict[str, ExpertSplit]:
+        """The MoE kinds that share experts between paired groups, by name."""
+        return {
+            n: f.experts for n, f in self.ffn.items() if f.experts and f.experts.sharing != "none"
+        }
 
     def describe(self) -> str:
         """One line per tensor of each kind, then the collectives."""
@@ -483,8 +536,14 @@ def _stored_bytes(
 class _Ctx:
     """What every decision needs: spec, topology, options, constants, formats."""
 
-    def __init__(self, spec: ModelSpec, topo: Topology, options: BuildOptions) -> None:
+    def __init__(
+        self, spec: ModelSpec, topo: Topology, options: BuildOptions,
+        expert_room_bytes: float | None = None,
+    ) -> None:  # fmt: skip
         self.spec = spec
+        # HBM per core left for expert sharing (None: not known, every choice fits);
+        # each MoE kind that shares takes its part.
+        self.expert_room_bytes = expert_room_bytes
         self.topo = topo
         self.options = options
         self.d = topo.num_devices
@@ -739,7 +798,127 @@ def expected_max(pmf: list[float], count: int) -> float:
     return sum(1.0 - cdf[x - 1] ** count for x in range(1, len(pmf)))
 
 
-def choose_expert_split(ctx: _Ctx, f: MoEFFN, d_in: int) -> ExpertSplit:
+def pair_max_pmf(private: list[float], shared: list[float]) -> list[float]:
+    """The distribution of the slices a pair of groups' worse-loaded core reads:
+    M = max(nA, nB, ceil(T / 2)), T = nA + nB + nS, for nA and nB independent draws of
+    `private` (the distinct active experts of each group's private part) and nS of
+    `shared` (those of both shared parts), which go first to the less loaded group.
+
+    From its CDF, P(M <= m) = sum over i, j <= m of a_i a_j P(nS <= 2m - i - j), summed by
+    i + j and grown one m at a time (O(n^2)); pure Python, so that the bytes a plan
+    prints do not depend on the host's SIMD path."""
+    top = len(private) - 1 + len(shared) // 2  # the most: a whole private part + ceil(nS / 2)
+    shared_cdf, acc = [], 0.0
+    for p in shared:
+        acc += p
+        shared_cdf.append(min(acc, 1.0))
+    by_sum = [0.0] * (2 * len(private) - 1)  # P(nA + nB = u, nA <= m, nB <= m)
+    pmf, below = [], 0.0
+    for m in range(top + 1):
+        if m < len(private):
+            a = private[m]
+            for j in range(m):
+                by_sum[m + j] += 2 * a * private[j]
+            by_sum[2 * m] += a * a
+        cdf = 0.0
+        for u in range(min(2 * m, len(by_sum) - 1) + 1):
+            k = 2 * m - u  # shared actives the pair can take and still keep M <= m
+            cdf += by_sum[u] * (shared_cdf[k] if k < len(shared_cdf) else 1.0)
+        cdf = min(cdf, 1.0)
+        pmf.append(max(cdf - below, 0.0))
+        below = cdf
+    return pmf
+
+
+def _sharing_counts(
+    mode: str, per_group: int, groups: int, binomial: bool
+) -> list[tuple[str, int]]:
+    """(mode, partner experts) of the sharing candidates: none, then the forced mode (its
+    fraction of the block rounded up to whole experts) or every mode whose fraction is
+    whole; none alone where the groups do not pair or the experts are forced distinct
+    (calibration)."""
+    if mode != "auto":
+        forced = [(mode, math.ceil(per_group * EXPERT_SHARING[mode]))] if mode != "none" else []
+        return [("none", 0), *forced]
+    if groups % 2 or not binomial:
+        return [("none", 0)]
+    whole = [(m, per_group * f) for m, f in EXPERT_SHARING.items()]
+    return [(m, int(n)) for m, n in whole if n == int(n)]
+
+
+def _choose_sharing(
+    ctx: _Ctx, f: MoEFFN, best: ExpertCandidate, distinct: float, layers: int,
+    slice_bytes: int, slice_s: float,
+) -> tuple[SharingCandidate, tuple[SharingCandidate, ...]]:  # fmt: skip
+    """Expert sharing between paired groups (docs/planner.md#expert-sharing): the forced
+    --expert-sharing, or the smallest shared count whose expert time is within 1 % of the
+    best one that fits the HBM left (ctx.expert_room_bytes)."""
+    mode, g, per_group = ctx.options.expert_sharing, best.groups, best.experts_per_rank
+    binomial = ctx.options.distinct_experts_per_layer is None
+    counts = _sharing_counts(mode, per_group, g, binomial)
+    if counts[-1][1] and g % 2:
+        raise SpecError(
+            f"--expert-sharing {mode}: the experts split into {g} group(s), which do not pair "
+            "(an even number is needed); use --expert-sharing none or auto"
+        )
+    room = ctx.expert_room_bytes
+    pool, p = [], distinct / f.num_experts
+    for name, shared in counts:
+        exp_max = best.expected_max_experts  # unshared: the split's own figure
+        if shared:
+            pmf = pair_max_pmf(_pmf_binomial(per_group - shared, p), _pmf_binomial(2 * shared, p))
+            exp_max = expected_max(pmf, g // 2)
+        extra = shared * slice_bytes * layers
+        # Scored at the whole slices the schedule walks (mkgen.kinds.moe._experts).
+        pool.append(SharingCandidate(
+            sharing=name, partner_experts=shared, expected_max_experts=exp_max,
+            score_s=max(1, math.ceil(exp_max)) * slice_s, extra_hbm_bytes=extra,
+            fits=room is None or extra <= room,
+        ))  # fmt: skip
+    fitting = [c for c in pool if c.fits]
+    if mode != "auto":
+        chosen = pool[-1]
+        if not chosen.fits:
+            raise SpecError(
+                f"--expert-sharing {mode}: holding {chosen.partner_experts} experts of the "
+                f"partner group's block adds {chosen.extra_hbm_bytes / 1e9:.1f} GB of HBM per "
+                f"core but {(room or 0) / 1e9:.1f} GB are left; use a smaller "
+                "--expert-sharing, or auto"
+            )
+    else:
+        low = min(c.score_s for c in fitting)
+        chosen = min((c for c in fitting if c.score_s <= low * 1.01),
+                     key=lambda c: c.partner_experts)  # fmt: skip
+    if room is not None:
+        ctx.expert_room_bytes = room - chosen.extra_hbm_bytes
+    marked = tuple(c.model_copy(update={"chosen": c is chosen}) for c in pool)
+    return chosen, marked
+
+
+def _sharing_why(
+    chosen: SharingCandidate, pool: tuple[SharingCandidate, ...], per_group: int
+) -> str:
+    """The expert split's `why` about sharing: the choice and every candidate's load."""
+    if len(pool) == 1 and not chosen.partner_experts:
+        return ""
+    loads = ", ".join(
+        f"{c.sharing} {c.expected_max_experts:.2f}"
+        + ("" if c.fits else f" (+{c.extra_hbm_bytes / 1e9:.1f} GB: does not fit HBM)")
+        for c in pool
+    )
+    if not chosen.partner_experts:
+        return f"; no expert sharing (worst core's slices by sharing: {loads})"
+    return (
+        f"; expert sharing {chosen.sharing}: groups 2j and 2j+1 pair, each core also holds "
+        f"the last {chosen.partner_experts} of its partner's {per_group} experts "
+        f"(+{chosen.extra_hbm_bytes / 1e9:.1f} GB HBM per core) and the pair splits their "
+        f"active ones (worst core's slices by sharing: {loads})"
+    )
+
+
+def choose_expert_split(ctx: _Ctx, f: MoEFFN, d_in: int, layers: int) -> ExpertSplit:
+    """The split of the routed experts of a kind of `layers` layers: groups x width parts
+    (every candidate scored), then the sharing between paired groups (_choose_sharing)."""
     e, k, width = f.num_experts, f.top_k, f.expert_width
     fmt_text = ctx.fmt("experts")
     picks = ctx.tokens * k
@@ -777,7 +956,11 @@ def choose_expert_split(ctx: _Ctx, f: MoEFFN, d_in: int) -> ExpertSplit:
         )
         for c in candidates
     )
-    slice_bytes, _ = _expert_slice(ctx, f, d_in, best.width_per_rank, fmt_text, rows_per_expert)
+    slice_bytes, slice_s = _expert_slice(
+        ctx, f, d_in, best.width_per_rank, fmt_text, rows_per_expert
+    )
+    sharing, sharings = _choose_sharing(ctx, f, best, distinct, layers, slice_bytes, slice_s)
+    shared = sharing.partner_experts
     return ExpertSplit(
         groups=best.groups,
         width_parts=best.width_parts,
@@ -786,12 +969,17 @@ def choose_expert_split(ctx: _Ctx, f: MoEFFN, d_in: int) -> ExpertSplit:
         picks=picks,
         expected_distinct=distinct,
         rows_per_expert=rows_per_expert,
-        expected_max_experts_per_rank=best.expected_max_experts,
+        expected_max_experts_per_rank=sharing.expected_max_experts,
         worst_case_experts_per_rank=best.worst_case_experts,
         slice_bytes=slice_bytes,
         slice_dmas=3,
         candidates=marked,
-        why=_expert_split_why(best, pool),
+        why=_expert_split_why(best, pool) + _sharing_why(sharing, sharings, best.experts_per_rank),
+        sharing=sharing.sharing,
+        partner_experts=shared,
+        group_pairs=tuple((2 * j, 2 * j + 1) for j in range(best.groups // 2)) if shared else (),
+        partner_bytes_per_layer=shared * slice_bytes,
+        sharing_candidates=sharings,
     )
 
 
@@ -882,14 +1070,16 @@ def _expert_slice(
 
 
 def plan_sharding(
-    spec: ModelSpec, topo: Topology, options: BuildOptions, *, kinds: KindRegistry
-) -> ShardingPlan:
+    spec: ModelSpec, topo: Topology, options: BuildOptions, *, kinds: KindRegistry,
+    expert_room_bytes: float | None = None,
+) -> ShardingPlan:  # fmt: skip
     """Per-rank shapes, caches and collectives of ``spec`` on ``topo``, each layer kind's
-    by its rule in ``kinds``.
+    by its rule in ``kinds``. Expert sharing is chosen within `expert_room_bytes` of HBM
+    per core (None: not known, every choice fits; mkgen.plan.memory.plan_fitted gives it).
 
     Raises a one-line SpecError with the numbers and a fix when a split is impossible.
     """
-    ctx = _Ctx(spec, topo, options)
+    ctx = _Ctx(spec, topo, options, expert_room_bytes)
     h, v, d = spec.dims.hidden, spec.dims.vocab, ctx.d
     table = spec.layer_table()
     used_attn = {a for a, _ in table}

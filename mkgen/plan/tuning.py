@@ -88,8 +88,9 @@ def main(argv: list[str], kinds: KindRegistry) -> None:
         with kvtiles.rescoring():
             made = entry(spec_name, topology, fields, kinds, draft)
         digest = tile_digest(
-            build_spec(spec_name, draft), parse_topology(topology), BuildOptions.create(**fields)
-        )
+            build_spec(spec_name, draft), parse_topology(topology), BuildOptions.create(**fields),
+            kinds,
+        )  # fmt: skip
         choice = kvtiles.scored_choice(digest)
         if choice is not None and all(t["digest"] != digest for t in tiles):
             inputs = {

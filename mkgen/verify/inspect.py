@@ -410,7 +410,14 @@ def _helper_dmas(build: Build, helper: Function) -> list[str]:
         e = moe.experts
         return [
             f"routed experts: the ids go to SMEM (1 DMA); each distinct chosen expert of "
-            f"this core's group ({moe.experts_per_rank} experts x width {e.width} per core) "
+            f"this core's group ({moe.experts_per_rank} experts x width {e.width} per core"
+            + (
+                f"; with expert sharing also {moe.partner_experts} of its paired group's, "
+                "whose active ones the pair splits"
+                if moe.partner_experts
+                else ""
+            )
+            + ") "
             f"streams in {e.pieces} piece(s) of {e.piece_chunks} chunk(s) ({e.format}) "
             f"through {moe.expert_slots} expert slots, the first issued as soon as the list "
             f"exists, each slot refilled right after its piece is used"

@@ -139,6 +139,7 @@ def weights_digest(spec: ModelSpec, layout: KernelLayout) -> str:
                 "vectors",
                 "experts",
                 "experts_per_rank",
+                "partner_experts",
                 "width_parts",
             )
         }

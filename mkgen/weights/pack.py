@@ -245,12 +245,13 @@ def pack_experts_layer(
     layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int, layer: int
 ) -> list[np.ndarray]:
     """One core's routed experts of one layer: [] for a dense layer, else the arrays of its
-    MoE kind (expert_arrays), each [experts_per_rank, pieces, rows, LANES]: bf16, or codes
+    MoE kind (expert_arrays), each [held experts, pieces, rows, LANES]: bf16, or codes
     and scales as ExpertChunks describes them (int4 / mxfp4 / nvfp4: nibbles two rows a
     byte, bf16 / E8M0 / e4m3 and E8M0 tensor scales, mxfp4's and nvfp4's after the codes in
     one int8 array; fp8: e4m3 codes, f32 block scales; int8: int8 codes, f32 column
     scales). Rank r holds experts [g * E_r,
-    (g + 1) * E_r) of group g = r // width_parts and of each the columns of width part
+    (g + 1) * E_r) of group g = r // width_parts, then with expert sharing the last
+    partner_experts of its partner group's block, and of each the columns of width part
     r % width_parts (its record's held_experts). Every chunk is quantized on its own, so packing a layer at
     a time gives the same bytes as packing the kind at once."""
     f = layout.ffn[layout.ffn_table[layer]]
@@ -275,7 +276,7 @@ def pack_experts_layer(
             )
         )
     chunks = np.stack(pieces)  # [experts, pieces * piece_chunks, CHUNK, LANES]
-    lead = (f.experts_per_rank, e.pieces)
+    lead = (len(ids), e.pieces)
     flat = chunks.reshape(-1, CHUNK, LANES)
     if e.kind == "bf16":
         return [chunks.reshape(*lead, e.code_rows, LANES).astype(BF16)]

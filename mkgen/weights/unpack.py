@@ -184,7 +184,8 @@ def layer_pieces(
     (attn.wq, ffn.experts_up, attn_norm, ...): the stream rows of its attention kind and of
     its FFN kind (each from the kind's first row, KindStream.rows of them), its vector slab
     and (MoE layers) its expert arrays. Each piece has the shape pack.part_slice cuts (in
-    its part's view), routed-expert tensors (EXPERT_TENSORS) the rank's experts and width
+    its part's view), routed-expert tensors (EXPERT_TENSORS) the rank's own group's experts
+    (with expert sharing not its partner's shared part: FFNRecord.own_experts) and width
     part; `shapes` holds the layer's full tensor shapes by the same names."""
     attention = layout.attention[layout.attention_table[layer]]
     ffn = layout.ffn[layout.ffn_table[layer]]
@@ -205,7 +206,7 @@ def layer_pieces(
         )
     routed = ffn.routed_chunks()
     if routed is not None:
-        chunks = expert_values(routed, experts)
+        chunks = expert_values(routed, ffn.own_experts(experts))
         for name, value in expert_matrices(routed, chunks).items():
             pieces[f"ffn.{name}"] = value
     pieces.update(ffn.slab_pieces(slab))  # what its slab_blocks packed (expert biases)

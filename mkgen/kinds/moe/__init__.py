@@ -60,7 +60,8 @@ def shard(ctx: Any, kind_name: str, f: Any) -> FFNSharding:
     h, d = ctx.h, ctx.d
     s = KindShards(ctx, "ffn.", f"ffn_kinds.{kind_name}: ")
     d_in = f.latent.width if f.latent else h
-    split = choose_expert_split(ctx, f, d_in)
+    layers = sum(1 for _, ffn in ctx.spec.layer_table() if ffn == kind_name)
+    split = choose_expert_split(ctx, f, d_in, layers)
     designs = _latent_designs(ctx, f, d_in)
     design: Literal["rs_ar", "ar_ag", "none"] = "none"
     if designs:
@@ -217,6 +218,8 @@ def layout(i: LayoutInputs) -> MoELayout:
         groups=split.groups,
         width_parts=split.width_parts,
         experts_per_rank=split.experts_per_rank,
+        partner_experts=split.partner_experts,
+        held_per_rank=split.held_per_rank,
         experts=chunks,
         expert_layers=len(i.layers),
         expert_format_note=FORMAT_NOTES[chunks.kind].format(group=chunks.group),
@@ -261,6 +264,8 @@ def buffers(out: Any, i: BufferInputs) -> None:
     out.sems(f"{name}_ids_sem", ())
     out.scalar(f"{name}_seen_smem", (kind.num_experts,))
     out.scalar(f"{name}_chosen_smem", (dims.tokens * kind.top_k,))
+    if i.shard.experts.partner_experts:  # expert sharing: the pair's shared actives
+        out.scalar(f"{name}_shared_smem", (dims.tokens * kind.top_k,))
     res, why = f"{name}.experts", f"{slots} expert piece slot(s), {fmt}"
     names = (
         [f"{name}_slots_vmem"]
@@ -353,8 +358,10 @@ def _experts(b: Any, layer: int, name: str, kind: Any, f: Any, route: int, x: in
                 reads=((route, None, 0),))  # fmt: skip
     b.start(ids)
     b.wait(ids)
+    # With expert sharing the pair's shared list is copied after the core's own (a pick each at most).
+    passes = 2 if split.partner_experts else 1
     listing = b.run("scalar", f"L{layer} {name}: list this core's chosen experts", layer,
-                    b.t * kind.top_k, ((ids, f"smem:{name}.ids", 0),))  # fmt: skip
+                    passes * b.t * kind.top_k, ((ids, f"smem:{name}.ids", 0),))  # fmt: skip
     kept = expert_iterations(n, pieces, slots)
     units = len(kept) * pieces  # over the kept iterations (see expert_iterations)
     sems = [tuple(f"{name}_slot_sems[{k},{s}]" for k in range(e.arrays)) for s in range(slots)]

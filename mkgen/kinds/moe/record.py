@@ -29,6 +29,11 @@ class MoELayout(FFNRecord):
     groups: int
     width_parts: int
     experts_per_rank: int
+    # Expert sharing (mkgen.plan.sharding.ExpertSplit): groups 2j and 2j + 1 pair, and a
+    # core also holds the last `partner_experts` experts of its partner group's block
+    # after its own, `held_per_rank` in all (experts_per_rank when 0: no sharing).
+    partner_experts: int
+    held_per_rank: int
     experts: ExpertChunks
     expert_layers: int  # layers of this kind: the expert arrays' first dim
     expert_format_note: str  # how the experts' format stores them
@@ -67,7 +72,7 @@ class MoELayout(FFNRecord):
 
     def slab_rows(self) -> int:
         """Its vector rows, then two rows per expert it holds for the expert biases."""
-        biases = 0 if self.bias_row is None else 2 * self.experts_per_rank
+        biases = 0 if self.bias_row is None else 2 * self.held_per_rank
         return super().slab_rows() + biases
 
     def slab_width(self) -> int:
@@ -83,13 +88,23 @@ class MoELayout(FFNRecord):
         inputs = ["ffn.shared_gate", "ffn.shared_up"]
         return split_as_mlp(self.stream_parts(), inputs, "ffn.shared_down")
 
-    def held_experts(self, rank: int) -> tuple[range, slice]:
-        """The routed experts rank `rank` holds and the columns of their width it holds:
-        group rank // width_parts, width part rank % width_parts."""
+    def held_experts(self, rank: int) -> tuple[list[int], slice]:
+        """The routed experts rank `rank` holds, in the order of its expert arrays, and the
+        columns of their width it holds: the block of group g = rank // width_parts, then
+        (expert sharing) the last partner_experts of its partner group's block; width part
+        rank % width_parts."""
         group, part = rank // self.width_parts, rank % self.width_parts
-        width = self.experts.width
-        ids = range(group * self.experts_per_rank, (group + 1) * self.experts_per_rank)
+        width, block = self.experts.width, self.experts_per_rank
+        ids = list(range(group * block, (group + 1) * block))
+        partner_end = ((group ^ 1) + 1) * block
+        if self.partner_experts:
+            ids += range(partner_end - self.partner_experts, partner_end)
         return ids, slice(part * width, (part + 1) * width)
+
+    def own_experts(self, arrays: list[Array]) -> list[Array]:
+        """A core's expert arrays [held, ...] cut to its own group's block: what the
+        prefill runs, so that a shared expert is counted once (by its own group)."""
+        return [a[: self.experts_per_rank] for a in arrays] if self.partner_experts else arrays
 
     def slab_blocks(
         self, tensors: Mapping[str, Array], prefix: str, rank: int
@@ -99,20 +114,21 @@ class MoELayout(FFNRecord):
         if self.bias_row is None:
             return []
         ids, cols = self.held_experts(rank)
-        held = slice(ids.start, ids.stop)
-        gate = np.asarray(tensors[prefix + "ffn.experts_b_gate"])[held, cols]
-        up = np.asarray(tensors[prefix + "ffn.experts_b_up"])[held, cols]
-        down = np.asarray(tensors[prefix + "ffn.experts_b_down"])[held]
+        gate = np.asarray(tensors[prefix + "ffn.experts_b_gate"])[ids][:, cols]
+        up = np.asarray(tensors[prefix + "ffn.experts_b_up"])[ids][:, cols]
+        down = np.asarray(tensors[prefix + "ffn.experts_b_down"])[ids]
         gate_up = np.concatenate([gate, up], axis=1)
-        return [(self.bias_row, gate_up), (self.bias_row + self.experts_per_rank, down)]
+        return [(self.bias_row, gate_up), (self.bias_row + self.held_per_rank, down)]
 
     def slab_pieces(self, slab: Array) -> dict[str, Array]:
-        """The expert biases slab_blocks put in a core's slab."""
+        """The expert biases slab_blocks put in a core's slab, of its own group's block
+        (as own_experts cuts the experts)."""
         if self.bias_row is None:
             return {}
-        at, held, width = self.bias_row, self.experts_per_rank, self.experts.width
+        at, own, width = self.bias_row, self.experts_per_rank, self.experts.width
+        down = at + self.held_per_rank
         return {
-            "ffn.experts_b_gate": slab[at : at + held, :width],
-            "ffn.experts_b_up": slab[at : at + held, width : 2 * width],
-            "ffn.experts_b_down": slab[at + held : at + 2 * held, : self.experts.d],
+            "ffn.experts_b_gate": slab[at : at + own, :width],
+            "ffn.experts_b_up": slab[at : at + own, width : 2 * width],
+            "ffn.experts_b_down": slab[down : down + own, : self.experts.d],
         }
