@@ -384,7 +384,7 @@ class SweepRow:
     hbm_gb_per_device: float
     vmem_mib: float
     step_ms: float  # the build `mkgen plan` plans at this point (its held refills)
-    calibrated_step_ms: float  # the same build with no refill held (mkgen/plan/confidence.py)
+    calibrated_step_ms: float  # the same build in the calibrated regime: no refill held, no expert sharing (mkgen/plan/confidence.py)
     ideal_floor_ms: float
     ideal_floor_ratio: float  # ideal floor / step
     tokens_per_s_per_user: float
