@@ -154,6 +154,24 @@ def test_the_inputs_hash_covers_the_kernel_library(tmp_path: Path, monkeypatch) 
     assert digest.inputs_digest(spec, topology, options, args) != before
 
 
+def test_a_changed_library_member_is_rendered_as_it_now_is(tmp_path: Path, monkeypatch) -> None:
+    """Templates compiled once are kept by their source's checksum (CompiledTemplates in
+    mkgen/codegen/render.py): a kernel rendered after a member changed holds the change."""
+    from mkgen.codegen.build import render_kernel
+    from mkgen.kinds import default_registry
+    from mkgen.plan import plan_build
+
+    spec, topology = load_spec("qwen3-32b"), parse_topology("2x2x1")
+    layout = plan_build(spec, topology, BuildOptions.create(), kinds=default_registry()).kernel
+    assert "self.depth = depth + 0" not in render_kernel(layout, "test")
+    copy = tmp_path / "kernellib"
+    shutil.copytree(LIBRARY, copy)
+    monkeypatch.setattr(library, "LIBRARY", copy)
+    source = (copy / "ring.py").read_text()
+    (copy / "ring.py").write_text(source.replace("self.depth = depth", "self.depth = depth + 0"))
+    assert "self.depth = depth + 0" in render_kernel(layout, "test")
+
+
 # ---------------------------------------------------------------- routing
 
 

@@ -1,9 +1,10 @@
 """The serve engine's host cache on a model with recurrent layers (mkgen/serve/engine.py,
 mkgen/serve/host_cache.py), in TPU interpret mode on virtual CPU devices.
 
-A child process runs the engine over the qwen3_next fixture's architecture (Gated
-DeltaNet and GQA layers) at batch 2 with random weights, its host cache bounded to one
-sequence of the whole context. A recurrent state holds every token the kernel was fed,
+A child process runs the engine over the qwen3_next fixture's architecture cut to two
+Gated DeltaNet layers and a GQA one (each layer costs about 12 CPU s of interpret mode
+here; with one recurrent layer the bound below would hold two sequences) at batch 2
+with random weights, its host cache bounded to one sequence of the whole context. A recurrent state holds every token the kernel was fed,
 so a sequence is kept only when that is exactly its tokens: of two sequences decoded in
 one call, the one that ended first (its slot repeated its step in place) is not kept,
 and neither is one cut at a stop id before the call's last token. A prompt extending the
@@ -168,7 +169,11 @@ def test_recurrent_caches_are_reused_only_when_their_state_holds_exactly_the_kep
     from mkgen.spec.topology import parse_topology
 
     build = tmp_path / "qwen3_next-build"
-    spec = load_spec(FIXTURES / "qwen3_next" / "config.json")
+    config = json.loads((FIXTURES / "qwen3_next" / "config.json").read_text())
+    config.update(num_hidden_layers=3, layer_types=["linear_attention"] * 2 + ["full_attention"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = load_spec(tmp_path / "config.json")
+    assert spec.layers.attention.expand(3, "attention") == ["linear", "linear", "full"]
     options = BuildOptions.create(context=64, batch=2)
     make_build(spec, parse_topology("1x1x1"), options, output=build)
     child = subprocess.run(

@@ -9,6 +9,7 @@ location, so a checkout, an installed wheel and a moved module hash alike.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
@@ -35,7 +36,6 @@ def loaded_templates(roots: tuple[str, ...], kind_types: Iterable[str]) -> dict[
     layout (an import of an expression, which Jinja cannot name before rendering), so such
     an import loads the macros of `kind_types`: the kinds of the build's spec. A kind
     folder no build's spec uses is not an input of that build."""
-    env = environment()
     kind_macros = [macro_name(kind_type) for kind_type in kind_types]
     sources: dict[str, str] = {}
     todo = list(roots)
@@ -44,10 +44,17 @@ def loaded_templates(roots: tuple[str, ...], kind_types: Iterable[str]) -> dict[
         if name in sources:
             continue
         sources[name] = expanded_template(template_file(name).read_bytes(), name)
-        found = list(meta.find_referenced_templates(env.parse(sources[name])))
+        found = _referenced_templates(sources[name])
         todo += [n for n in found if n is not None] + (kind_macros if None in found else [])
     order = roots + tuple(sorted(set(sources) - set(roots)))
     return {name: sources[name] for name in order}
+
+
+@functools.lru_cache(maxsize=256)
+def _referenced_templates(source: str) -> tuple[str | None, ...]:
+    """The templates a template's source imports (None for an import of an expression),
+    parsed once per text: every build's inputs hash walks the same templates."""
+    return tuple(meta.find_referenced_templates(environment().parse(source)))
 
 
 def spec_kind_types(spec: ModelSpec) -> tuple[str, ...]:

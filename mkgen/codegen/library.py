@@ -11,6 +11,7 @@ module only extracts text; which members a kernel holds is the template's choice
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Callable
 from importlib import resources
@@ -49,10 +50,17 @@ def _member_node(tree: ast.Module, module: str, member: str) -> ast.stmt:
     raise MkgenError(f"mkgen/kernellib/{module}.py has no member {member}")
 
 
+@functools.lru_cache(maxsize=64)
+def _parsed(source: str) -> ast.Module:
+    """A library module's syntax tree (read only), parsed once per text: a kernel
+    template includes dozens of members of each module."""
+    return ast.parse(source)
+
+
 def member_source(source: str, module: str, member: str) -> str:
     """`member`'s text in a library module's `source`: its lines from the comment lines
     directly above it (and its decorators) to its last line, without a final newline."""
-    node = _member_node(ast.parse(source), module, member)
+    node = _member_node(_parsed(source), module, member)
     lines = source.splitlines()
     first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
     while first > 0 and lines[first - 1].lstrip().startswith("#"):
