@@ -118,6 +118,9 @@ def test_plan_json_gives_verify_draft_and_their_sum() -> None:
     assert est["tokens_per_s_per_user"] == pytest.approx(6 / (est["step_ms"] / 1e3))
     assert sum(est["breakdown_ms"].values()) == pytest.approx(est["verify_ms"])
     assert est["hand_written"]["drafter"].startswith("DFlash2")
+    # The calibrated step is verify + draft too, as the estimate's CSV gives it.
+    assert est["calibrated_verify_ms"] > est["verify_ms"]
+    assert est["calibrated_step_ms"] == pytest.approx(est["calibrated_verify_ms"] + est["draft_ms"])
 
 
 def test_plan_text_says_verify_plus_draft_is_predicted_and_not_run() -> None:
@@ -155,6 +158,7 @@ def test_estimate_prices_every_point_with_its_draft() -> None:
                    kinds=KINDS, price_drafter=True)  # fmt: skip
     plan = plan_build(spec, QWEN_TOPOLOGY, options, kinds=KINDS, price_drafter=True)
     assert row.step_ms == pytest.approx(plan.estimate.drafted_step_ms)
+    assert row.calibrated_step_ms == pytest.approx(plan.confidence.record()["calibrated_step_ms"])
     assert row.tokens_per_s_per_user == pytest.approx(6 / (row.step_ms / 1e3))
     from mkgen.plan.report import estimate_chart_text
 

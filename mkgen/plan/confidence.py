@@ -130,8 +130,9 @@ class Confidence(_Frozen):
     """A predicted step beside its calibrated regime, its uncalibrated parts and its
     sensitivity to the unmeasured inputs."""
 
-    step_ms: float
-    calibrated_step_ms: float
+    step_ms: float  # the verify step
+    calibrated_step_ms: float  # the verify step in the calibrated regime
+    draft_ms: float | None  # the drafter's passes, priced beside the verify step (--draft)
     point: str  # "batch 1 x rows 8"
     coverage: Coverage
     calibration: str  # the calibration's bias and worst row (calibration.RECORDED)
@@ -139,9 +140,12 @@ class Confidence(_Frozen):
     sensitivity: tuple[SensitivityRow, ...]
 
     def record(self) -> dict[str, object]:
-        """plan.json's keys under "estimate" (beside the full step)."""
+        """plan.json's keys under "estimate" (beside the full step): with a drafter, the
+        calibrated step is verify + draft, as "step_ms" is, the same draft added to the
+        calibrated verify step (no measurement covers a draft)."""
         return {
-            "calibrated_step_ms": self.calibrated_step_ms,
+            "calibrated_step_ms": self.calibrated_step_ms + (self.draft_ms or 0.0),
+            "calibrated_verify_ms": self.calibrated_step_ms,
             "calibrated_regime": self.coverage.describe(),
             "calibration": self.calibration,
             "uncalibrated": [p.model_dump() for p in self.uncalibrated],
@@ -221,6 +225,7 @@ def assess(
     return Confidence(
         step_ms=est.step_ms,
         calibrated_step_ms=calibrated.step_ms,
+        draft_ms=est.draft_ms,
         point=point,
         coverage=calibration_coverage(),
         calibration=RECORDED.describe(),
