@@ -220,20 +220,30 @@ def check_config(spec: ModelSpec, config: Mapping[str, Any], config_path: Path) 
             )
 
 
+def read_checkpoint_config(config_path: Path, missing: str) -> dict[str, Any]:
+    """A checkpoint's config.json, which must be a JSON object; `missing` is the one-line
+    error when there is none."""
+    from mkgen.spec.files import read_json
+
+    if not config_path.exists():
+        raise MkgenError(missing)
+    config = read_json(config_path)
+    if not isinstance(config, dict):
+        raise MkgenError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
 def checkpoint_source(spec: ModelSpec, checkpoint: Path) -> tuple[Any, dict[str, Any]]:
     """(HFMapping over the checkpoint, its fingerprint: config and shard sizes), once the
     config agrees with the spec and every tensor's name, shape and dtype (the headers) fits
     it, before anything is converted."""
     from mkgen.reference.hf_weights import HFMapping, mtp_layer_count, read_safetensors
-    from mkgen.spec.files import read_json
     from mkgen.spec.hf_import import canonical_architecture
 
     config_path = checkpoint / "config.json"
-    if not config_path.exists():
-        raise MkgenError(f"{checkpoint}: no config.json; not a Hugging Face checkpoint")
-    config = read_json(config_path)
-    if not isinstance(config, dict):
-        raise MkgenError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
+    config = read_checkpoint_config(
+        config_path, f"{checkpoint}: no config.json; not a Hugging Face checkpoint"
+    )
     check_config(spec, config, config_path)
     arch = canonical_architecture(
         (config.get("architectures") or [config.get("model_type", "")])[0], str(config_path)

@@ -109,8 +109,8 @@ def draft_checkpoint(spec: ModelSpec, directory: Path) -> DraftCheckpoint:
     from the headers: nothing is converted or written first)."""
     from mkgen.reference.draft import load_draft_weights
     from mkgen.reference.hf_weights import header_shapes, read_safetensors
-    from mkgen.spec.files import read_json
     from mkgen.spec.hf_import import canonical_architecture
+    from mkgen.weights.convert import read_checkpoint_config
 
     if spec.draft is None:
         raise MkgenError(
@@ -118,11 +118,9 @@ def draft_checkpoint(spec: ModelSpec, directory: Path) -> DraftCheckpoint:
             "makes a build that does); convert without --draft-checkpoint"
         )
     config_path = Path(directory) / "config.json"
-    if not config_path.exists():
-        raise MkgenError(f"--draft-checkpoint {directory}: no config.json; not a checkpoint")
-    config = read_json(config_path)
-    if not isinstance(config, dict):
-        raise MkgenError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
+    config = read_checkpoint_config(
+        config_path, f"--draft-checkpoint {directory}: no config.json; not a checkpoint"
+    )
     check_draft_config(spec, config, config_path)
     arch = (config.get("architectures") or [config.get("model_type", "")])[0]
     if not isinstance(spec.draft, BlockDraft):  # DFlash's layers read as Qwen3's
