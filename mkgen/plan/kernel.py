@@ -8,7 +8,6 @@ from typing import Any
 from mkgen.plan.collectives import greedy_scheme, layer_uses, plan_collectives
 from mkgen.plan.kind import KindRegistry, LayoutInputs
 from mkgen.plan.layout import (
-    CACHE_ALIGN,
     SUBLANES_F32,
     AttentionResidualLayout,
     KernelLayout,
@@ -18,7 +17,7 @@ from mkgen.plan.layout import (
     stream_formats,
     unsupported,
 )
-from mkgen.plan.options import BuildOptions
+from mkgen.plan.options import BuildOptions, cache_block
 from mkgen.plan.sharding import ShardingPlan
 from mkgen.plan.stream import CHUNK, StreamPlan, cdiv, part_of, round_up
 from mkgen.spec.schema import ModelSpec
@@ -119,7 +118,7 @@ def _assemble(
         tokens=tokens,
         tokens_padded=round_up(tokens, SUBLANES_F32),
         context=options.context,
-        cache_block=round_up(options.rows + CACHE_ALIGN - 1, CACHE_ALIGN),
+        cache_block=cache_block(options.rows, options.context),
         hidden=hidden,
         hidden_chunks=cdiv(hidden, CHUNK),
         vocab=spec.dims.vocab,

@@ -46,7 +46,6 @@ Array = Any
 Rank = Any
 
 SUBLANES_F32 = 8
-CACHE_ALIGN = 16  # bf16 rows of an HBM array are tiled by 16
 
 
 class VectorRow(PlanModel):

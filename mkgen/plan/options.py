@@ -66,6 +66,16 @@ def check_chip_hour_price(given: str, usd: float) -> None:
         )
 
 
+CACHE_ALIGN = 16  # bf16 rows of an HBM array are tiled by 16: cache blocks start on a multiple
+
+
+def cache_block(rows: int, context: int) -> int:
+    """Cache rows a step reads and rewrites around its `rows` new entries: whole 16-row
+    tiles that cover them from any offset in a tile, but never more than the context (a
+    smaller cache is rewritten whole, from position 0)."""
+    return min(-(-(rows + CACHE_ALIGN - 1) // CACHE_ALIGN) * CACHE_ALIGN, context)
+
+
 def kv_tile(context: int) -> int:
     """Cache tokens per streamed KV tile: the whole context up to 128 tokens, else 128."""
     return min(context, KV_TILE_TOKENS)
@@ -249,6 +259,11 @@ class BuildOptions(BaseModel):
             raise SpecError(
                 f"--context {self.context} must be a multiple of the "
                 f"{kv_tile(self.context)}-token KV tile"
+            )
+        if self.context > CACHE_ALIGN and self.context % CACHE_ALIGN:
+            raise SpecError(
+                f"--context {self.context}: must be a multiple of {CACHE_ALIGN} (or at most "
+                f"{CACHE_ALIGN}): cache rows are stored in tiles of {CACHE_ALIGN}"
             )
         if self.kv_tile is not None and self.kv_tile not in kv_tile_candidates(self.context):
             raise SpecError(

@@ -36,7 +36,7 @@ from mkgen.hardware import MiB, vmem_padded_bytes
 from mkgen.plan.collectives import CollectivePlan, greedy_scheme, layer_uses, plan_collectives
 from mkgen.plan.kind import BufferInputs, KindRegistry
 from mkgen.plan.layout import MAX_PIECE_CHUNKS, ExpertChunks, draft_hidden_states
-from mkgen.plan.options import BuildOptions, kv_tile
+from mkgen.plan.options import BuildOptions, cache_block, kv_tile
 from mkgen.plan.sharding import ShardingPlan, TensorShard
 from mkgen.plan.stream import CHUNK, LANES, StreamPlan, choose_ring, round_up
 from mkgen.spec.schema import (
@@ -63,7 +63,6 @@ STATE_SLOTS = 2
 # snapshots' estimate: 22,528 B a row (5,632 f32 lanes) holds both.
 STREAMED_STATES_LANES = 5632
 SUBLANES_F32 = 8
-CACHE_ALIGN = 16  # bf16 HBM rows are tiled by 16: cache blocks start on a multiple
 GREEDY_LANES = 128  # (max, argmax) per row, padded to one lane row
 # The ring's slots are followed by a copy of the first CHUNK rows of slot 0 (the wrap).
 RING_WRAP_BYTES = CHUNK * LANES * 2
@@ -314,7 +313,7 @@ def kernel_dims(
                 cache_kinds(spec, sharding, kinds, options.rows), kv_tile(options.context)
             )
         ),  # fmt: skip
-        cache_block=round_up(options.rows + CACHE_ALIGN - 1, CACHE_ALIGN),
+        cache_block=cache_block(options.rows, options.context),
         max_k_chunks=max(s.k_chunks for s in segments),
         max_col_blocks=max(s.col_blocks for s in segments),
         # rows 0 and 1: attn_norm, ffn_norm; the last: a block's attention-residual logits
