@@ -126,6 +126,13 @@ def test_the_outermost_phase_and_kind_decide() -> None:
     stale = ("_attend_gqa.<locals>.pair.<locals>.step", "_top_k", "_route_moe", "_ffn_moe")
     assert phase_of(stale) == "routing"
     assert phase_of(("_rms_norm", "_kernel")) == "vector"
+    # Work run inside a collective while its copies travel is the phase of what it runs.
+    flight = ("_in_flight", "_reduce_scatter_in_flight.<locals>.on_sent", "_round_exchange",
+              "Collectives._round", "Collectives.reduce_scatter", "_reduce_scatter_in_flight",
+              "_ffn_moe", "_kernel")  # fmt: skip
+    assert phase_of(ring + ("_ffn_moe.<locals>.shared_experts", *flight)) == "stream matmul"
+    assert phase_of(("_activation", "_ffn_moe.<locals>.shared_experts", *flight)) == "vector"
+    assert phase_of(("_to_wire", "Collectives.reduce_scatter", "_ffn_moe")) == "collectives"
     frames = ("_write_cache_local", "_attention_local", "_write_cache_global", "_attention_global")
     assert kind_of(frames, {"local", "global"}) == "global"
     assert kind_of(("_rms_norm", "_kernel"), {"gqa"}) is None

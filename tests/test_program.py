@@ -66,15 +66,19 @@ def test_a_kernel_out_of_program_order_is_refused_naming_both_segments() -> None
 
 def test_a_stream_laid_out_against_the_programs_order_is_refused_at_plan_time() -> None:
     """The old layout (latent_out's rows before shared_down's, consumed the other way
-    round) reads latent_out's bank after the ring has refilled its slot and, at a shallow
-    ring, waits for a bank the ring has not started: refused, naming op and bank."""
+    round) has shared_down (run in the expert reduce-scatter's flight) read the bank it
+    shares with latent_out before anything waited for it and, at a shallow ring, wait for
+    a bank the ring has not started: refused, naming op and bank."""
     old = _moe_segments_in(["in", "latent_out", "shared_down"])
     with pytest.raises(ScheduleCheckError) as info:
         plan_build(load_spec("kimi-k3"), parse_topology("2x2x4"), BuildOptions.create(rows=8),
                    kinds=old)  # fmt: skip
     message = str(info.value)
     assert message.startswith("schedule check reads_after_writes failed:")
-    assert "moe.latent_out bank" in message and "but it holds node" in message
+    assert re.search(
+        r"'L\d+ moe\.shared_down bank (\d+)' reads ring\[\d+\] before node \1 ", message
+    )
+    assert "has landed there (not waited)" in message
     spec, topo = load_spec("kimi-k3"), parse_topology("2x2x4")
     plan = plan_build(spec, topo, BuildOptions.create(rows=8), enforce=False, kinds=old)
     hang = plan.graph.failures["deadlock_free"]

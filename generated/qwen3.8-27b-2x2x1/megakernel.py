@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3.8-27b --topology 2x2x1 --rows 8 --draft qwen3
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Qwen3.8-27B: 64 layers, pattern LLLF (Gated DeltaNet x3, gated GQA), SwiGLU 17408"
 Build options: batch 1, rows 8, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 9 refills held for collectives, 14 a round; drafter block: 5 layers, block_size 16, 5 feature layers.
-Inputs sha256: bb7d617cd0b17d0f286cce91daa6c00676cccc1d0e56772a505e7412be7a61c1 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: d89cf569710f698e12d23df120ceaf7ef2ce77859621650182fc2654b3e17177 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -754,10 +754,12 @@ def _attention_linear(ctx, layer, first_row, x):
     writes = cache_copies(True)
     for copy in writes:
         copy.start()
-    for copy in writes:
-        copy.wait()
     o_all = _stack_rows(out_rows)
     partial = ctx.stream.matmul(o_all, first_row, LINEAR_O)
+    # The snapshots' copies out travelled while the core projected; the next layer of a
+    # recurrent kind reads into these buffers, so they are waited before this one ends.
+    for copy in writes:
+        copy.wait()
     return ctx.collectives.all_reduce(0, partial)
 
 

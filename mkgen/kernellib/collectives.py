@@ -172,6 +172,37 @@ class Collectives:
 # fmt: on
 
 
+def _reduce_scatter_in_flight(collectives, which, partial, work):
+    """collectives.reduce_scatter(which, partial) with `work` (which does not need the sum)
+    run while its first round's copies travel, after the round's held refills start (at
+    the end where there are no rounds, on one core); returns the sum's columns and what
+    work returned. Each round calls collectives.on_sent once its copies are under way, so
+    for this call on_sent also runs the work, the first time."""
+    held = collectives.on_sent
+    ran, result = False, None
+
+    def on_sent():
+        nonlocal ran, result
+        if held is not None:
+            held()
+        if not ran:
+            ran, result = True, _in_flight(work)
+
+    collectives.on_sent = on_sent
+    total = collectives.reduce_scatter(which, partial)
+    collectives.on_sent = held
+    if not ran:  # no rounds (one core): nothing travels
+        result = _in_flight(work)
+    return total, result
+
+
+def _in_flight(work):
+    """Runs a caller's `work` from inside a collective (while a round's copies travel): the
+    compiled profile (mkgen/verify/profile.py) gives its ops the phase of the code inside,
+    not the collective's."""
+    return work()
+
+
 def _barrier():
     """Every core this one will write to (the members of its groups in BARRIER_ROUNDS, which
     cover every round's) is inside the kernel."""

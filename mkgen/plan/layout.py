@@ -189,6 +189,11 @@ class FFNRecord(KindRecord):
         """Whether its shared experts are split so (columns_split's rule)."""
         return False
 
+    def work_in_flight(self) -> bool:
+        """Whether it runs work of its own while a collective's copies travel (the kernel
+        then carries _reduce_scatter_in_flight)."""
+        return False
+
     def slab_blocks(
         self, tensors: Mapping[str, Array], prefix: str, rank: int
     ) -> list[tuple[int, Array]]:
@@ -415,6 +420,7 @@ class KernelFeatures(PlanModel):
     block_scales: bool  # scaled experts or fp8 stream segments: scales on partial products
     e2m1: bool  # mxfp4 / nvfp4 experts: e2m1 codes read as e4m3
     held_refills: bool  # a mesh: ring refills may be held for its collectives' flights
+    in_flight: bool  # an FFN kind runs work while a reduce-scatter's copies travel
 
 
 class KernelLayout(PlanModel):
@@ -671,6 +677,7 @@ def kernel_features(
         or any(f.block is not None for f in stream_formats),
         e2m1=bool({"mxfp4", "nvfp4"} & set(expert_formats)),
         held_refills=held_refills,
+        in_flight=any(f.work_in_flight() for f in ffn),
     )
 
 

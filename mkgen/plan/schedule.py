@@ -40,7 +40,9 @@ design implies (docs/planner.md):
   once, piece q + S right after piece q is used, across expert boundaries;
 - collectives: the k-th collective of a layer lands in gather buffer k (attention 0, the
   FFN's 1..3); its stages (mkgen.plan.collectives) send sum(size - 1) remote DMAs to the
-  members of the core's groups, each with its own semaphore, then sum (or concatenate).
+  members of the core's groups, each with its own semaphore, then sum (or concatenate);
+  work that does not need the result (a latent MoE's shared experts) may run between the
+  first round's start and its wait, while the copies travel.
 
 Runtime loops whose iterations use the same buffers are not unrolled in full: a loop
 whose body starts and waits all its own DMAs (the (sequence, kv head) pairs of
@@ -622,10 +624,20 @@ class _Builder:
             self.refill(bank)
 
     # --- collectives ---
-    def collective(self, layer: int, c: Collective | None, src: int) -> int:
+    def collective(
+        self,
+        layer: int,
+        c: Collective | None,
+        src: int,
+        in_flight: Callable[[], None] | None = None,
+    ) -> int:
         """Per round: this core's piece into its slot of gather buffer k, one remote copy
-        to every other member of its group, the group's pieces combined in member order."""
+        to every other member of its group, the group's pieces combined in member order.
+        `in_flight` emits work that does not need the result: the core runs it while the
+        first round's copies travel (at once where nothing travels)."""
         if c is None or self.d == 1:
+            if in_flight is not None:
+                in_flight()
             return src
         # The buffer is the kernel's (collective_buffers): a peer cannot still be reading
         # it when it is written again (it needed this core's contributions to the
@@ -642,6 +654,8 @@ class _Builder:
             self.nodes[d].collective = call
             self.start(d)
             self.release_held()
+            if in_flight is not None and call.index == 0:
+                in_flight()
             self.wait(d)
             last = call.index == call.rounds - 1
             x = self.run("collective", f"L{layer} {c.name}: {what} ({call.round})", layer,

@@ -52,9 +52,14 @@ def phase_of(frames: Frames) -> str:
     """The phase of an op emitted under `frames` (innermost first): that of the outermost
     function with a phase. Outermost, because Pallas emits some lowering rules as
     functions it caches by signature, whose ops keep the first caller's inner frames.
-    The held refills a collective round starts are the weight stream's all the same."""
+    The held refills a collective round starts are the weight stream's all the same, and
+    the work a caller runs inside a collective (`_in_flight`, while a round's copies
+    travel) is that of the frames inside it."""
     if any(_function(frame) == "WeightStream.release_held" for frame in frames):
         return "stream matmul"
+    inside = next((i for i, frame in enumerate(frames) if _function(frame) == "_in_flight"), None)
+    if inside is not None:
+        frames = frames[:inside]
     for frame in reversed(frames):
         name = _function(frame)
         for phase, prefixes in _PHASE_RULES:

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --draft 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of kimi-k3 for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats, expert sharing half; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round; drafter mtp: 1 module(s), mla + moe layer.
-Inputs sha256: 5324bc1defd49f7e6a75e71ab09fdfd7784c10c16d7c309bc60c576f59bc83e8 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 8466f2bd0d0cbb6f0edaa8c59816eb46e5c397c52b16a2215e24e9b60e2735ae (spec JSON, topology, options, templates, ruff version).
 
 Each of the 32 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -834,6 +834,37 @@ class Collectives:
         return total
 
 
+def _reduce_scatter_in_flight(collectives, which, partial, work):
+    """collectives.reduce_scatter(which, partial) with `work` (which does not need the sum)
+    run while its first round's copies travel, after the round's held refills start (at
+    the end where there are no rounds, on one core); returns the sum's columns and what
+    work returned. Each round calls collectives.on_sent once its copies are under way, so
+    for this call on_sent also runs the work, the first time."""
+    held = collectives.on_sent
+    ran, result = False, None
+
+    def on_sent():
+        nonlocal ran, result
+        if held is not None:
+            held()
+        if not ran:
+            ran, result = True, _in_flight(work)
+
+    collectives.on_sent = on_sent
+    total = collectives.reduce_scatter(which, partial)
+    collectives.on_sent = held
+    if not ran:  # no rounds (one core): nothing travels
+        result = _in_flight(work)
+    return total, result
+
+
+def _in_flight(work):
+    """Runs a caller's `work` from inside a collective (while a round's copies travel): the
+    compiled profile (mkgen/verify/profile.py) gives its ops the phase of the code inside,
+    not the collective's."""
+    return work()
+
+
 def _mix_weights(vec, n):
     """The softmax of the block's logits over its n live snapshots, [1, MAX_SNAPSHOTS]
     (zero past n)."""
@@ -962,10 +993,12 @@ def _attention_kda(ctx, layer, first_row, x):
     writes = cache_copies(True)
     for copy in writes:
         copy.start()
-    for copy in writes:
-        copy.wait()
     o_all = _stack_rows(out_rows)
     partial = ctx.stream.matmul(o_all, first_row, KDA_O)
+    # The snapshots' copies out travelled while the core projected; the next layer of a
+    # recurrent kind reads into these buffers, so they are waited before this one ends.
+    for copy in writes:
+        copy.wait()
     return ctx.collectives.all_reduce(0, partial)
 
 
@@ -1334,16 +1367,22 @@ def _ffn_moe(ctx, layer, first_row, x):
     ids, weights = _route_moe(vec, logits)
     latent = _rms_norm(latent, vec[MOE_LATENT_NORM_VEC])
     routed = _experts_moe(ctx, ctx.tables[3, layer], ids, weights, latent)
-    shared = _activation(
-        MOE_ACTIVATION,
-        y[:, MOE_SHARED_GATE_COLS],
-        y[:, MOE_SHARED_UP_COLS],
-        **MOE_ACTIVATION_PARAMS,
-    )
-    shared = ctx.stream.matmul(shared, first_row, MOE_SHARED_DOWN)
+
+    def shared_experts():
+        """The shared experts' partial hidden from this layer's input y alone."""
+        shared = _activation(
+            MOE_ACTIVATION,
+            y[:, MOE_SHARED_GATE_COLS],
+            y[:, MOE_SHARED_UP_COLS],
+            **MOE_ACTIVATION_PARAMS,
+        )
+        shared = ctx.stream.matmul(shared, first_row, MOE_SHARED_DOWN)
+        return shared
+
     # Latent back to hidden: this core's slice of the summed latent (reduce-scatter), the
     # latent_out rows of that slice, the shared experts' partial hidden added, one all-reduce of hidden.
-    z = ctx.collectives.reduce_scatter(2, routed)
+    # The shared experts run while the reduce-scatter's copies travel (they need only y).
+    z, shared = _reduce_scatter_in_flight(ctx.collectives, 2, routed, shared_experts)
     out = ctx.stream.matmul(z, first_row, MOE_LATENT_OUT)
     return ctx.collectives.all_reduce(3, out + shared)
 

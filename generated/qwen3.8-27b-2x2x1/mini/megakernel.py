@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3.8-27b --topology 2x2x1 --rows 8 --dr
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3.8-27b for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round; drafter block: 5 layers, block_size 16, 5 feature layers.
-Inputs sha256: ca009ea88578a88389eeccf6bbe7e729c7650754f157e1e83071e17d100da094 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 4d8b66b26683dd63aa5884f404c8330f24e461ab9faad22d514280fbbf0f1896 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -754,10 +754,12 @@ def _attention_linear(ctx, layer, first_row, x):
     writes = cache_copies(True)
     for copy in writes:
         copy.start()
-    for copy in writes:
-        copy.wait()
     o_all = _stack_rows(out_rows)
     partial = ctx.stream.matmul(o_all, first_row, LINEAR_O)
+    # The snapshots' copies out travelled while the core projected; the next layer of a
+    # recurrent kind reads into these buffers, so they are waited before this one ends.
+    for copy in writes:
+        copy.wait()
     return ctx.collectives.all_reduce(0, partial)
 
 

@@ -241,6 +241,7 @@ def layout(i: LayoutInputs) -> MoELayout:
         router_split=shard.router == "split",
         shared_width=columns["shared_gate"].size if "shared_gate" in columns else 0,
         shared_gate="shared_gate_proj" in columns,
+        shared_in_flight=shared_in_flight(kind, shard.latent_design),
         columns=columns,
         segments=i.segments,
         in_segments=[s.name for s in i.segments if s.name.split(".")[0] == "in"],
@@ -300,15 +301,37 @@ def ops(kind: Any) -> list[str]:
     return ["in", "route", *latent, "experts", *shared, *tail, "combine"]
 
 
+def shared_in_flight(kind: Any, latent_design: str) -> bool:
+    """Whether the shared experts' activation and down projection run while the expert_out
+    reduce-scatter's copies travel: they need only the layer's input, so with a latent
+    combined by reduce-scatter (rs_ar) and their op before latent_out's (`ops`) the core
+    runs them in that round's flight instead of before it. Without a latent no collective
+    precedes their sum (ffn_out adds them)."""
+    if not kind.shared_experts or latent_design != "rs_ar":
+        return False
+    order = ops(kind)
+    return order.index("shared") < order.index("latent_out")
+
+
 def program(b: Any, s: Step) -> int:
     """The layer's ops (`ops`): the "in" segments (router, latent_in, shared gate|up),
     routing, the latent's all-gather and norm, the chosen experts, the shared experts'
-    down projection, the latent's way back to hidden, the combine. A split router's scores
-    ride in the latent's all-gather, which routing then waits for."""
+    down projection (in the expert_out reduce-scatter's flight where shared_in_flight), the
+    latent's way back to hidden, the combine. A split router's scores ride in the latent's
+    all-gather, which routing then waits for."""
     layer, name, kind, segs, first = s.layer, s.name, s.kind, s.segments, s.stream_row
     v, colls = s.vectors, s.collectives
     y = route = lat = out = s.x
-    shared = gathered = None
+    shared: int | None = None
+    gathered = None
+
+    def shared_experts() -> None:
+        nonlocal shared
+        width = next(t.rank_shape[-1] for t in s.shard.tensors if t.name == "ffn.shared_up")
+        act = b.vec(layer, f"{name}: shared activation", y, 8 * b.t * width)
+        shared = b.segment(layer, name, segs["shared_down"], first, act)
+
+    in_flight = shared_in_flight(kind, s.shard.latent_design)
     for op in ops(kind):
         if op == "in":
             for seg in (seg for n, seg in segs.items() if n.split(".")[0] == "in"):
@@ -328,11 +351,11 @@ def program(b: Any, s: Step) -> int:
         elif op == "experts":
             out = _experts(b, layer, name, kind, s.shard, route, lat)
         elif op == "shared":
-            width = next(t.rank_shape[-1] for t in s.shard.tensors if t.name == "ffn.shared_up")
-            act = b.vec(layer, f"{name}: shared activation", y, 8 * b.t * width)
-            shared = b.segment(layer, name, segs["shared_down"], first, act)
+            if not in_flight:  # else the expert_out reduce-scatter runs them in its flight
+                shared_experts()
         elif op == "latent_out":
-            out = b.collective(layer, colls.get("expert_out"), out)
+            out = b.collective(layer, colls.get("expert_out"), out,
+                               in_flight=shared_experts if in_flight else None)  # fmt: skip
             out = b.segment(layer, name, segs["latent_out"], first, out)
         else:  # combine
             if shared is not None:

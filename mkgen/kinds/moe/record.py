@@ -57,6 +57,9 @@ class MoELayout(FFNRecord):
     router_split: bool
     shared_width: int  # shared-expert columns per rank (0: none)
     shared_gate: bool
+    # The shared experts' activation and down projection run while the expert_out
+    # reduce-scatter's copies travel (shared_in_flight), not before it.
+    shared_in_flight: bool
     columns: dict[str, Columns]  # outputs of the "in" segment: router, latent_in, shared_*
     segments: list[Segment]  # in, latent_out, shared_down
     in_segments: list[str]  # the "in" tensors' segments: one per format, outputs side by side
@@ -69,6 +72,9 @@ class MoELayout(FFNRecord):
 
     def routed_chunks(self) -> ExpertChunks:
         return self.experts
+
+    def work_in_flight(self) -> bool:
+        return self.shared_in_flight
 
     def slab_rows(self) -> int:
         """Its vector rows, then two rows per expert it holds for the expert biases."""

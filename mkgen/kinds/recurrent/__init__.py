@@ -47,8 +47,10 @@ def state_cache(
 def ops(own: list[str]) -> list[str]:
     """A recurrent layer's ops in the order its kernel function runs them, with the kind's
     `own` (its low-rank projections and gates) after the input projection: the program
-    emits them in this order and the template prints them in it (RecurrentLayout.ops)."""
-    return ["in", *own, "state", "output", "o", "combine"]
+    emits them in this order and the template prints them in it (RecurrentLayout.ops).
+    The snapshots' copies out are waited only after the output projection
+    ("state_out"), so that they travel while the core projects."""
+    return ["in", *own, "state", "output", "o", "state_out", "combine"]
 
 
 def layout(i: LayoutInputs, dims: dict[str, int], extra: dict[str, Any]) -> RecurrentLayout:
@@ -117,16 +119,21 @@ def buffers(out: Any, i: BufferInputs, state: StateDims) -> None:
 def program(b: Any, s: Step, state: StateDims, ops: list[str]) -> int:
     """The layer's `ops`: the input projection (and KDA's low-rank up-projections), conv
     and gates, the current conv tails and states of every sequence in, the rows in order,
-    the snapshot after every row out, output norm and gate, output projection, all-reduce;
-    `state` is the kind's (state heads, key dim, value dim, conv channels) per core."""
+    the snapshot after every row out, output norm and gate, output projection, the
+    snapshots' copies out waited, all-reduce; `state` is the kind's (state heads, key dim,
+    value dim, conv channels) per core."""
     layer, name, v = s.layer, s.name, s.vectors
     h = b.dims.hidden
     y = s.x
+    writes: list[int] = []
     for op in ops:
         if op == "gates":
             y = b.vec(layer, f"{name}: conv, gates", y, 8 * b.t * h, ((v, None, 0),))
         elif op == "state":
-            y = _state_update(b, layer, name, s.shard, y, state)
+            y, writes = _state_update(b, layer, name, s.shard, y, state)
+        elif op == "state_out":
+            for wr in writes:
+                b.wait(wr)
         elif op == "output":
             y = b.vec(layer, f"{name}: output norm, gate", y, 6 * b.t * h, ((v, None, 0),))
         elif op == "combine":
@@ -139,10 +146,11 @@ def program(b: Any, s: Step, state: StateDims, ops: list[str]) -> int:
 
 
 def _state_update(b: Any, layer: int, name: str, a: Any, y: int,
-                  state: StateDims) -> int:  # fmt: skip
+                  state: StateDims) -> tuple[int, list[int]]:  # fmt: skip
     """The current conv tail and state of every sequence in, the rows in order, the
-    snapshot after every row written back; streamed a sequence at a time when the VMEM
-    plan keeps only `state_slots` sequences (_streamed_state_update)."""
+    snapshot after every row started back to HBM; streamed a sequence at a time when the
+    VMEM plan keeps only `state_slots` sequences (_streamed_state_update). Returns the last
+    row's op and the copies out still to wait."""
     batch, slots = b.dims.batch, b.vmem.state_slots
     heads, dk, dv = state.heads, state.key_dim, state.value_dim
     res = f"{name}.state"
@@ -165,15 +173,15 @@ def _state_update(b: Any, layer: int, name: str, a: Any, y: int,
                None, 0, sems, nbytes * b.dims.rows, count=len(sems),
                reads=((prev, res, 0),))  # fmt: skip
     b.start(wr)
-    b.wait(wr)
-    return prev
+    return prev, [wr]
 
 
 def _streamed_state_update(b: Any, layer: int, name: str, a: Any, y: int,
-                           state: StateDims) -> int:  # fmt: skip
+                           state: StateDims) -> tuple[int, list[int]]:  # fmt: skip
     """The template's streamed order: sequence 0's conv tail and state in; for each
     sequence, the next one's in once the snapshots of the one before it in its slot are
-    out, its own in waited, its rows, its snapshots out; every copy out waited at the end."""
+    out, its own in waited, its rows, its snapshots out; the copies out still travelling
+    at the end are returned, to be waited after the output projection."""
     batch, slots = b.dims.batch, b.vmem.state_slots
     res = f"{name}.state"
     sems = b.block_sems(f"{name}_cache_sems", (2, slots))
@@ -204,6 +212,4 @@ def _streamed_state_update(b: Any, layer: int, name: str, a: Any, y: int,
                      writes=(res, seq % slots))  # fmt: skip
         writes[seq] = copy(seq, True, reads=((prev, res, seq % slots),))
         b.start(writes[seq])
-    for wr in writes.values():
-        b.wait(wr)
-    return prev
+    return prev, list(writes.values())
