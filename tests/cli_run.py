@@ -1,11 +1,14 @@
-"""Running the CLI as a user does (a fresh process) and checking its one-line errors;
-shared by the CLI test files."""
+"""Running the CLI as a user does (a fresh process), or its entry point in the test's own
+process, and checking its one-line errors; shared by the CLI test files."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,6 +24,39 @@ def mkgen(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.Comp
         env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONDONTWRITEBYTECODE": "1"},
         timeout=timeout,
     )
+
+
+def mkgen_here(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    """The CLI's entry point (mkgen.cli.main, what the console script calls) in this process,
+    with what `mkgen` gives a user: the exit status, stdout and stderr, an uncaught
+    exception's traceback on stderr with status 1. For the tests of what a command writes
+    or refuses, where a fresh process would only add its imports (about 1 to 2 CPU s a
+    call); the tests of tests/test_cli.py and the runs on virtual devices start one."""
+    from mkgen.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    status = 0
+    bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # as mkgen() runs it
+    try:
+        with (
+            contextlib.chdir(cwd),
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+        ):
+            try:
+                main(list(args))
+            except SystemExit as exit_:
+                if isinstance(exit_.code, int | None):
+                    status = exit_.code or 0
+                else:  # sys.exit(message): the message on stderr, status 1
+                    err.write(f"{exit_.code}\n")
+                    status = 1
+            except Exception:  # what the interpreter prints for an uncaught one
+                err.write(traceback.format_exc())
+                status = 1
+    finally:
+        sys.dont_write_bytecode = bytecode
+    return subprocess.CompletedProcess(["mkgen", *args], status, out.getvalue(), err.getvalue())
 
 
 def assert_user_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:

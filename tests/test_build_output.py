@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_run import REPO, assert_user_error, mkgen
+from cli_run import REPO, assert_user_error, mkgen_here
 
 from mkgen.codegen import digest, package
 from mkgen.codegen.package import make_build, render_build
@@ -66,7 +66,7 @@ def test_force_never_replaces_a_git_repository(tmp_path: Path) -> None:
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
     before = _snapshot(repo)
     for force in ((), ("--force",)):
-        result = mkgen(*BUILD, "-o", str(repo), *force)
+        result = mkgen_here(*BUILD, "-o", str(repo), *force)
         assert_user_error(result, f"{repo} holds files mkgen did not write", "give -o a new")
         assert "--force" not in result.stderr
     assert _snapshot(repo) == before
@@ -88,7 +88,7 @@ def test_force_never_replaces_the_checkout_generated_dev_null_or_root(
     listing = sorted(os.listdir(target)) if target.is_dir() else None
     with pytest.raises(MkgenError, match=f"^{target} {says}.*give -o a new"):
         make_build(*_inputs(), output=target)
-    result = mkgen(*BUILD, "-o", str(target), "--force")
+    result = mkgen_here(*BUILD, "-o", str(target), "--force")
     assert_user_error(result, f"{target} {says}", "give -o a new")
     assert "--force" not in result.stderr
     assert (sorted(os.listdir(target)) if target.is_dir() else None) == listing
@@ -112,10 +112,10 @@ def test_edits_to_mkgens_files_are_refused_without_force_and_replaced_with_it(
     write_build(files, target, force=False)
     (target / "REPORT.md").write_text("my notes\n")
     (target / "plan.json").unlink()
-    refused = mkgen(*BUILD, "-o", str(target))
+    refused = mkgen_here(*BUILD, "-o", str(target))
     assert_user_error(refused, "REPORT.md was edited since mkgen wrote it", "pass --force")
     assert (target / "REPORT.md").read_text() == "my notes\n"
-    forced = mkgen(*BUILD, "-o", str(target), "--force")
+    forced = mkgen_here(*BUILD, "-o", str(target), "--force")
     assert forced.returncode == 0, forced.stderr
     assert local_edits(target) is None and (target / "mini" / "runner.py").exists()
     assert _debris(target) == []
@@ -173,7 +173,7 @@ def test_a_rebuild_refuses_to_delete_what_mkgen_did_not_write(
     with pytest.raises(MkgenError) as refused:
         write_build({**files, "REPORT.md": "new\n"}, target, force=False)
     assert str(refused.value) == refusal
-    result = mkgen(*BUILD, "-o", str(target), "--force")
+    result = mkgen_here(*BUILD, "-o", str(target), "--force")
     assert_user_error(result, refusal)
     assert "--force" not in result.stderr
     assert _snapshot(tmp_path) == before
@@ -243,11 +243,11 @@ def test_a_kill_between_the_renames_gives_the_old_build_back(
     (target / "REPORT.md").write_text("my notes\n")
     target.rename(tmp_path / f".build.{'0' * 32}.old")
     _staging(target, "abcdefgh", files)
-    refused = mkgen(*BUILD, "-o", str(target))
+    refused = mkgen_here(*BUILD, "-o", str(target))
     assert_user_error(refused, "REPORT.md was edited since mkgen wrote it", "pass --force")
     assert (target / "REPORT.md").read_text() == "my notes\n"
     assert _debris(target) == []
-    forced = mkgen(*BUILD, "-o", str(target), "--force")
+    forced = mkgen_here(*BUILD, "-o", str(target), "--force")
     assert forced.returncode == 0, forced.stderr
     assert local_edits(target) is None and _debris(target) == []
 
@@ -298,10 +298,10 @@ def test_a_build_killed_by_sigkill_mid_swap_is_recovered_by_the_next(
     assert killed.returncode == -9, killed.stderr
     assert not target.exists()
     assert sorted(name.rsplit(".", 1)[1] for name in _debris(target)) == ["old", "tmp"]
-    refused = mkgen(*BUILD, "-o", str(target))  # the old build is back, with its edit
+    refused = mkgen_here(*BUILD, "-o", str(target))  # the old build is back, with its edit
     assert_user_error(refused, "REPORT.md was edited since mkgen wrote it")
     assert _debris(target) == []
-    forced = mkgen(*BUILD, "-o", str(target), "--force")
+    forced = mkgen_here(*BUILD, "-o", str(target), "--force")
     assert forced.returncode == 0, forced.stderr
     assert local_edits(target) is None and (target / "mini" / "plan.json").exists()
 
@@ -312,14 +312,14 @@ def test_a_build_killed_by_sigkill_mid_swap_is_recovered_by_the_next(
 def test_a_parent_that_is_a_file_is_one_line(tmp_path: Path) -> None:
     parent = tmp_path / "notes.txt"
     parent.write_text("mine")
-    result = mkgen(*BUILD, "-o", str(parent / "sub" / "build"))
+    result = mkgen_here(*BUILD, "-o", str(parent / "sub" / "build"))
     assert_user_error(result, f"{parent} is not a directory, so {parent}/sub/build cannot")
     assert parent.read_text() == "mine"
 
 
 @pytest.mark.parametrize("parent", ["/proc", "/sys"])
 def test_a_parent_root_cannot_write_in_is_one_line(parent: str) -> None:
-    result = mkgen(*BUILD, "-o", f"{parent}/mkgen-build")
+    result = mkgen_here(*BUILD, "-o", f"{parent}/mkgen-build")
     assert_user_error(result, f"cannot write {parent}/mkgen-build: {parent} is not writable")
 
 
@@ -327,7 +327,7 @@ def test_a_parent_root_cannot_write_in_is_one_line(parent: str) -> None:
 def test_a_read_only_parent_is_one_line(tmp_path: Path) -> None:
     parent = tmp_path / "ro"
     parent.mkdir(mode=0o555)
-    result = mkgen(*BUILD, "-o", str(parent / "build"))
+    result = mkgen_here(*BUILD, "-o", str(parent / "build"))
     assert_user_error(result, f"{parent} is not writable")
     assert list(parent.iterdir()) == []
 
@@ -338,7 +338,7 @@ def test_an_immutable_parent_is_one_line(tmp_path: Path) -> None:
     if subprocess.run(["chattr", "+i", str(parent)], capture_output=True).returncode != 0:
         pytest.skip("chattr +i is not permitted here")
     try:
-        result = mkgen(*BUILD, "-o", str(parent / "build"))
+        result = mkgen_here(*BUILD, "-o", str(parent / "build"))
         assert_user_error(result, f"{parent} is not writable (Operation not permitted)")
         assert list(parent.iterdir()) == []
     finally:
@@ -353,14 +353,14 @@ def test_import_hf_force_overwrites_a_file_but_never_a_folder_or_a_device(
 ) -> None:
     spec = tmp_path / "qwen3.yaml"
     spec.write_text("mine\n")
-    refused = mkgen("import-hf", str(HF_CONFIG), "-o", str(spec))
+    refused = mkgen_here("import-hf", str(HF_CONFIG), "-o", str(spec))
     assert_user_error(refused, f"{spec} exists; pass --force to overwrite it")
     assert spec.read_text() == "mine\n"
-    forced = mkgen("import-hf", str(HF_CONFIG), "-o", str(spec), "--force")
+    forced = mkgen_here("import-hf", str(HF_CONFIG), "-o", str(spec), "--force")
     assert forced.returncode == 0, forced.stderr
     assert spec.read_text().startswith("# Generated by mkgen import-hf")
     for target, says in ((tmp_path, "is a directory"), ("/dev/null", "is not a regular file")):
-        result = mkgen("import-hf", str(HF_CONFIG), "-o", str(target), "--force")
+        result = mkgen_here("import-hf", str(HF_CONFIG), "-o", str(target), "--force")
         assert_user_error(result, f"{target} {says}; give a file path")
         assert "--force" not in result.stderr
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
@@ -372,31 +372,31 @@ def test_plan_trace_replaces_its_own_trace_and_a_users_file_only_with_force(
 ) -> None:
     trace = tmp_path / "trace.json"
     plan = ("plan", "qwen3-32b", "--topology", "2x2x1", "--trace", str(trace))
-    assert mkgen(*plan).returncode == 0
-    again = mkgen(*plan)  # its own trace: replaced without asking
+    assert mkgen_here(*plan).returncode == 0
+    again = mkgen_here(*plan)  # its own trace: replaced without asking
     assert again.returncode == 0, again.stderr
     trace.write_text('{"traceEvents": []}')
-    refused = mkgen(*plan)
+    refused = mkgen_here(*plan)
     assert_user_error(refused, f"{trace} exists and is not a trace mkgen wrote", "--force")
     assert trace.read_text() == '{"traceEvents": []}'
-    assert mkgen(*plan, "--force").returncode == 0
+    assert mkgen_here(*plan, "--force").returncode == 0
     assert "mkgen core 0" in trace.read_text()
-    dev_null = mkgen("plan", "qwen3-32b", "--topology", "2x2x1", "--trace", "/dev/null")
+    dev_null = mkgen_here("plan", "qwen3-32b", "--topology", "2x2x1", "--trace", "/dev/null")
     assert_user_error(dev_null, "/dev/null is not a regular file")
 
 
 def test_estimate_replaces_its_own_files_but_never_a_users(tmp_path: Path) -> None:
     estimate = ("estimate", "qwen3-32b", "--topology", "2x2x1", "--batches", "1,2")
-    assert mkgen(*estimate, "-o", str(tmp_path)).returncode == 0
-    again = mkgen(*estimate, "-o", str(tmp_path))  # its own files: replaced
+    assert mkgen_here(*estimate, "-o", str(tmp_path)).returncode == 0
+    again = mkgen_here(*estimate, "-o", str(tmp_path))  # its own files: replaced
     assert again.returncode == 0, again.stderr
     csv = tmp_path / "qwen3-32b-2x2x1-estimate.csv"
     csv.write_text("my,table\n")
-    refused = mkgen(*estimate, "-o", str(tmp_path))
+    refused = mkgen_here(*estimate, "-o", str(tmp_path))
     assert_user_error(refused, f"{csv} exists and is not an estimate mkgen wrote")
     assert "--force" not in refused.stderr
     assert csv.read_text() == "my,table\n"
-    into_a_file = mkgen(*estimate, "-o", str(csv))
+    into_a_file = mkgen_here(*estimate, "-o", str(csv))
     assert_user_error(into_a_file, f"{csv} is not a directory")
 
 

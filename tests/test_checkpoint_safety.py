@@ -17,7 +17,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from cli_run import assert_user_error, mkgen
+from cli_run import assert_user_error, mkgen_here
 from safetensors.numpy import load_file
 from test_convert import FIXTURES, save_safetensors, write_sharded
 
@@ -65,7 +65,7 @@ def _raw_shard(path: Path, header: bytes, data: bytes, length: int | None = None
 
 
 def _convert(checkpoint: Path, out: Path, *spec: str):
-    return mkgen(
+    return mkgen_here(
         "convert", *spec, "--checkpoint", str(checkpoint), "--topology", "1x1x1", "-o", str(out)
     )
 

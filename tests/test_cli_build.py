@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cli_run import assert_user_error, mkgen
+from cli_run import assert_user_error, mkgen, mkgen_here
 from click.testing import CliRunner
 
 REPO = Path(__file__).resolve().parents[1]
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
     directory = tmp_path_factory.mktemp("cli") / "qwen3-32b-2x2x1"
-    return directory, mkgen("build", "qwen3-32b", "--topology", "2x2x1", "-o", str(directory))
+    return directory, mkgen_here("build", "qwen3-32b", "--topology", "2x2x1", "-o", str(directory))
 
 
 def test_build_writes_the_directory_and_says_what_is_in_it(built) -> None:
@@ -44,15 +44,17 @@ def test_build_writes_the_directory_and_says_what_is_in_it(built) -> None:
 
 def test_build_again_is_a_no_op_and_edits_need_force(built) -> None:
     directory, _ = built
-    again = mkgen("build", "qwen3-32b", "--topology", "2x2x1", "-o", str(directory))
+    again = mkgen_here("build", "qwen3-32b", "--topology", "2x2x1", "-o", str(directory))
     assert again.returncode == 0 and "up to date" in again.stdout
     report = directory / "REPORT.md"
     original = report.read_text()
     report.write_text(original + "my notes\n")
-    refused = mkgen("build", "qwen3-32b", "--topology", "2x2x1", "-o", str(directory))
+    refused = mkgen_here("build", "qwen3-32b", "--topology", "2x2x1", "-o", str(directory))
     assert_user_error(refused, "REPORT.md was edited", "pass --force")
     assert report.read_text().endswith("my notes\n")
-    forced = mkgen("build", "qwen3-32b", "--topology", "2x2x1", "-o", str(directory), "--force")
+    forced = mkgen_here(
+        "build", "qwen3-32b", "--topology", "2x2x1", "-o", str(directory), "--force"
+    )
     assert forced.returncode == 0, forced.stderr
     assert report.read_text() == original
 
@@ -68,32 +70,32 @@ def test_unsupported_features_fail_in_one_line_and_write_nothing(tmp_path: Path)
     path.parent.mkdir()
     path.write_text(yaml.safe_dump(spec))
     target = tmp_path / "build"
-    result = mkgen("build", str(path), "--topology", "2x2x1", "-o", str(target))
+    result = mkgen_here("build", str(path), "--topology", "2x2x1", "-o", str(target))
     assert_user_error(result, "tied embeddings", "not supported by the")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["spec"]
-    assert_user_error(mkgen("build", str(path), "--topology", "2x2x1"), "not supported by the")
+    assert_user_error(mkgen_here("build", str(path), "--topology", "2x2x1"), "not supported by the")
     assert not (REPO / "generated" / "qwen3-32b-tied-2x2x1").exists()
     assert_user_error(mkgen("verify", str(path), "--topology", "2x2x1"), "not supported by the")
     # int4 groups a split would cut (they are not re-grouped): the error names one that fits.
     quant = ["--quant", "mlp=int4:128"]
-    result = mkgen("build", "kimi-k2", "--topology", "2x2x4", *quant, "-o", str(target))
+    result = mkgen_here("build", "kimi-k2", "--topology", "2x2x4", *quant, "-o", str(target))
     assert_user_error(result, "576 per device", "(e.g. int4:64)")
     assert not target.exists()
 
 
 def test_bad_inputs_are_one_line_exit_2(tmp_path: Path) -> None:
-    assert_user_error(mkgen("build", "qwen3-32b", "--topology", "3x3x3"), "3x3x3")
+    assert_user_error(mkgen_here("build", "qwen3-32b", "--topology", "3x3x3"), "3x3x3")
     assert_user_error(
-        mkgen("build", "qwen3-32b", "--topology", "2x2x1", "--batch", "0"), "--batch 0"
+        mkgen_here("build", "qwen3-32b", "--topology", "2x2x1", "--batch", "0"), "--batch 0"
     )
-    assert_user_error(mkgen("build", "no-such-model", "--topology", "2x2x1"), "no-such-model")
-    assert_user_error(mkgen("inspect", str(tmp_path)), "not a build directory")
-    assert_user_error(mkgen("build", "qwen3-32b"), "--topology")
+    assert_user_error(mkgen_here("build", "no-such-model", "--topology", "2x2x1"), "no-such-model")
+    assert_user_error(mkgen_here("inspect", str(tmp_path)), "not a build directory")
+    assert_user_error(mkgen_here("build", "qwen3-32b"), "--topology")
 
 
 def test_inspect_prints_the_outline_with_line_ranges(built) -> None:
     directory, _ = built
-    result = mkgen("inspect", str(directory))
+    result = mkgen_here("inspect", str(directory))
     assert result.returncode == 0, result.stderr
     out = result.stdout
     source = (directory / "megakernel.py").read_text().splitlines()
@@ -125,7 +127,7 @@ def test_inspect_prints_the_outline_with_line_ranges(built) -> None:
 
 
 def test_inspect_outlines_the_moe_phases_of_a_checked_in_build() -> None:
-    result = mkgen("inspect", "qwen3-30b-a3b-2x2x1")  # a name in generated/
+    result = mkgen_here("inspect", "qwen3-30b-a3b-2x2x1")  # a name in generated/
     assert result.returncode == 0, result.stderr
     assert "ffn 'moe' (moe): layers 0-47 (48)" in result.stdout
     assert re.search(r"_route_moe: .*\[lines \d+-\d+\]", result.stdout)
@@ -135,7 +137,7 @@ def test_inspect_outlines_the_moe_phases_of_a_checked_in_build() -> None:
 
 def test_inspect_layer_shows_its_rows_banks_slot_and_source(built) -> None:
     directory, _ = built
-    result = mkgen("inspect", str(directory / "mini"), "--layer", "1")
+    result = mkgen_here("inspect", str(directory / "mini"), "--layer", "1")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "layer 1 of 2 (qwen3-32b-mini on tpu7x:2x2x1)" in out
@@ -143,7 +145,7 @@ def test_inspect_layer_shows_its_rows_banks_slot_and_source(built) -> None:
     assert "cache slot 1 of kind 'gqa'" in out
     assert re.search(r"^\s+\d+  def _attention_gqa\(", out, re.M)
     assert re.search(r"^\s+\d+  def _ffn_dense\(", out, re.M)
-    assert_user_error(mkgen("inspect", str(directory), "--layer", "64"), "--layer 64")
+    assert_user_error(mkgen_here("inspect", str(directory), "--layer", "64"), "--layer 64")
 
 
 def test_compile_prints_seconds_and_vmem() -> None:

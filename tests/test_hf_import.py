@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cli_run import assert_user_error, mkgen
+from cli_run import assert_user_error, mkgen_here
 
 from mkgen.errors import SpecError
 from mkgen.reference.hf_weights import (
@@ -979,26 +979,26 @@ def test_refused_config_is_one_line_naming_the_key(
 ) -> None:
     path = tmp_path / "config.json"
     path.write_text(text)
-    assert_user_error(mkgen("show", str(path)), "config.json: ", fragment)
+    assert_user_error(mkgen_here("show", str(path)), "config.json: ", fragment)
 
 
 def test_a_utf16_config_is_one_line(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
     path.write_bytes(_config_text().encode("utf-16"))
-    assert_user_error(mkgen("show", str(path)), "config.json: not UTF-8 text")
+    assert_user_error(mkgen_here("show", str(path)), "config.json: not UTF-8 text")
 
 
 def test_a_config_name_with_a_newline_cannot_inject_yaml(tmp_path: Path) -> None:
     path = tmp_path / "x\nquantization: {experts: int4:32}\n#.json"
     path.write_text(_config_text())
     output = tmp_path / "spec.yaml"
-    result = mkgen("import-hf", str(path), "-o", str(output))
+    result = mkgen_here("import-hf", str(path), "-o", str(output))
     assert_user_error(result, "the path is not one printable line")
     assert not output.exists()
 
 
 def test_the_unchanged_fixture_config_imports() -> None:
     # What the refused cases above change one key of.
-    result = mkgen("show", str(QWEN3_MOE_CONFIG), "--json")
+    result = mkgen_here("show", str(QWEN3_MOE_CONFIG), "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["name"] == "config"

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
-from cli_run import assert_user_error, mkgen
+from cli_run import assert_user_error, mkgen_here
 
 from mkgen.errors import SpecError
 from mkgen.kinds import default_registry
@@ -145,9 +145,9 @@ def test_a_forced_kv_tile_is_planned_as_given_with_no_scores() -> None:
 
 
 def test_a_kv_tile_outside_the_candidates_is_a_one_line_error_naming_the_flag() -> None:
-    result = mkgen("plan", "qwen3-30b-a3b", "--topology", "2x2x1", "--kv-tile", "384")
+    result = mkgen_here("plan", "qwen3-30b-a3b", "--topology", "2x2x1", "--kv-tile", "384")
     assert_user_error(result, "--kv-tile 384", "128, 256, 512, 1024")
-    result = mkgen("plan", "qwen3-30b-a3b", "--topology", "2x2x1", "--context", "256",
+    result = mkgen_here("plan", "qwen3-30b-a3b", "--topology", "2x2x1", "--context", "256",
                    "--kv-tile", "512")  # fmt: skip
     assert_user_error(result, "--kv-tile 512", "one of 128, 256")
 

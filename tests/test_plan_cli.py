@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cli_run import assert_user_error, mkgen
+from cli_run import assert_user_error, mkgen_here
 
 from mkgen.kinds import default_registry
 
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def kimi_json() -> dict:
-    result = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--json")
+    result = mkgen_here("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--json")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -70,7 +70,9 @@ def test_plan_json_states_the_calibrated_regime_the_sensitivity_and_one_floor_ra
 
 
 def test_plan_says_which_point_its_step_is_of() -> None:
-    out = mkgen("plan", "qwen3-32b", "--topology", "2x2x1", "--batch", "2", "--rows", "4").stdout
+    out = mkgen_here(
+        "plan", "qwen3-32b", "--topology", "2x2x1", "--batch", "2", "--rows", "4"
+    ).stdout
     assert "Estimate: predicted " in out and " ms/step at batch 2 x rows 4 " in out
     assert "Calibrated regime: predicted " in out and "at batch 2 x rows 4 with no refill" in out
     assert "x the ideal floor (floor / step " in out and "HBM floor" not in out
@@ -85,7 +87,7 @@ def test_plan_shows_each_collectives_rounds_and_wire_dtype(kimi_json) -> None:
     ]  # fmt: skip
     assert 0 < attn_out["error_bound"] < 0.01
     assert kimi_json["graph"]["checks"]["collectives_balanced"]
-    text = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8")
+    text = mkgen_here("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8")
     assert "collectives: 3 one-shot round(s) [host: groups of 8" in text.stdout
     assert "run as all or host+hosts" in text.stdout
     assert "2 round(s) [host x8 bf16 112.0 KiB/peer; hosts x4 bf16 112.0 KiB/peer]" in text.stdout
@@ -104,7 +106,7 @@ def test_kimi_k3_fits_with_every_check_true(kimi_json) -> None:
 
 def test_plan_prints_every_section_and_writes_a_trace(tmp_path) -> None:
     trace = tmp_path / "trace.json"
-    result = mkgen("plan", "qwen3.8-27b", "--topology", "2x2x1", "--trace", str(trace))
+    result = mkgen_here("plan", "qwen3.8-27b", "--topology", "2x2x1", "--trace", str(trace))
     assert result.returncode == 0, result.stderr
     out = result.stdout
     for section in (
@@ -129,7 +131,7 @@ def test_plan_prints_every_section_and_writes_a_trace(tmp_path) -> None:
 
 def test_the_trace_names_layers_and_segments_in_whole_ns_without_overlap(tmp_path) -> None:
     trace = tmp_path / "trace.json"
-    result = mkgen("plan", "qwen3-30b-a3b", "--topology", "2x2x1", "--trace", str(trace))
+    result = mkgen_here("plan", "qwen3-30b-a3b", "--topology", "2x2x1", "--trace", str(trace))
     assert result.returncode == 0, result.stderr
     slices = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
     names = {e["name"] for e in slices}
@@ -167,7 +169,7 @@ def test_the_trace_names_layers_and_segments_in_whole_ns_without_overlap(tmp_pat
 
 
 def test_plan_options_reach_the_plan() -> None:
-    result = mkgen(
+    result = mkgen_here(
         "plan", "muse-spark-1.2", "--topology", "2x2x1", "--batch", "2", "--context", "8192",
         "--quant", "experts=mxfp4", "--vmem-budget", "40MiB", "--price", "2.5", "--json",
     )  # fmt: skip
@@ -182,12 +184,14 @@ def test_plan_options_reach_the_plan() -> None:
 
 def test_a_plan_is_the_kernels_plan_so_an_ungenerated_format_is_refused() -> None:
     """The plan describes the kernel mkgen emits: 4-bit dense weights are not generated yet."""
-    result = mkgen("plan", "muse-spark-1.2", "--topology", "2x2x1", "--quant", "attention=int4:128")
+    result = mkgen_here(
+        "plan", "muse-spark-1.2", "--topology", "2x2x1", "--quant", "attention=int4:128"
+    )
     assert_user_error(result, "int4:128", "not supported by the code generator yet")
 
 
 def test_estimate_writes_the_table_csv_and_charts_with_the_umask(tmp_path) -> None:
-    result = mkgen(
+    result = mkgen_here(
         "estimate", "qwen3-32b", "--topology", "2x2x1", "--rows", "1,4,8", "--acceptance", "3",
         "-o", str(tmp_path),
     )  # fmt: skip
@@ -211,7 +215,7 @@ def test_estimate_writes_the_table_csv_and_charts_with_the_umask(tmp_path) -> No
             )
             assert float(r["calibrated_step_ms"]) >= float(r["step_ms"])
     # One step per build: the sweep's batch-1 rows-1 point is `mkgen plan`'s.
-    plan = json.loads(mkgen("plan", "qwen3-32b", "--topology", "2x2x1", "--json").stdout)
+    plan = json.loads(mkgen_here("plan", "qwen3-32b", "--topology", "2x2x1", "--json").stdout)
     assert float(rows[0]["step_ms"]) == pytest.approx(plan["estimate"]["step_ms"], rel=1e-5)
     assert float(rows[0]["calibrated_step_ms"]) == pytest.approx(
         plan["estimate"]["calibrated_step_ms"], rel=1e-5
@@ -315,34 +319,34 @@ def test_reference_points_follow_a_changed_chip_hour_price() -> None:
 
 
 def test_a_spec_that_does_not_fit_is_one_line() -> None:
-    result = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--quant", "experts=bf16")
+    result = mkgen_here("plan", "kimi-k3", "--topology", "2x2x4", "--quant", "experts=bf16")
     assert_user_error(result, "kimi-k3 on tpu7x:2x2x4 needs", "GB of HBM per device", "over by")
 
 
 def test_heads_that_cannot_split_are_one_line() -> None:
-    result = mkgen("plan", "qwen3.8-27b", "--topology", "2x2x4")
+    result = mkgen_here("plan", "qwen3.8-27b", "--topology", "2x2x4")
     assert_user_error(result, "48 value heads do not split over 32 devices")
 
 
 def test_a_vmem_budget_too_small_for_one_bank_is_one_line() -> None:
-    result = mkgen("plan", "qwen3-32b", "--topology", "2x2x1", "--vmem-budget", "5MiB")
+    result = mkgen_here("plan", "qwen3-32b", "--topology", "2x2x1", "--vmem-budget", "5MiB")
     assert_user_error(result, "--vmem-budget 5.0 MiB is too small for one 2.0 MiB weight bank")
 
 
 def test_more_held_refills_than_the_ring_allows_is_one_line() -> None:
-    result = mkgen(
+    result = mkgen_here(
         "plan", "qwen3-30b-a3b", "--topology", "2x2x1", "--ring-depth", "4", "--held-refills", "3"
     )
     assert_user_error(result, "--held-refills 3: a ring of 4 banks holds at most 2", "--ring-depth")
-    result = mkgen("plan", "qwen3-30b-a3b", "--topology", "2x2x1", "--held-refills", "-1")
+    result = mkgen_here("plan", "qwen3-30b-a3b", "--topology", "2x2x1", "--held-refills", "-1")
     assert_user_error(result, "--held-refills -1: must be 0 to 14")
 
 
 def test_a_bad_collectives_mode_and_flat_rounds_over_the_vmem_budget_are_one_line() -> None:
-    result = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--collectives", "ring")
+    result = mkgen_here("plan", "kimi-k3", "--topology", "2x2x4", "--collectives", "ring")
     assert_user_error(result, "--collectives ring: must be one of auto, staged, flat")
     # Flat rounds land a slot per core: where that does not fit, the refusal names the way out.
-    result = mkgen(
+    result = mkgen_here(
         "plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--collectives", "flat",
         "--vmem-budget", "12MiB",
     )  # fmt: skip
@@ -350,7 +354,7 @@ def test_a_bad_collectives_mode_and_flat_rounds_over_the_vmem_budget_are_one_lin
 
 
 def test_a_plan_over_the_vmem_budget_is_one_line() -> None:
-    result = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--batch", "16")
+    result = mkgen_here("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--batch", "16")
     assert_user_error(result, "VMEM:", "MiB it may use", "collective0_vmem")
 
 
@@ -382,7 +386,7 @@ def test_a_plan_over_the_vmem_budget_is_one_line() -> None:
     ids=lambda value: " ".join(value)[:40] if isinstance(value, tuple) else None,
 )
 def test_bad_option_values_are_one_line(args, fragment) -> None:
-    result = mkgen("plan", "qwen3-32b", "--topology", "2x2x1", *args)
+    result = mkgen_here("plan", "qwen3-32b", "--topology", "2x2x1", *args)
     assert_user_error(result, fragment)
 
 
@@ -397,7 +401,7 @@ def test_mosaic_scratch_over_the_vmem_limit_is_said_without_a_negative_budget(tm
         "ffn_kinds: {mlp: {type: dense, width: 4096, activation: silu}}\n"
         "layers: {count: 2, attention: {default: full}, ffn: {default: mlp}}\n"
     )
-    result = mkgen("plan", str(spec), "--topology", "2x2x1", "--rows", "512")
+    result = mkgen_here("plan", str(spec), "--topology", "2x2x1", "--rows", "512")
     assert_user_error(result, "Mosaic's own scratch for 512 token rows (estimated 352.0 MiB)")
     assert not re.search(r"\s-[0-9]", result.stderr)  # no negative budget
 
@@ -415,19 +419,19 @@ def test_mosaic_scratch_over_the_vmem_limit_is_said_without_a_negative_budget(tm
     ],
 )
 def test_bad_options_of_other_commands_are_one_line(command, args, fragment) -> None:
-    result = mkgen(command, "qwen3-32b", "--topology", "2x2x1", *args)
+    result = mkgen_here(command, "qwen3-32b", "--topology", "2x2x1", *args)
     assert_user_error(result, fragment)
 
 
 def test_plan_and_build_apply_one_context_rule() -> None:
-    plan = mkgen("plan", "qwen3-32b", "--topology", "2x2x1", "--context", "4097")
-    build = mkgen("build", "qwen3-32b", "--topology", "2x2x1", "--context", "4097")
+    plan = mkgen_here("plan", "qwen3-32b", "--topology", "2x2x1", "--context", "4097")
+    build = mkgen_here("build", "qwen3-32b", "--topology", "2x2x1", "--context", "4097")
     assert_user_error(plan, "--context 4097")
     assert plan.stderr == build.stderr
 
 
 def test_estimate_rows_above_one_need_an_acceptance() -> None:
-    result = mkgen("estimate", "qwen3-32b", "--topology", "2x2x1", "--rows", "1,4")
+    result = mkgen_here("estimate", "qwen3-32b", "--topology", "2x2x1", "--rows", "1,4")
     assert_user_error(result, "--rows 1,4", "--acceptance")
 
 
@@ -461,11 +465,11 @@ def test_estimate_rows_above_one_need_an_acceptance() -> None:
 )
 def test_estimate_bad_pricing_inputs_are_one_line(args, fragment) -> None:
     topology, *rest = args
-    assert_user_error(mkgen("estimate", "qwen3-32b", "--topology", topology, *rest), fragment)
+    assert_user_error(mkgen_here("estimate", "qwen3-32b", "--topology", topology, *rest), fragment)
 
 
 def test_estimate_bad_batches_is_one_line() -> None:
-    result = mkgen("estimate", "qwen3-32b", "--topology", "2x2x1", "--batches", "1,x")
+    result = mkgen_here("estimate", "qwen3-32b", "--topology", "2x2x1", "--batches", "1,x")
     assert_user_error(result, "--batches '1,x'")
 
 
@@ -474,6 +478,6 @@ def test_estimate_bad_batches_is_one_line() -> None:
 
 def test_planning_kimi_k3_from_the_command_line() -> None:
     # The 3 s target is measured by `make bench`; wall times in tests are too noisy here.
-    result = mkgen("plan", "kimi-k3", "--topology", "2x2x4")
+    result = mkgen_here("plan", "kimi-k3", "--topology", "2x2x4")
     assert result.returncode == 0, result.stderr
     assert "checks: acyclic ok" in result.stdout

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_run import assert_user_error, mkgen
+from cli_run import assert_user_error, mkgen_here
 
 from mkgen.errors import SpecError
 from mkgen.kinds import default_registry
@@ -108,7 +108,7 @@ def test_a_plan_without_a_drafter_is_unchanged(qwen_block) -> None:
 
 
 def test_plan_json_gives_verify_draft_and_their_sum() -> None:
-    result = mkgen("plan", "qwen3.8-27b", "--topology", "2x2x1", "--rows", "8",
+    result = mkgen_here("plan", "qwen3.8-27b", "--topology", "2x2x1", "--rows", "8",
                    "--acceptance", "6", "--draft", "qwen3.8-27b-dflash", "--json")  # fmt: skip
     assert result.returncode == 0, result.stderr
     est = json.loads(result.stdout)["estimate"]
@@ -124,7 +124,7 @@ def test_plan_json_gives_verify_draft_and_their_sum() -> None:
 
 
 def test_plan_text_says_verify_plus_draft_is_predicted_and_not_run() -> None:
-    result = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--draft",
+    result = mkgen_here("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--draft",
                    "kimi-k3-mtp")  # fmt: skip
     assert result.returncode == 0, result.stderr
     line = next(x for x in result.stdout.splitlines() if x.startswith("Estimate: "))
@@ -215,16 +215,16 @@ def test_a_drafter_file_with_missing_feature_layers_or_a_short_block_is_one_line
 
 def test_draft_on_the_command_line_refuses_bad_input_in_one_line(tmp_path) -> None:
     assert_user_error(
-        mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--draft", "kimi-k3-mtp"),
+        mkgen_here("plan", "kimi-k3", "--topology", "2x2x4", "--draft", "kimi-k3-mtp"),
         "--draft kimi-k3-mtp: --rows 1 verifies no drafts", "--rows 2 or more",
     )  # fmt: skip
     missing = _drafter_file(tmp_path, "qwen3.8-27b", feature_layers=[70])
     assert_user_error(
-        mkgen("plan", "qwen3.8-27b", "--topology", "2x2x1", "--rows", "8", "--draft", missing),
+        mkgen_here("plan", "qwen3.8-27b", "--topology", "2x2x1", "--rows", "8", "--draft", missing),
         "qwen3.8-27b: draft.feature_layers: layer 70 does not exist",
     )
     assert_user_error(
-        mkgen("estimate", "qwen3.8-27b", "--topology", "2x2x1", "--draft", "qwen3.8-27b-dflash",
+        mkgen_here("estimate", "qwen3.8-27b", "--topology", "2x2x1", "--draft", "qwen3.8-27b-dflash",
               "-o", str(tmp_path)),
         "--rows 1 verifies no drafts",
     )  # fmt: skip
@@ -236,8 +236,8 @@ def test_build_verify_and_compile_refuse_a_bad_draft_in_one_line(command, tmp_pa
     """They take --draft as plan does: on rows 1, or a drafter the spec lacks, one line."""
     out = ["-o", str(tmp_path / "b")] if command == "build" else []
     base = [command, "qwen3.8-27b", "--topology", "2x2x1", *out, "--draft"]
-    assert_user_error(mkgen(*base, "qwen3.8-27b-dflash"), "--rows 1 verifies no drafts")
-    assert_user_error(mkgen(*base, "mtp", "--rows", "8"), "draft mtp needs")
+    assert_user_error(mkgen_here(*base, "qwen3.8-27b-dflash"), "--rows 1 verifies no drafts")
+    assert_user_error(mkgen_here(*base, "mtp", "--rows", "8"), "draft mtp needs")
 
 
 def test_a_build_with_a_drafter_carries_it_and_prices_verify_plus_draft(tmp_path) -> None:
@@ -250,7 +250,7 @@ def test_a_build_with_a_drafter_carries_it_and_prices_verify_plus_draft(tmp_path
 
     config = str(REPO / "tests" / "fixtures" / "hf" / "qwen3" / "config.json")
     flags = [config, "--topology", "1x1x1", "--rows", "3", "--context", "64", "--draft", config]
-    result = mkgen("build", *flags, "-o", str(tmp_path / "b"))
+    result = mkgen_here("build", *flags, "-o", str(tmp_path / "b"))
     assert result.returncode == 0, result.stderr
     plan = json.loads((tmp_path / "b" / "plan.json").read_text())
     assert plan["spec"]["draft"]["kind"] == "model"

@@ -10,7 +10,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
-from cli_run import assert_user_error, mkgen
+from cli_run import assert_user_error, mkgen_here
 
 from mkgen.codegen.build import render_kernel
 from mkgen.codegen.build_list import entry_inputs, read_build_list
@@ -109,7 +109,7 @@ def test_the_build_renders_the_plan_it_reports(tmp_path) -> None:
 
 def test_the_knobs_are_cli_flags_recorded_in_the_build(tmp_path) -> None:
     out = tmp_path / "build"
-    result = mkgen(
+    result = mkgen_here(
         "build", "qwen3-30b-a3b", "--topology", "2x2x1", "--ring-depth", "4",
         "--expert-slots", "2", "-o", str(out),
     )  # fmt: skip
@@ -135,12 +135,12 @@ def test_the_knobs_are_cli_flags_recorded_in_the_build(tmp_path) -> None:
 )
 def test_knobs_outside_what_fits_are_one_line_errors(flags, fragments) -> None:
     assert_user_error(
-        mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", *flags), *fragments
+        mkgen_here("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", *flags), *fragments
     )
 
 
 def test_plan_json_carries_the_program_and_the_deadlock_check() -> None:
-    result = mkgen("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--json")
+    result = mkgen_here("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["graph"]["checks"]["deadlock_free"] is True

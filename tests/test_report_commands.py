@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import shlex
 
-from cli_run import mkgen
+from cli_run import mkgen_here
 
 
 def _report_commands(report: str) -> list[str]:
@@ -15,7 +15,7 @@ def _report_commands(report: str) -> list[str]:
 
 
 def test_an_o_build_prints_commands_that_run_as_printed(tmp_path) -> None:
-    built = mkgen("build", "qwen3-30b-a3b", "--topology", "2x2x1", "-o", "out", cwd=tmp_path)
+    built = mkgen_here("build", "qwen3-30b-a3b", "--topology", "2x2x1", "-o", "out", cwd=tmp_path)
     assert built.returncode == 0, built.stderr
     next_line = built.stdout.strip().splitlines()[-1]
     commands = set(_report_commands((tmp_path / "out" / "REPORT.md").read_text()))
@@ -37,10 +37,10 @@ def test_an_o_build_prints_commands_that_run_as_printed(tmp_path) -> None:
     assert [shlex.split(c)[1] for c in printed] == ["verify", "compile", "inspect"]
     for command in printed[:2]:
         assert shlex.split(command)[-3:] == ["-o", "out", "--update-report"], command
-    again = mkgen(*shlex.split(by_verb["build"][0])[1:], "-o", "out", cwd=tmp_path)
+    again = mkgen_here(*shlex.split(by_verb["build"][0])[1:], "-o", "out", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert "is up to date" in again.stdout  # the rebuild the report names, given its -o
-    shown = mkgen(*shlex.split(printed[2])[1:], cwd=tmp_path)
+    shown = mkgen_here(*shlex.split(printed[2])[1:], cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert "megakernel.py" in shown.stdout
 

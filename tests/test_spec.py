@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cli_run import assert_user_error, mkgen
+from cli_run import assert_user_error, mkgen, mkgen_here
 
 from mkgen.errors import SpecError
 from mkgen.spec.figures import (
@@ -525,7 +525,7 @@ def test_refused_spec_file_is_one_line_naming_the_field(
 ) -> None:
     path = tmp_path / "tiny.yaml"
     path.write_text(text)
-    assert_user_error(mkgen("show", str(path)), "tiny.yaml: ", *fragments)
+    assert_user_error(mkgen_here("show", str(path)), "tiny.yaml: ", *fragments)
 
 
 def test_tiny_yaml_is_valid_so_each_refusal_is_its_own_change(tmp_path: Path) -> None:
@@ -547,7 +547,7 @@ def test_tiny_yaml_is_valid_so_each_refusal_is_its_own_change(tmp_path: Path) ->
 def test_a_spec_that_is_not_utf8_is_one_line(tmp_path: Path, encoded: bytes, fragment: str) -> None:
     path = tmp_path / "tiny.yaml"
     path.write_bytes(encoded)
-    assert_user_error(mkgen("show", str(path)), "tiny.yaml: not UTF-8 text", fragment)
+    assert_user_error(mkgen_here("show", str(path)), "tiny.yaml: not UTF-8 text", fragment)
 
 
 def test_a_path_that_is_not_one_line_is_refused_before_it_reaches_a_message(
@@ -555,7 +555,7 @@ def test_a_path_that_is_not_one_line_is_refused_before_it_reaches_a_message(
 ) -> None:
     path = tmp_path / "tiny\nname: injected.yaml"
     path.write_text(TINY_YAML)
-    assert_user_error(mkgen("show", str(path)), "the path is not one printable line")
+    assert_user_error(mkgen_here("show", str(path)), "the path is not one printable line")
 
 
 def test_billion_laughs_yaml_is_refused_quickly(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_run import assert_user_error, mkgen
+from cli_run import assert_user_error, mkgen_here
 
 from mkgen.errors import SpecError
 from mkgen.spec.draft import draft_weights, with_draft
@@ -85,7 +85,7 @@ def test_a_drafter_that_does_not_fit_its_target_is_one_line_naming_it(draft, mes
 def test_the_cli_refuses_a_spec_with_a_misfit_drafter_with_exit_2(tmp_path: Path):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(TARGET | {"draft": BLOCK | {"feature_layers": [9]}}))
-    assert_user_error(mkgen("show", str(path)), "bad.yaml", "draft.feature_layers", "layer 9")
+    assert_user_error(mkgen_here("show", str(path)), "bad.yaml", "draft.feature_layers", "layer 9")
 
 
 def test_draft_mtp_on_a_target_without_mtp_layers_is_refused():
@@ -201,11 +201,11 @@ def test_a_config_that_is_not_a_dflash_drafter_is_refused(tmp_path: Path):
 def test_import_hf_keep_mtp_writes_the_mtp_draft_section_and_names_the_flag(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(_config("deepseek_v3", num_nextn_predict_layers=1)))
-    kept = mkgen("import-hf", str(config), "--name", "m", "--keep-mtp")
+    kept = mkgen_here("import-hf", str(config), "--name", "m", "--keep-mtp")
     assert kept.returncode == 0, kept.stderr
     assert "mkgen import-hf config.json --keep-mtp --name m" in kept.stdout
     assert spec_from_dict(yaml.safe_load(kept.stdout), "stdout").draft.kind == "mtp"
-    plain = mkgen("import-hf", str(config), "--name", "m")
+    plain = mkgen_here("import-hf", str(config), "--name", "m")
     assert plain.returncode == 0, plain.stderr
     assert (
         "--keep-mtp" not in plain.stdout
@@ -214,5 +214,5 @@ def test_import_hf_keep_mtp_writes_the_mtp_draft_section_and_names_the_flag(tmp_
 
 
 def test_import_hf_keep_mtp_on_a_config_without_mtp_layers_is_one_line():
-    result = mkgen("import-hf", str(FIXTURES / "qwen3" / "config.json"), "--keep-mtp")
+    result = mkgen_here("import-hf", str(FIXTURES / "qwen3" / "config.json"), "--keep-mtp")
     assert_user_error(result, "--keep-mtp: the config has no multi-token-prediction layers")

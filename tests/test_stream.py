@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_run import mkgen
+from cli_run import mkgen_here
 
 from mkgen.codegen.build_list import BUILD_LIST, entry_inputs, read_build_list
 from mkgen.codegen.package import mini_kernel_args
@@ -43,9 +43,9 @@ def test_the_packed_stream_holds_the_plans_weight_bytes_and_pads_the_rest() -> N
 
 
 def test_plan_reports_the_streams_padding_in_text_and_json() -> None:
-    text = mkgen("plan", "mixtral-8x7b", "--topology", "2x2x1")
+    text = mkgen_here("plan", "mixtral-8x7b", "--topology", "2x2x1")
     assert text.returncode == 0, text.stderr
-    data = json.loads(mkgen("plan", "mixtral-8x7b", "--topology", "2x2x1", "--json").stdout)
+    data = json.loads(mkgen_here("plan", "mixtral-8x7b", "--topology", "2x2x1", "--json").stdout)
     stream = data["stream"]
     assert stream["padding_bytes"] == stream["bytes_per_step"] - stream["weight_bytes"]
     percent = 100 * stream["padding_bytes"] / stream["bytes_per_step"]
