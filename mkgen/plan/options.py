@@ -72,7 +72,8 @@ CACHE_ALIGN = 16  # bf16 rows of an HBM array are tiled by 16: cache blocks star
 def cache_block(rows: int, context: int) -> int:
     """Cache rows a step reads and rewrites around its `rows` new entries: whole 16-row
     tiles that cover them from any offset in a tile, but never more than the context (a
-    smaller cache is rewritten whole, from position 0)."""
+    smaller cache is rewritten whole, from position 0). Rounded up here, not with
+    mkgen.plan.stream.round_up: that module imports this one."""
     return min(-(-(rows + CACHE_ALIGN - 1) // CACHE_ALIGN) * CACHE_ALIGN, context)
 
 

@@ -295,8 +295,7 @@ def buffers(out: Any, i: BufferInputs) -> None:
         # Fit to compiles: Kimi K3 at batch 8 x rows 8 on 2x2x4 used 36,864 B more of
         # Mosaic's scratch than the plan without this once its shared experts ran in the
         # reduce-scatter's flight (tests/test_codegen.py).
-        shared = next(t for t in i.shard.tensors if t.name == "ffn.shared_gate")
-        out.add(f"mosaic_{name}_in_flight", "internal", (tp, shared.rank_shape[1]), "f32",
+        out.add(f"mosaic_{name}_in_flight", "internal", (tp, _shared_width(i.shard)), "f32",
                 "internal", why="estimate: the shared experts' activation, live in a round")  # fmt: skip
 
 
@@ -306,6 +305,11 @@ def ops(kind: Any) -> list[str]:
     latent, shared = ["latent_in"] if kind.latent else [], ["shared"] if kind.shared_experts else []
     tail = ["latent_out"] if kind.latent else []
     return ["in", "route", *latent, "experts", *shared, *tail, "combine"]
+
+
+def _shared_width(shard: FFNSharding) -> int:
+    """The shared experts' intermediate columns on each rank (their activation's width)."""
+    return next(t.rank_shape[-1] for t in shard.tensors if t.name == "ffn.shared_up")
 
 
 def shared_in_flight(kind: Any, latent_design: str) -> bool:
@@ -334,8 +338,7 @@ def program(b: Any, s: Step) -> int:
 
     def shared_experts() -> None:
         nonlocal shared
-        width = next(t.rank_shape[-1] for t in s.shard.tensors if t.name == "ffn.shared_up")
-        act = b.vec(layer, f"{name}: shared activation", y, 8 * b.t * width)
+        act = b.vec(layer, f"{name}: shared activation", y, 8 * b.t * _shared_width(s.shard))
         shared = b.segment(layer, name, segs["shared_down"], first, act)
 
     in_flight = shared_in_flight(kind, s.shard.latent_design)
