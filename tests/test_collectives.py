@@ -28,6 +28,7 @@ from mkgen.plan.collectives import (
     plan_collectives,
     plan_rounds,
     round_calls,
+    scatter_calls,
     wire_dtype,
     wire_error_bound,
     wire_lanes,
@@ -102,9 +103,15 @@ def test_buffers_hold_the_widest_copy_a_round_lands_in_32_bit_words() -> None:
     # all-reduce: 7168 bf16 values in 3584 words; all-gather: 112 f32 columns in one
     # 128-lane row, then 896 bf16 in 512 words; reduce-scatter: the other way round.
     assert [b.wires for b in plan.buffers] == [
-        [("all_reduce", 7168, [(0, "bf16", 3584), (1, "bf16", 3584)])],
-        [("all_gather", 112, [(0, "f32", 128), (1, "bf16", 512)])],
-        [("reduce_scatter", 3584, [(1, "bf16", 512), (0, "f32", 128)])],
+        [("all_reduce", 7168, [(0, "all_reduce", "bf16", 3584), (1, "all_reduce", "bf16", 3584)])],
+        [("all_gather", 112, [(0, "all_gather", "f32", 128), (1, "all_gather", "bf16", 512)])],
+        [
+            (
+                "reduce_scatter",
+                3584,
+                [(1, "reduce_scatter", "bf16", 512), (0, "reduce_scatter", "f32", 128)],
+            )
+        ],
     ]
     assert [b.width for b in plan.buffers] == [3584, 512, 512]
     assert [b.send_rows for b in plan.buffers] == [0, 0, 8]
@@ -157,6 +164,70 @@ def _round_sums(
             nxt.append(total)
         cur = nxt
     return cur
+
+
+def _scattered_sums(values: list[np.ndarray], topology: str, width: int) -> list[np.ndarray]:
+    """What every core holds after the kernel's scattered all-reduce: the host's part p
+    summed on core p of each host (each member's part on its wire dtype, in member order),
+    that part summed across hosts the same way, the parts gathered over the host on
+    their wire dtype."""
+    topo = parse_topology(topology)
+    calls = scatter_calls("x", width, 8, topo)
+    assert calls is not None
+    rounds = plan_rounds(topo)
+    host, across = rounds[0].size, rounds[1:]
+    part = width // host
+
+    def wire(v: np.ndarray, call) -> np.ndarray:
+        return _bf16(v) if call.wire == "bf16" else v
+
+    d = len(values)
+    # Reduce-scatter over the host: core c (position p in its host) sums part p.
+    cur = []
+    for me in range(d):
+        p, base = me % host, me - me % host
+        pieces = [wire(values[base + j][p * part : (p + 1) * part], calls[0]) for j in range(host)]
+        cur.append(sum(pieces[1:], pieces[0]))
+    # All-reduce of the part across hosts, in member order.
+    for r, call in zip(across, calls[1:-1], strict=True):
+        sent = [wire(v, call) for v in cur]
+        cur = [
+            sum((sent[me - ((me // r.stride) % r.size) * r.stride + j * r.stride] for j in range(1, r.size)),
+                sent[me - ((me // r.stride) % r.size) * r.stride])
+            for me in range(d)
+        ]  # fmt: skip
+    # All-gather of the parts over the host again.
+    return [
+        np.concatenate([wire(cur[me - me % host + j], calls[-1]) for j in range(host)])
+        for me in range(d)
+    ]
+
+
+@pytest.mark.parametrize("topology", ["2x2x1", "2x2x4"])
+def test_a_scattered_all_reduce_is_bit_identical_on_every_core_and_within_its_bound(
+    topology,
+) -> None:
+    """Reduce-scatter in the host, all-reduce across hosts, all-gather in the host, each
+    piece on the bf16 wire: every core ends with the same bits, within the bound, which
+    counts the gather's rounding of the sum too."""
+    d = parse_topology(topology).num_devices
+    width = 8192  # 1024 columns a part: bf16 on the wire in every round
+    rng = np.random.default_rng(1)
+    partials = [
+        rng.standard_normal(width).astype(np.float32) * 10.0 ** (k % 5 - 2) for k in range(d)
+    ]
+    out = _scattered_sums(partials, topology, width)
+    for core in range(d):
+        assert np.array_equal(out[core], out[0])
+    calls = scatter_calls("x", width, 8, parse_topology(topology))
+    assert calls is not None and {c.wire for c in calls} == {"bf16"}
+    exact = np.sum(np.asarray(partials, np.float64), axis=0)
+    magnitude = np.sum(np.abs(np.asarray(partials, np.float64)), axis=0)
+    bound = wire_error_bound("all_reduce", calls)
+    error = np.abs(out[0] - exact) / magnitude
+    assert error.max() <= bound
+    assert error.max() > bound / 8
+    assert len(calls) * BF16_UNIT_ROUNDOFF < bound < len(calls) * BF16_UNIT_ROUNDOFF * 1.01
 
 
 @pytest.mark.parametrize("flat", [False, True], ids=["staged", "flat"])
@@ -358,7 +429,7 @@ def test_staged_and_flat_collectives_share_buffers_and_balance() -> None:
     assert [r.name for r in plan.rounds] == ["host", "hosts", "all"]
     assert [b.slots for b in plan.buffers] == [12, 32, 32]
     assert [b.send_rows for b in plan.buffers] == [0, 0, 32]
-    assert plan.buffers[1].wires[1] == ("all_gather", 140, [(2, "f32", 256)])
+    assert plan.buffers[1].wires[1] == ("all_gather", 140, [(2, "all_gather", "f32", 256)])
     assert plan.greedy == [2] and plan.barrier == [2] and plan.copies == 31
     assert plan.schemes() == [[2], [0, 1]]
     assert check_rounds(plan, 32) is None
@@ -404,3 +475,63 @@ def test_no_two_collectives_in_a_row_share_a_landing_buffer(spec: str, topology:
     if spec == "kimi-k3":
         plan = plan_collectives(topo, layer_uses(sharding))
         assert [b.width for b in plan.buffers] == [3584, 256, 128, 3584]
+
+
+# --------------------------------------------------------------------------- scattered
+
+
+def _rounds_at(topology: str, rows: int, mode: str = "auto") -> list[tuple[str, str]]:
+    c = CostConstants.from_chip(CATALOG["tpu7x"])
+    calls = choose_rounds(parse_topology(topology), "x", "all_reduce", 7168, rows, c, mode)
+    return [(call.phase, call.round) for call in calls]
+
+
+def test_a_wide_all_reduce_runs_scattered_once_its_copies_outlast_a_phase() -> None:
+    """Kimi K3's all-reduce of hidden (7168 columns, bf16) on 2x2x4: at 8 token rows the
+    staged rounds (112 KiB a copy, 8.6 us) beat three rounds; at 32 rows each staged copy
+    is 448 KiB (31 us), while the scattered rounds send 56 KiB a copy (11 us); one host
+    (2x2x1) scatters and gathers in its own round at 64 rows."""
+    staged = [("all_reduce", "host"), ("all_reduce", "hosts")]
+    scattered = [("reduce_scatter", "host"), ("all_reduce", "hosts"), ("all_gather", "host_gather")]
+    assert _rounds_at("2x2x4", 8) == staged
+    assert _rounds_at("2x2x4", 32) == scattered
+    assert _rounds_at("2x2x4", 64) == scattered
+    assert _rounds_at("2x2x1", 8) == [("all_reduce", "host")]
+    assert _rounds_at("2x2x1", 64) == [("reduce_scatter", "host"), ("all_gather", "host_gather")]
+    # Forced: every all-reduce scattered, other ops as staged; one core has no round to
+    # scatter over, and a width must split into the host's parts.
+    assert _rounds_at("2x2x4", 8, "scatter") == scattered
+    c = CostConstants.from_chip(CATALOG["tpu7x"])
+    gather = choose_rounds(parse_topology("2x2x4"), "x", "all_gather", 4480, 8, c, "scatter")
+    assert [(g.phase, g.round) for g in gather] == [("all_gather", "host"), ("all_gather", "hosts")]
+    assert scatter_calls("x", 7168, 8, parse_topology("v6e:1x1")) is None
+    assert scatter_calls("x", 100, 8, parse_topology("2x2x1")) is None  # 100 / 8 cores
+
+
+def test_a_scattered_all_reduce_gathers_into_slots_of_its_own() -> None:
+    """The gather's round has the host's groups but lands after the staged rounds' slots
+    (a member may gather before this core has read what it scattered to it); a plan whose
+    gather lands in the scatter's slots is named, the rounds otherwise balance."""
+    uses = [
+        [("attn_out", "all_reduce", 7168, "scatter")],
+        [("latent_in", "all_gather", 4480, "staged")],
+    ]
+    plan = plan_collectives(parse_topology("2x2x4"), uses)
+    assert [(r.name, r.size, r.offset) for r in plan.rounds] == [
+        ("host", 8, 0), ("hosts", 4, 8), ("host_gather", 8, 12),
+    ]  # fmt: skip
+    first = plan.buffers[0]
+    assert first.wires == [
+        ("all_reduce", 7168, [
+            (0, "reduce_scatter", "bf16", 512), (1, "all_reduce", "bf16", 512), (2, "all_gather", "bf16", 512),
+        ]),
+    ]  # fmt: skip
+    assert (first.slots, first.width, first.send_rows) == (20, 512, 8)
+    assert plan.schemes() == [[0, 1]] and check_rounds(plan, 32) is None
+    rounds = [r.model_dump() for r in plan.rounds]
+    rounds[2]["offset"] = 0
+    shared = CollectivePlan.model_validate(plan.model_dump() | {"rounds": rounds})
+    assert check_rounds(shared, 32) == (
+        "all_reduce: round host_gather lands in slots 0..7, which an earlier round of the "
+        "same collective uses"
+    )

@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3.8-27b --topology 2x2x1 --rows 8 --draft qwen3
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Qwen3.8-27B: 64 layers, pattern LLLF (Gated DeltaNet x3, gated GQA), SwiGLU 17408"
 Build options: batch 1, rows 8, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 9 refills held for collectives, 14 a round; drafter block: 5 layers, block_size 16, 5 feature layers.
-Inputs sha256: d89cf569710f698e12d23df120ceaf7ef2ce77859621650182fc2654b3e17177 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 0e998504088628dd571ffead1de79f2212d75bfec4d578baf9e61b8f24a3335d (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -93,12 +93,13 @@ COLLECTIVE_LANDING = (
     (8, 2560, 0),  # full.attn_out all_reduce, linear.attn_out all_reduce
     (8, 2560, 0),  # mlp.ffn_out all_reduce
 )
-# (buffer, op, columns of the argument) -> (round, wire dtype, 32-bit lanes) of each round
-# it runs, in execution order: bf16 where a piece is whole 128-lane blocks of at least 256
-# columns.
+# (buffer, op, columns of the argument) -> (round, phase, wire dtype, 32-bit lanes) of each
+# round it runs, in execution order (phase: what the round does; a scattered all-reduce
+# reduce-scatters, all-reduces, then all-gathers): bf16 where a piece is whole 128-lane
+# blocks of at least 256 columns.
 COLLECTIVE_WIRES = {
-    (0, "all_reduce", 5120): ((0, "bf16", 2560),),
-    (1, "all_reduce", 5120): ((0, "bf16", 2560),),
+    (0, "all_reduce", 5120): ((0, "all_reduce", "bf16", 2560),),
+    (1, "all_reduce", 5120): ((0, "all_reduce", "bf16", 2560),),
 }
 DMA_LANES = 128  # remote copies move whole 128-lane rows: Mosaic needs 512-byte runs
 VECTOR_ROWS = 17  # rows of a layer's vector slab
@@ -605,13 +606,19 @@ class Collectives:
         return [_from_wire(buf[offset + j][:, :lanes], wire, width) for j in range(size)]
 
     def all_reduce(self, which, partial):
-        """The sum over all cores, bit-identical on every core: [TOKENS_PADDED, width]."""
+        """The sum over all cores, bit-identical on every core: [TOKENS_PADDED, width].
+        Scattered (the plan's phases): a reduce-scatter over the host, an all-reduce of
+        this core's part across hosts, then an all-gather of the parts over the host."""
         total = partial
-        for round_, wire, lanes in COLLECTIVE_WIRES[which, "all_reduce", partial.shape[1]]:
-            slots = self._round(which, round_, wire, lanes, total.shape[1], value=total)
-            total = slots[0]
-            for piece in slots[1:]:
-                total = total + piece
+        for round_, phase, wire, lanes in COLLECTIVE_WIRES[which, "all_reduce", partial.shape[1]]:
+            if phase == "reduce_scatter":
+                total = self._scatter_round(which, round_, wire, lanes, total)
+            elif phase == "all_gather":
+                total = self._gather_round(which, round_, wire, lanes, [total])[0]
+            else:
+                total = _summed(
+                    self._round(which, round_, wire, lanes, total.shape[1], value=total)
+                )
         return total
 
     def all_gather(self, which, piece):
@@ -622,39 +629,53 @@ class Collectives:
         """Several pieces in the rounds of one all-gather: each part of every core side by
         side, in mesh order, one [TOKENS_PADDED, D * width_i] per part."""
         wires = COLLECTIVE_WIRES[which, "all_gather", sum(part.shape[1] for part in parts)]
-        for round_, wire, lanes in wires:
-            widths = [part.shape[1] for part in parts]
-            piece = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
-            slots = self._round(which, round_, wire, lanes, piece.shape[1], value=piece)
-            parts, start = [], 0
-            for width in widths:
-                parts.append(
-                    jnp.concatenate([slot[:, start : start + width] for slot in slots], axis=1)
-                )
-                start += width
+        for round_, _, wire, lanes in wires:
+            parts = self._gather_round(which, round_, wire, lanes, parts)
         return parts
 
     def reduce_scatter(self, which, partial):
-        """This core's columns [me * W / D, (me + 1) * W / D) of the sum over all cores.
+        """This core's columns [me * W / D, (me + 1) * W / D) of the sum over all cores,
+        in the rounds the plan orders (staged: across hosts first)."""
+        total = partial
+        for round_, _, wire, lanes in COLLECTIVE_WIRES[which, "reduce_scatter", partial.shape[1]]:
+            total = self._scatter_round(which, round_, wire, lanes, total)
+        return total
 
-        Rounds as the plan orders them (staged: across hosts first): each splits the
-        running sum into `size` contiguous parts (staged in the rows after the buffer's
-        landing slots), sends part j to member j and sums the parts it receives in member
-        order."""
+    def _gather_round(self, which, round_, wire, lanes, parts):
+        """The group's `parts` side by side in member order, one array per part."""
+        widths = [part.shape[1] for part in parts]
+        piece = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        slots = self._round(which, round_, wire, lanes, piece.shape[1], value=piece)
+        gathered, start = [], 0
+        for width in widths:
+            gathered.append(
+                jnp.concatenate([slot[:, start : start + width] for slot in slots], axis=1)
+            )
+            start += width
+        return gathered
+
+    def _scatter_round(self, which, round_, wire, lanes, total):
+        """One reduce-scatter round: the running sum split into `size` contiguous parts
+        (staged in the rows after the buffer's landing slots), part j sent to member j,
+        the parts this core receives summed in member order."""
         buf = self.bufs[which]
         staging = COLLECTIVE_LANDING[which][0]
-        total = partial
-        for round_, wire, lanes in COLLECTIVE_WIRES[which, "reduce_scatter", partial.shape[1]]:
-            size = ROUNDS[round_][0]
-            width = total.shape[1] // size
-            for j in range(size):
-                words = _to_wire(total[:, j * width : (j + 1) * width], wire, lanes)
-                buf[staging + j, :, : words.shape[1]] = words
-            slots = self._round(which, round_, wire, lanes, width, send_row=lambda m: staging + m)
-            total = slots[0]
-            for piece in slots[1:]:
-                total = total + piece
-        return total
+        width = total.shape[1] // ROUNDS[round_][0]
+        for j in range(ROUNDS[round_][0]):
+            words = _to_wire(total[:, j * width : (j + 1) * width], wire, lanes)
+            buf[staging + j, :, : words.shape[1]] = words
+        return _summed(
+            self._round(which, round_, wire, lanes, width, send_row=lambda m: staging + m)
+        )
+
+
+def _summed(pieces):
+    """The group's pieces summed in member order (every member adds in the same order, so
+    the group ends bit-identical)."""
+    total = pieces[0]
+    for piece in pieces[1:]:
+        total = total + piece
+    return total
 
 
 def _barrier():

@@ -116,9 +116,11 @@ knob_options = compose(
     click.option(
         "--collectives",
         default=None,
-        metavar="auto|staged|flat",
+        metavar="auto|staged|flat|scatter",
         help="Rounds of the collectives: a round in each host then one across hosts, one "
-        "round of every core, or per collective whichever the cost model prices lower [auto].",
+        "round of every core, all-reduces scattered over the host (reduce-scatter, "
+        "all-reduce across hosts, all-gather), or per collective whichever the cost model "
+        "prices lowest [auto].",
     ),
     click.option(
         "--expert-sharing",

@@ -39,8 +39,8 @@ COLLECTIVE_SLOTS = 0
 COLLECTIVE_PEERS = 0
 # Per collective buffer: (landing slots, 32-bit lanes of a slot, reduce-scatter staging rows).
 COLLECTIVE_LANDING: tuple[tuple[int, int, int], ...] = ()
-# (buffer, op, columns) -> (round, wire dtype, lanes) of each round it runs, in order.
-COLLECTIVE_WIRES: dict[tuple[int, str, int], tuple[tuple[int, str, int], ...]] = {}
+# (buffer, op, columns) -> (round, phase, wire dtype, lanes) of each round it runs, in order.
+COLLECTIVE_WIRES: dict[tuple[int, str, int], tuple[tuple[int, str, str, int], ...]] = {}
 LAYER_TABLES: tuple[list[int], ...] = ([0], [0], [0], [0], [0], [0])
 LM_HEAD_ROW = 0
 LM_HEAD = Segment(offset=0, fan_in=256, fan_out=512, k_chunks=1, col_blocks=2)

@@ -484,10 +484,10 @@ def _round_ops(call: RoundCall | None, tp: int) -> float:
     every member's part) and unpacks every member's piece."""
     if call is None:  # the partial's rows written into the buffer
         return 0
-    adds = (call.members - 1) * vregs(tp, call.columns) if call.op != "all_gather" else 0
+    adds = (call.members - 1) * vregs(tp, call.columns) if call.phase != "all_gather" else 0
     if call.wire != "bf16":
         return adds
-    sent = call.columns * (call.members if call.op == "reduce_scatter" else 1)
+    sent = call.columns * (call.members if call.phase == "reduce_scatter" else 1)
     return (
         adds
         + WIRE_PACK_OPS * vregs(tp, sent)

@@ -174,7 +174,7 @@ def refuse_repeated_families(items: Iterable[str]) -> None:
 
 
 # How a build's collectives choose their rounds (BuildOptions.collectives, --collectives).
-COLLECTIVE_MODES = ("auto", "staged", "flat")
+COLLECTIVE_MODES = ("auto", "staged", "flat", "scatter")
 # How much of each expert group's block its paired group also holds (BuildOptions.
 # expert_sharing, --expert-sharing; mkgen.plan.sharding.choose_expert_split): the fraction
 # of the block, the shared part its last experts. "auto": the planner chooses.
@@ -215,8 +215,10 @@ class BuildOptions(BaseModel):
     # kv_tile_candidates(context) for each kind, mkgen.plan.kvtiles).
     kv_tile: int | None = None
     # How collectives run (mkgen.plan.collectives.choose_rounds): "staged" (a round in each
-    # host, then one across hosts), "flat" (one round of every core) or "auto" (per
-    # collective, whichever the cost model prices lower).
+    # host, then one across hosts), "flat" (one round of every core), "scatter" (an
+    # all-reduce as a reduce-scatter in the host, an all-reduce across hosts and an
+    # all-gather in the host; other collectives staged) or "auto" (per collective,
+    # whichever the cost model prices lowest).
     collectives: str = "auto"
     # Expert sharing between paired groups: "none", "quarter", "half", "full" (of each
     # group's experts its partner group also holds) or "auto" (the smallest within 1 % of

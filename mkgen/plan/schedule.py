@@ -643,7 +643,6 @@ class _Builder:
         # it when it is written again (it needed this core's contributions to the
         # collectives in between first).
         w = self.buffers[c.name]
-        what = "concatenate" if c.op == "all_gather" else "sum"
         x = self.run("collective", f"L{layer} {c.name}: rows -> gather[{w}]", layer, 0,
                      ((src, None, 0),), writes=("gather", w))  # fmt: skip
         for call in c.rounds:
@@ -658,6 +657,7 @@ class _Builder:
                 in_flight()
             self.wait(d)
             last = call.index == call.rounds - 1
+            what = "concatenate" if call.phase == "all_gather" else "sum"
             x = self.run("collective", f"L{layer} {c.name}: {what} ({call.round})", layer,
                          call.members * call.rows * call.columns, ((d, "gather", w),),
                          writes=None if last else ("gather", w))  # fmt: skip

@@ -44,6 +44,7 @@ from mkgen.errors import SpecError
 from mkgen.hardware import vmem_tile
 from mkgen.plan.collectives import (
     RoundCall,
+    Scheme,
     choose_rounds,
     round_time_s,
     scheme_of,
@@ -560,10 +561,13 @@ class _Ctx:
 
     def collective(self, name: str, op: CollectiveOp, after: str, width: int) -> Collective:
         """A collective with its rounds: the full-size build's for a mini twin (it takes
-        `flat.<op>.<name>` from BuildOptions.splits), else as --collectives says."""
+        `<scheme>.<op>.<name>` from BuildOptions.splits), else as --collectives says."""
         mode = self.options.collectives
         if self.options.splits is not None:
-            mode = "flat" if flat_key(name, op) in self.options.splits else "staged"
+            forced = [
+                s for s in ("flat", "scatter") if scheme_key(s, name, op) in self.options.splits
+            ]
+            mode = forced[0] if forced else "staged"
         return collective_cost(self.topo, name, op, after, width, self.tokens, mode)
 
     def stream_s(self, nbytes: float) -> float:
@@ -1140,7 +1144,7 @@ def full_size_splits(
     full: ModelSpec, topo: Topology, options: BuildOptions, *, kinds: KindRegistry
 ) -> tuple[str, ...]:
     """What the full-size build of `full` splits rather than replicates, its MoE latent
-    designs where they combine by all-gather and the collectives it runs flat
+    designs where they combine by all-gather and the collectives it runs flat or scattered
     (BuildOptions.splits): its mini twin takes
     these choices, since at CPU sizes replicating (and rs_ar) always costs less,
     so that the twin proves the full-size build's kernel. A spec with no full-size build
@@ -1154,11 +1158,18 @@ def full_size_splits(
     latents = [f"attention.{n}.latent" for n, a in plan.attention.items() if a.latent == "split"]
     sharded = [*plan.attention.values(), *plan.ffn.values()]
     every = [c for k in sharded for c in k.collectives] + list(plan.step_collectives)
-    flats = sorted({flat_key(c.name, c.op) for c in every if scheme_of(c.rounds) == "flat"})
-    return tuple(routers + designs + latents + flats)
+    schemes = sorted(
+        {
+            scheme_key(scheme, c.name, c.op)
+            for c in every
+            if (scheme := scheme_of(c.rounds)) != "staged"
+        }
+    )
+    return tuple(routers + designs + latents + schemes)
 
 
-def flat_key(name: str, op: CollectiveOp) -> str:
+def scheme_key(scheme: Scheme, name: str, op: CollectiveOp) -> str:
     """How BuildOptions.splits names a collective that runs flat (one round of every
-    core): its mini twin runs the same collectives flat as its full-size build."""
-    return f"flat.{op}.{name}"
+    core) or scattered (an all-reduce as reduce-scatter, all-reduce, all-gather): its
+    mini twin runs the same collectives so as its full-size build."""
+    return f"{scheme}.{op}.{name}"

@@ -514,7 +514,7 @@ def _mosaic_scratch(
         out.add("mosaic_streamed_states", "internal", (tp, STREAMED_STATES_LANES), "f32",
                 "internal", why="estimate (fit to compiles): states streamed a sequence at a time")  # fmt: skip
     wires = [w for b in dims.collectives.buffers for *_, ws in b.wires for w in ws]
-    bf16_lanes = [lanes for _, wire, lanes in wires if wire == "bf16"]
+    bf16_lanes = [lanes for *_, wire, lanes in wires if wire == "bf16"]
     if bf16_lanes:  # a bf16 piece unpacked: its high and low halves side by side, and
         # the packed words they come from (without those, kimi-k2 on 2x2x4 compiled to
         # 35,568,128 B of VMEM against 35,553,280 B planned: tests/test_codegen.py)

@@ -373,7 +373,7 @@ def _describe_collective(build: Build, phase: Phase) -> None:
     coll = L.collectives
     phase.label = f"{op.replace('_', '-')} across {L.devices} cores"
     ways = []
-    for scheme in coll.schemes():
+    for scheme in coll.sequences():
         rounds = [coll.rounds[i] for i in scheme]
         peers = sum(r.size - 1 for r in rounds)
         named = " then ".join(f"{r.name} x{r.size}" for r in rounds)
@@ -506,7 +506,8 @@ _STRUCTURE = {
     "Ring.prime": "start the first DMAs of a ring (weight banks or expert pieces)",
     "Collectives.all_reduce": "one-shot rounds (host, then across hosts, or one of every "
     "core): the running sum to every other member of the round's group; summed in f32 in "
-    "member order",
+    "member order; or scattered: part j of the sum to host member j, that part across "
+    "hosts, the parts gathered over the host",
     "Collectives.all_gather": "one-shot rounds: the pieces gathered so far to every other "
     "member of the round's group",
     "Collectives.reduce_scatter": "one-shot rounds (across hosts first, or one of every "
