@@ -202,8 +202,9 @@ def _with_scored_slots(
     """The program `planned(options)`, or, where VMEM leaves the ring under its comfort
     depth (mkgen.plan.vmem: the plan's rule gives the ring every byte up to it before a
     second expert slot), the program with more expert slots and the ring what is left, when
-    the cost model predicts it faster: at batch 8 x rows 8 Kimi K3's experts wait on one
-    slot (predicted 42.786 ms a step with 1 slot, 33.250 with 2 and smaller KV tiles)."""
+    the cost model predicts it faster: Kimi K3 at batch 8 x rows 8 takes 4 slots and a ring
+    of 3 (before its all-reduces ran scattered, 1 slot predicted 42.786 ms a step, 2 and
+    smaller KV tiles 33.250)."""
     program = planned(options)
     vmem = program.vmem
     forced = options.expert_slots or options.ring_depth or shape["ring_depth"]
