@@ -57,7 +57,7 @@ from mkgen.codegen.build import load_module, render_kernel  # noqa: E402
 from mkgen.kinds import default_registry  # noqa: E402
 from mkgen.kinds.gqa.record import GQALayout  # noqa: E402
 from mkgen.plan import plan_build  # noqa: E402
-from mkgen.plan.layout import JNP_DTYPES  # noqa: E402
+from mkgen.plan.layout import INT8_TILE_ROWS, JNP_DTYPES, round_up  # noqa: E402
 from mkgen.plan.options import KV_TILE_CHOICES, BuildOptions  # noqa: E402
 from mkgen.spec.loader import load_spec  # noqa: E402
 from mkgen.spec.topology import parse_topology  # noqa: E402
@@ -134,15 +134,20 @@ def slots_and_product(fmt: str, chunks: int) -> tuple[Any, list[Any], Any]:
         return stream_slot_and_product(fmt.removeprefix("stream:"), chunks)
     kernel, layout = rendered(f"experts={fmt}")
     e = next(f for f in layout.ffn if f.type == "moe").experts
-    # Each array of a slot as the kernel declares it, for `chunks` chunks (inline
-    # scales: the chunks' codes, then their scales, from scale_row on).
-    shapes = [
-        jax.ShapeDtypeStruct(
-            (1, chunks * rows // e.piece_chunks, kernel.LANES), getattr(jnp, JNP_DTYPES[dtype])
-        )
-        for rows, dtype in e.array_shapes
-    ]
+    # Each array of a slot as the kernel declares it, for `chunks` chunks. Inline scales:
+    # the chunks' codes, then their scales from scale_row on, padded to whole int8 tiles
+    # as a piece's are (a slot of other rows gets another VMEM tiling: the nvfp4 and mxfp4
+    # chunks measured 56 vector ALU ops more, in relayouts the kernel does not have).
     scale_row = chunks * e.code_rows // e.piece_chunks
+    if e.inline_scales:
+        scales = round_up(chunks * e.scale_rows // e.piece_chunks, INT8_TILE_ROWS)
+        arrays = [(scale_row + scales, e.code_dtype)]
+    else:
+        arrays = [(chunks * rows // e.piece_chunks, dtype) for rows, dtype in e.array_shapes]
+    shapes = [
+        jax.ShapeDtypeStruct((1, rows, kernel.LANES), getattr(jnp, JNP_DTYPES[dtype]))
+        for rows, dtype in arrays
+    ]
     product = {
         "bf16": lambda refs, rows: kernel._bf16_product(*refs),
         "int8": lambda refs, rows: kernel._int8_product(*refs),
@@ -150,7 +155,7 @@ def slots_and_product(fmt: str, chunks: int) -> tuple[Any, list[Any], Any]:
         "mxfp4": lambda refs, rows: kernel._mxfp4_product(*refs, scale_row, rows),
         # a slot of `chunks` chunks: their block scales, then their tensor-scale rows
         "nvfp4": lambda refs, rows: kernel._nvfp4_product(
-            *refs, scale_row, chunks * kernel.CHUNK // 16, rows
+            *refs, scale_row, chunks * kernel.CHUNK // 16
         ),
         "fp8": lambda refs, rows: kernel._fp8_product(*refs, e.group, rows),
     }[e.kind]

@@ -242,7 +242,13 @@ def test_first_diverging_layer_is_named() -> None:
             "((biased.astype(jnp.int32) & 255) + 1) << 23",
         ),
         # nvfp4's per-chunk tensor scales left out.
-        ("formats-nvfp4", "return dot(x, w, block) * tensor", "return dot(x, w, block)"),
+        (
+            "formats-nvfp4",
+            "preferred_element_type=jnp.float32) * tensor",
+            "preferred_element_type=jnp.float32)",
+        ),
+        # nvfp4's block scales: every 16-row block of a chunk scaled by the first's.
+        ("formats-nvfp4", "jnp.broadcast_to(block[g : g + 1]", "jnp.broadcast_to(block[0:1]"),
         # int8 experts' column scales twice too large.
         (
             "formats-int8-experts",
@@ -250,7 +256,13 @@ def test_first_diverging_layer_is_named() -> None:
             "scales[slot, pl.ds(j, 1), :] * 2)",
         ),
     ],
-    ids=["int8-stream-scale", "mxfp4-expert-scale", "nvfp4-tensor-scale", "int8-expert-scale"],
+    ids=[
+        "int8-stream-scale",
+        "mxfp4-expert-scale",
+        "nvfp4-tensor-scale",
+        "nvfp4-block-scale",
+        "int8-expert-scale",
+    ],
 )
 def test_a_wrong_scale_is_caught(spec: str, old: str, new: str) -> None:
     path = str(SPECS / f"{spec}.yaml")

@@ -73,6 +73,25 @@ def test_calibration_prices_the_measured_kernels_program():
     assert set(program.vmem.dims.kv_tiles.values()) == {256}
 
 
+@pytest.mark.parametrize(("batch", "block_diagonal"), [(4, True), (8, False)])
+def test_calibration_prices_the_measured_kernels_nvfp4_product(batch, block_diagonal):
+    """Below batch 8 the measured kernel's nvfp4 experts run a block-diagonal dot
+    (musespark/fp4.py), which costs the core more than the template's bf16 dequantization;
+    from batch 8 on it dequantizes, as the template does at every batch."""
+    config = "nvfp4 experts, int8 dense"
+    options = options_for(config, batch)
+    program = plan_program(
+        load_spec(MODEL), parse_topology(TOPOLOGY), options, kinds=default_registry(),
+        kv_tile_tokens=MEASURED_KV_TILE_TOKENS, inline_scales=False,
+    )  # fmt: skip
+    template = estimate(parse_topology(TOPOLOGY), options, program)
+    measured = predict(config, batch, default_registry())
+    if block_diagonal:
+        assert measured.compute_timeline_ms > template.compute_timeline_ms
+    else:
+        assert measured.compute_timeline_ms == template.compute_timeline_ms
+
+
 def test_calibration_orders_match_the_measurements(table):
     by = {(r.config, r.batch): r.predicted_ms for r in table}
     for config in {r.config for r in table}:
@@ -215,11 +234,11 @@ def test_planning_kimi_k3_fits():
 
 
 def test_the_walk_bounds_the_step_by_both_engines() -> None:
-    """Muse Spark's nvfp4 experts at batch 4 x rows 8 (32 token rows reach most experts,
-    each chunk's 16 scale groups summed on the VPU) keep the core busier than the DMA
+    """Muse Spark's mxfp4 experts at batch 4 x rows 8 (32 token rows reach most experts,
+    each chunk's 8 scale groups summed on the VPU) keep the core busier than the DMA
     engine; a bf16 MoE does not; a chip without issue rates in the catalog has no compute
     timeline. The step is at least the busier engine's time, and its breakdown sums to it."""
-    options = BuildOptions.create(batch=4, rows=8, quant=["experts=nvfp4"])
+    options = BuildOptions.create(batch=4, rows=8, quant=["experts=mxfp4"])
     muse = plan_build(
         load_spec("muse-spark-1.2"), parse_topology("2x2x1"), options, kinds=default_registry()
     )
@@ -430,15 +449,15 @@ def test_flat_collectives_are_chosen_where_the_walk_says_they_save_time(kimi) ->
 
 
 def test_the_calibration_bias_is_reported_and_held(table) -> None:
-    """Not only the worst row: the mean signed error, within +-5 % (+0.7 %: 5 of 12 rows
+    """Not only the worst row: the mean signed error, within +-5 % (-0.4 %: 6 of 12 rows
     predicted faster than measured). RECORDED, which REPORT.md and `mkgen plan` state, is
     the calibration's summary."""
     summary = summarise(table)
     assert summary == RECORDED
     assert abs(summary.bias) <= 0.05
-    assert summary.faster == 5 and abs(summary.worst) <= TARGET
+    assert summary.faster == 6 and abs(summary.worst) <= TARGET
     assert f"**{100 * summary.bias:+.1f} %**" in format_table(table)
-    assert "mean error +0.7 %" in RECORDED.describe()
+    assert "mean error -0.4 %" in RECORDED.describe()
 
 
 def test_a_step_is_shown_beside_its_calibrated_regime_and_uncalibrated_parts(kimi) -> None:

@@ -244,7 +244,7 @@ def _product_case(fmt: str, rows: int):
     codes, block, tensor = (_slots(a) for a in pack_nvfp4_chunks(chunks))
     piece, at = _inline(codes, np.concatenate([block, tensor], axis=1))
     tensor_row = block.shape[1]  # the tensor-scale rows follow the block scales
-    return [piece], lambda p: products._nvfp4_product(p, at, tensor_row, rows), reference
+    return [piece], lambda p: products._nvfp4_product(p, at, tensor_row), reference
 
 
 def _run_product(arrays: list[np.ndarray], make_product, x: np.ndarray) -> np.ndarray:

@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3-32b --topology 2x2x1 --force` (add -o and thi
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Imported from the Hugging Face config qwen3-32b.json (Qwen3ForCausalLM, model_type qwen3)."
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 9 refills held for collectives, 14 a round.
-Inputs sha256: c568804ee3fe57c92a0e6b30fba1bd116f65ba3270d783cf075a5b2282dca9cf (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 25fdf87341726755697d6ca3f87f9a957a2839c9ca1114e1b84d6bee26537d67 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -1,8 +1,9 @@
 """A weight chunk's product in each stored format: `*_product(slot arrays, ...)` returns
 product(x, slot, j) = x [rows, CHUNK] bf16 @ chunk j of the slot, f32, as a Ring reads
 it; the scaled formats multiply on the MXU in the codes' own dtype (_grouped_dot) and
-scale the partial products. The layouts are the packer's (mkgen/weights/quantize.py,
-pack_*_chunks)."""
+scale the partial products, except nvfp4, whose 16-row block scales are applied to the
+weights in bf16 before one dot (_nvfp4_product). The layouts are the packer's
+(mkgen/weights/quantize.py, pack_*_chunks)."""
 
 import jax
 import jax.numpy as jnp
@@ -132,21 +133,43 @@ def _mxfp4_product(pieces, scale_row, rows=TOKENS_PADDED):
     return product
 
 
-def _nvfp4_product(pieces, scale_row, tensor_row, rows=TOKENS_PADDED):
-    """Chunk j of an nvfp4 slot of `pieces`: the codes as mxfp4's; from row `scale_row` on
-    the scales: from row j * CHUNK / 16 of them the chunk's e4m3 scales, one per 16 rows of
-    a column, and at row `tensor_row` + j the E8M0 bytes of its columns' tensor scales
-    (powers of two)."""
+def _nvfp4_product(pieces, scale_row, tensor_row):
+    """Chunk j of an nvfp4 slot of `pieces` [depth, rows, LANES] int8: from row 0 the codes
+    of its chunks, CHUNK / 2 rows a chunk, byte a holding the e2m1 codes of rows 2a (low
+    nibble) and 2a + 1 (high nibble), as Mosaic packs 4-bit types, so a bitcast unpacks
+    them; from row `scale_row` on the scales: from row j * CHUNK / 16 of them the chunk's
+    e4m3 scales, one per 16 rows of a column, and at row `tensor_row` + j the E8M0 bytes of
+    its columns' tensor scales (powers of two).
+
+    The weights are dequantized in bf16 and multiplied in ONE dot: w = code x block scale,
+    then (x @ w) x tensor scale in f32. Exact: e2m1 and e4m3 values are bf16 values (the
+    codes go e2m1 -> e4m3 -> bf16, conversions the VPU does in one op each); a code's
+    significand has at most 2 bits and a block scale's 4, so their product has at most 6
+    of bf16's 8; |code| is 0 or in [0.5, 6] and a scale 0 or in [2^-9, 448], so a nonzero
+    product lies in [2^-10, 2688], far inside bf16's normal range: the bf16 multiply
+    rounds nothing, the MXU's bf16 x bf16 products are exact in its f32 sums, and the
+    tensor scale is a power of two (exact below byte 250, as _power_of_two's). A bf16 vreg
+    is [16, 128], so a 16-row block is one vreg and its scale row one replicate (Mosaic
+    broadcasts a packed bf16 row in one op). Against _grouped_dot's 16 partial products
+    (the MXU streaming 16 x the token rows, 16 scalings and sums in f32 a chunk) this
+    compiles to fewer vector ALU and MXU ops (docs/quantized-paths.md)."""
     half = CHUNK // 2
     groups = CHUNK // 16
-    dot = _grouped_dot(groups, rows)
 
     def product(x, slot, j):
-        w = _e2m1_as_e4m3(pieces[slot, pl.ds(j * half, half), :])
+        codes = pltpu.bitcast(pieces[slot, pl.ds(j * half, half), :], jnp.float4_e2m1fn)
+        # through e4m3: Mosaic turns e2m1 -> bf16 into e2m1 -> f32 -> bf16 (80 more ops)
+        codes = codes.astype(jnp.float8_e4m3fn).astype(jnp.bfloat16)
         block = pieces[slot, pl.ds(scale_row + j * groups, groups), :]
-        block = jax.lax.bitcast_convert_type(block, jnp.float8_e4m3fn).astype(jnp.float32)
-        tensor = _power_of_two(pieces[slot, pl.ds(scale_row + tensor_row + j, 1), :])
-        return dot(x, w, block) * tensor
+        block = jax.lax.bitcast_convert_type(block, jnp.float8_e4m3fn).astype(jnp.bfloat16)
+        lanes = codes.shape[1]
+        scale = jnp.concatenate(
+            [jnp.broadcast_to(block[g : g + 1], (16, lanes)) for g in range(groups)], axis=0
+        )
+        # _power_of_two's 2^6 undoes mxfp4's codes read as e4m3 x 2^-6; these are exact
+        tensor = pieces[slot, pl.ds(scale_row + tensor_row + j, 1), :]
+        tensor = _power_of_two(tensor) * (1 / E2M1_IN_E4M3)
+        return jnp.dot(x, codes * scale, preferred_element_type=jnp.float32) * tensor
 
     return product
 

@@ -233,7 +233,8 @@ class ExpertChunks(PlanModel):
     Mosaic's int4 packing) / CHUNK / G bf16; mxfp4 CHUNK / 2 int8 (two e2m1 codes a
     byte: rows r and r + CHUNK / 2) / CHUNK / 32 E8M0 bytes (int8); fp8:B CHUNK e4m3 /
     CHUNK / B f32 (each block's scale repeated over its B columns); int8 CHUNK int8 / 1
-    f32 row of column scales; nvfp4 codes as mxfp4's / CHUNK / 16 e4m3 bytes, and after
+    f32 row of column scales; nvfp4 CHUNK / 2 int8 (two e2m1 codes a byte: rows 2a and
+    2a + 1, as int4's) / CHUNK / 16 e4m3 bytes, and after
     the piece's block scales (row `tensor_scale_row` on) one row of E8M0 bytes a chunk,
     its columns' tensor scales."""
 
@@ -417,8 +418,10 @@ class KernelFeatures(PlanModel):
     softplus: bool  # Gated DeltaNet's decay, or KDA's without a lower bound
     expert_formats: list[str]  # routed-expert storage kinds: bf16, int8, int4, mxfp4, nvfp4, fp8
     stream_formats: list[StreamFormat]  # quantized weight-stream formats, in stream order
-    block_scales: bool  # scaled experts or fp8 stream segments: scales on partial products
-    e2m1: bool  # mxfp4 / nvfp4 experts: e2m1 codes read as e4m3
+    # scaled experts (but nvfp4's, scaled in bf16) or fp8 stream segments: scales on
+    # partial products
+    block_scales: bool
+    e8m0_scales: bool  # mxfp4 / nvfp4 experts: E8M0 scale bytes read as powers of two
     held_refills: bool  # a mesh: ring refills may be held for its collectives' flights
     in_flight: bool  # an FFN kind runs work while a reduce-scatter's copies travel
 
@@ -673,9 +676,9 @@ def kernel_features(
         softplus=any(a.softplus() for a in attention),
         expert_formats=expert_formats,
         stream_formats=stream_formats,
-        block_scales=bool(set(expert_formats) - {"bf16"})
+        block_scales=bool(set(expert_formats) - {"bf16", "nvfp4"})
         or any(f.block is not None for f in stream_formats),
-        e2m1=bool({"mxfp4", "nvfp4"} & set(expert_formats)),
+        e8m0_scales=bool({"mxfp4", "nvfp4"} & set(expert_formats)),
         held_refills=held_refills,
         in_flight=any(f.work_in_flight() for f in ffn),
     )

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -79,14 +80,21 @@ class OpCounts:
 # as a spec writes it (routed experts; "stream:" the weight stream's quantized banks,
 # read through a bitcast of the ring's bf16 rows): ops of one 256 x 256 chunk product
 # with its accumulate, of one input chunk (_to_chunks) and of one output block (zeroed,
-# read back), for 8 and 16 token rows. Every quantized format multiplies on the MXU in
-# its codes' dtype (bf16 x int8 / int4 / fp8 e4m3; mxfp4 and nvfp4 codes turned into
-# e4m3 by word ops), with group scales on a block-diagonal dot's partial products
+# read back), for 8 and 16 token rows. Every quantized format but nvfp4 multiplies on the
+# MXU in its codes' dtype (bf16 x int8 / int4 / fp8 e4m3; mxfp4 codes turned into e4m3 by
+# word ops), with group scales on a block-diagonal dot's partial products
 # (docs/quantized-paths.md); dequantizing to bf16 on the VPU first cost 1,221 vector
-# ALU ops a chunk for mxfp4 and 245 for int4:128. With the weights passed as an input
-# block instead of scratch, bf16 came to 171 vector ALU ops a chunk (an input block gets
-# another VMEM tiling than the ring's slots); that is likely why an earlier single-chunk
-# compile of a bare dot gave 269 for bf16 and 1,287 for mxfp4 (39 MXU ops, as here).
+# ALU ops a chunk for mxfp4 (selects, f32) and 245 for int4:128. nvfp4 dequantizes in
+# bf16 (codes e2m1 -> e4m3 -> bf16 by the VPU's converts, times each 16-row block's
+# scale) and runs one bf16 dot: 204 / 203 vector ALU ops and 39 MXU ops at 8 / 16 rows.
+# "nvfp4:block-diagonal" is the block-diagonal dot (16 groups) it ran before, measured by
+# the same script (the table had 334 / 438 from an earlier harness): no build runs it; the
+# calibration prices the measured Muse Spark kernel's nvfp4 rows below batch 8 with it,
+# the product that kernel runs there (mkgen.plan.calibration.MEASURED_NVFP4_PRODUCT).
+# With the weights passed as an input block instead of scratch, bf16 came to 171 vector
+# ALU ops a chunk (an input block gets another VMEM tiling than the ring's slots); that
+# is likely why an earlier single-chunk compile of a bare dot gave 269 for bf16 and 1,287
+# for mxfp4 (39 MXU ops, as here).
 CHUNK_OPS: dict[tuple[str, int], OpCounts] = {
     ("bf16", 8): OpCounts(vpu=11, mxu=39, loads=35, stores=2),
     ("bf16", 16): OpCounts(vpu=8, mxu=39, loads=38, stores=4),
@@ -96,8 +104,10 @@ CHUNK_OPS: dict[tuple[str, int], OpCounts] = {
     ("int4:128", 16): OpCounts(vpu=84, mxu=29, loads=15, stores=4),
     ("mxfp4", 8): OpCounts(vpu=218, mxu=41, loads=12, stores=2),
     ("mxfp4", 16): OpCounts(vpu=264, mxu=65, loads=15, stores=4),
-    ("nvfp4", 8): OpCounts(vpu=334, mxu=65, loads=14, stores=2),
-    ("nvfp4", 16): OpCounts(vpu=438, mxu=113, loads=17, stores=4),
+    ("nvfp4", 8): OpCounts(vpu=204, mxu=39, loads=15, stores=2),
+    ("nvfp4", 16): OpCounts(vpu=203, mxu=39, loads=18, stores=4),
+    ("nvfp4:block-diagonal", 8): OpCounts(vpu=327, mxu=65, loads=15, stores=2),
+    ("nvfp4:block-diagonal", 16): OpCounts(vpu=431, mxu=113, loads=18, stores=4),
     ("fp8:128", 8): OpCounts(vpu=38, mxu=23, loads=20, stores=2),
     ("fp8:128", 16): OpCounts(vpu=42, mxu=29, loads=23, stores=4),
     ("stream:int8", 8): OpCounts(vpu=65, mxu=39, loads=21, stores=2),
@@ -304,17 +314,25 @@ def _measured_heads_op(kind: Any, shard: Any, tokens_padded: int) -> OpCounts | 
 
 
 def node_op_counts(
-    schedule: Any, stream: Any, vmem: Any, sharding: Any, spec: Any, kinds: KindRegistry
+    schedule: Any,
+    stream: Any,
+    vmem: Any,
+    sharding: Any,
+    spec: Any,
+    kinds: KindRegistry,
+    chunk_products: Mapping[str, str] | None = None,
 ) -> tuple[list[tuple[str, OpCounts]], list[str]]:
     """(phase, the model's ops of one run of the node) for every node of `schedule`, in
     node order, and the formats and attention geometries the model has no measurement
     for (their chunks and tiles count no ops): a build's schedule, weight stream, VMEM
-    plan and sharding (the plan's pieces), each kind's geometry by its rule in `kinds`.
+    plan and sharding (the plan's pieces), each kind's geometry by its rule in `kinds`;
+    `chunk_products` prices an expert format's chunks as another product of CHUNK_OPS
+    (the calibration's measured kernel, ProgramPlan.chunk_products).
 
     A stream segment's and an expert's ring matmul is spread over its banks or pieces by
     the chunks each holds; a node's ops times its ``repeat`` summed per phase is
     `model_op_counts`. The cost model (mkgen.plan.cost) prices each node from these."""
-    counter = _NodeCounter(spec, sharding, vmem, kinds)
+    counter = _NodeCounter(spec, sharding, vmem, kinds, chunk_products or {})
     layer_kinds = [tuple(k.split("/")) for k in schedule.layer_kinds]
     out: list[tuple[str, OpCounts]] = []
     for node in schedule.nodes:
@@ -332,8 +350,16 @@ class _NodeCounter:
     """The op counts of a build's compute nodes (node_op_counts), with what they share
     (segment and expert-piece matmuls, KV tiles) counted once."""
 
-    def __init__(self, spec: Any, sharding: Any, vmem: Any, kinds: KindRegistry) -> None:
+    def __init__(
+        self,
+        spec: Any,
+        sharding: Any,
+        vmem: Any,
+        kinds: KindRegistry,
+        chunk_products: Mapping[str, str],
+    ) -> None:
         self.spec, self.sharding, self.vmem, self.kinds = spec, sharding, vmem, kinds
+        self.chunk_products = chunk_products
         self.dims = vmem.dims
         self.tp = self.dims.tokens_padded
         self.unpriced: set[str] = set()
@@ -367,12 +393,13 @@ class _NodeCounter:
         """An expert piece's share of the expert's gate|up or down ring matmul."""
         piece_ops: dict[tuple[str, bool], OpCounts] = {}
         for name, e in self.vmem.experts.items():
+            product = self.chunk_products.get(e.format, e.format)
             for gate_up, k, c, pieces in (
                 (True, e.gate_up_k_chunks, e.gate_up_col_blocks, e.gate_up_pieces),
                 (False, e.down_k_chunks, e.down_col_blocks, e.pieces - e.gate_up_pieces),
             ):
                 share = OpCounts()
-                share.add_all(self.ring_matmul(e.format, k, c), 1 / max(1, pieces))
+                share.add_all(self.ring_matmul(product, k, c), 1 / max(1, pieces))
                 piece_ops[(name, gate_up)] = share
         return piece_ops
 

@@ -57,6 +57,9 @@ class ProgramPlan(NamedTuple):
     unheld: ProgramPlan | None = None
     # How the planner chose the cache kinds' KV tiles (None: forced, or one candidate).
     kv_tiles: KvTileChoice | None = None
+    # (expert format, CHUNK_OPS product) pairs pricing a format's chunks as another
+    # product than the template's (mkgen.plan.opcount.node_op_counts): the calibration's.
+    chunk_products: tuple[tuple[str, str], ...] = ()
 
 
 # The DMA engine's queues, highest priority first, and the queue of each schedule DMA
@@ -307,7 +310,9 @@ def price_program(program: ProgramPlan) -> PricedProgram:
         program.schedule,
     )
     nodes, layers = schedule.nodes, schedule.layers
-    ops, unpriced = node_op_counts(schedule, stream, vmem, sharding, spec, program.kinds)
+    ops, unpriced = node_op_counts(
+        schedule, stream, vmem, sharding, spec, program.kinds, dict(program.chunk_products)
+    )
     banks = _bank_names(stream, sharding.layer_table)
     names = [
         banks[node.key[1]][:2] if node.cat == "bank" else

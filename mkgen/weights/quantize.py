@@ -271,16 +271,16 @@ def _nibble_bytes(low: np.ndarray, high: np.ndarray) -> np.ndarray:
 
 def pack_nibbles(codes: np.ndarray) -> np.ndarray:
     """4-bit codes [n, CHUNK, LANES] -> bytes int8 [n, CHUNK / 2, LANES]: byte r of a
-    chunk holds row r in its low nibble and row r + CHUNK / 2 in its high one (e2m1: the
-    kernel turns the two halves into e4m3 with the same word ops)."""
+    chunk holds row r in its low nibble and row r + CHUNK / 2 in its high one (mxfp4's
+    e2m1: the kernel turns the two halves into e4m3 with the same word ops)."""
     half = codes.shape[1] // 2
     return _nibble_bytes(codes[:, :half], codes[:, half:])
 
 
 def pack_nibble_pairs(codes: np.ndarray) -> np.ndarray:
     """4-bit codes [n, CHUNK, LANES] -> bytes int8 [n, CHUNK / 2, LANES]: byte a holds row
-    2a in its low nibble and row 2a + 1 in its high one, as Mosaic packs int4 (the kernel
-    bitcasts the bytes to int4)."""
+    2a in its low nibble and row 2a + 1 in its high one, as Mosaic packs 4-bit types (the
+    kernel bitcasts the bytes to int4, or nvfp4's to float4_e2m1fn)."""
     return _nibble_bytes(codes[:, 0::2], codes[:, 1::2])
 
 
@@ -304,7 +304,7 @@ def pack_nvfp4_chunks(chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     exponent = _floor_log2(tensor) + E8M0_BIAS  # tensor scales are powers of two
     tensor_bytes = np.broadcast_to(exponent, (*tensor.shape[:-1], chunks.shape[-1]))
     return (
-        pack_nibbles(codes),
+        pack_nibble_pairs(codes),
         block.view(np.int8),
         tensor_bytes.astype(np.uint8).view(np.int8),
     )

@@ -142,11 +142,11 @@ def expert_values(experts: ExpertChunks, arrays: list[jax.Array]) -> jax.Array:
     elif experts.kind == "int4":  # two's complement nibbles
         nibbles = _nibble_pairs(codes.reshape(count, CHUNK // 2, LANES))
         values = _scaled(nibbles - 16 * (nibbles >= 8), scales)
-    else:  # mxfp4 / nvfp4: e2m1 codes; E8M0 power-of-two scales / block x tensor scales
+    elif experts.kind == "nvfp4":  # e2m1 codes in nibble pairs; block x tensor scales
+        values = _scaled(_e2m1(_nibble_pairs(codes.reshape(count, CHUNK // 2, LANES))), scales)
+    else:  # mxfp4: e2m1 codes in half-chunk nibbles; E8M0 power-of-two scales
         nibbles = _nibbles(codes.reshape(count, CHUNK // 2, LANES))
-        values = _scaled(
-            _e2m1(nibbles), _powers_of_two(scales) if experts.kind == "mxfp4" else scales
-        )
+        values = _scaled(_e2m1(nibbles), _powers_of_two(scales))
     return values.reshape(*lead, CHUNK, LANES)
 
 
