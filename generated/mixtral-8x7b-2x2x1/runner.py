@@ -5,7 +5,7 @@ regenerate with `mkgen build mixtral-8x7b --topology 2x2x1 --force` (add -o and 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Imported from the Hugging Face config mixtral-8x7b.json (MixtralForCausalLM, model_type mixtral)."
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 6 refills held for collectives, 5 a round.
-Inputs sha256: 7a1a6f0aebef81b2af1865ec6e2f5173a1db0b117529a50564b4c6fc8ace22f8 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: d68fbbff1212853b4f4adfd357dff7d96b90eeae8ebd23e3735ff2186722e60c (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

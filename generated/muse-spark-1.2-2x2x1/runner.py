@@ -5,7 +5,7 @@ regenerate with `mkgen build muse-spark-1.2 --topology 2x2x1 --force` (add -o an
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Muse Spark 1.2: 62 layers, SWA(2048)+RoPE with NoPE full attention at l % 4 == 1, MoE 256 top-8"
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 12 refills held for collectives, 5 a round.
-Inputs sha256: 6386c91749a28c6ecc96a168a5c6fde1e79d5e1e94adc7f3574533ba6dfdcb24 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 943408f5f8341a407927fa9ff0c942a59e9f8874346e68634a82f187ed4b01e8 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3-30b-a3b --topology 2x2x1 --force` (add -o and
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Imported from the Hugging Face config qwen3-30b-a3b.json (Qwen3MoeForCausalLM, model_type qwen3_moe)."
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 3 refills held for collectives, 5 a round.
-Inputs sha256: 609ba949aefd07b18d56a2ab4cdede2098c77211003cc57bcc94a3ac0f3a4842 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 962c015f46299953732ef25ce8039b31d65dced6157778a3457abdd73c3bd424 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

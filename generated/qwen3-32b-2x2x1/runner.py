@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3-32b --topology 2x2x1 --force` (add -o and thi
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Imported from the Hugging Face config qwen3-32b.json (Qwen3ForCausalLM, model_type qwen3)."
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 9 refills held for collectives, 14 a round.
-Inputs sha256: 762293754585387262e8e4f11b8473a43fba05536d0edd90cb1c77a6fdd57171 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 720be015086bd8133572fa888079a2718f609614e5843e6511d0001e43f25db8 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from mkgen.plan.cost import CostConstants
+from mkgen.plan.cost import CostConstants, pad_rows
 from mkgen.spec.topology import Topology
 
 if TYPE_CHECKING:
@@ -93,8 +93,9 @@ class RoundCall(_Plan):
     columns: int  # values of the piece sent to each peer, per token row
     wire: WireDtype
     lanes: int  # 32-bit lanes of a copy (bf16: two values a lane), whole 128-lane rows
-    rows: int  # token rows
-    bytes_per_peer: int  # rows x lanes x 4: what one copy moves
+    rows: int  # token rows the core combines: the real ones padded to 8-row sublane blocks
+    copy_rows: int  # token rows a copy moves: only the real ones (batch x rows)
+    bytes_per_peer: int  # copy_rows x lanes x 4: what one copy moves
 
     @property
     def bytes_by_level(self) -> dict[str, int]:
@@ -247,9 +248,11 @@ def wire_lanes(columns: int, wire: WireDtype) -> int:
 
 
 def round_calls(
-    name: str, op: Op, width: int, rows: int, rounds: list[CollectiveRound]
+    name: str, op: Op, width: int, tokens: int, rounds: list[CollectiveRound]
 ) -> list[RoundCall]:
-    """The rounds one collective runs, with what each copy moves, in execution order."""
+    """The rounds one collective runs, with what each copy moves, in execution order: the
+    `tokens` real token rows (the kernel's landing slots pad them to 8-row sublane blocks,
+    but its copies leave the padding behind)."""
     pieces = round_pieces(op, width, rounds)
     calls = []
     for index, (r, columns) in enumerate(pieces):
@@ -259,7 +262,8 @@ def round_calls(
             RoundCall(
                 collective=name, op=op, round=r.name, index=index, rounds=len(pieces),
                 level=r.level, members=r.size, peers=r.peers, columns=columns, wire=wire,
-                lanes=lanes, rows=rows, bytes_per_peer=rows * lanes * WORD_BYTES,
+                lanes=lanes, rows=pad_rows(tokens), copy_rows=tokens,
+                bytes_per_peer=tokens * lanes * WORD_BYTES,
             )
         )  # fmt: skip
     return calls
@@ -312,7 +316,7 @@ def choose_rounds(
     name: str,
     op: Op,
     width: int,
-    rows: int,
+    tokens: int,
     constants: CostConstants,
     mode: str,
 ) -> list[RoundCall]:
@@ -322,11 +326,11 @@ def choose_rounds(
     to every core (31 copies instead of 10 on 2x2x4, each issued and moved over its link
     level), so it wins for the small pieces of a gather or scatter and loses for a wide
     all-reduce."""
-    staged = round_calls(name, op, width, rows, plan_rounds(topology))
+    staged = round_calls(name, op, width, tokens, plan_rounds(topology))
     flat = flat_round(topology)
     if flat is None or mode == "staged":
         return staged
-    single = round_calls(name, op, width, rows, [flat])
+    single = round_calls(name, op, width, tokens, [flat])
     if mode == "flat" or rounds_price(single, constants) < rounds_price(staged, constants):
         return single
     return staged

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --draft 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of kimi-k3 for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats, expert sharing half; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round; drafter mtp: 1 module(s), mla + moe layer.
-Inputs sha256: 8466f2bd0d0cbb6f0edaa8c59816eb46e5c397c52b16a2215e24e9b60e2735ae (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: d7da8f0dfa1c1c00e8a6d05e1b851e8b0b490abd0cbcc9b4a9141103f30f69c9 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build mixtral-8x7b --topology 2x2x1 --force`` (a
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of mixtral-8x7b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: d106f5f721e6d86f11513d9ff927e1dd3bd22a4a90a41879d9244737701bfb1d (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 30367f8f6ee1b1f3d8cd3a1854d0a9ebfc4a68dae2ac11f705cee20f986117b9 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

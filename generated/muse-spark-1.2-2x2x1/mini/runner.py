@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build muse-spark-1.2 --topology 2x2x1 --force`` 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of muse-spark-1.2 for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 46ab5881261a2de1f6838292be768fc75b9f8be6ff43b79bf18ea65d8b1df428 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: d1793ce2e1a9bab4e1fd5a6dcfc51adc27129443838000b43daed92932b3cf32 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3-30b-a3b --topology 2x2x1 --force`` (
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3-30b-a3b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing half; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: f6855f55f0f9c326cd8700f4be6820fc7ca3c3563307d81c46807754d325711b (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: f326d72e3e3e2030bdb19c8b1390e7d4ee5db61545bf7886e708358d5005d1ec (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

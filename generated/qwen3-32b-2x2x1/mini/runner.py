@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3-32b --topology 2x2x1 --force`` (add 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3-32b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 851cda11b0a520096e6f2495c222fba215397aa4957e07d611f0aaca67b3ca90 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 706a305a99d97c8d4b2f5b5ce6dc3592984e50b7bf85a153d76358fddde2380a (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 
