@@ -310,6 +310,21 @@ def test_a_round_costs_the_catalog_phase_or_its_copies_over_the_links_if_longer(
     assert across == pytest.approx(phase_us) and 3 * hosts.bytes_per_peer / chip_bw * 1e6 < phase_us
 
 
+def test_a_copy_moves_only_the_real_token_rows() -> None:
+    """At batch 1 x rows 1 the landing slots keep 8 rows (sublane padding), but a copy moves
+    the one real row: an eighth of the bytes, so a wide in-host all-reduce that was
+    wire-bound is back within the phase latency."""
+    chip = CATALOG["tpu7x"]
+    rounds = plan_rounds(parse_topology("2x2x4"))
+    padded, _ = round_calls("attn_out", "all_reduce", 7168, 8, rounds)
+    one, _ = round_calls("attn_out", "all_reduce", 7168, 1, rounds)
+    assert (one.rows, one.copy_rows, padded.rows, padded.copy_rows) == (8, 1, 8, 8)
+    assert one.bytes_per_peer == 3584 * 4 and padded.bytes_per_peer == 8 * one.bytes_per_peer
+    phase_us = chip.collective_phase_latency.cost_model * 1e6
+    assert collective_time_us({"collective": padded.model_dump()}, chip) > phase_us
+    assert collective_time_us({"collective": one.model_dump()}, chip) == pytest.approx(phase_us)
+
+
 def test_the_program_carries_what_pricing_needs_for_every_round() -> None:
     plan = plan_build(
         load_spec("kimi-k3"),

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from mkgen.plan.cost import CostConstants
+from mkgen.plan.cost import CostConstants, pad_rows
 from mkgen.spec.topology import Topology
 
 if TYPE_CHECKING:
@@ -106,8 +106,9 @@ class RoundCall(_Plan):
     columns: int  # values of the piece sent to each peer, per token row
     wire: WireDtype
     lanes: int  # 32-bit lanes of a copy (bf16: two values a lane), whole 128-lane rows
-    rows: int  # token rows
-    bytes_per_peer: int  # rows x lanes x 4: what one copy moves
+    rows: int  # token rows the core combines: the real ones padded to 8-row sublane blocks
+    copy_rows: int  # token rows a copy moves: only the real ones (batch x rows)
+    bytes_per_peer: int  # copy_rows x lanes x 4: what one copy moves
 
     @property
     def bytes_by_level(self) -> dict[str, int]:
@@ -288,15 +289,17 @@ def wire_lanes(columns: int, wire: WireDtype) -> int:
 
 
 def round_calls(
-    name: str, op: Op, width: int, rows: int, rounds: list[CollectiveRound]
+    name: str, op: Op, width: int, tokens: int, rounds: list[CollectiveRound]
 ) -> list[RoundCall]:
-    """The rounds one collective runs, with what each copy moves, in execution order."""
+    """The rounds one collective runs, with what each copy moves, in execution order: the
+    `tokens` real token rows (the kernel's landing slots pad them to 8-row sublane blocks,
+    but its copies leave the padding behind)."""
     return _calls(
-        name, op, rows, [(op, r, columns) for r, columns in round_pieces(op, width, rounds)]
+        name, op, tokens, [(op, r, columns) for r, columns in round_pieces(op, width, rounds)]
     )
 
 
-def scatter_calls(name: str, width: int, rows: int, topology: Topology) -> list[RoundCall] | None:
+def scatter_calls(name: str, width: int, tokens: int, topology: Topology) -> list[RoundCall] | None:
     """An all-reduce of `width` columns run scattered: a reduce-scatter over the host's
     round (core c of a host then holds the host's sum of part c, width / L columns), an
     all-reduce of that part over the other staged rounds (across hosts), and an
@@ -310,11 +313,11 @@ def scatter_calls(name: str, width: int, rows: int, topology: Topology) -> list[
     steps: list[tuple[Op, CollectiveRound, int]] = [("reduce_scatter", host, part)]
     steps += [("all_reduce", r, part) for r in across]
     steps.append(("all_gather", gather, part))
-    return _calls(name, "all_reduce", rows, steps)
+    return _calls(name, "all_reduce", tokens, steps)
 
 
 def _calls(
-    name: str, op: Op, rows: int, steps: Sequence[tuple[Op, CollectiveRound, int]]
+    name: str, op: Op, tokens: int, steps: Sequence[tuple[Op, CollectiveRound, int]]
 ) -> list[RoundCall]:
     """RoundCalls of collective `name` from its (phase, round, columns sent each peer)."""
     calls = []
@@ -325,8 +328,8 @@ def _calls(
             RoundCall(
                 collective=name, op=op, phase=phase, round=r.name, index=index,
                 rounds=len(steps), level=r.level, members=r.size, peers=r.peers,
-                columns=columns, wire=wire, lanes=lanes, rows=rows,
-                bytes_per_peer=rows * lanes * WORD_BYTES,
+                columns=columns, wire=wire, lanes=lanes, rows=pad_rows(tokens),
+                copy_rows=tokens, bytes_per_peer=tokens * lanes * WORD_BYTES,
             )
         )  # fmt: skip
     return calls
@@ -380,7 +383,7 @@ def choose_rounds(
     name: str,
     op: Op,
     width: int,
-    rows: int,
+    tokens: int,
     constants: CostConstants,
     mode: str,
 ) -> list[RoundCall]:
@@ -393,11 +396,11 @@ def choose_rounds(
     of a gather or scatter and loses for a wide all-reduce; the scattered all-reduce adds
     a phase but sends 1 / L of the payload a copy, so it wins where the copies of a wide
     all-reduce outlast the phase."""
-    candidates = {"staged": round_calls(name, op, width, rows, plan_rounds(topology))}
+    candidates = {"staged": round_calls(name, op, width, tokens, plan_rounds(topology))}
     flat = flat_round(topology)
     if flat is not None:
-        candidates["flat"] = round_calls(name, op, width, rows, [flat])
-    scattered = scatter_calls(name, width, rows, topology) if op == "all_reduce" else None
+        candidates["flat"] = round_calls(name, op, width, tokens, [flat])
+    scattered = scatter_calls(name, width, tokens, topology) if op == "all_reduce" else None
     if scattered is not None:
         candidates["scatter"] = scattered
     if mode != "auto":
@@ -453,17 +456,17 @@ def scheme_of(calls: Sequence[RoundCall]) -> Scheme:
 
 
 def scheme_calls(
-    topology: Topology, name: str, op: Op, width: int, rows: int, scheme: Scheme
+    topology: Topology, name: str, op: Op, width: int, tokens: int, scheme: Scheme
 ) -> list[RoundCall]:
     """The rounds of collective `name` run as `scheme` (one `choose_rounds` chose)."""
     if scheme == "scatter":
-        scattered = scatter_calls(name, width, rows, topology)
+        scattered = scatter_calls(name, width, tokens, topology)
         if scattered is None:
             raise ValueError(f"collective {name}: {width} columns do not scatter over a host")
         return scattered
     flat = flat_round(topology)
     return round_calls(
-        name, op, width, rows, [flat] if scheme == "flat" and flat else plan_rounds(topology)
+        name, op, width, tokens, [flat] if scheme == "flat" and flat else plan_rounds(topology)
     )
 
 

@@ -153,7 +153,7 @@ def collective_cost(
     flat as `mode` says (`choose_rounds`), each priced by `round_time_s` (the catalog's
     collective phase plus its copies over the links), one after the other."""
     rows = pad_rows(tokens)
-    calls = choose_rounds(topo, name, op, width, rows, chip_constants(topo.chip_info), mode)
+    calls = choose_rounds(topo, name, op, width, tokens, chip_constants(topo.chip_info), mode)
     sent = {"core": 0, "chip": 0, "host": 0}
     for call in calls:
         for level, nbytes in call.bytes_by_level.items():

@@ -382,7 +382,7 @@ def _describe_collective(build: Build, phase: Phase) -> None:
         )
     phase.dmas = (
         [
-            f"{' or '.join(ways)}, as the plan gives each call, at most [{L.tokens_padded}, "
+            f"{' or '.join(ways)}, as the plan gives each call, at most [{L.tokens}, "
             f"{max(b.width for b in coll.buffers)}] 32-bit words each (f32, or bf16 "
             "pairs), one semaphore per copy, combined in member order"
         ]

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3-32b --topology 2x2x1 --force`` (add 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3-32b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 2f20115c961f82d989c3ac2ffb8dc1c2b8ec88f0553537b9634bbef0ef1482b3 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: f981af4b3e885569193a83533397f1d8812e4df09e0924fed0f419977cda5f11 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
@@ -438,7 +438,10 @@ def _round_exchange(buf, send_sems, recv_sems, round_, lanes, send_row, on_sent=
     (its position) of every other member m of its group, one semaphore per in-flight copy,
     then on_sent() while they travel; returns when every member's row has landed in this
     core's slots offset .. offset + size.
-    The first `lanes` 32-bit lanes matter; copies round them up to whole DMA_LANES rows."""
+    The first `lanes` 32-bit lanes matter; copies round them up to whole DMA_LANES rows.
+    Only the TOKENS real token rows travel, not the sublane padding up to TOKENS_PADDED:
+    at batch 1 x rows 1 a copy moves one row of the slot's eight (Mosaic lowers a DMA of
+    a sub-tile slice of the second-minor dimension)."""
     size, stride, offset = ROUNDS[round_]
     me = jax.lax.axis_index(AXIS)
     pos = (me // stride) % size
@@ -447,8 +450,8 @@ def _round_exchange(buf, send_sems, recv_sems, round_, lanes, send_row, on_sent=
 
     def copy(row, slot, m, device):
         return pltpu.make_async_remote_copy(
-            buf.at[row, :, pl.ds(0, lanes)],
-            buf.at[slot, :, pl.ds(0, lanes)],
+            buf.at[row, pl.ds(0, TOKENS), pl.ds(0, lanes)],
+            buf.at[slot, pl.ds(0, TOKENS), pl.ds(0, lanes)],
             send_sems.at[offset + m],
             recv_sems.at[slot],
             device_id={AXIS: device},
@@ -470,7 +473,7 @@ def _round_exchange(buf, send_sems, recv_sems, round_, lanes, send_row, on_sent=
 
 
 def _to_wire(value, wire, lanes):
-    """`value` [TOKENS_PADDED, w] f32 as 32-bit words: its f32 bits (w words), or `lanes`
+    """`value` [rows, w] f32 as 32-bit words: its f32 bits (w words), or `lanes`
     words of bf16 pairs (round to nearest even), column c in the high half of word c and
     column c + lanes in its low half (w zero-padded to 2 * lanes)."""
     if wire == "f32":
@@ -483,7 +486,7 @@ def _to_wire(value, wire, lanes):
 
 
 def _from_wire(words, wire, width):
-    """The f32 values [TOKENS_PADDED, width] that `_to_wire` packed into `words`."""
+    """The f32 values [rows, width] that `_to_wire` packed into `words` [rows, lanes]."""
     if wire == "f32":
         return jax.lax.bitcast_convert_type(words, jnp.float32)[:, :width]
     high = jax.lax.bitcast_convert_type(words & jnp.uint32(0xFFFF0000), jnp.float32)
@@ -498,7 +501,10 @@ class Collectives:
 
     In a round every member writes its piece straight to every other member, and each
     combines the group's slots in member order, so a group ends bit-identical and, after
-    the last round, every core does. A round's wire dtype and lanes come from
+    the last round, every core does. Only the real token rows (TOKENS) are written and
+    sent; the padding rows up to TOKENS_PADDED are zeroed once, before the entry barrier
+    lets a peer write, so every collective's result has zero padding rows (never another
+    step's or uninitialised words, which a product over rows could carry into a real one). A round's wire dtype and lanes come from
     COLLECTIVE_WIRES too (bf16: sent rounded, summed in f32 on arrival). Each collective
     of a layer has its own buffer (the attention's all-reduce 0, the FFN's 1..3; a split
     MLA A-projection's all-gather borrows 1 before the all-reduce) and each round its own
@@ -511,6 +517,11 @@ class Collectives:
         self.send = send_sems  # DMA[COLLECTIVE_BUFFERS, COLLECTIVE_SLOTS]
         self.recv = recv_sems  # DMA[COLLECTIVE_BUFFERS, COLLECTIVE_SLOTS]
         self.on_sent = on_sent  # what starts once a round's copies are under way (the held refills)
+        if TOKENS < TOKENS_PADDED:
+            for buf in buffers:
+                buf[:, TOKENS:, :] = jnp.zeros(
+                    (buf.shape[0], TOKENS_PADDED - TOKENS, buf.shape[2]), jnp.uint32
+                )
 
     def _round(self, which, round_, wire, lanes, width, value=None, send_row=None):
         """This core's piece into its own slot of the round (`value` put on the wire, or
@@ -522,11 +533,11 @@ class Collectives:
         pos = (jax.lax.axis_index(AXIS) // stride) % size
         mine = offset + pos
         if send_row is None:
-            words = _to_wire(value, wire, lanes)
-            buf[mine, :, : words.shape[1]] = words
+            words = _to_wire(value[:TOKENS], wire, lanes)
+            buf[mine, :TOKENS, : words.shape[1]] = words
             send_row = lambda m: mine  # noqa: E731
         else:
-            buf[mine, :, :lanes] = buf[send_row(pos), :, :lanes]
+            buf[mine, :TOKENS, :lanes] = buf[send_row(pos), :TOKENS, :lanes]
         _round_exchange(
             buf, self.send.at[which], self.recv.at[which], round_, lanes, send_row, self.on_sent
         )
@@ -589,8 +600,8 @@ class Collectives:
         staging = COLLECTIVE_LANDING[which][0]
         width = total.shape[1] // ROUNDS[round_][0]
         for j in range(ROUNDS[round_][0]):
-            words = _to_wire(total[:, j * width : (j + 1) * width], wire, lanes)
-            buf[staging + j, :, : words.shape[1]] = words
+            words = _to_wire(total[:TOKENS, j * width : (j + 1) * width], wire, lanes)
+            buf[staging + j, :TOKENS, : words.shape[1]] = words
         return _summed(
             self._round(which, round_, wire, lanes, width, send_row=lambda m: staging + m)
         )
