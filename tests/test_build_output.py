@@ -386,7 +386,8 @@ def test_plan_trace_replaces_its_own_trace_and_a_users_file_only_with_force(
 
 
 def test_estimate_replaces_its_own_files_but_never_a_users(tmp_path: Path) -> None:
-    estimate = ("estimate", "qwen3-32b", "--topology", "2x2x1", "--batches", "1,2")
+    # One point (batch 1) is a table, a chart and their files; each point is a plan.
+    estimate = ("estimate", "qwen3-32b", "--topology", "2x2x1", "--batches", "1")
     assert mkgen_here(*estimate, "-o", str(tmp_path)).returncode == 0
     again = mkgen_here(*estimate, "-o", str(tmp_path))  # its own files: replaced
     assert again.returncode == 0, again.stderr

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import ml_dtypes
 import numpy as np
 import pytest
-from cli_run import REPO, assert_user_error, mkgen
+from cli_run import REPO, assert_user_error, mkgen_here
 from safetensors.numpy import load_file
 
 from mkgen.cli import main
@@ -331,14 +331,14 @@ def test_an_output_directory_convert_cannot_write_is_one_line(tmp_path: Path) ->
         pytest.skip("chattr +i is not permitted here")
     args = ["convert", "--checkpoint", str(FIXTURES / "qwen3"), "--topology", "1x1x1", "-o"]
     try:
-        result = mkgen(*args, str(immutable))
+        result = mkgen_here(*args, str(immutable))
         assert_user_error(result, f"cannot write {immutable}: it is not writable (Operation not")
-        under = mkgen(*args, str(immutable / "w"))
+        under = mkgen_here(*args, str(immutable / "w"))
         assert_user_error(under, f"cannot write {immutable / 'w'}: {immutable} is not writable")
         assert list(immutable.iterdir()) == []
     finally:
         subprocess.run(["chattr", "-i", str(immutable)], check=True)
-    assert_user_error(mkgen(*args, "/"), "/ is the filesystem root; choose another output")
+    assert_user_error(mkgen_here(*args, "/"), "/ is the filesystem root; choose another output")
 
 
 def test_the_digest_ignores_batch_rows_and_context() -> None:
@@ -397,7 +397,7 @@ def test_a_foreign_file_is_refused_and_kept(
     (out / foreign).parent.mkdir(exist_ok=True)
     (out / foreign).write_text("mine")
     for extra in ([], ["--force"]):  # other inputs, with and without --force
-        result = mkgen(*args, "--quant", "attention=int8", *extra)
+        result = mkgen_here(*args, "--quant", "attention=int8", *extra)
         assert_user_error(result, f"{out}: {reported} was not written by mkgen convert")
         assert "--force" not in result.stderr
     assert (out / foreign).read_text() == "mine"
@@ -446,7 +446,7 @@ def test_damaged_convert_state_is_a_one_line_error(
     out.mkdir()
     (out / name).write_text(text)
     (tmp_path / "thesis.tex").write_text("years")
-    result = mkgen(
+    result = mkgen_here(
         "convert", "--checkpoint", str(sharded), "--topology", "1x1x1", "-o", str(out), "--force"
     )
     assert_user_error(result, f"{out / name}: ", fragment)
@@ -461,7 +461,7 @@ def test_a_truncated_plan_json_under_build(sharded: Path, tmp_path: Path) -> Non
     build.mkdir()
     plan = (REPO / "generated" / "qwen3-32b-2x2x1" / "plan.json").read_text()
     (build / "plan.json").write_text(plan[: len(plan) // 2])
-    result = mkgen(
+    result = mkgen_here(
         "convert", "--build", str(build), "--checkpoint", str(sharded), "-o", str(tmp_path / "w")
     )
     assert_user_error(result, f"{build / 'plan.json'}: damaged")
