@@ -27,29 +27,27 @@ def _plan(batch: int, **knobs: str):
     )
 
 
-def test_kimi_k3_batch_8_rows_8_fits_with_the_compact_modes() -> None:
-    """At batch 8 x rows 8 (64 token rows) only the compact modes leave room for a ring:
-    the plan takes them, with a shallower ring and fewer expert slots, and its total
-    (explicit buffers + the estimate of Mosaic's scratch) stays within the usable limit."""
+def test_kimi_k3_batch_8_rows_8_fits_with_a_compact_mode() -> None:
+    """At batch 8 x rows 8 (64 token rows) the attention-residual snapshots go to HBM to
+    leave room for a ring (the recurrent states stay in VMEM: the scattered all-reduces'
+    landing buffers are [28, T, 512] words, not [12, T, 3584]); the ring is shallower and
+    the total (explicit buffers + the estimate of Mosaic's scratch) stays within the usable
+    limit. Its twin runs the same mode and expert sharing."""
     vmem = _plan(8).vmem
-    assert vmem.snapshots_in_hbm and vmem.state_slots == 2
+    assert vmem.snapshots_in_hbm and vmem.state_slots == 0
     assert vmem.within_budget and vmem.total_bytes <= vmem.limit_bytes
     assert vmem.limit_bytes == 64 * 2**20 - 64 * 2**10
     batch_1 = _plan(1).vmem
     assert (batch_1.snapshots_in_hbm, batch_1.state_slots) == (False, 0)
     assert 2 <= vmem.ring_depth < batch_1.ring_depth
-    assert 1 <= vmem.expert_slots <= batch_1.expert_slots
-    assert vmem.dims.kv_tiles["mla"] < batch_1.dims.kv_tiles["mla"]
-    # The cost model's split: a second expert slot beats a deeper ring here.
-    assert vmem.expert_slots == 2
+    # The cost model's split: every expert slot batch 1 has, a ring of 3.
+    assert (vmem.ring_depth, vmem.expert_slots) == (3, batch_1.expert_slots)
     twin = full_size_kernel_modes(
         load_spec("kimi-k3"), parse_topology("2x2x4"), BuildOptions.create(batch=8, rows=8),
         kinds=default_registry(),
     )  # fmt: skip
     # and the expert sharing it chose (quarter: 81 whole expert slices a layer against 84)
-    assert twin == {
-        "residual_snapshots": "hbm", "recurrent_states": "stream", "expert_sharing": "quarter"
-    }  # fmt: skip
+    assert twin == {"residual_snapshots": "hbm", "expert_sharing": "quarter"}
 
 
 def test_kimi_k3_batch_16_is_refused_with_what_is_over() -> None:
