@@ -45,7 +45,7 @@ Pure data (pydantic): the template renders the rounds, never decides them.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -153,26 +153,21 @@ class CollectivePlan(_Plan):
 
     def sequences(self) -> list[list[int]]:
         """Every distinct sequence of rounds a collective runs (the greedy's too)."""
-        out = [self.greedy] if self.greedy else []
-        for b in self.buffers:
-            for *_, ws in b.wires:
-                rounds = [i for i, *_ in ws]
-                if rounds not in out:
-                    out.append(rounds)
-        return out
+        return self._distinct(lambda op, phase: True)
 
     def schemes(self) -> list[list[int]]:
         """Every distinct sequence of rounds that brings the partials together (the
         greedy's too): a collective's rounds, but for a scattered all-reduce's gather,
         which brings back parts its earlier rounds combined already."""
+        return self._distinct(lambda op, phase: op != "all_reduce" or phase != "all_gather")
+
+    def _distinct(self, keeps: Callable[[Op, Op], bool]) -> list[list[int]]:
+        """The greedy's rounds, then each collective's rounds whose (op, phase) `keeps`
+        holds, every distinct list once."""
         out = [self.greedy] if self.greedy else []
         for b in self.buffers:
             for op, _, ws in b.wires:
-                rounds = [
-                    i
-                    for i, phase, *_ in ws
-                    if op != "all_reduce" or phase == op or phase == "reduce_scatter"
-                ]
+                rounds = [i for i, phase, *_ in ws if keeps(op, phase)]
                 if rounds not in out:
                     out.append(rounds)
         return out

@@ -564,10 +564,10 @@ class _Ctx:
         `<scheme>.<op>.<name>` from BuildOptions.splits), else as --collectives says."""
         mode = self.options.collectives
         if self.options.splits is not None:
-            forced = [
-                s for s in ("flat", "scatter") if scheme_key(s, name, op) in self.options.splits
-            ]
-            mode = forced[0] if forced else "staged"
+            splits = self.options.splits
+            mode = next(
+                (s for s in ("flat", "scatter") if scheme_key(s, name, op) in splits), "staged"
+            )
         return collective_cost(self.topo, name, op, after, width, self.tokens, mode)
 
     def stream_s(self, nbytes: float) -> float:
