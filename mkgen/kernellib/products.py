@@ -108,9 +108,9 @@ def _e2m1_as_e4m3(packed):
 
 
 def _power_of_two(biased):
-    """E8M0 bytes (int8, read as 0..255) -> 2^(byte - 127) in f32, times 2^6 to undo
-    _e2m1_as_e4m3's 2^-6 (exact below byte 250)."""
-    return jax.lax.bitcast_convert_type((biased.astype(jnp.int32) & 255) << 23, jnp.float32) * E2M1_IN_E4M3
+    """E8M0 bytes (int8, read as 0..255) -> 2^(byte - 127) in f32: exact for bytes 1 to
+    254 (byte 0's 2^-127 reads 0, byte 255, E8M0's NaN, reads inf)."""
+    return jax.lax.bitcast_convert_type((biased.astype(jnp.int32) & 255) << 23, jnp.float32)
 
 
 # fmt: on
@@ -121,14 +121,16 @@ def _mxfp4_product(pieces, scale_row, rows=TOKENS_PADDED):
     of its chunks, CHUNK / 2 rows a chunk, byte r holding the e2m1 codes of rows r (low
     nibble) and r + CHUNK / 2 (high nibble); from row `scale_row` their E8M0 scale bytes,
     CHUNK / 32 rows a chunk, 2^(byte - 127) for 32 rows of a column. The codes as e4m3,
-    bf16 x fp8 on the MXU, the scales on the products."""
+    bf16 x fp8 on the MXU, the scales (x 2^6, undoing _e2m1_as_e4m3's 2^-6: exact for
+    bytes 1 to 248) on the products."""
     half = CHUNK // 2
     groups = CHUNK // 32
     dot = _grouped_dot(groups, rows)
 
     def product(x, slot, j):
         w = _e2m1_as_e4m3(pieces[slot, pl.ds(j * half, half), :])
-        return dot(x, w, _power_of_two(pieces[slot, pl.ds(scale_row + j * groups, groups), :]))
+        scales = _power_of_two(pieces[slot, pl.ds(scale_row + j * groups, groups), :])
+        return dot(x, w, scales * E2M1_IN_E4M3)
 
     return product
 
@@ -148,7 +150,7 @@ def _nvfp4_product(pieces, scale_row, tensor_row):
     of bf16's 8; |code| is 0 or in [0.5, 6] and a scale 0 or in [2^-9, 448], so a nonzero
     product lies in [2^-10, 2688], far inside bf16's normal range: the bf16 multiply
     rounds nothing, the MXU's bf16 x bf16 products are exact in its f32 sums, and the
-    tensor scale is a power of two (exact below byte 250, as _power_of_two's). A bf16 vreg
+    tensor scale is a power of two (_power_of_two). A bf16 vreg
     is [16, 128], so a 16-row block is one vreg and its scale row one replicate (Mosaic
     broadcasts a packed bf16 row in one op). Against _grouped_dot's 16 partial products
     (the MXU streaming 16 x the token rows, 16 scalings and sums in f32 a chunk) this
@@ -166,9 +168,7 @@ def _nvfp4_product(pieces, scale_row, tensor_row):
         scale = jnp.concatenate(
             [jnp.broadcast_to(block[g : g + 1], (16, lanes)) for g in range(groups)], axis=0
         )
-        # _power_of_two's 2^6 undoes mxfp4's codes read as e4m3 x 2^-6; these are exact
-        tensor = pieces[slot, pl.ds(scale_row + tensor_row + j, 1), :]
-        tensor = _power_of_two(tensor) * (1 / E2M1_IN_E4M3)
+        tensor = _power_of_two(pieces[slot, pl.ds(scale_row + tensor_row + j, 1), :])
         return jnp.dot(x, codes * scale, preferred_element_type=jnp.float32) * tensor
 
     return product

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --draft 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of kimi-k3 for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats, expert sharing half; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round; drafter mtp: 1 module(s), mla + moe layer.
-Inputs sha256: 2822227ffb0af99ee28b44e8519bfc24eead1af015fef7477b408bd6205b7e0c (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 4271401029bcaa8e7413b042935d5f0c87271029a66d638fe767808612511b5c (spec JSON, topology, options, templates, ruff version).
 
 Each of the 32 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -483,6 +483,12 @@ def _grouped_dot(groups, rows=TOKENS_PADDED):
     return dot
 
 
+def _power_of_two(biased):
+    """E8M0 bytes (int8, read as 0..255) -> 2^(byte - 127) in f32: exact for bytes 1 to
+    254 (byte 0's 2^-127 reads 0, byte 255, E8M0's NaN, reads inf)."""
+    return jax.lax.bitcast_convert_type((biased.astype(jnp.int32) & 255) << 23, jnp.float32)
+
+
 # e2m1 codes as e4m3 bytes, four a 32-bit word: each code's sign bit to bit 7, its three
 # magnitude bits (exponent, mantissa) to bits 4-2. Then e4m3's exponent is e2m1's (bias
 # 7 instead of 1) and e2m1's subnormal 0.5 is e4m3's subnormal 2^-7: every code n reads
@@ -505,28 +511,21 @@ def _e2m1_as_e4m3(packed):
     )
 
 
-def _power_of_two(biased):
-    """E8M0 bytes (int8, read as 0..255) -> 2^(byte - 127) in f32, times 2^6 to undo
-    _e2m1_as_e4m3's 2^-6 (exact below byte 250)."""
-    return (
-        jax.lax.bitcast_convert_type((biased.astype(jnp.int32) & 255) << 23, jnp.float32)
-        * E2M1_IN_E4M3
-    )
-
-
 def _mxfp4_product(pieces, scale_row, rows=TOKENS_PADDED):
     """Chunk j of an mxfp4 slot of `pieces` [depth, rows, LANES] int8: from row 0 the codes
     of its chunks, CHUNK / 2 rows a chunk, byte r holding the e2m1 codes of rows r (low
     nibble) and r + CHUNK / 2 (high nibble); from row `scale_row` their E8M0 scale bytes,
     CHUNK / 32 rows a chunk, 2^(byte - 127) for 32 rows of a column. The codes as e4m3,
-    bf16 x fp8 on the MXU, the scales on the products."""
+    bf16 x fp8 on the MXU, the scales (x 2^6, undoing _e2m1_as_e4m3's 2^-6: exact for
+    bytes 1 to 248) on the products."""
     half = CHUNK // 2
     groups = CHUNK // 32
     dot = _grouped_dot(groups, rows)
 
     def product(x, slot, j):
         w = _e2m1_as_e4m3(pieces[slot, pl.ds(j * half, half), :])
-        return dot(x, w, _power_of_two(pieces[slot, pl.ds(scale_row + j * groups, groups), :]))
+        scales = _power_of_two(pieces[slot, pl.ds(scale_row + j * groups, groups), :])
+        return dot(x, w, scales * E2M1_IN_E4M3)
 
     return product
 

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build muse-spark-1.2 --topology 2x2x1 --force`` 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of muse-spark-1.2 for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 514a575a111ba40aff6bd83e73618645239ccb5da371829d08f534a64d6c91c1 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: c76b959020f3218b175ccca0992cc2f2e44d5d0a92d0a595b9446185fbf32cec (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
