@@ -230,15 +230,20 @@ FULL_SIZE = [
     (str(SPECS / "formats-int8.yaml"), "2x2x1", {}),  # int8 dense weights
     # gpt-oss's transformers fixture: expert biases, sinks, sliding window, clamped SwiGLU.
     (str(Path(__file__).parent / "fixtures" / "hf" / "gpt_oss" / "config.json"), "1x1x1", {}),
-    # rs_ar on two hosts: staged reduce-scatter pieces of 16 f32 lanes still move as
-    # whole 128-lane rows, as Mosaic's DMA requires.
+    # The planner's ar_ag on two hosts: the shared experts' activation gathered with the
+    # latent, their down projection and latent_out by output columns.
     (str(SPECS / "latent-moe-shared.yaml"), "2x2x2", {}),
+    # rs_ar forced (no full-size choices): staged reduce-scatter pieces of 16 f32 lanes
+    # still move as whole 128-lane rows, as Mosaic's DMA requires.
+    (str(SPECS / "latent-moe-shared.yaml"), "2x2x2", {"splits": ()}),
     # 8 rows per step (1 anchor + 7 drafts): the token rows fill the sublanes exactly.
     ("qwen3-32b", "2x2x1", {"rows": 8}),
-    # Kimi K3 as the hand-written kernel runs it: KDA + MLA, latent MoE of mxfp4 experts
-    # combined by reduce-scatter, the attention residual, 32 cores on 4 hosts.
+    # Kimi K3: KDA + MLA, latent MoE of mxfp4 experts combined by all-reduce of the latent
+    # and all-gather of hidden (the hand-written kernel reduce-scatters), the attention
+    # residual, 32 cores on 4 hosts.
     ("kimi-k3", "2x2x4", {"rows": 8}),
-    # 64 token rows: the compact modes (snapshots in HBM, states streamed), ring 2, 2 slots.
+    # 64 token rows: the latent MoE combined by reduce-scatter (the shared experts in its
+    # flight), the compact modes where the plan needs them.
     ("kimi-k3", "2x2x4", {"rows": 8, "batch": 8}),
     ("kimi-k2", "2x2x4", {}),  # MLA with YaRN, fp8 everywhere (MLP re-blocked to fp8:64)
 ]
@@ -252,6 +257,7 @@ def _id(case) -> str:
             topology,
             *(f"{k}{v}" for k, v in options.items() if k in ("batch", "rows")),
             *options.get("quant", []),
+            *(["forced-splits"] if "splits" in options else []),
         ]
     )
 

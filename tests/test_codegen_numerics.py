@@ -14,6 +14,7 @@ import pytest
 from mkgen.kinds import default_registry
 from mkgen.plan import plan_build
 from mkgen.plan.options import BuildOptions
+from mkgen.plan.sharding import full_size_splits, scheme_key
 from mkgen.spec.loader import load_spec
 from mkgen.spec.mini import mini_twin
 from mkgen.spec.topology import parse_topology
@@ -122,19 +123,28 @@ def test_scattered_all_reduces_over_two_hosts() -> None:
 def test_flat_collectives_in_one_round_of_every_core() -> None:
     """2x2x2 with --collectives flat: the latent MoE's all-gather and reduce-scatter, the
     bf16 all-reduces of hidden and the greedy exchange each run one round of all 16 cores
-    (the build's 32 landing slots a buffer), and the barrier signals every core. Both DMA
-    modes pass by hand (`mkgen verify ... --collectives flat`); the test runs one."""
+    (the build's 32 landing slots a buffer), and the barrier signals every core. The
+    latent MoE is forced to reduce-scatter + all-reduce (its full-size build all-reduces
+    the latent at batch 1; Kimi K3's does this at batch 8), so this also proves the shared
+    experts run in the scatter's flight. Both DMA modes pass by hand (`mkgen verify ...
+    --collectives flat`); the test runs one."""
     spec = str(SPECS / "latent-moe-shared.yaml")
     topology = parse_topology("2x2x2")
+    flat = BuildOptions.create(collectives="flat")
+    full = full_size_splits(load_spec(spec), topology, flat, kinds=default_registry())
+    # rs_ar, its reduce-scatter flat like the rest.
+    rs_ar = (scheme_key("flat", "expert_out", "reduce_scatter"),)
+    splits = tuple(choice for choice in full if choice != "ffn.moe.ar_ag") + rs_ar
     twin = mini_twin(load_spec(spec), topology.num_devices)
-    options = BuildOptions.create(collectives="flat")
+    options = flat.model_copy(update={"splits": splits})
     layout = plan_build(twin, topology, options, kinds=default_registry()).kernel
     coll = layout.collectives
     assert [r.name for r in coll.rounds] == ["host", "hosts", "all"]
     assert coll.schemes() == [[2]] and coll.barrier == [2]  # every call, and the greedy, flat
     ops = {op for b in coll.buffers for op, *_ in b.wires}
     assert ops == {"all_reduce", "all_gather", "reduce_scatter"}
-    knobs = {"collectives": "flat"}
+    assert next(f for f in layout.ffn if f.type == "moe").shared_in_flight
+    knobs = {"collectives": "flat", "splits": splits}
     _check(verify_numerics(spec, "2x2x2", mode="on_wait", steps=1, knobs=knobs,
                            timeout=TIMEOUT_16))  # fmt: skip
 

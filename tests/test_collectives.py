@@ -334,13 +334,13 @@ def test_the_program_carries_what_pricing_needs_for_every_round() -> None:
     )
     program = plan.program
     rounds = [e for e in program["kda/moe"] if e["event"] == "start" and "collective" in e]
-    # attn_out, latent_in, expert_out, ffn_out in execution order: the all-reduces of
-    # hidden in two rounds, the gather and the scatter flat (the cost model's choice).
+    # attn_out, latent_in, expert_out, ffn_out in execution order: the all-reduces (of
+    # hidden, of the latent) in two rounds, the gathers flat (the cost model's choice).
     assert [(e["collective"]["collective"], e["collective"]["round"]) for e in rounds] == [
         ("attn_out", "host"), ("attn_out", "hosts"),
         ("latent_in", "all"),
-        ("expert_out", "all"),
-        ("ffn_out", "host"), ("ffn_out", "hosts"),
+        ("expert_out", "host"), ("expert_out", "hosts"),
+        ("ffn_out", "all"),
     ]  # fmt: skip
     chip = CATALOG["tpu7x"]
     layer_us = sum(collective_time_us(e, chip) for e in rounds)
@@ -370,14 +370,26 @@ def test_mesh_order_puts_sibling_cores_side_by_side() -> None:
 
 
 def test_latent_moe_designs_in_the_layout() -> None:
-    spec = "tests/specs/latent-moe-shared.yaml"
-    layout = plan_build(
-        load_spec(spec), parse_topology("2x2x1"), BuildOptions.create(), kinds=default_registry()
-    ).kernel
-    moe = next(f for f in layout.ffn if f.type == "moe")
-    assert moe.latent_design == "rs_ar" and moe.shared_width
-    latent_out = next(s for s in moe.segments if s.name == "latent_out")
-    assert latent_out.fan_in == moe.latent_width // layout.devices  # the scattered slice
+    spec, topology = load_spec("tests/specs/latent-moe-shared.yaml"), parse_topology("2x2x1")
+
+    def moe_of(options: BuildOptions):  # the layout, its MoE record, its segments by name
+        layout = plan_build(spec, topology, options, kinds=default_registry()).kernel
+        moe = next(f for f in layout.ffn if f.type == "moe")
+        return layout, moe, {s.name: s for s in moe.segments}
+
+    # The planner's choice: the latent all-reduced, hidden all-gathered; the shared
+    # experts' activation gathered with the latent, their down projection by columns.
+    layout, moe, segments = moe_of(BuildOptions.create())
+    assert moe.latent_design == "ar_ag" and moe.shared_gathered and not moe.shared_in_flight
+    shared = spec.ffn_kinds["moe"].shared_experts.width
+    assert segments["shared_down"].fan_in == shared
+    assert segments["latent_out"].fan_in == moe.latent_width
+    assert segments["shared_down"].fan_out == segments["latent_out"].fan_out
+    # Forced the other way (a full-size build that reduce-scatters, as Kimi K3 at batch 8):
+    # each core's slice of the latent, the shared experts in the scatter's flight.
+    layout, moe, segments = moe_of(BuildOptions.create(splits=()))
+    assert moe.latent_design == "rs_ar" and moe.shared_in_flight and not moe.shared_gathered
+    assert segments["latent_out"].fan_in == moe.latent_width // layout.devices
     assert layout.collectives.buffers[2].send_rows == 8  # one round of 8 parts
     plain = plan_build(
         load_spec("tests/specs/latent-moe.yaml"),
@@ -475,9 +487,11 @@ def test_a_flat_round_sums_in_one_round_and_bounds_its_error_by_one_rounding() -
 def test_no_two_collectives_in_a_row_share_a_landing_buffer(spec: str, topology: str) -> None:
     """Over the step's layers in order, each collective lands in another buffer than the
     one before it (a peer done with the earlier one may already write the next); every
-    FFN's output all-reduce lands in one buffer, so Kimi K3's dense first layer does not
-    widen the latent all-gather's buffer (3584 words a row there; 256 now, where the
-    latent gathers run flat and land a core's piece a slot)."""
+    FFN's last all-reduce lands in one buffer, so Kimi K3's dense first layer does not
+    widen the latent all-gather's buffer (3584 words a row there; 384 now, where the
+    latent gathers run flat and land a core's piece a slot: its latent columns, the
+    router's scores and the shared experts' activation) nor its MoE's output all-gather's
+    (256)."""
     topo = parse_topology(topology)
     sharding = plan_sharding(load_spec(spec), topo, BuildOptions.create(), kinds=default_registry())
     ffn_out = ffn_out_buffer(sharding)
@@ -489,7 +503,7 @@ def test_no_two_collectives_in_a_row_share_a_landing_buffer(spec: str, topology:
     assert all(x != y for x, y in zip(order, order[1:], strict=False))
     if spec == "kimi-k3":
         plan = plan_collectives(topo, layer_uses(sharding))
-        assert [b.width for b in plan.buffers] == [3584, 256, 128, 3584]
+        assert [b.width for b in plan.buffers] == [3584, 384, 256, 3584]
 
 
 # --------------------------------------------------------------------------- scattered

@@ -427,8 +427,9 @@ def test_a_cross_host_round_costs_its_latency_or_its_copies_over_the_host_links(
 
 
 def test_flat_collectives_are_chosen_where_the_walk_says_they_save_time(kimi) -> None:
-    """Kimi K3 on 2x2x4 (rows 8): auto runs the latent gathers, the expert scatter and the
-    greedy in one round of all 32 cores and the all-reduces of hidden in two; the walked
+    """Kimi K3 on 2x2x4 (rows 8): auto runs the latent gathers, the output all-gather and
+    the greedy in one round of all 32 cores and the all-reduces (of hidden, of the
+    latent) in two; the walked
     step is below both the staged build's and the all-flat one's (whose all-reduces move
     30 x 112 KiB over the chip's links). Predictions of the cost model."""
     topo, spec = parse_topology("2x2x4"), load_spec("kimi-k3")
@@ -441,7 +442,7 @@ def test_flat_collectives_are_chosen_where_the_walk_says_they_save_time(kimi) ->
     staged, flat = step("staged"), step("flat")
     assert kimi.estimate.step_ms < staged < flat
     rounds = {c.name: [r.round for r in c.rounds] for c in kimi.sharding.ffn["moe"].collectives}
-    assert rounds == {"latent_in": ["all"], "expert_out": ["all"], "ffn_out": ["host", "hosts"]}
+    assert rounds == {"latent_in": ["all"], "expert_out": ["host", "hosts"], "ffn_out": ["all"]}
     # Rounds of every core cross hosts: the cross-host figures price them, and the walk moves.
     late = kimi.estimate.constants.with_inputs(cross_host_phase_s=7e-6)
     program = kimi._program

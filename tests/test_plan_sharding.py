@@ -84,12 +84,15 @@ def test_mla_gather_borrows_the_ffn_buffer_the_attention_all_reduce_protects():
     _, plan = _plan("kimi-k3", "2x2x4", rows=8)
     mla, moe = plan.attention["mla"], plan.ffn["moe"]
     assert collective_buffers(mla.collectives, moe.collectives, ffn_out_buffer(plan)) == {
-        "mla_latent": 1, "attn_out": 0, "latent_in": 1, "expert_out": 2, "ffn_out": 3,
+        "mla_latent": 1, "attn_out": 0, "latent_in": 1, "ffn_out": 2, "expert_out": 3,
     }  # fmt: skip
     uses = layer_uses(plan)
     assert len(uses) == 4
     assert ("mla.mla_latent", "all_gather", 2112, "flat") in uses[1]
-    assert ("moe.latent_in", "all_gather", 3584 + 896, "flat") in uses[1]
+    # The router's scores and the shared experts' activation ride in the latent's gather.
+    assert ("moe.latent_in", "all_gather", 3584 + 896 + 6144, "flat") in uses[1]
+    # The MoE's all-reduce of the latent shares the dense layer's output buffer.
+    assert [name for name, *_ in uses[3]] == ["dense.ffn_out", "moe.expert_out"]
 
 
 def test_fp8_blocks_a_split_would_cut_are_reblocked_losslessly():
@@ -129,9 +132,20 @@ def test_kimi_k3_experts_split_and_candidates_recorded():
     # Worst case: every one of the 8 x 16 picks lands in one group of 112.
     assert by_split[(8, 4)].worst_case_experts == 112
     assert by_split[(4, 8)].worst_case_experts == 128
-    # Shared experts add partial sums, so the latent MoE reduce-scatters then all-reduces.
-    assert moe.latent_design == "rs_ar"
-    assert [c.op for c in moe.collectives] == ["all_gather", "reduce_scatter", "all_reduce"]
+    # At 8 token rows the latent MoE all-reduces the latent and all-gathers hidden (the
+    # shared experts' activation rides in the latent's all-gather, their down projection
+    # split by output columns): cheaper than reduce-scatter + all-reduce of hidden.
+    assert moe.latent_design == "ar_ag"
+    assert [c.op for c in moe.collectives] == ["all_gather", "all_reduce", "all_gather"]
+    assert t["shared_down"].rank_shape == (6144, 224) and t["latent_out"].rank_shape == (3584, 224)
+    # At batch 8 (64 token rows) the rounds carry more and reduce-scatter + all-reduce wins.
+    _, wide = _plan("kimi-k3", "2x2x4", rows=8, batch=8)
+    assert wide.ffn["moe"].latent_design == "rs_ar"
+    assert [c.op for c in wide.ffn["moe"].collectives] == [
+        "all_gather",
+        "reduce_scatter",
+        "all_reduce",
+    ]
 
 
 def test_kimi_k3_router_split_with_its_scores_inside_the_latent_all_gather():
@@ -149,9 +163,9 @@ def test_kimi_k3_router_split_with_its_scores_inside_the_latent_all_gather():
     assert plan.rank_bytes_by_family()["router"] == 92 * router.rank_bytes
     # No collective of its own: the latent all-gather carries the scores too.
     assert [(c.name, c.op, c.width) for c in moe.collectives] == [
-        ("latent_in", "all_gather", 3584 + 896),
-        ("expert_out", "reduce_scatter", 3584),
-        ("ffn_out", "all_reduce", 7168),
+        ("latent_in", "all_gather", 3584 + 896 + 6144),
+        ("expert_out", "all_reduce", 3584),
+        ("ffn_out", "all_gather", 7168),
     ]
     # The reason, with both costs, is in the sharding plan the table prints.
     assert router.why.startswith("router split: split + scores inside the latent all-gather")
@@ -195,10 +209,10 @@ def test_a_mini_twin_takes_its_full_size_builds_split_choices():
     topo = parse_topology("2x2x4")
     options = BuildOptions.create(rows=8)
     flats = (
-        "flat.all_gather.latent_in", "flat.all_gather.mla_latent", "flat.all_gather.sampling",
-        "flat.reduce_scatter.expert_out",
+        "flat.all_gather.ffn_out", "flat.all_gather.latent_in", "flat.all_gather.mla_latent",
+        "flat.all_gather.sampling",
     )  # fmt: skip
-    splits = ("ffn.moe.router", "attention.mla.latent", *flats)
+    splits = ("ffn.moe.router", "ffn.moe.ar_ag", "attention.mla.latent", *flats)
     assert full_size_splits(spec, topo, options, kinds=default_registry()) == splits
     mini = mini_twin(spec, topo.num_devices)
     # At CPU sizes the planner would replicate the twin's A-projections (its router's
@@ -214,14 +228,16 @@ def test_a_mini_twin_takes_its_full_size_builds_split_choices():
     assert "as in the full-size build" in moe.why and "as in the full-size build" in mla.why
     assert _rel_of(moe)["router"].rank_shape == (256, 1)
     assert _rel_of(mla)["wkv_a"].rank_shape == (256, 3)
-    # Its collectives run as the full-size build's: the gathers and the scatter flat, the
-    # all-reduces staged (at CPU sizes the cost model would flatten those too).
+    # Its collectives run as the full-size build's: its latent design (at CPU sizes the
+    # twin would reduce-scatter the latent), the gathers flat, the all-reduces staged (at
+    # CPU sizes the cost model would flatten those too).
+    assert planned.ffn["moe"].latent_design == "rs_ar" and moe.latent_design == "ar_ag"
     assert [c.name for c in planned.ffn["moe"].collectives if len(c.rounds) == 1] == [
         "latent_in", "expert_out", "ffn_out"
     ]  # fmt: skip
     rounds = {c.name: [r.round for r in c.rounds] for c in moe.collectives + mla.collectives}
     assert rounds == {
-        "latent_in": ["all"], "expert_out": ["all"], "ffn_out": ["host", "hosts"],
+        "latent_in": ["all"], "expert_out": ["host", "hosts"], "ffn_out": ["all"],
         "mla_latent": ["all"], "attn_out": ["host", "hosts"],
     }  # fmt: skip
 

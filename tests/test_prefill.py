@@ -467,24 +467,40 @@ def test_attention_heads_are_computed_by_their_own_cores(spec_ref: str) -> None:
     ids=["latent-moe-shared", "kimi-k3", "qwen3_next"],
 )
 def test_shared_experts_split_by_columns_are_computed_in_pieces(spec_ref: str) -> None:
-    """These MoE kinds' shared experts are split by columns, so each core runs them on its
-    own pieces alone: the cores' outputs, summed, are the whole shared MLP's."""
+    """These MoE kinds' shared experts are split over the cores, so each core runs them on
+    its own pieces alone. Split as an MLP (gate and up by columns, down by rows): the
+    cores' outputs, summed, are the whole shared MLP's. Split by output columns (a latent
+    MoE combined by all-gather, as Kimi K3's and latent-moe-shared's full-size builds at
+    batch 1): the cores' gate and up columns side by side give the whole activation, and
+    each core's down columns of it, side by side, the whole output."""
     from mkgen.reference import model as reference
     from mkgen.reference.ffn import shared_mlp
+    from mkgen.reference.layers import gated_activation, mm
     from mkgen.spec.weights import model_weights
 
     spec, layout, weights = _setup(spec_ref)
     shapes = {w.name: w.shape for w in model_weights(spec)}
     x = np.random.default_rng(0).standard_normal((BATCH, 3, spec.dims.hidden), np.float32)
-    assert [f.shared_columns_split() for f in layout.ffn if f.type == "moe"] == [True]
+    moe = next(f for f in layout.ffn if f.type == "moe")
+    by_rows = moe.shared_columns_split()
+    assert by_rows != moe.shared_outputs_split()  # one of the two splits, never both
     layer = next(i for i in range(spec.layers.count) if spec.ffn_of(i).type == "moe")
     kind, prefix = spec.ffn_of(layer), f"layers.{layer}."
-    total = 0.0
-    for rank in range(layout.devices):
-        pieces = _core_pieces(layout, weights, rank, layer, reference.layer_weights(shapes, prefix))
-        own = {n.removeprefix("ffn."): v for n, v in pieces.items() if "shared_" in n}
-        assert own["shared_down"].shape[0] * layout.devices == kind.shared_experts.width
-        total = total + shared_mlp(kind, own, x)
+    layer_shapes = reference.layer_weights(shapes, prefix)
+    owns = [
+        {n.removeprefix("ffn."): v for n, v in pieces.items() if "shared_" in n}
+        for pieces in (_core_pieces(layout, weights, r, layer, layer_shapes)
+                       for r in range(layout.devices))
+    ]  # fmt: skip
+    if by_rows:
+        assert owns[0]["shared_down"].shape[0] * layout.devices == kind.shared_experts.width
+        total = sum(shared_mlp(kind, own, x) for own in owns)
+    else:
+        assert owns[0]["shared_down"].shape[0] == kind.shared_experts.width
+        gate, up = (np.concatenate([mm(x, own[n]) for own in owns], -1)
+                    for n in ("shared_gate", "shared_up"))  # fmt: skip
+        hidden = gated_activation(kind.activation, gate, up)
+        total = np.concatenate([mm(hidden, own["shared_down"]) for own in owns], -1)
     expected = shared_mlp(kind, reference.layer_weights(weights, prefix + "ffn."), x)
     assert _relative(total, expected) < 1e-4
 

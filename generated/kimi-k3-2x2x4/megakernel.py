@@ -5,7 +5,7 @@ regenerate with `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --draft kimi-k3-m
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Kimi K3: 93 layers, 3 KDA to 1 MLA plus a final MLA layer, latent MoE of 896 experts, top-16"
 Build options: batch 1, rows 8, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 14 refills held for collectives, 5 a round; drafter mtp: 1 module(s), mla + moe layer.
-Inputs sha256: 754fcd981a52b74c138f101684f39f1fc272aa8ab1fafc252233e6e1548efa93 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: b832b09d8fb22049b2f2f47682f56f822a26b1b5eca2bdc97316b3c6931bc60a (spec JSON, topology, options, templates, ruff version).
 
 Each of the 32 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -93,9 +93,9 @@ COLLECTIVE_PEERS = 31  # cores one core signals at the entry barrier
 # the widest copy it lands, reduce-scatter staging rows after its landing slots).
 COLLECTIVE_LANDING = (
     (12, 3584, 0),  # kda.attn_out all_reduce, mla.attn_out all_reduce
-    (32, 256, 0),  # moe.latent_in all_gather, mla.mla_latent all_gather
-    (32, 128, 32),  # moe.expert_out reduce_scatter
-    (12, 3584, 0),  # dense.ffn_out all_reduce, moe.ffn_out all_reduce
+    (32, 384, 0),  # moe.latent_in all_gather, mla.mla_latent all_gather
+    (32, 256, 0),  # moe.ffn_out all_gather
+    (12, 3584, 0),  # dense.ffn_out all_reduce, moe.expert_out all_reduce
 )
 # (buffer, op, columns of the argument) -> (round, phase, wire dtype, 32-bit lanes) of each
 # round it runs, in execution order (phase: what the round does; a scattered all-reduce
@@ -106,12 +106,16 @@ COLLECTIVE_WIRES = {
         (0, "all_reduce", "bf16", 3584),
         (1, "all_reduce", "bf16", 3584),
     ),
-    (1, "all_gather", 140): ((2, "all_gather", "f32", 256),),
+    (1, "all_gather", 332): ((2, "all_gather", "f32", 384),),
     (1, "all_gather", 66): ((2, "all_gather", "f32", 128),),
-    (2, "reduce_scatter", 3584): ((2, "reduce_scatter", "f32", 128),),
+    (2, "all_gather", 224): ((2, "all_gather", "f32", 256),),
     (3, "all_reduce", 7168): (
         (0, "all_reduce", "bf16", 3584),
         (1, "all_reduce", "bf16", 3584),
+    ),
+    (3, "all_reduce", 3584): (
+        (0, "all_reduce", "bf16", 1792),
+        (1, "all_reduce", "bf16", 1792),
     ),
 }
 DMA_LANES = 128  # remote copies move whole 128-lane rows: Mosaic needs 512-byte runs
@@ -272,13 +276,13 @@ MOE_EXPERT_DOWN = Segment(
 # the layer's first row of this kind.
 # ffn.router | ffn.latent_in | ffn.shared_gate | ffn.shared_up: one pass over their input
 MOE_IN = Segment(offset=0, fan_in=7168, fan_out=524, k_chunks=28, col_blocks=3, tail_rows=16)
-# the shared experts' down projection, row-split over cores
+# the shared experts' down projection, split over cores
 MOE_SHARED_DOWN = Segment(
-    offset=14784, fan_in=192, fan_out=7168, k_chunks=1, col_blocks=28, chunk_rows=192
+    offset=14784, fan_in=6144, fan_out=224, k_chunks=24, col_blocks=1, tail_rows=224
 )
 # latent -> hidden (after the routed experts)
 MOE_LATENT_OUT = Segment(
-    offset=20160, fan_in=112, fan_out=7168, k_chunks=1, col_blocks=28, chunk_rows=112
+    offset=20160, fan_in=3584, fan_out=224, k_chunks=14, col_blocks=1, tail_rows=224
 )
 # Where each fused tensor's outputs lie in the columns of the segment that computes it.
 MOE_ROUTER_COLS = slice(0, 28)  # router logits (every expert's, or this core's columns)
@@ -874,37 +878,6 @@ def _summed(pieces):
     return total
 
 
-def _reduce_scatter_in_flight(collectives, which, partial, work):
-    """collectives.reduce_scatter(which, partial) with `work` (which does not need the sum)
-    run while its first round's copies travel, after the round's held refills start (at
-    the end where there are no rounds, on one core); returns the sum's columns and what
-    work returned. Each round calls collectives.on_sent once its copies are under way, so
-    for this call on_sent also runs the work, the first time."""
-    held = collectives.on_sent
-    ran, result = False, None
-
-    def on_sent():
-        nonlocal ran, result
-        if held is not None:
-            held()
-        if not ran:
-            ran, result = True, _in_flight(work)
-
-    collectives.on_sent = on_sent
-    total = collectives.reduce_scatter(which, partial)
-    collectives.on_sent = held
-    if not ran:  # no rounds (one core): nothing travels
-        result = _in_flight(work)
-    return total, result
-
-
-def _in_flight(work):
-    """Runs a caller's `work` from inside a collective (while a round's copies travel): the
-    compiled profile (mkgen/verify/profile.py) gives its ops the phase of the code inside,
-    not the collective's."""
-    return work()
-
-
 def _mix_weights(vec, n):
     """The softmax of the block's logits over its n live snapshots, [1, MAX_SNAPSHOTS]
     (zero past n)."""
@@ -1395,36 +1368,31 @@ def _experts_moe(ctx, moe_slot, ids, weights, x):
 
 
 def _ffn_moe(ctx, layer, first_row, x):
-    """MoE of 896 experts, top-16, split 8 groups x 4 width parts, latent 3584 (rs_ar), shared experts."""
+    """MoE of 896 experts, top-16, split 8 groups x 4 width parts, latent 3584 (ar_ag), shared experts."""
     vec = ctx.vectors
     h = _rms_norm(x, vec[FFN_NORM_VEC])
     y = ctx.stream.matmul(h, first_row, MOE_IN)
+    # This core's columns of the shared experts' activation: they travel in the latent's
+    # all-gather, so that every core holds all of it for its columns of their output.
+    shared = _activation(
+        MOE_ACTIVATION,
+        y[:, MOE_SHARED_GATE_COLS],
+        y[:, MOE_SHARED_UP_COLS],
+        **MOE_ACTIVATION_PARAMS,
+    )
     # The router's columns are split: this core's scores travel beside its latent piece in
     # one all-gather, then every core routes on all of them.
-    logits, latent = ctx.collectives.all_gather_parts(
-        1, [y[:, MOE_ROUTER_COLS], y[:, MOE_LATENT_IN_COLS]]
+    logits, latent, shared = ctx.collectives.all_gather_parts(
+        1, [y[:, MOE_ROUTER_COLS], y[:, MOE_LATENT_IN_COLS], shared]
     )
     ids, weights = _route_moe(vec, logits)
     latent = _rms_norm(latent, vec[MOE_LATENT_NORM_VEC])
     routed = _experts_moe(ctx, ctx.tables[3, layer], ids, weights, latent)
-
-    def shared_experts():
-        """The shared experts' partial hidden from this layer's input y alone."""
-        shared = _activation(
-            MOE_ACTIVATION,
-            y[:, MOE_SHARED_GATE_COLS],
-            y[:, MOE_SHARED_UP_COLS],
-            **MOE_ACTIVATION_PARAMS,
-        )
-        shared = ctx.stream.matmul(shared, first_row, MOE_SHARED_DOWN)
-        return shared
-
-    # Latent back to hidden: this core's slice of the summed latent (reduce-scatter), the
-    # latent_out rows of that slice, the shared experts' partial hidden added, one all-reduce of hidden.
-    # The shared experts run while the reduce-scatter's copies travel (they need only y).
-    z, shared = _reduce_scatter_in_flight(ctx.collectives, 2, routed, shared_experts)
-    out = ctx.stream.matmul(z, first_row, MOE_LATENT_OUT)
-    return ctx.collectives.all_reduce(3, out + shared)
+    shared = ctx.stream.matmul(shared, first_row, MOE_SHARED_DOWN)  # this core's output columns
+    # Latent back to hidden: the full latent on every core, its output columns split.
+    z = ctx.collectives.all_reduce(3, routed)
+    piece = ctx.stream.matmul(z, first_row, MOE_LATENT_OUT)
+    return ctx.collectives.all_gather(2, piece + shared)
 
 
 # ----------------------------------------------------------------------------- lm_head
@@ -1500,8 +1468,8 @@ def _kernel(
     vec_sems,  # DMA[2]
     x_res_vmem,  # [TOKENS_PADDED, HIDDEN] f32: the residual stream
     collective0_vmem,  # [12, TOKENS_PADDED, 3584] uint32: landing slots of collective 0 of a layer
-    collective1_vmem,  # [32, TOKENS_PADDED, 256] uint32: landing slots of collective 1 of a layer
-    collective2_vmem,  # [32 + 32, TOKENS_PADDED, 128] uint32: landing slots of collective 2 of a layer (+ reduce-scatter staging)
+    collective1_vmem,  # [32, TOKENS_PADDED, 384] uint32: landing slots of collective 1 of a layer
+    collective2_vmem,  # [32, TOKENS_PADDED, 256] uint32: landing slots of collective 2 of a layer
     collective3_vmem,  # [12, TOKENS_PADDED, 3584] uint32: landing slots of collective 3 of a layer
     send_sems,  # DMA[COLLECTIVE_BUFFERS, COLLECTIVE_SLOTS]
     recv_sems,  # DMA[COLLECTIVE_BUFFERS, COLLECTIVE_SLOTS]

@@ -5,7 +5,7 @@ regenerate with `mkgen build muse-spark-1.2 --topology 2x2x1 --force` (add -o an
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Muse Spark 1.2: 62 layers, SWA(2048)+RoPE with NoPE full attention at l % 4 == 1, MoE 256 top-8"
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 12 refills held for collectives, 5 a round.
-Inputs sha256: 465f28717b0cf6bbbe868e862de9ab6d1548593e398676ed57adbfe97458eab2 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 95a0d3f2e264ea76e0cfa42af2f9bd00fb558fd1455eb671f4755a97cdb22998 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
@@ -92,8 +92,8 @@ COLLECTIVE_PEERS = 7  # cores one core signals at the entry barrier
 COLLECTIVE_LANDING = (
     (8, 4096, 0),  # global.attn_out all_reduce, local.attn_out all_reduce
     (8, 640, 0),  # moe.latent_in all_gather
-    (8, 2048, 0),  # moe.expert_out all_reduce
     (8, 512, 0),  # moe.ffn_out all_gather
+    (8, 2048, 0),  # moe.expert_out all_reduce
 )
 # (buffer, op, columns of the argument) -> (round, phase, wire dtype, 32-bit lanes) of each
 # round it runs, in execution order (phase: what the round does; a scattered all-reduce
@@ -102,8 +102,8 @@ COLLECTIVE_LANDING = (
 COLLECTIVE_WIRES = {
     (0, "all_reduce", 8192): ((0, "all_reduce", "bf16", 4096),),
     (1, "all_gather", 544): ((0, "all_gather", "f32", 640),),
-    (2, "all_reduce", 4096): ((0, "all_reduce", "bf16", 2048),),
-    (3, "all_gather", 1024): ((0, "all_gather", "bf16", 512),),
+    (2, "all_gather", 1024): ((0, "all_gather", "bf16", 512),),
+    (3, "all_reduce", 4096): ((0, "all_reduce", "bf16", 2048),),
 }
 DMA_LANES = 128  # remote copies move whole 128-lane rows: Mosaic needs 512-byte runs
 VECTOR_ROWS = 3  # rows of a layer's vector slab
@@ -1216,9 +1216,9 @@ def _ffn_moe(ctx, layer, first_row, x):
     ids, weights = _route_moe(vec, logits)
     routed = _experts_moe(ctx, ctx.tables[3, layer], ids, weights, latent)
     # Latent back to hidden: the full latent on every core, its output columns split.
-    z = ctx.collectives.all_reduce(2, routed)
+    z = ctx.collectives.all_reduce(3, routed)
     piece = ctx.stream.matmul(z, first_row, MOE_LATENT_OUT)
-    return ctx.collectives.all_gather(3, piece)
+    return ctx.collectives.all_gather(2, piece)
 
 
 # ----------------------------------------------------------------------------- lm_head
@@ -1299,8 +1299,8 @@ def _kernel(
     x_res_vmem,  # [TOKENS_PADDED, HIDDEN] f32: the residual stream
     collective0_vmem,  # [8, TOKENS_PADDED, 4096] uint32: landing slots of collective 0 of a layer
     collective1_vmem,  # [8, TOKENS_PADDED, 640] uint32: landing slots of collective 1 of a layer
-    collective2_vmem,  # [8, TOKENS_PADDED, 2048] uint32: landing slots of collective 2 of a layer
-    collective3_vmem,  # [8, TOKENS_PADDED, 512] uint32: landing slots of collective 3 of a layer
+    collective2_vmem,  # [8, TOKENS_PADDED, 512] uint32: landing slots of collective 2 of a layer
+    collective3_vmem,  # [8, TOKENS_PADDED, 2048] uint32: landing slots of collective 3 of a layer
     send_sems,  # DMA[COLLECTIVE_BUFFERS, COLLECTIVE_SLOTS]
     recv_sems,  # DMA[COLLECTIVE_BUFFERS, COLLECTIVE_SLOTS]
     greedy_vmem,  # [COLLECTIVE_SLOTS, TOKENS_PADDED, 128] f32: round members' (max, argmax)

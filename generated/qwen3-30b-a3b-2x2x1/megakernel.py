@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3-30b-a3b --topology 2x2x1 --force` (add -o and
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Imported from the Hugging Face config qwen3-30b-a3b.json (Qwen3MoeForCausalLM, model_type qwen3_moe)."
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 3 refills held for collectives, 5 a round.
-Inputs sha256: 6a195d139bb6ec084632f0abc7f92e950f8bede222185f59913b789e0f678a9f (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 2388024a5721468b95f8166e52f2db18d2688ec390c3463820f1666d29636348 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x

@@ -416,17 +416,20 @@ def collective_buffers(
     attention: Sequence[Any], ffn: Sequence[Any], ffn_out: int
 ) -> dict[str, int]:
     """The landing buffer of each collective of a layer, by name, as the kernel numbers
-    them: the attention's output all-reduce (its last) lands in buffer 0, the FFN's k-th
-    collective in 1 + k, but the FFN's last (its output all-reduce) in buffer `ffn_out`
-    (ffn_out_buffer: the same for every layer kind, after every other's), so that a dense
-    layer's all-reduce shares the MoE's wide output buffer instead of widening its
-    narrow all-gather's. An all-gather before the attention's all-reduce (MLA's split
+    them: the attention's output all-reduce (its last) lands in buffer 0; the FFN's last
+    all-reduce (its output's, or a latent MoE's all-reduce of the latent before its
+    output all-gather) in buffer `ffn_out` (ffn_out_buffer: the same for every layer
+    kind, after every other's), so that a dense layer's all-reduce shares the MoE's wide
+    buffer instead of widening a narrow all-gather's; the FFN's other collectives, in
+    order, in 1, 2, ... An all-gather before the attention's all-reduce (MLA's split
     A-projections) borrows buffer 1: the FFN writes a member's slot of it again only after
     that all-reduce, which needs the member's contribution, sent after it read the slot."""
     buffers = {c.name: 1 + k for k, c in enumerate(attention[:-1])}
     buffers[attention[-1].name] = 0
-    buffers |= {c.name: 1 + k for k, c in enumerate(ffn[:-1])}
-    return buffers | ({ffn[-1].name: ffn_out} if ffn else {})
+    widest = next((c for c in reversed(ffn) if c.op == "all_reduce"), None)
+    others = [c for c in ffn if c is not widest]
+    buffers |= {c.name: 1 + k for k, c in enumerate(others)}
+    return buffers | ({widest.name: ffn_out} if widest is not None else {})
 
 
 def ffn_out_buffer(sharding: Any) -> int:

@@ -189,6 +189,12 @@ class FFNRecord(KindRecord):
         """Whether its shared experts are split so (columns_split's rule)."""
         return False
 
+    def shared_outputs_split(self) -> bool:
+        """Whether its shared experts' three matrices are all split by output columns, each
+        core its own piece (the kernel gathers their activation, then each core computes
+        its columns of their output)."""
+        return False
+
     def work_in_flight(self) -> bool:
         """Whether it runs work of its own while a collective's copies travel (the kernel
         then carries _reduce_scatter_in_flight)."""

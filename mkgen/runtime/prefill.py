@@ -22,7 +22,8 @@ layer's cache.
 Attention (core_attention: a core's heads, its rows of wo), routed experts, and dense
 MLPs and shared experts split by columns (the FFN record's columns_split and
 shared_columns_split) are computed by their own cores, each on its share, a psum adding
-the shares; GQA and recurrent cores keep only their own heads' cache (own_cache). The
+the shares (shared experts split by output columns, shared_outputs_split: their gate and
+up products all-gathered, then each core's columns of their output, all-gathered); GQA and recurrent cores keep only their own heads' cache (own_cache). The
 MoE router and latent projections and MLA's latent projections, where the plan splits
 them, are multiplied by each core's own piece, the products all-gathered (column pieces)
 or summed (row pieces), as the kernel joins them (_project_pieces). A replicated tensor
@@ -217,7 +218,8 @@ def _layer_step(
     attention = layout.attention[layout.attention_table[layer]]
     ffn = layout.ffn[layout.ffn_table[layer]]
     sizes = (layout.stream.attention[attention.name].rows, layout.stream.ffn[ffn.name].rows)
-    columns_split, shared_split = ffn.columns_split(), ffn.shared_columns_split()
+    columns_split = ffn.columns_split()
+    shared_split = ffn.shared_columns_split() or ffn.shared_outputs_split()
     heads_split, own_cache = attention.heads_split, attention.own_cache
     projected_parts = _projected_parts(ffn)
     whole = _replicated_pieces(attention, ffn)
@@ -335,7 +337,15 @@ def _ffn_out(
         return moe_ffn(moe, weights, x, spec.dims, on_this_core, project=project)
     routed_only = moe.model_copy(update={"shared_experts": None})
     out = moe_ffn(routed_only, weights, x, spec.dims, on_this_core, project=project)
-    mlp = jax.lax.psum(shared_mlp(moe, shared, x), axis)
+    if ffn.shared_outputs_split():  # every core's columns of their inputs, then its own outputs
+        gathered = {n: jax.lax.all_gather(mm(x, shared[n]), axis, axis=x.ndim - 1, tiled=True)
+                    for n in ("shared_gate", "shared_up")}  # fmt: skip
+        hidden = gated_activation(moe.activation, gathered["shared_gate"], gathered["shared_up"])
+        mlp = jax.lax.all_gather(
+            mm(hidden, shared["shared_down"]), axis, axis=x.ndim - 1, tiled=True
+        )
+    else:
+        mlp = jax.lax.psum(shared_mlp(moe, shared, x), axis)
     if moe.shared_experts.gate:  # one scalar a token: gating the sum gates each share
         mlp = mlp * jax.nn.sigmoid(mm(x, shared["shared_gate_proj"]))
     return out + mlp

@@ -493,7 +493,8 @@ def _child_kernel(
     mutations: list[tuple[str, str]],
 ) -> tuple[Any, Any, Any, Any]:
     """(topology, the spec's mini twin, its kernel layout, the rendered kernel module with
-    `mutations` applied to its source), planned with the full-size build's splits."""
+    `mutations` applied to its source), planned with the full-size build's splits (or the
+    `splits` knob's)."""
     from mkgen.codegen.build import load_module, render_kernel
     from mkgen.codegen.package import mini_kernel_args
     from mkgen.kinds import default_registry
@@ -508,8 +509,9 @@ def _child_kernel(
     built = BuildOptions.create(quant=quant).apply(load_spec(spec_ref))
     spec = mini_twin(built, topology.num_devices)
     options = BuildOptions.create(batch=batch, rows=rows, context=context, **knobs)
-    splits = full_size_splits(built, topology, options, kinds=default_registry())
-    options = options.model_copy(update={"splits": splits})
+    if options.splits is None:  # a caller's own choices stand (a test forcing a design)
+        splits = full_size_splits(built, topology, options, kinds=default_registry())
+        options = options.model_copy(update={"splits": splits})
     layout = plan_build(
         spec,
         topology,
@@ -726,7 +728,9 @@ if __name__ == "__main__":
     try:
         result = _run_child(
             spec_arg, topo_arg, mode_arg, steps_n, batch_n, rows_n, context_n, seed_n,
-            json.loads(quant_arg), json.loads(knobs_arg),
+            json.loads(quant_arg),
+            # JSON has no tuples: a knob's list (a test's forced splits) was one.
+            {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(knobs_arg).items()},
             [tuple(m) for m in json.loads(mutations_arg)],
         )  # fmt: skip
     except Exception as error:  # reported to the parent as one line: race, NaN, lowering...

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build muse-spark-1.2 --topology 2x2x1 --force`` 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of muse-spark-1.2 for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: c76b959020f3218b175ccca0992cc2f2e44d5d0a92d0a595b9446185fbf32cec (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 879851cfb26ac6c4f28bc9f9361db4bf700667835fc01cedbb007788489400d3 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
@@ -92,8 +92,8 @@ COLLECTIVE_PEERS = 7  # cores one core signals at the entry barrier
 COLLECTIVE_LANDING = (
     (8, 128, 0),  # global.attn_out all_reduce, local.attn_out all_reduce
     (8, 128, 0),  # moe.latent_in all_gather
-    (8, 128, 0),  # moe.expert_out all_reduce
     (8, 128, 0),  # moe.ffn_out all_gather
+    (8, 128, 0),  # moe.expert_out all_reduce
 )
 # (buffer, op, columns of the argument) -> (round, phase, wire dtype, 32-bit lanes) of each
 # round it runs, in execution order (phase: what the round does; a scattered all-reduce
@@ -102,8 +102,8 @@ COLLECTIVE_LANDING = (
 COLLECTIVE_WIRES = {
     (0, "all_reduce", 256): ((0, "all_reduce", "bf16", 128),),
     (1, "all_gather", 17): ((0, "all_gather", "f32", 128),),
-    (2, "all_reduce", 128): ((0, "all_reduce", "f32", 128),),
-    (3, "all_gather", 32): ((0, "all_gather", "f32", 128),),
+    (2, "all_gather", 32): ((0, "all_gather", "f32", 128),),
+    (3, "all_reduce", 128): ((0, "all_reduce", "f32", 128),),
 }
 DMA_LANES = 128  # remote copies move whole 128-lane rows: Mosaic needs 512-byte runs
 VECTOR_ROWS = 3  # rows of a layer's vector slab
@@ -1216,9 +1216,9 @@ def _ffn_moe(ctx, layer, first_row, x):
     ids, weights = _route_moe(vec, logits)
     routed = _experts_moe(ctx, ctx.tables[3, layer], ids, weights, latent)
     # Latent back to hidden: the full latent on every core, its output columns split.
-    z = ctx.collectives.all_reduce(2, routed)
+    z = ctx.collectives.all_reduce(3, routed)
     piece = ctx.stream.matmul(z, first_row, MOE_LATENT_OUT)
-    return ctx.collectives.all_gather(3, piece)
+    return ctx.collectives.all_gather(2, piece)
 
 
 # ----------------------------------------------------------------------------- lm_head

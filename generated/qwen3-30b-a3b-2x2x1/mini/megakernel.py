@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3-30b-a3b --topology 2x2x1 --force`` (
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3-30b-a3b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing half; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: ca05ecca7fc78c73ee3cf75ae260c30ba0467a52634e47f1c06466dc86f91a08 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 83e4c81ee3b263b7997cbd6ad1b8149674eefa10a2b3ba820d474e3dacc252c8 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x

@@ -69,9 +69,7 @@ def shard(ctx: Any, kind_name: str, f: Any) -> FFNSharding:
         cheaper = price(*designs["ar_ag"]) < price(*designs["rs_ar"])
         if ctx.options.splits is not None:  # a mini twin: the full-size build's design
             cheaper = f"ffn.{kind_name}.ar_ag" in ctx.options.splits
-        # Shared experts add partial sums of hidden: with ar_ag they would need their own
-        # all-reduce, so they force rs_ar.
-        design = "ar_ag" if cheaper and not f.shared_experts else "rs_ar"
+        design = "ar_ag" if cheaper else "rs_ar"
     router, why_router = _router_choice(ctx, kind_name, f, d_in)
     rules = _tensor_rules(d, split, design, router, why_router)
     for w in ffn_weights(f, h):
@@ -79,9 +77,11 @@ def shard(ctx: Any, kind_name: str, f: Any) -> FFNSharding:
             raise SpecError(f"{s.where}tensor {w.name!r}: no sharding rule")
         s.add(w.name, w.shape, w.family, **rules[w.name])
     if f.latent:
-        gathered = d_in + (f.num_experts if router == "split" else 0)  # the scores ride along
-        s.collectives.append(ctx.collective("latent_in", "all_gather", "ffn.latent_in", gathered))
-        s.collectives.extend(designs[design])
+        latent_in, *combine = designs[design]
+        if router == "split":  # the scores ride along
+            latent_in = ctx.collective("latent_in", "all_gather", "ffn.latent_in",
+                                       latent_in.width + f.num_experts)  # fmt: skip
+        s.collectives.extend([latent_in, *combine])
     else:
         s.collectives.append(ctx.collective("ffn_out", "all_reduce", "ffn.experts_down", h))
     why = split.why + (f"; latent design {design}" if f.latent else "") + f"; {why_router}"
@@ -91,17 +91,24 @@ def shard(ctx: Any, kind_name: str, f: Any) -> FFNSharding:
     )  # fmt: skip
 
 
-def _latent_designs(ctx: Any, f: Any, d_in: int) -> dict[str, tuple[Any, Any]]:
-    """A latent MoE's two ways to combine (the experts' outputs, then hidden): reduce-
-    scatter + all-reduce, or all-reduce + all-gather (none without a latent)."""
+def _latent_designs(ctx: Any, f: Any, d_in: int) -> dict[str, tuple[Any, Any, Any]]:
+    """A latent MoE's two ways to combine (the experts' outputs, then hidden), each after
+    the latent's all-gather: reduce-scatter + all-reduce, or all-reduce + all-gather (none
+    without a latent). With ar_ag the shared experts' activation rides in the latent's
+    all-gather, so that every core holds all of it and their down projection splits by
+    output columns like latent_out's (their partial sums of hidden would otherwise need
+    an all-reduce of their own)."""
     if not f.latent:
         return {}
+    shared = f.shared_experts.width if f.shared_experts else 0
     return {
         "rs_ar": (
+            ctx.collective("latent_in", "all_gather", "ffn.latent_in", d_in),
             ctx.collective("expert_out", "reduce_scatter", "ffn.experts_down", d_in),
             ctx.collective("ffn_out", "all_reduce", "ffn.latent_out", ctx.h),
         ),
         "ar_ag": (
+            ctx.collective("latent_in", "all_gather", "ffn.latent_in", d_in + shared),
             ctx.collective("expert_out", "all_reduce", "ffn.experts_down", d_in),
             ctx.collective("ffn_out", "all_gather", "ffn.latent_out", ctx.h),
         ),
@@ -141,7 +148,11 @@ def _tensor_rules(
         },
         "shared_gate": {**columns, "why": "shared width"},
         "shared_up": {**columns, "why": "shared width"},
-        "shared_down": {"split_axis": 0, "parts": d, "why": "input rows by shared width"},
+        "shared_down": (
+            {**columns, "why": "output split (its activation gathered with the latent)"}
+            if design == "ar_ag"
+            else {"split_axis": 0, "parts": d, "why": "input rows by shared width"}
+        ),
     }
 
 
@@ -190,8 +201,6 @@ def layout(i: LayoutInputs) -> MoELayout:
         unsupported(f"ffn_kinds.{name}: exact gelu (use gelu_tanh)")
     if shard.router == "split" and not kind.latent:
         unsupported(f"ffn_kinds.{name}: a router split over cores without a latent all-gather")
-    if shard.latent_design == "ar_ag" and kind.shared_experts:
-        unsupported(f"ffn_kinds.{name}: shared experts beside a latent MoE combined by all-gather")
     parts = {t.name: part_of(t, i.devices) for t in shard.tensors}
     split = shard.experts
     gate = next(t for t in shard.tensors if t.name == "ffn.experts_gate")
@@ -242,6 +251,7 @@ def layout(i: LayoutInputs) -> MoELayout:
         shared_width=columns["shared_gate"].size if "shared_gate" in columns else 0,
         shared_gate="shared_gate_proj" in columns,
         shared_in_flight=shared_in_flight(kind, shard.latent_design),
+        shared_gathered=shared_gathered(kind, shard.latent_design),
         columns=columns,
         segments=i.segments,
         in_segments=[s.name for s in i.segments if s.name.split(".")[0] == "in"],
@@ -297,6 +307,12 @@ def buffers(out: Any, i: BufferInputs) -> None:
         # reduce-scatter's flight (tests/test_codegen.py).
         out.add(f"mosaic_{name}_in_flight", "internal", (tp, _shared_width(i.shard)), "f32",
                 "internal", why="estimate: the shared experts' activation, live in a round")  # fmt: skip
+    if shared_gathered(kind, i.shard.latent_design):
+        # Fit to compiles: Kimi K3 at rows 8 on 2x2x4 used 40 KiB more of Mosaic's scratch
+        # than the plan without this once the whole activation came with the latent.
+        width = kind.shared_experts.width
+        out.add(f"mosaic_{name}_shared_gathered", "internal", (tp, width), "f32", "internal",
+                why="estimate: the gathered shared activation, live through the routed experts")  # fmt: skip
 
 
 def ops(kind: Any) -> list[str]:
@@ -310,6 +326,12 @@ def ops(kind: Any) -> list[str]:
 def _shared_width(shard: FFNSharding) -> int:
     """The shared experts' intermediate columns on each rank (their activation's width)."""
     return next(t.rank_shape[-1] for t in shard.tensors if t.name == "ffn.shared_up")
+
+
+def shared_gathered(kind: Any, latent_design: str) -> bool:
+    """Whether the shared experts' activation rides in the latent's all-gather and their
+    down projection is split by output columns (a latent combined by all-gather, ar_ag)."""
+    return bool(kind.shared_experts) and latent_design == "ar_ag"
 
 
 def shared_in_flight(kind: Any, latent_design: str) -> bool:
@@ -336,16 +358,24 @@ def program(b: Any, s: Step) -> int:
     shared: int | None = None
     gathered = None
 
+    def activation() -> int:
+        return b.vec(layer, f"{name}: shared activation", y, 8 * b.t * _shared_width(s.shard))
+
     def shared_experts() -> None:
         nonlocal shared
-        act = b.vec(layer, f"{name}: shared activation", y, 8 * b.t * _shared_width(s.shard))
+        # Gathered: the whole activation came with the latent (every core's columns).
+        act = gathered_act if gathers_shared else activation()
         shared = b.segment(layer, name, segs["shared_down"], first, act)
 
     in_flight = shared_in_flight(kind, s.shard.latent_design)
+    gathers_shared = shared_gathered(kind, s.shard.latent_design)
+    gathered_act = None
     for op in ops(kind):
         if op == "in":
             for seg in (seg for n, seg in segs.items() if n.split(".")[0] == "in"):
                 y = b.segment(layer, name, seg, first, y)  # one segment per format of "in"
+            if gathers_shared:  # its columns of the activation join the latent's all-gather
+                y = activation()
         elif op == "route":
             if s.shard.router == "split":
                 gathered = b.collective(layer, colls["latent_in"], y)
@@ -356,6 +386,7 @@ def program(b: Any, s: Step) -> int:
             lat = (
                 gathered if gathered is not None else b.collective(layer, colls.get("latent_in"), y)
             )
+            gathered_act = lat
             lat = b.vec(layer, f"{name}: latent norm", lat, 5 * b.t * kind.latent.width,
                         ((v, None, 0),))  # fmt: skip
         elif op == "experts":

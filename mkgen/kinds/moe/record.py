@@ -60,6 +60,9 @@ class MoELayout(FFNRecord):
     # The shared experts' activation and down projection run while the expert_out
     # reduce-scatter's copies travel (shared_in_flight), not before it.
     shared_in_flight: bool
+    # The shared experts' activation rides in the latent's all-gather and their down
+    # projection splits by output columns (a latent combined by all-gather: shared_gathered).
+    shared_gathered: bool = False
     columns: dict[str, Columns]  # outputs of the "in" segment: router, latent_in, shared_*
     segments: list[Segment]  # in, latent_out, shared_down
     in_segments: list[str]  # the "in" tensors' segments: one per format, outputs side by side
@@ -93,6 +96,15 @@ class MoELayout(FFNRecord):
             return False
         inputs = ["ffn.shared_gate", "ffn.shared_up"]
         return split_as_mlp(self.stream_parts(), inputs, "ffn.shared_down")
+
+    def shared_outputs_split(self) -> bool:
+        """shared_gate, shared_up and shared_down all by output columns (shared_gathered)."""
+        parts = self.stream_parts()
+        names = ["ffn.shared_gate", "ffn.shared_up", "ffn.shared_down"]
+        return self.shared_gathered and all(
+            parts[n].axis == -1 and parts[n].rank_divisor == 1 and parts[n].view is None
+            for n in names
+        )
 
     def held_experts(self, rank: int) -> tuple[list[int], slice]:
         """The routed experts rank `rank` holds, in the order of its expert arrays, and the
