@@ -46,6 +46,7 @@ LM_HEAD_ROW = 0
 LM_HEAD = Segment(offset=0, fan_in=256, fan_out=512, k_chunks=1, col_blocks=2)
 MAX_SNAPSHOTS = 4
 RESIDUAL_LOGITS_ROW = 2
+SNAPSHOT_ROWS = 8
 
 
 def cache_shapes() -> list[tuple[tuple[int, ...], object]]:

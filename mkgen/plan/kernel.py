@@ -14,6 +14,7 @@ from mkgen.plan.layout import (
     check_formats,
     draft_hidden_states,
     kernel_features,
+    snapshot_rows,
     stream_formats,
     unsupported,
 )
@@ -85,6 +86,9 @@ def build_layout(
             max_snapshots=r.max_snapshots,
             logits_row=ffn_rows_end,
             in_hbm=snapshots_in_hbm,
+            landing_rows=snapshot_rows(round_up(options.tokens, SUBLANES_F32))
+            if snapshots_in_hbm
+            else 0,
         )
     return _assemble(
         spec, topology, sharding, stream, options, attention, ffn, (attn_table, ffn_table),

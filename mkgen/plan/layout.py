@@ -376,6 +376,21 @@ class AttentionResidualLayout(PlanModel):
     # The snapshots live in HBM (a kernel output), each read back into one VMEM buffer to be
     # mixed, instead of all in VMEM (the VMEM plan's choice, mkgen.plan.vmem)
     in_hbm: bool = False
+    # With the snapshots in HBM: the token rows of that buffer, one row block of the stream
+    # (snapshot_rows): the mixing runs a block at a time (0: in VMEM, no buffer)
+    landing_rows: int = 0
+
+
+# Design choice: the attention residual mixes snapshots read back from HBM in blocks of at
+# most 32 token rows (one block up to batch 4 x rows 8, where Mosaic's own scratch for the
+# mixing was fit), so the landing buffer and the values Mosaic keeps live while mixing are
+# one block, not the whole stream ([128, 7168] f32 is 3.5 MiB at batch 16 x rows 8).
+SNAPSHOT_BLOCK_ROWS = 32
+
+
+def snapshot_rows(tokens_padded: int) -> int:
+    """Token rows of one block of the attention residual's mixing from HBM."""
+    return min(tokens_padded, SNAPSHOT_BLOCK_ROWS)
 
 
 class DraftHidden(PlanModel):

@@ -63,7 +63,7 @@ from pydantic import BaseModel, ConfigDict
 
 from mkgen.plan.collectives import CollectiveRound, RoundCall, collective_buffers, ffn_out_buffer
 from mkgen.plan.kind import KindRegistry, Step
-from mkgen.plan.layout import draft_hidden_states
+from mkgen.plan.layout import draft_hidden_states, snapshot_rows
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.sharding import AttentionSharding, Collective, FFNSharding, ShardingPlan
 from mkgen.plan.stream import KindStream, RingRefills, Segment, StreamPlan, bank_visits
@@ -814,23 +814,27 @@ class _Builder:
 
     def residual_snapshots_in_hbm(self, layer: int, block_size: int, most: int) -> int:
         """A block's start with the snapshots in HBM (the kernel's _attention_residual_hbm):
-        each earlier live snapshot copied into the landing buffer and added, in order, the
-        stream added last, then the mixed stream copied out as the block's snapshot."""
+        a row block of the landing buffer's rows at a time, the stream's rows scaled by
+        their weight, then each earlier live snapshot's rows copied into the landing buffer
+        and added, in order; then the mixed stream copied out as the block's snapshot."""
         block = layer // block_size
-        nbytes, flops = self.t * self.dims.hidden * 4, 2 * self.t * self.dims.hidden
+        hidden, padded = self.dims.hidden, self.dims.tokens_padded
+        rows = snapshot_rows(padded)
         sems = ("snapshot_sems[0]",)
         mixed = self.res
-        for j in range(min(block, most - 1)):
-            land = self.dma("snapshot", f"L{layer} attention-residual snapshot {j} in", layer,
-                            "snapshot", 0, sems, nbytes)  # fmt: skip
-            self.start(land)
-            self.wait(land)
-            mixed = self.vec(layer, f"attention-residual snapshot {j} added", mixed, flops,
-                             ((land, "snapshot", 0),))  # fmt: skip
-        if block:
-            mixed = self.vec(layer, "attention-residual stream added", mixed, flops)
+        for first in range(0, padded if block else 0, rows):
+            size = min(rows, padded - first)
+            mixed = self.vec(layer, f"attention-residual rows {first}+ scaled", mixed,
+                             size * hidden)  # fmt: skip
+            for j in range(min(block, most - 1)):
+                land = self.dma("snapshot", f"L{layer} attention-residual snapshot {j} rows "
+                                f"{first}+ in", layer, "snapshot", 0, sems, size * hidden * 4)  # fmt: skip
+                self.start(land)
+                self.wait(land)
+                mixed = self.vec(layer, f"attention-residual snapshot {j} rows {first}+ added",
+                                 mixed, 2 * size * hidden, ((land, "snapshot", 0),))  # fmt: skip
         out = self.dma("snapshot", f"L{layer} attention-residual snapshot out", layer, None, 0,
-                       sems, nbytes, reads=((mixed, None, 0),))  # fmt: skip
+                       sems, padded * hidden * 4, reads=((mixed, None, 0),))  # fmt: skip
         self.start(out)
         self.wait(out)
         return mixed

@@ -35,7 +35,7 @@ from mkgen.errors import SpecError
 from mkgen.hardware import MiB, vmem_padded_bytes
 from mkgen.plan.collectives import CollectivePlan, greedy_scheme, layer_uses, plan_collectives
 from mkgen.plan.kind import BufferInputs, KindRegistry
-from mkgen.plan.layout import MAX_PIECE_CHUNKS, ExpertChunks, draft_hidden_states
+from mkgen.plan.layout import MAX_PIECE_CHUNKS, ExpertChunks, draft_hidden_states, snapshot_rows
 from mkgen.plan.options import BuildOptions, cache_block, kv_tile
 from mkgen.plan.sharding import ShardingPlan, TensorShard
 from mkgen.plan.stream import CHUNK, LANES, StreamPlan, choose_ring, round_up
@@ -452,8 +452,8 @@ def _buffers(
     slot_bytes = sum(_slot_bytes(e) for e in out.experts.values())
     tp, h = dims.tokens_padded, dims.hidden
     if spec.attention_residual and snapshots_in_hbm:
-        out.add("snapshot_vmem", "activations", (tp, h), "f32", resource="snapshot",
-                why="an attention-residual snapshot read back from HBM")  # fmt: skip
+        out.add("snapshot_vmem", "activations", (snapshot_rows(tp), h), "f32", resource="snapshot",
+                why="a row block of an attention-residual snapshot read back from HBM")  # fmt: skip
         out.sems("snapshot_sems", (1,))
     elif spec.attention_residual:
         r = spec.attention_residual
@@ -506,10 +506,12 @@ def _mosaic_scratch(
     # The compact modes' own scratch, fit to compiles of Kimi K3 at batch 4 x rows 8 on 2x2x4
     # (32 token rows), each mode alone: Mosaic used 229,376 B more than the plan without
     # these with the snapshots in HBM, 675,840 B more with the states streamed
-    # (docs/planner.md#5-the-vmem-plan); both grow with the token rows.
+    # (docs/planner.md#5-the-vmem-plan); the states' grows with the token rows, the
+    # snapshots' with the rows of the mixing's row block (32 rows in the fit).
     if spec.attention_residual and snapshots_in_hbm:
-        out.add("mosaic_snapshot_mix", "internal", (tp, h // 4), "f32", "internal",
-                why="estimate (fit to compiles): mixing snapshots read back from HBM")  # fmt: skip
+        out.add("mosaic_snapshot_mix", "internal", (snapshot_rows(tp), h // 4), "f32",
+                "internal", why="estimate (fit to compiles): mixing a row block of snapshots "
+                "read back from HBM")  # fmt: skip
     if state_slots:
         out.add("mosaic_streamed_states", "internal", (tp, STREAMED_STATES_LANES), "f32",
                 "internal", why="estimate (fit to compiles): states streamed a sequence at a time")  # fmt: skip

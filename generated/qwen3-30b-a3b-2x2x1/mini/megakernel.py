@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3-30b-a3b --topology 2x2x1 --force`` (
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3-30b-a3b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing half; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 6a3e7a906f4d661d2e986cb44a4ccb116ef811f72f0032642c4ea700d18cc57e (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 70880b217ca2eacb0a75fa24804fc1fc24afe8dd71e2eaeb06a1803bee951918 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3-32b --topology 2x2x1 --force`` (add 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3-32b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: f981af4b3e885569193a83533397f1d8812e4df09e0924fed0f419977cda5f11 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 73be7c948efabb2daa1460e8f11788d5480de96b2bbe81ed6511681f01632cca (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
