@@ -5,7 +5,7 @@ regenerate with `mkgen build mixtral-8x7b --topology 2x2x1 --force` (add -o and 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Imported from the Hugging Face config mixtral-8x7b.json (MixtralForCausalLM, model_type mixtral)."
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 6 refills held for collectives, 5 a round.
-Inputs sha256: a5b844846787283324c88dcd502286ea253935b9a82ff1b1db8855bd1c00fc51 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 36c091ad918d2f4796d9cb1038228534b247278cfff9672bf115c536db3ecd87 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3-30b-a3b --topology 2x2x1 --force` (add -o and
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Imported from the Hugging Face config qwen3-30b-a3b.json (Qwen3MoeForCausalLM, model_type qwen3_moe)."
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 3 refills held for collectives, 5 a round.
-Inputs sha256: e952de9338e71a8d1318f2d0dffda352ef7d25f6610a63234057705e4041c987 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: ee7bc84c4b4859993bc2ccf80f520836410506e70b44120ad4c881d0d528a6d6 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3-32b --topology 2x2x1 --force` (add -o and thi
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Imported from the Hugging Face config qwen3-32b.json (Qwen3ForCausalLM, model_type qwen3)."
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 9 refills held for collectives, 14 a round.
-Inputs sha256: 5379513b4b4f8d62bff8a921270959f04b0e54f40249fc2ddcd2ab02fcec383f (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: fcc0b218dc39f906af878c10f64b57dc1217c0f8ac8275653118ea4111529034 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3.8-27b --topology 2x2x1 --rows 8 --draft qwen3
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Qwen3.8-27B: 64 layers, pattern LLLF (Gated DeltaNet x3, gated GQA), SwiGLU 17408"
 Build options: batch 1, rows 8, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 9 refills held for collectives, 14 a round; drafter block: 5 layers, block_size 16, 5 feature layers.
-Inputs sha256: cb84b93f80b7ba7c6a4a612fe3b38cdce32ce88692387b0680e621779ecdf096 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 3faa44d65f0d7df49c70ef9094d72c246a44a65ca528f5ec3c9382ea60b7343f (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -15,6 +15,7 @@ BATCH = 1
 ROWS = 1
 TOKENS = 1
 TOKENS_PADDED = 8
+ROW_BLOCK = 8
 CONTEXT = 128
 HIDDEN = 256
 VOCAB_PER_CORE = 512
@@ -46,7 +47,6 @@ LM_HEAD_ROW = 0
 LM_HEAD = Segment(offset=0, fan_in=256, fan_out=512, k_chunks=1, col_blocks=2)
 MAX_SNAPSHOTS = 4
 RESIDUAL_LOGITS_ROW = 2
-SNAPSHOT_ROWS = 8
 
 
 def cache_shapes() -> list[tuple[tuple[int, ...], object]]:

@@ -1,12 +1,22 @@
-"""The attention residual: each block of layers starts from a softmax mixture of the
-stream's snapshots at earlier block starts."""
+"""The residual stream: a layer's update added a row block at a time, and the attention
+residual: each block of layers starts from a softmax mixture of the stream's snapshots at
+earlier block starts."""
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mkgen.kernellib.constants import MAX_SNAPSHOTS, RESIDUAL_LOGITS_ROW
+from mkgen.kernellib.constants import MAX_SNAPSHOTS, RESIDUAL_LOGITS_ROW, ROW_BLOCK
+
+
+def _add_to_stream(x_res, update):
+    """The residual stream plus a layer's `update`, a row block at a time: each block of the
+    stream is read as it is added, so no copy of the whole stream stays live while the
+    layer computes `update` (Mosaic would keep it in its own scratch)."""
+    for first in range(0, x_res.shape[0], ROW_BLOCK):
+        size = min(ROW_BLOCK, x_res.shape[0] - first)
+        x_res[pl.ds(first, size), :] = x_res[pl.ds(first, size), :] + update[first : first + size]
 
 
 def _mix_weights(vec, n):

@@ -14,7 +14,7 @@ from mkgen.plan.layout import (
     check_formats,
     draft_hidden_states,
     kernel_features,
-    snapshot_rows,
+    row_block,
     stream_formats,
     unsupported,
 )
@@ -86,9 +86,6 @@ def build_layout(
             max_snapshots=r.max_snapshots,
             logits_row=ffn_rows_end,
             in_hbm=snapshots_in_hbm,
-            landing_rows=snapshot_rows(round_up(options.tokens, SUBLANES_F32))
-            if snapshots_in_hbm
-            else 0,
         )
     return _assemble(
         spec, topology, sharding, stream, options, attention, ffn, (attn_table, ffn_table),
@@ -121,6 +118,7 @@ def _assemble(
         rows=options.rows,
         tokens=tokens,
         tokens_padded=round_up(tokens, SUBLANES_F32),
+        row_block=row_block(round_up(tokens, SUBLANES_F32)),
         context=options.context,
         cache_block=cache_block(options.rows, options.context),
         hidden=hidden,

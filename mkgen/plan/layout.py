@@ -376,21 +376,19 @@ class AttentionResidualLayout(PlanModel):
     # The snapshots live in HBM (a kernel output), each read back into one VMEM buffer to be
     # mixed, instead of all in VMEM (the VMEM plan's choice, mkgen.plan.vmem)
     in_hbm: bool = False
-    # With the snapshots in HBM: the token rows of that buffer, one row block of the stream
-    # (snapshot_rows): the mixing runs a block at a time (0: in VMEM, no buffer)
-    landing_rows: int = 0
 
 
-# Design choice: the attention residual mixes snapshots read back from HBM in blocks of at
-# most 32 token rows (one block up to batch 4 x rows 8, where Mosaic's own scratch for the
-# mixing was fit), so the landing buffer and the values Mosaic keeps live while mixing are
-# one block, not the whole stream ([128, 7168] f32 is 3.5 MiB at batch 16 x rows 8).
-SNAPSHOT_BLOCK_ROWS = 32
+# Design choice: the kernel's elementwise work on the residual stream (a layer's add, the
+# attention residual's mixing from HBM) runs in blocks of at most 32 token rows (one block
+# up to batch 4 x rows 8, where Mosaic's own scratch for the mixing was fit), so the values
+# Mosaic keeps live for it are one block, not the whole stream ([128, 7168] f32 is 3.5 MiB
+# at batch 16 x rows 8), and so is the snapshots' landing buffer.
+ROW_BLOCK_ROWS = 32
 
 
-def snapshot_rows(tokens_padded: int) -> int:
-    """Token rows of one block of the attention residual's mixing from HBM."""
-    return min(tokens_padded, SNAPSHOT_BLOCK_ROWS)
+def row_block(tokens_padded: int) -> int:
+    """Token rows of one block of the kernel's row-blocked work on the residual stream."""
+    return min(tokens_padded, ROW_BLOCK_ROWS)
 
 
 class DraftHidden(PlanModel):
@@ -451,6 +449,7 @@ class KernelLayout(PlanModel):
     rows: int
     tokens: int  # batch * rows
     tokens_padded: int
+    row_block: int  # token rows of a block of the row-blocked stream work (row_block())
     context: int  # cache tokens per sequence
     cache_block: int  # cache rows rewritten around a step's new entries (tile-aligned)
     hidden: int

@@ -63,7 +63,7 @@ from pydantic import BaseModel, ConfigDict
 
 from mkgen.plan.collectives import CollectiveRound, RoundCall, collective_buffers, ffn_out_buffer
 from mkgen.plan.kind import KindRegistry, Step
-from mkgen.plan.layout import draft_hidden_states, snapshot_rows
+from mkgen.plan.layout import draft_hidden_states, row_block
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.sharding import AttentionSharding, Collective, FFNSharding, ShardingPlan
 from mkgen.plan.stream import KindStream, RingRefills, Segment, StreamPlan, bank_visits
@@ -671,6 +671,12 @@ class _Builder:
     # --- the step ---
     def build(self) -> Schedule:
         dims, layers = self.dims, len(self.sh.layer_table)
+        # The input rows copied from HBM straight into the residual stream, started before
+        # the barrier, on the second vector semaphore (its first copy starts in layer 0,
+        # after this one is waited)
+        x_in = self.dma("vector", "x rows -> residual", -1, None, 0, ("vec_sems[1]",),
+                        dims.tokens_padded * dims.hidden * 4, reads=((INIT, "hbm:x", 0),))  # fmt: skip
+        self.start(x_in)
         self.run("sync", "barrier: every core inside the kernel", -1)
         for g in range(min(self.depth, self.total)):
             self.start(self.banks[g])
@@ -689,7 +695,8 @@ class _Builder:
             for layer in range(layers)
         ]
         self.start(vec[0])
-        self.res = self.run("vector", "x rows -> residual", -1, 0, ((INIT, "x_vmem", 0),))
+        self.wait(x_in)
+        self.res = x_in
         ffn_out = ffn_out_buffer(self.sh)
         for layer, (attn, ffn) in enumerate(self.sh.layer_table):
             self.buffers = collective_buffers(
@@ -819,7 +826,7 @@ class _Builder:
         and added, in order; then the mixed stream copied out as the block's snapshot."""
         block = layer // block_size
         hidden, padded = self.dims.hidden, self.dims.tokens_padded
-        rows = snapshot_rows(padded)
+        rows = row_block(padded)
         sems = ("snapshot_sems[0]",)
         mixed = self.res
         for first in range(0, padded if block else 0, rows):

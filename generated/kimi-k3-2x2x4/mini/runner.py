@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --draft 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of kimi-k3 for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats, expert sharing half; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round; drafter mtp: 1 module(s), mla + moe layer.
-Inputs sha256: 16bbdfe33b462c5efc61b955298517ac01dd9d1eeca1fa77600587d3f5f50c6c (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: b98246ee36443f039d0d3494fc7ee68121467cf9b5bc98c249aed7683efdd669 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build mixtral-8x7b --topology 2x2x1 --force`` (a
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of mixtral-8x7b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 2867b4681a6a89fdcdcdddd8ea64db70a98c7a6cc2603389cb8cb5242427297e (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: d4f9996f144e5272cbebc09d53ec479c1be1da0483a405d8760727d37f469bca (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build muse-spark-1.2 --topology 2x2x1 --force`` 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of muse-spark-1.2 for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 5e12737a194e43d4f1f3621b930da1c3648d86cf15e1d57fb9b304df9b4b59d4 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 1773c77d6db491bd31d9866765c3d84bb411521c2ed7f70e8c11245cfe6e6b17 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3-30b-a3b --topology 2x2x1 --force`` (
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3-30b-a3b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing half; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 70880b217ca2eacb0a75fa24804fc1fc24afe8dd71e2eaeb06a1803bee951918 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: e693f709b34c4d979a162f54e3ec95d61a1a983c41c5ec64d02a50c90bf4e53b (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3-32b --topology 2x2x1 --force`` (add 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3-32b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 73be7c948efabb2daa1460e8f11788d5480de96b2bbe81ed6511681f01632cca (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: d2513f10c134cab5ab6857a65cc49f2eab073604c7da00c7231d8f58836ac3c5 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

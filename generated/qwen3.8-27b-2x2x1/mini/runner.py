@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3.8-27b --topology 2x2x1 --rows 8 --dr
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3.8-27b for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round; drafter block: 5 layers, block_size 16, 5 feature layers.
-Inputs sha256: 0da46d3cdae985b34f03f92960a2619b5d9336ea7441d13bc53e0eeb77023263 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: e405bd252ca94d34af13de1ccf020f80ebcfc4092318df063ce8ebec8687c57d (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 
