@@ -21,8 +21,14 @@ from mkgen import kernellib
 from mkgen.codegen import digest, library
 from mkgen.codegen.render import TEMPLATES
 from mkgen.errors import MkgenError
-from mkgen.kernellib import collectives, products, ring, routing
-from mkgen.kernellib.constants import CHUNK, LANES, TOKENS_PADDED
+from mkgen.kernellib import collectives, products, residual, ring, routing
+from mkgen.kernellib.constants import (
+    CHUNK,
+    LANES,
+    MAX_SNAPSHOTS,
+    RESIDUAL_LOGITS_ROW,
+    TOKENS_PADDED,
+)
 from mkgen.kernellib.segment import Segment
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.stream import make_segment
@@ -431,3 +437,58 @@ def test_the_bf16_wire_carries_values_rounded_to_nearest_even_and_f32_exactly() 
     shape, f32 = round_trip("f32", 200)
     assert shape == (TOKENS_PADDED, 200)
     np.testing.assert_array_equal(f32, value)
+
+
+# ---------------------------------------------------------------- attention residual
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("block", [1, 5])  # two live snapshots; all four, the ring wrapped
+def test_the_residual_mix_from_hbm_runs_row_block_by_row_block(block: int) -> None:
+    """_attention_residual_hbm mixes 24 token rows through a 16-row landing buffer (a whole
+    block, then a partial one): the stream and each of its snapshots' rows become the
+    softmax mixture of the live snapshots, oldest first, as the reference mixes them."""
+    tokens, hidden, landing_rows = 24, 256, 16
+    rng = np.random.default_rng(7)
+    snapshots = rng.standard_normal((MAX_SNAPSHOTS, tokens, hidden)).astype(np.float32)
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    vec = np.zeros((RESIDUAL_LOGITS_ROW + 1, LANES), np.float32)
+    vec[RESIDUAL_LOGITS_ROW, :MAX_SNAPSHOTS] = rng.standard_normal(MAX_SNAPSHOTS)
+
+    def body(block_smem, vec_ref, x_ref, snapshots_in, x_out, snapshots_hbm, landing, sem):
+        del snapshots_in  # aliased to snapshots_hbm
+        x_out[...] = x_ref[...]
+        residual._attention_residual_hbm(
+            snapshots_hbm, landing, sem, x_out, vec_ref[...], block_smem[0]
+        )
+
+    mixed, written = pl.pallas_call(
+        body,
+        in_specs=[
+            pl.BlockSpec(memory_space=pltpu.SMEM),
+            pl.BlockSpec(memory_space=pltpu.VMEM),
+            pl.BlockSpec(memory_space=pltpu.VMEM),
+            pl.BlockSpec(memory_space=pl.ANY),
+        ],
+        out_specs=[pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pl.ANY)],
+        out_shape=[
+            jax.ShapeDtypeStruct(x.shape, jnp.float32),
+            jax.ShapeDtypeStruct(snapshots.shape, jnp.float32),
+        ],
+        scratch_shapes=[
+            pltpu.VMEM((landing_rows, hidden), jnp.float32),
+            pltpu.SemaphoreType.DMA((1,)),
+        ],
+        input_output_aliases={3: 1},
+        interpret=INTERPRET,
+    )(jnp.asarray([block], jnp.int32), jnp.asarray(vec), jnp.asarray(x), jnp.asarray(snapshots))
+    n = min(block + 1, MAX_SNAPSHOTS)
+    logits = vec[RESIDUAL_LOGITS_ROW, :n]
+    weights = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    sources = [snapshots[(block - n + 1 + j) % MAX_SNAPSHOTS] for j in range(n - 1)] + [x]
+    expected = sum(w * s for w, s in zip(weights, sources, strict=True))
+    np.testing.assert_allclose(np.asarray(mixed), expected, rtol=1e-5, atol=1e-5)
+    written = np.asarray(written)
+    np.testing.assert_array_equal(written[block % MAX_SNAPSHOTS], np.asarray(mixed))
+    others = [s for s in range(MAX_SNAPSHOTS) if s != block % MAX_SNAPSHOTS]
+    np.testing.assert_array_equal(written[others], snapshots[others])

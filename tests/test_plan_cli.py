@@ -357,7 +357,7 @@ def test_a_bad_collectives_mode_and_flat_rounds_over_the_vmem_budget_are_one_lin
 
 
 def test_a_plan_over_the_vmem_budget_is_one_line() -> None:
-    result = mkgen_here("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--batch", "16")
+    result = mkgen_here("plan", "kimi-k3", "--topology", "2x2x4", "--rows", "8", "--batch", "24")
     assert_user_error(result, "VMEM:", "MiB it may use", "collective0_vmem")
 
 
@@ -394,8 +394,8 @@ def test_bad_option_values_are_one_line(args, fragment) -> None:
 
 
 def test_mosaic_scratch_over_the_vmem_limit_is_said_without_a_negative_budget(tmp_path) -> None:
-    # 512 token rows of a 32768-wide residual: Mosaic's scratch alone is 268 MiB (two
-    # values and two hidden rows, plus a bf16 piece of its all-reduce, scattered over the
+    # 512 token rows of a 32768-wide residual: Mosaic's scratch alone is 204 MiB (two
+    # values and the normed rows, plus a bf16 piece of its all-reduce, scattered over the
     # host at this many rows, packed and unpacked).
     spec = tmp_path / "wide.yaml"
     spec.write_text(
@@ -406,7 +406,7 @@ def test_mosaic_scratch_over_the_vmem_limit_is_said_without_a_negative_budget(tm
         "layers: {count: 2, attention: {default: full}, ffn: {default: mlp}}\n"
     )
     result = mkgen_here("plan", str(spec), "--topology", "2x2x1", "--rows", "512")
-    assert_user_error(result, "Mosaic's own scratch for 512 token rows (estimated 268.0 MiB)")
+    assert_user_error(result, "Mosaic's own scratch for 512 token rows (estimated 204.0 MiB)")
     assert not re.search(r"\s-[0-9]", result.stderr)  # no negative budget
 
 

@@ -5,7 +5,7 @@ regenerate with `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --draft kimi-k3-m
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Kimi K3: 93 layers, 3 KDA to 1 MLA plus a final MLA layer, latent MoE of 896 experts, top-16"
 Build options: batch 1, rows 8, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 14 refills held for collectives, 5 a round; drafter mtp: 1 module(s), mla + moe layer.
-Inputs sha256: b832b09d8fb22049b2f2f47682f56f822a26b1b5eca2bdc97316b3c6931bc60a (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 4a208bcf0bda173c2efbe36d35df06a510ef3a2c8433efa465421c7f10704d97 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 32 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -52,6 +52,7 @@ BATCH = 1  # sequences per step
 ROWS = 8  # rows verified per sequence (1 + draft length)
 TOKENS = 8  # BATCH * ROWS
 TOKENS_PADDED = 8  # rounded up to the 8 f32 sublanes
+ROW_BLOCK = 8  # token rows of a block of the row-blocked work on the residual stream
 CONTEXT = 4096  # cache positions per sequence
 HIDDEN = 7168
 HIDDEN_CHUNKS = 28  # HIDDEN / CHUNK, rounded up
@@ -878,6 +879,15 @@ def _summed(pieces):
     return total
 
 
+def _add_to_stream(x_res, update):
+    """The residual stream plus a layer's `update`, a row block at a time: each block of the
+    stream is read as it is added, so no copy of the whole stream stays live while the
+    layer computes `update` (Mosaic would keep it in its own scratch)."""
+    for first in range(0, x_res.shape[0], ROW_BLOCK):
+        size = min(ROW_BLOCK, x_res.shape[0] - first)
+        x_res[pl.ds(first, size), :] = x_res[pl.ds(first, size), :] + update[first : first + size]
+
+
 def _mix_weights(vec, n):
     """The softmax of the block's logits over its n live snapshots, [1, MAX_SNAPSHOTS]
     (zero past n)."""
@@ -1445,7 +1455,7 @@ class _Context:
 def _kernel(
     tables_smem,  # [6, NUM_LAYERS] int32: layer kinds, slots, first stream rows
     positions_smem,  # [BATCH] int32: tokens already in each sequence's cache
-    x_vmem,  # [TOKENS_PADDED, HIDDEN] f32: embedded input rows
+    x_hbm,  # [TOKENS_PADDED, HIDDEN] f32 in HBM: embedded input rows
     final_norm_vmem,  # [1, HIDDEN] f32
     stream_hbm,  # [1, TOTAL_BANKS, BANK_ROWS, LANES] bf16
     vectors_hbm,  # [1, NUM_LAYERS, VECTOR_ROWS, VECTOR_WIDTH] f32
@@ -1554,6 +1564,11 @@ def _kernel(
             ),
         },
     )
+    # The input rows straight into the residual stream (no VMEM copy of their own: 3.5 MiB
+    # at 128 token rows), started before the entry barrier, which hides it; on the second
+    # vector semaphore, free until layer 0 starts layer 1's vector copy.
+    x_copy = pltpu.make_async_copy(x_hbm, x_res_vmem, vec_sems.at[1])
+    x_copy.start()
     _barrier()
     ctx.stream.prime()
 
@@ -1563,7 +1578,7 @@ def _kernel(
         )
 
     vector_copy(0).start()
-    x_res_vmem[...] = x_vmem[...]
+    x_copy.wait()
 
     def layer_step(layer, carry):
         vector_copy(layer).wait()
@@ -1580,23 +1595,25 @@ def _kernel(
 
         @pl.when(tables_smem[0, layer] == 0)
         def _():
-            x = x_res_vmem[...]
-            x_res_vmem[...] = x + _attention_kda(ctx, layer, tables_smem[4, layer], x)
+            _add_to_stream(
+                x_res_vmem, _attention_kda(ctx, layer, tables_smem[4, layer], x_res_vmem[...])
+            )
 
         @pl.when(tables_smem[0, layer] == 1)
         def _():
-            x = x_res_vmem[...]
-            x_res_vmem[...] = x + _attention_mla(ctx, layer, tables_smem[4, layer], x)
+            _add_to_stream(
+                x_res_vmem, _attention_mla(ctx, layer, tables_smem[4, layer], x_res_vmem[...])
+            )
 
         @pl.when(tables_smem[2, layer] == 0)
         def _():
-            x = x_res_vmem[...]
-            x_res_vmem[...] = x + _ffn_dense(ctx, layer, tables_smem[5, layer], x)
+            _add_to_stream(
+                x_res_vmem, _ffn_dense(ctx, layer, tables_smem[5, layer], x_res_vmem[...])
+            )
 
         @pl.when(tables_smem[2, layer] == 1)
         def _():
-            x = x_res_vmem[...]
-            x_res_vmem[...] = x + _ffn_moe(ctx, layer, tables_smem[5, layer], x)
+            _add_to_stream(x_res_vmem, _ffn_moe(ctx, layer, tables_smem[5, layer], x_res_vmem[...]))
 
         return carry
 
@@ -1684,7 +1701,7 @@ def _local_step(tables, positions, x, final_norm, stream, vectors, *arrays):
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(1,),
-            in_specs=[vmem, vmem]
+            in_specs=[hbm, vmem]
             + [vmem] * len(rope)
             + [hbm, hbm]
             + [hbm] * len(experts)

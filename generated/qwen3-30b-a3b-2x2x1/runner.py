@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3-30b-a3b --topology 2x2x1 --force` (add -o and
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Imported from the Hugging Face config qwen3-30b-a3b.json (Qwen3MoeForCausalLM, model_type qwen3_moe)."
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 3 refills held for collectives, 5 a round.
-Inputs sha256: 2388024a5721468b95f8166e52f2db18d2688ec390c3463820f1666d29636348 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 78755b37f7004a23898d114a206cca8aef1c41c9882f2eca1cdebbabbaabf26d (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

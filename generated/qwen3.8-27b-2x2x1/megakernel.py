@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3.8-27b --topology 2x2x1 --rows 8 --draft qwen3
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Qwen3.8-27B: 64 layers, pattern LLLF (Gated DeltaNet x3, gated GQA), SwiGLU 17408"
 Build options: batch 1, rows 8, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 9 refills held for collectives, 14 a round; drafter block: 5 layers, block_size 16, 5 feature layers.
-Inputs sha256: 0a47faf8aa17913c11360c86cf601937debd65e2a339e71ff8c46bdd59aa98b6 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 5f30563ff54344bc1ba6470c8675c5b9926e647fd1f5f0daee41968b4dbe5f2d (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -52,6 +52,7 @@ BATCH = 1  # sequences per step
 ROWS = 8  # rows verified per sequence (1 + draft length)
 TOKENS = 8  # BATCH * ROWS
 TOKENS_PADDED = 8  # rounded up to the 8 f32 sublanes
+ROW_BLOCK = 8  # token rows of a block of the row-blocked work on the residual stream
 CONTEXT = 4096  # cache positions per sequence
 HIDDEN = 5120
 HIDDEN_CHUNKS = 20  # HIDDEN / CHUNK, rounded up
@@ -689,6 +690,15 @@ def _summed(pieces):
     return total
 
 
+def _add_to_stream(x_res, update):
+    """The residual stream plus a layer's `update`, a row block at a time: each block of the
+    stream is read as it is added, so no copy of the whole stream stays live while the
+    layer computes `update` (Mosaic would keep it in its own scratch)."""
+    for first in range(0, x_res.shape[0], ROW_BLOCK):
+        size = min(ROW_BLOCK, x_res.shape[0] - first)
+        x_res[pl.ds(first, size), :] = x_res[pl.ds(first, size), :] + update[first : first + size]
+
+
 def _barrier():
     """Every core this one will write to (the members of its groups in BARRIER_ROUNDS, which
     cover every round's) is inside the kernel."""
@@ -1044,7 +1054,7 @@ class _Context:
 def _kernel(
     tables_smem,  # [6, NUM_LAYERS] int32: layer kinds, slots, first stream rows
     positions_smem,  # [BATCH] int32: tokens already in each sequence's cache
-    x_vmem,  # [TOKENS_PADDED, HIDDEN] f32: embedded input rows
+    x_hbm,  # [TOKENS_PADDED, HIDDEN] f32 in HBM: embedded input rows
     final_norm_vmem,  # [1, HIDDEN] f32
     full_cos_vmem,  # [TOKENS_PADDED, 32] f32
     full_sin_vmem,
@@ -1128,6 +1138,11 @@ def _kernel(
             "full_block": full_block_vmem,
         },
     )
+    # The input rows straight into the residual stream (no VMEM copy of their own: 3.5 MiB
+    # at 128 token rows), started before the entry barrier, which hides it; on the second
+    # vector semaphore, free until layer 0 starts layer 1's vector copy.
+    x_copy = pltpu.make_async_copy(x_hbm, x_res_vmem, vec_sems.at[1])
+    x_copy.start()
     _barrier()
     ctx.stream.prime()
 
@@ -1137,7 +1152,7 @@ def _kernel(
         )
 
     vector_copy(0).start()
-    x_res_vmem[...] = x_vmem[...]
+    x_copy.wait()
 
     def layer_step(layer, carry):
         vector_copy(layer).wait()
@@ -1150,18 +1165,19 @@ def _kernel(
 
         @pl.when(tables_smem[0, layer] == 0)
         def _():
-            x = x_res_vmem[...]
-            x_res_vmem[...] = x + _attention_linear(ctx, layer, tables_smem[4, layer], x)
+            _add_to_stream(
+                x_res_vmem, _attention_linear(ctx, layer, tables_smem[4, layer], x_res_vmem[...])
+            )
 
         @pl.when(tables_smem[0, layer] == 1)
         def _():
-            x = x_res_vmem[...]
-            x_res_vmem[...] = x + _attention_full(ctx, layer, tables_smem[4, layer], x)
+            _add_to_stream(
+                x_res_vmem, _attention_full(ctx, layer, tables_smem[4, layer], x_res_vmem[...])
+            )
 
         @pl.when(tables_smem[2, layer] == 0)
         def _():
-            x = x_res_vmem[...]
-            x_res_vmem[...] = x + _ffn_mlp(ctx, layer, tables_smem[5, layer], x)
+            _add_to_stream(x_res_vmem, _ffn_mlp(ctx, layer, tables_smem[5, layer], x_res_vmem[...]))
 
         for entry, (read_after, normed) in enumerate(DRAFT_HIDDEN):
             if not normed:  # the final-normed entry is written after the lm_head
@@ -1261,7 +1277,7 @@ def _local_step(tables, positions, x, final_norm, stream, vectors, *arrays):
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(1,),
-            in_specs=[vmem, vmem]
+            in_specs=[hbm, vmem]
             + [vmem] * len(rope)
             + [hbm, hbm]
             + [hbm] * len(experts)

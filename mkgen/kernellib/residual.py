@@ -1,12 +1,22 @@
-"""The attention residual: each block of layers starts from a softmax mixture of the
-stream's snapshots at earlier block starts."""
+"""The residual stream: a layer's update added a row block at a time, and the attention
+residual: each block of layers starts from a softmax mixture of the stream's snapshots at
+earlier block starts."""
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mkgen.kernellib.constants import MAX_SNAPSHOTS, RESIDUAL_LOGITS_ROW
+from mkgen.kernellib.constants import MAX_SNAPSHOTS, RESIDUAL_LOGITS_ROW, ROW_BLOCK
+
+
+def _add_to_stream(x_res, update):
+    """The residual stream plus a layer's `update`, a row block at a time: each block of the
+    stream is read as it is added, so no copy of the whole stream stays live while the
+    layer computes `update` (Mosaic would keep it in its own scratch)."""
+    for first in range(0, x_res.shape[0], ROW_BLOCK):
+        size = min(ROW_BLOCK, x_res.shape[0] - first)
+        x_res[pl.ds(first, size), :] = x_res[pl.ds(first, size), :] + update[first : first + size]
 
 
 def _mix_weights(vec, n):
@@ -41,10 +51,11 @@ def _attention_residual(snapshots, x_res, vec, block):
 
 def _attention_residual_hbm(snapshots_hbm, landing, sem, x_res, vec, block):
     """_attention_residual with the snapshots in HBM: from the second block on, the stream
-    (the newest snapshot) is scaled by its weight and each of the n - 1 earlier snapshots,
-    copied into `landing`, added in place, oldest first (no loop-carried value: Mosaic would
-    keep one more [TOKENS_PADDED, HIDDEN] array for it); the mixed stream is then copied
-    out as the block's snapshot."""
+    (the newest snapshot) is mixed a row block of `landing`'s rows at a time: the block is
+    scaled by its weight and the block of each of the n - 1 earlier snapshots, copied into
+    `landing`, added in place, oldest first (no loop-carried value, and no value wider than
+    one row block: Mosaic would keep each in its own scratch); the mixed stream is then
+    copied out as the block's snapshot."""
     slot = block % MAX_SNAPSHOTS
 
     @pl.when(block >= 1)
@@ -52,20 +63,29 @@ def _attention_residual_hbm(snapshots_hbm, landing, sem, x_res, vec, block):
         n = jnp.minimum(block + 1, MAX_SNAPSHOTS)
         mix = _mix_weights(vec, n)
         lanes = jax.lax.broadcasted_iota(jnp.int32, mix.shape, 1)
-        x_res[...] = (
-            jnp.sum(jnp.where(lanes == n - 1, mix, 0.0), axis=1, keepdims=True) * x_res[...]
-        )
-
-        @pl.loop(0, n - 1)
-        def _(j):
-            copy = pltpu.make_async_copy(
-                snapshots_hbm.at[(block - n + 1 + j) % MAX_SNAPSHOTS], landing, sem.at[0]
-            )
-            copy.start()
-            copy.wait()
-            weight = jnp.sum(jnp.where(lanes == j, mix, 0.0), axis=1, keepdims=True)
-            x_res[...] = x_res[...] + weight * landing[...]
+        tokens, block_rows = x_res.shape[0], landing.shape[0]
+        for first in range(0, tokens, block_rows):
+            rows = pl.ds(first, min(block_rows, tokens - first))
+            _mix_row_block(snapshots_hbm, landing, sem, x_res, mix, lanes, block, n, rows)
 
     copy = pltpu.make_async_copy(x_res, snapshots_hbm.at[slot], sem.at[0])
     copy.start()
     copy.wait()
+
+
+def _mix_row_block(snapshots_hbm, landing, sem, x_res, mix, lanes, block, n, rows):
+    """Rows `rows` of the stream mixed with the same rows of the n - 1 earlier snapshots."""
+    x_res[rows, :] = (
+        jnp.sum(jnp.where(lanes == n - 1, mix, 0.0), axis=1, keepdims=True) * x_res[rows, :]
+    )
+    land = landing.at[pl.ds(0, rows.size)]
+
+    @pl.loop(0, n - 1)
+    def _(j):
+        copy = pltpu.make_async_copy(
+            snapshots_hbm.at[(block - n + 1 + j) % MAX_SNAPSHOTS, rows], land, sem.at[0]
+        )
+        copy.start()
+        copy.wait()
+        weight = jnp.sum(jnp.where(lanes == j, mix, 0.0), axis=1, keepdims=True)
+        x_res[rows, :] = x_res[rows, :] + weight * land[...]

@@ -14,6 +14,7 @@ from mkgen.plan.layout import (
     check_formats,
     draft_hidden_states,
     kernel_features,
+    row_block,
     stream_formats,
     unsupported,
 )
@@ -117,6 +118,7 @@ def _assemble(
         rows=options.rows,
         tokens=tokens,
         tokens_padded=round_up(tokens, SUBLANES_F32),
+        row_block=row_block(round_up(tokens, SUBLANES_F32)),
         context=options.context,
         cache_block=cache_block(options.rows, options.context),
         hidden=hidden,

@@ -384,6 +384,19 @@ class AttentionResidualLayout(PlanModel):
     in_hbm: bool = False
 
 
+# Design choice: the kernel's elementwise work on the residual stream (a layer's add, the
+# attention residual's mixing from HBM) runs in blocks of at most 32 token rows (one block
+# up to batch 4 x rows 8, where Mosaic's own scratch for the mixing was fit), so the values
+# Mosaic keeps live for it are one block, not the whole stream ([128, 7168] f32 is 3.5 MiB
+# at batch 16 x rows 8), and so is the snapshots' landing buffer.
+ROW_BLOCK_ROWS = 32
+
+
+def row_block(tokens_padded: int) -> int:
+    """Token rows of one block of the kernel's row-blocked work on the residual stream."""
+    return min(tokens_padded, ROW_BLOCK_ROWS)
+
+
 class DraftHidden(PlanModel):
     """One hidden state of the target the build's drafter reads (docs/drafting.md), which
     the kernel writes as one entry of its draft-hidden output."""
@@ -442,6 +455,7 @@ class KernelLayout(PlanModel):
     rows: int
     tokens: int  # batch * rows
     tokens_padded: int
+    row_block: int  # token rows of a block of the row-blocked stream work (row_block())
     context: int  # cache tokens per sequence
     cache_block: int  # cache rows rewritten around a step's new entries (tile-aligned)
     hidden: int

@@ -63,7 +63,7 @@ from pydantic import BaseModel, ConfigDict
 
 from mkgen.plan.collectives import CollectiveRound, RoundCall, collective_buffers, ffn_out_buffer
 from mkgen.plan.kind import KindRegistry, Step
-from mkgen.plan.layout import draft_hidden_states
+from mkgen.plan.layout import draft_hidden_states, row_block
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.sharding import AttentionSharding, Collective, FFNSharding, ShardingPlan
 from mkgen.plan.stream import KindStream, RingRefills, Segment, StreamPlan, bank_visits
@@ -671,6 +671,12 @@ class _Builder:
     # --- the step ---
     def build(self) -> Schedule:
         dims, layers = self.dims, len(self.sh.layer_table)
+        # The input rows copied from HBM straight into the residual stream, started before
+        # the barrier, on the second vector semaphore (its first copy starts in layer 0,
+        # after this one is waited)
+        x_in = self.dma("vector", "x rows -> residual", -1, None, 0, ("vec_sems[1]",),
+                        dims.tokens_padded * dims.hidden * 4, reads=((INIT, "hbm:x", 0),))  # fmt: skip
+        self.start(x_in)
         self.run("sync", "barrier: every core inside the kernel", -1)
         for g in range(min(self.depth, self.total)):
             self.start(self.banks[g])
@@ -689,7 +695,8 @@ class _Builder:
             for layer in range(layers)
         ]
         self.start(vec[0])
-        self.res = self.run("vector", "x rows -> residual", -1, 0, ((INIT, "x_vmem", 0),))
+        self.wait(x_in)
+        self.res = x_in
         ffn_out = ffn_out_buffer(self.sh)
         for layer, (attn, ffn) in enumerate(self.sh.layer_table):
             self.buffers = collective_buffers(
@@ -814,23 +821,27 @@ class _Builder:
 
     def residual_snapshots_in_hbm(self, layer: int, block_size: int, most: int) -> int:
         """A block's start with the snapshots in HBM (the kernel's _attention_residual_hbm):
-        each earlier live snapshot copied into the landing buffer and added, in order, the
-        stream added last, then the mixed stream copied out as the block's snapshot."""
+        a row block of the landing buffer's rows at a time, the stream's rows scaled by
+        their weight, then each earlier live snapshot's rows copied into the landing buffer
+        and added, in order; then the mixed stream copied out as the block's snapshot."""
         block = layer // block_size
-        nbytes, flops = self.t * self.dims.hidden * 4, 2 * self.t * self.dims.hidden
+        hidden, padded = self.dims.hidden, self.dims.tokens_padded
+        rows = row_block(padded)
         sems = ("snapshot_sems[0]",)
         mixed = self.res
-        for j in range(min(block, most - 1)):
-            land = self.dma("snapshot", f"L{layer} attention-residual snapshot {j} in", layer,
-                            "snapshot", 0, sems, nbytes)  # fmt: skip
-            self.start(land)
-            self.wait(land)
-            mixed = self.vec(layer, f"attention-residual snapshot {j} added", mixed, flops,
-                             ((land, "snapshot", 0),))  # fmt: skip
-        if block:
-            mixed = self.vec(layer, "attention-residual stream added", mixed, flops)
+        for first in range(0, padded if block else 0, rows):
+            size = min(rows, padded - first)
+            mixed = self.vec(layer, f"attention-residual rows {first}+ scaled", mixed,
+                             size * hidden)  # fmt: skip
+            for j in range(min(block, most - 1)):
+                land = self.dma("snapshot", f"L{layer} attention-residual snapshot {j} rows "
+                                f"{first}+ in", layer, "snapshot", 0, sems, size * hidden * 4)  # fmt: skip
+                self.start(land)
+                self.wait(land)
+                mixed = self.vec(layer, f"attention-residual snapshot {j} rows {first}+ added",
+                                 mixed, 2 * size * hidden, ((land, "snapshot", 0),))  # fmt: skip
         out = self.dma("snapshot", f"L{layer} attention-residual snapshot out", layer, None, 0,
-                       sems, nbytes, reads=((mixed, None, 0),))  # fmt: skip
+                       sems, padded * hidden * 4, reads=((mixed, None, 0),))  # fmt: skip
         self.start(out)
         self.wait(out)
         return mixed

@@ -3,8 +3,9 @@
 For the kinds the code generator renders (GQA, MLA, Gated DeltaNet and KDA attention, dense
 and MoE FFNs with bf16, int4, mxfp4 or fp8 experts) the scratch list is exactly ``_scratch_shapes()`` of
 ``templates/megakernel.py.j2``, in the same order (SMEM arrays and semaphores
-included), followed by the kernel's VMEM-resident inputs and outputs (embedded
-rows, final norm, RoPE tables, logits, tokens). For the other kinds the plan lists
+included), followed by the kernel's VMEM-resident inputs and outputs (final norm,
+RoPE tables, logits, tokens; the embedded rows stay in HBM, copied into the residual
+stream). For the other kinds the plan lists
 the buffers the kernel design implies (docs/planner.md):
 
 - MoE with experts in formats the template does not read yet (nvfp4, int8): the
@@ -35,7 +36,7 @@ from mkgen.errors import SpecError
 from mkgen.hardware import MiB, vmem_padded_bytes
 from mkgen.plan.collectives import CollectivePlan, greedy_scheme, layer_uses, plan_collectives
 from mkgen.plan.kind import BufferInputs, KindRegistry
-from mkgen.plan.layout import MAX_PIECE_CHUNKS, ExpertChunks, draft_hidden_states
+from mkgen.plan.layout import MAX_PIECE_CHUNKS, ExpertChunks, draft_hidden_states, row_block
 from mkgen.plan.options import BuildOptions, cache_block, kv_tile
 from mkgen.plan.sharding import ShardingPlan, TensorShard
 from mkgen.plan.stream import CHUNK, LANES, StreamPlan, choose_ring, round_up
@@ -452,15 +453,14 @@ def _buffers(
     slot_bytes = sum(_slot_bytes(e) for e in out.experts.values())
     tp, h = dims.tokens_padded, dims.hidden
     if spec.attention_residual and snapshots_in_hbm:
-        out.add("snapshot_vmem", "activations", (tp, h), "f32", resource="snapshot",
-                why="an attention-residual snapshot read back from HBM")  # fmt: skip
+        out.add("snapshot_vmem", "activations", (row_block(tp), h), "f32", resource="snapshot",
+                why="a row block of an attention-residual snapshot read back from HBM")  # fmt: skip
         out.sems("snapshot_sems", (1,))
     elif spec.attention_residual:
         r = spec.attention_residual
         out.add("snapshots_vmem", "activations", (r.max_snapshots, tp, h), "f32",
                 why="attention-residual snapshots")  # fmt: skip
     # VMEM-resident inputs and outputs of the pallas_call (in call order).
-    out.add("x_vmem", "activations", (tp, h), "f32", "input", why="embedded input rows")
     out.add("final_norm_vmem", "vectors", (1, h), "f32", "input")
     for name in sharding.attention:
         kind = spec.attention_kinds[name]
@@ -501,15 +501,20 @@ def _mosaic_scratch(
         heads, dk, dv = largest.heads, largest.key_dim, largest.value_dim
         out.add("mosaic_states", "internal", (heads, dk, dv), "f32", "internal",
                 why="estimate: one sequence's recurrent states")  # fmt: skip
-    out.add("mosaic_hidden", "internal", (2, tp, h), "f32", "internal",
-            why="estimate: residual and normed rows")  # fmt: skip
+    # The layer's add reads the stream a row block at a time (kernellib/residual.py
+    # _add_to_stream), so only the normed rows stay whole: with the stream held across the
+    # layer too, Kimi K3 at batch 8 x rows 8 compiled to 1.75 MiB ([64, 7168] f32) more.
+    out.add("mosaic_hidden", "internal", (1, tp, h), "f32", "internal",
+            why="estimate: the normed rows")  # fmt: skip
     # The compact modes' own scratch, fit to compiles of Kimi K3 at batch 4 x rows 8 on 2x2x4
     # (32 token rows), each mode alone: Mosaic used 229,376 B more than the plan without
     # these with the snapshots in HBM, 675,840 B more with the states streamed
-    # (docs/planner.md#5-the-vmem-plan); both grow with the token rows.
+    # (docs/planner.md#5-the-vmem-plan); the states' grows with the token rows, the
+    # snapshots' with the rows of the mixing's row block (32 rows in the fit).
     if spec.attention_residual and snapshots_in_hbm:
-        out.add("mosaic_snapshot_mix", "internal", (tp, h // 4), "f32", "internal",
-                why="estimate (fit to compiles): mixing snapshots read back from HBM")  # fmt: skip
+        out.add("mosaic_snapshot_mix", "internal", (row_block(tp), h // 4), "f32",
+                "internal", why="estimate (fit to compiles): mixing a row block of snapshots "
+                "read back from HBM")  # fmt: skip
     if state_slots:
         out.add("mosaic_streamed_states", "internal", (tp, STREAMED_STATES_LANES), "f32",
                 "internal", why="estimate (fit to compiles): states streamed a sequence at a time")  # fmt: skip

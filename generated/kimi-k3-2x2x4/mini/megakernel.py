@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --draft 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of kimi-k3 for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats, expert sharing half; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round; drafter mtp: 1 module(s), mla + moe layer.
-Inputs sha256: 25c1d3142c0e099f04042a7981042e2e648e78c0ee78bd5483b50c5341d4974f (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 15253609fbe744b2990a63a417892ff52e415c2008654e4a3b976b926557fcee (spec JSON, topology, options, templates, ruff version).
 
 Each of the 32 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -52,6 +52,7 @@ BATCH = 1  # sequences per step
 ROWS = 8  # rows verified per sequence (1 + draft length)
 TOKENS = 8  # BATCH * ROWS
 TOKENS_PADDED = 8  # rounded up to the 8 f32 sublanes
+ROW_BLOCK = 8  # token rows of a block of the row-blocked work on the residual stream
 CONTEXT = 128  # cache positions per sequence
 HIDDEN = 256
 HIDDEN_CHUNKS = 1  # HIDDEN / CHUNK, rounded up
@@ -870,6 +871,15 @@ def _summed(pieces):
     return total
 
 
+def _add_to_stream(x_res, update):
+    """The residual stream plus a layer's `update`, a row block at a time: each block of the
+    stream is read as it is added, so no copy of the whole stream stays live while the
+    layer computes `update` (Mosaic would keep it in its own scratch)."""
+    for first in range(0, x_res.shape[0], ROW_BLOCK):
+        size = min(ROW_BLOCK, x_res.shape[0] - first)
+        x_res[pl.ds(first, size), :] = x_res[pl.ds(first, size), :] + update[first : first + size]
+
+
 def _mix_weights(vec, n):
     """The softmax of the block's logits over its n live snapshots, [1, MAX_SNAPSHOTS]
     (zero past n)."""
@@ -1437,7 +1447,7 @@ class _Context:
 def _kernel(
     tables_smem,  # [6, NUM_LAYERS] int32: layer kinds, slots, first stream rows
     positions_smem,  # [BATCH] int32: tokens already in each sequence's cache
-    x_vmem,  # [TOKENS_PADDED, HIDDEN] f32: embedded input rows
+    x_hbm,  # [TOKENS_PADDED, HIDDEN] f32 in HBM: embedded input rows
     final_norm_vmem,  # [1, HIDDEN] f32
     stream_hbm,  # [1, TOTAL_BANKS, BANK_ROWS, LANES] bf16
     vectors_hbm,  # [1, NUM_LAYERS, VECTOR_ROWS, VECTOR_WIDTH] f32
@@ -1546,6 +1556,11 @@ def _kernel(
             ),
         },
     )
+    # The input rows straight into the residual stream (no VMEM copy of their own: 3.5 MiB
+    # at 128 token rows), started before the entry barrier, which hides it; on the second
+    # vector semaphore, free until layer 0 starts layer 1's vector copy.
+    x_copy = pltpu.make_async_copy(x_hbm, x_res_vmem, vec_sems.at[1])
+    x_copy.start()
     _barrier()
     ctx.stream.prime()
 
@@ -1555,7 +1570,7 @@ def _kernel(
         )
 
     vector_copy(0).start()
-    x_res_vmem[...] = x_vmem[...]
+    x_copy.wait()
 
     def layer_step(layer, carry):
         vector_copy(layer).wait()
@@ -1572,23 +1587,25 @@ def _kernel(
 
         @pl.when(tables_smem[0, layer] == 0)
         def _():
-            x = x_res_vmem[...]
-            x_res_vmem[...] = x + _attention_kda(ctx, layer, tables_smem[4, layer], x)
+            _add_to_stream(
+                x_res_vmem, _attention_kda(ctx, layer, tables_smem[4, layer], x_res_vmem[...])
+            )
 
         @pl.when(tables_smem[0, layer] == 1)
         def _():
-            x = x_res_vmem[...]
-            x_res_vmem[...] = x + _attention_mla(ctx, layer, tables_smem[4, layer], x)
+            _add_to_stream(
+                x_res_vmem, _attention_mla(ctx, layer, tables_smem[4, layer], x_res_vmem[...])
+            )
 
         @pl.when(tables_smem[2, layer] == 0)
         def _():
-            x = x_res_vmem[...]
-            x_res_vmem[...] = x + _ffn_dense(ctx, layer, tables_smem[5, layer], x)
+            _add_to_stream(
+                x_res_vmem, _ffn_dense(ctx, layer, tables_smem[5, layer], x_res_vmem[...])
+            )
 
         @pl.when(tables_smem[2, layer] == 1)
         def _():
-            x = x_res_vmem[...]
-            x_res_vmem[...] = x + _ffn_moe(ctx, layer, tables_smem[5, layer], x)
+            _add_to_stream(x_res_vmem, _ffn_moe(ctx, layer, tables_smem[5, layer], x_res_vmem[...]))
 
         return carry
 
@@ -1676,7 +1693,7 @@ def _local_step(tables, positions, x, final_norm, stream, vectors, *arrays):
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(1,),
-            in_specs=[vmem, vmem]
+            in_specs=[hbm, vmem]
             + [vmem] * len(rope)
             + [hbm, hbm]
             + [hbm] * len(experts)
