@@ -130,7 +130,7 @@ def test_the_runner_disaggregated_gives_the_transformers_tokens(
             str(build),
         ]
     )
-    steps = 4  # as the colocated runner's test of this checkpoint (tests/test_runner.py)
+    steps = 4  # of the 8 the colocated runner gives this checkpoint (tests/test_runner.py)
     expected = np.load(FIXTURES / "kimi_linear" / "expected.npz")["greedy_ids"][:steps].tolist()
     result = mkgen(
         "run", str(build), "--interpret", "--disaggregate", "--weights", str(tmp_path / "w"),

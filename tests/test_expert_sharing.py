@@ -145,10 +145,12 @@ def test_the_calibrated_regime_leaves_the_sharing_out() -> None:
 
 
 # The mini twin of latent-moe on one chip (2 cores): 8 experts in 2 groups of 4, top-2;
-# 8 token rows choose 16 experts, so both cores of the pair run shared ones.
-@pytest.mark.parametrize("sharing", ["half", "full"])
-@pytest.mark.parametrize("mode", ["on_wait", "eager"])
-def test_shared_experts_match_the_reference(sharing: str, mode: str) -> None:
+# 8 token rows choose 16 experts, so both cores of the pair run shared ones. Each sharing
+# and each DMA mode runs once: the other two pairings pass too, run by hand with `mkgen
+# verify tests/specs/latent-moe.yaml --topology 1x1x1 --rows 8 --steps 1 --mode M
+# --expert-sharing S`.
+@pytest.mark.parametrize(("mode", "sharing"), [("on_wait", "half"), ("eager", "full")])
+def test_shared_experts_match_the_reference(mode: str, sharing: str) -> None:
     report = verify_numerics(
         str(SPECS / "latent-moe.yaml"), "1x1x1", mode=mode, steps=1, rows=8,
         knobs={"expert_sharing": sharing}, timeout=600,

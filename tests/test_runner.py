@@ -97,16 +97,19 @@ def _words(ids: list[int]) -> str:
 # The fixtures' weights are bf16-exact (BF16 shards lose nothing) and their seeds keep
 # the greedy ids under bf16 compute (scripts/make_hf_fixtures.py). Four tokens each; the
 # deepseek_v3_noqlora fixture's reference is held to transformers in
-# tests/test_reference_hf.py, and its kernel paths run here in deepseek_v3 (DeepSeek's
-# MoE) and kimi_linear (MLA without a q LoRA).
+# tests/test_reference_hf.py, and its kernel paths run in deepseek_v3 (DeepSeek's MoE,
+# here) and kimi_linear (MLA without a q LoRA, below). qwen3_next's and kimi_linear's
+# checkpoints, re-published and converted alike, are generated from by the tests below
+# (test_a_batch_of_prompts_matches_the_reference at batch 2, and
+# test_speculation_over_recurrent_layers_returns_the_plain_greedy_tokens at rows 3) and
+# held to transformers' tokens there, which are the reference's on every fixture
+# (tests/test_reference_hf.py): here they would only add a kernel compile and run each
+# (the tokenizer's part is the same for every family).
 HUB_STEPS = 4
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "folder",
-    ["qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "qwen3_next", "kimi_linear", "gpt_oss"],
-)  # fmt: skip
+@pytest.mark.parametrize("folder", ["qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
 def test_hub_checkpoint_generates_the_reference_and_transformers_tokens(
     shared_build, tmp_path: Path, folder: str
 ) -> None:
@@ -134,9 +137,10 @@ def test_hub_checkpoint_generates_the_reference_and_transformers_tokens(
 
 @pytest.mark.slow
 def test_a_batch_of_prompts_matches_the_reference(tmp_path: Path) -> None:
-    """A batch of two prompts of different lengths over Gated DeltaNet state: the XLA
-    prefill takes the first 4 tokens of each, the kernel the rest of the longer one while
-    the shorter one generates; the greedy tokens are the reference model's."""
+    """A batch of two prompts of different lengths over Gated DeltaNet state (the
+    qwen3_next checkpoint re-published as the hub does): the XLA prefill takes the first 4
+    tokens of each, the kernel the rest of the longer one while the shorter one generates;
+    the greedy tokens are the reference model's, and the fixture prompt's transformers'."""
     from mkgen.reference import model as reference
     from mkgen.reference.hf_weights import load_hf_checkpoint
 
@@ -153,6 +157,8 @@ def test_a_batch_of_prompts_matches_the_reference(tmp_path: Path) -> None:
     args = ["--weights", str(weights), "--steps", str(steps), "--json"]
     out = _tokens(_run(build, *args, *_ids(prompts[0]), *_ids(prompts[1])))
     assert out["tokens"] == expected
+    transformers = np.load(FIXTURES / "qwen3_next" / "expected.npz")["greedy_ids"].tolist()
+    assert out["tokens"][0] == transformers[:steps]
 
 
 @pytest.mark.slow

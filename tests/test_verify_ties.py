@@ -28,7 +28,6 @@ from mkgen.verify.numerics import (
 TIMEOUT = 600
 FIXTURES = Path(__file__).parent / "fixtures"
 PUBLISHED = FIXTURES / "published"
-QWEN3_NEXT = str(PUBLISHED / "qwen3-next-80b-a3b.json")
 
 # Layer 6 of the Qwen3-Next twin, seed 0, step 0 (the reference's softmax scores): expert
 # 0 scores 0.18842 and expert 3 0.18737, 0.3 % of the token's largest (expert 4) apart.
@@ -213,19 +212,6 @@ def test_the_reference_weighs_the_experts_a_choice_callback_returns() -> None:
 # ---------------------------------------------------------------- the kernel
 
 
-def test_the_published_qwen3_next_config_verifies_and_reports_only_near_ties() -> None:
-    """The held-out Qwen3-Next config on 2x2x1, seed 0, step 0, which failed before the tie rule
-    (layer 6's residual off by 0.25 against 0.067, through a near tie of the reference's
-    scores 0.18737 and 0.18842). Its twin has changed since (the router keeps whole
-    columns per core) and need not meet that tie now; whatever routes differ must be
-    reported as near ties within the window (the rule's cases are held above)."""
-    report = verify_numerics(QWEN3_NEXT, "2x2x1", mode="on_wait", steps=1, seed=0, timeout=TIMEOUT)
-    assert report.passed, report.failure()
-    for step in report.steps:
-        for tie in step.route_ties:
-            assert ": near tie, the kernel chose experts " in tie and "window 2%" in tie, tie
-
-
 def test_a_kernel_routing_to_the_weakest_experts_fails_naming_them() -> None:
     report = verify_numerics(
         "qwen3-30b-a3b", "1x1x1", mode="on_wait", steps=1, timeout=TIMEOUT,
@@ -243,8 +229,14 @@ def test_a_kernel_routing_to_the_weakest_experts_fails_naming_them() -> None:
 # collectives included: the smallest mesh, on which every twin plans). The whole sweep
 # (MKGEN_VERIFY_SWEEP=all: 51 runs of 8 to 26 s) took 12 minutes on this machine's 2
 # shared cores, too long for every run; the suite runs IN_SUITE, one seed each (2 runs,
-# about 50 s): the published Qwen3-Next (softmax router, near ties; seed 0 on 2x2x1 above)
-# and DeepSeek-V3's fixture (sigmoid router, selection bias, expert groups).
+# about 40 s): the published Qwen3-Next (softmax router, near ties) and DeepSeek-V3's
+# fixture (sigmoid router, selection bias, expert groups). Qwen3-Next's seed 0 on 2x2x1,
+# step 0, failed before the tie rule (layer 6's residual off by 0.25 against 0.067,
+# through a near tie of the reference's scores 0.18737 and 0.18842); its twin has changed
+# since (the router keeps whole columns per core) and no longer meets that tie, so its run
+# here on the smallest mesh holds the same: whatever routes differ are reported as near
+# ties within the window (the rule's cases are held above; 2x2x1's collectives run in
+# tests/test_codegen_numerics.py).
 SWEEP_SEEDS = (0, 1, 2)
 SMALLEST_MESH = "1x1x1"
 MODEL_SPECS = sorted(p.stem for p in (Path(mkgen.__file__).parent / "model_specs").glob("*.yaml"))
@@ -269,3 +261,6 @@ def test_seeded_sweep_verifies_on_the_smallest_mesh(config: str, seed: int) -> N
         spec, SMALLEST_MESH, mode="on_wait", steps=2, seed=seed, timeout=TIMEOUT
     )
     assert report.passed, report.failure()
+    for step in report.steps:
+        for tie in step.route_ties:
+            assert ": near tie, the kernel chose experts " in tie and "window 2%" in tie, tie
