@@ -66,13 +66,14 @@ def test_a_kernel_out_of_program_order_is_refused_naming_both_segments() -> None
 
 def test_a_stream_laid_out_against_the_programs_order_is_refused_at_plan_time() -> None:
     """The old layout (latent_out's rows before shared_down's, consumed the other way
-    round) has shared_down (run in the expert reduce-scatter's flight) read the bank it
-    shares with latent_out before anything waited for it and, at a shallow ring, wait for
-    a bank the ring has not started: refused, naming op and bank."""
+    round) has shared_down (run in the expert reduce-scatter's flight: Kimi K3 at batch 4,
+    whose latent MoE reduce-scatters) read the bank it shares with latent_out before
+    anything waited for it and, at a shallow ring, wait for a bank the ring has not
+    started: refused, naming op and bank."""
     old = _moe_segments_in(["in", "latent_out", "shared_down"])
+    options = BuildOptions.create(rows=8, batch=4)
     with pytest.raises(ScheduleCheckError) as info:
-        plan_build(load_spec("kimi-k3"), parse_topology("2x2x4"), BuildOptions.create(rows=8),
-                   kinds=old)  # fmt: skip
+        plan_build(load_spec("kimi-k3"), parse_topology("2x2x4"), options, kinds=old)
     message = str(info.value)
     assert message.startswith("schedule check reads_after_writes failed:")
     assert re.search(
@@ -80,7 +81,8 @@ def test_a_stream_laid_out_against_the_programs_order_is_refused_at_plan_time() 
     )
     assert "has landed there (not waited)" in message
     spec, topo = load_spec("kimi-k3"), parse_topology("2x2x4")
-    plan = plan_build(spec, topo, BuildOptions.create(rows=8), enforce=False, kinds=old)
+    plan = plan_build(spec, topo, options, enforce=False, kinds=old)
+    assert plan.sharding.ffn["moe"].latent_design == "rs_ar"
     hang = plan.graph.failures["deadlock_free"]
     assert re.match(r"at ring depth 2, 'L\d+ moe\.shared_down bank", hang), hang
     assert "the kernel would hang" in hang
