@@ -426,10 +426,10 @@ def collective_buffers(
     that all-reduce, which needs the member's contribution, sent after it read the slot."""
     buffers = {c.name: 1 + k for k, c in enumerate(attention[:-1])}
     buffers[attention[-1].name] = 0
-    widest = next((c for c in reversed(ffn) if c.op == "all_reduce"), None)
-    others = [c for c in ffn if c is not widest]
+    last_all_reduce = next((c for c in reversed(ffn) if c.op == "all_reduce"), None)
+    others = [c for c in ffn if c is not last_all_reduce]
     buffers |= {c.name: 1 + k for k, c in enumerate(others)}
-    return buffers | ({widest.name: ffn_out} if widest is not None else {})
+    return buffers | ({last_all_reduce.name: ffn_out} if last_all_reduce is not None else {})
 
 
 def ffn_out_buffer(sharding: Any) -> int:

@@ -23,7 +23,8 @@ Attention (core_attention: a core's heads, its rows of wo), routed experts, and 
 MLPs and shared experts split by columns (the FFN record's columns_split and
 shared_columns_split) are computed by their own cores, each on its share, a psum adding
 the shares (shared experts split by output columns, shared_outputs_split: their gate and
-up products all-gathered, then each core's columns of their output, all-gathered); GQA and recurrent cores keep only their own heads' cache (own_cache). The
+up products all-gathered, then each core's columns of their output, all-gathered); GQA
+and recurrent cores keep only their own heads' cache (own_cache). The
 MoE router and latent projections and MLA's latent projections, where the plan splits
 them, are multiplied by each core's own piece, the products all-gathered (column pieces)
 or summed (row pieces), as the kernel joins them (_project_pieces). A replicated tensor
@@ -138,12 +139,18 @@ def _project_pieces(
             return others(x, name)
         piece = pieces[unpack.piece_key(part)]
         if part.axis == -1:
-            product = jax.lax.all_gather(mm(x, piece), axis, axis=x.ndim - 1, tiled=True)
+            product = _gathered_product(x, piece, axis)
             return unpack.unviewed_columns(part.view, product) if part.view else product
         mine = cut_piece(x, -1, part.size, jax.lax.axis_index(axis))
         return jax.lax.psum(mm(mine, piece), axis)
 
     return project
+
+
+def _gathered_product(x: jax.Array, piece: jax.Array, axis: str) -> jax.Array:
+    """x @ W from this core's column piece of W: the cores' products side by side, in rank
+    order (inside shard_map over `axis`)."""
+    return jax.lax.all_gather(mm(x, piece), axis, axis=x.ndim - 1, tiled=True)
 
 
 def _replicated_pieces(*kinds: KindRecord) -> set[str]:
@@ -338,12 +345,9 @@ def _ffn_out(
     routed_only = moe.model_copy(update={"shared_experts": None})
     out = moe_ffn(routed_only, weights, x, spec.dims, on_this_core, project=project)
     if ffn.shared_outputs_split():  # every core's columns of their inputs, then its own outputs
-        gathered = {n: jax.lax.all_gather(mm(x, shared[n]), axis, axis=x.ndim - 1, tiled=True)
-                    for n in ("shared_gate", "shared_up")}  # fmt: skip
-        hidden = gated_activation(moe.activation, gathered["shared_gate"], gathered["shared_up"])
-        mlp = jax.lax.all_gather(
-            mm(hidden, shared["shared_down"]), axis, axis=x.ndim - 1, tiled=True
-        )
+        gate, up = (_gathered_product(x, shared[n], axis) for n in ("shared_gate", "shared_up"))
+        hidden = gated_activation(moe.activation, gate, up)
+        mlp = _gathered_product(hidden, shared["shared_down"], axis)
     else:
         mlp = jax.lax.psum(shared_mlp(moe, shared, x), axis)
     if moe.shared_experts.gate:  # one scalar a token: gating the sum gates each share

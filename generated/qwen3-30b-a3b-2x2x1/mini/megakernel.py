@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3-30b-a3b --topology 2x2x1 --force`` (
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3-30b-a3b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing half; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: e9684559ec35e55a0c51ae31ad6e4c682c703b0041b2ede3a781c3b4b03fb22f (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: eb0f567bf216508318ab5d52b82634026dc273da7a785c787aa4d4d601ed97ed (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
