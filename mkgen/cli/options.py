@@ -126,8 +126,8 @@ knob_options = compose(
         "--expert-sharing",
         default=None,
         metavar="auto|none|quarter|half|full",
-        help="Of each expert group's experts, the share its paired group also holds (the "
-        "pair splits their active ones): the planner's choice, or forced [auto].",
+        help="Of each expert group's experts, the share the group before it in a ring also "
+        "holds (the ring splits their active ones): the planner's choice, or forced [auto].",
     ),
     click.option(
         "--residual-snapshots",

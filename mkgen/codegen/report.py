@@ -178,7 +178,7 @@ def _collective_rows(sharding: Any) -> list[dict[str, Any]]:
 
 def _split_choices(sharding: Any) -> list[dict[str, Any]]:
     """Split or replicated, as the planner scored it: low-rank A-projections, routers and
-    the routed experts' split (with its sharing between paired groups)."""
+    the routed experts' split (with its sharing around the ring of groups)."""
     return [
         {"where": f"attention {k}", "what": "low-rank A-projections", "choice": a.latent,
          "why": a.why}
@@ -204,7 +204,7 @@ def _expert_split(x: Any) -> str:
         return split
     return (
         f"{split}, expert sharing {x.sharing} (each core holds {x.held_per_rank}: its "
-        f"group's {x.experts_per_rank}, then {x.partner_experts} of its paired group's)"
+        f"group's {x.experts_per_rank}, then {x.partner_experts} of the next group's)"
     )
 
 

@@ -9,8 +9,8 @@ lm_head in bf16 or int8, GQA attention, one row per sequence at 1 to 8 token row
 context 4096. For every predicted step (`mkgen plan`, plan.json, REPORT.md):
 
 - `calibrated_step_ms`: the same build with no refill held and no expert sharing. Holding
-  refills and sharing experts between paired groups are the mechanisms outside the rows
-  that a build can switch off (the rows run one expert group, so no pair); the rest is
+  refills and sharing experts around the ring of groups are the mechanisms outside the
+  rows that a build can switch off (the rows run one expert group, so no ring); the rest is
   part of the build;
 - the uncalibrated parts: what each mechanism outside the rows contributes to the step.
   Held refills: the step minus the step with no refill held. Expert sharing: that step
@@ -261,11 +261,12 @@ def uncalibrated_parts(
     for name, split in program.sharding.expert_sharing.items():
         parts.append(UncalibratedPart(
             what=f"expert sharing {split.sharing} ({name}: {split.partner_experts} of each "
-            f"group's {split.experts_per_rank} experts held by its paired group too)",
+            f"group's {split.experts_per_rank} experts held by the group before it in the "
+            "ring too)",
             ms=unheld.step_ms - calibrated.step_ms,
-            how="the step with no refill held minus the calibrated one: that a pair's "
-            "worse-loaded core reads max(nA, nB, ceil(T / 2)) slices is the cost model's "
-            "expectation, not measured",
+            how="the step with no refill held minus the calibrated one: that the ring's "
+            "worst-loaded core reads the slices the kernel's split gives it, averaged over "
+            "uniformly random routings, is the cost model's expectation, not measured",
         ))  # fmt: skip
     if topo.num_hosts > cov.hosts:
         parts.append(UncalibratedPart(

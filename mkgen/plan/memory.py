@@ -4,7 +4,7 @@ Everything is per rank and comes from the sharding plan (the rank shapes are the
 single source of truth), so replication and tile padding are counted:
 
 - weights: every tensor's ``rank_bytes`` at its format, scales included; with expert
-  sharing a core's experts grow by (E_r + s) / E_r (its partner group's shared part);
+  sharing a core's experts grow by (E_r + s) / E_r (the next group's shared part);
 - caches: KV / MLA latent in bf16 per token, for min(context, window) + rows - 1
   tokens per sequence (a sliding-window layer keeps its window, verification rows
   need their slots), times the batch; recurrent state in f32 plus bf16 conv taps

@@ -175,7 +175,7 @@ def refuse_repeated_families(items: Iterable[str]) -> None:
 
 # How a build's collectives choose their rounds (BuildOptions.collectives, --collectives).
 COLLECTIVE_MODES = ("auto", "staged", "flat", "scatter")
-# How much of each expert group's block its paired group also holds (BuildOptions.
+# How much of each expert group's block the group before it in the ring also holds (BuildOptions.
 # expert_sharing, --expert-sharing; mkgen.plan.sharding.choose_expert_split): the fraction
 # of the block, the shared part its last experts. "auto": the planner chooses.
 EXPERT_SHARING = {"none": 0.0, "quarter": 0.25, "half": 0.5, "full": 1.0}
@@ -220,8 +220,8 @@ class BuildOptions(BaseModel):
     # all-gather in the host; other collectives staged) or "auto" (per collective,
     # whichever the cost model prices lowest).
     collectives: str = "auto"
-    # Expert sharing between paired groups: "none", "quarter", "half", "full" (of each
-    # group's experts its partner group also holds) or "auto" (the smallest within 1 % of
+    # Expert sharing around the ring of groups: "none", "quarter", "half", "full" (of each
+    # group's experts the group before it also holds) or "auto" (the smallest within 1 % of
     # the best predicted expert time that fits HBM).
     expert_sharing: str = "auto"
     # Where the attention-residual snapshots live (None: VMEM unless it cannot hold them

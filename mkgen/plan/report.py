@@ -228,7 +228,6 @@ def _sharding_dict(plan: BuildPlan) -> dict[str, Any]:
                 "sharing": x.sharing,
                 "partner_experts": x.partner_experts,
                 "held_per_rank": x.held_per_rank,
-                "group_pairs": [list(p) for p in x.group_pairs],
                 "sharing_candidates": [c.model_dump() for c in x.sharing_candidates],
             }
         out["ffn"][name] = entry

@@ -15,10 +15,10 @@ collectives it needs. Decisions (docs/cost-model.md has the reasoning):
 - low-rank "A" projections (MLA wq_a / wkv_a, KDA wf_a / wg_a) are replicated or
   split along their output with one all-gather, whichever costs less per layer;
 - dense MLP and shared-expert width split; routed experts split by expert id over
-  G groups and by width over W = D / G (the candidates and their scores are kept); with
-  an even G, groups 2j and 2j + 1 may pair and share the last s experts of each block
-  (expert sharing: each core also holds its partner's shared part, and the pair splits
-  the active shared experts so that its worse-loaded core reads fewer slices);
+  G groups and by width over W = D / G (the candidates and their scores are kept); the
+  groups may form a ring that shares the last s experts of each block (expert sharing:
+  each core also holds the next group's shared part, and the ring splits the active
+  shared experts so that its worst-loaded core reads fewer slices);
 - latent MoE: latent_in output-split + all-gather; after the experts either a
   reduce-scatter, an input-split latent_out and an all-reduce of hidden, or an
   all-reduce of the latent, an output-split latent_out and an all-gather of
@@ -32,7 +32,9 @@ collectives it needs. Decisions (docs/cost-model.md has the reasoning):
 
 from __future__ import annotations
 
+import bisect
 import math
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -224,10 +226,10 @@ class ExpertCandidate(_Frozen):
 
 
 class SharingCandidate(_Frozen):
-    """Expert sharing between paired groups at one shared count (choose_expert_split)."""
+    """Expert sharing around the ring of groups at one shared count (choose_expert_split)."""
 
     sharing: str  # a key of EXPERT_SHARING
-    partner_experts: int  # experts of its partner group's block each core also holds
+    partner_experts: int  # experts of the next group's block each core also holds
     expected_max_experts: float  # slices the worst-loaded core reads (expectation)
     score_s: float  # its expert time per layer: the split's slice time x the whole slices
     extra_hbm_bytes: int  # HBM a core adds to hold them, every layer of the kind
@@ -249,19 +251,19 @@ class ExpertSplit(_Frozen):
     slice_dmas: int  # DMAs per expert slice (one per matrix)
     candidates: tuple[ExpertCandidate, ...]
     why: str
-    # Expert sharing between paired groups (2j, 2j + 1; none: no pairs): each core also
-    # holds the last `partner_experts` experts of its partner group's block (its width
-    # part) after its own, and the pair splits the active experts of both shared parts
-    # (docs/planner.md#expert-sharing). expected_max_experts_per_rank is then the pair's.
+    # Expert sharing around the ring of groups: each core of group g also holds the last
+    # `partner_experts` experts of group (g + 1) mod G's block (its partner; its width
+    # part) after its own, and the ring splits the active experts of the shared parts
+    # (ring_flows, docs/planner.md#expert-sharing). expected_max_experts_per_rank is then
+    # the ring's.
     sharing: str = "none"
     partner_experts: int = 0
-    group_pairs: tuple[tuple[int, int], ...] = ()
     partner_bytes_per_layer: int = 0  # HBM a core adds per layer to hold them
     sharing_candidates: tuple[SharingCandidate, ...] = ()
 
     @property
     def held_per_rank(self) -> int:
-        """Experts each core holds: its group's block, then its partner's shared part."""
+        """Experts each core holds: its group's block, then the next group's shared part."""
         return self.experts_per_rank + self.partner_experts
 
     def unshared(self) -> ExpertSplit:
@@ -270,7 +272,7 @@ class ExpertSplit(_Frozen):
             return self
         none = next(c for c in self.sharing_candidates if not c.partner_experts)
         return self.model_copy(update={
-            "sharing": "none", "partner_experts": 0, "group_pairs": (),
+            "sharing": "none", "partner_experts": 0,
             "partner_bytes_per_layer": 0,
             "expected_max_experts_per_rank": none.expected_max_experts,
         })  # fmt: skip
@@ -354,7 +356,7 @@ class ShardingPlan(_Frozen):
 
     @property
     def expert_sharing(self) -> dict[str, ExpertSplit]:
-        """The MoE kinds that share experts between paired groups, by name."""
+        """The MoE kinds that share experts around the ring of groups, by name."""
         return {
             n: f.experts for n, f in self.ffn.items() if f.experts and f.experts.sharing != "none"
         }
@@ -802,36 +804,61 @@ def expected_max(pmf: list[float], count: int) -> float:
     return sum(1.0 - cdf[x - 1] ** count for x in range(1, len(pmf)))
 
 
-def pair_max_pmf(private: list[float], shared: list[float]) -> list[float]:
-    """The distribution of the slices a pair of groups' worse-loaded core reads:
-    M = max(nA, nB, ceil(T / 2)), T = nA + nB + nS, for nA and nB independent draws of
-    `private` (the distinct active experts of each group's private part) and nS of
-    `shared` (those of both shared parts), which go first to the less loaded group.
+def ring_flows(private: list[int], tail: list[int]) -> tuple[list[int], int]:
+    """The split of a routing's active shared experts around the ring of groups, as the
+    kernel's scalar pass computes it (mkgen/kinds/moe/macros.py.j2, `_experts_*`).
 
-    From its CDF, P(M <= m) = sum over i, j <= m of a_i a_j P(nS <= 2m - i - j), summed by
-    i + j and grown one m at a time (O(n^2)); pure Python, so that the bytes a plan
-    prints do not depend on the host's SIMD path."""
-    top = len(private) - 1 + len(shared) // 2  # the most: a whole private part + ceil(nS / 2)
-    shared_cdf, acc = [], 0.0
-    for p in shared:
-        acc += p
-        shared_cdf.append(min(acc, 1.0))
-    by_sum = [0.0] * (2 * len(private) - 1)  # P(nA + nB = u, nA <= m, nB <= m)
-    pmf, below = [], 0.0
-    for m in range(top + 1):
-        if m < len(private):
-            a = private[m]
-            for j in range(m):
-                by_sum[m + j] += 2 * a * private[j]
-            by_sum[2 * m] += a * a
-        cdf = 0.0
-        for u in range(min(2 * m, len(by_sum) - 1) + 1):
-            k = 2 * m - u  # shared actives the pair can take and still keep M <= m
-            cdf += by_sum[u] * (shared_cdf[k] if k < len(shared_cdf) else 1.0)
-        cdf = min(cdf, 1.0)
-        pmf.append(max(cdf - below, 0.0))
-        below = cdf
-    return pmf
+    Group g holds its own block and the tail (last s experts) of group g + 1 (mod G);
+    `private[g]` and `tail[g]` count the distinct active experts of group g's first
+    E_r - s and last s. flows[g] of group g's tail actives run on group g - 1, so group g
+    reads load_g = private[g] + tail[g] - flows[g] + flows[g + 1] slices. From the bound
+    L = max(max(private), ceil(total / G)) up: two laps of flows[g + 1] =
+    clamp(L - private[g] - tail[g] + flows[g], 0, tail[g + 1]) from no flow, until every
+    load is at most L (it is once L reaches the largest group's actives). Returns the
+    flows and the worst load."""
+    groups = len(private)
+    bound = max(max(private), -(-(sum(private) + sum(tail)) // groups))
+    while True:
+        flows = [0] * groups
+        for g in list(range(groups)) * 2:
+            after = (g + 1) % groups
+            flows[after] = min(max(bound - private[g] - tail[g] + flows[g], 0), tail[after])
+        worst = max(
+            private[g] + tail[g] - flows[g] + flows[(g + 1) % groups] for g in range(groups)
+        )
+        if worst <= bound:
+            return flows, worst
+        bound += 1
+
+
+# Routings the ring's expected worst load is averaged over, drawn from a fixed seed so that
+# a plan prints the same figure on every host (random.Random is the same everywhere).
+RING_SAMPLES = 4096
+RING_SEED = 0
+
+
+@cache
+def ring_expected_max(per_group: int, shared: int, groups: int, p: float) -> float:
+    """E[worst core's slices] with expert sharing around the ring (`ring_flows`): each
+    expert active with probability p, a group's private and tail counts drawn from their
+    binomials (inverse CDF) for RING_SAMPLES routings; pure Python, so the figure does not
+    depend on the host's SIMD path."""
+    draws = random.Random(RING_SEED)
+
+    def sampler(n: int):
+        cdf, acc = [], 0.0
+        for q in _pmf_binomial(n, p):
+            acc += q
+            cdf.append(acc)
+        cdf[-1] = 1.0
+        return lambda: bisect.bisect_right(cdf, draws.random())
+
+    private, tail = sampler(per_group - shared), sampler(shared)
+    total = 0
+    for _ in range(RING_SAMPLES):
+        counts = [(private(), tail()) for _ in range(groups)]
+        total += ring_flows([a for a, _ in counts], [s for _, s in counts])[1]
+    return total / RING_SAMPLES
 
 
 def _sharing_counts(
@@ -839,12 +866,12 @@ def _sharing_counts(
 ) -> list[tuple[str, int]]:
     """(mode, partner experts) of the sharing candidates: none, then the forced mode (its
     fraction of the block rounded up to whole experts) or every mode whose fraction is
-    whole; none alone where the groups do not pair or the experts are forced distinct
+    whole; none alone for one group (no other to share with) or experts forced distinct
     (calibration)."""
     if mode != "auto":
         forced = [(mode, math.ceil(per_group * EXPERT_SHARING[mode]))] if mode != "none" else []
         return [("none", 0), *forced]
-    if groups % 2 or not binomial:
+    if groups < 2 or not binomial:
         return [("none", 0)]
     whole = [(m, per_group * f) for m, f in EXPERT_SHARING.items()]
     return [(m, int(n)) for m, n in whole if n == int(n)]
@@ -854,24 +881,23 @@ def _choose_sharing(
     ctx: _Ctx, f: MoEFFN, best: ExpertCandidate, distinct: float, layers: int,
     slice_bytes: int, slice_s: float,
 ) -> tuple[SharingCandidate, tuple[SharingCandidate, ...]]:  # fmt: skip
-    """Expert sharing between paired groups (docs/planner.md#expert-sharing): the forced
+    """Expert sharing around the ring of groups (docs/planner.md#expert-sharing): the forced
     --expert-sharing, or the smallest shared count whose expert time is within 1 % of the
     best one that fits the HBM left (ctx.expert_room_bytes)."""
     mode, g, per_group = ctx.options.expert_sharing, best.groups, best.experts_per_rank
     binomial = ctx.options.distinct_experts_per_layer is None
     counts = _sharing_counts(mode, per_group, g, binomial)
-    if counts[-1][1] and g % 2:
+    if counts[-1][1] and g < 2:
         raise SpecError(
-            f"--expert-sharing {mode}: the experts split into {g} group(s), which do not pair "
-            "(an even number is needed); use --expert-sharing none or auto"
+            f"--expert-sharing {mode}: the experts split into one group, so no other group "
+            "can hold a share of them; use --expert-sharing none or auto"
         )
     room = ctx.expert_room_bytes
     pool, p = [], distinct / f.num_experts
     for name, shared in counts:
         exp_max = best.expected_max_experts  # unshared: the split's own figure
         if shared:
-            pmf = pair_max_pmf(_pmf_binomial(per_group - shared, p), _pmf_binomial(2 * shared, p))
-            exp_max = expected_max(pmf, g // 2)
+            exp_max = ring_expected_max(per_group, shared, g, p)
         extra = shared * slice_bytes * layers
         # Scored at the whole slices the schedule walks (mkgen.kinds.moe._experts).
         pool.append(SharingCandidate(
@@ -885,7 +911,7 @@ def _choose_sharing(
         if not chosen.fits:
             raise SpecError(
                 f"--expert-sharing {mode}: holding {chosen.partner_experts} experts of the "
-                f"partner group's block adds {chosen.extra_hbm_bytes / 1e9:.1f} GB of HBM per "
+                f"next group's block adds {chosen.extra_hbm_bytes / 1e9:.1f} GB of HBM per "
                 f"core but {(room or 0) / 1e9:.1f} GB are left; use a smaller "
                 "--expert-sharing, or auto"
             )
@@ -913,16 +939,16 @@ def _sharing_why(
     if not chosen.partner_experts:
         return f"; no expert sharing (worst core's slices by sharing: {loads})"
     return (
-        f"; expert sharing {chosen.sharing}: groups 2j and 2j+1 pair, each core also holds "
-        f"the last {chosen.partner_experts} of its partner's {per_group} experts "
-        f"(+{chosen.extra_hbm_bytes / 1e9:.1f} GB HBM per core) and the pair splits their "
+        f"; expert sharing {chosen.sharing}: the groups form a ring, each core also holds "
+        f"the last {chosen.partner_experts} of the next group's {per_group} experts "
+        f"(+{chosen.extra_hbm_bytes / 1e9:.1f} GB HBM per core) and the ring balances their "
         f"active ones (worst core's slices by sharing: {loads})"
     )
 
 
 def choose_expert_split(ctx: _Ctx, f: MoEFFN, d_in: int, layers: int) -> ExpertSplit:
     """The split of the routed experts of a kind of `layers` layers: groups x width parts
-    (every candidate scored), then the sharing between paired groups (_choose_sharing)."""
+    (every candidate scored), then the sharing around the ring of groups (_choose_sharing)."""
     e, k, width = f.num_experts, f.top_k, f.expert_width
     fmt_text = ctx.fmt("experts")
     picks = ctx.tokens * k
@@ -981,7 +1007,6 @@ def choose_expert_split(ctx: _Ctx, f: MoEFFN, d_in: int, layers: int) -> ExpertS
         why=_expert_split_why(best, pool) + _sharing_why(sharing, sharings, best.experts_per_rank),
         sharing=sharing.sharing,
         partner_experts=shared,
-        group_pairs=tuple((2 * j, 2 * j + 1) for j in range(best.groups // 2)) if shared else (),
         partner_bytes_per_layer=shared * slice_bytes,
         sharing_candidates=sharings,
     )

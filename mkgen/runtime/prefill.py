@@ -59,8 +59,8 @@ from mkgen.weights.pack import expert_arrays
 
 def _routed_on_this_core(ffn: Any, experts: Mapping[str, jax.Array], axis: str):
     """A routed-experts function (mkgen.reference.ffn.RoutedExperts) for inside shard_map:
-    the experts of its own group's block and its columns (with expert sharing not its
-    partner's shared part, which the partner runs: unpack.layer_pieces), summed
+    the experts of its own group's block and its columns (with expert sharing not the
+    next group's shared part, which that group runs: unpack.layer_pieces), summed
     over the cores. One expert at a time over every token, weighted by the token's combine
     weight for it (zero when it did not choose it): memory stays one expert's activations,
     where gathering each token's chosen matrices would hold T x top_k of them."""

@@ -412,8 +412,8 @@ def _helper_dmas(build: Build, helper: Function) -> list[str]:
             f"routed experts: the ids go to SMEM (1 DMA); each distinct chosen expert of "
             f"this core's group ({moe.experts_per_rank} experts x width {e.width} per core"
             + (
-                f"; with expert sharing also {moe.partner_experts} of its paired group's, "
-                "whose active ones the pair splits"
+                f"; with expert sharing also {moe.partner_experts} of the next group's, "
+                "whose active ones the ring splits"
                 if moe.partner_experts
                 else ""
             )

@@ -184,13 +184,17 @@ class _KernelParser:
             assert isinstance(node, If)
             self._enter(node.other)
             return
+        if stripped.startswith("} do {"):  # a while loop's condition ends, its body begins
+            self._enter([])
+            return
         parent, node = self.stack.pop()
         if node is not None and (m := _OP_LOC.search(stripped)):
             node.loc = m.group(1)
         self.current = parent
 
     def open_region(self, stripped: str) -> None:
-        """An op that opens a region: a loop or a guard (anything else is kept out)."""
+        """An op that opens a region: a loop or a guard (anything else, such as a while
+        loop of scalar work, is kept out)."""
         node: Loop | If | None = None
         if (f := _FOR.search(stripped)) is not None:
             iv, lower, upper, step = f.groups()

@@ -251,7 +251,7 @@ def pack_experts_layer(
     one int8 array; fp8: e4m3 codes, f32 block scales; int8: int8 codes, f32 column
     scales). Rank r holds experts [g * E_r,
     (g + 1) * E_r) of group g = r // width_parts, then with expert sharing the last
-    partner_experts of its partner group's block, and of each the columns of width part
+    partner_experts of the next group's block (mod G), and of each the columns of width part
     r % width_parts (its record's held_experts). Every chunk is quantized on its own, so packing a layer at
     a time gives the same bytes as packing the kind at once."""
     f = layout.ffn[layout.ffn_table[layer]]

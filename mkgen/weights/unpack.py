@@ -185,7 +185,7 @@ def layer_pieces(
     its FFN kind (each from the kind's first row, KindStream.rows of them), its vector slab
     and (MoE layers) its expert arrays. Each piece has the shape pack.part_slice cuts (in
     its part's view), routed-expert tensors (EXPERT_TENSORS) the rank's own group's experts
-    (with expert sharing not its partner's shared part: FFNRecord.own_experts) and width
+    (with expert sharing not the next group's shared part: FFNRecord.own_experts) and width
     part; `shapes` holds the layer's full tensor shapes by the same names."""
     attention = layout.attention[layout.attention_table[layer]]
     ffn = layout.ffn[layout.ffn_table[layer]]

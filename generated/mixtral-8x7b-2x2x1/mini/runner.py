@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build mixtral-8x7b --topology 2x2x1 --force`` (a
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of mixtral-8x7b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 57f32da134e1555131f6e2620dfbbcc597cb481f0d9737930bbd90e1d0d29542 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 32bb51826d8d898724fcfb384dfcf3b5fc4c4367c697863ecee15937883348a0 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

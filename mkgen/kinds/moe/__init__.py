@@ -275,8 +275,9 @@ def buffers(out: Any, i: BufferInputs) -> None:
     out.sems(f"{name}_ids_sem", ())
     out.scalar(f"{name}_seen_smem", (kind.num_experts,))
     out.scalar(f"{name}_chosen_smem", (dims.tokens * kind.top_k,))
-    if i.shard.experts.partner_experts:  # expert sharing: the pair's shared actives
-        out.scalar(f"{name}_shared_smem", (dims.tokens * kind.top_k,))
+    if i.shard.experts.partner_experts:  # expert sharing: the ring's tails and counts
+        out.scalar(f"{name}_tails_smem", (2, dims.tokens * kind.top_k))
+        out.scalar(f"{name}_ring_smem", (3, i.shard.experts.groups))
     res, why = f"{name}.experts", f"{slots} expert piece slot(s), {fmt}"
     names = (
         [f"{name}_slots_vmem"]
@@ -422,7 +423,7 @@ def _experts(b: Any, layer: int, name: str, kind: Any, f: Any, route: int, x: in
                 reads=((route, None, 0),))  # fmt: skip
     b.start(ids)
     b.wait(ids)
-    # With expert sharing the pair's shared list is copied after the core's own (a pick each at most).
+    # With expert sharing the ring's tail lists are copied after the core's own (a pick each at most).
     passes = 2 if split.partner_experts else 1
     listing = b.run("scalar", f"L{layer} {name}: list this core's chosen experts", layer,
                     passes * b.t * kind.top_k, ((ids, f"smem:{name}.ids", 0),))  # fmt: skip

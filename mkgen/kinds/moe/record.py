@@ -29,9 +29,9 @@ class MoELayout(FFNRecord):
     groups: int
     width_parts: int
     experts_per_rank: int
-    # Expert sharing (mkgen.plan.sharding.ExpertSplit): groups 2j and 2j + 1 pair, and a
-    # core also holds the last `partner_experts` experts of its partner group's block
-    # after its own, `held_per_rank` in all (experts_per_rank when 0: no sharing).
+    # Expert sharing (mkgen.plan.sharding.ExpertSplit): the groups form a ring, and a core
+    # of group g also holds the last `partner_experts` experts of group (g + 1) mod G's
+    # block after its own, `held_per_rank` in all (experts_per_rank when 0: no sharing).
     partner_experts: int
     held_per_rank: int
     experts: ExpertChunks
@@ -109,12 +109,12 @@ class MoELayout(FFNRecord):
     def held_experts(self, rank: int) -> tuple[list[int], slice]:
         """The routed experts rank `rank` holds, in the order of its expert arrays, and the
         columns of their width it holds: the block of group g = rank // width_parts, then
-        (expert sharing) the last partner_experts of its partner group's block; width part
-        rank % width_parts."""
+        (expert sharing) the last partner_experts of the next group's block, (g + 1) mod G;
+        width part rank % width_parts."""
         group, part = rank // self.width_parts, rank % self.width_parts
         width, block = self.experts.width, self.experts_per_rank
         ids = list(range(group * block, (group + 1) * block))
-        partner_end = ((group ^ 1) + 1) * block
+        partner_end = ((group + 1) % self.groups + 1) * block
         if self.partner_experts:
             ids += range(partner_end - self.partner_experts, partner_end)
         return ids, slice(part * width, (part + 1) * width)
