@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --draft 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of kimi-k3 for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats, expert sharing half; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round; drafter mtp: 1 module(s), mla + moe layer.
-Inputs sha256: c4437d36ff68fcde84d97197699aaa1b8d2bf81c37da0caeecc4f09293a464d6 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 4cae1e85b82fb597a9b3de800df6cfcafbcba60ff8e18e265a1b7073289c1a83 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 32 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -240,10 +240,11 @@ MOE_EXPERTS = 32
 MOE_TOP_K = 2
 MOE_WIDTH_PARTS = 1  # consecutive cores sharing a group of experts
 MOE_EXPERTS_PER_RANK = 1  # experts of that group
-# Expert sharing: groups 2j and 2j + 1 pair; each core also holds the last PARTNER_EXPERTS
-# of its partner group's block (after its own), and the pair splits their active ones.
+# Expert sharing: the groups form a ring; each core also holds the last PARTNER_EXPERTS of
+# the next group's block (after its own), and the ring splits their active ones.
+MOE_RING_GROUPS = 32
 MOE_PARTNER_EXPERTS = 1
-MOE_HELD_EXPERTS = 2  # its group's block, then its partner's shared part
+MOE_HELD_EXPERTS = 2  # its group's block, then the next group's shared part
 MOE_EXPERT_WIDTH = 64  # intermediate columns of each on a core
 MOE_EXPERT_FORMAT = "mxfp4"  # e2m1 codes, one E8M0 scale byte per 32 input rows
 MOE_PIECE_CHUNKS = 1  # CHUNK x LANES chunks per streamed piece of an expert
@@ -1250,7 +1251,7 @@ def _experts_moe(ctx, moe_slot, ids, weights, x):
     """The chosen experts of this core's group, each on this core's width slice.
 
     Expert ids go to SMEM; a scalar pass lists the distinct experts this core runs
-    (its group's private ones, then its share of its pair's shared ones);
+    (its group's private ones, then its share of the ring's shared ones);
     their slices stream in pieces through 4 slots, the first issued as soon as the
     list exists and each slot refilled right after its piece is used. Returns this
     core's partial sum over the experts it ran."""
@@ -1260,7 +1261,8 @@ def _experts_moe(ctx, moe_slot, ids, weights, x):
         ids_sem,
         seen_smem,
         chosen_smem,
-        shared_smem,
+        tails_smem,
+        ring_smem,
         slots,
         slot_sems,
         ex_in,
@@ -1274,62 +1276,130 @@ def _experts_moe(ctx, moe_slot, ids, weights, x):
     copy.wait()
     me = jax.lax.axis_index(AXIS) if NUM_DEVICES > 1 else 0
     group = me // MOE_WIDTH_PARTS
-    pair_copy = group % 2  # copy 0 or copy 1 of its pair of groups
+    after = (group + 1) % MOE_RING_GROUPS  # the group whose shared part this one holds
     first = group * MOE_EXPERTS_PER_RANK
-    partner_first = (group + 1 - 2 * pair_copy) * MOE_EXPERTS_PER_RANK
-    pair_first = (group - pair_copy) * MOE_EXPERTS_PER_RANK
+    partner_first = after * MOE_EXPERTS_PER_RANK
 
     def clear(expert, carry):
         seen_smem[expert] = 0
         return carry
 
     jax.lax.fori_loop(0, MOE_EXPERTS, clear, 0)
-    # A block's first `private` experts are its group's alone, the rest shared.
+    # A block's first `private` experts are its group's alone; the rest, its tail, are also
+    # held by the group before it in the ring.
     private = MOE_EXPERTS_PER_RANK - MOE_PARTNER_EXPERTS
+    # ring_smem rows: each group's private actives, its tail actives, and its flow (the
+    # tail actives the group before it runs).
+    PRIVATE, TAIL, FLOW = 0, 1, 2
+
+    def clear_counts(g, carry):
+        ring_smem[PRIVATE, g] = 0
+        ring_smem[TAIL, g] = 0
+        return carry
+
+    jax.lax.fori_loop(0, MOE_RING_GROUPS, clear_counts, 0)
 
     def note(i, counts):
-        """Every core of the pair sees the same ids: each counts both groups' private
-        actives (its own listed) and lists the shared parts' in one list in token order."""
-        own, other, shared = counts
+        """Every core sees the same ids: each counts every group's private and tail
+        actives, lists its own private ones, and lists its own group's and the next
+        group's tail actives in token order (the same lists on every core of the ring)."""
+        own, own_tail, after_tail = counts
         expert = ids_smem[i // MOE_TOP_K, i % MOE_TOP_K]
-        local = expert - pair_first
-        new = (seen_smem[expert] == 0) & (local >= 0) & (local < 2 * MOE_EXPERTS_PER_RANK)
-        is_private = new & (local % MOE_EXPERTS_PER_RANK < private)
-        mine = is_private & (local // MOE_EXPERTS_PER_RANK == pair_copy)
-        is_shared = new & jnp.logical_not(is_private)
+        new = seen_smem[expert] == 0
+        owner = expert // MOE_EXPERTS_PER_RANK
+        in_tail = expert % MOE_EXPERTS_PER_RANK >= private
+        mine = new & (owner == group) & jnp.logical_not(in_tail)
+        tail_mine = new & in_tail & (owner == group)
+        tail_after = new & in_tail & (owner == after)
 
         @pl.when(new)
         def _():
             seen_smem[expert] = 1
+            row = jnp.where(in_tail, TAIL, PRIVATE)
+            ring_smem[row, owner] = ring_smem[row, owner] + 1
 
         @pl.when(mine)
         def _():
             chosen_smem[own] = expert
 
-        @pl.when(is_shared)
+        @pl.when(tail_mine)
         def _():
-            shared_smem[shared] = expert
+            tails_smem[0, own_tail] = expert
 
-        other = other + jnp.where(is_private & jnp.logical_not(mine), 1, 0)
-        return own + jnp.where(mine, 1, 0), other, shared + jnp.where(is_shared, 1, 0)
+        @pl.when(tail_after)
+        def _():
+            tails_smem[1, after_tail] = expert
 
-    own, other, shared = jax.lax.fori_loop(0, TOKENS * MOE_TOP_K, note, (0, 0, 0))
-    # Copy 0 takes the first clamp(ceil(T / 2) - nA, 0, nS) shared actives, copy 1 the
-    # rest: the pair's worse-loaded core reads max(nA, nB, ceil(T / 2)) experts.
-    n_a = jnp.where(pair_copy == 0, own, other)
-    takes = jnp.minimum(jnp.maximum((own + other + shared + 1) // 2 - n_a, 0), shared)
+        return (
+            own + jnp.where(mine, 1, 0),
+            own_tail + jnp.where(tail_mine, 1, 0),
+            after_tail + jnp.where(tail_after, 1, 0),
+        )
 
-    def take(j, count):
-        chosen_smem[count] = shared_smem[j]
-        return count + 1
+    own, _, _ = jax.lax.fori_loop(0, TOKENS * MOE_TOP_K, note, (0, 0, 0))
 
+    def load(g):
+        """Slices group g reads: its private and kept tail actives, and the next one's flow."""
+        return (
+            ring_smem[PRIVATE, g]
+            + ring_smem[TAIL, g]
+            - ring_smem[FLOW, g]
+            + ring_smem[FLOW, (g + 1) % MOE_RING_GROUPS]
+        )
+
+    def flows_at(bound):
+        """Two laps of flow[g + 1] = clamp(bound - private[g] - tail[g] + flow[g], 0, tail[g + 1])
+        from no flow (mkgen.plan.sharding.ring_flows); returns the worst group's load."""
+
+        def clear_flow(g, carry):
+            ring_smem[FLOW, g] = 0
+            return carry
+
+        def lap_step(j, carry):
+            g = j % MOE_RING_GROUPS
+            nxt = (g + 1) % MOE_RING_GROUPS
+            room = bound - ring_smem[PRIVATE, g] - ring_smem[TAIL, g] + ring_smem[FLOW, g]
+            ring_smem[FLOW, nxt] = jnp.minimum(jnp.maximum(room, 0), ring_smem[TAIL, nxt])
+            return carry
+
+        jax.lax.fori_loop(0, MOE_RING_GROUPS, clear_flow, 0)
+        jax.lax.fori_loop(0, 2 * MOE_RING_GROUPS, lap_step, 0)
+        return jax.lax.fori_loop(
+            0, MOE_RING_GROUPS, lambda g, worst: jnp.maximum(worst, load(g)), 0
+        )
+
+    def totals(g, carry):
+        most, total = carry
+        private_actives = ring_smem[PRIVATE, g]
+        return jnp.maximum(most, private_actives), total + private_actives + ring_smem[TAIL, g]
+
+    most, total = jax.lax.fori_loop(0, MOE_RING_GROUPS, totals, (0, 0))
+    # From the bound max(most private, ceil(total / G)) up, until the flows keep every
+    # group within it (they do once it reaches the largest group's actives).
+    start = jnp.maximum(most, (total + MOE_RING_GROUPS - 1) // MOE_RING_GROUPS)
+    jax.lax.while_loop(
+        lambda c: c[1] > c[0], lambda c: (c[0] + 1, flows_at(c[0] + 1)), (start, flows_at(start))
+    )
+
+    def take(source):
+        """Appends entry j of tail list `source` to the core's list."""
+
+        def append(j, count):
+            chosen_smem[count] = tails_smem[source, j]
+            return count + 1
+
+        return append
+
+    # This core runs its own tail's first actives (all but the group before's flow), then
+    # the last `flow` of the next group's tail actives (the ones that group hands over).
+    count = jax.lax.fori_loop(0, ring_smem[TAIL, group] - ring_smem[FLOW, group], take(0), own)
     count = jax.lax.fori_loop(
-        jnp.where(pair_copy == 0, 0, takes), jnp.where(pair_copy == 0, takes, shared), take, own
+        ring_smem[TAIL, after] - ring_smem[FLOW, after], ring_smem[TAIL, after], take(1), count
     )
     pieces = MOE_GATE_UP_PIECES + MOE_DOWN_PIECES
 
     def held(expert):
-        """Where the core holds an expert: its own block from 0, its partner's shared part after it."""
+        """Where the core holds an expert: its own block from 0, the next group's shared part after it."""
         own_block = (expert >= first) & (expert < first + MOE_EXPERTS_PER_RANK)
         return jnp.where(own_block, expert - first, expert - partner_first + MOE_PARTNER_EXPERTS)
 
@@ -1494,7 +1564,8 @@ def _kernel(
     moe_ids_sem,  # DMA
     moe_seen_smem,  # [32] int32: expert already listed
     moe_chosen_smem,  # [TOKENS * TOP_K] int32: distinct experts of this core's group
-    moe_shared_smem,  # [TOKENS * TOP_K] int32: distinct experts of its pair's shared parts
+    moe_tails_smem,  # [2, TOKENS * TOP_K] int32: tail actives of its group, of the next one
+    moe_ring_smem,  # [3, RING_GROUPS] int32: each group's private and tail actives, its flow
     moe_slots_vmem,  # [EXPERT_SLOTS, 160, LANES] int8: expert pieces (codes, then scales)
     moe_slot_sems,  # DMA[2 (codes, scales), EXPERT_SLOTS]
     moe_in_vmem,  # [1, TOKENS_PADDED, CHUNK] bf16: expert input
@@ -1547,7 +1618,8 @@ def _kernel(
                 moe_ids_sem,
                 moe_seen_smem,
                 moe_chosen_smem,
-                moe_shared_smem,
+                moe_tails_smem,
+                moe_ring_smem,
                 (moe_slots_vmem,),
                 moe_slot_sems,
                 moe_in_vmem,
@@ -1666,7 +1738,8 @@ def _scratch_shapes():
         pltpu.SemaphoreType.DMA(()),
         pltpu.SMEM((MOE_EXPERTS,), jnp.int32),
         pltpu.SMEM((TOKENS * MOE_TOP_K,), jnp.int32),
-        pltpu.SMEM((TOKENS * MOE_TOP_K,), jnp.int32),
+        pltpu.SMEM((2, TOKENS * MOE_TOP_K), jnp.int32),
+        pltpu.SMEM((3, MOE_RING_GROUPS), jnp.int32),
         pltpu.VMEM((MOE_EXPERT_SLOTS, MOE_PIECE_ROWS, LANES), jnp.int8),
         pltpu.SemaphoreType.DMA((2, MOE_EXPERT_SLOTS)),
         pltpu.VMEM((MOE_EXPERT_GATE_UP.k_chunks, TOKENS_PADDED, CHUNK), jnp.bfloat16),
