@@ -676,6 +676,11 @@ class IssueRates(_Frozen):
     mxu_ops_per_cycle: float  # MXU pushes, latches and pops over all MXUs
     vector_loads_per_cycle: float
     vector_stores_per_cycle: float
+    # Scalar ALU and SMEM ops (the expert listing's loops), and the (low, high) rate the
+    # sensitivity table walks, with why.
+    scalar_ops_per_cycle: float
+    scalar_range: tuple[float, float]
+    scalar_source: str
     # (low, high) clocks the public figures allow, and why: the ends of the plan's
     # sensitivity table (mkgen/plan/confidence.py).
     clock_range_hz: tuple[float, float]
@@ -712,6 +717,15 @@ TPU7X_ISSUE_RATES = IssueRates(
     mxu_ops_per_cycle=_TPU7X.mxus_per_core,
     vector_loads_per_cycle=1,
     vector_stores_per_cycle=1,
+    # Assumption: two scalar slots a VLIW bundle, as Google describes the TPUv2/v3 core's
+    # bundle (Jouppi et al., "A Domain-Specific Supercomputer for Training Deep Neural
+    # Networks", CACM 2020), each op (SMEM loads and stores too) in one slot without a
+    # stall; a loop of dependent SMEM loads may issue one a cycle or fewer.
+    scalar_ops_per_cycle=2,
+    scalar_range=(1, 2),
+    scalar_source="assumption: two scalar slots a VLIW bundle (Jouppi et al., CACM 2020, "
+    "for TPUv2/v3), every op one slot; one a cycle if the listing's dependent SMEM loads "
+    "stall every other slot",
     clock_range_hz=(_derived_clock_hz(_TPU7X) / 2, _derived_clock_hz(_TPU7X)),
     clock_source="no public TPU7x clock: 4.4 GHz if a core has 2 MXUs of 256 x 256 (the "
     "catalog's peak bf16 rate), 2.2 GHz with 4 MXUs a core, as some third-party diagrams "

@@ -80,7 +80,7 @@ def test_the_sampled_expectation_matches_the_exact_one_for_two_groups() -> None:
     """The cost model samples routings (a fixed seed); for one pair of Kimi K3's groups the
     exact distribution is known, and the sample's mean is within 0.05 slices of it."""
     exact = expected_max(_pmf_binomial_pair(56), 1)
-    assert ring_expected_max(112, 56, 2, KIMI_P) == pytest.approx(exact, abs=0.05)
+    assert ring_expected_max(112, 56, 2, KIMI_P)[0] == pytest.approx(exact, abs=0.05)
 
 
 def _pmf_binomial_pair(shared: int) -> list[float]:
@@ -94,9 +94,11 @@ def test_no_sharing_is_the_unshared_worst_group() -> None:
 
 def test_kimi_figures() -> None:
     """The ring of 8 groups against the old pairs (17.94 slices for half): quarter 17.13,
-    half 15.88, full 15.46 expected worst-core slices."""
-    figures = [round(ring_expected_max(112, s, 8, KIMI_P), 2) for s in (28, 56, 112)]
-    assert figures == [17.13, 15.88, 15.46]
+    half 15.88, full 15.46 expected worst-core slices; the kernel tries one bound or two,
+    1.41 on average for half (what the cost model prices its listing's flows at)."""
+    figures = [ring_expected_max(112, s, 8, KIMI_P) for s in (28, 56, 112)]
+    assert [round(worst, 2) for worst, _ in figures] == [17.13, 15.88, 15.46]
+    assert all(1 <= bounds < 2 for _, bounds in figures)
 
 
 KIMI = ("kimi-k3", "2x2x4", 8)

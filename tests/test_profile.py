@@ -17,8 +17,9 @@ from mkgen.verify.profile import kind_of, phase_of
 from tests.cli_run import assert_user_error, mkgen, mkgen_here
 
 # A kernel as Mosaic prints it after finalize: a constant loop of 3 whose guard lets 2 of
-# its 4 chunk blocks run (c = 2 * i + j < 5), a runtime-bounded loop, and a sibling
-# region reusing the first loop's SSA names with another bound.
+# its 4 chunk blocks run (c = 2 * i + j < 5), a sibling region reusing the first loop's
+# SSA names with another bound, a while loop of scalar work (kept out), and a loop bounded
+# by another loop's second result (%r#1: runtime).
 LLO = """\
 module @k {
   func.func @k(%arg0: i32) {
@@ -48,7 +49,18 @@ module @k {
         %v = llo.vector_load %arg0 : i32 loc(#loc4)
       } {in_layout = []} loc(#loc5)
     } {in_layout = []} loc(#loc6)
-    scf.for %t = %c0 to %n step %c1  : i32 {
+    %w = scf.while (%x = %c0) : (i32) -> i32 {
+      %more = llo.slt.s32 %x, %n loc(#loc)
+      scf.condition(%more) %x : i32 loc(#loc)
+    } do {
+    ^bb0(%x: i32 loc(#loc)):
+      %x1 = llo.sadd.s32 %x, %c1 loc(#loc)
+      scf.yield %x1 : i32 loc(#loc)
+    } attributes {in_layout = []} loc(#loc)
+    %r:2 = scf.for %u = %c0 to %c2 step %c1 iter_args(%p = %n, %q = %n) -> (i32, i32)  : i32 {
+      scf.yield %p, %q : i32, i32 loc(#loc)
+    } {in_layout = []} loc(#loc)
+    scf.for %t = %c0 to %r#1 step %c1  : i32 {
       llo.vector_store %arg0 into %arg0 : i32 into i32 loc(#loc7)
       "llo.enqueue_dma"(%arg0) : (i32) -> () loc(#loc7)
       %s = llo.sadd.s32 %t, %c1 loc(#loc)

@@ -356,8 +356,12 @@ def sensitivity(
             rows.append(row("cross-host link bandwidth (GB/s per core)", "host_bandwidth",
                             host.bandwidth_range, 1e9, host.source))  # fmt: skip
     if c.issue_rates is not None:
-        rows.append(row("core clock (GHz)", "clock_hz", c.issue_rates.clock_range_hz, 1e9,
-                        c.issue_rates.clock_source))  # fmt: skip
+        rates = c.issue_rates
+        rows.append(row("core clock (GHz)", "clock_hz", rates.clock_range_hz, 1e9,
+                        rates.clock_source))  # fmt: skip
+        if any(f.experts and f.experts.groups for f in program.sharding.ffn.values()):
+            rows.append(row("scalar ops a cycle (the expert listing)", "scalar_ops_per_cycle",
+                            rates.scalar_range, 1, rates.scalar_source))  # fmt: skip
     low, high = DMA_ISSUE_RANGE
     rows.append(row("DMA issue cost (ns per DMA)", "dma_overhead_s",
                     (c.dma_overhead_s * low, c.dma_overhead_s * high), 1e-9, DMA_ISSUE_SOURCE))  # fmt: skip

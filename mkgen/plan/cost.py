@@ -119,7 +119,7 @@ class CostConstants(_Frozen):
         """These constants with some unmeasured inputs set otherwise (the sensitivity
         table, mkgen/plan/confidence.py): `cross_host_phase_s`, `host_bandwidth` (bytes/s
         per core of a cross-host copy), `clock_hz` (with the MXUs a core must have to reach
-        the catalog's peak at that clock), `dma_overhead_s`."""
+        the catalog's peak at that clock), `scalar_ops_per_cycle`, `dma_overhead_s`."""
         update: dict[str, object] = {}
         for name, value in inputs.items():
             if name == "host_bandwidth":
@@ -127,6 +127,9 @@ class CostConstants(_Frozen):
             elif name == "clock_hz":
                 assert self.issue_rates is not None, "no issue rates to clock"
                 update["issue_rates"] = self.issue_rates.at_clock(value)
+            elif name == "scalar_ops_per_cycle":
+                assert self.issue_rates is not None, "no issue rates to change"
+                update["issue_rates"] = self.issue_rates.model_copy(update={name: value})
             else:
                 update[name] = value
         return self.model_copy(update=update)

@@ -222,6 +222,13 @@ class FFNRecord(KindRecord):
 
 # Expert array dtypes (the VMEM plan's names) -> jnp names for the template.
 INT8_TILE_ROWS = 32  # 8-bit VMEM tiles are (32, 128)
+
+
+def experts_padded(num_experts: int) -> int:
+    """Expert ids in whole 128-lane rows: the width of an MoE kernel's chosen-expert flags."""
+    return -(-num_experts // 128) * 128
+
+
 JNP_DTYPES = {"bf16": "bfloat16", "f32": "float32", "int8": "int8", "fp8": "float8_e4m3fn"}
 
 

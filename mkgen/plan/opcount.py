@@ -9,7 +9,8 @@ What `mkgen compile --profile` holds the compiled kernel's LLO against
   blocks zeroed and read back. The ops of each are measured (below).
 - experts: each MoE layer runs the experts the plan expects a core to hold, each a
   gate|up and a down ring matmul in the experts' format, plus its activation and
-  weighted sum (elementwise, below).
+  weighted sum (elementwise, below); before them the chosen experts' flags (vector
+  ops) and the listing's scalar ops, counted in compiled kernels (below).
 - attention: the template's `_attend_<kind>` and `_write_cache_<kind>` compiled alone
   (measured, below): per KV tile of each (sequence, kv head) pair over a full cache (the
   plan's tile count), per pair, and per pair and cache array for the cache write.
@@ -37,6 +38,7 @@ from typing import Any
 from mkgen.hardware import IssueRates
 from mkgen.plan.collectives import RoundCall
 from mkgen.plan.kind import KindRegistry
+from mkgen.plan.layout import experts_padded
 from mkgen.plan.options import kv_tiles
 
 PHASES = (
@@ -59,6 +61,7 @@ class OpCounts:
     loads: float = 0.0  # vector loads
     stores: float = 0.0  # vector stores
     dmas: float = 0.0  # DMAs issued
+    scalar: float = 0.0  # scalar ALU and SMEM ops (the compiled profile does not count them)
 
     def add(self, group: str, n: float) -> None:
         setattr(self, group, getattr(self, group) + n)
@@ -70,6 +73,7 @@ class OpCounts:
         self.loads += other.loads * times
         self.stores += other.stores * times
         self.dmas += other.dmas * times
+        self.scalar += other.scalar * times
 
     def any(self) -> bool:
         return any(getattr(self, f.name) for f in fields(self))
@@ -116,6 +120,24 @@ CHUNK_OPS: dict[tuple[str, int], OpCounts] = {
     ("stream:fp8:128", 16): OpCounts(vpu=61, mxu=29, loads=24, stores=4),
 }
 INPUT_CHUNK_OPS = {8: OpCounts(vpu=8, stores=1), 16: OpCounts(vpu=2, stores=2)}
+
+# Counted in the final LLO (libtpu 0.0.50.1, with debug info) of the template's expert
+# listing (`_chosen_<kind>`, `_experts_<kind>`) of Mixtral 8x7B on 2x2x1 (no sharing, 8
+# experts, top-2), Qwen3-30B-A3B on 2x2x1 (a ring of 4 groups, 128 experts, top-8) and Kimi
+# K3 on 2x2x4 rows 8 (a ring of 8, 896 experts, top-16). The flags' vector ALU ops: 22,
+# 148 and 1,424, which a base, 8 ops per top-k choice and vreg of [token rows, expert
+# ids] (Mixtral's, one vreg) and with sharing per group 12 plus 7.6 per vreg of one row
+# of expert ids (its two counts' reductions) give exactly. The listing's scalar ALU and
+# SMEM ops, every guard taken (Kimi K3's where they differ, the most): per expert id it
+# visits (its group's block, and with sharing the next group's tail), and with sharing
+# per group the totals, per group and bound tried the flows' two laps, their clearing
+# and the worst load.
+CHOSEN_BASE_OPS = 6
+CHOSEN_PICK_OPS = 8
+CHOSEN_GROUP_OPS, CHOSEN_GROUP_VREG_OPS = 12, 7.6
+LIST_VISIT_OPS = {False: 6, True: 17}  # by expert sharing
+RING_GROUP_OPS = 12
+RING_BOUND_GROUP_OPS = 96
 OUTPUT_BLOCK_OPS = {8: OpCounts(loads=4, stores=4), 16: OpCounts(loads=8, stores=8)}
 
 # Measured with `scripts/measure_chunk_ops.py attend` (libtpu 0.0.50.1): the template's
@@ -295,6 +317,7 @@ def bound_us(counts: OpCounts, rates: IssueRates) -> dict[str, float]:
             counts.stores / rates.vector_stores_per_cycle,
         )
         * cycle_us,
+        "scalar": counts.scalar / rates.scalar_ops_per_cycle * cycle_us,
     }
 
 
@@ -447,8 +470,10 @@ class _NodeCounter:
             return "attention", self.tile_ops[attn]
         if node.cat == "vector":
             return self._vector(node, attn, ffn)
+        if node.cat == "chosen":
+            return "experts", self._chosen_ops(ffn)  # _chosen_<kind> runs in _experts_<kind>
         if node.cat == "scalar":
-            return "experts", OpCounts()  # the scalar unit's expert list: no vector ops
+            return "experts", OpCounts(scalar=self._listing_ops(ffn))
         if node.cat == "routing":
             kind = spec.ffn_kinds[ffn]
             ops = (SOFTMAX_OPS + TOP_K_OPS * kind.top_k) * vregs(tp, kind.num_experts)
@@ -465,6 +490,27 @@ class _NodeCounter:
         if node.cat == "collective":
             return "collectives", OpCounts(vpu=_round_ops(node.collective, tp))
         return COMPUTE_PHASE.get(node.cat, "vector"), self.elementwise(node)
+
+    def _chosen_ops(self, ffn: str) -> OpCounts:
+        """Vector ops of one layer's chosen-expert flags of MoE kind `ffn` (CHOSEN_*)."""
+        kind, split = self.spec.ffn_kinds[ffn], self.sharding.ffn[ffn].experts
+        width = experts_padded(kind.num_experts)
+        ops = CHOSEN_BASE_OPS + kind.top_k * CHOSEN_PICK_OPS * vregs(self.tp, width)
+        if split.partner_experts:
+            ops += split.groups * (CHOSEN_GROUP_OPS + CHOSEN_GROUP_VREG_OPS * vregs(1, width))
+        return OpCounts(vpu=ops)
+
+    def _listing_ops(self, ffn: str) -> float:
+        """Scalar ops of one layer's expert listing of MoE kind `ffn` (LIST_VISIT_OPS ...):
+        with expert sharing, the ring's bounds tried as the planner expects them."""
+        split = self.sharding.ffn[ffn].experts
+        shared = bool(split.partner_experts)
+        visited = split.experts_per_rank + split.partner_experts
+        ops = visited * LIST_VISIT_OPS[shared]
+        if shared:
+            groups = split.groups
+            ops += groups * (RING_GROUP_OPS + split.expected_ring_bounds * RING_BOUND_GROUP_OPS)
+        return ops
 
     def _vector(self, node: Any, attn: str, ffn: str) -> tuple[str, OpCounts]:
         """(phase, ops) of a vector node: measured template code where there is some."""

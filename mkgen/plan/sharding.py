@@ -231,6 +231,7 @@ class SharingCandidate(_Frozen):
     sharing: str  # a key of EXPERT_SHARING
     partner_experts: int  # experts of the next group's block each core also holds
     expected_max_experts: float  # slices the worst-loaded core reads (expectation)
+    expected_bounds: float  # bounds the kernel's ring_flows tries (expectation; 0 unshared)
     score_s: float  # its expert time per layer: the split's slice time x the whole slices
     extra_hbm_bytes: int  # HBM a core adds to hold them, every layer of the kind
     fits: bool  # within the HBM left (always, where the planner was not given it)
@@ -259,6 +260,7 @@ class ExpertSplit(_Frozen):
     sharing: str = "none"
     partner_experts: int = 0
     partner_bytes_per_layer: int = 0  # HBM a core adds per layer to hold them
+    expected_ring_bounds: float = 0.0  # bounds the kernel's ring_flows tries (expectation)
     sharing_candidates: tuple[SharingCandidate, ...] = ()
 
     @property
@@ -273,7 +275,7 @@ class ExpertSplit(_Frozen):
         none = next(c for c in self.sharing_candidates if not c.partner_experts)
         return self.model_copy(update={
             "sharing": "none", "partner_experts": 0,
-            "partner_bytes_per_layer": 0,
+            "partner_bytes_per_layer": 0, "expected_ring_bounds": 0.0,
             "expected_max_experts_per_rank": none.expected_max_experts,
         })  # fmt: skip
 
@@ -838,11 +840,11 @@ RING_SEED = 0
 
 
 @cache
-def ring_expected_max(per_group: int, shared: int, groups: int, p: float) -> float:
-    """E[worst core's slices] with expert sharing around the ring (`ring_flows`): each
-    expert active with probability p, a group's private and tail counts drawn from their
-    binomials (inverse CDF) for RING_SAMPLES routings; pure Python, so the figure does not
-    depend on the host's SIMD path."""
+def ring_expected_max(per_group: int, shared: int, groups: int, p: float) -> tuple[float, float]:
+    """(E[worst core's slices], E[bounds the kernel tries]) with expert sharing around the
+    ring (`ring_flows`): each expert active with probability p, a group's private and tail
+    counts drawn from their binomials (inverse CDF) for RING_SAMPLES routings; pure
+    Python, so the figures do not depend on the host's SIMD path."""
     draws = random.Random(RING_SEED)
 
     def sampler(n: int):
@@ -854,11 +856,15 @@ def ring_expected_max(per_group: int, shared: int, groups: int, p: float) -> flo
         return lambda: bisect.bisect_right(cdf, draws.random())
 
     private, tail = sampler(per_group - shared), sampler(shared)
-    total = 0
+    worst_sum = bounds_sum = 0
     for _ in range(RING_SAMPLES):
         counts = [(private(), tail()) for _ in range(groups)]
-        total += ring_flows([a for a, _ in counts], [s for _, s in counts])[1]
-    return total / RING_SAMPLES
+        alone, shares = [a for a, _ in counts], [s for _, s in counts]
+        worst = ring_flows(alone, shares)[1]
+        start = max(max(alone), -(-(sum(alone) + sum(shares)) // groups))
+        worst_sum += worst
+        bounds_sum += worst - start + 1
+    return worst_sum / RING_SAMPLES, bounds_sum / RING_SAMPLES
 
 
 def _sharing_counts(
@@ -895,13 +901,14 @@ def _choose_sharing(
     room = ctx.expert_room_bytes
     pool, p = [], distinct / f.num_experts
     for name, shared in counts:
-        exp_max = best.expected_max_experts  # unshared: the split's own figure
+        exp_max, bounds = best.expected_max_experts, 0.0  # unshared: the split's own figure
         if shared:
-            exp_max = ring_expected_max(per_group, shared, g, p)
+            exp_max, bounds = ring_expected_max(per_group, shared, g, p)
         extra = shared * slice_bytes * layers
         # Scored at the whole slices the schedule walks (mkgen.kinds.moe._experts).
         pool.append(SharingCandidate(
             sharing=name, partner_experts=shared, expected_max_experts=exp_max,
+            expected_bounds=bounds,
             score_s=max(1, math.ceil(exp_max)) * slice_s, extra_hbm_bytes=extra,
             fits=room is None or extra <= room,
         ))  # fmt: skip
@@ -1008,6 +1015,7 @@ def choose_expert_split(ctx: _Ctx, f: MoEFFN, d_in: int, layers: int) -> ExpertS
         sharing=sharing.sharing,
         partner_experts=shared,
         partner_bytes_per_layer=shared * slice_bytes,
+        expected_ring_bounds=sharing.expected_bounds,
         sharing_candidates=sharings,
     )
 

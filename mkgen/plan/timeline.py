@@ -95,6 +95,7 @@ CATEGORY = {
     "ids": "experts",
     "expert_mm": "experts",
     "routing": "experts",
+    "chosen": "experts",
     "scalar": "experts",
     "kv_tile": "kv_state",
     "cache_read": "kv_state",

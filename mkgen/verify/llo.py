@@ -35,7 +35,9 @@ _NAMED = re.compile(r'^"([^"]*)"\(#loc(\d*)\)$')
 _CALLSITE = re.compile(r"^callsite\(#loc(\d*) at #loc(\d*)\)$")
 _OP_LOC = re.compile(r"loc\(#loc(\d*)\)\s*$")
 _OP = re.compile(r'^\s*(?:(%[\w#]+)(?::\d+)? = )?"?(llo\.[\w.]+|scf\.\w+)"?')
-_FOR = re.compile(r"scf\.for (%\w+) = (%\w+) to (%\w+) step (%\w+)")
+_FOR = re.compile(
+    r"scf\.for (%\w+) = (%[\w#]+) to (%[\w#]+) step (%[\w#]+)"
+)  # a bound may be a loop result (%r#1)
 _IF = re.compile(r"scf\.if (%\w+)")
 _CONSTANT = re.compile(r"llo\.constant \{value = (-?\d+) : i\d+\}")
 _OPERANDS = re.compile(r"%[\w]+")

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from mkgen.errors import SpecError
 from mkgen.kinds.common import no_cache_geometry, no_rotary_dim, no_state_dims, no_views
-from mkgen.kinds.moe.record import MoELayout
+from mkgen.kinds.moe.record import FLAG_ROWS, MoELayout
 from mkgen.plan.kind import BufferInputs, LayoutInputs, Step
 from mkgen.plan.layout import (
     VectorRow,
@@ -16,6 +16,7 @@ from mkgen.plan.layout import (
     check_expert_format,
     check_stream_formats,
     expert_chunks,
+    experts_padded,
     segment_columns,
     unsupported,
 )
@@ -262,8 +263,9 @@ def layout(i: LayoutInputs) -> MoELayout:
 
 
 def buffers(out: Any, i: BufferInputs) -> None:
-    """Expert ids (VMEM, then SMEM for the scalar pass), the piece slots, the expert
-    matmuls' staging; the pieces' shapes (ExpertChunks) go to `out.experts`."""
+    """Expert ids, the chosen experts' flags (VMEM, then SMEM for the scalar listing), the
+    piece slots, the expert matmuls' staging; the pieces' shapes (ExpertChunks) go to
+    `out.experts`."""
     name, kind, dims, slots, fmt = i.name, i.kind, i.dims, i.expert_slots, i.expert_format
     tp = dims.tokens_padded
     gate = next(t for t in i.shard.tensors if t.name == "ffn.experts_gate")
@@ -271,13 +273,14 @@ def buffers(out: Any, i: BufferInputs) -> None:
                       dims.max_piece_chunks, inline_scales=dims.inline_scales)  # fmt: skip
     out.experts[name] = e
     out.add(f"{name}_ids_vmem", "activations", (tp, 128), "int32", why="chosen experts")
-    out.scalar(f"{name}_ids_smem", (tp, 128))
-    out.sems(f"{name}_ids_sem", ())
-    out.scalar(f"{name}_seen_smem", (kind.num_experts,))
-    out.scalar(f"{name}_chosen_smem", (dims.tokens * kind.top_k,))
-    if i.shard.experts.partner_experts:  # expert sharing: the ring's tails and counts
-        out.scalar(f"{name}_tails_smem", (2, dims.tokens * kind.top_k))
-        out.scalar(f"{name}_ring_smem", (3, i.shard.experts.groups))
+    flags = (FLAG_ROWS, experts_padded(kind.num_experts))
+    out.add(f"{name}_chosen_vmem", "activations", flags, "int32",
+            why="the chosen experts' flags (and each group's counts)")  # fmt: skip
+    out.scalar(f"{name}_chosen_smem", flags)
+    out.sems(f"{name}_chosen_sem", ())
+    out.scalar(f"{name}_listed_smem", (dims.tokens * kind.top_k,))
+    if i.shard.experts.partner_experts:  # expert sharing: the ring's flows
+        out.scalar(f"{name}_flows_smem", (i.shard.experts.groups,))
     res, why = f"{name}.experts", f"{slots} expert piece slot(s), {fmt}"
     names = (
         [f"{name}_slots_vmem"]
@@ -408,9 +411,10 @@ def program(b: Any, s: Step) -> int:
 
 
 def _experts(b: Any, layer: int, name: str, kind: Any, f: Any, route: int, x: int) -> int:
-    """Expert ids to SMEM, the list of this core's chosen experts, then their pieces
-    through the slots: piece q (of expert q // P) in slot q % S, the first S issued at
-    once, piece q + S right after piece q is used (the template's expert ring)."""
+    """The chosen experts' flags (VPU) to SMEM, the list of this core's chosen experts,
+    then their pieces through the slots: piece q (of expert q // P) in slot q % S, the
+    first S issued at once, piece q + S right after piece q is used (the template's
+    expert ring)."""
     split = f.experts
     e = b.vmem.experts[name]
     n = max(1, min(split.experts_per_rank, math.ceil(split.expected_max_experts_per_rank)))
@@ -418,15 +422,15 @@ def _experts(b: Any, layer: int, name: str, kind: Any, f: Any, route: int, x: in
     b.experts_per_layer[layer] = (n, pieces)
     slots = b.vmem.expert_slots
     res = f"{name}.experts"
-    ids = b.dma("ids", f"L{layer} {name}: expert ids -> SMEM", layer, f"smem:{name}.ids",
-                0, (f"{name}_ids_sem",), b.dims.tokens_padded * 128 * 4,
-                reads=((route, None, 0),))  # fmt: skip
-    b.start(ids)
-    b.wait(ids)
-    # With expert sharing the ring's tail lists are copied after the core's own (a pick each at most).
-    passes = 2 if split.partner_experts else 1
-    listing = b.run("scalar", f"L{layer} {name}: list this core's chosen experts", layer,
-                    passes * b.t * kind.top_k, ((ids, f"smem:{name}.ids", 0),))  # fmt: skip
+    chosen = b.run("chosen", f"L{layer} {name}: flag the chosen experts", layer, 0,
+                   ((route, None, 0),))  # fmt: skip
+    flags = b.dma("ids", f"L{layer} {name}: chosen experts' flags -> SMEM", layer,
+                  f"smem:{name}.chosen", 0, (f"{name}_chosen_sem",),
+                  FLAG_ROWS * experts_padded(kind.num_experts) * 4, reads=((chosen, None, 0),))  # fmt: skip
+    b.start(flags)
+    b.wait(flags)
+    listing = b.run("scalar", f"L{layer} {name}: list this core's chosen experts", layer, 0,
+                    ((flags, f"smem:{name}.chosen", 0),))  # fmt: skip
     kept = expert_iterations(n, pieces, slots)
     units = len(kept) * pieces  # over the kept iterations (see expert_iterations)
     sems = [tuple(f"{name}_slot_sems[{k},{s}]" for k in range(e.arrays)) for s in range(slots)]

@@ -9,8 +9,12 @@ from typing import ClassVar, Literal
 import numpy as np
 
 from mkgen.kinds.common import split_as_mlp
-from mkgen.plan.layout import Array, Columns, ExpertChunks, FFNRecord, VectorRow
+from mkgen.plan.layout import Array, Columns, ExpertChunks, FFNRecord, VectorRow, experts_padded
 from mkgen.plan.stream import Segment
+
+# Rows of the kernel's chosen-expert flags buffer: the flags, each group's private and
+# tail counts, padding to a VMEM tile's 8 sublanes.
+FLAG_ROWS = 8
 
 
 class MoELayout(FFNRecord):
@@ -72,6 +76,10 @@ class MoELayout(FFNRecord):
     # the core holds with its gate | up biases (its width part's columns), then one row per
     # expert with its down biases, which width part 0 adds. None: no biases.
     bias_row: int | None = None
+
+    @property
+    def experts_padded(self) -> int:
+        return experts_padded(self.num_experts)
 
     def routed_chunks(self) -> ExpertChunks:
         return self.experts
