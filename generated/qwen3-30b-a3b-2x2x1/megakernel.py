@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3-30b-a3b --topology 2x2x1 --force` (add -o and
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Imported from the Hugging Face config qwen3-30b-a3b.json (Qwen3MoeForCausalLM, model_type qwen3_moe)."
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 3 refills held for collectives, 5 a round.
-Inputs sha256: 247b20f56daf6c12bcdf33c89ed71b6c0e6f2a18ccf5dad57f79ccb435bd51d1 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 1de3c54c484c233469dc17fb40325e6397b536ae7e7a1d6966f5df233b041d24 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
@@ -154,6 +154,7 @@ GQA_K_NORM_VEC = (slice(3, 4), slice(0, 128))  # k norm weight
 
 # FFN kind 0 "moe" (MoE), layers [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47].
 MOE_EXPERTS = 128
+MOE_EXPERTS_PADDED = 128  # whole 128-lane rows of expert ids
 MOE_TOP_K = 8
 MOE_WIDTH_PARTS = 2  # consecutive cores sharing a group of experts
 MOE_EXPERTS_PER_RANK = 32  # experts of that group
@@ -898,22 +899,51 @@ def _route_moe(vec, logits):
     return ids, weights
 
 
+def _chosen_moe(ids):
+    """[8, EXPERTS_PADDED] int32 from the token rows' choices `ids` (lanes < TOP_K): row 0
+    flags the experts any token row chose; rows 1 and 2 count each group's chosen
+    private and tail experts (group g in lane g). On the VPU: a compare of every pick
+    with every expert id, where a scalar pass over the picks would take hundreds of cycles."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 0)
+    lanes = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 1)
+    picks = jnp.where((rows < TOKENS) & (lanes < MOE_TOP_K), ids, -1)
+    expert = jax.lax.broadcasted_iota(jnp.int32, (1, MOE_EXPERTS_PADDED), 1)
+    flags = jnp.zeros((1, MOE_EXPERTS_PADDED), jnp.int32)
+    for k in range(MOE_TOP_K):
+        flags = jnp.maximum(
+            flags, jnp.max(jnp.where(picks[:, k : k + 1] == expert, 1, 0), axis=0, keepdims=True)
+        )
+    private = MOE_EXPERTS_PER_RANK - MOE_PARTNER_EXPERTS
+    chosen = flags.astype(jnp.float32)
+    private_counts = jnp.zeros((1, MOE_EXPERTS_PADDED), jnp.float32)
+    tail_counts = jnp.zeros((1, MOE_EXPERTS_PADDED), jnp.float32)
+    for g in range(MOE_RING_GROUPS):
+        first, tail = g * MOE_EXPERTS_PER_RANK, g * MOE_EXPERTS_PER_RANK + private
+        in_private = (expert >= first) & (expert < tail)
+        in_tail = (expert >= tail) & (expert < first + MOE_EXPERTS_PER_RANK)
+        private_counts = jnp.where(
+            expert == g, jnp.sum(jnp.where(in_private, chosen, 0.0)), private_counts
+        )
+        tail_counts = jnp.where(expert == g, jnp.sum(jnp.where(in_tail, chosen, 0.0)), tail_counts)
+    counts = jnp.concatenate([private_counts, tail_counts], axis=0).astype(jnp.int32)
+    return jnp.concatenate([flags, counts, jnp.zeros((5, MOE_EXPERTS_PADDED), jnp.int32)], axis=0)
+
+
 def _experts_moe(ctx, moe_slot, ids, weights, x):
     """The chosen experts of this core's group, each on this core's width slice.
 
-    Expert ids go to SMEM; a scalar pass lists the distinct experts this core runs
-    (its group's private ones, then its share of the ring's shared ones);
-    their slices stream in pieces through 4 slots, the first issued as soon as the
-    list exists and each slot refilled right after its piece is used. Returns this
-    core's partial sum over the experts it ran."""
+    Which experts the token rows chose goes to SMEM as one row of flags (_chosen_moe); a
+    scalar pass lists, in id order, the experts this core runs (its group's private
+    ones, then its share of the ring's shared ones); their slices stream in pieces
+    through 4 slots, the first issued as soon as the list exists and each slot refilled
+    right after its piece is used. Returns this core's partial sum over the experts it ran."""
     (
         ids_vmem,
-        ids_smem,
-        ids_sem,
-        seen_smem,
+        chosen_vmem,
         chosen_smem,
-        tails_smem,
-        ring_smem,
+        chosen_sem,
+        listed_smem,
+        flows_smem,
         slots,
         slot_sems,
         ex_in,
@@ -922,7 +952,8 @@ def _experts_moe(ctx, moe_slot, ids, weights, x):
     ) = ctx.scratch["moe_moe"]
     experts_hbm = ctx.experts["moe"]
     ids_vmem[...] = ids
-    copy = pltpu.make_async_copy(ids_vmem, ids_smem, ids_sem)
+    chosen_vmem[...] = _chosen_moe(ids)
+    copy = pltpu.make_async_copy(chosen_vmem, chosen_smem, chosen_sem)
     copy.start()
     copy.wait()
     me = jax.lax.axis_index(AXIS) if NUM_DEVICES > 1 else 0
@@ -931,71 +962,35 @@ def _experts_moe(ctx, moe_slot, ids, weights, x):
     first = group * MOE_EXPERTS_PER_RANK
     partner_first = after * MOE_EXPERTS_PER_RANK
 
-    def clear(expert, carry):
-        seen_smem[expert] = 0
-        return carry
+    def listing(start, stop, count, skip=0, keep=MOE_EXPERTS_PER_RANK):
+        """Appends the chosen experts of ids [start, stop), from the skip-th one on and keep of
+        them at most, to this core's list in id order; returns the list's length."""
 
-    jax.lax.fori_loop(0, MOE_EXPERTS, clear, 0)
+        def visit(expert, carry):
+            seen, count = carry
+            take = (chosen_smem[0, expert] == 1) & (seen >= skip) & (seen < skip + keep)
+
+            @pl.when(take)
+            def _():
+                listed_smem[count] = expert
+
+            return seen + chosen_smem[0, expert], count + jnp.where(take, 1, 0)
+
+        return jax.lax.fori_loop(start, stop, visit, (0, count))[1]
+
     # A block's first `private` experts are its group's alone; the rest, its tail, are also
-    # held by the group before it in the ring.
+    # held by the group before it in the ring. Rows of chosen_smem: each group's chosen
+    # private and tail experts (lane g), from _chosen_moe.
     private = MOE_EXPERTS_PER_RANK - MOE_PARTNER_EXPERTS
-    # ring_smem rows: each group's private actives, its tail actives, and its flow (the
-    # tail actives the group before it runs).
-    PRIVATE, TAIL, FLOW = 0, 1, 2
-
-    def clear_counts(g, carry):
-        ring_smem[PRIVATE, g] = 0
-        ring_smem[TAIL, g] = 0
-        return carry
-
-    jax.lax.fori_loop(0, MOE_RING_GROUPS, clear_counts, 0)
-
-    def note(i, counts):
-        """Every core sees the same ids: each counts every group's private and tail
-        actives, lists its own private ones, and lists its own group's and the next
-        group's tail actives in token order (the same lists on every core of the ring)."""
-        own, own_tail, after_tail = counts
-        expert = ids_smem[i // MOE_TOP_K, i % MOE_TOP_K]
-        new = seen_smem[expert] == 0
-        owner = expert // MOE_EXPERTS_PER_RANK
-        in_tail = expert % MOE_EXPERTS_PER_RANK >= private
-        mine = new & (owner == group) & jnp.logical_not(in_tail)
-        tail_mine = new & in_tail & (owner == group)
-        tail_after = new & in_tail & (owner == after)
-
-        @pl.when(new)
-        def _():
-            seen_smem[expert] = 1
-            row = jnp.where(in_tail, TAIL, PRIVATE)
-            ring_smem[row, owner] = ring_smem[row, owner] + 1
-
-        @pl.when(mine)
-        def _():
-            chosen_smem[own] = expert
-
-        @pl.when(tail_mine)
-        def _():
-            tails_smem[0, own_tail] = expert
-
-        @pl.when(tail_after)
-        def _():
-            tails_smem[1, after_tail] = expert
-
-        return (
-            own + jnp.where(mine, 1, 0),
-            own_tail + jnp.where(tail_mine, 1, 0),
-            after_tail + jnp.where(tail_after, 1, 0),
-        )
-
-    own, _, _ = jax.lax.fori_loop(0, TOKENS * MOE_TOP_K, note, (0, 0, 0))
+    PRIVATE, TAIL = 1, 2
 
     def load(g):
-        """Slices group g reads: its private and kept tail actives, and the next one's flow."""
+        """Slices group g reads: its private and kept tail experts, and the next one's flow."""
         return (
-            ring_smem[PRIVATE, g]
-            + ring_smem[TAIL, g]
-            - ring_smem[FLOW, g]
-            + ring_smem[FLOW, (g + 1) % MOE_RING_GROUPS]
+            chosen_smem[PRIVATE, g]
+            + chosen_smem[TAIL, g]
+            - flows_smem[g]
+            + flows_smem[(g + 1) % MOE_RING_GROUPS]
         )
 
     def flows_at(bound):
@@ -1003,14 +998,14 @@ def _experts_moe(ctx, moe_slot, ids, weights, x):
         from no flow (mkgen.plan.sharding.ring_flows); returns the worst group's load."""
 
         def clear_flow(g, carry):
-            ring_smem[FLOW, g] = 0
+            flows_smem[g] = 0
             return carry
 
         def lap_step(j, carry):
             g = j % MOE_RING_GROUPS
             nxt = (g + 1) % MOE_RING_GROUPS
-            room = bound - ring_smem[PRIVATE, g] - ring_smem[TAIL, g] + ring_smem[FLOW, g]
-            ring_smem[FLOW, nxt] = jnp.minimum(jnp.maximum(room, 0), ring_smem[TAIL, nxt])
+            room = bound - chosen_smem[PRIVATE, g] - chosen_smem[TAIL, g] + flows_smem[g]
+            flows_smem[nxt] = jnp.minimum(jnp.maximum(room, 0), chosen_smem[TAIL, nxt])
             return carry
 
         jax.lax.fori_loop(0, MOE_RING_GROUPS, clear_flow, 0)
@@ -1021,31 +1016,30 @@ def _experts_moe(ctx, moe_slot, ids, weights, x):
 
     def totals(g, carry):
         most, total = carry
-        private_actives = ring_smem[PRIVATE, g]
-        return jnp.maximum(most, private_actives), total + private_actives + ring_smem[TAIL, g]
+        private_chosen = chosen_smem[PRIVATE, g]
+        return jnp.maximum(most, private_chosen), total + private_chosen + chosen_smem[TAIL, g]
 
     most, total = jax.lax.fori_loop(0, MOE_RING_GROUPS, totals, (0, 0))
     # From the bound max(most private, ceil(total / G)) up, until the flows keep every
-    # group within it (they do once it reaches the largest group's actives).
+    # group within it (they do once it reaches the largest group's chosen experts).
     start = jnp.maximum(most, (total + MOE_RING_GROUPS - 1) // MOE_RING_GROUPS)
     jax.lax.while_loop(
         lambda c: c[1] > c[0], lambda c: (c[0] + 1, flows_at(c[0] + 1)), (start, flows_at(start))
     )
-
-    def take(source):
-        """Appends entry j of tail list `source` to the core's list."""
-
-        def append(j, count):
-            chosen_smem[count] = tails_smem[source, j]
-            return count + 1
-
-        return append
-
-    # This core runs its own tail's first actives (all but the group before's flow), then
-    # the last `flow` of the next group's tail actives (the ones that group hands over).
-    count = jax.lax.fori_loop(0, ring_smem[TAIL, group] - ring_smem[FLOW, group], take(0), own)
-    count = jax.lax.fori_loop(
-        ring_smem[TAIL, after] - ring_smem[FLOW, after], ring_smem[TAIL, after], take(1), count
+    # This core runs its group's private experts, its own tail's first chosen ones (all but
+    # the group before's flow), then the last `flow` of the next group's tail's chosen ones.
+    count = listing(first, first + private, 0)
+    count = listing(
+        first + private,
+        first + MOE_EXPERTS_PER_RANK,
+        count,
+        keep=chosen_smem[TAIL, group] - flows_smem[group],
+    )
+    count = listing(
+        partner_first + private,
+        partner_first + MOE_EXPERTS_PER_RANK,
+        count,
+        skip=chosen_smem[TAIL, after] - flows_smem[after],
     )
     pieces = MOE_GATE_UP_PIECES + MOE_DOWN_PIECES
 
@@ -1056,7 +1050,7 @@ def _experts_moe(ctx, moe_slot, ids, weights, x):
 
     def copies(q):
         """Piece q % pieces of the (q // pieces)-th chosen expert into slot q % slots."""
-        local = held(chosen_smem[q // pieces])
+        local = held(listed_smem[q // pieces])
         slot = q % MOE_EXPERT_SLOTS
         return [
             pltpu.make_async_copy(
@@ -1073,7 +1067,7 @@ def _experts_moe(ctx, moe_slot, ids, weights, x):
     lane = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 1)
 
     def run(i, acc):
-        expert = chosen_smem[i]
+        expert = listed_smem[i]
         weight = jnp.sum(
             jnp.where((ids == expert) & (lane < MOE_TOP_K), weights, 0.0), axis=1, keepdims=True
         )
@@ -1182,12 +1176,11 @@ def _kernel(
     gqa_write_sems,  # DMA[CACHES, BATCH, 1]
     gqa_block_vmem,  # [CACHES, BATCH, 1, CACHE_BLOCK, 128] bf16: rewritten cache rows
     moe_ids_vmem,  # [TOKENS_PADDED, 128] int32: chosen experts (lanes < TOP_K)
-    moe_ids_smem,  # the same in SMEM, for scalar loops and DMA addresses
-    moe_ids_sem,  # DMA
-    moe_seen_smem,  # [128] int32: expert already listed
-    moe_chosen_smem,  # [TOKENS * TOP_K] int32: distinct experts of this core's group
-    moe_tails_smem,  # [2, TOKENS * TOP_K] int32: tail actives of its group, of the next one
-    moe_ring_smem,  # [3, RING_GROUPS] int32: each group's private and tail actives, its flow
+    moe_chosen_vmem,  # [8, EXPERTS_PADDED] int32: the chosen experts' flags, each group's counts (_chosen_moe)
+    moe_chosen_smem,  # the same in SMEM, for the scalar listing
+    moe_chosen_sem,  # DMA
+    moe_listed_smem,  # [TOKENS * TOP_K] int32: the experts this core runs, in id order
+    moe_flows_smem,  # [RING_GROUPS] int32: each group's tail experts the group before it runs
     moe_slots_vmem,  # [EXPERT_SLOTS, 2048, LANES] bf16: expert pieces
     moe_slot_sems,  # DMA[2 (codes, scales), EXPERT_SLOTS]
     moe_in_vmem,  # [8, TOKENS_PADDED, CHUNK] bf16: expert input
@@ -1231,12 +1224,11 @@ def _kernel(
             "gqa_block": gqa_block_vmem,
             "moe_moe": (
                 moe_ids_vmem,
-                moe_ids_smem,
-                moe_ids_sem,
-                moe_seen_smem,
+                moe_chosen_vmem,
                 moe_chosen_smem,
-                moe_tails_smem,
-                moe_ring_smem,
+                moe_chosen_sem,
+                moe_listed_smem,
+                moe_flows_smem,
                 (moe_slots_vmem,),
                 moe_slot_sems,
                 moe_in_vmem,
@@ -1325,12 +1317,11 @@ def _scratch_shapes():
     ]
     shapes += [
         pltpu.VMEM((TOKENS_PADDED, 128), jnp.int32),
-        pltpu.SMEM((TOKENS_PADDED, 128), jnp.int32),
+        pltpu.VMEM((8, MOE_EXPERTS_PADDED), jnp.int32),
+        pltpu.SMEM((8, MOE_EXPERTS_PADDED), jnp.int32),
         pltpu.SemaphoreType.DMA(()),
-        pltpu.SMEM((MOE_EXPERTS,), jnp.int32),
         pltpu.SMEM((TOKENS * MOE_TOP_K,), jnp.int32),
-        pltpu.SMEM((2, TOKENS * MOE_TOP_K), jnp.int32),
-        pltpu.SMEM((3, MOE_RING_GROUPS), jnp.int32),
+        pltpu.SMEM((MOE_RING_GROUPS,), jnp.int32),
         pltpu.VMEM((MOE_EXPERT_SLOTS, MOE_CODE_ROWS, LANES), jnp.bfloat16),
         pltpu.SemaphoreType.DMA((2, MOE_EXPERT_SLOTS)),
         pltpu.VMEM((MOE_EXPERT_GATE_UP.k_chunks, TOKENS_PADDED, CHUNK), jnp.bfloat16),

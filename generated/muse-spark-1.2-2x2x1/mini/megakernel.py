@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build muse-spark-1.2 --topology 2x2x1 --force`` 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of muse-spark-1.2 for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: d9604a945c60cb8da0064b36b2a525f896f89c424b883fdc7c5f6e24979fd694 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 53ef5b64dd6871449638b22e35e8bbf0ffd7d28bbd975b6d754e2d19982d7543 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
@@ -180,6 +180,7 @@ GLOBAL_WGATE_COLS = slice(96, 128)  # output gate logits
 
 # FFN kind 0 "moe" (MoE), layers [0, 1, 2, 3, 4, 5].
 MOE_EXPERTS = 8
+MOE_EXPERTS_PADDED = 128  # whole 128-lane rows of expert ids
 MOE_TOP_K = 2
 MOE_WIDTH_PARTS = 1  # consecutive cores sharing a group of experts
 MOE_EXPERTS_PER_RANK = 1  # experts of that group
@@ -1142,47 +1143,71 @@ def _route_moe(vec, logits):
     return ids, weights
 
 
+def _chosen_moe(ids):
+    """[8, EXPERTS_PADDED] int32 from the token rows' choices `ids` (lanes < TOP_K): row 0
+    flags the experts any token row chose. On the VPU: a compare of every pick
+    with every expert id, where a scalar pass over the picks would take hundreds of cycles."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 0)
+    lanes = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 1)
+    picks = jnp.where((rows < TOKENS) & (lanes < MOE_TOP_K), ids, -1)
+    expert = jax.lax.broadcasted_iota(jnp.int32, (1, MOE_EXPERTS_PADDED), 1)
+    flags = jnp.zeros((1, MOE_EXPERTS_PADDED), jnp.int32)
+    for k in range(MOE_TOP_K):
+        flags = jnp.maximum(
+            flags, jnp.max(jnp.where(picks[:, k : k + 1] == expert, 1, 0), axis=0, keepdims=True)
+        )
+    return jnp.concatenate([flags, jnp.zeros((7, MOE_EXPERTS_PADDED), jnp.int32)], axis=0)
+
+
 def _experts_moe(ctx, moe_slot, ids, weights, x):
     """The chosen experts of this core's group, each on this core's width slice.
 
-    Expert ids go to SMEM; a scalar pass lists the distinct experts this core holds;
-    their slices stream in pieces through 4 slots, the first issued as soon as the
-    list exists and each slot refilled right after its piece is used. Returns this
-    core's partial sum over the experts it ran."""
-    ids_vmem, ids_smem, ids_sem, seen_smem, chosen_smem, slots, slot_sems, ex_in, ex_mid, ex_acc = (
-        ctx.scratch["moe_moe"]
-    )
+    Which experts the token rows chose goes to SMEM as one row of flags (_chosen_moe); a
+    scalar pass lists, in id order, the experts this core holds; their slices stream in pieces
+    through 4 slots, the first issued as soon as the list exists and each slot refilled
+    right after its piece is used. Returns this core's partial sum over the experts it ran."""
+    (
+        ids_vmem,
+        chosen_vmem,
+        chosen_smem,
+        chosen_sem,
+        listed_smem,
+        slots,
+        slot_sems,
+        ex_in,
+        ex_mid,
+        ex_acc,
+    ) = ctx.scratch["moe_moe"]
     experts_hbm = ctx.experts["moe"]
     ids_vmem[...] = ids
-    copy = pltpu.make_async_copy(ids_vmem, ids_smem, ids_sem)
+    chosen_vmem[...] = _chosen_moe(ids)
+    copy = pltpu.make_async_copy(chosen_vmem, chosen_smem, chosen_sem)
     copy.start()
     copy.wait()
     me = jax.lax.axis_index(AXIS) if NUM_DEVICES > 1 else 0
     first = (me // MOE_WIDTH_PARTS) * MOE_EXPERTS_PER_RANK
 
-    def clear(expert, carry):
-        seen_smem[expert] = 0
-        return carry
+    def listing(start, stop, count):
+        """Appends the chosen experts of ids [start, stop) to this core's list in id order; returns the list's length."""
 
-    jax.lax.fori_loop(0, MOE_EXPERTS, clear, 0)
+        def visit(expert, carry):
+            count = carry
+            take = chosen_smem[0, expert] == 1
 
-    def note(i, count):
-        expert = ids_smem[i // MOE_TOP_K, i % MOE_TOP_K]
-        new = (seen_smem[expert] == 0) & (expert >= first) & (expert < first + MOE_EXPERTS_PER_RANK)
+            @pl.when(take)
+            def _():
+                listed_smem[count] = expert
 
-        @pl.when(new)
-        def _():
-            seen_smem[expert] = 1
-            chosen_smem[count] = expert
+            return count + jnp.where(take, 1, 0)
 
-        return count + jnp.where(new, 1, 0)
+        return jax.lax.fori_loop(start, stop, visit, count)
 
-    count = jax.lax.fori_loop(0, TOKENS * MOE_TOP_K, note, 0)
+    count = listing(first, first + MOE_EXPERTS_PER_RANK, 0)
     pieces = MOE_GATE_UP_PIECES + MOE_DOWN_PIECES
 
     def copies(q):
         """Piece q % pieces of the (q // pieces)-th chosen expert into slot q % slots."""
-        local = chosen_smem[q // pieces] - first
+        local = listed_smem[q // pieces] - first
         slot = q % MOE_EXPERT_SLOTS
         return [
             pltpu.make_async_copy(
@@ -1199,7 +1224,7 @@ def _experts_moe(ctx, moe_slot, ids, weights, x):
     lane = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 1)
 
     def run(i, acc):
-        expert = chosen_smem[i]
+        expert = listed_smem[i]
         weight = jnp.sum(
             jnp.where((ids == expert) & (lane < MOE_TOP_K), weights, 0.0), axis=1, keepdims=True
         )
@@ -1330,10 +1355,10 @@ def _kernel(
     global_write_sems,  # DMA[CACHES, BATCH, 1]
     global_block_vmem,  # [CACHES, BATCH, 1, CACHE_BLOCK, 32] bf16: rewritten cache rows
     moe_ids_vmem,  # [TOKENS_PADDED, 128] int32: chosen experts (lanes < TOP_K)
-    moe_ids_smem,  # the same in SMEM, for scalar loops and DMA addresses
-    moe_ids_sem,  # DMA
-    moe_seen_smem,  # [8] int32: expert already listed
-    moe_chosen_smem,  # [TOKENS * TOP_K] int32: distinct experts of this core's group
+    moe_chosen_vmem,  # [8, EXPERTS_PADDED] int32: the chosen experts' flags (_chosen_moe)
+    moe_chosen_smem,  # the same in SMEM, for the scalar listing
+    moe_chosen_sem,  # DMA
+    moe_listed_smem,  # [TOKENS * TOP_K] int32: the experts this core runs, in id order
     moe_code_slots_vmem,  # [EXPERT_SLOTS, 128, LANES] int8
     moe_scale_slots_vmem,  # [EXPERT_SLOTS, 8, LANES] bf16
     moe_slot_sems,  # DMA[2 (codes, scales), EXPERT_SLOTS]
@@ -1390,10 +1415,10 @@ def _kernel(
             "global_block": global_block_vmem,
             "moe_moe": (
                 moe_ids_vmem,
-                moe_ids_smem,
-                moe_ids_sem,
-                moe_seen_smem,
+                moe_chosen_vmem,
                 moe_chosen_smem,
+                moe_chosen_sem,
+                moe_listed_smem,
                 (moe_code_slots_vmem, moe_scale_slots_vmem),
                 moe_slot_sems,
                 moe_in_vmem,
@@ -1501,9 +1526,9 @@ def _scratch_shapes():
     ]
     shapes += [
         pltpu.VMEM((TOKENS_PADDED, 128), jnp.int32),
-        pltpu.SMEM((TOKENS_PADDED, 128), jnp.int32),
+        pltpu.VMEM((8, MOE_EXPERTS_PADDED), jnp.int32),
+        pltpu.SMEM((8, MOE_EXPERTS_PADDED), jnp.int32),
         pltpu.SemaphoreType.DMA(()),
-        pltpu.SMEM((MOE_EXPERTS,), jnp.int32),
         pltpu.SMEM((TOKENS * MOE_TOP_K,), jnp.int32),
         pltpu.VMEM((MOE_EXPERT_SLOTS, MOE_CODE_ROWS, LANES), jnp.int8),
         pltpu.VMEM((MOE_EXPERT_SLOTS, MOE_SCALE_ROWS, LANES), jnp.bfloat16),

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build muse-spark-1.2 --topology 2x2x1 --force`` 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of muse-spark-1.2 for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: d9604a945c60cb8da0064b36b2a525f896f89c424b883fdc7c5f6e24979fd694 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 53ef5b64dd6871449638b22e35e8bbf0ffd7d28bbd975b6d754e2d19982d7543 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 
