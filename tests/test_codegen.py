@@ -206,8 +206,8 @@ def test_inspect_pads_one_dimensional_buffers_as_the_vmem_plan_does(kernels) -> 
     source, _ = kernels["qwen3-30b-a3b-2x2x1/megakernel.py"]
     found = vmem_map(source)
     assert found is not None
-    seen = next(b for b in found.smem if b.name == "moe_seen_smem")
-    assert seen.shape == (128,) and seen.padded_bytes == 512  # 128 int32
+    listed = next(b for b in found.smem if b.name == "moe_listed_smem")
+    assert listed.shape == (8,) and listed.padded_bytes == 512  # 8 int32 in one lane row
     for buffer in found.buffers + found.smem:
         bits = 8 * np.dtype(buffer.dtype).itemsize
         assert buffer.padded_bytes == vmem_padded_bytes(buffer.shape, bits), buffer.name

@@ -497,8 +497,8 @@ def test_a_build_inside_the_calibration_rows_but_for_held_refills() -> None:
 
 def test_the_sensitivity_walks_each_unmeasured_input_at_both_ends(kimi) -> None:
     """The catalog's ranges, each end walked on the same kernel: a slower cross-host round,
-    narrower host links, a slower clock or a dearer DMA each give a longer step; on one host
-    the cross-host inputs are left out."""
+    narrower host links, a slower clock, one scalar op a cycle for the expert listing or a
+    dearer DMA each give a longer step; on one host the cross-host inputs are left out."""
     rows = {r.input: r for r in kimi.confidence.sensitivity}
     step = kimi.estimate.step_ms
     latency = rows["cross-host round latency (us)"]
@@ -510,6 +510,9 @@ def test_the_sensitivity_walks_each_unmeasured_input_at_both_ends(kimi) -> None:
     clock = rows["core clock (GHz)"]
     assert clock.low == pytest.approx(2.2, abs=0.01) and clock.high == pytest.approx(4.4, abs=0.01)
     assert clock.step_ms_low > step and clock.step_ms_high == pytest.approx(step)
+    scalar = rows["scalar ops a cycle (the expert listing)"]
+    assert (scalar.low, scalar.high) == (1, 2)
+    assert scalar.step_ms_low > step and scalar.step_ms_high == pytest.approx(step)
     dma = rows["DMA issue cost (ns per DMA)"]
     assert dma.step_ms_low < step < dma.step_ms_high
     assert all(r.source for r in rows.values())
@@ -523,5 +526,5 @@ def test_the_sensitivity_walks_each_unmeasured_input_at_both_ends(kimi) -> None:
         kinds=default_registry(),
     )
     assert [r.input for r in one_host.confidence.sensitivity] == [
-        "core clock (GHz)", "DMA issue cost (ns per DMA)"
+        "core clock (GHz)", "scalar ops a cycle (the expert listing)", "DMA issue cost (ns per DMA)"
     ]  # fmt: skip

@@ -59,7 +59,8 @@ def test_plan_json_states_the_calibrated_regime_the_sensitivity_and_one_floor_ra
     assert {p["what"] for p in est["uncalibrated"]} >= {"cross-host rounds (4 hosts)"}
     assert [s["input"] for s in est["sensitivity"]] == [
         "cross-host round latency (us)", "cross-host link bandwidth (GB/s per core)",
-        "core clock (GHz)", "DMA issue cost (ns per DMA)",
+        "core clock (GHz)", "scalar ops a cycle (the expert listing)",
+        "DMA issue cost (ns per DMA)",
     ]  # fmt: skip
     for row in est["sensitivity"]:
         assert set(row) == {"input", "low", "high", "step_ms_low", "step_ms_high"}

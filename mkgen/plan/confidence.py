@@ -359,7 +359,7 @@ def sensitivity(
         rates = c.issue_rates
         rows.append(row("core clock (GHz)", "clock_hz", rates.clock_range_hz, 1e9,
                         rates.clock_source))  # fmt: skip
-        if any(f.experts and f.experts.groups for f in program.sharding.ffn.values()):
+        if any(f.experts is not None for f in program.sharding.ffn.values()):  # routed experts
             rows.append(row("scalar ops a cycle (the expert listing)", "scalar_ops_per_cycle",
                             rates.scalar_range, 1, rates.scalar_source))  # fmt: skip
     low, high = DMA_ISSUE_RANGE
