@@ -806,6 +806,12 @@ def expected_max(pmf: list[float], count: int) -> float:
     return sum(1.0 - cdf[x - 1] ** count for x in range(1, len(pmf)))
 
 
+def ring_first_bound(private: list[int], tail: list[int]) -> int:
+    """The first bound `ring_flows` (and the kernel) tries: no group can read fewer than its
+    private experts, nor the ring fewer than its even share."""
+    return max(max(private), -(-(sum(private) + sum(tail)) // len(private)))
+
+
 def ring_flows(private: list[int], tail: list[int]) -> tuple[list[int], int]:
     """The split of a routing's active shared experts around the ring of groups, as the
     kernel's scalar pass computes it (mkgen/kinds/moe/macros.py.j2, `_experts_*`).
@@ -819,7 +825,7 @@ def ring_flows(private: list[int], tail: list[int]) -> tuple[list[int], int]:
     load is at most L (it is once L reaches the largest group's actives). Returns the
     flows and the worst load."""
     groups = len(private)
-    bound = max(max(private), -(-(sum(private) + sum(tail)) // groups))
+    bound = ring_first_bound(private, tail)
     while True:
         flows = [0] * groups
         for g in list(range(groups)) * 2:
@@ -861,9 +867,8 @@ def ring_expected_max(per_group: int, shared: int, groups: int, p: float) -> tup
         counts = [(private(), tail()) for _ in range(groups)]
         alone, shares = [a for a, _ in counts], [s for _, s in counts]
         worst = ring_flows(alone, shares)[1]
-        start = max(max(alone), -(-(sum(alone) + sum(shares)) // groups))
         worst_sum += worst
-        bounds_sum += worst - start + 1
+        bounds_sum += worst - ring_first_bound(alone, shares) + 1
     return worst_sum / RING_SAMPLES, bounds_sum / RING_SAMPLES
 
 
