@@ -19,10 +19,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mkgen.interpret import interpret_mode
 from mkgen.runtime.arguments import NGRAM_DEFAULT
 from mkgen.runtime.build import Build, kernel_outputs, load_build
 from mkgen.runtime.device_drafting import (
@@ -426,7 +426,7 @@ def decode(
             observe(sequences.history, [offset] * batch, states, [states.shape[2]] * batch)
     host_step = _HostSteps(model, step_fn, args, drafter, observe)
     mode = (
-        pltpu.force_tpu_interpret_mode(pltpu.InterpretParams())
+        interpret_mode()
         if args.interpret
         else contextlib.nullcontext()
     )

@@ -52,8 +52,8 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas import tpu as pltpu
 
+from mkgen.interpret import interpret_mode
 from mkgen.runtime.decode import (
     DrafterStates,
     Model,
@@ -343,7 +343,7 @@ class Engine:
 
     def _loop(self) -> None:
         mode = (
-            pltpu.force_tpu_interpret_mode(pltpu.InterpretParams())
+            interpret_mode()
             if self.interpret
             else contextlib.nullcontext()
         )

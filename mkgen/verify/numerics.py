@@ -430,6 +430,7 @@ def _run_child(
     from jax.experimental.pallas import tpu as pltpu
     from jax.sharding import Mesh
 
+    from mkgen.interpret import interpret_mode
     from mkgen.plan.collectives import arrange_devices
     from mkgen.reference import model as reference
     from mkgen.weights.quantize import stored_random_weights
@@ -464,7 +465,7 @@ def _run_child(
         x = np.zeros((layout.tokens_padded, layout.hidden), np.float32)
         x[: layout.tokens] = weights["embedding"][tokens.reshape(-1)]
         start = time.perf_counter()
-        with pltpu.force_tpu_interpret_mode(params):
+        with interpret_mode(params):
             out = step_fn(
                 tables, jnp.full((batch,), position, jnp.int32), jnp.asarray(x), final_norm,
                 stream, vectors, *experts, *caches,
