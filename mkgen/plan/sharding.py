@@ -797,12 +797,20 @@ def _pmf_hypergeometric(total: int, group: int, draws: int) -> list[float]:
     return out
 
 
-def expected_max(pmf: list[float], count: int) -> float:
-    """E[max of ``count`` independent draws] from a distribution on 0..n."""
+def _cdf(pmf: list[float]) -> list[float]:
+    """The cumulative distribution of `pmf` (on 0..n), at most 1 and 1 at n, summed in
+    order in pure Python (the same floats on every host)."""
     cdf, acc = [], 0.0
     for p in pmf:
         acc += p
         cdf.append(min(acc, 1.0))
+    cdf[-1] = 1.0
+    return cdf
+
+
+def expected_max(pmf: list[float], count: int) -> float:
+    """E[max of ``count`` independent draws] from a distribution on 0..n."""
+    cdf = _cdf(pmf)
     return sum(1.0 - cdf[x - 1] ** count for x in range(1, len(pmf)))
 
 
@@ -854,11 +862,7 @@ def ring_expected_max(per_group: int, shared: int, groups: int, p: float) -> tup
     draws = random.Random(RING_SEED)
 
     def sampler(n: int):
-        cdf, acc = [], 0.0
-        for q in _pmf_binomial(n, p):
-            acc += q
-            cdf.append(acc)
-        cdf[-1] = 1.0
+        cdf = _cdf(_pmf_binomial(n, p))
         return lambda: bisect.bisect_right(cdf, draws.random())
 
     private, tail = sampler(per_group - shared), sampler(shared)
