@@ -178,7 +178,7 @@ def against_the_bar() -> str:
         est = json.loads(result.stdout)["estimate"]
         lines.append(
             f"{' '.join(args):<{width}} {est['step_ms']:>8.3f} {est['calibrated_step_ms']:>8.3f} "
-            f"{hand.step_ms:>8.2f} {est['ideal_floor_ms']:>8.3f} {est['ideal_floor_ratio']:>10.2f}"
+            f"{hand.step_ms:>8.2f} {est['ideal_floor_ms']:>8.3f} {est['ideal_floor_ratio']:>10.3f}"
         )
     return "\n".join(lines)
 

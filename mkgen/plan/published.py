@@ -148,7 +148,7 @@ def bar_text(
         f"ideal floor {floor.ms:.3f} ms ({floor.bytes_per_core / 1e9:.3f} GB per core per step "
         f"at {floor.stream_rate / 1e12:.1f} TB/s, no replication, even experts, no padding): "
         f"the predicted {verify}step is {floor.times(step_ms)} (floor / step "
-        f"{floor.ratio(step_ms):.2f})"
+        f"{floor.ratio(step_ms):.3f})"
     ]
     if hand is not None:
         lines.append(_against_hand_written(step_ms, hand, draft_ms, drafter))
