@@ -136,7 +136,11 @@ def _server_lock() -> IO[str]:
 
 
 def _check_free(host: str, port: int) -> None:
+    """An error if something listens on host:port. The probe binds as the server does, with
+    SO_REUSEADDR, so the closed connections of a run a minute before (TIME_WAIT) do not
+    read as taken."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as error:
