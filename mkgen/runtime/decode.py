@@ -425,11 +425,7 @@ def decode(
             batch = model.build.batch
             observe(sequences.history, [offset] * batch, states, [states.shape[2]] * batch)
     host_step = _HostSteps(model, step_fn, args, drafter, observe)
-    mode = (
-        interpret_mode()
-        if args.interpret
-        else contextlib.nullcontext()
-    )
+    mode = interpret_mode() if args.interpret else contextlib.nullcontext()
     with mode:
         while not all(sequences.finished):
             budget = sequences.budget()

@@ -342,11 +342,7 @@ class Engine:
     # ------------------------------------------------------------ the engine thread
 
     def _loop(self) -> None:
-        mode = (
-            interpret_mode()
-            if self.interpret
-            else contextlib.nullcontext()
-        )
+        mode = interpret_mode() if self.interpret else contextlib.nullcontext()
         with mode:
             if self._warmed_up():
                 self._collect(freeze=True)
