@@ -29,6 +29,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 # The parameters of the io_callback implementation this module replaces (JAX 0.12).
 _EXPECTED_PARAMETERS = ("args", "result_avals", "callback", "sharding", "ordered")
+# JAX's own implementation, as this module found it (tests compare with it).
+JAX_IO_CALLBACK_IMPL = getattr(jax_callback, "io_callback_impl", None)
 
 
 def _io_callback_in_numpy(

@@ -18,12 +18,14 @@ from mkgen import interpret
 
 @pytest.fixture
 def stock_io_callback(monkeypatch: pytest.MonkeyPatch):
-    """JAX's own io_callback implementation, put back after the test."""
-    monkeypatch.setattr(jax_callback, "io_callback_impl", jax_callback.io_callback_impl)
-    return jax_callback.io_callback_impl
+    """JAX's own io_callback implementation in place (another test in this process may have
+    entered mkgen's interpret mode), and whatever was there put back after the test."""
+    monkeypatch.setattr(jax_callback, "io_callback_impl", interpret.JAX_IO_CALLBACK_IMPL)
+    return interpret.JAX_IO_CALLBACK_IMPL
 
 
 def test_callbacks_get_owned_numpy_copies_of_their_arguments(stock_io_callback) -> None:
+    assert stock_io_callback.__module__ == "jax._src.callback"
     assert interpret.numpy_callback_arguments()
     assert jax_callback.io_callback_impl is not stock_io_callback
     assert interpret.numpy_callback_arguments()  # idempotent
