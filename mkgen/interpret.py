@@ -8,10 +8,11 @@ only for the interpreter to read it back as numpy: that copy is about 45 % of an
 interpret-mode step (Kimi K3's 2x2x1 twin, one eager step: 25.0 s -> 13.5 s without it).
 `interpret_mode` replaces it by numpy copies. The callbacks get the same values as numpy
 arrays they own (a copy, as device_put's result is), so nothing they compute changes;
-every twin that verify checks passes either way (tests/test_interpret.py runs one both
-ways). JAX has no option for this, so it is a replacement of one private function,
-made only where that function is the one it was written for (JAX 0.12's signature and
-lowering), else JAX is left as it is (and interpret mode is only slower).
+every twin the suite verifies runs through it, and tests/test_interpret.py runs a DMA
+and semaphore kernel both ways. JAX has no option for this, so it is a replacement of one
+private function, made only where that function is the one it was written for (JAX
+0.12's signature and lowering), else JAX is left as it is (and interpret mode is only
+slower).
 """
 
 from __future__ import annotations

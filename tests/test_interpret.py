@@ -62,7 +62,7 @@ def test_another_io_callback_is_left_as_it_is(monkeypatch: pytest.MonkeyPatch) -
 
 
 def _kernel(x_hbm, o_ref, buf, sems):
-    """Two DMAs from HBM through VMEM and a remote-style semaphore wait, then a sum."""
+    """Two DMAs from HBM into VMEM, each waited on its own semaphore, then a sum."""
     first = pltpu.make_async_copy(x_hbm.at[0], buf.at[0], sems.at[0])
     second = pltpu.make_async_copy(x_hbm.at[1], buf.at[1], sems.at[1])
     first.start()
