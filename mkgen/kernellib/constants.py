@@ -47,6 +47,14 @@ LM_HEAD_ROW = 0
 LM_HEAD = Segment(offset=0, fan_in=256, fan_out=512, k_chunks=1, col_blocks=2)
 MAX_SNAPSHOTS = 4
 RESIDUAL_LOGITS_ROW = 2
+# A fused drafter's passes (mkgen/plan/fused.py): layers FIRST_PASS.. of the tables.
+FIRST_PASS = 1
+PASSES = 1
+EH_PROJ = Segment(offset=0, fan_in=512, fan_out=256, k_chunks=2, col_blocks=1)
+EH_PROJ_ROWS = (0,)  # each pass's eh_proj's first stream row
+HEAD_ROWS = (0,)  # the LM head's after each pass
+MASK_FIRST_EMBEDDING = True
+CHAIN_NORMED = False
 
 
 def cache_shapes() -> list[tuple[tuple[int, ...], object]]:

@@ -24,12 +24,23 @@ from mkgen.kernellib.elementwise import _rms_norm
 
 def _lm_head(ctx, x, final_norm, logits_ref, tokens_ref, greedy_vmem, greedy_sems):
     """Final norm, logits of this core's vocabulary shard, greedy token across shards."""
-    h = _rms_norm(x, final_norm)
-    logits = ctx.stream.matmul(h, LM_HEAD_ROW, LM_HEAD)
-    logits = logits * LOGIT_MULTIPLIER
+    logits = _logits(ctx, x, final_norm, LM_HEAD_ROW)
+    logits_ref[...] = logits
+    tokens_ref[...] = _greedy_token(logits, greedy_vmem, greedy_sems)
+
+
+def _logits(ctx, x, norm, row):
+    """This core's vocabulary shard of the logits of the rows `x`, normed by `norm`, through
+    the LM head that starts at stream row `row`."""
+    logits = ctx.stream.matmul(_rms_norm(x, norm), row, LM_HEAD) * LOGIT_MULTIPLIER
     if LOGIT_SOFTCAP is not None:
         logits = LOGIT_SOFTCAP * jnp.tanh(logits / LOGIT_SOFTCAP)
-    logits_ref[...] = logits
+    return logits
+
+
+def _greedy_token(logits, greedy_vmem, greedy_sems):
+    """The greedy token of every row across the vocabulary shards [TOKENS_PADDED, 128] int32
+    (every lane)."""
     me = jax.lax.axis_index(AXIS) if NUM_DEVICES > 1 else 0
     ids = me * VOCAB_PER_CORE + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
     masked = jnp.where(ids < VOCAB_USED, logits, -jnp.inf)
@@ -53,7 +64,7 @@ def _lm_head(ctx, x, final_norm, logits_ref, tokens_ref, greedy_vmem, greedy_sem
             value = jnp.where(better, v_j, value)
             token = jnp.where(better, t_j, token)
         mine = jnp.where(lane == 0, value, jnp.where(lane == 1, token, 0.0))
-    tokens_ref[...] = jnp.broadcast_to(token.astype(jnp.int32), (TOKENS_PADDED, 128))
+    return jnp.broadcast_to(token.astype(jnp.int32), (TOKENS_PADDED, 128))
 
 
 # fmt: on

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr
 from mkgen.plan.cost import CostConstants, Estimate, TraceEvent, to_chrome_trace
 from mkgen.plan.draft import DraftPrice, price_draft
 from mkgen.plan.floor import IdealFloor, ideal_floor
+from mkgen.plan.fused import fused_model
 from mkgen.plan.graph import GraphSummary, ScheduleCheckError, analyse
 from mkgen.plan.kernel import build_layout
 from mkgen.plan.kind import KindRegistry
@@ -161,6 +162,7 @@ def plan_build(
     trace: bool = False,
     enforce: bool = True,
     price_drafter: bool = False,
+    fuse_draft: bool = False,
 ) -> BuildPlan:
     """Plan one build. Raises a one-line SpecError when it does not fit in HBM or VMEM,
     and (``enforce``) a ScheduleCheckError when a schedule check fails; forced past a
@@ -176,10 +178,15 @@ def plan_build(
     `price_drafter` prices the spec's drafter (its draft section, mkgen/plan/draft.py) beside
     the verify step. The verify program keeps the draft section for the hidden states the
     drafter reads, which the kernel writes (layout.draft_hidden_states); the drafter's own
-    passes are priced, not generated."""
+    passes are priced, not generated. `fuse_draft` plans the spec's mtp drafter inside the
+    kernel instead (mkgen/plan/fused.py): its passes are layers of the program, generated,
+    checked and priced with the verify rows."""
 
-    drafting = spec if price_drafter else None
+    drafting = spec if price_drafter and not fuse_draft else None
     base = spec.model_copy(update={"draft": None})  # the published kernels draft apart
+    passes = None
+    if fuse_draft:
+        spec, passes = fused_model(spec, options.rows)
     program = plan_program(
         spec,
         topo,
@@ -190,6 +197,7 @@ def plan_build(
         max_piece_chunks=max_piece_chunks,
         held_refills=held_refills,
         refills_per_round=refills_per_round,
+        passes=passes,
     )
     spec, sharding, stream = program.spec, program.sharding, program.stream
     vmem, schedule = program.vmem, program.schedule

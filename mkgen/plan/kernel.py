@@ -44,6 +44,9 @@ def build_layout(
     stream as planned, `expert_slots` and the cache kinds' `kv_tiles` as the VMEM plan
     chose them, each layer kind's record built by its rule in `kinds`."""
     check_formats(spec, stream)
+    passes = sharding.draft_passes
+    # A later pass uses the first pass's cache and experts: no slot of its own.
+    own_slot = [passes is None or passes.source(i) == i for i in range(spec.layers.count)]
 
     def layouts(
         group: str, by_name: dict[str, Any], layer_names: list[str], shards: dict[str, Any],
@@ -56,7 +59,8 @@ def build_layout(
         for index, name in enumerate(names):
             kind = by_name[name]
             built.append(kinds.rules(kind.type, f"{group}.{name}").layout(LayoutInputs(
-                name=name, index=index, layers=[i for i, k in enumerate(table) if k == index],
+                name=name, index=index,
+                layers=[i for i, k in enumerate(table) if k == index and own_slot[i]],
                 kind=kind, shard=shards[name], segments=streams[name].segments,
                 devices=topology.num_devices, options=options, dims=spec.dims,
                 first_row=first_row, expert_format=spec.quantization.experts,
@@ -102,9 +106,18 @@ def _assemble(
     """The KernelLayout around the kinds' layouts: the generic counts and choices."""
     devices, hidden = topology.num_devices, spec.dims.hidden
     attn_table, ffn_table = tables
+    passes = sharding.draft_passes
+
+    def source(layer: int) -> int:
+        return layer if passes is None else passes.source(layer)
+
+    rotary = sum(1 for a in attention if a.rope)
+
     globals_ = {t.name: part_of(t, devices) for t in sharding.globals}
     segments = [s for a in attention for s in a.segments] + [s for f in ffn for s in f.segments]
     segments += stream.tail
+    if stream.draft is not None:
+        segments.append(stream.draft.eh_proj)
     formats = stream_formats(segments)
     tokens = options.batch * options.rows
     collectives = plan_collectives(topology, layer_uses(sharding), greedy_scheme(sharding))
@@ -135,8 +148,8 @@ def _assemble(
         ffn=ffn,
         attention_table=attn_table,
         ffn_table=ffn_table,
-        attention_slot=[attention[k].layers.index(i) for i, k in enumerate(attn_table)],
-        ffn_slot=[ffn[k].layers.index(i) for i, k in enumerate(ffn_table)],
+        attention_slot=[attention[k].layers.index(source(i)) for i, k in enumerate(attn_table)],
+        ffn_slot=[ffn[k].layers.index(source(i)) for i, k in enumerate(ffn_table)],
         vector_rows=ffn_rows_end + (1 if residual else 0),
         vector_width=round_up(
             max(
@@ -153,12 +166,16 @@ def _assemble(
         max_col_blocks=max(s.col_blocks for s in segments),
         trace_residuals=trace_residuals,
         draft_hidden=draft_hidden_states(spec, options.rows),
+        draft_passes=passes,
         features=kernel_features(attention, ffn, formats, held_refills=devices > 1),
         num_layers=len(attn_table),
         bank_mib=round(stream.bank_bytes / 2**20, 2),
         collective_buffers=len(collectives.buffers),
         cache_arrays=cache_arrays,
         expert_arrays=expert_arrays,
-        operands_before_caches=6 + 2 * sum(1 for a in attention if a.rope) + expert_arrays,
+        # with a fused drafter: the fed rows' tokens, the MTP norms, RoPE at the next
+        # positions and the embedding table too
+        operands_before_caches=6 + 2 * rotary + expert_arrays
+        + (3 + 2 * rotary if passes is not None else 0),
         vmem_limit_bytes=topology.chip_info.vmem_limit_bytes,
     )

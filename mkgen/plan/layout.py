@@ -23,6 +23,7 @@ from pydantic import (
 
 from mkgen.errors import SpecError
 from mkgen.plan.collectives import CollectivePlan
+from mkgen.plan.fused import DraftPasses
 from mkgen.plan.stream import (
     CHUNK,
     LANES,
@@ -488,6 +489,8 @@ class KernelLayout(PlanModel):
     trace_residuals: bool = False  # verification builds return the stream after each layer
     # The hidden states the drafter reads, written as one more output (none: no output)
     draft_hidden: list[DraftHidden] = []
+    # A fused drafter's passes: the last layers of the tables (mkgen/plan/fused.py)
+    draft_passes: DraftPasses | None = None
     final_norm: Part
     max_k_chunks: int
     max_col_blocks: int
@@ -508,13 +511,21 @@ class KernelLayout(PlanModel):
         data: dict[str, Any] = handler(self)
         if not self.draft_hidden:
             data.pop("draft_hidden", None)
+        if self.draft_passes is None:
+            data.pop("draft_passes", None)
         return data
 
     @property
     def outputs_before_caches(self) -> int:
         """The pallas_call's outputs before the caches: logits and tokens, the verification
-        build's residuals and routes, the drafter's hidden states."""
-        return 2 + 2 * self.trace_residuals + (1 if self.draft_hidden else 0)
+        build's residuals and routes, the drafter's hidden states, a fused drafter's
+        accepted rows and drafts."""
+        return (
+            2
+            + 2 * self.trace_residuals
+            + (1 if self.draft_hidden else 0)
+            + (1 if self.draft_passes else 0)
+        )
 
     @classmethod
     def read(cls, data: Mapping[str, Any], kinds: KindRegistry) -> KernelLayout:

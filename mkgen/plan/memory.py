@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict
 from mkgen.errors import SpecError
 from mkgen.hardware import MiB
 from mkgen.plan.cost import pad_rows
+from mkgen.plan.fused import DraftPasses
 from mkgen.plan.kind import KindRegistry
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.sharding import ShardingPlan, plan_sharding
@@ -92,8 +93,16 @@ def plan_memory(
     for name, split in sharding.expert_sharing.items():  # the partner's shared parts
         layers = sum(1 for _, ffn in sharding.layer_table if ffn == name)
         weights["experts"] += split.partner_bytes_per_layer * layers
+    passes = sharding.draft_passes
+    if passes is not None:  # the stream's copies of the head and eh_proj (one per pass)
+        for name in ("lm_head", "draft.0.eh_proj"):
+            shard = sharding.shard_of(name)
+            copies = passes.passes - (name != "lm_head")
+            weights[shard.family] = weights.get(shard.family, 0) + copies * shard.rank_bytes
     cache = {"kv": 0, "mla_latent": 0, "state": 0}
-    for attn_name, _ in sharding.layer_table:
+    for layer, (attn_name, _) in enumerate(sharding.layer_table):
+        if passes is not None and passes.source(layer) != layer:
+            continue  # a later pass writes the first pass's cache
         c = sharding.attention[attn_name].cache
         if c.bytes_per_token:
             kept = min(options.context, c.window) if c.window else options.context
@@ -133,19 +142,22 @@ def plan_memory(
 
 
 def plan_fitted(
-    spec: ModelSpec, topo: Topology, options: BuildOptions, *, kinds: KindRegistry
-) -> tuple[ShardingPlan, MemoryPlan]:
+    spec: ModelSpec, topo: Topology, options: BuildOptions, *, kinds: KindRegistry,
+    passes: DraftPasses | None = None,
+) -> tuple[ShardingPlan, MemoryPlan]:  # fmt: skip
     """The sharding and its HBM, the expert sharing chosen (or a forced one checked) within
     the HBM the build leaves without any: planned once without sharing, then again with
     that headroom where an MoE kind's groups pair."""
     unshared = options.model_copy(update={"expert_sharing": "none"})
-    sharding = plan_sharding(spec, topo, unshared, kinds=kinds)
+    sharding = plan_sharding(spec, topo, unshared, kinds=kinds, passes=passes)
     memory = plan_memory(spec, topo, unshared, sharding)
     pairs = any(f.experts and f.experts.groups % 2 == 0 for f in sharding.ffn.values())
     if options.expert_sharing == "none" or not (pairs or options.expert_sharing != "auto"):
         return sharding, memory
     room = max(0, memory.headroom_bytes)
-    sharing = plan_sharding(spec, topo, options, kinds=kinds, expert_room_bytes=room)
+    sharing = plan_sharding(
+        spec, topo, options, kinds=kinds, expert_room_bytes=room, passes=passes
+    )
     return sharing, plan_memory(spec, topo, options, sharing)
 
 

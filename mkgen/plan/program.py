@@ -15,6 +15,7 @@ from typing import Any
 
 from mkgen.errors import SpecError
 from mkgen.plan.cost import CostConstants
+from mkgen.plan.fused import DraftPasses
 from mkgen.plan.holds import HoldChoice, hold_digest, known_choice, remember, score_holds
 from mkgen.plan.kind import KindRegistry
 from mkgen.plan.kvtiles import choose_program
@@ -48,6 +49,7 @@ def plan_program(
     kv_tile_tokens: int | None = None,
     inline_scales: bool = True,
     require_fit: bool = True,
+    passes: DraftPasses | None = None,
 ) -> ProgramPlan:
     """Stages 1 to 5 and the schedule (stage 7) of `plan_build`, without the kernel layout:
     the program the cost model prices. Arguments as `plan_build`'s (`kinds`: the layer
@@ -57,14 +59,15 @@ def plan_program(
     inline after their codes unless `inline_scales` is False (the calibration prices the
     measured kernel's 256-token tiles and its codes and scales in separate DMAs, which the
     template does not render). `require_fit` False prices a build that does not fit HBM
-    (`mkgen estimate`'s hollow points).
+    (`mkgen estimate`'s hollow points). `passes`: a fused drafter's (``spec`` is then
+    mkgen.plan.fused.fused_model's).
 
     The refills held for the collectives are forced (`--held-refills`, `held_refills`) or
     chosen: from the tuned table (mkgen/plan/holds.py) when it knows the build, else by
     scoring (`score_held_refills`), once per build in a process."""
     shape = {"bank_rows": bank_rows, "ring_depth": ring_depth, "max_piece_chunks": max_piece_chunks,
              "kv_tile_tokens": kv_tile_tokens, "inline_scales": inline_scales}  # fmt: skip
-    base = _unheld_program(spec, topo, options, kinds, shape, require_fit)
+    base = _unheld_program(spec, topo, options, kinds, shape, require_fit, passes)
     if base.sharding.devices == 1:
         return base
     forced = options.held_refills
@@ -165,13 +168,13 @@ def full_size_kernel_modes(
 
 def _unheld_program(
     spec: ModelSpec, topo: Topology, options: BuildOptions, kinds: KindRegistry,
-    shape: dict[str, Any], require_fit: bool,
+    shape: dict[str, Any], require_fit: bool, passes: DraftPasses | None = None,
 ) -> ProgramPlan:  # fmt: skip
     """Stages 1 to 5 and the schedule with no refill held (rounds would start the banks
     their flight covers), at the KV tiles `shape` forces or the cost model chooses
     (mkgen.plan.kvtiles); refuses a forced hold the ring cannot take."""
     spec = options.apply(spec)
-    sharding, memory = plan_fitted(spec, topo, options, kinds=kinds)
+    sharding, memory = plan_fitted(spec, topo, options, kinds=kinds, passes=passes)
     if require_fit:
         check_fit(spec, topo, options, memory, kinds=kinds)
     # The ring depth does not change the stream's layout: plan it, then size the ring.

@@ -698,7 +698,14 @@ class _Builder:
         self.wait(x_in)
         self.res = x_in
         ffn_out = ffn_out_buffer(self.sh)
+        passes = self.sh.draft_passes
         for layer, (attn, ffn) in enumerate(self.sh.layer_table):
+            in_pass = passes is not None and layer in passes.layers
+            if in_pass and layer == passes.first_layer:
+                self.head(layer, self.stream.lm_head_row, "lm_head")  # the verify rows'
+                self.accept(layer)
+            if in_pass:
+                self.draft_entry(layer, layer - passes.first_layer)
             self.buffers = collective_buffers(
                 self.sh.attention[attn].collectives, self.sh.ffn[ffn].collectives, ffn_out
             )
@@ -721,7 +728,10 @@ class _Builder:
                                 ((out, None, 0),))  # fmt: skip
             if any(d.layer == layer and not d.normed for d in self.draft_hidden):
                 self.vec(layer, "residual -> draft hidden", self.res, self.t * dims.hidden)
-        self.epilogue(layers)
+            if in_pass:
+                self.draft_head(layer, layer - passes.first_layer)
+        if passes is None:
+            self.head(layers, self.stream.lm_head_row, "lm_head")
         self.draft_hidden_out(layers)
         resources = dict(self.vmem.resources)
         return Schedule(
@@ -742,28 +752,67 @@ class _Builder:
             refills=self.refills,
         )
 
-    def epilogue(self, layers: int) -> None:
+    def head(self, layer: int, row: int, label: str, norm: str = "final_norm_vmem") -> int:
+        """The final norm (`norm`), the LM head's shard from stream row `row`, and the
+        greedy token across the shards, in rounds; returns the token's node."""
         h = self.dims.hidden
-        x = self.vec(layers, "final norm", self.res, 5 * self.t * h,
-                     ((INIT, "final_norm_vmem", 0),))  # fmt: skip
+        x = self.vec(layer, "final norm", self.res, 5 * self.t * h, ((INIT, norm, 0),))
         for seg in self.stream.tail:
-            x = self.segment(layers, "lm_head", seg, self.stream.lm_head_row, x)
+            x = self.segment(layer, label, seg, row, x)
         vpc = self.dims.vocab_per_core
-        g = self.run("vector", "soft-cap, argmax of the shard -> greedy", layers, 4 * self.t * vpc,
+        g = self.run("vector", "soft-cap, argmax of the shard -> greedy", layer, 4 * self.t * vpc,
                      ((x, None, 0),), writes=("greedy", 0))  # fmt: skip
         # Every round's choice (none on one core, which has no rounds).
         coll = next(c for c in self.sh.step_collectives if c.name == "sampling")
         for call in coll.rounds:
             copies = call.members - 1
-            x = self.dma("collective", f"all_gather sampling {call.round} round", layers,
+            x = self.dma("collective", f"all_gather sampling {call.round} round", layer,
                          "greedy", 0, self.greedy_sems[call.round], copies * call.bytes_per_peer,
                          count=2 * copies, reads=((g, "greedy", 0),))  # fmt: skip
             self.nodes[x].collective = call
             self.start(x)
             self.wait(x)
             g = self.run("vector", f"token: best of the {call.round} group in member order",
-                         layers, 2 * call.members * self.t, ((x, "greedy", 0),),
+                         layer, 2 * call.members * self.t, ((x, "greedy", 0),),
                          writes=("greedy", 0))  # fmt: skip
+        return g
+
+    # --- a fused drafter's passes (mkgen/plan/fused.py) ---
+    def accept(self, layer: int) -> None:
+        """The greedy tokens copied to SMEM and each sequence's accepted rows counted there
+        (a scalar loop over its rows)."""
+        nbytes = self.dims.tokens_padded * 128 * 4
+        copy = self.dma("vector", "greedy tokens -> SMEM", layer, None, 0, ("draft_sems[0]",),
+                        nbytes, reads=((self.res, None, 0),))  # fmt: skip
+        self.start(copy)
+        self.wait(copy)
+        self.run("sync", "accepted rows of each sequence (scalar)", layer, 0, ((copy, None, 0),))
+
+    def draft_entry(self, layer: int, index: int) -> None:
+        """A pass's input rows: the embedding of each row's token (one DMA a row from the
+        table in HBM), it and the previous hidden state RMS-normed (enorm, hnorm) and
+        concatenated, then eh_proj from the stream."""
+        h, padded = self.dims.hidden, self.dims.tokens_padded
+        gather = self.dma("vector", "token embeddings -> VMEM", layer, None, 0,
+                          ("draft_sems[1]",), padded * h * 2, count=padded,
+                          reads=((INIT, "hbm:embedding", 0),))  # fmt: skip
+        self.start(gather)
+        self.wait(gather)
+        if index:  # a chained pass: the previous pass's row that made each draft
+            self.res = self.vec(layer, "previous output row of each sequence", self.res,
+                                self.t * h)  # fmt: skip
+        x = self.vec(layer, "enorm, hnorm, concatenate", self.res, 10 * self.t * h,
+                     ((gather, None, 0),))  # fmt: skip
+        draft = self.stream.draft
+        assert draft is not None, "a fused drafter's stream holds its eh_proj"
+        self.res = self.segment(layer, "eh_proj", draft.eh_proj, draft.eh_proj_rows[index], x)
+
+    def draft_head(self, layer: int, index: int) -> None:
+        """The pass's final norm and the LM head: each sequence's draft."""
+        draft = self.stream.draft
+        assert draft is not None, "a fused drafter's stream holds its heads"
+        g = self.head(layer, draft.head_rows[index], "lm_head", norm="draft_norms_vmem")
+        self.run("sync", "the sequence's draft (scalar)", layer, 0, ((g, None, 0),))
 
     def draft_hidden_out(self, layers: int) -> None:
         """The hidden states the drafter reads: the last layer's final-normed again (the

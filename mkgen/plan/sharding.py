@@ -59,6 +59,7 @@ from mkgen.plan.cost import (
     pad_rows,
     widest_level,
 )
+from mkgen.plan.fused import DRAFT_NORMS, MODULE_PREFIX, DraftPasses
 from mkgen.plan.kind import KindRegistry
 from mkgen.plan.options import EXPERT_SHARING, BuildOptions
 from mkgen.spec.quant import QuantFormat, parse_format
@@ -305,6 +306,8 @@ class ShardingPlan(_Frozen):
     ffn: dict[str, FFNSharding]
     step_collectives: tuple[Collective, ...]  # embedding broadcast, sampling gather
     layer_table: tuple[tuple[str, str], ...]
+    # A fused drafter's passes, the last layers of layer_table (mkgen/plan/fused.py)
+    draft_passes: DraftPasses | None = None
 
     # --- look-ups ---
     def shard_of(self, name: str) -> TensorShard:
@@ -1117,11 +1120,13 @@ def _expert_slice(
 
 def plan_sharding(
     spec: ModelSpec, topo: Topology, options: BuildOptions, *, kinds: KindRegistry,
-    expert_room_bytes: float | None = None,
+    expert_room_bytes: float | None = None, passes: DraftPasses | None = None,
 ) -> ShardingPlan:  # fmt: skip
     """Per-rank shapes, caches and collectives of ``spec`` on ``topo``, each layer kind's
     by its rule in ``kinds``. Expert sharing is chosen within `expert_room_bytes` of HBM
     per core (None: not known, every choice fits; mkgen.plan.memory.plan_fitted gives it).
+    A fused drafter's `passes` (``spec`` is then mkgen.plan.fused.fused_model's) add the MTP
+    module's eh_proj and norms, replicated.
 
     Raises a one-line SpecError with the numbers and a fix when a split is impossible.
     """
@@ -1157,6 +1162,10 @@ def plan_sharding(
                 rank_extent=vocab_pr, why="vocabulary columns",
             )
         )  # fmt: skip
+    if passes is not None:
+        glob += [ctx.shard(MODULE_PREFIX + n, (h,), VECTORS, why="replicated") for n in DRAFT_NORMS]
+        glob.append(ctx.shard(MODULE_PREFIX + "eh_proj", (2 * h, h), "projections",
+                              why="replicated"))  # fmt: skip
     layer_vectors = (
         ctx.shard("attn_norm", (h,), VECTORS, why="replicated"),
         ctx.shard("ffn_norm", (h,), VECTORS, why="replicated"),
@@ -1179,6 +1188,7 @@ def plan_sharding(
         ffn=ffn,
         step_collectives=step,
         layer_table=tuple(table),
+        draft_passes=passes,
     )
 
 

@@ -28,9 +28,12 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from pydantic import BaseModel, ConfigDict
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
 
 from mkgen.errors import SpecError
+from mkgen.plan.fused import MODULE_PREFIX
 from mkgen.plan.kind import FusedSegments, KindRegistry
 from mkgen.plan.options import MAX_RING_DEPTH, MIN_RING_DEPTH
 from mkgen.plan.sharding import ShardingPlan, TensorShard
@@ -177,6 +180,15 @@ class KindStream(PlanModel):
         return [s for s in self.segments if s.name == name or s.name.startswith(name + ".")]
 
 
+class DraftStream(PlanModel):
+    """A fused drafter's segments in the stream (mkgen/plan/fused.py): before each pass
+    its eh_proj, after it the LM head again."""
+
+    eh_proj: Segment
+    eh_proj_rows: list[int]  # first stream row of each pass's eh_proj
+    head_rows: list[int]  # of the LM head after each pass
+
+
 class StreamPlan(PlanModel):
     bank_rows: int
     bank_bytes: int
@@ -195,6 +207,15 @@ class StreamPlan(PlanModel):
     total_rows: int  # rows that hold segments (the last bank is padded past them)
     total_banks: int
     weight_bytes: int  # the weights the banks hold per step, in their formats, unpadded
+    draft: DraftStream | None = None  # a fused drafter's eh_proj and heads (None: none)
+
+    @model_serializer(mode="wrap")
+    def _without_draft(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A build that fuses no drafter dumps as before (plan.json unchanged).
+        data: dict[str, Any] = handler(self)
+        if self.draft is None:
+            data.pop("draft", None)
+        return data
 
     @property
     def bytes_per_step(self) -> int:
@@ -467,11 +488,6 @@ def plan_stream(
     def place(kind: KindStream) -> int:
         return round_up(row, bank_rows) if kind.aligned else row
 
-    for attn_name, ffn_name in spec.layer_table():
-        for kind, firsts in ((attention[attn_name], attention_rows), (ffn[ffn_name], ffn_rows)):
-            firsts.append(place(kind))
-            row = firsts[-1] + kind.rows
-            weight_bytes += sum(s.weight_bytes for s in kind.segments)
     lm_shard = next((t for t in sharding.globals if t.name == "lm_head"), None)
     if lm_shard is None:
         raise SpecError("tied embeddings are not supported by the weight stream yet")
@@ -479,8 +495,39 @@ def plan_stream(
     lm_head = make_segment(
         "lm_head", [lm_part], spec.dims.hidden, lm_part.size, 0, bank_rows, lm_shard.format
     )
-    lm_head_row = round_up(row, bank_rows) if lm_head.format != "bf16" else row
-    total_rows = lm_head_row + lm_head.rows
+    passes = sharding.draft_passes
+    eh_proj, eh_proj_rows, head_rows = None, [], []
+    if passes is not None:
+        eh_shard = sharding.shard_of(MODULE_PREFIX + "eh_proj")
+        eh_part = part_of(eh_shard, devices)
+        eh_proj = make_segment("eh_proj", [eh_part], 2 * spec.dims.hidden, eh_part.size, 0,
+                               bank_rows, eh_shard.format)  # fmt: skip
+
+    def segment_at(seg: Segment) -> int:
+        """Place a whole segment (the LM head, eh_proj) after `row`; its first row."""
+        nonlocal row, weight_bytes
+        first = round_up(row, bank_rows) if seg.format != "bf16" else row
+        row, weight_bytes = first + seg.rows, weight_bytes + seg.weight_bytes
+        return first
+
+    lm_head_row = -1
+    for layer, (attn_name, ffn_name) in enumerate(spec.layer_table()):
+        if eh_proj is not None and passes is not None and layer in passes.layers:
+            if layer == passes.first_layer:
+                lm_head_row = segment_at(lm_head)  # the target's head, then the passes
+            eh_proj_rows.append(segment_at(eh_proj))
+        for kind, firsts in ((attention[attn_name], attention_rows), (ffn[ffn_name], ffn_rows)):
+            firsts.append(place(kind))
+            row = firsts[-1] + kind.rows
+            weight_bytes += sum(s.weight_bytes for s in kind.segments)
+        if eh_proj_rows and len(head_rows) < len(eh_proj_rows):
+            head_rows.append(segment_at(lm_head))  # the pass's draft
+    if eh_proj is None:
+        lm_head_row = segment_at(lm_head)
+    draft = None
+    if eh_proj is not None:
+        draft = DraftStream(eh_proj=eh_proj, eh_proj_rows=eh_proj_rows, head_rows=head_rows)
+    total_rows = row
     total_banks = cdiv(total_rows, bank_rows)
     return StreamPlan(
         bank_rows=bank_rows,
@@ -494,5 +541,6 @@ def plan_stream(
         lm_head_row=lm_head_row,
         total_rows=total_rows,
         total_banks=total_banks,
-        weight_bytes=weight_bytes + lm_head.weight_bytes,
+        weight_bytes=weight_bytes,
+        draft=draft,
     )

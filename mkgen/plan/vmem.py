@@ -36,7 +36,14 @@ from mkgen.errors import SpecError
 from mkgen.hardware import MiB, vmem_padded_bytes
 from mkgen.plan.collectives import CollectivePlan, greedy_scheme, layer_uses, plan_collectives
 from mkgen.plan.kind import BufferInputs, KindRegistry
-from mkgen.plan.layout import MAX_PIECE_CHUNKS, ExpertChunks, draft_hidden_states, row_block
+from mkgen.plan.fused import DRAFT_NORMS
+from mkgen.plan.layout import (
+    MAX_PIECE_CHUNKS,
+    SUBLANES_F32,
+    ExpertChunks,
+    draft_hidden_states,
+    row_block,
+)
 from mkgen.plan.options import BuildOptions, cache_block, kv_tile
 from mkgen.plan.sharding import ShardingPlan, TensorShard
 from mkgen.plan.stream import CHUNK, LANES, StreamPlan, choose_ring, round_up
@@ -460,16 +467,36 @@ def _buffers(
         r = spec.attention_residual
         out.add("snapshots_vmem", "activations", (r.max_snapshots, tp, h), "f32",
                 why="attention-residual snapshots")  # fmt: skip
+    passes = sharding.draft_passes
+    if passes is not None:  # a fused drafter (mkgen/plan/fused.py)
+        out.add("embed_vmem", "activations", (tp, 1, h), "bf16",
+                why="the embedding row of each pass row's token")  # fmt: skip
+        out.add("pass_tokens_vmem", "logits", (tp, GREEDY_LANES), "int32",
+                why="a pass's greedy tokens, copied to SMEM")  # fmt: skip
+        out.sems("draft_sems", (2,))
+        out.scalar("greedy_smem", (tp, GREEDY_LANES))
+        out.scalar("draft_smem", (1 + passes.passes, dims.batch))
+        out.scalar("pass_positions_smem", (dims.batch,))
     # VMEM-resident inputs and outputs of the pallas_call (in call order).
     out.add("final_norm_vmem", "vectors", (1, h), "f32", "input")
-    for name in sharding.attention:
-        kind = spec.attention_kinds[name]
-        rot = kinds.rules(kind.type, name).rotary_dim(kind)
-        if rot:
-            out.add(f"{name}_cos_vmem", "attention", (tp, rot // 2), "f32", "input")
-            out.add(f"{name}_sin_vmem", "attention", (tp, rot // 2), "f32", "input")
+    rotary = [(name, rot) for name in sharding.attention
+              if (rot := kinds.rules(spec.attention_kinds[name].type, name).rotary_dim(
+                  spec.attention_kinds[name]))]  # fmt: skip
+    for name, rot in rotary:
+        out.add(f"{name}_cos_vmem", "attention", (tp, rot // 2), "f32", "input")
+        out.add(f"{name}_sin_vmem", "attention", (tp, rot // 2), "f32", "input")
+    fused = sharding.draft_passes is not None
+    if fused:  # the MTP module's norms; RoPE at each sequence's next 2 x rows positions
+        out.add("draft_norms_vmem", "vectors", (len(DRAFT_NORMS), h), "f32", "input")
+        for name, rot in rotary:
+            for table in ("cos", "sin"):
+                out.add(f"{name}_draft_{table}_vmem", "attention",
+                        (dims.batch, 2 * dims.rows, rot // 2), "f32", "input")  # fmt: skip
     out.add("logits_vmem", "logits", (tp, dims.vocab_per_core), "f32", "output")
     out.add("tokens_vmem", "logits", (tp, GREEDY_LANES), "int32", "output")
+    if fused:
+        out.add("drafts_vmem", "logits", (round_up(dims.batch, SUBLANES_F32), GREEDY_LANES),
+                "int32", "output", why="each sequence's accepted rows and drafts")  # fmt: skip
     needed = len(draft_hidden_states(spec, dims.rows))
     if needed:
         out.add("draft_hidden_vmem", "activations", (needed, tp, h), "f32", "output",

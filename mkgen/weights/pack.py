@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
+from mkgen.plan.fused import DRAFT_NORMS, MODULE_PREFIX
 from mkgen.plan.layout import KernelLayout
 from mkgen.plan.stream import CHUNK, LANES, Part, Segment, TensorView
 from mkgen.spec.quant import parse_format
@@ -187,10 +188,26 @@ def pack_stream_layer(
 
 def pack_stream(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int) -> np.ndarray:
     """One core's weight stream [total_banks, bank_rows, LANES] in bf16 (quantized
-    segments: their bytes viewed as bf16): its layers' rows, then the lm_head's."""
-    layers = range(len(layout.attention_table))
-    rows = [pack_stream_layer(layout, tensors, rank, layer) for layer in [*layers, -1]]
-    return np.concatenate(rows).reshape(-1, layout.stream.bank_rows, LANES)
+    segments: their bytes viewed as bf16): its layers' rows, then the lm_head's; with a
+    fused drafter, its passes' eh_proj, layer and LM head again after them."""
+    s, passes = layout.stream, layout.draft_passes
+    if passes is None:
+        layers = range(len(layout.attention_table))
+        rows = [pack_stream_layer(layout, tensors, rank, layer) for layer in [*layers, -1]]
+        return np.concatenate(rows).reshape(-1, s.bank_rows, LANES)
+    assert s.draft is not None, "a fused drafter's stream holds its eh_proj and heads"
+    out = np.zeros((s.total_banks * s.bank_rows, LANES), np.uint16)
+    for layer in range(len(layout.attention_table)):
+        prefix = passes.tensor_prefix(layer)
+        attention = layout.attention[layout.attention_table[layer]]
+        ffn = layout.ffn[layout.ffn_table[layer]]
+        _place(out, layout, s.attention_rows[layer], attention.segments, tensors, prefix, rank)
+        _place(out, layout, s.ffn_rows[layer], ffn.segments, tensors, prefix, rank)
+    for head in [s.lm_head_row, *s.draft.head_rows]:
+        _place(out, layout, head, s.tail, tensors, "", rank)
+    for first in s.draft.eh_proj_rows:
+        _place(out, layout, first, [s.draft.eh_proj], tensors, "", rank)
+    return out.view(BF16).reshape(-1, s.bank_rows, LANES)
 
 
 def pack_vectors_layer(
@@ -200,7 +217,8 @@ def pack_vectors_layer(
     kinds' vector rows and, on the first layer of an attention-residual block, the
     block's mixing logits."""
     slab = np.zeros((layout.vector_rows, layout.vector_width), np.float32)
-    prefix = f"layers.{layer}."
+    passes = layout.draft_passes
+    prefix = f"layers.{layer}." if passes is None else passes.tensor_prefix(layer)
     slab[0, : layout.hidden] = tensors[prefix + "attn_norm"]
     slab[1, : layout.hidden] = tensors[prefix + "ffn_norm"]
     rows = layout.attention[layout.attention_table[layer]].vectors
@@ -215,6 +233,16 @@ def pack_vectors_layer(
         logits = np.asarray(tensors["attn_res_logits"])
         slab[residual.logits_row, : residual.max_snapshots] = logits[layer // residual.block_size]
     return slab
+
+
+def pack_draft_inputs(
+    layout: KernelLayout, tensors: Mapping[str, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """A fused drafter's replicated inputs: the MTP module's norms [3, hidden] f32 (enorm,
+    hnorm, final norm) and the embedding table [vocab, 1, hidden] in bf16 (a row a DMA)."""
+    norms = np.stack([np.asarray(tensors[MODULE_PREFIX + n], np.float32) for n in DRAFT_NORMS])
+    embedding = np.asarray(tensors["embedding"], np.float32).astype(BF16)
+    return norms, embedding[:, None, :]
 
 
 def pack_vectors(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int) -> np.ndarray:
@@ -259,7 +287,8 @@ def pack_experts_layer(
         return []
     e = f.experts
     ids, cols = f.held_experts(rank)
-    prefix = f"layers.{layer}.ffn."
+    passes = layout.draft_passes
+    prefix = (f"layers.{layer}." if passes is None else passes.tensor_prefix(layer)) + "ffn."
     gate, up = tensors[prefix + "experts_gate"], tensors[prefix + "experts_up"]
     down = tensors[prefix + "experts_down"]
     pieces = []

@@ -1,0 +1,116 @@
+"""A fused drafter's passes (mkgen/plan/fused.py, docs/drafting.md): the accept rule over the
+verify rows, each pass's input rows, and its drafts, counted and chosen on SMEM scalars.
+
+SMEM `draft_smem` [1 + PASSES, BATCH] int32: row 0 each sequence's accepted rows (bonus
+included), row 1 + p its draft of pass p."""
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mkgen.kernellib.constants import (
+    BATCH,
+    EH_PROJ,
+    HIDDEN,
+    PASSES,
+    ROWS,
+    TOKENS,
+    TOKENS_PADDED,
+)
+from mkgen.kernellib.elementwise import _rms_norm, _stack_rows
+
+# fmt: off
+
+def _accept(tokens_vmem, greedy_smem, row_tokens_smem, draft_smem, sem):
+    """Each sequence's accepted rows: its leading rows whose greedy token is the next fed
+    row's token, and one more (the bonus, the greedy token after the last of them)."""
+    copy = pltpu.make_async_copy(tokens_vmem, greedy_smem, sem)
+    copy.start()
+    copy.wait()
+    for b in range(BATCH):
+        def count(r, carry, b=b):
+            accepted, matching = carry
+            same = (greedy_smem[b * ROWS + r, 0] == row_tokens_smem[b * ROWS + r + 1]).astype(jnp.int32)
+            return accepted + matching * same, matching * same
+
+        draft_smem[0, b] = jax.lax.fori_loop(0, ROWS - 1, count, (jnp.int32(1), jnp.int32(1)))[0]
+
+
+def _embeddings(embedding_hbm, embed_vmem, sem, token_of):
+    """[TOKENS_PADDED, HIDDEN] f32: row i the embedding of token `token_of(i)` (an SMEM
+    scalar), one DMA a row from the table in HBM ([vocab, 1, HIDDEN] bf16); padding rows 0."""
+    copies = [
+        pltpu.make_async_copy(embedding_hbm.at[pl.ds(token_of(i), 1)], embed_vmem.at[pl.ds(i, 1)], sem)
+        for i in range(TOKENS)
+    ]
+    for c in copies:
+        c.start()
+    for c in copies:
+        c.wait()
+    rows = embed_vmem[:, 0, :].astype(jnp.float32)
+    row = jax.lax.broadcasted_iota(jnp.int32, (TOKENS_PADDED, HIDDEN), 0)
+    return jnp.where(row < TOKENS, rows, 0.0)
+
+
+def _row_of_each_sequence(values, index_of):
+    """Each sequence's row `index_of(b)` (a scalar in [0, ROWS)) of `values` [TOKENS_PADDED,
+    w], repeated over the sequence's rows: exact selects, no dynamic slicing."""
+    blocks = []
+    for b in range(BATCH):
+        index, chosen = index_of(b), jnp.zeros((1, values.shape[1]), values.dtype)
+        for r in range(ROWS):
+            chosen = jnp.where(index == r, values[b * ROWS + r : b * ROWS + r + 1], chosen)
+        blocks.append(jnp.broadcast_to(chosen, (ROWS, values.shape[1])))
+    return _stack_rows(blocks)
+
+
+def _rope_rows(table, offset_of):
+    """A chained pass's RoPE rows [TOKENS_PADDED, w]: sequence b's rows all at its table row
+    `offset_of(b)` (a scalar in [0, 2 ROWS)) of `table` [BATCH, 2 ROWS, w]; only the first
+    row of each sequence is a draft's entry, the rest repeat it."""
+    blocks = []
+    for b in range(BATCH):
+        offset, chosen = offset_of(b), jnp.zeros((1, table.shape[2]), jnp.float32)
+        for t in range(2 * ROWS):
+            chosen = jnp.where(offset == t, table[b, t : t + 1], chosen)
+        blocks.append(jnp.broadcast_to(chosen, (ROWS, table.shape[2])))
+    return _stack_rows(blocks)
+
+
+def _pass_input(ctx, embedded, previous, norms, eh_proj_row):
+    """A pass's rows into the MTP layer: the embedding and the previous hidden state, each
+    RMS-normed (enorm, hnorm), concatenated, through eh_proj."""
+    joined = jnp.concatenate([_rms_norm(embedded, norms[0:1]), _rms_norm(previous, norms[1:2])], axis=1)
+    return ctx.stream.matmul(joined, eh_proj_row, EH_PROJ)
+
+
+def _at(values, index):
+    """values[index] of a tuple of ints at a traced index: scalar selects."""
+    out = jnp.int32(values[0])
+    for i in range(1, len(values)):
+        out = jnp.where(index == i, values[i], out)
+    return out
+
+
+def _draft_rope_tables(positions, inv_freq, attention_factor):
+    """cos/sin [BATCH, 2 ROWS, len(inv_freq)] of each sequence's positions from its first
+    row on (XLA, before the kernel): a chained pass's rows read theirs."""
+    rows = positions[:, None] + jnp.arange(2 * ROWS, dtype=jnp.int32)[None, :]
+    angles = rows.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
+
+
+def _drafts_out(draft_smem):
+    """[8k, 128] int32: row b lane 0 sequence b's accepted rows, lanes 1.. its drafts."""
+    shape = (-(-BATCH // 8) * 8, 128)
+    row = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    lane = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    out = jnp.zeros(shape, jnp.int32)
+    for b in range(BATCH):
+        for j in range(1 + PASSES):
+            out = jnp.where((row == b) & (lane == j), draft_smem[j, b], out)
+    return out
+
+
+# fmt: on
