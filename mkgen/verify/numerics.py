@@ -92,6 +92,14 @@ class StepCheck:
     draft_hidden_states: int = 0
     max_draft_hidden_diff: float = 0.0
     draft_hidden_mismatch: str | None = None
+    # A fused drafter (none without one): its drafts equal to the reference drafter's, or
+    # after a near tie of the reference's draft logits (a chain goes on from the other
+    # choice); its accepted rows against the accept rule on its own greedy tokens.
+    drafts_total: int = 0
+    drafts_equal: int = 0
+    drafts_near_tie: int = 0
+    accepted: list[int] = field(default_factory=list)
+    accepted_mismatch: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -104,6 +112,8 @@ class StepCheck:
             and self.max_cache_diff <= self.cache_tolerance
             and self.first_diverging_layer is None
             and self.draft_hidden_mismatch is None
+            and self.accepted_mismatch is None
+            and self.drafts_equal + self.drafts_near_tie == self.drafts_total
         )
 
     def failure(self) -> str | None:
@@ -139,6 +149,11 @@ class StepCheck:
             return f"step {self.step}: cache rows differ by {self.max_cache_diff:.4g}"
         if self.draft_hidden_mismatch is not None:
             return f"step {self.step}: {self.draft_hidden_mismatch}"
+        if self.accepted_mismatch is not None:
+            return f"step {self.step}: {self.accepted_mismatch}"
+        if self.drafts_equal + self.drafts_near_tie != self.drafts_total:
+            wrong = self.drafts_total - self.drafts_equal - self.drafts_near_tie
+            return f"step {self.step}: {wrong} of the fused drafter's drafts differ"
         return None
 
 
@@ -181,6 +196,7 @@ def verify_numerics(
     knobs: dict[str, Any] | None = None,
     mutations: list[tuple[str, str]] | None = None,
     on_step: Callable[[], None] | None = None,
+    fuse_draft: bool = False,
 ) -> NumericsReport:
     """Run the child process and return its report (a timeout is a failure, not a hang).
 
@@ -190,7 +206,9 @@ def verify_numerics(
 
     `mutations` (tests only) are (old, new) text replacements applied to the rendered
     kernel, to prove that a broken schedule is caught. `on_step` is called as each decode
-    step finishes in the child (a progress bar)."""
+    step finishes in the child (a progress bar). `fuse_draft`: the twin drafts with the
+    spec's mtp drafter inside the kernel (mkgen/plan/fused.py); its drafts and accepted rows
+    are held against the reference drafter's and the accept rule."""
     from mkgen.spec.topology import parse_topology
 
     if mode not in INTERPRET_MODES:
@@ -201,6 +219,7 @@ def verify_numerics(
         sys.executable, "-m", "mkgen.verify.numerics", spec_ref, topology, mode,
         str(steps), str(batch), str(rows), str(context), str(seed),
         json.dumps(list(quant)), json.dumps(knobs or {}), json.dumps(mutations or []),
+        json.dumps(fuse_draft),
     ]  # fmt: skip
     report = NumericsReport(spec_ref, topology, devices, mode, batch, rows)
     returncode, stdout, stderr = _run_streaming(args, env, timeout, on_step)
@@ -423,6 +442,7 @@ def _run_child(
     quant: list[str],
     knobs: dict[str, Any],
     mutations: list[tuple[str, str]],
+    fuse_draft: bool = False,
 ) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
@@ -433,13 +453,26 @@ def _run_child(
     from mkgen.interpret import interpret_mode
     from mkgen.plan.collectives import arrange_devices
     from mkgen.reference import model as reference
-    from mkgen.weights.quantize import stored_random_weights
+    from mkgen.reference.draft import init_draft_state
+    from mkgen.weights import pack
+    from mkgen.weights.quantize import stored_draft_weights, stored_random_weights
 
     topology, spec, layout, kernel = _child_kernel(
-        spec_ref, topology_text, batch, rows, context, quant, knobs, mutations
+        spec_ref, topology_text, batch, rows, context, quant, knobs, mutations, fuse_draft
     )
     devices = topology.num_devices
     weights = stored_random_weights(spec, seed)  # the reference reads what the kernel stores
+    fused = layout.draft_passes is not None
+    if fused:
+        if batch != 1:
+            raise MkgenError(
+                f"batch {batch}: verify holds a fused drafter at batch 1 only (the reference "
+                "runs one position for every sequence); give --batch 1"
+            )
+        weights |= stored_draft_weights(spec, seed + 1)
+        norms, table = pack.pack_draft_inputs(layout, weights)
+        draft_inputs = (jnp.asarray(norms), jnp.asarray(table))
+        draft_state = init_draft_state(spec, batch, context)
     stream, vectors, experts = _packed_weights(layout, kernel, weights, devices)
     caches = [jnp.zeros((devices, *shape), dtype) for shape, dtype in kernel.cache_shapes()]
     order = layout.collectives.mesh_order  # stage 1 of the collectives is sibling cores
@@ -459,26 +492,38 @@ def _run_child(
     ]
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, layout.vocab_used, size=(batch, rows)).astype(np.int32)
-    checks = []
+    checks, position = [], 0
     for step in range(steps):
-        position = step * rows
         x = np.zeros((layout.tokens_padded, layout.hidden), np.float32)
         x[: layout.tokens] = weights["embedding"][tokens.reshape(-1)]
+        positions = jnp.full((batch,), position, jnp.int32)
+        # A fused drafter also reads the fed rows' tokens, its norms and the embedding table.
+        inputs = (positions, jnp.asarray(tokens.reshape(-1)), jnp.asarray(x), final_norm,
+                  *draft_inputs) if fused else (positions, jnp.asarray(x), final_norm)  # fmt: skip
         start = time.perf_counter()
         with interpret_mode(params):
-            out = step_fn(
-                tables, jnp.full((batch,), position, jnp.int32), jnp.asarray(x), final_norm,
-                stream, vectors, *experts, *caches,
-            )  # fmt: skip
+            out = step_fn(tables, *inputs, stream, vectors, *experts, *caches)
             out = jax.block_until_ready(out)
         seconds = time.perf_counter() - start
         # After the tokens, logits, residuals, routes and the drafter's hidden states.
         caches = list(out[layout.outputs_before_caches :])
-        check, ref_cache, expected = _step_check(
+        check, ref_cache, expected, ref_residuals = _step_check(
             step, seconds, spec, layout, weights, tokens, position, ref_cache, out, moe_layers
         )
         checks.append(check)
-        tokens = expected.reshape(batch, rows).astype(np.int32)
+        if fused:  # the next rows: the bonus and the kernel's drafts, after what it accepted
+            kernel_tokens = np.asarray(out[0])[0]  # core 0's (the cores' are checked equal)
+            drafts = np.asarray(out[layout.outputs_before_caches - 1])[0]
+            draft_state, accepted = _check_drafts(
+                check, spec, weights, draft_state, tokens, kernel_tokens, drafts, ref_residuals
+            )
+            tokens = np.asarray([[kernel_tokens[accepted - 1], *drafts[0, 1:]]], np.int32)
+            position += accepted
+            if step % 2 == 0 and rows > 2:  # rows a random drafter never makes: see below
+                tokens = _mostly_accepted(spec, weights, ref_cache, tokens[0, 0], position, rows)
+        else:
+            tokens = expected.reshape(batch, rows).astype(np.int32)
+            position += rows
         print(f"{STEP_DONE} {step}", file=sys.stderr, flush=True)
     return {"steps": [asdict(c) for c in checks]}
 
@@ -492,10 +537,11 @@ def _child_kernel(
     quant: list[str],
     knobs: dict[str, Any],
     mutations: list[tuple[str, str]],
+    fuse_draft: bool = False,
 ) -> tuple[Any, Any, Any, Any]:
     """(topology, the spec's mini twin, its kernel layout, the rendered kernel module with
     `mutations` applied to its source), planned with the full-size build's splits (or the
-    `splits` knob's)."""
+    `splits` knob's); `fuse_draft`: with its mtp drafter inside the kernel."""
     from mkgen.codegen.build import load_module, render_kernel
     from mkgen.codegen.package import mini_kernel_args
     from mkgen.kinds import default_registry
@@ -520,6 +566,7 @@ def _child_kernel(
         **mini_kernel_args(),
         trace_residuals=True,
         kinds=default_registry(),
+        fuse_draft=fuse_draft,
     ).kernel
     source = render_kernel(layout, "verify")
     for old, new in mutations:
@@ -558,10 +605,10 @@ def _step_check(
     ref_cache: Any,
     out: list[Any],
     moe_layers: list[int],
-) -> tuple[StepCheck, Any, Any]:
+) -> tuple[StepCheck, Any, Any, Any]:
     """(the check of a kernel step's outputs `out` against the reference fed the same
     `tokens` [batch, rows] at `position`, the reference's cache after it, its greedy
-    tokens)."""
+    tokens, its residual stream after every layer [layers, batch, rows, hidden])."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -569,7 +616,10 @@ def _step_check(
 
     kernel_logits = out[1]
     caches = list(out[layout.outputs_before_caches :])
-    identical, (kernel_tokens, residuals, routes, hidden) = _core_outputs(layout, out, moe_layers)
+    identical, (kernel_tokens, residuals, routes, hidden, *_) = _core_outputs(
+        layout, out, moe_layers
+    )
+    residuals = residuals[: spec.layers.count]  # a fused drafter's passes: its drafts say
     kernel_routes = dict(zip(moe_layers, routes, strict=True))
     differences: list[RouteDifference] = []
     ref_logits, ref_cache, ref_residuals = reference.forward_traced(
@@ -577,7 +627,8 @@ def _step_check(
         _following_near_ties(kernel_routes, differences),
     )  # fmt: skip
     mismatches = [d for d in differences if not d.near_tie]
-    ref_residuals = np.asarray(ref_residuals).reshape(len(residuals), layout.tokens, -1)
+    traced = np.asarray(ref_residuals)
+    ref_residuals = traced.reshape(len(residuals), layout.tokens, -1)
     layer_diff, layer_tolerance, first_layer = _compare_residuals(
         np.asarray(residuals), ref_residuals
     )
@@ -593,7 +644,9 @@ def _step_check(
     expected = ref_logits[:, : layout.vocab_used].argmax(axis=1)
     equal = np.asarray(kernel_tokens) == expected
     rows = tokens.shape[1]
-    cache_diff, cache_scale = _compare_caches(spec, layout, caches, ref_cache, position, rows)
+    cache_diff, cache_scale = _compare_caches(
+        spec, layout, caches, ref_cache, [position] * len(tokens), rows
+    )
     finite = bool(np.isfinite(got).all()) and all(
         bool(jnp.isfinite(c.astype(jnp.float32)).all()) for c in caches
     )
@@ -619,7 +672,77 @@ def _step_check(
         max_draft_hidden_diff=hidden_diff,
         draft_hidden_mismatch=hidden_mismatch,
     )
-    return check, ref_cache, expected
+    return check, ref_cache, expected, traced
+
+
+def _mostly_accepted(
+    spec: Any, weights: Any, cache: Any, bonus: int, position: int, rows: int
+) -> Any:
+    """Rows [1, rows] whose drafts the target accepts but the last: the bonus, the reference's
+    greedy continuation of it, its last token changed. A random twin's drafter never drafts
+    what its target chooses, so every other step of a fused twin is fed these, and its
+    accept rule and roll-back run with rows - 1 accepted."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mkgen.reference import model as reference
+
+    chosen = [int(bonus)]
+    for offset in range(rows - 1):
+        token = jnp.asarray([[chosen[-1]]], jnp.int32)
+        logits, cache = reference.forward(spec, weights, token, cache, position + offset)[:2]
+        chosen.append(int(np.asarray(logits)[0, -1, : spec.dims.vocab_used or spec.dims.vocab].argmax()))
+    chosen[-1] = (chosen[-1] + 1) % (spec.dims.vocab_used or spec.dims.vocab)
+    return np.asarray([chosen], np.int32)
+
+
+def _check_drafts(
+    check: StepCheck,
+    spec: Any,
+    weights: Any,
+    state: Any,
+    fed: Any,
+    kernel_tokens: Any,
+    drafts: Any,
+    residuals: Any,
+) -> tuple[Any, int]:
+    """A fused drafter's step (batch 1) into `check`: its accepted rows (`drafts` [1, 1 +
+    passes], lane 0) against the accept rule on the kernel's own greedy tokens of the `fed`
+    rows, and its drafts against the reference drafter's (mkgen.reference.draft.draft_step)
+    after the same accepted rows and bonus, a near tie of the reference's draft logits
+    ending the comparison of that chain. Returns (the reference drafter's state, the
+    accepted rows)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mkgen.reference.draft import accept_greedy, draft_step
+
+    rows = fed.shape[1]
+    accepted = int(drafts[0, 0])
+    by_rule = int(accept_greedy(fed[:, 1:], kernel_tokens[None, :rows])[0][0]) + 1
+    check.accepted = [accepted]
+    if accepted != by_rule:
+        check.accepted_mismatch = (
+            f"the kernel accepted {accepted} row(s) where the accept rule on its own greedy "
+            f"tokens accepts {by_rule}"
+        )
+        return state, by_rule
+    bonus = jnp.asarray(kernel_tokens[accepted - 1 : accepted])
+    wanted, logits, state = draft_step(
+        spec, weights, state, jnp.asarray(fed[:, :accepted]),
+        jnp.asarray(residuals[:, :, :accepted]), bonus, rows,
+    )  # fmt: skip
+    wanted, logits = np.asarray(wanted)[0], np.asarray(logits)[0]
+    check.drafts_total = rows - 1
+    for j in range(rows - 1):
+        if drafts[0, 1 + j] == wanted[j]:
+            check.drafts_equal += 1
+            continue
+        ranked = np.sort(logits[j])
+        if ranked[-1] - ranked[-2] < LOGIT_ATOL + LOGIT_RTOL * float(np.abs(logits[j]).max()):
+            check.drafts_near_tie += rows - 1 - j  # the chain goes on from the other choice
+        break
+    return state, accepted
 
 
 def _core_outputs(layout: Any, out: list[Any], moe_layers: list[int]) -> tuple[bool, list[Any]]:
@@ -630,6 +753,8 @@ def _core_outputs(layout: Any, out: list[Any], moe_layers: list[int]) -> tuple[b
 
     per_core = [np.asarray(out[0]), np.asarray(out[2]), np.asarray(out[3])[:, moe_layers]]
     per_core.append(np.asarray(out[4]) if layout.draft_hidden else np.zeros((len(out[0]), 0)))
+    if layout.draft_passes is not None:  # the accepted rows and drafts
+        per_core.append(np.asarray(out[layout.outputs_before_caches - 1]))
     identical = all(
         np.array_equal(values[0], values[r], equal_nan=True)
         for values in per_core
@@ -693,12 +818,14 @@ def _compare_draft_hidden(
 
 
 def _compare_caches(
-    spec: Any, layout: Any, caches: list[Any], ref_cache: Any, position: int, rows: int
+    spec: Any, layout: Any, caches: list[Any], ref_cache: Any, positions: list[int], rows: int
 ):
     """(max difference, largest reference value) over what this step wrote, core by core
     (each kind's record cuts the reference's caches: cache_pieces): the new KV
-    rows of GQA layers, the new [latent | k_rope] rows of MLA layers and the whole f32
-    state of Gated DeltaNet and KDA layers (their conv tails feed it)."""
+    rows of GQA layers (sequence b's from positions[b]), the new [latent | k_rope] rows of
+    MLA layers and the whole f32 state of Gated DeltaNet and KDA layers (their conv tails
+    feed it). A fused drafter's cache (a slot past the target's layers) is not the
+    reference model's: its drafts are checked instead."""
     import numpy as np
 
     arrays = iter(caches)
@@ -706,6 +833,8 @@ def _compare_caches(
     for a in layout.attention:
         mine = {c.name: np.asarray(next(arrays), np.float32) for c in a.caches}
         for slot, layer in enumerate(a.layers):
+            if layer >= spec.layers.count:
+                continue
             for rank in range(layout.devices):
                 theirs = a.cache_pieces(spec, ref_cache["layers"][layer], rank)
                 for name, ref in theirs.items():
@@ -715,15 +844,17 @@ def _compare_caches(
                     if name == "state":  # [B, ROWS, ...]: after the step's last row
                         ours, ref = ours[:, -1], ref[:, -1]
                     else:  # [B, heads, context, width]: this step's rows
-                        ours = ours[:, :, position : position + rows]
-                        ref = ref[:, :, position : position + rows]
+                        ours = np.stack([ours[b, :, p : p + rows] for b, p in enumerate(positions)])
+                        ref = np.stack([ref[b, :, p : p + rows] for b, p in enumerate(positions)])
                     diff = max(diff, float(np.abs(ours - ref).max()))
                     scale = max(scale, float(np.abs(ref).max()))
     return diff, scale
 
 
 if __name__ == "__main__":
-    spec_arg, topo_arg, mode_arg, *numbers, quant_arg, knobs_arg, mutations_arg = sys.argv[1:]
+    spec_arg, topo_arg, mode_arg, *numbers, quant_arg, knobs_arg, mutations_arg, fuse_arg = (
+        sys.argv[1:]
+    )
     steps_n, batch_n, rows_n, context_n, seed_n = map(int, numbers)
     _exit_when_stalled()
     try:
@@ -733,6 +864,7 @@ if __name__ == "__main__":
             # JSON has no tuples: a knob's list (a test's forced splits) was one.
             {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(knobs_arg).items()},
             [tuple(m) for m in json.loads(mutations_arg)],
+            json.loads(fuse_arg),
         )  # fmt: skip
     except Exception as error:  # reported to the parent as one line: race, NaN, lowering...
         result = {"error": describe_failure(error)}

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
+from mkgen.spec.draft import draft_weights
 from mkgen.spec.quant import QuantFormat, parse_format
 from mkgen.spec.schema import ModelSpec
 from mkgen.spec.tensors import VECTORS
@@ -260,6 +261,24 @@ def stored_random_weights(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
         for name, value in init_weights(spec, seed).items()
     }
     return fake_quantize(spec, weights)
+
+
+def stored_draft_weights(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
+    """The random weights of the spec's mtp drafter (the reference's init_draft_weights) as a
+    fused kernel stores them: rounded to bf16, each matrix through its family's format, as
+    stored_random_weights does the target's."""
+    from mkgen.reference.draft import init_draft_weights  # jax: only when asked
+
+    formats = spec.quantization.model_dump()
+    drawn = init_draft_weights(spec, seed)
+    out = {}
+    for w in draft_weights(spec):
+        value = np.asarray(drawn[w.name]).astype(ml_dtypes.bfloat16).astype(np.float32)
+        fmt = parse_format(formats[w.family]) if w.family != VECTORS else None
+        if fmt is not None and fmt.kind != "bf16":
+            value = dequantize(*quantize(value, fmt), fmt)
+        out[w.name] = value
+    return out
 
 
 # ---------------------------------------------------------------- chunk packing
