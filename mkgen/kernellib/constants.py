@@ -55,6 +55,8 @@ EH_PROJ_ROWS = (0,)  # each pass's eh_proj's first stream row
 HEAD_ROWS = (0,)  # the LM head's after each pass
 MASK_FIRST_EMBEDDING = True
 CHAIN_NORMED = False
+EMBEDDING_BUFFER = 0  # the collective buffer of a pass's embedding rows' all-reduce
+EH_PROJ_BUFFER = 1  # of its eh_proj columns' all-gather
 
 
 def cache_shapes() -> list[tuple[tuple[int, ...], object]]:

@@ -10,14 +10,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mkgen.kernellib.constants import (
+    AXIS,
     BATCH,
     EH_PROJ,
+    EH_PROJ_BUFFER,
+    EMBEDDING_BUFFER,
     HIDDEN,
+    NUM_DEVICES,
     PASSES,
     ROWS,
     TOKENS,
     TOKENS_PADDED,
+    VOCAB_PER_CORE,
 )
+from mkgen.kernellib.step import argument_shapes
 from mkgen.kernellib.elementwise import _rms_norm, _stack_rows
 
 # fmt: off
@@ -37,20 +43,29 @@ def _accept(tokens_vmem, greedy_smem, row_tokens_smem, draft_smem, sem):
         draft_smem[0, b] = jax.lax.fori_loop(0, ROWS - 1, count, (jnp.int32(1), jnp.int32(1)))[0]
 
 
-def _embeddings(embedding_hbm, embed_vmem, sem, token_of):
+def _embeddings(ctx, embedding_hbm, embed_vmem, sem, token_of):
     """[TOKENS_PADDED, HIDDEN] f32: row i the embedding of token `token_of(i)` (an SMEM
-    scalar), one DMA a row from the table in HBM ([vocab, 1, HIDDEN] bf16); padding rows 0."""
+    scalar). Each core holds VOCAB_PER_CORE rows of the table ([1, VOCAB_PER_CORE, 1,
+    HIDDEN] bf16 in HBM): it copies every row's candidate from its shard (one DMA a row),
+    keeps those it owns, and the cores' rows are summed (one owner a row: exact)."""
+    me = jax.lax.axis_index(AXIS) if NUM_DEVICES > 1 else 0
+    local = [token_of(i) - me * VOCAB_PER_CORE for i in range(TOKENS)]
     copies = [
-        pltpu.make_async_copy(embedding_hbm.at[pl.ds(token_of(i), 1)], embed_vmem.at[pl.ds(i, 1)], sem)
+        pltpu.make_async_copy(
+            embedding_hbm.at[0, pl.ds(jnp.clip(local[i], 0, VOCAB_PER_CORE - 1), 1)], embed_vmem.at[pl.ds(i, 1)], sem
+        )
         for i in range(TOKENS)
     ]
     for c in copies:
         c.start()
     for c in copies:
         c.wait()
-    rows = embed_vmem[:, 0, :].astype(jnp.float32)
     row = jax.lax.broadcasted_iota(jnp.int32, (TOKENS_PADDED, HIDDEN), 0)
-    return jnp.where(row < TOKENS, rows, 0.0)
+    owned = row < 0
+    for i in range(TOKENS):
+        owned = owned | ((row == i) & (local[i] >= 0) & (local[i] < VOCAB_PER_CORE))
+    mine = jnp.where(owned, embed_vmem[:, 0, :].astype(jnp.float32), 0.0)
+    return ctx.collectives.all_reduce(EMBEDDING_BUFFER, mine)
 
 
 def _row_of_each_sequence(values, index_of):
@@ -82,7 +97,7 @@ def _pass_input(ctx, embedded, previous, norms, eh_proj_row):
     """A pass's rows into the MTP layer: the embedding and the previous hidden state, each
     RMS-normed (enorm, hnorm), concatenated, through eh_proj."""
     joined = jnp.concatenate([_rms_norm(embedded, norms[0:1]), _rms_norm(previous, norms[1:2])], axis=1)
-    return ctx.stream.matmul(joined, eh_proj_row, EH_PROJ)
+    return ctx.collectives.all_gather(EH_PROJ_BUFFER, ctx.stream.matmul(joined, eh_proj_row, EH_PROJ))
 
 
 def _at(values, index):
@@ -99,6 +114,22 @@ def _draft_rope_tables(positions, inv_freq, attention_factor):
     rows = positions[:, None] + jnp.arange(2 * ROWS, dtype=jnp.int32)[None, :]
     angles = rows.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
+
+
+def fused_argument_shapes(mesh):
+    """argument_shapes with the fused drafter's inputs: the fed rows' tokens after the
+    positions, the MTP module's norms after the final norm, each core's rows of the
+    embedding table after the vectors."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    replicated = NamedSharding(mesh, P())
+    args = argument_shapes(mesh)
+    sharded = NamedSharding(mesh, P(AXIS))
+    tokens = jax.ShapeDtypeStruct((TOKENS,), jnp.int32, sharding=replicated)
+    norms = jax.ShapeDtypeStruct((3, HIDDEN), jnp.float32, sharding=replicated)
+    table = jax.ShapeDtypeStruct((NUM_DEVICES, VOCAB_PER_CORE, 1, HIDDEN), jnp.bfloat16, sharding=sharded)
+    return args[:2] + [tokens] + args[2:4] + [norms] + args[4:6] + [table] + args[6:]
 
 
 def _drafts_out(draft_smem):

@@ -162,7 +162,6 @@ def plan_build(
     trace: bool = False,
     enforce: bool = True,
     price_drafter: bool = False,
-    fuse_draft: bool = False,
 ) -> BuildPlan:
     """Plan one build. Raises a one-line SpecError when it does not fit in HBM or VMEM,
     and (``enforce``) a ScheduleCheckError when a schedule check fails; forced past a
@@ -178,14 +177,14 @@ def plan_build(
     `price_drafter` prices the spec's drafter (its draft section, mkgen/plan/draft.py) beside
     the verify step. The verify program keeps the draft section for the hidden states the
     drafter reads, which the kernel writes (layout.draft_hidden_states); the drafter's own
-    passes are priced, not generated. `fuse_draft` plans the spec's mtp drafter inside the
-    kernel instead (mkgen/plan/fused.py): its passes are layers of the program, generated,
-    checked and priced with the verify rows."""
+    passes are priced, not generated. With `options.fuse_draft` the spec's mtp drafter
+    runs inside the kernel instead (mkgen/plan/fused.py): its passes are layers of the
+    program, generated, checked and priced with the verify rows."""
 
-    drafting = spec if price_drafter and not fuse_draft else None
+    drafting = spec if price_drafter and not options.fuse_draft else None
     base = spec.model_copy(update={"draft": None})  # the published kernels draft apart
     passes = None
-    if fuse_draft:
+    if options.fuse_draft:
         spec, passes = fused_model(spec, options.rows)
     program = plan_program(
         spec,
@@ -210,6 +209,13 @@ def plan_build(
     if enforce:
         step.enforce()
     walked, drafter = _priced(topo, options, program, step.ok, trace, drafting)
+    if walked is not None and passes is not None:  # what the draft adds: the verify-only step
+        unfused = options.model_copy(update={"fuse_draft": False})
+        alone = plan_program(base, topo, unfused, kinds=kinds, bank_rows=bank_rows,
+                             ring_depth=ring_depth, max_piece_chunks=max_piece_chunks,
+                             held_refills=held_refills, refills_per_round=refills_per_round)  # fmt: skip
+        verify_ms = estimate(topo, unfused, alone).step_ms
+        walked = walked.model_copy(update={"fused_verify_ms": verify_ms})
     plan = BuildPlan(
         options=options,
         chips=topo.num_chips,

@@ -485,6 +485,15 @@ def layer_uses(sharding: Any) -> list[list[Use]]:
                 uses[k].append(use)
     while len(uses) < 2:  # attention and FFN always have a buffer each
         uses.append([])
+    if sharding.draft_passes is not None:
+        # A fused drafter's pass gathers its rows' embeddings from the vocabulary shards
+        # (an all-reduce) in buffer 0, then eh_proj's columns in the FFN output's buffer:
+        # each after the greedy exchange or the other, before the pass layer's attention.
+        for k, name in ((0, "embedding"), (ffn_out, "eh_proj")):
+            c = next(c for c in sharding.step_collectives if c.name == name)
+            use = (f"draft.{name}", c.op, c.width, scheme_of(c.rounds))
+            if use not in uses[k]:
+                uses[k].append(use)
     return uses
 
 

@@ -293,6 +293,10 @@ class Estimate(_Frozen):
     # `drafted_step_ms`, verify + draft. Builds draft nothing (no kernel runs a drafter), so
     # no saved estimate holds one; `mkgen plan --json` prints it (estimate.draft_ms).
     draft_ms: float | None = Field(default=None, exclude=True)
+    # A kernel that drafts (its mtp drafter's passes are layers of the walked program,
+    # mkgen/plan/fused.py): the step is verify and draft; the same build's verify-only
+    # kernel's step, walked apart, says what the draft adds.
+    fused_verify_ms: float | None = Field(default=None, exclude=True)
 
     @property
     def compute_bound(self) -> bool:
@@ -321,6 +325,19 @@ class Estimate(_Frozen):
     def drafted_step_ms(self) -> float:
         """The whole step: the walked verify step, plus the drafter's passes if priced."""
         return self.step_ms + (self.draft_ms or 0.0)
+
+    @property
+    def verify_ms(self) -> float:
+        """The verify rows' step: the verify-only kernel's when the kernel drafts too."""
+        return self.step_ms if self.fused_verify_ms is None else self.fused_verify_ms
+
+    @property
+    def step_draft_ms(self) -> float | None:
+        """What drafting adds to the step: the priced passes, or what a kernel that drafts
+        takes beyond the verify-only kernel (None without a drafter)."""
+        if self.fused_verify_ms is not None:
+            return self.step_ms - self.fused_verify_ms
+        return self.draft_ms
 
     def with_draft(self, draft_ms: float) -> Estimate:
         """This verify step with a drafter's passes priced at `draft_ms`: the tokens per
@@ -359,7 +376,14 @@ class Estimate(_Frozen):
 
     def _stated(self, *more: str) -> str:
         """The headline, `more` added to what its parenthesis says."""
-        if self.draft_ms is not None:
+        if self.fused_verify_ms is not None:
+            figure = f"predicted {self.step_ms:.3f} ms/step at {self.point}"
+            said = [
+                "verify and draft in one kernel: the drafter's passes are layers of the step; "
+                f"the verify-only kernel {self.fused_verify_ms:.3f}",
+                *more,
+            ]
+        elif self.draft_ms is not None:
             figure = (
                 f"predicted verify {self.step_ms:.3f} + draft {self.draft_ms:.3f} = "
                 f"{self.drafted_step_ms:.3f} ms/step at {self.point}"

@@ -65,8 +65,9 @@ def fused_model(spec: ModelSpec, rows: int) -> tuple[ModelSpec, DraftPasses]:
     if not isinstance(draft, MtpDraft):
         kind = "none" if draft is None else draft.kind
         raise SpecError(
-            f"--fuse-draft: the kernel fuses an mtp drafter only (this build's draft is {kind}); "
-            "leave --fuse-draft out to draft between kernel calls"
+            f"--fuse-draft: the kernel fuses an mtp drafter only (this build's drafter: {kind}); "
+            "give --draft mtp (the spec's own MTP layers) or an mtp drafter spec, or leave "
+            "--fuse-draft out"
         )
     if rows < 2:
         raise SpecError("--fuse-draft: rows 1 verifies no draft; give --rows 2 or more")

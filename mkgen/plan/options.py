@@ -12,7 +12,14 @@ import re
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from mkgen.errors import SpecError
 from mkgen.hardware import CATALOG
@@ -236,6 +243,17 @@ class BuildOptions(BaseModel):
     # only for a mini twin, which takes its full-size build's choices
     # (mkgen.plan.sharding.full_size_splits) so that it proves that kernel.
     splits: tuple[str, ...] | None = None
+    # The build's mtp drafter runs inside the kernel, its passes layers of the step
+    # (mkgen/plan/fused.py), rather than between kernel calls.
+    fuse_draft: bool = False
+
+    @model_serializer(mode="wrap")
+    def _without_unfused(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A build that fuses no drafter dumps as before (plan.json and digests unchanged).
+        data: dict[str, Any] = handler(self)
+        if not self.fuse_draft:
+            data.pop("fuse_draft", None)
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> BuildOptions:

@@ -136,11 +136,12 @@ def _estimate_dict(plan: BuildPlan) -> dict[str, Any]:
     est, confidence = plan.estimate, plan.confidence
     return {
         "point": est.point,
-        # The step: verify + draft with a drafter priced (mkgen/plan/draft.py), else the
-        # verify step; draft_ms and draft are null without one.
+        # The step: verify + draft with a drafter priced (mkgen/plan/draft.py) or fused
+        # into the kernel (mkgen/plan/fused.py: its draft is what it adds to the verify-only
+        # kernel), else the verify step; draft_ms and draft are null without one.
         "step_ms": est.drafted_step_ms,
-        "verify_ms": est.step_ms,
-        "draft_ms": est.draft_ms,
+        "verify_ms": est.verify_ms,
+        "draft_ms": est.step_draft_ms,
         "draft": plan.draft.record() if plan.draft else None,
         **(confidence.record() if confidence else {}),
         "dma_timeline_ms": est.dma_timeline_ms,

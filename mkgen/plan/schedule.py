@@ -789,23 +789,27 @@ class _Builder:
         self.run("sync", "accepted rows of each sequence (scalar)", layer, 0, ((copy, None, 0),))
 
     def draft_entry(self, layer: int, index: int) -> None:
-        """A pass's input rows: the embedding of each row's token (one DMA a row from the
-        table in HBM), it and the previous hidden state RMS-normed (enorm, hnorm) and
-        concatenated, then eh_proj from the stream."""
-        h, padded = self.dims.hidden, self.dims.tokens_padded
+        """A pass's input rows: each row's token embedding (one DMA a row from this core's
+        vocabulary shard, the owner's row summed over the cores), it and the previous
+        hidden state RMS-normed (enorm, hnorm) and concatenated, then eh_proj's columns of
+        this core from the stream, gathered."""
+        h, t = self.dims.hidden, self.t
+        steps = {c.name: c for c in self.sh.step_collectives}
+        self.buffers = {"embedding": 0, "eh_proj": ffn_out_buffer(self.sh)}
         gather = self.dma("vector", "token embeddings -> VMEM", layer, None, 0,
-                          ("draft_sems[1]",), padded * h * 2, count=padded,
+                          ("draft_sems[1]",), t * h * 2, count=t,
                           reads=((INIT, "hbm:embedding", 0),))  # fmt: skip
         self.start(gather)
         self.wait(gather)
+        embedded = self.collective(layer, steps["embedding"], gather)
         if index:  # a chained pass: the previous pass's row that made each draft
-            self.res = self.vec(layer, "previous output row of each sequence", self.res,
-                                self.t * h)  # fmt: skip
-        x = self.vec(layer, "enorm, hnorm, concatenate", self.res, 10 * self.t * h,
-                     ((gather, None, 0),))  # fmt: skip
+            self.res = self.vec(layer, "previous output row of each sequence", self.res, t * h)
+        x = self.vec(layer, "enorm, hnorm, concatenate", self.res, 10 * t * h,
+                     ((embedded, None, 0),))  # fmt: skip
         draft = self.stream.draft
         assert draft is not None, "a fused drafter's stream holds its eh_proj"
-        self.res = self.segment(layer, "eh_proj", draft.eh_proj, draft.eh_proj_rows[index], x)
+        x = self.segment(layer, "eh_proj", draft.eh_proj, draft.eh_proj_rows[index], x)
+        self.res = self.collective(layer, steps["eh_proj"], x)
 
     def draft_head(self, layer: int, index: int) -> None:
         """The pass's final norm and the LM head: each sequence's draft."""

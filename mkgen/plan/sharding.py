@@ -1164,8 +1164,13 @@ def plan_sharding(
         )  # fmt: skip
     if passes is not None:
         glob += [ctx.shard(MODULE_PREFIX + n, (h,), VECTORS, why="replicated") for n in DRAFT_NORMS]
+        if h % d:
+            raise SpecError(
+                f"--fuse-draft: the MTP module's eh_proj output ({h} columns) does not split "
+                f"over {d} cores; leave --fuse-draft out"
+            )
         glob.append(ctx.shard(MODULE_PREFIX + "eh_proj", (2 * h, h), "projections",
-                              why="replicated"))  # fmt: skip
+                              split_axis=1, parts=d, why="output columns, all-gathered"))  # fmt: skip
     layer_vectors = (
         ctx.shard("attn_norm", (h,), VECTORS, why="replicated"),
         ctx.shard("ffn_norm", (h,), VECTORS, why="replicated"),
@@ -1176,6 +1181,8 @@ def plan_sharding(
         # Greedy sampling: (max, argmax) per rank, gathered (two f32 words per row).
         ctx.collective("sampling", "all_gather", "lm_head", 2 * d),
     )
+    if passes is not None:  # each pass's eh_proj output columns, gathered
+        step += (ctx.collective("eh_proj", "all_gather", MODULE_PREFIX + "eh_proj", h),)
     return ShardingPlan(
         model=spec.name,
         topology=topo.name,

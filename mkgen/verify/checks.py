@@ -117,7 +117,8 @@ def compile_full_size(
     devices = compile_only_devices(topology)
     devices = arrange_devices(devices, topology, layout.collectives.mesh_order)
     mesh = Mesh(np.array(devices), (kernel.AXIS,))
-    report = compile_for_tpu(kernel.make_decode_step(mesh), kernel.argument_shapes(mesh))
+    shapes = (kernel.fused_argument_shapes if layout.draft_passes else kernel.argument_shapes)(mesh)
+    report = compile_for_tpu(kernel.make_decode_step(mesh), shapes)
     scratch = vmem_map(source)
     return CompileOutcome(
         build=name,

@@ -235,14 +235,21 @@ def pack_vectors_layer(
     return slab
 
 
-def pack_draft_inputs(
-    layout: KernelLayout, tensors: Mapping[str, np.ndarray]
-) -> tuple[np.ndarray, np.ndarray]:
-    """A fused drafter's replicated inputs: the MTP module's norms [3, hidden] f32 (enorm,
-    hnorm, final norm) and the embedding table [vocab, 1, hidden] in bf16 (a row a DMA)."""
-    norms = np.stack([np.asarray(tensors[MODULE_PREFIX + n], np.float32) for n in DRAFT_NORMS])
-    embedding = np.asarray(tensors["embedding"], np.float32).astype(BF16)
-    return norms, embedding[:, None, :]
+def pack_draft_norms(tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+    """A fused drafter's MTP module's norms [3, hidden] f32: enorm, hnorm, final norm."""
+    return np.stack([np.asarray(tensors[MODULE_PREFIX + n], np.float32) for n in DRAFT_NORMS])
+
+
+def pack_embedding(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int) -> np.ndarray:
+    """A fused drafter's rows of the token embeddings on one core [vocab_per_core, 1,
+    hidden] bf16 (rows vocab_per_core x rank on; past the vocabulary zero): its passes
+    gather a row a DMA."""
+    table = np.asarray(tensors["embedding"], np.float32)
+    per = layout.vocab_per_core
+    out = np.zeros((per, 1, layout.hidden), np.float32)
+    mine = table[rank * per : (rank + 1) * per]
+    out[: len(mine), 0] = mine
+    return out.astype(BF16)
 
 
 def pack_vectors(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int) -> np.ndarray:
