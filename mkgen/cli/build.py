@@ -20,6 +20,7 @@ from mkgen.cli.options import (
     shown,
     spec_argument,
 )
+from mkgen.errors import MkgenError
 
 
 @click.command("build", short_help="Generate the megakernel build of a spec.")
@@ -47,6 +48,7 @@ def build_command(
     expert_sharing: str | None,
     residual_snapshots: str | None,
     recurrent_states: str | None,
+    fuse_draft: bool | None,
     draft: str | None,
     output: Path | None,
     force: bool,
@@ -61,6 +63,12 @@ def build_command(
     from mkgen.codegen.naming import CommandLine, build_commands, default_build_dir
     from mkgen.codegen.package import make_build
 
+    if fuse_draft:
+        raise MkgenError(
+            "--fuse-draft: a build's runner does not run a fused drafter yet (its prefill must "
+            "fill the MTP module's cache); plan, compile and verify take --fuse-draft, or "
+            "build without it (the runner then drafts between kernel calls)"
+        )
     prepare_jax()
     spec, topo, options = plan_inputs(
         spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,

@@ -96,6 +96,7 @@ def verify_command(
     expert_sharing: str | None,
     residual_snapshots: str | None,
     recurrent_states: str | None,
+    fuse_draft: bool | None,
     draft: str | None,
 ) -> None:
     """Run SPEC's mini twin on TOPOLOGY's mesh in TPU interpret mode (virtual CPU devices,
@@ -120,9 +121,15 @@ def verify_command(
             ("expert_sharing", expert_sharing),
             ("residual_snapshots", residual_snapshots),
             ("recurrent_states", recurrent_states),
+            ("fuse_draft", fuse_draft),
         )
         if v is not None
     }
+    if fuse_draft and (batch != 1 or update_report):
+        raise MkgenError(
+            "--fuse-draft: verify holds a fused drafter at --batch 1, and no build runs one to "
+            "record it in; leave out --batch and --update-report"
+        )
     spec, topo, built = plan_inputs(spec_ref, topology, quant=quant, **knobs)
     # The twin drafts nothing (mkgen.spec.mini): the drafter is checked against the spec.
     spec = drafting_spec(spec, draft, rows)
@@ -246,6 +253,7 @@ def compile_command(
     expert_sharing: str | None,
     residual_snapshots: str | None,
     recurrent_states: str | None,
+    fuse_draft: bool | None,
     draft: str | None,
     update_report: bool,
     output: Path | None,
@@ -257,14 +265,21 @@ def compile_command(
     plan's figure. Exit 1 with Mosaic's message when it does not compile."""
     if as_json and not profile:
         raise MkgenError("--json prints the profile: add --profile")
+    if fuse_draft and update_report:
+        raise MkgenError(
+            "--fuse-draft: no build runs a fused drafter to record the compile in; leave out "
+            "--update-report"
+        )
     prepare_jax()
     spec, topo, options = plan_inputs(
         spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,
         quant=quant, ring_depth=ring_depth, expert_slots=expert_slots, held_refills=held_refills,
         kv_tile=kv_tile, collectives=collectives, expert_sharing=expert_sharing,
         residual_snapshots=residual_snapshots, recurrent_states=recurrent_states,
+        fuse_draft=fuse_draft,
     )  # fmt: skip
-    spec = drafting_spec(spec, draft, rows)  # the kernel verifies; the drafter is not in it
+    # The kernel verifies; the drafter is in it only with --fuse-draft.
+    spec = drafting_spec(spec, draft, rows)
     directory = _build_dir_for(spec, topo, options, output) if update_report else None
     if profile:
         _profile_and_print(spec, topo, options, as_json, directory)

@@ -141,6 +141,13 @@ knob_options = compose(
         default=None,
         help="Recurrent states all in VMEM, or streamed a sequence at a time [planner].",
     ),
+    click.option(
+        "--fuse-draft",
+        is_flag=True,
+        default=None,
+        help="Run the --draft mtp drafter inside the kernel, its passes layers of the step "
+        "(docs/drafting.md) [between kernel calls].",
+    ),
 )
 
 # --topology and the build options shared by `build` and `compile`.

@@ -99,6 +99,7 @@ def report_context(
             plan.hand_written,
             est.draft_ms,
             plan.draft.drafter if plan.draft else "",
+            fused=est.fused_verify_ms is not None,
         ),  # fmt: skip
         "collective_latency": collective_latency_note(topology.chip_info),
         **_estimate_rows(est, acceptance),

@@ -23,8 +23,8 @@ from mkgen.kernellib.constants import (
     TOKENS_PADDED,
     VOCAB_PER_CORE,
 )
-from mkgen.kernellib.step import argument_shapes
 from mkgen.kernellib.elementwise import _rms_norm, _stack_rows
+from mkgen.kernellib.step import argument_shapes
 
 # fmt: off
 

@@ -75,11 +75,6 @@ def fused_model(spec: ModelSpec, rows: int) -> tuple[ModelSpec, DraftPasses]:
         raise SpecError(
             f"--fuse-draft: the spec has {draft.layers} MTP modules; the kernel fuses one"
         )
-    if spec.attention_residual is not None:
-        raise SpecError(
-            f"--fuse-draft: {spec.name} has an attention residual, which the fused passes do "
-            "not take part in yet; leave --fuse-draft out"
-        )
     count, passes = spec.layers.count, rows - 1
 
     def assignment(table: list[str], pass_kind: str) -> LayerAssignment:

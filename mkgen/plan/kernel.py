@@ -175,7 +175,9 @@ def _assemble(
         expert_arrays=expert_arrays,
         # with a fused drafter: the fed rows' tokens, the MTP norms, RoPE at the next
         # positions and the embedding table too
-        operands_before_caches=6 + 2 * rotary + expert_arrays
+        operands_before_caches=6
+        + 2 * rotary
+        + expert_arrays
         + (3 + 2 * rotary if passes is not None else 0),
         vmem_limit_bytes=topology.chip_info.vmem_limit_bytes,
     )

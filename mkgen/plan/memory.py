@@ -155,9 +155,7 @@ def plan_fitted(
     if options.expert_sharing == "none" or not (pairs or options.expert_sharing != "auto"):
         return sharding, memory
     room = max(0, memory.headroom_bytes)
-    sharing = plan_sharding(
-        spec, topo, options, kinds=kinds, expert_room_bytes=room, passes=passes
-    )
+    sharing = plan_sharding(spec, topo, options, kinds=kinds, expert_room_bytes=room, passes=passes)
     return sharing, plan_memory(spec, topo, options, sharing)
 
 

@@ -137,12 +137,14 @@ def bar_text(
     hand: HandWritten | None,
     draft_ms: float | None = None,
     drafter: str = "",
+    fused: bool = False,
 ) -> str:
     """The predicted step `step_ms` against the ideal floor and, where one is published,
     the hand-written kernel (a measurement on TPU7x, where the step is a prediction). With
     a drafter priced (`draft_ms`, `drafter` naming it: mkgen/plan/draft.py) the floor is held
     against the verify step (what the floor reads) and the published step against verify +
-    draft: like with like where the published step drafts too."""
+    draft: like with like where the published step drafts too. A `fused` step drafts inside
+    the kernel (mkgen/plan/fused.py): the floor then reads the passes' weights too."""
     verify = "verify " if draft_ms is not None else ""
     lines = [
         f"ideal floor {floor.ms:.3f} ms ({floor.bytes_per_core / 1e9:.3f} GB per core per step "
@@ -151,18 +153,22 @@ def bar_text(
         f"{floor.ratio(step_ms):.3f})"
     ]
     if hand is not None:
-        lines.append(_against_hand_written(step_ms, hand, draft_ms, drafter))
+        lines.append(_against_hand_written(step_ms, hand, draft_ms, drafter, fused))
     return "; ".join(lines)
 
 
 def _against_hand_written(
-    step_ms: float, hand: HandWritten, draft_ms: float | None, drafter: str
+    step_ms: float, hand: HandWritten, draft_ms: float | None, drafter: str, fused: bool
 ) -> str:
     ours = step_ms + (draft_ms or 0.0)
     faster = 1 - ours / hand.step_ms
     verdict = f"{faster:.0%} faster" if faster >= 0 else f"{ours / hand.step_ms:.2f}x it"
     subject, unlike = "the predicted step", ""
-    if draft_ms is not None:
+    if fused:
+        subject = "the predicted step (verify and draft in one kernel, the model's MTP layers)"
+        if hand.drafting:
+            unlike = ", like for like: both kernels draft inside the step, each with its own drafter"
+    elif draft_ms is not None:
         subject = (f"verify {step_ms:.3f} + draft {draft_ms:.3f} = {ours:.3f} ms (predicted, "
                    f"drafter {drafter})")  # fmt: skip
         if hand.drafting:

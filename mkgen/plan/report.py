@@ -365,6 +365,7 @@ def plan_text(plan: BuildPlan) -> str:
                 plan.hand_written,
                 plan.estimate.draft_ms,
                 plan.draft.drafter if plan.draft else "",
+                fused=plan.estimate.fused_verify_ms is not None,
             ),  # fmt: skip
         ]
         + ([collective_latency_note(_chip(plan))] if plan.sharding.devices > 1 else [])

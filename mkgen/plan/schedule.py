@@ -225,6 +225,7 @@ class Schedule:
         segment_order: dict[str, list[str]],
         layer_kinds: list[str],
         refills: dict[str, int],
+        named_layers: dict[int, str] | None = None,
     ) -> None:
         self.nodes = nodes
         self.events = events
@@ -244,6 +245,8 @@ class Schedule:
         self.segment_order = segment_order
         self.layer_kinds = layer_kinds  # "attention/ffn" kind names of every layer
         self.refills = refills  # how the ring's refills went (_Builder.refills)
+        # Layers the program lists under a name of their own: a fused drafter's passes
+        self.named_layers = named_layers or {}
 
     def copy(self) -> Schedule:
         """A deep copy (tests break copies to prove the checks fail)."""
@@ -263,6 +266,7 @@ class Schedule:
             segment_order={k: list(v) for k, v in self.segment_order.items()},
             layer_kinds=list(self.layer_kinds),
             refills=dict(self.refills),
+            named_layers=dict(self.named_layers),
         )
 
     def find(self, name: str) -> Node:
@@ -326,9 +330,10 @@ class Schedule:
         )
 
     def program(self) -> dict[str, list[dict]]:
-        """The op list of each layer kind (its first layer), the prologue and the epilogue,
-        in program order: every start, wait and run with the resources it touches."""
-        names = {-1: "prologue", self.layers: "epilogue"}
+        """The op list of each layer kind (its first layer), the prologue and the epilogue
+        (and a fused drafter's first and chained pass), in program order: every start,
+        wait and run with the resources it touches."""
+        names = {-1: "prologue", self.layers: "epilogue", **self.named_layers}
         seen: dict[str, int] = {}  # program name -> the layer that stands for it
         out: dict[str, list[dict]] = {}
         layer = -1  # the layer whose ops run now: a DMA belongs where it is issued or waited
@@ -702,7 +707,7 @@ class _Builder:
         for layer, (attn, ffn) in enumerate(self.sh.layer_table):
             in_pass = passes is not None and layer in passes.layers
             if in_pass and layer == passes.first_layer:
-                self.head(layer, self.stream.lm_head_row, "lm_head")  # the verify rows'
+                self.head(layers, self.stream.lm_head_row, "lm_head")  # the verify rows'
                 self.accept(layer)
             if in_pass:
                 self.draft_entry(layer, layer - passes.first_layer)
@@ -714,7 +719,8 @@ class _Builder:
                 self.start(vec[layer + 1])
             v = self.run("vector", f"L{layer} load vectors", layer, 0,
                          ((vec[layer], "vectors", layer % 2),))  # fmt: skip
-            r = self.spec.attention_residual
+            # The target's layers mix snapshots at each block's start; a drafter's pass does not.
+            r = None if in_pass else self.spec.attention_residual
             if r is not None and layer % r.block_size == 0 and self.vmem.snapshots_in_hbm:
                 self.res = self.residual_snapshots_in_hbm(layer, r.block_size, r.max_snapshots)
             elif r is not None and layer % r.block_size == 0:
@@ -749,6 +755,7 @@ class _Builder:
             stream_bytes=self.stream.bytes_per_step,
             segment_order=self.segment_order,
             layer_kinds=[f"{a}/{f}" for a, f in self.sh.layer_table],
+            named_layers=self.named_layers(),
             refills=self.refills,
         )
 
@@ -776,6 +783,14 @@ class _Builder:
                          layer, 2 * call.members * self.t, ((x, "greedy", 0),),
                          writes=("greedy", 0))  # fmt: skip
         return g
+
+    def named_layers(self) -> dict[int, str]:
+        """A fused drafter's passes, as the program lists them: the first, then a chained one."""
+        passes = self.sh.draft_passes
+        if passes is None:
+            return {}
+        return {layer: "first draft pass" if layer == passes.first_layer else "chained draft pass"
+                for layer in passes.layers}  # fmt: skip
 
     # --- a fused drafter's passes (mkgen/plan/fused.py) ---
     def accept(self, layer: int) -> None:

@@ -1151,7 +1151,8 @@ def plan_sharding(
     ]  # fmt: skip
     if spec.attention_residual:
         r = spec.attention_residual
-        blocks = math.ceil(spec.layers.count / r.block_size)
+        count = spec.layers.count if passes is None else passes.first_layer  # the target's
+        blocks = math.ceil(count / r.block_size)
         glob.append(ctx.shard("attn_res_logits", (blocks, r.max_snapshots), VECTORS,
                               why="replicated"))  # fmt: skip
     glob.append(ctx.shard("final_norm", (h,), VECTORS, why="replicated"))

@@ -27,7 +27,6 @@ quantized segment occupies whole banks, and a layer kind holding one starts on a
 from __future__ import annotations
 
 from functools import lru_cache
-
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer

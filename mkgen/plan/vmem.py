@@ -35,15 +35,9 @@ from pydantic import BaseModel, ConfigDict
 from mkgen.errors import SpecError
 from mkgen.hardware import MiB, vmem_padded_bytes
 from mkgen.plan.collectives import CollectivePlan, greedy_scheme, layer_uses, plan_collectives
-from mkgen.plan.kind import BufferInputs, KindRegistry
 from mkgen.plan.fused import DRAFT_NORMS
-from mkgen.plan.layout import (
-    MAX_PIECE_CHUNKS,
-    SUBLANES_F32,
-    ExpertChunks,
-    draft_hidden_states,
-    row_block,
-)
+from mkgen.plan.kind import BufferInputs, KindRegistry
+from mkgen.plan.layout import MAX_PIECE_CHUNKS, ExpertChunks, draft_hidden_states, row_block
 from mkgen.plan.options import BuildOptions, cache_block, kv_tile
 from mkgen.plan.sharding import ShardingPlan, TensorShard
 from mkgen.plan.stream import CHUNK, LANES, StreamPlan, choose_ring, round_up

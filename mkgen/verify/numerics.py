@@ -696,7 +696,9 @@ def _mostly_accepted(
     for offset in range(rows - 1):
         token = jnp.asarray([[chosen[-1]]], jnp.int32)
         logits, cache = reference.forward(spec, weights, token, cache, position + offset)[:2]
-        chosen.append(int(np.asarray(logits)[0, -1, : spec.dims.vocab_used or spec.dims.vocab].argmax()))
+        chosen.append(
+            int(np.asarray(logits)[0, -1, : spec.dims.vocab_used or spec.dims.vocab].argmax())
+        )
     chosen[-1] = (chosen[-1] + 1) % (spec.dims.vocab_used or spec.dims.vocab)
     return np.asarray([chosen], np.int32)
 

@@ -229,7 +229,8 @@ def pack_vectors_layer(
     for at, block in layout.ffn[layout.ffn_table[layer]].slab_blocks(tensors, prefix, rank):
         slab[at : at + len(block), : block.shape[1]] = block
     residual = layout.attention_residual
-    if residual and layer % residual.block_size == 0:  # the block's logits ride with it
+    first_pass = passes.first_layer if passes is not None else len(layout.attention_table)
+    if residual and layer % residual.block_size == 0 and layer < first_pass:  # its block's logits
         logits = np.asarray(tensors["attn_res_logits"])
         slab[residual.logits_row, : residual.max_snapshots] = logits[layer // residual.block_size]
     return slab
@@ -240,7 +241,9 @@ def pack_draft_norms(tensors: Mapping[str, np.ndarray]) -> np.ndarray:
     return np.stack([np.asarray(tensors[MODULE_PREFIX + n], np.float32) for n in DRAFT_NORMS])
 
 
-def pack_embedding(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int) -> np.ndarray:
+def pack_embedding(
+    layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int
+) -> np.ndarray:
     """A fused drafter's rows of the token embeddings on one core [vocab_per_core, 1,
     hidden] bf16 (rows vocab_per_core x rank on; past the vocabulary zero): its passes
     gather a row a DMA."""
