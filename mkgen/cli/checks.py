@@ -130,7 +130,9 @@ def verify_command(
             "--fuse-draft: verify holds a fused drafter at --batch 1, and no build runs one to "
             "record it in; leave out --batch and --update-report"
         )
-    spec, topo, built = plan_inputs(spec_ref, topology, quant=quant, **knobs)
+    # The full-size build as built (rows 1 unless it fuses a drafter, which drafts R - 1).
+    rows_built = {"rows": rows} if fuse_draft else {}
+    spec, topo, built = plan_inputs(spec_ref, topology, quant=quant, **rows_built, **knobs)
     # The twin drafts nothing (mkgen.spec.mini): the drafter is checked against the spec.
     spec = drafting_spec(spec, draft, rows)
     options = BuildOptions.create(batch=batch, rows=rows, context=context, **knobs)

@@ -173,8 +173,8 @@ def _against_hand_written(
                    f"drafter {drafter})")  # fmt: skip
         if hand.drafting:
             unlike = (", like for like: both steps include drafting, each with its own drafter "
-                      "(this one priced by the cost model as fused into the kernel; no kernel runs it "
-                      "fused yet)")  # fmt: skip
+                      "(this one priced by the cost model as fused into the kernel; --fuse-draft "
+                      "plans the kernel that runs it)")  # fmt: skip
     elif hand.drafting:
         command = (f"mkgen plan {hand.model} --topology {hand.topology} --rows {hand.rows} "
                    f"--draft {hand.shipped_drafter}")  # fmt: skip
