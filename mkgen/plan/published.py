@@ -167,7 +167,9 @@ def _against_hand_written(
     if fused:
         subject = "the predicted step (verify and draft in one kernel, the model's MTP layers)"
         if hand.drafting:
-            unlike = ", like for like: both kernels draft inside the step, each with its own drafter"
+            unlike = (
+                ", like for like: both kernels draft inside the step, each with its own drafter"
+            )
     elif draft_ms is not None:
         subject = (f"verify {step_ms:.3f} + draft {draft_ms:.3f} = {ours:.3f} ms (predicted, "
                    f"drafter {drafter})")  # fmt: skip
