@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --draft 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of kimi-k3 for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats, expert sharing half; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round; drafter mtp: 1 module(s), mla + moe layer.
-Inputs sha256: 4bbc6f6030901a159aa42d9f356f30ee196d3b950756837e4f00ffe5dbafe13d (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 4740d060c2e6f816ffbc14dc7fa5671b38f1d0a6e4d0e9aa9e9ebdcf6897cca8 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 32 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -1464,12 +1464,23 @@ def _ffn_moe(ctx, layer, first_row, x):
 # ----------------------------------------------------------------------------- lm_head
 def _lm_head(ctx, x, final_norm, logits_ref, tokens_ref, greedy_vmem, greedy_sems):
     """Final norm, logits of this core's vocabulary shard, greedy token across shards."""
-    h = _rms_norm(x, final_norm)
-    logits = ctx.stream.matmul(h, LM_HEAD_ROW, LM_HEAD)
-    logits = logits * LOGIT_MULTIPLIER
+    logits = _logits(ctx, x, final_norm, LM_HEAD_ROW)
+    logits_ref[...] = logits
+    tokens_ref[...] = _greedy_token(logits, greedy_vmem, greedy_sems)
+
+
+def _logits(ctx, x, norm, row):
+    """This core's vocabulary shard of the logits of the rows `x`, normed by `norm`, through
+    the LM head that starts at stream row `row`."""
+    logits = ctx.stream.matmul(_rms_norm(x, norm), row, LM_HEAD) * LOGIT_MULTIPLIER
     if LOGIT_SOFTCAP is not None:
         logits = LOGIT_SOFTCAP * jnp.tanh(logits / LOGIT_SOFTCAP)
-    logits_ref[...] = logits
+    return logits
+
+
+def _greedy_token(logits, greedy_vmem, greedy_sems):
+    """The greedy token of every row across the vocabulary shards [TOKENS_PADDED, 128] int32
+    (every lane)."""
     me = jax.lax.axis_index(AXIS) if NUM_DEVICES > 1 else 0
     ids = me * VOCAB_PER_CORE + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
     masked = jnp.where(ids < VOCAB_USED, logits, -jnp.inf)
@@ -1497,7 +1508,7 @@ def _lm_head(ctx, x, final_norm, logits_ref, tokens_ref, greedy_vmem, greedy_sem
             value = jnp.where(better, v_j, value)
             token = jnp.where(better, t_j, token)
         mine = jnp.where(lane == 0, value, jnp.where(lane == 1, token, 0.0))
-    tokens_ref[...] = jnp.broadcast_to(token.astype(jnp.int32), (TOKENS_PADDED, 128))
+    return jnp.broadcast_to(token.astype(jnp.int32), (TOKENS_PADDED, 128))
 
 
 # ----------------------------------------------------------------------------- the kernel
@@ -1853,6 +1864,5 @@ def make_decode_step(mesh):
         out_specs=(replicated, P(None, AXIS), replicated) + (sharded,) * CACHE_ARRAYS,
         check_vma=False,
     )
-    return jax.jit(
-        step, donate_argnums=tuple(range(6 + EXPERT_ARRAYS, 6 + EXPERT_ARRAYS + CACHE_ARRAYS))
-    )
+    first_cache = 6 + EXPERT_ARRAYS
+    return jax.jit(step, donate_argnums=tuple(range(first_cache, first_cache + CACHE_ARRAYS)))
