@@ -181,4 +181,5 @@ def regen_command(measure: bool) -> None:
                 entry.spec, options.apply(spec), topo, checks.modes_of("both"), directory,
                 steps=2, batch=options.batch, rows=options.rows, context=MINI_CONTEXT, seed=0,
                 timeout=900.0, quant=tuple(f"{f}={v}" for f, v in options.quant),
+                draft=entry.draft,
             )  # fmt: skip

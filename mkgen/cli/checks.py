@@ -163,6 +163,7 @@ def verify_command(
     verify_and_print(
         spec_ref, spec, topo, checks.modes_of(mode), directory, steps=steps, batch=batch,
         rows=rows, context=context, seed=seed, timeout=timeout, quant=quant, knobs=knobs,
+        draft=draft,
     )  # fmt: skip
 
 

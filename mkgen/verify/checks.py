@@ -24,6 +24,7 @@ from mkgen.spec.topology import Topology
 from mkgen.verify import numerics
 from mkgen.verify.numerics import (
     CACHE_RTOL,
+    DRAFT_TIE_FACTOR,
     INTERPRET_MODES,
     LOGIT_ATOL,
     LOGIT_RTOL,
@@ -153,7 +154,10 @@ TOLERANCES = (
         if RESIDUALS and _RESIDUAL_RTOL is not None
         else ""
     )
-    + "every logit and cache entry finite"
+    + "a fused drafter's accepted rows as the accept rule on the kernel's own greedy tokens and "
+    "its drafts the reference drafter's (a near tie, top two within "
+    f"{DRAFT_TIE_FACTOR:g} x the step's largest logit difference, ends that chain's comparison); "
+    "every logit and cache entry finite"
 )
 NOT_YET = (
     "a failure names the step, the check and the first diverging layer"
@@ -185,6 +189,7 @@ def run_verify(
     quant: tuple[str, ...] = (),
     knobs: dict[str, Any] | None = None,
     on_step: Callable[[], None] | None = None,
+    draft: str | None = None,
 ) -> list[NumericsReport]:
     return [
         verify_numerics(
@@ -200,6 +205,7 @@ def run_verify(
             quant=quant,
             knobs=knobs,
             on_step=on_step,
+            draft=draft,
         )  # fmt: skip
         for mode in modes
     ]
@@ -240,6 +246,13 @@ def verify_lines(report: NumericsReport) -> list[str]:
                 f"{s.max_draft_hidden_diff:.5f}"
                 + (f"; {s.draft_hidden_mismatch}" if s.draft_hidden_mismatch else "")
             )
+        if s.drafts_total:
+            out.append(
+                f"        the fused drafter: accepted {'/'.join(map(str, s.accepted))} row(s); "
+                f"drafts {s.drafts_equal}/{s.drafts_total} equal"
+                + (f", {s.drafts_near_tie} after a near tie" if s.drafts_near_tie else "")
+                + (f"; {s.accepted_mismatch}" if s.accepted_mismatch else "")
+            )
     return out
 
 
@@ -261,9 +274,11 @@ def verify_record(
     seed: int,
     quant: tuple[str, ...] = (),
     knobs: dict[str, Any] | None = None,
+    draft: str | None = None,
 ) -> dict[str, Any]:
     return {
         **({"knobs": dict(knobs)} if knobs else {}),
+        **({"draft": draft} if draft else {}),
         "steps_requested": steps,
         "batch": batch,
         "rows": rows,

@@ -203,6 +203,7 @@ def verify_numerics(
     knobs: dict[str, Any] | None = None,
     mutations: list[tuple[str, str]] | None = None,
     on_step: Callable[[], None] | None = None,
+    draft: str | None = None,
 ) -> NumericsReport:
     """Run the child process and return its report (a timeout is a failure, not a hang).
 
@@ -214,7 +215,9 @@ def verify_numerics(
     kernel, to prove that a broken schedule is caught. `on_step` is called as each decode
     step finishes in the child (a progress bar). With the knob `fuse_draft` the twin drafts
     with the spec's mtp drafter inside the kernel (mkgen/plan/fused.py); its drafts and
-    accepted rows are held against the reference drafter's and the accept rule."""
+    accepted rows are held against the reference drafter's and the accept rule. `draft`
+    names the drafter the build carries (`--draft`: mtp, a drafter spec or config.json),
+    attached to the spec before its twin is made."""
     from mkgen.spec.topology import parse_topology
 
     if mode not in INTERPRET_MODES:
@@ -225,6 +228,7 @@ def verify_numerics(
         sys.executable, "-m", "mkgen.verify.numerics", spec_ref, topology, mode,
         str(steps), str(batch), str(rows), str(context), str(seed),
         json.dumps(list(quant)), json.dumps(knobs or {}), json.dumps(mutations or []),
+        json.dumps(draft),
     ]  # fmt: skip
     report = NumericsReport(spec_ref, topology, devices, mode, batch, rows)
     returncode, stdout, stderr = _run_streaming(args, env, timeout, on_step)
@@ -447,6 +451,7 @@ def _run_child(
     quant: list[str],
     knobs: dict[str, Any],
     mutations: list[tuple[str, str]],
+    draft: str | None = None,
 ) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
@@ -462,7 +467,7 @@ def _run_child(
     from mkgen.weights.quantize import stored_draft_weights, stored_random_weights
 
     topology, spec, layout, kernel = _child_kernel(
-        spec_ref, topology_text, batch, rows, context, quant, knobs, mutations
+        spec_ref, topology_text, batch, rows, context, quant, knobs, mutations, draft
     )
     devices = topology.num_devices
     weights = stored_random_weights(spec, seed)  # the reference reads what the kernel stores
@@ -544,10 +549,11 @@ def _child_kernel(
     quant: list[str],
     knobs: dict[str, Any],
     mutations: list[tuple[str, str]],
+    draft: str | None = None,
 ) -> tuple[Any, Any, Any, Any]:
     """(topology, the spec's mini twin, its kernel layout, the rendered kernel module with
     `mutations` applied to its source), planned with the full-size build's splits (or the
-    `splits` knob's)."""
+    `splits` knob's); with `draft`, the spec drafting with that drafter (load_drafter)."""
     from mkgen.codegen.build import load_module, render_kernel
     from mkgen.codegen.package import mini_kernel_args
     from mkgen.kinds import default_registry
@@ -559,7 +565,12 @@ def _child_kernel(
     from mkgen.spec.topology import parse_topology
 
     topology = parse_topology(topology_text)
-    built = BuildOptions.create(quant=quant).apply(load_spec(spec_ref))
+    spec = load_spec(spec_ref)
+    if draft is not None:
+        from mkgen.spec.draft_import import load_drafter
+
+        spec = load_drafter(draft, spec)
+    built = BuildOptions.create(quant=quant).apply(spec)
     spec = mini_twin(built, topology.num_devices)
     options = BuildOptions.create(batch=batch, rows=rows, context=context, **knobs)
     if options.splits is None:  # a caller's own choices stand (a test forcing a design)
@@ -859,7 +870,9 @@ def _compare_caches(
 
 
 if __name__ == "__main__":
-    spec_arg, topo_arg, mode_arg, *numbers, quant_arg, knobs_arg, mutations_arg = sys.argv[1:]
+    spec_arg, topo_arg, mode_arg, *numbers, quant_arg, knobs_arg, mutations_arg, draft_arg = (
+        sys.argv[1:]
+    )
     steps_n, batch_n, rows_n, context_n, seed_n = map(int, numbers)
     _exit_when_stalled()
     try:
@@ -869,6 +882,7 @@ if __name__ == "__main__":
             # JSON has no tuples: a knob's list (a test's forced splits) was one.
             {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(knobs_arg).items()},
             [tuple(m) for m in json.loads(mutations_arg)],
+            json.loads(draft_arg),
         )  # fmt: skip
     except Exception as error:  # reported to the parent as one line: race, NaN, lowering...
         result = {"error": describe_failure(error)}
