@@ -129,9 +129,8 @@ def test_plan_text_says_verify_plus_draft_is_predicted_and_not_run() -> None:
     assert result.returncode == 0, result.stderr
     line = next(x for x in result.stdout.splitlines() if x.startswith("Estimate: "))
     assert (
-        "ms/step at batch 1 x rows 8 (the draft priced as fused into the kernel; no kernel "
-        "runs it fused: a runner drafts with it in a separate jitted JAX step between "
-        "kernel calls; " in line
+        "ms/step at batch 1 x rows 8 (the draft priced as fused into the kernel; a build's "
+        "runner drafts with it in a separate jitted JAX step between kernel calls; " in line
     )
     # The calibrated regime is of the verify step, and says so.
     calibrated = next(x for x in result.stdout.splitlines() if x.startswith("Calibrated regime"))

@@ -110,21 +110,11 @@ def verify_command(
     from mkgen.spec.mini import mini_twin
     from mkgen.verify import checks
 
-    knobs = {
-        k: v
-        for k, v in (
-            ("ring_depth", ring_depth),
-            ("expert_slots", expert_slots),
-            ("held_refills", held_refills),
-            ("kv_tile", kv_tile),
-            ("collectives", collectives),
-            ("expert_sharing", expert_sharing),
-            ("residual_snapshots", residual_snapshots),
-            ("recurrent_states", recurrent_states),
-            ("fuse_draft", fuse_draft),
-        )
-        if v is not None
-    }
+    given = {"ring_depth": ring_depth, "expert_slots": expert_slots, "held_refills": held_refills,
+             "kv_tile": kv_tile, "collectives": collectives, "expert_sharing": expert_sharing,
+             "residual_snapshots": residual_snapshots, "recurrent_states": recurrent_states,
+             "fuse_draft": fuse_draft}  # fmt: skip
+    knobs = {k: v for k, v in given.items() if v is not None}
     if fuse_draft and (batch != 1 or update_report):
         raise MkgenError(
             "--fuse-draft: verify holds a fused drafter at --batch 1, and no build runs one to "

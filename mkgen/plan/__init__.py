@@ -186,18 +186,10 @@ def plan_build(
     passes = None
     if options.fuse_draft:
         spec, passes = fused_model(spec, options.rows)
-    program = plan_program(
-        spec,
-        topo,
-        options,
-        kinds=kinds,
-        bank_rows=bank_rows,
-        ring_depth=ring_depth,
-        max_piece_chunks=max_piece_chunks,
-        held_refills=held_refills,
-        refills_per_round=refills_per_round,
-        passes=passes,
-    )
+    shape = {"kinds": kinds, "bank_rows": bank_rows, "ring_depth": ring_depth,
+             "max_piece_chunks": max_piece_chunks, "held_refills": held_refills,
+             "refills_per_round": refills_per_round}  # fmt: skip
+    program = plan_program(spec, topo, options, **shape, passes=passes)
     spec, sharding, stream = program.spec, program.sharding, program.stream
     vmem, schedule = program.vmem, program.schedule
     kernel = build_layout(spec, topo, sharding, stream, options, kinds=kinds,
@@ -211,11 +203,8 @@ def plan_build(
     walked, drafter = _priced(topo, options, program, step.ok, trace, drafting)
     if walked is not None and passes is not None:  # what the draft adds: the verify-only step
         unfused = options.model_copy(update={"fuse_draft": False})
-        alone = plan_program(base, topo, unfused, kinds=kinds, bank_rows=bank_rows,
-                             ring_depth=ring_depth, max_piece_chunks=max_piece_chunks,
-                             held_refills=held_refills, refills_per_round=refills_per_round)  # fmt: skip
-        verify_ms = estimate(topo, unfused, alone).step_ms
-        walked = walked.model_copy(update={"fused_verify_ms": verify_ms})
+        alone = estimate(topo, unfused, plan_program(base, topo, unfused, **shape))
+        walked = walked.model_copy(update={"fused_verify_ms": alone.step_ms})
     plan = BuildPlan(
         options=options,
         chips=topo.num_chips,

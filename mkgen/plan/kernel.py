@@ -107,17 +107,11 @@ def _assemble(
     devices, hidden = topology.num_devices, spec.dims.hidden
     attn_table, ffn_table = tables
     passes = sharding.draft_passes
-
-    def source(layer: int) -> int:
-        return layer if passes is None else passes.source(layer)
-
+    source = passes.source if passes is not None else (lambda layer: layer)
     rotary = sum(1 for a in attention if a.rope)
-
     globals_ = {t.name: part_of(t, devices) for t in sharding.globals}
     segments = [s for a in attention for s in a.segments] + [s for f in ffn for s in f.segments]
-    segments += stream.tail
-    if stream.draft is not None:
-        segments.append(stream.draft.eh_proj)
+    segments += stream.tail + ([stream.draft.eh_proj] if stream.draft is not None else [])
     formats = stream_formats(segments)
     tokens = options.batch * options.rows
     collectives = plan_collectives(topology, layer_uses(sharding), greedy_scheme(sharding))

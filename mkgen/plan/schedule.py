@@ -703,14 +703,8 @@ class _Builder:
         self.wait(x_in)
         self.res = x_in
         ffn_out = ffn_out_buffer(self.sh)
-        passes = self.sh.draft_passes
         for layer, (attn, ffn) in enumerate(self.sh.layer_table):
-            in_pass = passes is not None and layer in passes.layers
-            if in_pass and layer == passes.first_layer:
-                self.head(layers, self.stream.lm_head_row, "lm_head")  # the verify rows'
-                self.accept(layer)
-            if in_pass:
-                self.draft_entry(layer, layer - passes.first_layer)
+            in_pass = self.pass_entry(layer, layers)
             self.buffers = collective_buffers(
                 self.sh.attention[attn].collectives, self.sh.ffn[ffn].collectives, ffn_out
             )
@@ -719,13 +713,8 @@ class _Builder:
                 self.start(vec[layer + 1])
             v = self.run("vector", f"L{layer} load vectors", layer, 0,
                          ((vec[layer], "vectors", layer % 2),))  # fmt: skip
-            # The target's layers mix snapshots at each block's start; a drafter's pass does not.
-            r = None if in_pass else self.spec.attention_residual
-            if r is not None and layer % r.block_size == 0 and self.vmem.snapshots_in_hbm:
-                self.res = self.residual_snapshots_in_hbm(layer, r.block_size, r.max_snapshots)
-            elif r is not None and layer % r.block_size == 0:
-                self.res = self.vec(layer, "attention-residual snapshot", self.res,
-                                    self.t * dims.hidden * r.max_snapshots * 2)  # fmt: skip
+            if not in_pass:  # a drafter's pass mixes no attention-residual snapshots
+                self.residual_block(layer)
             out = self.attention(layer, attn, v)
             self.res = self.vec(layer, "residual += attention", self.res, self.t * dims.hidden,
                                 ((out, None, 0),))  # fmt: skip
@@ -735,8 +724,8 @@ class _Builder:
             if any(d.layer == layer and not d.normed for d in self.draft_hidden):
                 self.vec(layer, "residual -> draft hidden", self.res, self.t * dims.hidden)
             if in_pass:
-                self.draft_head(layer, layer - passes.first_layer)
-        if passes is None:
+                self.draft_head(layer)
+        if self.sh.draft_passes is None:
             self.head(layers, self.stream.lm_head_row, "lm_head")
         self.draft_hidden_out(layers)
         resources = dict(self.vmem.resources)
@@ -792,7 +781,30 @@ class _Builder:
         return {layer: "first draft pass" if layer == passes.first_layer else "chained draft pass"
                 for layer in passes.layers}  # fmt: skip
 
+    def residual_block(self, layer: int) -> None:
+        """At an attention-residual block's start, the stream mixed with its snapshots."""
+        r = self.spec.attention_residual
+        if r is None or layer % r.block_size:
+            return
+        if self.vmem.snapshots_in_hbm:
+            self.res = self.residual_snapshots_in_hbm(layer, r.block_size, r.max_snapshots)
+        else:
+            self.res = self.vec(layer, "attention-residual snapshot", self.res,
+                                self.t * self.dims.hidden * r.max_snapshots * 2)  # fmt: skip
+
     # --- a fused drafter's passes (mkgen/plan/fused.py) ---
+    def pass_entry(self, layer: int, layers: int) -> bool:
+        """Whether `layer` is a drafter's pass; its input rows if so (after the verify
+        rows' LM head and the accept rule, before the first)."""
+        passes = self.sh.draft_passes
+        if passes is None or layer not in passes.layers:
+            return False
+        if layer == passes.first_layer:
+            self.head(layers, self.stream.lm_head_row, "lm_head")  # the verify rows'
+            self.accept(layer)
+        self.draft_entry(layer, layer - passes.first_layer)
+        return True
+
     def accept(self, layer: int) -> None:
         """The greedy tokens copied to SMEM and each sequence's accepted rows counted there
         (a scalar loop over its rows)."""
@@ -826,11 +838,12 @@ class _Builder:
         x = self.segment(layer, "eh_proj", draft.eh_proj, draft.eh_proj_rows[index], x)
         self.res = self.collective(layer, steps["eh_proj"], x)
 
-    def draft_head(self, layer: int, index: int) -> None:
+    def draft_head(self, layer: int) -> None:
         """The pass's final norm and the LM head: each sequence's draft."""
-        draft = self.stream.draft
-        assert draft is not None, "a fused drafter's stream holds its heads"
-        g = self.head(layer, draft.head_rows[index], "lm_head", norm="draft_norms_vmem")
+        draft, passes = self.stream.draft, self.sh.draft_passes
+        assert draft is not None and passes is not None, "a fused drafter's stream holds its heads"
+        row = draft.head_rows[layer - passes.first_layer]
+        g = self.head(layer, row, "lm_head", norm="draft_norms_vmem")
         self.run("sync", "the sequence's draft (scalar)", layer, 0, ((g, None, 0),))
 
     def draft_hidden_out(self, layers: int) -> None:

@@ -462,30 +462,18 @@ def _run_child(
     from mkgen.interpret import interpret_mode
     from mkgen.plan.collectives import arrange_devices
     from mkgen.reference import model as reference
-    from mkgen.reference.draft import init_draft_state
-    from mkgen.weights import pack
-    from mkgen.weights.quantize import stored_draft_weights, stored_random_weights
+    from mkgen.weights.quantize import stored_random_weights
 
     topology, spec, layout, kernel = _child_kernel(
         spec_ref, topology_text, batch, rows, context, quant, knobs, mutations, draft
     )
     devices = topology.num_devices
     weights = stored_random_weights(spec, seed)  # the reference reads what the kernel stores
-    fused = layout.draft_passes is not None
-    if fused:
-        if batch != 1:
-            raise MkgenError(
-                f"batch {batch}: verify holds a fused drafter at batch 1 only (the reference "
-                "runs one position for every sequence); give --batch 1"
-            )
-        weights |= stored_draft_weights(spec, seed + 1)
-        norms = jnp.asarray(pack.pack_draft_norms(weights))
-        table = np.stack([pack.pack_embedding(layout, weights, r) for r in range(devices)])
-        draft_state = init_draft_state(spec, batch, context)
+    fused = (
+        _FusedDrafter(spec, layout, weights, seed, batch, context) if layout.draft_passes else None
+    )
     stream, vectors, experts = _packed_weights(layout, kernel, weights, devices)
-    weight_arrays = [stream, vectors]
-    if fused:  # then each core's rows of the embeddings
-        weight_arrays.append(jnp.asarray(table))
+    weight_arrays = [stream, vectors, *(fused.tables(devices) if fused else [])]
     caches = [jnp.zeros((devices, *shape), dtype) for shape, dtype in kernel.cache_shapes()]
     order = layout.collectives.mesh_order  # stage 1 of the collectives is sibling cores
     mesh = Mesh(np.array(arrange_devices(jax.devices(), topology, order)), (kernel.AXIS,))
@@ -509,9 +497,9 @@ def _run_child(
         x = np.zeros((layout.tokens_padded, layout.hidden), np.float32)
         x[: layout.tokens] = weights["embedding"][tokens.reshape(-1)]
         positions = jnp.full((batch,), position, jnp.int32)
-        # A fused drafter also reads the fed rows' tokens, its norms and the embedding rows.
+        # A fused drafter also reads the fed rows' tokens and its norms.
         inputs = (positions, jnp.asarray(tokens.reshape(-1)), jnp.asarray(x), final_norm,
-                  norms) if fused else (positions, jnp.asarray(x), final_norm)  # fmt: skip
+                  fused.norms) if fused else (positions, jnp.asarray(x), final_norm)  # fmt: skip
         start = time.perf_counter()
         with interpret_mode(params):
             out = step_fn(tables, *inputs, *weight_arrays, *experts, *caches)
@@ -523,16 +511,9 @@ def _run_child(
             step, seconds, spec, layout, weights, tokens, position, ref_cache, out, moe_layers
         )
         checks.append(check)
-        if fused:  # the next rows: the bonus and the kernel's drafts, after what it accepted
-            kernel_tokens = np.asarray(out[0])[0]  # core 0's (the cores' are checked equal)
-            drafts = np.asarray(out[layout.outputs_before_caches - 1])[0]
-            draft_state, accepted = _check_drafts(
-                check, spec, weights, draft_state, tokens, kernel_tokens, drafts, ref_residuals
-            )
-            tokens = np.asarray([[kernel_tokens[accepted - 1], *drafts[0, 1:]]], np.int32)
-            position += accepted
-            if step % 2 == 0 and rows > 2:  # rows a random drafter never makes: see below
-                tokens = _mostly_accepted(spec, weights, ref_cache, tokens[0, 0], position, rows)
+        if fused:
+            tokens, position = fused.next_rows(check, tokens, out, ref_residuals, ref_cache,
+                                               step, position)  # fmt: skip
         else:
             tokens = expected.reshape(batch, rows).astype(np.int32)
             position += rows
@@ -689,6 +670,60 @@ def _step_check(
         draft_hidden_mismatch=hidden_mismatch,
     )
     return check, ref_cache, expected, traced
+
+
+class _FusedDrafter:
+    """A fused drafter's inputs beside the kernel's (its weights drawn beside the target's,
+    as the kernel stores them) and the reference drafter it is held to (batch 1)."""
+
+    def __init__(
+        self, spec: Any, layout: Any, weights: Any, seed: int, batch: int, context: int
+    ) -> None:
+        import jax.numpy as jnp
+
+        from mkgen.reference.draft import init_draft_state
+        from mkgen.weights import pack
+        from mkgen.weights.quantize import stored_draft_weights
+
+        if batch != 1:
+            raise MkgenError(
+                f"batch {batch}: verify holds a fused drafter at batch 1 only (the reference "
+                "runs one position for every sequence); give --batch 1"
+            )
+        weights |= stored_draft_weights(spec, seed + 1)  # the caller's too: its stream packs them
+        self.spec, self.layout, self.weights = spec, layout, weights
+        self.norms = jnp.asarray(pack.pack_draft_norms(weights))
+        self.state = init_draft_state(spec, batch, context)
+
+    def tables(self, devices: int) -> list[Any]:
+        """Each core's rows of the embeddings (after the stream and vectors)."""
+        import jax.numpy as jnp
+        import numpy as np
+
+        from mkgen.weights import pack
+
+        rows = [pack.pack_embedding(self.layout, self.weights, r) for r in range(devices)]
+        return [jnp.asarray(np.stack(rows))]
+
+    def next_rows(
+        self, check: StepCheck, fed: Any, out: list[Any], residuals: Any, cache: Any,
+        step: int, position: int,
+    ) -> tuple[Any, int]:  # fmt: skip
+        """The step's drafts checked into `check`; the next step's rows (the bonus and the
+        kernel's drafts, or on every other step rows a random drafter never makes:
+        _mostly_accepted) and position."""
+        import numpy as np
+
+        kernel_tokens = np.asarray(out[0])[0]  # core 0's (the cores' are checked equal)
+        drafts = np.asarray(out[self.layout.outputs_before_caches - 1])[0]
+        self.state, accepted = _check_drafts(
+            check, self.spec, self.weights, self.state, fed, kernel_tokens, drafts, residuals
+        )
+        rows, position = fed.shape[1], position + accepted
+        bonus = kernel_tokens[accepted - 1]
+        if step % 2 == 0 and rows > 2:
+            return _mostly_accepted(self.spec, self.weights, cache, bonus, position, rows), position
+        return np.asarray([[bonus, *drafts[0, 1:]]], np.int32), position
 
 
 def _mostly_accepted(
