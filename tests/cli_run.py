@@ -67,3 +67,20 @@ def assert_user_error(result: subprocess.CompletedProcess[str], *fragments: str)
     assert len(lines) == 1, result.stderr
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
+
+
+def compiled_profile(run_once, spec: str, topology: str, rows: str) -> dict:
+    """`mkgen compile SPEC --topology TOPOLOGY --rows ROWS --profile --json` (returncode,
+    stdout, stderr), run once for the whole run (conftest's run_once): the full-size
+    kernel compiled for TPU7x with Mosaic's LLO dump on. tests/test_profile.py holds its op
+    counts to the model, tests/test_codegen.py its VMEM to the plan (the kernel it
+    renders itself differs only in its docstring's header)."""
+
+    def compute() -> dict:
+        result = mkgen(
+            "compile", spec, "--topology", topology, "--rows", rows, "--profile", "--json",
+            timeout=900,
+        )  # fmt: skip
+        return {"returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr}
+
+    return run_once(f"profile-{Path(spec).stem}-{topology}-rows{rows}", compute)
