@@ -83,4 +83,4 @@ def compiled_profile(run_once, spec: str, topology: str, rows: str) -> dict:
         )  # fmt: skip
         return {"returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr}
 
-    return run_once(f"profile-{Path(spec).stem}-{topology}-rows{rows}", compute)
+    return run_once(f"profile-{Path(spec).name}-{topology}-rows{rows}", compute)

@@ -252,7 +252,7 @@ FULL_SIZE = [
 
 
 # Compiled by tests/test_profile.py's `mkgen compile --profile` too (cli_run.compiled_profile).
-PROFILED = [("kimi-k3", "2x2x4", {"rows": 8})]
+PROFILED = [("muse-spark-1.2", "2x2x1", {}), ("kimi-k3", "2x2x4", {"rows": 8})]
 
 
 def _id(case) -> str:
@@ -282,7 +282,7 @@ def test_full_size_kernel_compiles_for_tpu7x(
     if (name, topology, options) in PROFILED:
         # `mkgen compile --profile` compiles this kernel (context 4096, its docstring's
         # header aside) on the same devices for tests/test_profile.py: once for both.
-        result = compiled_profile(run_once, name, topology, str(options["rows"]))
+        result = compiled_profile(run_once, name, topology, str(options.get("rows", 1)))
         assert result["returncode"] == 0, result["stderr"]
         record = json.loads(result["stdout"])["compile"]
         assert record["plan_vmem_bytes"] == vmem.total_bytes  # the plan of this kernel
