@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
@@ -15,7 +14,13 @@ from mkgen.spec.loader import load_spec
 from mkgen.spec.topology import parse_topology
 from mkgen.verify.llo import StepCounter, op_group, parse_llo
 from mkgen.verify.profile import kind_of, phase_of
-from tests.cli_run import assert_user_error, compiled_profile, mkgen, mkgen_here
+from tests.cli_run import (
+    REPORTED,
+    assert_user_error,
+    compiled_profile,
+    mkgen,
+    reported_profile,
+)
 
 # A kernel as Mosaic prints it after finalize: a constant loop of 3 whose guard lets 2 of
 # its 4 chunk blocks run (c = 2 * i + j < 5), a sibling region reusing the first loop's
@@ -219,12 +224,12 @@ BUILDS = [
 def test_model_is_within_a_quarter_of_the_compiled_kernel(
     run_once, run_once_dir, spec: str, topology: str, rows: str
 ) -> None:
-    if (spec, topology, rows) == REPORTED:
+    if (spec, topology, rows) == (*REPORTED, "1"):
         # The profile test_update_report_records_the_profile_table's compile records: the
         # same compile, its record as --json prints it ({"compile": ..., **profile}).
         from mkgen.codegen.measurements import read_measurements
 
-        build, result = _reported(run_once, run_once_dir)
+        build, result = reported_profile(run_once, run_once_dir)
         assert result["returncode"] == 0, result["stderr"]
         measured = read_measurements(build) or {}
         profile = {"compile": measured["compile"], **measured["profile"]}
@@ -248,32 +253,9 @@ def test_model_is_within_a_quarter_of_the_compiled_kernel(
     assert not misses, misses
 
 
-# The build whose profile test_update_report_records_the_profile_table records, and the
-# quarter test holds to the model (one compile for both).
-REPORTED = ("qwen3-30b-a3b", "2x2x1", "1")
-
-
-def _reported(run_once, run_once_dir: Path) -> tuple[Path, dict]:
-    """`mkgen build qwen3-30b-a3b --topology 2x2x1` and then `mkgen compile ... --profile
-    --update-report` of it, once for the run (conftest's run_once): the build and the
-    compile's returncode, stdout and stderr."""
-    build = run_once_dir / "qwen-profiled"
-
-    def compute() -> dict:
-        built = mkgen_here("build", "qwen3-30b-a3b", "--topology", "2x2x1", "-o", str(build))
-        assert built.returncode == 0, built.stderr  # in this process: it needs no devices
-        result = mkgen(
-            "compile", "qwen3-30b-a3b", "--topology", "2x2x1", "--profile", "--update-report",
-            "-o", str(build), timeout=900,
-        )  # fmt: skip
-        return {"returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr}
-
-    return build, run_once("profile-qwen3-30b-a3b-2x2x1-report", compute)
-
-
 @pytest.mark.slow
 def test_update_report_records_the_profile_table(run_once, run_once_dir) -> None:
-    build, result = _reported(run_once, run_once_dir)
+    build, result = reported_profile(run_once, run_once_dir)
     assert result["returncode"] == 0, result["stderr"]
     assert "recorded in" in result["stdout"]
     report = (build / "REPORT.md").read_text()
