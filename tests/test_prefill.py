@@ -11,6 +11,7 @@ the XLA prefill and then the kernel is in tests/test_runner.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -49,10 +50,13 @@ SPECIAL_CASES = {
 }  # fmt: skip
 
 
+@functools.cache
 def _setup(spec_ref: str):
     """(mini spec, layout, the weights the kernel stores) of a spec on TOPOLOGY, its
     twin splitting what the full-size build splits (the router, MLA's latent
-    projections), as a build's mini twin does; or of a case of SPECIAL_CASES."""
+    projections), as a build's mini twin does; or of a case of SPECIAL_CASES. Made once
+    per process (the tests read them, never change them): the unpacking, heads and
+    dense-MLP tests share a spec's, and so do a child's modes."""
     from mkgen.codegen.package import mini_kernel_args
     from mkgen.plan import plan_build
     from mkgen.plan.options import BuildOptions
@@ -530,8 +534,5 @@ def test_prompts_go_in_power_of_two_chunks() -> None:
 
 
 if __name__ == "__main__":
-    import functools
-
-    _setup = functools.cache(_setup)  # the modes of one process share each spec's set-up
     children = {"caches": _prefill_child, "dots": _dots_child}
     print(json.dumps({mode: children[mode](sys.argv[2:]) for mode in sys.argv[1].split(",")}))
