@@ -67,3 +67,44 @@ def assert_user_error(result: subprocess.CompletedProcess[str], *fragments: str)
     assert len(lines) == 1, result.stderr
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
+
+
+def compiled_profile(run_once, spec: str, topology: str, rows: str) -> dict:
+    """`mkgen compile SPEC --topology TOPOLOGY --rows ROWS --profile --json` (returncode,
+    stdout, stderr), run once for the whole run (conftest's run_once): the full-size
+    kernel compiled for TPU7x with Mosaic's LLO dump on. tests/test_profile.py holds its op
+    counts to the model, tests/test_codegen.py its VMEM to the plan (the kernel it
+    renders itself differs only in its docstring's header)."""
+
+    def compute() -> dict:
+        result = mkgen(
+            "compile", spec, "--topology", topology, "--rows", rows, "--profile", "--json",
+            timeout=900,
+        )  # fmt: skip
+        return {"returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr}
+
+    return run_once(f"profile-{Path(spec).name}-{topology}-rows{rows}", compute)
+
+
+# The build whose profile tests/test_profile.py's update-report test records, its quarter
+# test holds to the model, and tests/test_codegen.py holds the VMEM of (one compile).
+REPORTED = ("qwen3-30b-a3b", "2x2x1")
+
+
+def reported_profile(run_once, run_once_dir: Path) -> tuple[Path, dict]:
+    """`mkgen build qwen3-30b-a3b --topology 2x2x1` and then `mkgen compile ... --profile
+    --update-report` of it, once for the run (conftest's run_once): the build and the
+    compile's returncode, stdout and stderr. Its measurements hold the compile's record
+    and the profile's, the two parts of what `--json` prints."""
+    build = run_once_dir / "qwen-profiled"
+
+    def compute() -> dict:
+        built = mkgen_here("build", REPORTED[0], "--topology", REPORTED[1], "-o", str(build))
+        assert built.returncode == 0, built.stderr  # in this process: it needs no devices
+        result = mkgen(
+            "compile", REPORTED[0], "--topology", REPORTED[1], "--profile", "--update-report",
+            "-o", str(build), timeout=900,
+        )  # fmt: skip
+        return {"returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr}
+
+    return build, run_once(f"profile-{REPORTED[0]}-{REPORTED[1]}-report", compute)

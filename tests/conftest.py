@@ -54,6 +54,41 @@ def shared_build(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path
 
 
 @pytest.fixture(scope="session")
+def run_once_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of the run that every xdist worker shares (for what run_once makes)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's base folder, above every worker's own
+    (root / "run-once").mkdir(exist_ok=True)
+    return root / "run-once"
+
+
+@pytest.fixture(scope="session")
+def run_once(run_once_dir: Path) -> Callable[[str, Callable[[], Any]], Any]:
+    """`run_once(key, compute)`: compute()'s result (JSON), computed once for the whole run,
+    whichever xdist worker asks first: it computes holding the key's lock, and a worker
+    asking meanwhile waits on that lock and then reads the result. For a compile or a
+    child run whose outcome tests of different files (or workers) hold different
+    properties of. A compute that raises stores nothing: the next asker computes again."""
+    import fcntl
+    import json
+
+    def get(key: str, compute: Callable[[], Any]) -> Any:
+        path = run_once_dir / f"{key}.json"
+        with (run_once_dir / f"{key}.lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if path.exists():
+                return json.loads(path.read_text())
+            value = compute()
+            written = path.with_suffix(".tmp")
+            written.write_text(json.dumps(value))
+            written.replace(path)
+            return value
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def checked_in_renders() -> list[tuple[Path, Any, Any]]:
     """(checked-in directory, Topology, RenderedBuild) of every build in generated/BUILDS,
     rendered now with the measurements its directory records, once per worker: test_build

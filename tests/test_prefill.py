@@ -11,6 +11,7 @@ the XLA prefill and then the kernel is in tests/test_runner.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -49,10 +50,13 @@ SPECIAL_CASES = {
 }  # fmt: skip
 
 
+@functools.cache
 def _setup(spec_ref: str):
     """(mini spec, layout, the weights the kernel stores) of a spec on TOPOLOGY, its
     twin splitting what the full-size build splits (the router, MLA's latent
-    projections), as a build's mini twin does; or of a case of SPECIAL_CASES."""
+    projections), as a build's mini twin does; or of a case of SPECIAL_CASES. Made once
+    per process (the tests read them, never change them): the unpacking, heads and
+    dense-MLP tests share a spec's, and so do a child's modes."""
     from mkgen.codegen.package import mini_kernel_args
     from mkgen.plan import plan_build
     from mkgen.plan.options import BuildOptions
@@ -338,22 +342,29 @@ def _dots_child(spec_refs: list[str]) -> dict:
     return results
 
 
-def _run_child(mode: str, spec_refs: list[str]) -> dict:
-    """The results of this file run as a script in `mode` over `spec_refs`, in a process
-    of its own with 8 virtual CPU devices."""
+def _run_child(modes: list[str], spec_refs: list[str]) -> dict:
+    """The results of this file run as a script in each of `modes` over `spec_refs`, one
+    after the other in one process of its own with 8 virtual CPU devices, by mode."""
     env = {**os.environ, **cpu_device_variables(8, os.environ), "PYTHONDONTWRITEBYTECODE": "1"}
     child = subprocess.run(
-        [sys.executable, __file__, mode, *spec_refs], capture_output=True, text=True,
+        [sys.executable, __file__, ",".join(modes), *spec_refs], capture_output=True, text=True,
         timeout=840, env=env, cwd=Path(__file__).parent,
     )  # fmt: skip
     assert child.returncode == 0, child.stderr[-3000:]
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
+def _children(run_once) -> dict:
+    """The caches and the dots children's results over PREFILL_CASES, from one process run
+    once for the whole run (conftest's run_once): each spec's set-up (its mini twin,
+    layout and random weights) is made once for both tests instead of once in each."""
+    return run_once("prefill-children", lambda: _run_child(["caches", "dots"], PREFILL_CASES))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_sharded_prefill_writes_the_reference_caches() -> None:
-    results = _run_child("caches", PREFILL_CASES)
+def test_sharded_prefill_writes_the_reference_caches(run_once) -> None:
+    results = _children(run_once)["caches"]
     for spec_ref in PREFILL_CASES:
         assert results[spec_ref]["same"] <= CACHE_RTOL, (spec_ref, results[spec_ref])
         assert results[spec_ref]["reversed"] > 10 * CACHE_RTOL, (spec_ref, results[spec_ref])
@@ -362,15 +373,15 @@ def test_sharded_prefill_writes_the_reference_caches() -> None:
     assert [results[spec_ref]["compiles"] for spec_ref in PREFILL_CASES] == compiles, results
 
 
-@pytest.mark.timeout(600)
-def test_split_projections_are_multiplied_in_pieces() -> None:
+@pytest.mark.timeout(900)
+def test_split_projections_are_multiplied_in_pieces(run_once) -> None:
     """Where the plan splits the MoE router, the MoE latent projections or MLA's latent
     projections over the cores, each core's layer step multiplies by its own piece
     ([.., fan_in] x [fan_in, fan_out / cores], or the row piece [fan_in / cores, fan_out]).
     In every layer step of these specs a core all-gathers products only, never a weight:
     no core assembles, and so multiplies by, the whole of a split tensor, and a
     replicated one is its own copy (the cache test above checks the results)."""
-    results = _run_child("dots", PREFILL_CASES)
+    results = _children(run_once)["dots"]
     for where, result in results.items():
         assert set(result["gathered"]) <= {"dot_general"}, (where, result["gathered"])
     for spec_ref, split in SPLIT_CASES.items():
@@ -524,4 +535,4 @@ def test_prompts_go_in_power_of_two_chunks() -> None:
 
 if __name__ == "__main__":
     children = {"caches": _prefill_child, "dots": _dots_child}
-    print(json.dumps(children[sys.argv[1]](sys.argv[2:])))
+    print(json.dumps({mode: children[mode](sys.argv[2:]) for mode in sys.argv[1].split(",")}))

@@ -14,7 +14,13 @@ from mkgen.spec.loader import load_spec
 from mkgen.spec.topology import parse_topology
 from mkgen.verify.llo import StepCounter, op_group, parse_llo
 from mkgen.verify.profile import kind_of, phase_of
-from tests.cli_run import assert_user_error, mkgen, mkgen_here
+from tests.cli_run import (
+    REPORTED,
+    assert_user_error,
+    compiled_profile,
+    mkgen,
+    reported_profile,
+)
 
 # A kernel as Mosaic prints it after finalize: a constant loop of 3 whose guard lets 2 of
 # its 4 chunk blocks run (c = 2 * i + j < 5), a sibling region reusing the first loop's
@@ -216,13 +222,23 @@ BUILDS = [
 @pytest.mark.slow
 @pytest.mark.parametrize(("spec", "topology", "rows"), BUILDS, ids=[b[0] for b in BUILDS])
 def test_model_is_within_a_quarter_of_the_compiled_kernel(
-    spec: str, topology: str, rows: str
+    run_once, run_once_dir, spec: str, topology: str, rows: str
 ) -> None:
-    result = mkgen(
-        "compile", spec, "--topology", topology, "--rows", rows, "--profile", "--json", timeout=900
-    )
-    assert result.returncode == 0, result.stderr
-    profile = json.loads(result.stdout)
+    if (spec, topology, rows) == (*REPORTED, "1"):
+        # The profile test_update_report_records_the_profile_table's compile records: the
+        # same compile, its record as --json prints it ({"compile": ..., **profile}).
+        from mkgen.codegen.measurements import read_measurements
+
+        build, result = reported_profile(run_once, run_once_dir)
+        assert result["returncode"] == 0, result["stderr"]
+        measured = read_measurements(build) or {}
+        profile = {"compile": measured["compile"], **measured["profile"]}
+    else:
+        # Muse Spark's and Kimi K3's compiles are also tests/test_codegen.py's (their VMEM
+        # against the plan's).
+        result = compiled_profile(run_once, spec, topology, rows)
+        assert result["returncode"] == 0, result["stderr"]
+        profile = json.loads(result["stdout"])
     assert profile["unpriced_formats"] == []
     phases = profile["phases"]
     total = sum(p["compiled_vpu_ops"] for p in phases)
@@ -238,16 +254,10 @@ def test_model_is_within_a_quarter_of_the_compiled_kernel(
 
 
 @pytest.mark.slow
-def test_update_report_records_the_profile_table(tmp_path) -> None:
-    build = tmp_path / "qwen"
-    built = mkgen_here("build", "qwen3-30b-a3b", "--topology", "2x2x1", "-o", str(build))
-    assert built.returncode == 0, built.stderr  # in this process: the build needs no devices
-    result = mkgen(
-        "compile", "qwen3-30b-a3b", "--topology", "2x2x1", "--profile", "--update-report",
-        "-o", str(build), timeout=900,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert "recorded in" in result.stdout
+def test_update_report_records_the_profile_table(run_once, run_once_dir) -> None:
+    build, result = reported_profile(run_once, run_once_dir)
+    assert result["returncode"] == 0, result["stderr"]
+    assert "recorded in" in result["stdout"]
     report = (build / "REPORT.md").read_text()
     assert "Static profile per step and core" in report
     # 3 expert slices a layer (half of each group's experts shared with its pair; 4 without).
