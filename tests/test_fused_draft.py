@@ -98,10 +98,11 @@ def test_verify_holds_the_drafts_and_accepted_rows_to_the_reference(
 
 
 @pytest.mark.parametrize(
-    ("mutation", "says"),
+    ("mutation", "steps", "says"),
     [
         (
             ("(jnp.int32(1), jnp.int32(1))", "(jnp.int32(2), jnp.int32(1))"),
+            1,
             "step 0: the kernel accepted 2 row(s) where the accept rule on its own greedy "
             "tokens accepts 1",
         ),
@@ -110,14 +111,17 @@ def test_verify_holds_the_drafts_and_accepted_rows_to_the_reference(
                 "draft_smem[1, b] = greedy_smem[b * ROWS + draft_smem[0, b] - 1, 0]",
                 "draft_smem[1, b] = greedy_smem[b * ROWS, 0]",
             ),
+            2,  # step 1 accepts 3 rows: its draft comes from the third
             "step 1: the fused drafter's drafts differ from the reference drafter's from draft 1",
         ),
     ],
     ids=["accept-rule-one-too-many", "draft-from-the-first-row"],
 )
-def test_a_wrong_accept_rule_or_roll_back_fails(mutation: tuple[str, str], says: str) -> None:
+def test_a_wrong_accept_rule_or_roll_back_fails(
+    mutation: tuple[str, str], steps: int, says: str
+) -> None:
     report = verify_numerics(
-        MTP, "1x1x1", mode="on_wait", steps=2, rows=4, timeout=TIMEOUT, knobs=FUSED,
+        MTP, "1x1x1", mode="on_wait", steps=steps, rows=4, timeout=TIMEOUT, knobs=FUSED,
         mutations=[mutation],
     )  # fmt: skip
     assert not report.passed and says in report.failure()
