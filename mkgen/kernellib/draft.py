@@ -68,29 +68,30 @@ def _embeddings(ctx, embedding_hbm, embed_vmem, sem, token_of):
     return ctx.collectives.all_reduce(EMBEDDING_BUFFER, mine)
 
 
-def _row_of_each_sequence(values, index_of):
-    """Each sequence's row `index_of(b)` (a scalar in [0, ROWS)) of `values` [TOKENS_PADDED,
-    w], repeated over the sequence's rows: exact selects, no dynamic slicing."""
+def _chosen_rows(row_of, count, index_of, width):
+    """[TOKENS_PADDED, width] f32: sequence b's candidate row `index_of(b)` (a scalar in
+    [0, count)) of `row_of(b, t)` ([1, width] each), repeated over the sequence's rows:
+    exact selects, no dynamic slicing."""
     blocks = []
     for b in range(BATCH):
-        index, chosen = index_of(b), jnp.zeros((1, values.shape[1]), values.dtype)
-        for r in range(ROWS):
-            chosen = jnp.where(index == r, values[b * ROWS + r : b * ROWS + r + 1], chosen)
-        blocks.append(jnp.broadcast_to(chosen, (ROWS, values.shape[1])))
+        index, chosen = index_of(b), jnp.zeros((1, width), jnp.float32)
+        for t in range(count):
+            chosen = jnp.where(index == t, row_of(b, t), chosen)
+        blocks.append(jnp.broadcast_to(chosen, (ROWS, width)))
     return _stack_rows(blocks)
+
+
+def _row_of_each_sequence(values, index_of):
+    """Each sequence's row `index_of(b)` (in [0, ROWS)) of `values` [TOKENS_PADDED, w] f32,
+    repeated over the sequence's rows."""
+    return _chosen_rows(lambda b, r: values[b * ROWS + r : b * ROWS + r + 1], ROWS, index_of, values.shape[1])
 
 
 def _rope_rows(table, offset_of):
     """A chained pass's RoPE rows [TOKENS_PADDED, w]: sequence b's rows all at its table row
-    `offset_of(b)` (a scalar in [0, 2 ROWS)) of `table` [BATCH, 2 ROWS, w]; only the first
-    row of each sequence is a draft's entry, the rest repeat it."""
-    blocks = []
-    for b in range(BATCH):
-        offset, chosen = offset_of(b), jnp.zeros((1, table.shape[2]), jnp.float32)
-        for t in range(2 * ROWS):
-            chosen = jnp.where(offset == t, table[b, t : t + 1], chosen)
-        blocks.append(jnp.broadcast_to(chosen, (ROWS, table.shape[2])))
-    return _stack_rows(blocks)
+    `offset_of(b)` (in [0, 2 ROWS)) of `table` [BATCH, 2 ROWS, w]; only the first row of
+    each sequence is a draft's entry, the rest repeat it."""
+    return _chosen_rows(lambda b, t: table[b, t : t + 1], 2 * ROWS, offset_of, table.shape[2])
 
 
 def _pass_input(ctx, embedded, previous, norms, eh_proj_row):

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict
 from mkgen.errors import SpecError
 from mkgen.hardware import MiB
 from mkgen.plan.cost import pad_rows
-from mkgen.plan.fused import DraftPasses
+from mkgen.plan.fused import MODULE_PREFIX, DraftPasses
 from mkgen.plan.kind import KindRegistry
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.sharding import ShardingPlan, plan_sharding
@@ -95,7 +95,7 @@ def plan_memory(
         weights["experts"] += split.partner_bytes_per_layer * layers
     passes = sharding.draft_passes
     if passes is not None:  # the stream's copies of the head and eh_proj (one per pass)
-        for name in ("lm_head", "draft.0.eh_proj"):
+        for name in ("lm_head", MODULE_PREFIX + "eh_proj"):
             shard = sharding.shard_of(name)
             copies = passes.passes - (name != "lm_head")
             weights[shard.family] = weights.get(shard.family, 0) + copies * shard.rank_bytes
