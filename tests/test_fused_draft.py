@@ -10,6 +10,7 @@ rule or a wrong roll-back fails, and the full-size kernel compiles for TPU7x.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from mkgen.kinds import default_registry
 from mkgen.plan import plan_build
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.loader import load_spec
+from mkgen.spec.schema import MtpDraft
 from mkgen.spec.topology import parse_topology
 from mkgen.verify.numerics import verify_numerics
 
@@ -65,6 +67,31 @@ def test_the_plan_lays_the_passes_out_as_layers() -> None:
     dumped = json.dumps(plain.kernel.model_dump()) + json.dumps(plain.options.model_dump())
     assert "draft_passes" not in dumped and "fuse_draft" not in dumped
     assert '"draft"' not in json.dumps(plain.kernel.stream.model_dump())
+
+
+def test_a_chained_pass_is_priced_at_the_experts_its_rows_choose() -> None:
+    """A chained pass's rows repeat one entry a sequence, so they choose one token's
+    experts: the program fetches the worst core's expected slices at batch tokens there,
+    at batch x rows tokens in the first pass (whose rows are distinct)."""
+    target = load_spec("qwen3-30b-a3b")
+    spec = target.model_copy(
+        update={"draft": MtpDraft(kind="mtp", layers=1, attention="gqa", ffn="moe")}
+    )
+    options = BuildOptions.create(rows=4, fuse_draft=True)
+    plan = plan_build(spec, parse_topology("2x2x1"), options, kinds=default_registry())
+    passes = plan.kernel.draft_passes
+    split = next(f.experts for f in plan.sharding.ffn.values() if f.experts is not None)
+    fetched = plan.step_graph.schedule.experts_per_layer
+    first, *chained = passes.layers
+    assert fetched[first][0] == math.ceil(split.expected_max_experts_per_rank)
+    one_token = split.chained_expected_max_experts_per_rank
+    assert one_token < split.expected_max_experts_per_rank
+    assert all(fetched[layer][0] == math.ceil(one_token) < fetched[first][0] for layer in chained)
+    # The calibrated regime (no expert sharing) takes the unshared candidate's figure.
+    none = next(c for c in split.sharing_candidates if not c.partner_experts)
+    assert (
+        split.unshared().chained_expected_max_experts_per_rank == none.chained_expected_max_experts
+    )
 
 
 @pytest.mark.parametrize(

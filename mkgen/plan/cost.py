@@ -372,7 +372,7 @@ class Estimate(_Frozen):
         'predicted verify 6.967 + draft 0.747 = 7.714 ms/step at batch 1 x rows 8 (the draft
         priced as fused into the kernel; a build's runner drafts with it in a separate jitted
         JAX step between kernel calls)'; a kernel that drafts (--fuse-draft): 'predicted
-        6.189 ms/step at batch 1 x rows 8 (verify and draft in one kernel: ...)'."""
+        6.074 ms/step at batch 1 x rows 8 (verify and draft in one kernel: ...)'."""
         return self._stated()
 
     def _stated(self, *more: str) -> str:

@@ -229,8 +229,14 @@ def _sharding_dict(plan: BuildPlan) -> dict[str, Any]:
                 "sharing": x.sharing,
                 "partner_experts": x.partner_experts,
                 "held_per_rank": x.held_per_rank,
-                "sharing_candidates": [c.model_dump() for c in x.sharing_candidates],
+                "sharing_candidates": [
+                    c.model_dump(exclude_none=True) for c in x.sharing_candidates
+                ],
             }
+            if x.chained_expected_max_experts_per_rank is not None:  # a fused chained pass's
+                entry["experts"]["chained_expected_max_experts_per_rank"] = (
+                    x.chained_expected_max_experts_per_rank
+                )
         out["ffn"][name] = entry
     return out
 

@@ -233,6 +233,9 @@ class SharingCandidate(_Frozen):
     partner_experts: int  # experts of the next group's block each core also holds
     expected_max_experts: float  # slices the worst-loaded core reads (expectation)
     expected_bounds: float  # bounds the kernel's ring_flows tries (expectation; 0 unshared)
+    # The same at one distinct token a sequence: a fused drafter's chained pass, whose rows
+    # repeat their sequence's entry and so choose the same experts (None: no such pass).
+    chained_expected_max_experts: float | None = None
     score_s: float  # its expert time per layer: the split's slice time x the whole slices
     extra_hbm_bytes: int  # HBM a core adds to hold them, every layer of the kind
     fits: bool  # within the HBM left (always, where the planner was not given it)
@@ -263,6 +266,8 @@ class ExpertSplit(_Frozen):
     partner_bytes_per_layer: int = 0  # HBM a core adds per layer to hold them
     expected_ring_bounds: float = 0.0  # bounds the kernel's ring_flows tries (expectation)
     sharing_candidates: tuple[SharingCandidate, ...] = ()
+    # A fused drafter's chained pass (SharingCandidate.chained_expected_max_experts).
+    chained_expected_max_experts_per_rank: float | None = None
 
     @property
     def held_per_rank(self) -> int:
@@ -278,6 +283,7 @@ class ExpertSplit(_Frozen):
             "sharing": "none", "partner_experts": 0,
             "partner_bytes_per_layer": 0, "expected_ring_bounds": 0.0,
             "expected_max_experts_per_rank": none.expected_max_experts,
+            "chained_expected_max_experts_per_rank": none.chained_expected_max_experts,
         })  # fmt: skip
 
 
@@ -546,7 +552,7 @@ class _Ctx:
 
     def __init__(
         self, spec: ModelSpec, topo: Topology, options: BuildOptions,
-        expert_room_bytes: float | None = None,
+        expert_room_bytes: float | None = None, passes: DraftPasses | None = None,
     ) -> None:  # fmt: skip
         self.spec = spec
         # HBM per core left for expert sharing (None: not known, every choice fits);
@@ -558,6 +564,9 @@ class _Ctx:
         self.c = CostConstants.from_chip(topo.chip_info, options)
         self.quant = options.quantization(spec).model_dump()
         self.tokens = options.tokens
+        # Distinct rows a fused drafter's chained pass routes (one a sequence; None: the
+        # build has no chained pass).
+        self.chained_tokens = options.batch if passes is not None and passes.passes > 1 else None
         self.h = spec.dims.hidden
 
     def fmt(self, family: str) -> str:
@@ -916,11 +925,16 @@ def _choose_sharing(
         exp_max, bounds = best.expected_max_experts, 0.0  # unshared: the split's own figure
         if shared:
             exp_max, bounds = ring_expected_max(per_group, shared, g, p)
+        chained = None
+        if ctx.chained_tokens is not None:  # forced distinct experts: the same figure
+            chained = (
+                _worst_load(f, per_group, shared, g, ctx.chained_tokens) if binomial else exp_max
+            )
         extra = shared * slice_bytes * layers
         # Scored at the whole slices the schedule walks (mkgen.kinds.moe._experts).
         pool.append(SharingCandidate(
             sharing=name, partner_experts=shared, expected_max_experts=exp_max,
-            expected_bounds=bounds,
+            expected_bounds=bounds, chained_expected_max_experts=chained,
             score_s=max(1, math.ceil(exp_max)) * slice_s, extra_hbm_bytes=extra,
             fits=room is None or extra <= room,
         ))  # fmt: skip
@@ -942,6 +956,16 @@ def _choose_sharing(
         ctx.expert_room_bytes = room - chosen.extra_hbm_bytes
     marked = tuple(c.model_copy(update={"chosen": c is chosen}) for c in pool)
     return chosen, marked
+
+
+def _worst_load(f: MoEFFN, per_group: int, shared: int, groups: int, tokens: int) -> float:
+    """The worst core's expected slices when `tokens` distinct rows route (each expert
+    active with the binomial chance of choice by one of them), with `shared` experts of
+    each group's block shared around the ring."""
+    p = 1 - (1 - f.top_k / f.num_experts) ** tokens
+    if shared:
+        return ring_expected_max(per_group, shared, groups, p)[0]
+    return expected_max(_pmf_binomial(per_group, p), groups)
 
 
 def _sharing_why(
@@ -1029,6 +1053,7 @@ def choose_expert_split(ctx: _Ctx, f: MoEFFN, d_in: int, layers: int) -> ExpertS
         partner_bytes_per_layer=shared * slice_bytes,
         expected_ring_bounds=sharing.expected_bounds,
         sharing_candidates=sharings,
+        chained_expected_max_experts_per_rank=sharing.chained_expected_max_experts,
     )
 
 
@@ -1130,7 +1155,7 @@ def plan_sharding(
 
     Raises a one-line SpecError with the numbers and a fix when a split is impossible.
     """
-    ctx = _Ctx(spec, topo, options, expert_room_bytes)
+    ctx = _Ctx(spec, topo, options, expert_room_bytes, passes)
     h, v, d = spec.dims.hidden, spec.dims.vocab, ctx.d
     table = spec.layer_table()
     used_attn = {a for a, _ in table}

@@ -417,7 +417,13 @@ def _experts(b: Any, layer: int, name: str, kind: Any, f: Any, route: int, x: in
     expert ring)."""
     split = f.experts
     e = b.vmem.experts[name]
-    n = max(1, min(split.experts_per_rank, math.ceil(split.expected_max_experts_per_rank)))
+    expected = split.expected_max_experts_per_rank
+    passes = b.sh.draft_passes
+    if passes is not None and layer in passes.layers and layer != passes.first_layer:
+        # A chained pass: a sequence's rows repeat its one entry, so choose one token's experts.
+        assert split.chained_expected_max_experts_per_rank is not None
+        expected = split.chained_expected_max_experts_per_rank
+    n = max(1, min(split.experts_per_rank, math.ceil(expected)))
     pieces = e.pieces
     b.experts_per_layer[layer] = (n, pieces)
     slots = b.vmem.expert_slots
