@@ -20,7 +20,6 @@ from mkgen.cli.options import (
     shown,
     spec_argument,
 )
-from mkgen.errors import MkgenError
 
 
 @click.command("build", short_help="Generate the megakernel build of a spec.")
@@ -63,18 +62,13 @@ def build_command(
     from mkgen.codegen.naming import CommandLine, build_commands, default_build_dir
     from mkgen.codegen.package import make_build
 
-    if fuse_draft:
-        raise MkgenError(
-            "--fuse-draft: a build's runner does not run a fused drafter yet (its prefill must "
-            "fill the MTP module's cache); plan, compile and verify take --fuse-draft, or "
-            "build without it (the runner then drafts between kernel calls)"
-        )
     prepare_jax()
     spec, topo, options = plan_inputs(
         spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,
         quant=quant, ring_depth=ring_depth, expert_slots=expert_slots, held_refills=held_refills,
         kv_tile=kv_tile, collectives=collectives, expert_sharing=expert_sharing,
         residual_snapshots=residual_snapshots, recurrent_states=recurrent_states,
+        fuse_draft=fuse_draft,
     )  # fmt: skip
     spec = drafting_spec(spec, draft, rows)
     # The printed commands name the build as the user did, so they run as printed.

@@ -115,10 +115,9 @@ def verify_command(
              "residual_snapshots": residual_snapshots, "recurrent_states": recurrent_states,
              "fuse_draft": fuse_draft}  # fmt: skip
     knobs = {k: v for k, v in given.items() if v is not None}
-    if fuse_draft and (batch != 1 or update_report):
+    if fuse_draft and batch != 1:
         raise MkgenError(
-            "--fuse-draft: verify holds a fused drafter at --batch 1, and no build runs one to "
-            "record it in; leave out --batch and --update-report"
+            "--fuse-draft: verify holds a fused drafter at --batch 1; leave out --batch"
         )
     # The full-size build as built (rows 1 unless it fuses a drafter, which drafts R - 1).
     rows_built = {"rows": rows} if fuse_draft else {}
@@ -149,7 +148,7 @@ def verify_command(
         **mini_kernel_args(),
         kinds=default_registry(),
     )
-    directory = _verified_build(output, spec, topo, batch, rows) if update_report else None
+    directory = _verified_build(output, spec, topo, options) if update_report else None
     verify_and_print(
         spec_ref, spec, topo, checks.modes_of(mode), directory, steps=steps, batch=batch,
         rows=rows, context=context, seed=seed, timeout=timeout, quant=quant, knobs=knobs,
@@ -157,18 +156,24 @@ def verify_command(
     )  # fmt: skip
 
 
-def _verified_build(output: Path | None, spec: Any, topo: Any, batch: int, rows: int) -> Path:
+def _verified_build(output: Path | None, spec: Any, topo: Any, verified: Any) -> Path:
     """The build whose REPORT.md `verify --update-report` records into: `output` or the
-    default, refused unless it is built for the verified batch and rows."""
+    default, refused unless it is built for the verified batch and rows, and fuses its
+    drafter exactly when the verified kernel does (`verified`: the verify's options)."""
     from mkgen.codegen.naming import default_build_dir
     from mkgen.codegen.package import load_build_inputs
 
     directory = output or default_build_dir(spec.name, topo)
     built = load_build_inputs(directory)[2]
-    if (built.batch, built.rows) != (batch, rows):
+    if (built.batch, built.rows) != (verified.batch, verified.rows):
         raise MkgenError(
             f"{shown(directory)} is built for batch {built.batch} x rows {built.rows}; "
             f"verify with --batch {built.batch} --rows {built.rows}"
+        )
+    if built.fuse_draft != verified.fuse_draft:
+        flag = "with" if built.fuse_draft else "without"
+        raise MkgenError(
+            f"{shown(directory)} is built {flag} --fuse-draft; verify {flag} --fuse-draft"
         )
     return directory
 
@@ -258,11 +263,6 @@ def compile_command(
     plan's figure. Exit 1 with Mosaic's message when it does not compile."""
     if as_json and not profile:
         raise MkgenError("--json prints the profile: add --profile")
-    if fuse_draft and update_report:
-        raise MkgenError(
-            "--fuse-draft: no build runs a fused drafter to record the compile in; leave out "
-            "--update-report"
-        )
     prepare_jax()
     spec, topo, options = plan_inputs(
         spec_ref, topology, batch=batch, rows=rows, context=context, acceptance=acceptance,

@@ -110,6 +110,12 @@ def serve_command(
     from mkgen.serve.server import serve
 
     built = runner_build(build)
+    if built.fused_draft:
+        raise MkgenError(
+            f"{build}: its kernel drafts (mkgen build --fuse-draft), which the server does not "
+            "run yet; serve a build of the same spec and drafter without --fuse-draft (its "
+            "runner drafts between kernel calls), or generate with mkgen run"
+        )
     drafter = drafter or ("build" if built.drafter else "ngram")
     if drafter == "build":
         check_build_drafter(built, None if weights is None else str(weights))

@@ -158,6 +158,12 @@ def _conversion_target(
         if spec_ref or topology or quant:
             raise MkgenError("--build takes spec, topology and formats from the build")
         spec, topo, options, data = load_build_inputs(build_dir)
+        if options.fuse_draft:
+            raise MkgenError(
+                f"--build {build_dir}: its kernel drafts (mkgen build --fuse-draft), and convert "
+                "does not pack the MTP module into its stream yet; convert for a build of the "
+                "same spec without --fuse-draft, or run this one with --random-weights"
+            )
         layout = KernelLayout.read(data["kernel"], default_registry())
         return spec, topo, options, layout, data["kernel_args"]
     if not topology:

@@ -37,6 +37,7 @@ def _entry_parser() -> argparse.ArgumentParser:
     parser.add_argument("--acceptance", type=float)
     parser.add_argument("--quant", action="append")
     parser.add_argument("--draft")
+    parser.add_argument("--fuse-draft", action="store_true", default=None)
     return parser
 
 

@@ -46,16 +46,16 @@ def cli_flags(topology: Topology, options: BuildOptions) -> list[str]:
         flags += ["--acceptance", f"{options.acceptance:g}"]
     for family, fmt in options.quant:
         flags += ["--quant", f"{family}={fmt}"]
-    return flags
+    return flags + (["--fuse-draft"] if options.fuse_draft else [])
 
 
 def _verify_flags(topology: Topology, options: BuildOptions) -> list[str]:
     """`mkgen verify` flags of a build: its flags without context and acceptance."""
-    flags, out = cli_flags(topology, options), []
+    flags, out = cli_flags(topology, options.model_copy(update={"fuse_draft": False})), []
     for name, value in zip(flags[::2], flags[1::2], strict=True):
         if name not in ("--context", "--acceptance"):
             out += [name, value]
-    return out
+    return out + (["--fuse-draft"] if options.fuse_draft else [])
 
 
 @dataclass(frozen=True)

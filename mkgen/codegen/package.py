@@ -267,6 +267,7 @@ def _render_mini(
         ring_depth=options.ring_depth,
         expert_slots=options.expert_slots,
         splits=full_size_splits(built, topology, options, kinds=default_registry()),
+        fuse_draft=options.fuse_draft,
         **modes,
     )
     return render_build(
@@ -306,6 +307,7 @@ def _render_runner(
         # sequence's last accepted row (RecurrentLayout.recurrent).
         recurrent_kinds=repr(tuple(a.name for a in layout.attention if a.recurrent)),
         drafter=safe_text(spec.draft.kind) if spec.draft else None,
+        fused_draft=options.fuse_draft,
     )
 
 

@@ -347,6 +347,12 @@ def _check_drafting(args: argparse.Namespace, build: Build) -> None:
             )
     if args.ngram is not None and args.drafter not in (None, "ngram"):
         raise MkgenError(f"--ngram: only the ngram drafter uses it, not {args.drafter}")
+    if build.fused_draft and args.weights is not None:
+        raise MkgenError(
+            "--weights: this build's kernel drafts (mkgen build --fuse-draft), and mkgen convert "
+            "does not write weights for it yet; use --random-weights SEED, or a build without "
+            "--fuse-draft"
+        )
     args.drafter = args.drafter or ("build" if build.drafter else "ngram")
     args.ngram = args.ngram or NGRAM_DEFAULT
     if args.drafter == "build":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -37,6 +37,9 @@ class Build:
     # The kind of the drafter the build carries (mkgen build --draft): model, mtp or block;
     # None without one.
     drafter: str | None = None
+    # The kernel drafts with the build's mtp drafter inside the step (mkgen build
+    # --fuse-draft): it takes the fed rows' tokens and writes each sequence's drafts.
+    fused_draft: bool = False
 
 
 def _import_file(path: Path, name: str) -> ModuleType:
@@ -98,11 +101,30 @@ def load_build(build: Build) -> tuple[Any, Any, ModuleType]:
     return spec, layout, _import_file(build.directory / "megakernel.py", "megakernel")
 
 
+def kernel_arguments(
+    placed: Mapping[str, Any], tables: Any, positions: Any, fed: Any, x: Any, caches: Sequence[Any]
+) -> tuple[Any, ...]:
+    """A decode step's arguments (the kernel's make_decode_step) from the placed weights
+    (mkgen.runtime.weights.place_weights): the layer tables, positions [BATCH], the fed
+    rows' embeddings x [TOKENS_PADDED, HIDDEN], the weights and the caches; a kernel that
+    drafts also takes the fed rows' ids (fed [BATCH, ROWS]), its drafter's norms and each
+    core's embedding rows."""
+    weights = (placed["stream"], placed["vectors"])
+    if "draft_norms" not in placed:
+        return (tables, positions, x, placed["final_norm"], *weights, *placed["experts"], *caches)
+    return (
+        tables, positions, fed.reshape(-1), x, placed["final_norm"], placed["draft_norms"],
+        *weights, placed["embedding_rows"], *placed["experts"], *caches,
+    )  # fmt: skip
+
+
 def kernel_outputs(layout: Any, outputs: Sequence[Any]) -> tuple[Any, Any, Any, list[Any]]:
-    """A decode step's outputs (the kernel's make_decode_step) as (tokens, logits, the
-    target's hidden states its drafter reads, [len(layout.draft_hidden), TOKENS, HIDDEN] f32
-    in the plan's order, or None for a build without them, the caches)."""
+    """A decode step's outputs (the kernel's make_decode_step) as (tokens, logits, what the
+    build's drafter reads from the step, the caches): the target's hidden states
+    [len(layout.draft_hidden), TOKENS, HIDDEN] f32 in the plan's order, or, from a kernel
+    that drafts (layout.draft_passes), each sequence's accepted rows and drafts [BATCH,
+    ROWS] int32; None for a build with neither."""
     tokens, logits, *rest = outputs
-    if layout.draft_hidden:
+    if layout.draft_hidden or layout.draft_passes is not None:
         return tokens, logits, rest[0], rest[1:]
     return tokens, logits, None, rest

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from mkgen.interpret import interpret_mode
 from mkgen.runtime.arguments import NGRAM_DEFAULT
-from mkgen.runtime.build import Build, kernel_outputs, load_build
+from mkgen.runtime.build import Build, kernel_arguments, kernel_outputs, load_build
 from mkgen.runtime.device_drafting import (
     DeviceDrafting,
     device_drafting,
@@ -32,6 +32,8 @@ from mkgen.runtime.device_drafting import (
 )
 from mkgen.runtime.device_speculation import accept_on_device, prompt_lookup_on_device
 from mkgen.runtime.devices import host_value, make_mesh
+from mkgen.runtime.fused_drafting import KernelDrafts
+from mkgen.runtime.prefill import ModuleInputs
 from mkgen.runtime.sampling import Sampler
 from mkgen.runtime.speculation import Drafter, accept
 from mkgen.runtime.weights import embedding_on_devices, progress_bar
@@ -67,7 +69,9 @@ def load_model(
     seed `random_weights` when `weights` is None, placed on the devices. Of `meshes`
     meshes (a disaggregated prefill's and the decode's), the decode takes the first.
     With `draft`, the build's drafter too (device_drafting): its converted weights
-    beside `weights`, else its random ones drawn with `random_weights`."""
+    beside `weights`, else its random ones drawn with `random_weights`; a kernel that
+    drafts (build.fused_draft) streams its drafter's weights, and the runner carries the
+    drafts it writes (KernelDrafts)."""
     from mkgen.runtime.weights import ConvertedWeights, RandomWeights, place_weights
 
     spec, layout, kernel = load_build(build)
@@ -78,7 +82,10 @@ def load_model(
         loaded = RandomWeights(spec, layout, random_weights or 0)
     placed = place_weights(build, loaded, mesh, kernel)
     drafting = None
-    if draft:
+    if draft and build.fused_draft:  # the kernel drafts: the runner carries its drafts
+        drafter = KernelDrafts(batch=build.batch, rows=build.rows, capacity=build.context)
+        drafting = DeviceDrafting(drafter, None)
+    elif draft:
         seed = random_weights or 0
         tensors = (
             (lambda: loaded.drafter(spec))
@@ -135,9 +142,20 @@ def prefill(
                 model.spec, model.layout, model.mesh, axis, model.placed,
                 model.weights.embedding, tokens, progress=layer_done,
                 layer_output=states.keep if states.layers else None,
+                module=module_inputs(model, prompts, held),
             )  # fmt: skip
         return caches, held, states.chunks()
     return empty_caches(model, model.build.batch), 0, []
+
+
+def module_inputs(model: Model, prompts: list[list[int]], held: int) -> ModuleInputs | None:
+    """What the prefill of `held` tokens of `prompts` needs for the MTP module's cache of a
+    kernel that drafts (the token after each held one is the prompt's next); else None."""
+    if not model.build.fused_draft:
+        return None
+    w = model.weights
+    following = np.array([p[1 : held + 1] for p in prompts], np.int32)
+    return ModuleInputs(w.draft_module(), w.final_norm, w.embedding, following)
 
 
 class DrafterStates:
@@ -303,14 +321,15 @@ def chunk_decoder(
     in place.
 
     With the build's drafter (model.drafting) the drafts are its own, made on the device
-    between kernel steps (device_drafting; not fused into the kernel): the call takes its
-    weights and state after the caches, and returns the state after them (else None)."""
+    between kernel steps (device_drafting), or, from a kernel that drafts, the ones it wrote
+    the step before (KernelDrafts): the call takes the drafter's weights and state after
+    the caches, and returns the state after them (else None)."""
     layout, build = model.layout, model.build
     batch, rows = build.batch, build.rows
     tables = jnp.asarray(model.kernel.LAYER_TABLES, jnp.int32)
     keep_snapshots = snapshot_keeper(model)
     drafter = model.drafting.drafter if model.drafting is not None else None
-    fed_rows = functools.partial(hidden_rows, layout, batch, rows)
+    drafter_reads = step_reads(layout, batch, rows)
 
     def run(history, positions, budget, count, sampling, embedding, placed, caches,
             draft_weights=None, draft_state=None):  # fmt: skip
@@ -330,10 +349,9 @@ def chunk_decoder(
             fed = jnp.concatenate([history[sequences, positions][:, None], drafts], axis=1)
             x = jnp.zeros((layout.tokens_padded, layout.hidden), jnp.float32)
             x = x.at[: layout.tokens].set(embedding[fed.reshape(-1)].astype(jnp.float32))
-            greedy, logits, hidden, caches = kernel_outputs(layout, step_fn(
-                tables, positions, x, placed["final_norm"], placed["stream"],
-                placed["vectors"], *placed["experts"], *caches,
-            ))  # fmt: skip
+            greedy, logits, read, caches = kernel_outputs(
+                layout, step_fn(*kernel_arguments(placed, tables, positions, fed, x, caches))
+            )
             new, accepted = accept_on_device(
                 fed, greedy.reshape(batch, rows), logits, sampling, positions,
                 build.vocab_used,
@@ -349,7 +367,7 @@ def chunk_decoder(
             out, gained = out.at[i].set(new), gained.at[i].set(taken)
             if drafter is not None and drafter.reads_hidden:  # the accepted rows' states
                 draft_state = drafter.observe(
-                    draft_weights, draft_state, history, positions, fed_rows(hidden), taken
+                    draft_weights, draft_state, history, positions, drafter_reads(read), taken
                 )
             return history, positions + taken, spent + taken, caches, out, gained, draft_state
 
@@ -367,6 +385,14 @@ def hidden_rows(layout: Any, batch: int, rows: int, hidden: jax.Array) -> jax.Ar
     """The kernel's draft-hidden output [len(draft_hidden), TOKENS, HIDDEN] per sequence:
     [len(draft_hidden), batch, rows, HIDDEN] (sequence b's rows are b * rows ..)."""
     return hidden[:, : batch * rows].reshape(len(layout.draft_hidden), batch, rows, -1)
+
+
+def step_reads(layout: Any, batch: int, rows: int) -> Callable[[jax.Array], jax.Array]:
+    """What the build's drafter's observe takes of a step's drafter output (kernel_outputs):
+    the hidden states per sequence (hidden_rows), or a kernel's drafts as they are."""
+    if layout.draft_passes is not None:
+        return lambda made: made
+    return functools.partial(hidden_rows, layout, batch, rows)
 
 
 def drafter_inputs(model: Model) -> tuple[Any, Any]:
@@ -563,6 +589,7 @@ class _HostSteps:
         states of each step's standing rows."""
         self.model, self.step_fn, self.drafter, self.observe = model, step_fn, drafter, observe
         self.keep_snapshots = snapshot_keeper(model)
+        self.drafter_reads = step_reads(model.layout, model.build.batch, model.build.rows)
         self.tables = jnp.asarray(model.kernel.LAYER_TABLES, jnp.int32)
         self.sampler = None
         if args.temperature > 0:
@@ -590,11 +617,10 @@ class _HostSteps:
         x = np.zeros((layout.tokens_padded, layout.hidden), np.float32)
         x[: layout.tokens] = self.model.weights.embedding[rows.reshape(-1)].astype(np.float32)
         start = time.perf_counter()
-        tokens, logits, hidden, caches = kernel_outputs(layout, self.step_fn(
-            self.tables, jnp.asarray(sequences.positions, jnp.int32), jnp.asarray(x),
-            placed["final_norm"], placed["stream"], placed["vectors"], *placed["experts"],
-            *caches,
-        ))  # fmt: skip
+        positions = jnp.asarray(sequences.positions, jnp.int32)
+        tokens, logits, read, caches = kernel_outputs(layout, self.step_fn(*kernel_arguments(
+            placed, self.tables, positions, jnp.asarray(rows), jnp.asarray(x), caches
+        )))  # fmt: skip
         tokens = host_value(jax.block_until_ready(tokens)).reshape(batch, rows_per_call)
         sequences.seconds.append(time.perf_counter() - start)
         if self.sampler is not None:
@@ -619,8 +645,7 @@ class _HostSteps:
             sequences.positions[b] += valid
             last_valid[b], standing[b] = valid - 1, valid
         if self.observe is not None:
-            fed = hidden_rows(layout, batch, rows_per_call, hidden)
-            self.observe(sequences.history, start, fed, standing)
+            self.observe(sequences.history, start, self.drafter_reads(read), standing)
         if self.keep_snapshots is not None and min(last_valid) < rows_per_call - 1:
             caches = self.keep_snapshots(caches, jnp.asarray(last_valid, jnp.int32))
         return caches

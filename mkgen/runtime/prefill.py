@@ -34,6 +34,7 @@ shipped specs' layer kinds) are gathered and computed whole on every core.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mkgen.kinds.common.caches import piece as cut_piece
+from mkgen.plan.fused import MODULE_PREFIX, DraftPasses, fused_model
 from mkgen.plan.layout import AttentionRecord, FFNRecord, KernelLayout, KindRecord
 from mkgen.plan.stream import Part
 from mkgen.reference import model as reference
@@ -420,6 +422,9 @@ class XlaPrefill:
     prefill_steps hands out one per build and mesh."""
 
     def __init__(self, spec: ModelSpec, layout: KernelLayout, mesh: Mesh, axis: str) -> None:
+        passes = layout.draft_passes
+        if passes is not None:  # the model the kernel runs: the MTP module's layer after L
+            spec = fused_model(spec, passes.passes + 1)[0]
         self.spec, self.layout, self.mesh, self.axis = spec, layout, mesh, axis
         self.shapes = {w.name: w.shape for w in model_weights(spec)}
         self.steps: dict[tuple[int, int], Callable[..., tuple[jax.Array, dict]]] = {}
@@ -446,6 +451,7 @@ class XlaPrefill:
         start: int = 0,
         cached: Sequence[np.ndarray] | None = None,
         layer_output: Callable[[int, list[jax.Array]], None] | None = None,
+        module: ModuleInputs | None = None,
     ) -> list[jax.Array]:
         """prefill's caches of tokens [B, T] at positions start.. (prefill)."""
         spec, layout = self.spec, self.layout
@@ -456,32 +462,25 @@ class XlaPrefill:
         written: dict[tuple[int, str], list[jax.Array]] = {}
         snapshots: list[list[jax.Array]] = [[] for _ in chunks]  # per chunk
         residual = layout.attention_residual
-        batch = tokens.shape[0]
-        for layer in range(len(layout.attention_table)):
+        run = functools.partial(
+            self._layer, placed, chunks, start, tokens.shape[0], cached, written
+        )
+        passes = layout.draft_passes
+        for layer in range(len(layout.attention_table) if passes is None else passes.first_layer):
             if residual and layer % residual.block_size == 0:
                 logits = placed["vectors"][0, layer, residual.logits_row]
                 h = [
                     reference.mix_snapshots(spec, layer, piece, kept, logits)
                     for piece, kept in zip(h, snapshots, strict=True)
                 ]
-            step = self._step(layer)
-            experts = tuple(placed["experts"][i] for i in _expert_arrays(layout, layer))
-            stream = layout.stream
-            firsts = (jnp.int32(stream.attention_rows[layer]), jnp.int32(stream.ffn_rows[layer]))
-            cache = _start_cache(spec, layout, self.mesh, self.axis, layer, batch, cached)
-            for c, (position, _) in enumerate(chunks):
-                h[c], cache = step(
-                    placed["stream"], placed["vectors"], experts, h[c], cache,
-                    jnp.int32(start + position),
-                    firsts, jnp.int32(layer), jnp.int32(layout.ffn_slot[layer]),
-                )  # fmt: skip
-            kind = layout.attention_table[layer]
-            for name, value in self.cutters[kind](cache).items():
-                written.setdefault((kind, name), []).append(value)
+            h = run(layer, h)
             if progress is not None:
                 progress(h[-1])
             if layer_output is not None:
                 layer_output(layer, h)
+        if passes is not None:  # the MTP module's entries of the prompt, into its cache slot
+            assert module is not None, "a kernel that drafts prefills its MTP module's cache"
+            run(passes.first_layer, module.entries(layout, passes, h, chunks, start, replicated))
         sharded = NamedSharding(self.mesh, P(self.axis))
         caches = []
         for kind in layout.attention:
@@ -489,6 +488,70 @@ class XlaPrefill:
                 stacked = jnp.stack(written[(kind.index, array.name)], axis=1)
                 caches.append(jax.device_put(stacked.astype(array.dtype), sharded))
         return caches
+
+    def _layer(
+        self, placed: Mapping[str, Any], chunks: list[tuple[int, int]], start: int, batch: int,
+        cached: Sequence[np.ndarray] | None, written: dict[tuple[int, str], list[jax.Array]],
+        layer: int, h: list[jax.Array],
+    ) -> list[jax.Array]:  # fmt: skip
+        """Layer `layer` over the chunks `h`: its output, its cache cut into `written`."""
+        layout = self.layout
+        step = self._step(layer)
+        experts = tuple(placed["experts"][i] for i in _expert_arrays(layout, layer))
+        stream = layout.stream
+        firsts = (jnp.int32(stream.attention_rows[layer]), jnp.int32(stream.ffn_rows[layer]))
+        cache = _start_cache(self.spec, layout, self.mesh, self.axis, layer, batch, cached)
+        out = list(h)
+        for c, (position, _) in enumerate(chunks):
+            out[c], cache = step(
+                placed["stream"], placed["vectors"], experts, out[c], cache,
+                jnp.int32(start + position),
+                firsts, jnp.int32(layer), jnp.int32(layout.ffn_slot[layer]),
+            )  # fmt: skip
+        kind = layout.attention_table[layer]
+        for name, value in self.cutters[kind](cache).items():
+            written.setdefault((kind, name), []).append(value)
+        return out
+
+
+@dataclass(frozen=True)
+class ModuleInputs:
+    """What the prefill of a kernel that drafts (layout.draft_passes) needs to fill its MTP
+    module's cache: the module's tensors (`draft.0.*`, as the kernel stores them), the
+    target's final norm and embedding, and the token after each prompt position [B, T]."""
+
+    tensors: Mapping[str, np.ndarray]
+    final_norm: np.ndarray
+    embedding: np.ndarray
+    following: np.ndarray
+
+    def entries(
+        self, layout: KernelLayout, passes: DraftPasses, h: list[jax.Array],
+        chunks: list[tuple[int, int]], start: int, to: NamedSharding,
+    ) -> list[jax.Array]:  # fmt: skip
+        """The module layer's input for each chunk of the target's output `h` (pass 1's rows
+        in the kernel): entry p pairs the final-normed state at p with the token after p,
+        each RMS-normed (enorm, hnorm), joined, through eh_proj; the embedding zeroed at
+        position 0 where the module masks it."""
+        w = reference.layer_weights(self.tensors, MODULE_PREFIX)
+        eps, zero_centered = layout.norm_eps, layout.zero_centered
+        out = []
+        for (offset, n), state in zip(chunks, h, strict=True):
+            tokens = self.following[:, offset : offset + n]
+            embedded = np.asarray(self.embedding, np.float32)[tokens]
+            if passes.mask_first_embedding:
+                at = start + offset + np.arange(n)
+                embedded = np.where((at == 0)[None, :, None], 0.0, embedded)
+            previous = rms_norm(state, jnp.asarray(self.final_norm), eps, zero_centered)
+            joined = jnp.concatenate(
+                [
+                    rms_norm(jax.device_put(embedded, to), w["enorm"], eps, zero_centered),
+                    rms_norm(previous, w["hnorm"], eps, zero_centered),
+                ],
+                axis=-1,
+            )
+            out.append(mm(joined, jnp.asarray(w["eh_proj"])))
+        return out
 
 
 # prefill_steps' prefills by (id(spec), id(layout), mesh, axis); each entry keeps its spec
@@ -517,6 +580,7 @@ def prefill(
     start: int = 0,
     cached: Sequence[np.ndarray] | None = None,
     layer_output: Callable[[int, list[jax.Array]], None] | None = None,
+    module: ModuleInputs | None = None,
 ) -> list[jax.Array]:
     """The kernel's cache arrays (in kernel.cache_shapes() order, [devices, ...] sharded on
     `axis`) holding tokens [B, T] at positions start..start + T - 1 and, before them,
@@ -529,7 +593,8 @@ def prefill(
 
     Layer by layer, the prompt goes through in chunks (prompt_chunks), each continuing
     the layer's reference cache (empty, or `cached` turned back into it), which is then
-    cut into the kernel's layout."""
+    cut into the kernel's layout. A kernel that drafts (layout.draft_passes) also gets its
+    MTP module's cache: the module's layer over the entries of the prompt (`module`)."""
     return prefill_steps(spec, layout, mesh, axis)(
-        placed, embedding, tokens, progress, start, cached, layer_output
+        placed, embedding, tokens, progress, start, cached, layer_output, module
     )

@@ -27,12 +27,21 @@ class RandomWeights:
     demand (mkgen.weights.pack)."""
 
     def __init__(self, spec: Any, layout: Any, seed: int) -> None:
-        from mkgen.weights.quantize import stored_random_weights
+        from mkgen.weights.quantize import stored_draft_weights, stored_random_weights
 
         self.layout = layout
         self.inventory = stored_random_weights(spec, seed)
+        if layout.draft_passes is not None:  # the kernel's passes stream the MTP module's
+            self.inventory |= stored_draft_weights(spec, seed)
         self.embedding = self.inventory["embedding"]
         self.final_norm = self.inventory["final_norm"]
+
+    def draft_module(self) -> dict[str, np.ndarray]:
+        """A fused drafter's MTP module tensors (`draft.0.*`), as the kernel stores them."""
+        return {n: v for n, v in self.inventory.items() if n.startswith("draft.")}
+
+    def embedding_rows(self, rank: int) -> np.ndarray:
+        return pack.pack_embedding(self.layout, self.inventory, rank)
 
     def stream(self, rank: int) -> np.ndarray:
         return pack.pack_stream(self.layout, self.inventory, rank)
@@ -110,7 +119,8 @@ def place_weights(build: Build, weights: Any, mesh: Mesh, kernel: Any) -> dict[s
     norm."""
     sharded, replicated = NamedSharding(mesh, P(kernel.AXIS)), NamedSharding(mesh, P())
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    arrays = 2 + len(kernel.expert_shapes())  # stream, vectors, each expert array
+    # stream, vectors, each expert array, and a fused drafter's embedding rows
+    arrays = 2 + len(kernel.expert_shapes()) + int(build.fused_draft)
     bar = progress_bar(arrays * len(local), "placing weights", "array")
 
     def place(read: Callable[[int], np.ndarray]) -> jax.Array:
@@ -132,7 +142,7 @@ def place_weights(build: Build, weights: Any, mesh: Mesh, kernel: Any) -> dict[s
         return jax.make_array_from_callback((build.devices, *shape), sharded, shard)
 
     with bar:
-        return {
+        placed = {
             "stream": place(weights.stream),
             "vectors": place(weights.vectors),
             "experts": [
@@ -143,6 +153,11 @@ def place_weights(build: Build, weights: Any, mesh: Mesh, kernel: Any) -> dict[s
                 np.asarray(weights.final_norm, np.float32)[None, :], replicated
             ),
         }
+        if build.fused_draft:  # the kernel's drafter reads its norms and embeds its tokens
+            module = weights.draft_module()
+            placed["draft_norms"] = jax.device_put(pack.pack_draft_norms(module), replicated)
+            placed["embedding_rows"] = place(weights.embedding_rows)
+        return placed
 
 
 def embedding_on_devices(build: Build, table: np.ndarray, mesh: Mesh, kernel: Any) -> jax.Array:

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3.8-27b --topology 2x2x1 --rows 8 --dr
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3.8-27b for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round; drafter block: 5 layers, block_size 16, 5 feature layers.
-Inputs sha256: b53b355ffde04d15a109aea856b7548ccbad4ab52d0f7f8648478e61f56e7b25 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 4462197877592c562c4329afed6ec9c8c6c4ddf0ba2ff8b2cbb8a55fa4e1b8ba (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -1,0 +1,81 @@
+"""The drafts a kernel that drafts writes (mkgen build --fuse-draft, docs/drafting.md#the-
+drafter-in-the-kernel), as the runner's device drafter: the kernel's MTP passes draft inside
+the step, so there is nothing to compute between steps, only drafts to carry to the next.
+
+After each step the kernel writes, per sequence, the rows its accept rule (greedy) took and
+the R - 1 drafts after the last of them. The runner takes them as the next step's drafts
+where it took as many rows itself (the same rule on the same tokens when greedy; the
+rejection rule when sampling may take others, and then the drafts are after another row);
+a sequence whose drafts are not after its next token drafts by the fallback (prompt
+lookup), as after the prefill or a step outside the device calls.
+
+Imports JAX: imported by decode.py after the device environment is set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mkgen.runtime.drafter_slots import DrafterSlots
+
+
+@dataclass(frozen=True)
+class KernelDrafts(DrafterSlots):
+    """The kernel's drafts (DrafterSlots: batch, rows, capacity). Its state: "position"
+    [batch] the position whose token the drafts follow (-1: none), "drafts" [batch,
+    rows - 1]. It has no weights (the kernel streams the MTP module's)."""
+
+    reads_hidden = True  # observe reads the kernel's drafts output
+
+    def initial_state(self) -> dict[str, Any]:
+        return {
+            "position": jnp.full((self.batch,), -1, jnp.int32),
+            "drafts": jnp.zeros((self.batch, self.rows - 1), jnp.int32),
+        }
+
+    def catch_up(
+        self, weights: Any, state: dict[str, Any], history: jax.Array, positions: jax.Array
+    ) -> dict[str, Any]:
+        """`state`: drafts are only ever used at the position they follow."""
+        del weights, history, positions
+        return state
+
+    def observe(
+        self,
+        weights: Any,
+        state: dict[str, Any],
+        history: jax.Array,
+        start: jax.Array,
+        made: jax.Array,
+        count: jax.Array,
+    ) -> dict[str, Any]:
+        """`state` after a step fed at positions start[b]: made [batch, rows] the kernel's
+        output (its accepted rows, then its drafts), count[b] the rows the runner took
+        (0: sequence b unchanged). The drafts follow position start + count when the
+        kernel took as many rows; else there are none."""
+        del weights, history
+        gained = count > 0
+        agreed = gained & (made[:, 0] == count)
+        return {
+            "position": jnp.where(agreed, start + count, jnp.where(gained, -1, state["position"])),
+            "drafts": jnp.where(agreed[:, None], made[:, 1:], state["drafts"]),
+        }
+
+    def draft(
+        self,
+        weights: Any,
+        state: dict[str, Any],
+        history: jax.Array,
+        positions: jax.Array,
+        fallback: Callable[[], jax.Array],
+    ) -> tuple[jax.Array, dict[str, Any]]:
+        """Drafts [batch, rows - 1] after each sequence's next token history[b, positions[b]]:
+        the kernel's where they follow that position, else fallback()'s."""
+        del weights, history
+        usable = state["position"] == positions
+        return jnp.where(usable[:, None], state["drafts"], fallback()), state

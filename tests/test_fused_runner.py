@@ -1,0 +1,176 @@
+"""The runner of a build whose kernel drafts (mkgen build --fuse-draft, docs/drafting.md).
+
+draft-mtp's mini twin (hidden 256) at rows 3, batch 1, on one chip's core, in TPU
+interpret mode: the runner's XLA prefill fills the MTP module's cache, every device step
+feeds the kernel's drafts of the step before (carried by KernelDrafts), and the greedy
+tokens are the target's. The kernel's first drafts are the reference drafter's (its
+draft_step over the same committed rows): they rest on the prefilled MTP cache, which a
+prefill that skipped it, or paired the wrong tokens, would not give.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cli_run import assert_user_error, mkgen_here
+
+from mkgen.reference.draft import compile_traced, draft_step, init_draft_state
+from mkgen.reference.model import generate, init_cache
+from mkgen.spec.loader import load_spec
+from mkgen.spec.schema import ModelSpec
+
+SPECS = Path(__file__).parent / "specs"
+ROWS, CONTEXT, STEPS = 3, 32, 6
+PROMPT = [3, 17, 42, 99, 5, 64, 127]  # held 6: two prefill chunks
+# A reference draft may differ from the kernel's only where its logits nearly tie: within
+# this fraction of the logits' spread (the kernel multiplies in bf16, the reference in f32).
+TIE = 0.02
+
+# One run of the build in argv[1] with argv[2:], recording each device step's drafts (and
+# whether they were the kernel's) and each kernel output the runner observed.
+RUN = """
+import contextlib, io, json, sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from mkgen.runtime.build import runner_build
+from mkgen.runtime.fused_drafting import KernelDrafts
+from mkgen.runtime.main import run
+
+fed, made = [], []
+draft, observe = KernelDrafts.draft, KernelDrafts.observe
+
+
+def record(into):
+    return lambda *values: into.append([np.asarray(v).tolist() for v in values])
+
+
+def recording_draft(self, weights, state, history, positions, fallback):
+    drafts, state = draft(self, weights, state, history, positions, fallback)
+    jax.debug.callback(record(fed), positions, state["position"] == positions, drafts)
+    return drafts, state
+
+
+def recording_observe(self, weights, state, history, start, out, count):
+    jax.debug.callback(record(made), start, out, count)
+    return observe(self, weights, state, history, start, out, count)
+
+
+KernelDrafts.draft, KernelDrafts.observe = recording_draft, recording_observe
+# In step order (the positions only grow): [drafts usable, drafts] and [kernel out, taken].
+in_order = lambda log: [entry[1:] for entry in sorted(log)]
+runs = []
+for argv in " ".join(sys.argv[2:]).split(" :: "):  # the runs, one after the other
+    fed.clear(), made.clear()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run(runner_build(Path(sys.argv[1])), argv.split())
+    runs.append({**json.loads(out.getvalue()), "fed": in_order(fed), "made": in_order(made)})
+print(json.dumps(runs))
+"""
+
+
+def _fused_twin(output: Path) -> None:
+    from mkgen.codegen.package import make_build
+    from mkgen.plan.options import BuildOptions
+    from mkgen.spec.draft_import import load_drafter
+    from mkgen.spec.topology import parse_topology
+
+    options = BuildOptions.create(rows=ROWS, context=CONTEXT, fuse_draft=True)
+    spec = load_drafter("mtp", load_spec(SPECS / "draft-mtp.yaml"))
+    make_build(spec, parse_topology("1x1x1"), options, output=output)
+
+
+def _runs(mini: Path, *extra: list[str]) -> list[dict]:
+    """Greedy runs of `mini` over PROMPT, two steps per device call, each with one of
+    `extra`'s flags."""
+    args = ["--interpret", "--random-weights", "0", "--prompt-ids", ",".join(map(str, PROMPT)),
+            "--steps", str(STEPS), "--steps-per-call", "2", "--json"]  # fmt: skip
+    argv = [" ".join(args + flags) for flags in extra]
+    result = subprocess.run(
+        [sys.executable, "-c", RUN, str(mini), " :: ".join(argv)], capture_output=True,
+        text=True, timeout=600, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def _reference_drafts(spec: ModelSpec, committed: list[int], bonus: int) -> tuple[list, list]:
+    """The reference MTP drafter's drafts after `bonus` with `committed` (every token before
+    it) and their logits [rows - 1, vocab], from the runner's random weights."""
+    from mkgen.weights.quantize import stored_draft_weights, stored_random_weights
+
+    weights = stored_random_weights(spec, 0) | stored_draft_weights(spec, 0)
+    tokens = np.asarray([committed], np.int32)
+    _, _, hidden = compile_traced(spec)(weights, tokens, init_cache(spec, 1, CONTEXT))
+    state = init_draft_state(spec, 1, CONTEXT)
+    drafts, logits, _ = draft_step(spec, weights, state, tokens, hidden, np.asarray([bonus]), ROWS)
+    return np.asarray(drafts)[0].tolist(), np.asarray(logits)[0]
+
+
+@pytest.fixture(scope="module")
+def fused_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fused build of draft-mtp at 1x1x1 (its mini twin is what runs)."""
+    output = tmp_path_factory.mktemp("fused") / "build"
+    _fused_twin(output)
+    return output
+
+
+def test_the_runner_feeds_the_kernels_drafts_and_keeps_the_greedy_tokens(fused_build) -> None:
+    mini = fused_build / "mini"
+    # Also the whole prompt through the kernel (a step a call, its rows known).
+    run, through_kernel = _runs(mini, [], ["--prefill", "kernel"])
+    twin = ModelSpec.model_validate(json.loads((mini / "plan.json").read_text())["spec"])
+    target = twin.model_copy(update={"draft": None})
+    from mkgen.weights.quantize import stored_random_weights
+
+    greedy = generate(target, stored_random_weights(target, 0), np.asarray(PROMPT), STEPS)
+    assert run["tokens"] == through_kernel["tokens"] == [greedy.tolist()]
+    assert through_kernel["fed"][-1][0] == [True]  # drafting with the kernel once generating
+    (steps,) = run["accepted_per_step"]
+    assert sum(steps) == STEPS and len(run["made"]) == len(run["fed"]) == len(steps)
+    # The first step drafts by prompt lookup (nothing before it drafted); every later one
+    # feeds the drafts the kernel wrote the step before, after the rows it took.
+    assert [ok for ok, _ in run["fed"]] == [[False]] + [[True]] * (len(steps) - 1)
+    for (out, count), (_, drafts) in zip(run["made"], run["fed"][1:], strict=False):
+        assert out[0][0] == count[0] and drafts == [out[0][1:]]
+    # The kernel's first drafts follow the bonus of step 0, after the prompt and the rows
+    # it accepted: the reference drafter's from the same committed tokens.
+    (accepted, *kernel_drafts), taken = run["made"][0][0][0], steps[0]
+    assert accepted == taken
+    fed_rows = [PROMPT[-1], *run["fed"][0][1][0]]
+    committed = PROMPT[:-1] + fed_rows[:taken]
+    expected, logits = _reference_drafts(twin, committed, greedy[taken - 1])
+    for j, (mine, theirs) in enumerate(zip(kernel_drafts, expected, strict=True)):
+        if mine != theirs:  # a near tie, after which the chain drafts from another token
+            gap = logits[j][theirs] - logits[j][mine]
+            assert gap <= TIE * np.ptp(logits[j]), (j, kernel_drafts, expected)
+            break
+
+
+def test_what_does_not_run_a_kernel_that_drafts_yet_is_refused_in_one_line(
+    fused_build, tmp_path
+) -> None:
+    """The server, convert and converted weights; a verify recorded into the build must
+    verify the kernel it holds."""
+    where = str(fused_build)
+    assert_user_error(mkgen_here("serve", where, "--random-weights", "0"), "--fuse-draft", "serve")
+    assert_user_error(
+        mkgen_here("convert", "--build", where, "--checkpoint", str(tmp_path), "-o", str(tmp_path / "w")),
+        "--fuse-draft", "convert",
+    )  # fmt: skip
+    assert_user_error(
+        mkgen_here("run", where, "--weights", str(tmp_path)), "--weights", "--fuse-draft"
+    )
+    verify = ["verify", str(SPECS / "draft-mtp.yaml"), "--topology", "1x1x1", "--rows", str(ROWS),
+              "--draft", "mtp", "-o", where, "--update-report"]  # fmt: skip
+    assert_user_error(mkgen_here(*verify), "built with --fuse-draft; verify with --fuse-draft")
+    assert not list(tmp_path.iterdir())  # nothing written
