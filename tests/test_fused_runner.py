@@ -1,4 +1,5 @@
-"""The runner of a build whose kernel drafts (mkgen build --fuse-draft, docs/drafting.md).
+"""The runner and the server's engine of a build whose kernel drafts (mkgen build --fuse-draft,
+docs/drafting.md).
 
 draft-mtp's mini twin (hidden 256) at rows 3, batch 1, on one chip's core, in TPU
 interpret mode: the runner's XLA prefill fills the MTP module's cache, every device step
@@ -35,7 +36,7 @@ TIE = 0.02
 # One run of the build in argv[1] with argv[2:], recording each device step's drafts (and
 # whether they were the kernel's) and each kernel output the runner observed.
 RUN = """
-import contextlib, io, json, sys
+import contextlib, io, json, sys, threading
 from pathlib import Path
 
 import jax
@@ -55,7 +56,9 @@ def record(into):
 
 def recording_draft(self, weights, state, history, positions, fallback):
     drafts, state = draft(self, weights, state, history, positions, fallback)
-    jax.debug.callback(record(fed), positions, state["position"] == positions, drafts)
+    token = history[jax.numpy.arange(positions.shape[0]), positions]
+    usable = (state["position"] == positions) & (state["token"] == token)
+    jax.debug.callback(record(fed), positions, usable, drafts)
     return drafts, state
 
 
@@ -67,13 +70,39 @@ def recording_observe(self, weights, state, history, start, out, count):
 KernelDrafts.draft, KernelDrafts.observe = recording_draft, recording_observe
 # In step order (the positions only grow): [drafts usable, drafts] and [kernel out, taken].
 in_order = lambda log: [entry[1:] for entry in sorted(log)]
-runs = []
-for argv in " ".join(sys.argv[2:]).split(" :: "):  # the runs, one after the other
+build, runs = runner_build(Path(sys.argv[1])), []
+for argv in sys.argv[2].split(" :: "):  # the runs, one after the other
     fed.clear(), made.clear()
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        run(runner_build(Path(sys.argv[1])), argv.split())
+        run(build, argv.split())
     runs.append({**json.loads(out.getvalue()), "fed": in_order(fed), "made": in_order(made)})
+
+# The server's engine (as `mkgen serve --random-weights 0 --host-cache-mib 0` makes it):
+# the same greedy request twice, one after the other in the same slot.
+from mkgen.serve.engine import QUEUE_LIMIT, STEPS_PER_CALL, GenerationParams, Request
+from mkgen.serve.server import _start_engine
+
+engine, _ = _start_engine(
+    build, None, 0, verify=False, meshes=1, draft=True, interpret=True,
+    steps_per_call=STEPS_PER_CALL, queue_limit=QUEUE_LIMIT, disaggregate=False,
+    host_cache_mib=0, multi_host=False,
+)
+engine.start()
+assert engine.warm.wait(600), engine.failure
+for _ in range(2):
+    fed.clear(), made.clear()
+    tokens, done = [], threading.Event()
+
+    def deliver(update):
+        tokens.extend(update.tokens)
+        if update.finish_reason:
+            done.set()
+
+    engine.submit(Request(json.loads(sys.argv[3]), GenerationParams(int(sys.argv[4])), deliver))
+    assert done.wait(600), "no answer"
+    runs.append({"tokens": [tokens], "fed": in_order(fed), "made": in_order(made)})
+engine.stop()
 print(json.dumps(runs))
 """
 
@@ -91,13 +120,14 @@ def _fused_twin(output: Path) -> None:
 
 def _runs(mini: Path, *extra: list[str]) -> list[dict]:
     """Greedy runs of `mini` over PROMPT, two steps per device call, each with one of
-    `extra`'s flags."""
+    `extra`'s flags, then the server's engine's answers to two requests of PROMPT."""
     args = ["--interpret", "--random-weights", "0", "--prompt-ids", ",".join(map(str, PROMPT)),
             "--steps", str(STEPS), "--steps-per-call", "2", "--json"]  # fmt: skip
     argv = [" ".join(args + flags) for flags in extra]
     result = subprocess.run(
-        [sys.executable, "-c", RUN, str(mini), " :: ".join(argv)], capture_output=True,
-        text=True, timeout=600, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        [sys.executable, "-c", RUN, str(mini), " :: ".join(argv), json.dumps(PROMPT), str(STEPS)],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
@@ -126,8 +156,9 @@ def fused_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_runner_feeds_the_kernels_drafts_and_keeps_the_greedy_tokens(fused_build) -> None:
     mini = fused_build / "mini"
-    # Also the whole prompt through the kernel (a step a call, its rows known).
-    run, through_kernel = _runs(mini, [], ["--prefill", "kernel"])
+    # Also the whole prompt through the kernel (a step a call, its rows known), and the
+    # server's engine, one request after the other in the same slot.
+    run, through_kernel, *served = _runs(mini, [], ["--prefill", "kernel"])
     twin = ModelSpec.model_validate(json.loads((mini / "plan.json").read_text())["spec"])
     target = twin.model_copy(update={"draft": None})
     from mkgen.weights.quantize import stored_random_weights
@@ -135,6 +166,11 @@ def test_the_runner_feeds_the_kernels_drafts_and_keeps_the_greedy_tokens(fused_b
     greedy = generate(target, stored_random_weights(target, 0), np.asarray(PROMPT), STEPS)
     assert run["tokens"] == through_kernel["tokens"] == [greedy.tolist()]
     assert through_kernel["fed"][-1][0] == [True]  # drafting with the kernel once generating
+    # The server: the same tokens, and the same drafts as the runner's (the second request
+    # in the slot the first left starts by prompt lookup again).
+    for answer in served:
+        assert answer["tokens"] == run["tokens"]
+        assert answer["fed"] == run["fed"], (answer["fed"], run["fed"])
     (steps,) = run["accepted_per_step"]
     assert sum(steps) == STEPS and len(run["made"]) == len(run["fed"]) == len(steps)
     # The first step drafts by prompt lookup (nothing before it drafted); every later one
@@ -159,10 +195,12 @@ def test_the_runner_feeds_the_kernels_drafts_and_keeps_the_greedy_tokens(fused_b
 def test_what_does_not_run_a_kernel_that_drafts_yet_is_refused_in_one_line(
     fused_build, tmp_path
 ) -> None:
-    """The server, convert and converted weights; a verify recorded into the build must
-    verify the kernel it holds."""
+    """Convert, and converted weights to run or serve; a verify recorded into the build
+    must verify the kernel it holds."""
     where = str(fused_build)
-    assert_user_error(mkgen_here("serve", where, "--random-weights", "0"), "--fuse-draft", "serve")
+    assert_user_error(
+        mkgen_here("serve", where, "--weights", str(tmp_path)), "--weights", "--fuse-draft"
+    )
     assert_user_error(
         mkgen_here("convert", "--build", where, "--checkpoint", str(tmp_path), "-o", str(tmp_path / "w")),
         "--fuse-draft", "convert",

@@ -233,6 +233,7 @@ def prefill_sequence(
     start: int = 0,
     cached: list[np.ndarray] | None = None,
     layer_output: Callable[[int, list[jax.Array]], None] | None = None,
+    next_token: int | None = None,
 ) -> list[jax.Array]:
     """One sequence's kernel cache arrays (batch 1: [devices, layers, 1, ...]) holding
     `prompt_ids` at positions start..start + len - 1, through the XLA prefill, after what
@@ -241,16 +242,22 @@ def prefill_sequence(
     follows them; None when start is 0). Zeros when there are no tokens;
     mkgen.runtime.slots.insert_sequence puts them in a slot of the decode caches. The
     server's engine prefills every admitted prompt through this one function;
-    `layer_output` as mkgen.runtime.prefill.prefill's."""
+    `layer_output` as mkgen.runtime.prefill.prefill's. A kernel that drafts also needs
+    `next_token`, the token after them (its MTP module's entries pair each position with
+    the token after it: module_inputs)."""
     from mkgen.runtime.prefill import prefill as xla_prefill
 
     if not prompt_ids:
         assert cached is None, "cached caches with nothing after them are restored, not prefilled"
         return empty_caches(model, 1)
+    module = None
+    if model.build.fused_draft:
+        assert next_token is not None, "a kernel that drafts pairs the last token with the next"
+        module = module_inputs(model, [[*prompt_ids, next_token]], len(prompt_ids))
     return xla_prefill(
         model.spec, model.layout, model.mesh, model.kernel.AXIS, model.placed,
         model.weights.embedding, np.asarray([prompt_ids], np.int32), start=start,
-        cached=cached, layer_output=layer_output,
+        cached=cached, layer_output=layer_output, module=module,
     )  # fmt: skip
 
 

@@ -4,10 +4,14 @@ the step, so there is nothing to compute between steps, only drafts to carry to 
 
 After each step the kernel writes, per sequence, the rows its accept rule (greedy) took and
 the R - 1 drafts after the last of them. The runner takes them as the next step's drafts
-where it took as many rows itself (the same rule on the same tokens when greedy; the
-rejection rule when sampling may take others, and then the drafts are after another row);
-a sequence whose drafts are not after its next token drafts by the fallback (prompt
-lookup), as after the prefill or a step outside the device calls.
+where it took as many rows itself: always when greedy (the same rule on the same tokens).
+When sampling, the rejection rule may take other rows, and then the step after drafts by
+the fallback (prompt lookup), as after the prefill, a step outside the device calls or a
+new sequence in the slot; where it takes as many rows but samples another last token than
+the kernel's greedy one, the kernel's drafts (made after the greedy token) are proposed
+anyway. Drafts are only proposals, verified like any other, so the tokens are exact
+whatever is proposed; the rejection rule inside the kernel is what would draft after the
+sampled token.
 
 Imports JAX: imported by decode.py after the device environment is set.
 """
@@ -27,14 +31,16 @@ from mkgen.runtime.drafter_slots import DrafterSlots
 @dataclass(frozen=True)
 class KernelDrafts(DrafterSlots):
     """The kernel's drafts (DrafterSlots: batch, rows, capacity). Its state: "position"
-    [batch] the position whose token the drafts follow (-1: none), "drafts" [batch,
-    rows - 1]. It has no weights (the kernel streams the MTP module's)."""
+    [batch] the position whose token the drafts follow (-1: none), "token" [batch] that
+    token (a new sequence in the slot has another), "drafts" [batch, rows - 1]. It has no
+    weights (the kernel streams the MTP module's)."""
 
     reads_hidden = True  # observe reads the kernel's drafts output
 
     def initial_state(self) -> dict[str, Any]:
         return {
             "position": jnp.full((self.batch,), -1, jnp.int32),
+            "token": jnp.zeros((self.batch,), jnp.int32),
             "drafts": jnp.zeros((self.batch, self.rows - 1), jnp.int32),
         }
 
@@ -56,13 +62,16 @@ class KernelDrafts(DrafterSlots):
     ) -> dict[str, Any]:
         """`state` after a step fed at positions start[b]: made [batch, rows] the kernel's
         output (its accepted rows, then its drafts), count[b] the rows the runner took
-        (0: sequence b unchanged). The drafts follow position start + count when the
-        kernel took as many rows; else there are none."""
-        del weights, history
+        (0: sequence b unchanged), history [batch, capacity] every sequence's tokens with
+        the new ones. The drafts follow position start + count (its token history's) when
+        the kernel took as many rows; else there are none."""
+        del weights
         gained = count > 0
         agreed = gained & (made[:, 0] == count)
+        after = jnp.minimum(start + count, history.shape[1] - 1)
         return {
             "position": jnp.where(agreed, start + count, jnp.where(gained, -1, state["position"])),
+            "token": jnp.where(agreed, history[jnp.arange(self.batch), after], state["token"]),
             "drafts": jnp.where(agreed[:, None], made[:, 1:], state["drafts"]),
         }
 
@@ -75,7 +84,8 @@ class KernelDrafts(DrafterSlots):
         fallback: Callable[[], jax.Array],
     ) -> tuple[jax.Array, dict[str, Any]]:
         """Drafts [batch, rows - 1] after each sequence's next token history[b, positions[b]]:
-        the kernel's where they follow that position, else fallback()'s."""
-        del weights, history
-        usable = state["position"] == positions
+        the kernel's where they follow that position and token, else fallback()'s."""
+        del weights
+        token = history[jnp.arange(self.batch), positions]
+        usable = (state["position"] == positions) & (state["token"] == token)
         return jnp.where(usable[:, None], state["drafts"], fallback()), state

@@ -514,7 +514,9 @@ class Engine:
         start, cached = (hit.length, hit.caches) if hit is not None else (0, None)
         states = DrafterStates(self.model)
         keep = states.keep if self._observe is not None and hit is None else None
-        sequence = prefill_sequence(self.prefiller, prompt[start:-1], start, cached, keep)
+        sequence = prefill_sequence(
+            self.prefiller, prompt[start:-1], start, cached, keep, next_token=prompt[-1]
+        )
         if self.prefiller is not self.model:
             sequence = hand_over(sequence, self.model)
         return sequence, states.chunks()
