@@ -212,3 +212,20 @@ def test_what_does_not_run_a_kernel_that_drafts_yet_is_refused_in_one_line(
               "--draft", "mtp", "-o", where, "--update-report"]  # fmt: skip
     assert_user_error(mkgen_here(*verify), "built with --fuse-draft; verify with --fuse-draft")
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_the_printed_commands_of_a_kernel_that_drafts_run_as_printed() -> None:
+    """A build's verify and compile commands carry --fuse-draft; at batch > 1, which verify
+    refuses for such a kernel, the build prints no verify command."""
+    from mkgen.codegen.naming import build_commands
+    from mkgen.plan.options import BuildOptions
+    from mkgen.spec.topology import parse_topology
+
+    topology = parse_topology("1x1x1")
+    one = build_commands("draft-mtp", topology, BuildOptions.create(rows=3, fuse_draft=True))
+    assert one["verify"] is not None and one["verify"].endswith("--fuse-draft --update-report")
+    assert "--fuse-draft" in one["compile"]
+    two = build_commands(
+        "draft-mtp", topology, BuildOptions.create(batch=2, rows=3, fuse_draft=True)
+    )
+    assert two["verify"] is None and "--fuse-draft" in two["compile"]
