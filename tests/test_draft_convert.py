@@ -35,7 +35,10 @@ from mkgen.cli import main
 FIXTURES = REPO / "tests" / "fixtures" / "hf"
 ROWS = 3
 PROMPT = [3, 17, 42, 99, 5, 64, 127, 23]
-STEPS = {"mtp": 4, "block": 4, "model": 6}
+# The mtp drafter again, in a build whose kernel drafts (mkgen build --fuse-draft): its MTP
+# module's weights converted beside the target's, its passes packed from them as read.
+FUSED = "mtp-fused"
+STEPS = {"mtp": 4, "block": 4, "model": 6, FUSED: 4}
 # A reference draft whose logits lead the runner-up by less may differ in the runner.
 TIE_MARGIN = 0.05
 
@@ -50,18 +53,24 @@ def _maker() -> ModuleType:
     return module
 
 
+def _checkpoint_kind(kind: str) -> str:
+    """The drafter kind whose checkpoint a kind's build converts (FUSED: mtp's)."""
+    return "mtp" if kind == FUSED else kind
+
+
 def _target_spec(kind: str, checkpoints: dict[str, Path]):
     """The build's spec: the target with the kind's drafter (mkgen build --draft)."""
     from mkgen.spec.draft_import import load_drafter
     from mkgen.spec.hf_import import import_hf_config
 
+    kind = _checkpoint_kind(kind)
     if kind == "mtp":
         return load_drafter("mtp", import_hf_config(checkpoints["mtp"], keep_mtp=True))
     return load_drafter(str(checkpoints[kind]), import_hf_config(FIXTURES / "qwen3"))
 
 
 def _target_checkpoint(kind: str, checkpoints: dict[str, Path]) -> Path:
-    return checkpoints["mtp"] if kind == "mtp" else FIXTURES / "qwen3"
+    return checkpoints["mtp"] if _checkpoint_kind(kind) == "mtp" else FIXTURES / "qwen3"
 
 
 def _convert(*args: str, capsys) -> tuple[int, str]:
@@ -83,15 +92,15 @@ def converted(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("draft-convert")
     checkpoints = _maker().write(tmp / "checkpoints")
     out = {"checkpoints": checkpoints}
-    for kind in _maker().KINDS:
+    for kind in [*_maker().KINDS, FUSED]:
         spec = _target_spec(kind, checkpoints)
         build = tmp / f"build-{kind}"
-        options = BuildOptions.create(rows=ROWS, context=64)
+        options = BuildOptions.create(rows=ROWS, context=64, fuse_draft=kind == FUSED)
         make_build(spec, parse_topology("1x1x1"), options, output=build)
         weights = tmp / f"weights-{kind}"
         main(["convert", "--build", str(build), "--checkpoint",
               str(_target_checkpoint(kind, checkpoints)), "--draft-checkpoint",
-              str(checkpoints[kind]), "-o", str(weights)])  # fmt: skip
+              str(checkpoints[_checkpoint_kind(kind)]), "-o", str(weights)])  # fmt: skip
         out[kind] = (spec, build, weights)
     return out
 
@@ -124,23 +133,31 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from mkgen.runtime import hidden_drafting
+from mkgen.runtime import fused_drafting, hidden_drafting
 from mkgen.runtime.build import runner_build
 from mkgen.runtime.main import run
 
-calls, drafted = [], hidden_drafting.HiddenStateDrafter.draft
+calls = []
 
 
-def recording(self, weights, state, history, positions, fallback):
-    drafts, state = drafted(self, weights, state, history, positions, fallback)
-    jax.debug.callback(
-        lambda *a: calls.append([np.asarray(x).tolist() for x in a]),
-        positions, drafts, state["length"] == positions,
-    )
-    return drafts, state
+def recording(drafter, made_them):
+    drafted = drafter.draft
+
+    def draft(self, weights, state, history, positions, fallback):
+        drafts, state = drafted(self, weights, state, history, positions, fallback)
+        jax.debug.callback(
+            lambda *a: calls.append([np.asarray(x).tolist() for x in a]),
+            positions, drafts, made_them(state, history, positions),
+        )
+        return drafts, state
+
+    drafter.draft = draft
 
 
-hidden_drafting.HiddenStateDrafter.draft = recording
+recording(hidden_drafting.HiddenStateDrafter, lambda state, _, at: state["length"] == at)
+# A kernel that drafts: its drafts of the step before, where they follow the same token.
+recording(fused_drafting.KernelDrafts, lambda state, history, at: (state["position"] == at)
+          & (state["token"] == history[jax.numpy.arange(at.shape[0]), at]))
 out = io.StringIO()
 with contextlib.redirect_stdout(out):
     run(runner_build(Path(sys.argv[1])), sys.argv[2:])
@@ -199,7 +216,7 @@ def _reference_drafts(spec, weights: dict, tokens: list[int], positions: list[in
     return out
 
 
-@pytest.mark.parametrize("kind", ["mtp", "block", "model"])
+@pytest.mark.parametrize("kind", ["mtp", "block", "model", FUSED])
 def test_the_runner_drafts_with_the_converted_drafter(kind: str, converted) -> None:
     import jax.numpy as jnp
 
@@ -216,6 +233,9 @@ def test_the_runner_drafts_with_the_converted_drafter(kind: str, converted) -> N
         assert steps == [ROWS] * (STEPS[kind] // ROWS)
         return
     calls = sorted(run["calls"])  # [[position], drafts, usable] per device draft
+    if kind == FUSED:  # the first step after the prefill drafts by prompt lookup
+        assert calls[0][2] == [False]
+        calls = calls[1:]
     assert calls and all(usable == [True] for _, _, usable in calls), calls
     positions = [position for (position,), _, _ in calls]
     expected = _reference_drafts(spec, reference, PROMPT + greedy, positions)

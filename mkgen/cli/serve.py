@@ -106,11 +106,10 @@ def serve_command(
         raise MkgenError(INTERPRET_ACROSS_PROCESSES)
     distributed = {"coordinator": coordinator, "num_processes": num_processes}
     distributed["process_id"] = process_id
-    from mkgen.runtime.arguments import check_build_drafter, check_fused_weights
+    from mkgen.runtime.arguments import check_build_drafter
     from mkgen.serve.server import serve
 
     built = runner_build(build)
-    check_fused_weights(built, weights)
     drafter = drafter or ("build" if built.drafter else "ngram")
     if drafter == "build":
         check_build_drafter(built, None if weights is None else str(weights))

@@ -96,6 +96,12 @@ def convert_command(
         spec_ref, checkpoint, build_dir, topology, batch=batch, rows=rows, context=context,
         quant=quant,
     )  # fmt: skip
+    if options.fuse_draft and draft_checkpoint is None:
+        raise MkgenError(
+            f"--build {build_dir}: its kernel drafts (mkgen build --fuse-draft) with its MTP "
+            "module, whose weights come from --draft-checkpoint (the target's own checkpoint "
+            "when it holds its MTP layers); give --checkpoint and --draft-checkpoint"
+        )
     identity = convert.build_identity(spec, topo.name, options.model_dump(mode="json"), kernel_args)
     if checkpoint is not None:
         source, fingerprint = convert.checkpoint_source(spec, Path(checkpoint))
@@ -158,12 +164,6 @@ def _conversion_target(
         if spec_ref or topology or quant:
             raise MkgenError("--build takes spec, topology and formats from the build")
         spec, topo, options, data = load_build_inputs(build_dir)
-        if options.fuse_draft:
-            raise MkgenError(
-                f"--build {build_dir}: its kernel drafts (mkgen build --fuse-draft), and convert "
-                "does not pack the MTP module into its stream yet; convert for a build of the "
-                "same spec without --fuse-draft, or run this one with --random-weights"
-            )
         layout = KernelLayout.read(data["kernel"], default_registry())
         return spec, topo, options, layout, data["kernel_args"]
     if not topology:

@@ -347,7 +347,6 @@ def _check_drafting(args: argparse.Namespace, build: Build) -> None:
             )
     if args.ngram is not None and args.drafter not in (None, "ngram"):
         raise MkgenError(f"--ngram: only the ngram drafter uses it, not {args.drafter}")
-    check_fused_weights(build, args.weights)
     args.drafter = args.drafter or ("build" if build.drafter else "ngram")
     args.ngram = args.ngram or NGRAM_DEFAULT
     if args.drafter == "build":
@@ -358,17 +357,6 @@ def _check_drafting(args: argparse.Namespace, build: Build) -> None:
             "call; the build and ngram drafters run several steps per call"
         )
     args.steps_per_call = args.steps_per_call or STEPS_PER_CALL_DEFAULT
-
-
-def check_fused_weights(build: Build, weights: object) -> None:
-    """One line when converted `weights` are given to a build whose kernel drafts, for
-    which mkgen convert writes none yet."""
-    if build.fused_draft and weights is not None:
-        raise MkgenError(
-            "--weights: this build's kernel drafts (mkgen build --fuse-draft), and mkgen convert "
-            "does not write weights for it yet; use --random-weights SEED, or a build without "
-            "--fuse-draft"
-        )
 
 
 def check_build_drafter(build: Build, weights: str | None) -> None:

@@ -72,6 +72,16 @@ class ConvertedWeights:
         self.embedding, self.final_norm = convert.read_globals(
             self.directory, self.manifest, verify=verify
         )
+        # A kernel that drafts packs its passes from its MTP module's tensors as it reads.
+        self.module = self.drafter(spec) if layout.draft_passes is not None else None
+
+    def draft_module(self) -> dict[str, np.ndarray]:
+        """A fused drafter's MTP module tensors (`draft.0.*`), as the kernel stores them."""
+        assert self.module is not None, "only a kernel that drafts reads its module's tensors"
+        return {n: v for n, v in self.module.items() if n.startswith("draft.")}
+
+    def embedding_rows(self, rank: int) -> np.ndarray:
+        return pack.pack_embedding(self.layout, {"embedding": self.embedding}, rank)
 
     def drafter(self, spec: Any) -> dict[str, np.ndarray]:
         """The build's drafter's converted weights (mkgen.weights.draft.read_drafter), as
@@ -94,7 +104,10 @@ class ConvertedWeights:
         return {**tensors, **shared}
 
     def _read(self, reader: Callable[..., np.ndarray], *args: int) -> np.ndarray:
-        return reader(self.directory, self.manifest, self.layout, *args, verify=self.verify)
+        return reader(
+            self.directory, self.manifest, self.layout, *args, verify=self.verify,
+            module=self.module,
+        )  # fmt: skip
 
     def stream(self, rank: int) -> np.ndarray:
         return self._read(convert.read_stream, rank)

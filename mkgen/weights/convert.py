@@ -20,7 +20,10 @@ formats), and writes::
       ...
 
 A core's stream is its layers' rows then the head's, in that order
-(pack.layer_row_range); its expert array of a MoE kind stacks the kind's layers.
+(pack.layer_row_range); its expert array of a MoE kind stacks the kind's layers. A build
+whose kernel drafts (--fuse-draft) converts its target's layers and its MTP module as a
+drafter (draft/): the readers pack the passes' rows, slabs and experts from those
+(`module`), and its stream ends with them (pack.passes_row_range).
 
 Properties:
 
@@ -411,7 +414,10 @@ DRAFT_UNIT = Unit("draft", None)
 
 
 def units(layout: KernelLayout) -> list[Unit]:
-    count = len(layout.attention_table)
+    """The target's units: a fused drafter's passes are packed from the drafter's tensors
+    as the weights are read (read_stream, read_vectors, read_experts: `module`)."""
+    passes = layout.draft_passes
+    count = len(layout.attention_table) if passes is None else passes.first_layer
     return [
         Unit("globals", None),
         *(Unit(f"layer-{i:03d}", i) for i in range(count)),
@@ -860,14 +866,22 @@ def read_stream(
     rank: int,
     *,
     verify: bool = True,
+    module: Mapping[str, np.ndarray] | None = None,
 ) -> np.ndarray:
-    """One core's weight stream [total_banks, bank_rows, LANES] bf16, from its unit files."""
+    """One core's weight stream [total_banks, bank_rows, LANES] bf16, from its unit files;
+    a fused drafter's passes packed from `module` (its `draft.*` tensors: the MTP
+    module's; the LM head after each pass copied from the target's packed rows)."""
     stream = np.empty((layout.stream.total_banks, layout.stream.bank_rows, pack.LANES), pack.BF16)
     rows = stream.reshape(-1, pack.LANES)
     for unit in units(layout)[1:]:
         first, end = pack.layer_row_range(layout, unit.layer)
         name = f"{core_dir(rank)}/{unit.name}.stream.npy"
         rows[first:end] = read_array(directory, manifest["files"], name, verify=verify)
+    if layout.draft_passes is not None:
+        assert module is not None, "a fused drafter's passes are packed from its tensors"
+        first, end = pack.passes_row_range(layout)
+        rows[first:end] = pack.pack_passes(layout, module, rank)
+        pack.copy_heads(layout, rows)
     return stream
 
 
@@ -878,10 +892,27 @@ def read_vectors(
     rank: int,
     *,
     verify: bool = True,
+    module: Mapping[str, np.ndarray] | None = None,
 ) -> np.ndarray:
-    """One core's vector slabs [layers, vector_rows, vector_width] f32."""
-    names = [f"{core_dir(rank)}/layer-{i:03d}.vectors.npy" for i in range(len(layout.ffn_table))]
-    return np.stack([read_array(directory, manifest["files"], n, verify=verify) for n in names])
+    """One core's vector slabs [layers, vector_rows, vector_width] f32 (a fused drafter's
+    passes' packed from `module`: read_stream)."""
+
+    def slab(layer: int) -> np.ndarray:
+        if _in_passes(layout, layer, module):
+            return pack.pack_vectors_layer(layout, module, rank, layer)
+        name = f"{core_dir(rank)}/layer-{layer:03d}.vectors.npy"
+        return read_array(directory, manifest["files"], name, verify=verify)
+
+    return np.stack([slab(layer) for layer in range(len(layout.ffn_table))])
+
+
+def _in_passes(layout: KernelLayout, layer: int, module: Any) -> bool:
+    """Whether `layer` is a fused drafter's pass, packed from `module` (checked given)."""
+    passes = layout.draft_passes
+    if passes is None or layer not in passes.layers:
+        return False
+    assert module is not None, "a fused drafter's passes are packed from its tensors"
+    return True
 
 
 def read_experts(
@@ -892,12 +923,19 @@ def read_experts(
     which: int,
     *,
     verify: bool = True,
+    module: Mapping[str, np.ndarray] | None = None,
 ) -> np.ndarray:
     """One core's routed-expert array `which` (pack.expert_arrays order), its MoE kind's
-    layers stacked."""
+    layers stacked (a fused drafter's pass packed from `module`: read_stream)."""
     index, j = pack.expert_arrays(layout)[which]
-    names = [f"{core_dir(rank)}/layer-{n:03d}.experts-{j}.npy" for n in layout.ffn[index].layers]
-    return np.stack([read_array(directory, manifest["files"], n, verify=verify) for n in names])
+
+    def layer_array(layer: int) -> np.ndarray:
+        if _in_passes(layout, layer, module):
+            return pack.pack_experts_layer(layout, module, rank, layer)[j]
+        name = f"{core_dir(rank)}/layer-{layer:03d}.experts-{j}.npy"
+        return read_array(directory, manifest["files"], name, verify=verify)
+
+    return np.stack([layer_array(layer) for layer in layout.ffn[index].layers])
 
 
 def read_globals(

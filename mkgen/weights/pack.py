@@ -145,16 +145,25 @@ def segment_rows(segment: Segment, matrix: np.ndarray, bank_rows: int) -> np.nda
 
 
 def layer_row_range(layout: KernelLayout, layer: int) -> tuple[int, int]:
-    """[first, end) rows of the stream that hold layer `layer` (attention, then FFN
-    segments, and any rows before the next layer's); layer -1 is the tail (the lm_head, to
-    the end of the last bank). Every layer's rows are contiguous and in layer order, so a
-    stream is the concatenation of its layers' ranges and the tail's."""
-    s = layout.stream
-    count = len(layout.attention_table)
+    """[first, end) rows of the stream that hold the target's layer `layer` (attention,
+    then FFN segments, and any rows before the next layer's); layer -1 is the tail (the
+    lm_head, to the end of the last bank, or to the passes of a kernel that drafts:
+    passes_row_range). Every layer's rows are contiguous and in layer order, so a stream
+    is the concatenation of its layers' ranges, the tail's and the passes'."""
+    s, passes = layout.stream, layout.draft_passes
+    count = len(layout.attention_table) if passes is None else passes.first_layer
     if layer < 0:
-        return s.lm_head_row, s.total_banks * s.bank_rows
+        return s.lm_head_row, passes_row_range(layout)[0]
     end = s.attention_rows[layer + 1] if layer + 1 < count else s.lm_head_row
     return s.attention_rows[layer], end
+
+
+def passes_row_range(layout: KernelLayout) -> tuple[int, int]:
+    """[first, end) rows of the stream that hold a fused drafter's passes (each pass's
+    eh_proj, layer and LM head again, to the end of the last bank); empty without one."""
+    s = layout.stream
+    end = s.total_banks * s.bank_rows
+    return (end, end) if s.draft is None else (s.draft.eh_proj_rows[0], end)
 
 
 def _place(out: np.ndarray, layout: KernelLayout, first: int, segments, tensors, prefix, rank):
@@ -186,28 +195,48 @@ def pack_stream_layer(
     return out.view(BF16)
 
 
+def pack_passes(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int) -> np.ndarray:
+    """One core's stream rows of a fused drafter's passes (passes_row_range) [rows, LANES]
+    in bf16: before each pass the MTP module's eh_proj, its layer (the module's tensors,
+    `draft.0.*`); the target's LM head after each pass is left for copy_heads."""
+    s, passes = layout.stream, layout.draft_passes
+    assert s.draft is not None and passes is not None, "a fused drafter's stream holds its passes"
+    first, end = passes_row_range(layout)
+    out = np.zeros((end - first, LANES), np.uint16)
+    for layer in passes.layers:
+        attention = layout.attention[layout.attention_table[layer]]
+        ffn = layout.ffn[layout.ffn_table[layer]]
+        for row, segments in ((s.attention_rows[layer], attention.segments),
+                              (s.ffn_rows[layer], ffn.segments)):  # fmt: skip
+            _place(out, layout, row - first, segments, tensors, MODULE_PREFIX, rank)
+    for row in s.draft.eh_proj_rows:
+        _place(out, layout, row - first, [s.draft.eh_proj], tensors, "", rank)
+    return out.view(BF16)
+
+
 def pack_stream(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int) -> np.ndarray:
     """One core's weight stream [total_banks, bank_rows, LANES] in bf16 (quantized
     segments: their bytes viewed as bf16): its layers' rows, then the lm_head's; with a
-    fused drafter, its passes' eh_proj, layer and LM head again after them."""
-    s, passes = layout.stream, layout.draft_passes
-    if passes is None:
-        layers = range(len(layout.attention_table))
-        rows = [pack_stream_layer(layout, tensors, rank, layer) for layer in [*layers, -1]]
-        return np.concatenate(rows).reshape(-1, s.bank_rows, LANES)
-    assert s.draft is not None, "a fused drafter's stream holds its eh_proj and heads"
-    out = np.zeros((s.total_banks * s.bank_rows, LANES), np.uint16)
-    for layer in range(len(layout.attention_table)):
-        prefix = passes.tensor_prefix(layer)
-        attention = layout.attention[layout.attention_table[layer]]
-        ffn = layout.ffn[layout.ffn_table[layer]]
-        _place(out, layout, s.attention_rows[layer], attention.segments, tensors, prefix, rank)
-        _place(out, layout, s.ffn_rows[layer], ffn.segments, tensors, prefix, rank)
-    for head in [s.lm_head_row, *s.draft.head_rows]:
-        _place(out, layout, head, s.tail, tensors, "", rank)
-    for first in s.draft.eh_proj_rows:
-        _place(out, layout, first, [s.draft.eh_proj], tensors, "", rank)
-    return out.view(BF16).reshape(-1, s.bank_rows, LANES)
+    fused drafter, its passes' rows after them (pack_passes)."""
+    passes = layout.draft_passes
+    layers = range(len(layout.attention_table) if passes is None else passes.first_layer)
+    rows = [pack_stream_layer(layout, tensors, rank, layer) for layer in [*layers, -1]]
+    if passes is not None:
+        rows.append(pack_passes(layout, tensors, rank))
+    stream = np.concatenate(rows)
+    copy_heads(layout, stream)
+    return stream.reshape(-1, layout.stream.bank_rows, LANES)
+
+
+def copy_heads(layout: KernelLayout, rows: np.ndarray) -> None:
+    """A fused drafter's LM head after each pass: the target's packed rows (one core's
+    stream, [rows, LANES]) copied there; nothing without a drafter."""
+    s = layout.stream
+    if s.draft is None:
+        return
+    span = max(segment.offset + segment.rows for segment in s.tail)
+    for head in s.draft.head_rows:
+        rows[head : head + span] = rows[s.lm_head_row : s.lm_head_row + span]
 
 
 def pack_vectors_layer(
