@@ -192,10 +192,15 @@ def test_the_runner_feeds_the_kernels_drafts_and_keeps_the_greedy_tokens(fused_b
             break
 
 
-def test_a_verify_recorded_into_a_kernel_that_drafts_must_verify_that_kernel(fused_build) -> None:
+def test_what_a_kernel_that_drafts_needs_is_asked_for_in_one_line(fused_build, tmp_path) -> None:
+    """Its MTP module's checkpoint to convert; a verify recorded into it must verify it."""
+    convert = ["convert", "--build", str(fused_build), "--checkpoint", str(tmp_path),
+               "-o", str(tmp_path / "w")]  # fmt: skip
+    assert_user_error(mkgen_here(*convert), "--fuse-draft", "--draft-checkpoint")
     verify = ["verify", str(SPECS / "draft-mtp.yaml"), "--topology", "1x1x1", "--rows", str(ROWS),
               "--draft", "mtp", "-o", str(fused_build), "--update-report"]  # fmt: skip
     assert_user_error(mkgen_here(*verify), "built with --fuse-draft; verify with --fuse-draft")
+    assert not list(tmp_path.iterdir())  # nothing written
 
 
 def test_the_printed_commands_of_a_kernel_that_drafts_run_as_printed() -> None:
