@@ -82,7 +82,10 @@ def test_a_kernel_writing_the_wrong_layer_fails() -> None:
 
 
 def test_the_runner_hands_decode_the_states() -> None:
-    drafting = SimpleNamespace(draft_hidden=[DraftHidden(layer=1, normed=True)])
-    plain = SimpleNamespace(draft_hidden=[])
+    drafting = SimpleNamespace(draft_hidden=[DraftHidden(layer=1, normed=True)], draft_passes=None)
+    plain = SimpleNamespace(draft_hidden=[], draft_passes=None)
+    # A kernel that drafts writes its accepted rows and drafts where the states would be.
+    fused = SimpleNamespace(draft_hidden=[], draft_passes="passes")
     assert kernel_outputs(drafting, ("t", "l", "h", "c0", "c1")) == ("t", "l", "h", ["c0", "c1"])
     assert kernel_outputs(plain, ("t", "l", "c0")) == ("t", "l", None, ["c0"])
+    assert kernel_outputs(fused, ("t", "l", "d", "c0")) == ("t", "l", "d", ["c0"])
