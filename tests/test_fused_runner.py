@@ -4,7 +4,7 @@ docs/drafting.md).
 draft-mtp's mini twin (hidden 256) at rows 3, batch 1, on one chip's core, in TPU
 interpret mode: the runner's XLA prefill fills the MTP module's cache, every device step
 feeds the kernel's drafts of the step before (carried by KernelDrafts), and the greedy
-tokens are the target's. The kernel's first drafts are the reference drafter's (its
+tokens are the target's; the server's engine gives the runner's tokens and drafts. The kernel's first drafts are the reference drafter's (its
 draft_step over the same committed rows): they rest on the prefilled MTP cache, which a
 prefill that skipped it, or paired the wrong tokens, would not give.
 """
@@ -156,16 +156,14 @@ def fused_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_runner_feeds_the_kernels_drafts_and_keeps_the_greedy_tokens(fused_build) -> None:
     mini = fused_build / "mini"
-    # Also the whole prompt through the kernel (a step a call, its rows known), and the
-    # server's engine, one request after the other in the same slot.
-    run, through_kernel, *served = _runs(mini, [], ["--prefill", "kernel"])
+    # And the server's engine, one request after the other in the same slot.
+    run, *served = _runs(mini, [])
     twin = ModelSpec.model_validate(json.loads((mini / "plan.json").read_text())["spec"])
     target = twin.model_copy(update={"draft": None})
     from mkgen.weights.quantize import stored_random_weights
 
     greedy = generate(target, stored_random_weights(target, 0), np.asarray(PROMPT), STEPS)
-    assert run["tokens"] == through_kernel["tokens"] == [greedy.tolist()]
-    assert through_kernel["fed"][-1][0] == [True]  # drafting with the kernel once generating
+    assert run["tokens"] == [greedy.tolist()]
     # The server: the same tokens, and the same drafts as the runner's (the second request
     # in the slot the first left starts by prompt lookup again).
     for answer in served:
