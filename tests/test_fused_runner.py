@@ -1,12 +1,14 @@
-"""The runner and the server's engine of a build whose kernel drafts (mkgen build --fuse-draft,
-docs/drafting.md).
+"""The server's engine over a build whose kernel drafts (mkgen build --fuse-draft,
+docs/drafting.md); it decodes with the runner's chunked decoder.
 
-draft-mtp's mini twin (hidden 256) at rows 3, batch 1, on one chip's core, in TPU
-interpret mode: the runner's XLA prefill fills the MTP module's cache, every device step
-feeds the kernel's drafts of the step before (carried by KernelDrafts), and the greedy
-tokens are the target's; the server's engine gives the runner's tokens and drafts. The kernel's first drafts are the reference drafter's (its
-draft_step over the same committed rows): they rest on the prefilled MTP cache, which a
-prefill that skipped it, or paired the wrong tokens, would not give.
+draft-mtp's mini twin (hidden 256) at rows 3, batch 1, on one chip's cores, in TPU
+interpret mode: the engine's XLA prefill fills the MTP module's cache, every device step
+feeds the kernel's drafts of the step before (carried by KernelDrafts), the greedy tokens
+are the target's, and a second request in the slot the first left gets the same tokens
+and drafts. The kernel's first drafts are the reference drafter's (its draft_step over the
+same committed rows): they rest on the prefilled MTP cache, which a prefill that skipped
+it, or paired the wrong tokens, would not give. `mkgen run` with converted weights:
+tests/test_draft_convert.py.
 """
 
 from __future__ import annotations
@@ -33,18 +35,22 @@ PROMPT = [3, 17, 42, 99, 5, 64, 127]  # held 6: two prefill chunks
 # this fraction of the logits' spread (the kernel multiplies in bf16, the reference in f32).
 TIE = 0.02
 
-# One run of the build in argv[1] with argv[2:], recording each device step's drafts (and
-# whether they were the kernel's) and each kernel output the runner observed.
+# The server's engine over the build in argv[1] (as `mkgen serve --random-weights 0
+# --host-cache-mib 0` makes it): the request argv[2] (prompt ids, JSON) for argv[3] tokens,
+# twice, one after the other in the same slot; each with every device step's drafts (and
+# whether they were the kernel's) and every kernel output the drafter observed.
 RUN = """
-import contextlib, io, json, sys, threading
+import json, sys, threading
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from mkgen.runtime import devices
 from mkgen.runtime.build import runner_build
 from mkgen.runtime.fused_drafting import KernelDrafts
-from mkgen.runtime.main import run
+from mkgen.serve.engine import QUEUE_LIMIT, STEPS_PER_CALL, GenerationParams, Request
+from mkgen.serve.server import _start_engine
 
 fed, made = [], []
 draft, observe = KernelDrafts.draft, KernelDrafts.observe
@@ -70,19 +76,8 @@ def recording_observe(self, weights, state, history, start, out, count):
 KernelDrafts.draft, KernelDrafts.observe = recording_draft, recording_observe
 # In step order (the positions only grow): [drafts usable, drafts] and [kernel out, taken].
 in_order = lambda log: [entry[1:] for entry in sorted(log)]
-build, runs = runner_build(Path(sys.argv[1])), []
-for argv in sys.argv[2].split(" :: "):  # the runs, one after the other
-    fed.clear(), made.clear()
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        run(build, argv.split())
-    runs.append({**json.loads(out.getvalue()), "fed": in_order(fed), "made": in_order(made)})
-
-# The server's engine (as `mkgen serve --random-weights 0 --host-cache-mib 0` makes it):
-# the same greedy request twice, one after the other in the same slot.
-from mkgen.serve.engine import QUEUE_LIMIT, STEPS_PER_CALL, GenerationParams, Request
-from mkgen.serve.server import _start_engine
-
+build = runner_build(Path(sys.argv[1]))
+devices.configure(build, True)
 engine, _ = _start_engine(
     build, None, 0, verify=False, meshes=1, draft=True, interpret=True,
     steps_per_call=STEPS_PER_CALL, queue_limit=QUEUE_LIMIT, disaggregate=False,
@@ -90,6 +85,7 @@ engine, _ = _start_engine(
 )
 engine.start()
 assert engine.warm.wait(600), engine.failure
+answers = []
 for _ in range(2):
     fed.clear(), made.clear()
     tokens, done = [], threading.Event()
@@ -99,11 +95,11 @@ for _ in range(2):
         if update.finish_reason:
             done.set()
 
-    engine.submit(Request(json.loads(sys.argv[3]), GenerationParams(int(sys.argv[4])), deliver))
+    engine.submit(Request(json.loads(sys.argv[2]), GenerationParams(int(sys.argv[3])), deliver))
     assert done.wait(600), "no answer"
-    runs.append({"tokens": [tokens], "fed": in_order(fed), "made": in_order(made)})
+    answers.append({"tokens": tokens, "fed": in_order(fed), "made": in_order(made)})
 engine.stop()
-print(json.dumps(runs))
+print(json.dumps(answers))
 """
 
 
@@ -118,14 +114,10 @@ def _fused_twin(output: Path) -> None:
     make_build(spec, parse_topology("1x1x1"), options, output=output)
 
 
-def _runs(mini: Path, *extra: list[str]) -> list[dict]:
-    """Greedy runs of `mini` over PROMPT, two steps per device call, each with one of
-    `extra`'s flags, then the server's engine's answers to two requests of PROMPT."""
-    args = ["--interpret", "--random-weights", "0", "--prompt-ids", ",".join(map(str, PROMPT)),
-            "--steps", str(STEPS), "--steps-per-call", "2", "--json"]  # fmt: skip
-    argv = [" ".join(args + flags) for flags in extra]
+def _answers(mini: Path) -> list[dict]:
+    """RUN's two answers to PROMPT for STEPS tokens from `mini`'s server engine."""
     result = subprocess.run(
-        [sys.executable, "-c", RUN, str(mini), " :: ".join(argv), json.dumps(PROMPT), str(STEPS)],
+        [sys.executable, "-c", RUN, str(mini), json.dumps(PROMPT), str(STEPS)],
         capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
     )  # fmt: skip
@@ -154,33 +146,29 @@ def fused_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return output
 
 
-def test_the_runner_feeds_the_kernels_drafts_and_keeps_the_greedy_tokens(fused_build) -> None:
+def test_the_server_feeds_the_kernels_drafts_and_keeps_the_greedy_tokens(fused_build) -> None:
     mini = fused_build / "mini"
-    # And the server's engine, one request after the other in the same slot.
-    run, *served = _runs(mini, [])
+    answer, again = _answers(mini)
     twin = ModelSpec.model_validate(json.loads((mini / "plan.json").read_text())["spec"])
     target = twin.model_copy(update={"draft": None})
     from mkgen.weights.quantize import stored_random_weights
 
     greedy = generate(target, stored_random_weights(target, 0), np.asarray(PROMPT), STEPS)
-    assert run["tokens"] == [greedy.tolist()]
-    # The server: the same tokens, and the same drafts as the runner's (the second request
-    # in the slot the first left starts by prompt lookup again).
-    for answer in served:
-        assert answer["tokens"] == run["tokens"]
-        assert answer["fed"] == run["fed"], (answer["fed"], run["fed"])
-    (steps,) = run["accepted_per_step"]
-    assert sum(steps) == STEPS and len(run["made"]) == len(run["fed"]) == len(steps)
+    assert answer["tokens"] == greedy.tolist()
+    # The second request, in the slot the first left, starts by prompt lookup again.
+    assert again == answer
+    steps = [count[0] for _, count in answer["made"]]  # the tokens each step gave
+    assert sum(steps) == STEPS and len(answer["fed"]) == len(steps)
     # The first step drafts by prompt lookup (nothing before it drafted); every later one
     # feeds the drafts the kernel wrote the step before, after the rows it took.
-    assert [ok for ok, _ in run["fed"]] == [[False]] + [[True]] * (len(steps) - 1)
-    for (out, count), (_, drafts) in zip(run["made"], run["fed"][1:], strict=False):
+    assert [ok for ok, _ in answer["fed"]] == [[False]] + [[True]] * (len(steps) - 1)
+    for (out, count), (_, drafts) in zip(answer["made"], answer["fed"][1:], strict=False):
         assert out[0][0] == count[0] and drafts == [out[0][1:]]
     # The kernel's first drafts follow the bonus of step 0, after the prompt and the rows
     # it accepted: the reference drafter's from the same committed tokens.
-    (accepted, *kernel_drafts), taken = run["made"][0][0][0], steps[0]
+    (accepted, *kernel_drafts), taken = answer["made"][0][0][0], steps[0]
     assert accepted == taken
-    fed_rows = [PROMPT[-1], *run["fed"][0][1][0]]
+    fed_rows = [PROMPT[-1], *answer["fed"][0][1][0]]
     committed = PROMPT[:-1] + fed_rows[:taken]
     expected, logits = _reference_drafts(twin, committed, greedy[taken - 1])
     for j, (mine, theirs) in enumerate(zip(kernel_drafts, expected, strict=True)):
