@@ -456,7 +456,8 @@ class XlaPrefill:
         """prefill's caches of tokens [B, T] at positions start.. (prefill)."""
         spec, layout = self.spec, self.layout
         replicated = NamedSharding(self.mesh, P())
-        embedded = np.asarray(embedding, np.float32)[np.asarray(tokens)]
+        # The prompt's rows only, then f32: not the whole table (Kimi K3's is 4.7 GB in f32).
+        embedded = np.asarray(embedding[np.asarray(tokens)], np.float32)
         chunks = prompt_chunks(tokens.shape[1])
         h = [jax.device_put(embedded[:, a : a + n], replicated) for a, n in chunks]
         written: dict[tuple[int, str], list[jax.Array]] = {}
@@ -538,7 +539,7 @@ class ModuleInputs:
         out = []
         for (offset, n), state in zip(chunks, h, strict=True):
             tokens = self.following[:, offset : offset + n]
-            embedded = np.asarray(self.embedding, np.float32)[tokens]
+            embedded = np.asarray(self.embedding[tokens], np.float32)
             if passes.mask_first_embedding:
                 at = start + offset + np.arange(n)
                 embedded = np.where((at == 0)[None, :, None], 0.0, embedded)

@@ -73,12 +73,17 @@ class ConvertedWeights:
             self.directory, self.manifest, verify=verify
         )
         # A kernel that drafts packs its passes from its MTP module's tensors as it reads.
-        self.module = self.drafter(spec) if layout.draft_passes is not None else None
+        self.module = None
+        if layout.draft_passes is not None:
+            from mkgen.weights.draft import read_drafter
+
+            tensors = read_drafter(self.directory, self.manifest, spec, verify=verify)
+            self.module = {n: v for n, v in tensors.items() if n.startswith("draft.")}
 
     def draft_module(self) -> dict[str, np.ndarray]:
-        """A fused drafter's MTP module tensors (`draft.0.*`), as the kernel stores them."""
+        """A fused drafter's MTP module tensors (`draft.0.*`), as converted."""
         assert self.module is not None, "only a kernel that drafts reads its module's tensors"
-        return {n: v for n, v in self.module.items() if n.startswith("draft.")}
+        return self.module
 
     def embedding_rows(self, rank: int) -> np.ndarray:
         return pack.pack_embedding(self.layout, {"embedding": self.embedding}, rank)
