@@ -164,7 +164,7 @@ class DrafterStates:
 
     def __init__(self, model: Model) -> None:
         drafting = model.drafting
-        reads = drafting is not None and drafting.drafter.reads_hidden
+        reads = drafting is not None and drafting.drafter.observes_steps
         self.model, self.entries = model, model.layout.draft_hidden if reads else []
         self.layers = {entry.layer for entry in self.entries}
         self.kept: dict[int, jax.Array] = {}
@@ -372,7 +372,7 @@ def chunk_decoder(
             written = jnp.where(row < taken[:, None], positions[:, None] + 1 + row, beyond)
             history = history.at[sequences[:, None], written].set(new, mode="drop")
             out, gained = out.at[i].set(new), gained.at[i].set(taken)
-            if drafter is not None and drafter.reads_hidden:  # the accepted rows' states
+            if drafter is not None and drafter.observes_steps:  # what the step wrote for it
                 draft_state = drafter.observe(
                     draft_weights, draft_state, history, positions, drafter_reads(read), taken
                 )
@@ -452,7 +452,7 @@ def decode(
         chunked = _ChunkedCalls(model, step_fn, args)
     sequences = _Sequences(args, held, model.build.batch, stream)
     observe = None
-    if chunked is not None and model.drafting is not None and model.drafting.drafter.reads_hidden:
+    if chunked is not None and model.drafting is not None and model.drafting.drafter.observes_steps:
         observe = chunked.observe
         for offset, states in prefill_states or []:
             batch = model.build.batch
@@ -536,7 +536,7 @@ class _ChunkedCalls:
         self.model, self.steps_per_call = model, args.steps_per_call
         self.run = chunk_decoder(model, step_fn, args.steps_per_call, args.ngram)
         self.draft_weights, self.draft_state = drafter_inputs(model)
-        if model.drafting is not None and model.drafting.drafter.reads_hidden:
+        if model.drafting is not None and model.drafting.drafter.observes_steps:
             self.commit = jax.jit(model.drafting.drafter.observe)
         self.embedding = embedding_on_devices(
             build, model.weights.embedding, model.mesh, model.kernel

@@ -43,7 +43,7 @@ class DeviceDrafter(DrafterSlots):
 
     model: ModelSpec
 
-    reads_hidden = False
+    observes_steps = False  # it drafts from the tokens alone
 
     def initial_state(self) -> dict[str, Any]:
         return {

@@ -35,7 +35,7 @@ class KernelDrafts(DrafterSlots):
     token (a new sequence in the slot has another), "drafts" [batch, rows - 1]. It has no
     weights (the kernel streams the MTP module's)."""
 
-    reads_hidden = True  # observe reads the kernel's drafts output
+    observes_steps = True  # observe takes each step's drafts (decode.step_reads)
 
     def initial_state(self) -> dict[str, Any]:
         return {

@@ -63,7 +63,7 @@ class HiddenStateDrafter(DrafterSlots):
 
     spec: ModelSpec
 
-    reads_hidden = True
+    observes_steps = True  # observe takes each step's hidden states (decode.step_reads)
 
     @property
     def mtp(self) -> bool:

@@ -244,7 +244,7 @@ class Engine:
         self._draft_weights, self._draft_state = drafter_inputs(model)
         drafter = model.drafting.drafter if model.drafting is not None else None
         # An mtp or block drafter commits each admitted prompt's prefill states.
-        self._observe = jax.jit(drafter.observe) if drafter and drafter.reads_hidden else None
+        self._observe = jax.jit(drafter.observe) if drafter and drafter.observes_steps else None
         self._embedding = embedding_on_devices(
             build, model.weights.embedding, model.mesh, model.kernel
         )
