@@ -22,6 +22,7 @@ from mkgen.kernellib.constants import (
     TOKENS,
     TOKENS_PADDED,
     VOCAB_PER_CORE,
+    expert_shapes,
 )
 from mkgen.kernellib.elementwise import _rms_norm, _stack_rows
 from mkgen.kernellib.step import argument_shapes
@@ -125,12 +126,23 @@ def fused_argument_shapes(mesh):
     from jax.sharding import PartitionSpec as P
 
     replicated = NamedSharding(mesh, P())
-    args = argument_shapes(mesh)
+    tables, positions, x, final_norm, stream, vectors, *arrays = argument_shapes(mesh)
     sharded = NamedSharding(mesh, P(AXIS))
     tokens = jax.ShapeDtypeStruct((TOKENS,), jnp.int32, sharding=replicated)
     norms = jax.ShapeDtypeStruct((3, HIDDEN), jnp.float32, sharding=replicated)
     table = jax.ShapeDtypeStruct((NUM_DEVICES, VOCAB_PER_CORE, 1, HIDDEN), jnp.bfloat16, sharding=sharded)
-    return args[:2] + [tokens] + args[2:4] + [norms] + args[4:6] + [table] + args[6:]
+    experts = len(expert_shapes())
+    return list(fused_step_arguments(tables, positions, tokens, x, final_norm, norms, stream, vectors, table,
+                                     arrays[:experts], arrays[experts:]))
+
+
+def fused_step_arguments(tables, positions, row_tokens, x, final_norm, draft_norms, stream, vectors, embedding,
+                         experts, caches):
+    """The decode step's arguments in the order make_decode_step takes them (the one place
+    that order is written: the runner and verify call this): the plain step's, with the
+    fed rows' tokens after the positions, the MTP module's norms after the final norm and
+    each core's embedding rows after the vectors."""
+    return (tables, positions, row_tokens, x, final_norm, draft_norms, stream, vectors, embedding, *experts, *caches)
 
 
 def _drafts_out(draft_smem):

@@ -102,19 +102,25 @@ def load_build(build: Build) -> tuple[Any, Any, ModuleType]:
 
 
 def kernel_arguments(
-    placed: Mapping[str, Any], tables: Any, positions: Any, fed: Any, x: Any, caches: Sequence[Any]
+    kernel: Any,
+    placed: Mapping[str, Any],
+    tables: Any,
+    positions: Any,
+    fed: Any,
+    x: Any,
+    caches: Sequence[Any],
 ) -> tuple[Any, ...]:
-    """A decode step's arguments (the kernel's make_decode_step) from the placed weights
-    (mkgen.runtime.weights.place_weights): the layer tables, positions [BATCH], the fed
-    rows' embeddings x [TOKENS_PADDED, HIDDEN], the weights and the caches; a kernel that
-    drafts also takes the fed rows' ids (fed [BATCH, ROWS]), its drafter's norms and each
-    core's embedding rows."""
+    """A decode step's arguments (the kernel module's make_decode_step) from the placed
+    weights (mkgen.runtime.weights.place_weights): the layer tables, positions [BATCH], the
+    fed rows' embeddings x [TOKENS_PADDED, HIDDEN], the weights and the caches; a kernel
+    that drafts also takes the fed rows' ids (fed [BATCH, ROWS]), its drafter's norms and
+    each core's embedding rows, in the order its fused_step_arguments gives."""
     weights = (placed["stream"], placed["vectors"])
     if "draft_norms" not in placed:
         return (tables, positions, x, placed["final_norm"], *weights, *placed["experts"], *caches)
-    return (
+    return kernel.fused_step_arguments(
         tables, positions, fed.reshape(-1), x, placed["final_norm"], placed["draft_norms"],
-        *weights, placed["embedding_rows"], *placed["experts"], *caches,
+        *weights, placed["embedding_rows"], placed["experts"], caches,
     )  # fmt: skip
 
 

@@ -357,7 +357,8 @@ def chunk_decoder(
             x = jnp.zeros((layout.tokens_padded, layout.hidden), jnp.float32)
             x = x.at[: layout.tokens].set(embedding[fed.reshape(-1)].astype(jnp.float32))
             greedy, logits, read, caches = kernel_outputs(
-                layout, step_fn(*kernel_arguments(placed, tables, positions, fed, x, caches))
+                layout,
+                step_fn(*kernel_arguments(model.kernel, placed, tables, positions, fed, x, caches)),
             )
             new, accepted = accept_on_device(
                 fed, greedy.reshape(batch, rows), logits, sampling, positions,
@@ -626,7 +627,8 @@ class _HostSteps:
         start = time.perf_counter()
         positions = jnp.asarray(sequences.positions, jnp.int32)
         tokens, logits, read, caches = kernel_outputs(layout, self.step_fn(*kernel_arguments(
-            placed, self.tables, positions, jnp.asarray(rows), jnp.asarray(x), caches
+            self.model.kernel, placed, self.tables, positions, jnp.asarray(rows), jnp.asarray(x),
+            caches,
         )))  # fmt: skip
         tokens = host_value(jax.block_until_ready(tokens)).reshape(batch, rows_per_call)
         sequences.seconds.append(time.perf_counter() - start)

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mkgen.runtime.drafter_slots import DrafterSlots
+from mkgen.runtime.drafter_slots import DrafterSlots, per_sequence
 
 
 @dataclass(frozen=True)
@@ -67,13 +67,15 @@ class KernelDrafts(DrafterSlots):
         the kernel took as many rows; else there are none."""
         del weights
         gained = count > 0
-        agreed = gained & (made[:, 0] == count)
         after = jnp.minimum(start + count, history.shape[1] - 1)
-        return {
-            "position": jnp.where(agreed, start + count, jnp.where(gained, -1, state["position"])),
-            "token": jnp.where(agreed, history[jnp.arange(self.batch), after], state["token"]),
-            "drafts": jnp.where(agreed[:, None], made[:, 1:], state["drafts"]),
+        taken = {
+            "position": start + count,
+            "token": history[jnp.arange(self.batch), after],
+            "drafts": made[:, 1:],
         }
+        dropped = {**state, "position": jnp.full_like(state["position"], -1)}
+        agreed = gained & (made[:, 0] == count)
+        return per_sequence(agreed, taken, per_sequence(gained, dropped, state))
 
     def draft(
         self,

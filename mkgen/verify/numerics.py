@@ -470,10 +470,11 @@ def _run_child(
     devices = topology.num_devices
     weights = stored_random_weights(spec, seed)  # the reference reads what the kernel stores
     fused = (
-        _FusedDrafter(spec, layout, weights, seed, batch, context) if layout.draft_passes else None
+        _FusedDrafter(spec, layout, weights, seed, batch, context, devices)
+        if layout.draft_passes
+        else None
     )
-    stream, vectors, experts = _packed_weights(layout, kernel, weights, devices)
-    weight_arrays = [stream, vectors, *(fused.tables(devices) if fused else [])]
+    packed = _packed_weights(layout, kernel, weights, devices)
     caches = [jnp.zeros((devices, *shape), dtype) for shape, dtype in kernel.cache_shapes()]
     order = layout.collectives.mesh_order  # stage 1 of the collectives is sibling cores
     mesh = Mesh(np.array(arrange_devices(jax.devices(), topology, order)), (kernel.AXIS,))
@@ -497,12 +498,11 @@ def _run_child(
         x = np.zeros((layout.tokens_padded, layout.hidden), np.float32)
         x[: layout.tokens] = weights["embedding"][tokens.reshape(-1)]
         positions = jnp.full((batch,), position, jnp.int32)
-        # A fused drafter also reads the fed rows' tokens and its norms.
-        inputs = (positions, jnp.asarray(tokens.reshape(-1)), jnp.asarray(x), final_norm,
-                  fused.norms) if fused else (positions, jnp.asarray(x), final_norm)  # fmt: skip
+        arguments = _step_arguments(kernel, fused, tables, positions, jnp.asarray(tokens),
+                                    jnp.asarray(x), final_norm, packed, caches)  # fmt: skip
         start = time.perf_counter()
         with interpret_mode(params):
-            out = step_fn(tables, *inputs, *weight_arrays, *experts, *caches)
+            out = step_fn(*arguments)
             out = jax.block_until_ready(out)
         seconds = time.perf_counter() - start
         # After the tokens, logits, residuals, routes and the drafter's hidden states.
@@ -519,6 +519,22 @@ def _run_child(
             position += rows
         print(f"{STEP_DONE} {step}", file=sys.stderr, flush=True)
     return {"steps": [asdict(c) for c in checks]}
+
+
+def _step_arguments(
+    kernel: Any, fused: _FusedDrafter | None, tables: Any, positions: Any, tokens: Any, x: Any,
+    final_norm: Any, packed: tuple[Any, Any, list[Any]], caches: list[Any],
+) -> tuple[Any, ...]:  # fmt: skip
+    """A decode step's arguments in make_decode_step's order; a drafting kernel's (its
+    fused_step_arguments) also take the fed rows' tokens, the drafter's norms and each
+    core's embedding rows."""
+    stream, vectors, experts = packed
+    if fused is None:
+        return (tables, positions, x, final_norm, stream, vectors, *experts, *caches)
+    return kernel.fused_step_arguments(
+        tables, positions, tokens.reshape(-1), x, final_norm, fused.norms, stream, vectors,
+        fused.embedding_rows, experts, caches,
+    )  # fmt: skip
 
 
 def _child_kernel(
@@ -677,9 +693,11 @@ class _FusedDrafter:
     as the kernel stores them) and the reference drafter it is held to (batch 1)."""
 
     def __init__(
-        self, spec: Any, layout: Any, weights: Any, seed: int, batch: int, context: int
-    ) -> None:
+        self, spec: Any, layout: Any, weights: Any, seed: int, batch: int, context: int,
+        devices: int,
+    ) -> None:  # fmt: skip
         import jax.numpy as jnp
+        import numpy as np
 
         from mkgen.reference.draft import init_draft_state
         from mkgen.weights import pack
@@ -693,17 +711,9 @@ class _FusedDrafter:
         weights |= stored_draft_weights(spec, seed + 1)  # the caller's too: its stream packs them
         self.spec, self.layout, self.weights = spec, layout, weights
         self.norms = jnp.asarray(pack.pack_draft_norms(weights))
+        rows = [pack.pack_embedding(layout, weights, r) for r in range(devices)]
+        self.embedding_rows = jnp.asarray(np.stack(rows))  # each core's, after the vectors
         self.state = init_draft_state(spec, batch, context)
-
-    def tables(self, devices: int) -> list[Any]:
-        """Each core's rows of the embeddings (after the stream and vectors)."""
-        import jax.numpy as jnp
-        import numpy as np
-
-        from mkgen.weights import pack
-
-        rows = [pack.pack_embedding(self.layout, self.weights, r) for r in range(devices)]
-        return [jnp.asarray(np.stack(rows))]
 
     def next_rows(
         self, check: StepCheck, fed: Any, out: list[Any], residuals: Any, cache: Any,

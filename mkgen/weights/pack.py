@@ -187,12 +187,19 @@ def pack_stream_layer(
     if layer < 0:
         _place(out, layout, 0, layout.stream.tail, tensors, "", rank)
         return out.view(BF16)
-    s, prefix = layout.stream, f"layers.{layer}."
+    _place_layer(out, layout, first, layer, tensors, f"layers.{layer}.", rank)
+    return out.view(BF16)
+
+
+def _place_layer(out: np.ndarray, layout: KernelLayout, first: int, layer: int, tensors, prefix,
+                 rank: int) -> None:  # fmt: skip
+    """Write the segments of `layer`'s attention and FFN kinds (tensors under `prefix`) into
+    `out`, whose row 0 is the stream's row `first`."""
+    s = layout.stream
     attention = layout.attention[layout.attention_table[layer]]
     ffn = layout.ffn[layout.ffn_table[layer]]
     _place(out, layout, s.attention_rows[layer] - first, attention.segments, tensors, prefix, rank)
     _place(out, layout, s.ffn_rows[layer] - first, ffn.segments, tensors, prefix, rank)
-    return out.view(BF16)
 
 
 def pack_passes(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: int) -> np.ndarray:
@@ -204,11 +211,7 @@ def pack_passes(layout: KernelLayout, tensors: Mapping[str, np.ndarray], rank: i
     first, end = passes_row_range(layout)
     out = np.zeros((end - first, LANES), np.uint16)
     for layer in passes.layers:
-        attention = layout.attention[layout.attention_table[layer]]
-        ffn = layout.ffn[layout.ffn_table[layer]]
-        for row, segments in ((s.attention_rows[layer], attention.segments),
-                              (s.ffn_rows[layer], ffn.segments)):  # fmt: skip
-            _place(out, layout, row - first, segments, tensors, MODULE_PREFIX, rank)
+        _place_layer(out, layout, first, layer, tensors, MODULE_PREFIX, rank)
     for row in s.draft.eh_proj_rows:
         _place(out, layout, row - first, [s.draft.eh_proj], tensors, "", rank)
     return out.view(BF16)
