@@ -138,10 +138,10 @@ def fused_argument_shapes(mesh):
 
 def fused_step_arguments(tables, positions, row_tokens, x, final_norm, draft_norms, stream, vectors, embedding,
                          experts, caches):
-    """The decode step's arguments in the order make_decode_step takes them (the one place
-    that order is written: the runner and verify call this): the plain step's, with the
-    fed rows' tokens after the positions, the MTP module's norms after the final norm and
-    each core's embedding rows after the vectors."""
+    """The decode step's arguments in the order make_decode_step takes them (the runner and
+    verify reach it through mkgen.codegen.step_call.decode_step_arguments): the plain step's,
+    with the fed rows' tokens after the positions, the MTP module's norms after the final
+    norm and each core's embedding rows after the vectors."""
     return (tables, positions, row_tokens, x, final_norm, draft_norms, stream, vectors, embedding, *experts, *caches)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from mkgen.codegen.step_call import decode_step_arguments
 from mkgen.errors import MkgenError
 
 RUNNER_FILE = "runner.py"
@@ -114,13 +115,13 @@ def kernel_arguments(
     weights (mkgen.runtime.weights.place_weights): the layer tables, positions [BATCH], the
     fed rows' embeddings x [TOKENS_PADDED, HIDDEN], the weights and the caches; a kernel
     that drafts also takes the fed rows' ids (fed [BATCH, ROWS]), its drafter's norms and
-    each core's embedding rows, in the order its fused_step_arguments gives."""
-    weights = (placed["stream"], placed["vectors"])
-    if "draft_norms" not in placed:
-        return (tables, positions, x, placed["final_norm"], *weights, *placed["experts"], *caches)
-    return kernel.fused_step_arguments(
-        tables, positions, fed.reshape(-1), x, placed["final_norm"], placed["draft_norms"],
-        *weights, placed["embedding_rows"], placed["experts"], caches,
+    each core's embedding rows (mkgen.codegen.step_call.decode_step_arguments)."""
+    drafting = None
+    if "draft_norms" in placed:
+        drafting = (fed.reshape(-1), placed["draft_norms"], placed["embedding_rows"])
+    return decode_step_arguments(
+        kernel, tables, positions, x, placed["final_norm"], placed["stream"], placed["vectors"],
+        placed["experts"], caches, drafting,
     )  # fmt: skip
 
 

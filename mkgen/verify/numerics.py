@@ -459,6 +459,7 @@ def _run_child(
     from jax.experimental.pallas import tpu as pltpu
     from jax.sharding import Mesh
 
+    from mkgen.codegen.step_call import decode_step_arguments
     from mkgen.interpret import interpret_mode
     from mkgen.plan.collectives import arrange_devices
     from mkgen.reference import model as reference
@@ -470,9 +471,7 @@ def _run_child(
     devices = topology.num_devices
     weights = stored_random_weights(spec, seed)  # the reference reads what the kernel stores
     fused = (
-        _FusedDrafter(spec, layout, weights, seed, batch, context, devices)
-        if layout.draft_passes
-        else None
+        _FusedDrafter(spec, layout, weights, seed, batch, context) if layout.draft_passes else None
     )
     packed = _packed_weights(layout, kernel, weights, devices)
     caches = [jnp.zeros((devices, *shape), dtype) for shape, dtype in kernel.cache_shapes()]
@@ -498,8 +497,9 @@ def _run_child(
         x = np.zeros((layout.tokens_padded, layout.hidden), np.float32)
         x[: layout.tokens] = weights["embedding"][tokens.reshape(-1)]
         positions = jnp.full((batch,), position, jnp.int32)
-        arguments = _step_arguments(kernel, fused, tables, positions, jnp.asarray(tokens),
-                                    jnp.asarray(x), final_norm, packed, caches)  # fmt: skip
+        drafting = fused.step_inputs(tokens) if fused is not None else None
+        arguments = decode_step_arguments(kernel, tables, positions, jnp.asarray(x), final_norm,
+                                          *packed, caches, drafting)  # fmt: skip
         start = time.perf_counter()
         with interpret_mode(params):
             out = step_fn(*arguments)
@@ -519,22 +519,6 @@ def _run_child(
             position += rows
         print(f"{STEP_DONE} {step}", file=sys.stderr, flush=True)
     return {"steps": [asdict(c) for c in checks]}
-
-
-def _step_arguments(
-    kernel: Any, fused: _FusedDrafter | None, tables: Any, positions: Any, tokens: Any, x: Any,
-    final_norm: Any, packed: tuple[Any, Any, list[Any]], caches: list[Any],
-) -> tuple[Any, ...]:  # fmt: skip
-    """A decode step's arguments in make_decode_step's order; a drafting kernel's (its
-    fused_step_arguments) also take the fed rows' tokens, the drafter's norms and each
-    core's embedding rows."""
-    stream, vectors, experts = packed
-    if fused is None:
-        return (tables, positions, x, final_norm, stream, vectors, *experts, *caches)
-    return kernel.fused_step_arguments(
-        tables, positions, tokens.reshape(-1), x, final_norm, fused.norms, stream, vectors,
-        fused.embedding_rows, experts, caches,
-    )  # fmt: skip
 
 
 def _child_kernel(
@@ -693,9 +677,8 @@ class _FusedDrafter:
     as the kernel stores them) and the reference drafter it is held to (batch 1)."""
 
     def __init__(
-        self, spec: Any, layout: Any, weights: Any, seed: int, batch: int, context: int,
-        devices: int,
-    ) -> None:  # fmt: skip
+        self, spec: Any, layout: Any, weights: Any, seed: int, batch: int, context: int
+    ) -> None:
         import jax.numpy as jnp
         import numpy as np
 
@@ -711,9 +694,16 @@ class _FusedDrafter:
         weights |= stored_draft_weights(spec, seed + 1)  # the caller's too: its stream packs them
         self.spec, self.layout, self.weights = spec, layout, weights
         self.norms = jnp.asarray(pack.pack_draft_norms(weights))
-        rows = [pack.pack_embedding(layout, weights, r) for r in range(devices)]
+        rows = [pack.pack_embedding(layout, weights, r) for r in range(layout.devices)]
         self.embedding_rows = jnp.asarray(np.stack(rows))  # each core's, after the vectors
         self.state = init_draft_state(spec, batch, context)
+
+    def step_inputs(self, fed: Any) -> tuple[Any, Any, Any]:
+        """What the kernel takes for its passes beside the verify step's inputs: the fed
+        rows' tokens [BATCH, ROWS] flattened, the module's norms, each core's embedding rows."""
+        import jax.numpy as jnp
+
+        return jnp.asarray(fed.reshape(-1)), self.norms, self.embedding_rows
 
     def next_rows(
         self, check: StepCheck, fed: Any, out: list[Any], residuals: Any, cache: Any,
