@@ -109,19 +109,23 @@ def test_what_cannot_fuse_is_refused_in_one_line(spec: str, fields: dict, says: 
 
 
 @pytest.mark.parametrize(
-    ("topology", "mode", "rows"), [("1x1x1", "on_wait", 4), ("2x2x1", "eager", 3)]
+    ("topology", "mode", "batch", "rows"), [("1x1x1", "on_wait", 2, 4), ("2x2x1", "eager", 1, 3)]
 )
 def test_verify_holds_the_drafts_and_accepted_rows_to_the_reference(
-    topology: str, mode: str, rows: int
+    topology: str, mode: str, batch: int, rows: int
 ) -> None:
+    """Sequence b starts at position b and is fed, from step b on every other step, rows the
+    target accepts but the last: at batch 2 the sequences' positions and accepted rows
+    differ, so each one's passes run at its own positions."""
     report = verify_numerics(
-        MTP, topology, mode=mode, steps=2, rows=rows, timeout=TIMEOUT, knobs=FUSED
+        MTP, topology, mode=mode, steps=2, batch=batch, rows=rows, timeout=TIMEOUT, knobs=FUSED
     )
     assert report.passed, report.failure()
     first, second = report.steps
-    # Step 1 is fed rows the target accepts but the last: the roll-back runs.
-    assert (first.accepted, second.accepted) == ([1], [rows - 1])
-    assert all(s.drafts_equal == s.drafts_total == rows - 1 for s in report.steps)
+    assert (first.accepted, second.accepted) == ([1] * batch, [rows - 1, 1][:batch])
+    assert all(s.drafts_total == batch * (rows - 1) for s in report.steps)
+    assert first.drafts_equal == first.drafts_total  # no near tie on these seeds' first steps
+    assert all(s.max_draft_cache_diff > 0 for s in report.steps)  # compared, bf16-rounded
 
 
 @pytest.mark.parametrize(
@@ -141,15 +145,24 @@ def test_verify_holds_the_drafts_and_accepted_rows_to_the_reference(
             2,  # step 1 accepts 3 rows: its draft comes from the third
             "step 1: the fused drafter's drafts differ from the reference drafter's from draft 1",
         ),
+        (
+            (
+                "pass_positions_smem[b] = positions_smem[b] + draft_smem[0, b] + p - 1",
+                "pass_positions_smem[b] = positions_smem[0] + draft_smem[0, 0] + p - 1",
+            ),
+            1,  # at batch 2: sequence 1 starts at position 1, its passes at sequence 0's
+            "step 0: sequence 1: the fused drafter's cache entries at positions 1 to 3 differ",
+        ),
     ],
-    ids=["accept-rule-one-too-many", "draft-from-the-first-row"],
+    ids=["accept-rule-one-too-many", "draft-from-the-first-row", "passes-at-sequence-0s-positions"],
 )
 def test_a_wrong_accept_rule_or_roll_back_fails(
     mutation: tuple[str, str], steps: int, says: str
 ) -> None:
+    batch = 2 if "sequence 1" in says else 1
     report = verify_numerics(
-        MTP, "1x1x1", mode="on_wait", steps=steps, rows=4, timeout=TIMEOUT, knobs=FUSED,
-        mutations=[mutation],
+        MTP, "1x1x1", mode="on_wait", steps=steps, batch=batch, rows=4, timeout=TIMEOUT,
+        knobs=FUSED, mutations=[mutation],
     )  # fmt: skip
     assert not report.passed and says in report.failure()
 

@@ -5,7 +5,7 @@ regenerate with `mkgen build muse-spark-1.2 --topology 2x2x1 --force` (add -o an
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Muse Spark 1.2: 62 layers, SWA(2048)+RoPE with NoPE full attention at l % 4 == 1, MoE 256 top-8"
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 12 refills held for collectives, 5 a round.
-Inputs sha256: 3c01c08dcf7cdbe096ac0f5e7e811cd022d909ac7911df4616262c041a48202b (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 5e31b1f333c116dae1b4505014c2d43d6907b77cccc6d245fcb699c2551be6f9 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

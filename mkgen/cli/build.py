@@ -59,12 +59,7 @@ def build_command(
     draft and its runner drafts with it (docs/drafting.md)."""
     import time
 
-    from mkgen.codegen.naming import (
-        NO_FUSED_VERIFY,
-        CommandLine,
-        build_commands,
-        default_build_dir,
-    )
+    from mkgen.codegen.naming import CommandLine, build_commands, default_build_dir
     from mkgen.codegen.package import make_build
 
     prepare_jax()
@@ -98,8 +93,7 @@ def build_command(
     commands = build_commands(spec.name, topo, options, line)
     if result.dropped:
         click.echo(f"  {_dropped(result.dropped)}")
-    verify = commands["verify"] or NO_FUSED_VERIFY
-    click.echo(f"next: {verify}; {commands['compile']}; {commands['inspect']}")
+    click.echo(f"next: {commands['verify']}; {commands['compile']}; {commands['inspect']}")
 
 
 def _print_files(r: Any, where: str) -> None:

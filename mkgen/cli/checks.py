@@ -115,21 +115,13 @@ def verify_command(
              "residual_snapshots": residual_snapshots, "recurrent_states": recurrent_states,
              "fuse_draft": fuse_draft}  # fmt: skip
     knobs = {k: v for k, v in given.items() if v is not None}
-    if fuse_draft and batch != 1:
-        raise MkgenError(
-            "--fuse-draft: verify holds a fused drafter at --batch 1; leave out --batch"
-        )
     # The full-size build as built (rows 1 unless it fuses a drafter, which drafts R - 1).
     rows_built = {"rows": rows} if fuse_draft else {}
     spec, topo, built = plan_inputs(spec_ref, topology, quant=quant, **rows_built, **knobs)
     # The twin drafts nothing (mkgen.spec.mini): the drafter is checked against the spec.
     spec = drafting_spec(spec, draft, rows)
     options = BuildOptions.create(batch=batch, rows=rows, context=context, **knobs)
-    if not 1 <= steps * rows <= context:
-        raise MkgenError(
-            f"--steps {steps}: each step writes --rows {rows} token(s) into the mini caches of "
-            f"--context {context} tokens; give 1 to {context // rows} steps"
-        )
+    _check_steps_fit(steps, batch, rows, context)
     if not 0 < timeout < math.inf:
         raise MkgenError(f"--timeout {timeout:g}: give a finite number of seconds above 0")
     # Unsupported kinds or formats, or a plan that would hang: exit 2 here, not later.
@@ -154,6 +146,27 @@ def verify_command(
         rows=rows, context=context, seed=seed, timeout=timeout, quant=quant, knobs=knobs,
         draft=draft,
     )  # fmt: skip
+
+
+def _check_steps_fit(steps: int, batch: int, rows: int, context: int) -> None:
+    """Refuse, in one line, steps whose rows would not fit in the twin's caches: sequence b
+    starts at position b (mkgen.verify.numerics.start_positions) and each step writes
+    `rows` token(s)."""
+    from mkgen.verify.numerics import start_positions
+
+    most_steps = (context - start_positions(batch)[-1]) // rows
+    if most_steps < 1:
+        raise MkgenError(
+            f"--batch {batch} --rows {rows}: sequence b starts at position b, so the last one's "
+            f"first step ends past --context {context}; give a --context of at least "
+            f"{batch - 1 + rows}"
+        )
+    if not 1 <= steps <= most_steps:
+        raise MkgenError(
+            f"--steps {steps}: each step writes --rows {rows} token(s) into the mini caches of "
+            f"--context {context} tokens (sequence b from position b); give 1 to {most_steps} "
+            "steps"
+        )
 
 
 def _verified_build(output: Path | None, spec: Any, topo: Any, verified: Any) -> Path:

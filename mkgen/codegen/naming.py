@@ -101,23 +101,13 @@ def rebuild_command(
     )  # fmt: skip
 
 
-# What a build's REPORT.md and `mkgen build` say instead of a verify command for a kernel
-# that drafts at batch > 1 (verify holds a fused drafter at batch 1 only).
-NO_FUSED_VERIFY = (
-    "`mkgen verify` holds a kernel that drafts at --batch 1 only; a batch-1 build with the "
-    "same options records it"
-)
-
-
 def build_commands(
     spec_name: str, topology: Topology, options: BuildOptions, line: CommandLine = CommandLine()
-) -> dict[str, str | None]:
+) -> dict[str, str]:
     """The commands that record measurements for a build and outline it, runnable as
     printed: its options included (verify runs the twin, so it takes no context or
-    acceptance) and its -o directory when it is not the default one. No verify command
-    (None) for a kernel that drafts at batch > 1, which verify refuses."""
+    acceptance) and its -o directory when it is not the default one."""
     spec_arg, output = line.spec_arg(spec_name), line.output_flags()
-    verifiable = not options.fuse_draft or options.batch == 1
     return {
         "compile": shlex.join(
             ["mkgen", "compile", spec_arg, *cli_flags(topology, options), *line.draft_flags(),
@@ -126,6 +116,6 @@ def build_commands(
         "verify": shlex.join(
             ["mkgen", "verify", spec_arg, *_verify_flags(topology, options),
              *line.draft_flags(), *output, "--update-report"]
-        ) if verifiable else None,
+        ),
         "inspect": shlex.join(["mkgen", "inspect", line.build_ref(build_name(spec_name, topology))]),
     }  # fmt: skip

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mkgen import __version__
-from mkgen.codegen.naming import NO_FUSED_VERIFY, CommandLine, build_commands
+from mkgen.codegen.naming import CommandLine, build_commands
 from mkgen.plan.layout import KernelLayout
 from mkgen.plan.options import BuildOptions
 from mkgen.plan.published import bar_text
@@ -69,7 +69,6 @@ def report_context(
         "rebuild": rebuild,
         # A mini twin's REPORT prints only its inspect command (it is no spec of its own).
         "commands": build_commands(spec.name, topology, options, line),
-        "no_fused_verify": NO_FUSED_VERIFY,
         "digest": digest,
         "version": __version__,
         "params_total": f"{params_total(spec) / 1e9:,.2f} B",

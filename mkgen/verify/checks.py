@@ -248,10 +248,15 @@ def verify_lines(report: NumericsReport) -> list[str]:
             )
         if s.drafts_total:
             out.append(
-                f"        the fused drafter: accepted {'/'.join(map(str, s.accepted))} row(s); "
-                f"drafts {s.drafts_equal}/{s.drafts_total} equal"
+                f"        the fused drafter: accepted {', '.join(map(str, s.accepted))} row(s) "
+                f"(a sequence's each); drafts {s.drafts_equal}/{s.drafts_total} equal"
                 + (f", {s.drafts_near_tie} after a near tie" if s.drafts_near_tie else "")
-                + (f"; {s.accepted_mismatch}" if s.accepted_mismatch else "")
+                + f"; its cache max diff {s.max_draft_cache_diff:.5f}"
+                + "".join(
+                    f"; {what}"
+                    for what in (s.accepted_mismatch, s.draft_cache_mismatch, s.drafts_mismatch)
+                    if what
+                )
             )
     return out
 

@@ -103,7 +103,12 @@ class StepCheck:
     drafts_total: int = 0
     drafts_equal: int = 0
     drafts_near_tie: int = 0
-    accepted: list[int] = field(default_factory=list)
+    drafts_mismatch: str | None = None  # the first sequence's chain that differs
+    # The drafter's cache entries the step wrote at the accepted rows and the drafts both
+    # sides made alike, against the reference drafter's.
+    max_draft_cache_diff: float = 0.0
+    draft_cache_mismatch: str | None = None
+    accepted: list[int] = field(default_factory=list)  # a sequence's accepted rows each
     accepted_mismatch: str | None = None
 
     @property
@@ -118,6 +123,8 @@ class StepCheck:
             and self.first_diverging_layer is None
             and self.draft_hidden_mismatch is None
             and self.accepted_mismatch is None
+            and self.draft_cache_mismatch is None
+            and self.drafts_mismatch is None
             and self.drafts_equal + self.drafts_near_tie == self.drafts_total
         )
 
@@ -156,11 +163,10 @@ class StepCheck:
             return f"step {self.step}: {self.draft_hidden_mismatch}"
         if self.accepted_mismatch is not None:
             return f"step {self.step}: {self.accepted_mismatch}"
-        if self.drafts_equal + self.drafts_near_tie != self.drafts_total:
-            return (
-                f"step {self.step}: the fused drafter's drafts differ from the reference "
-                f"drafter's from draft {self.drafts_equal + 1} on"
-            )
+        if self.draft_cache_mismatch is not None:
+            return f"step {self.step}: {self.draft_cache_mismatch}"
+        if self.drafts_mismatch is not None:
+            return f"step {self.step}: {self.drafts_mismatch}"
         return None
 
 
@@ -492,14 +498,13 @@ def _run_child(
     ]
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, layout.vocab_used, size=(batch, rows)).astype(np.int32)
-    checks, position = [], 0
+    checks, positions = [], start_positions(batch)
     for step in range(steps):
         x = np.zeros((layout.tokens_padded, layout.hidden), np.float32)
         x[: layout.tokens] = weights["embedding"][tokens.reshape(-1)]
-        positions = jnp.full((batch,), position, jnp.int32)
         drafting = fused.step_inputs(tokens) if fused is not None else None
-        arguments = decode_step_arguments(kernel, tables, positions, jnp.asarray(x), final_norm,
-                                          *packed, caches, drafting)  # fmt: skip
+        arguments = decode_step_arguments(kernel, tables, jnp.asarray(positions, jnp.int32),
+                                          jnp.asarray(x), final_norm, *packed, caches, drafting)  # fmt: skip
         start = time.perf_counter()
         with interpret_mode(params):
             out = step_fn(*arguments)
@@ -508,15 +513,15 @@ def _run_child(
         # After the tokens, logits, residuals, routes and the drafter's hidden states.
         caches = list(out[layout.outputs_before_caches :])
         check, ref_cache, expected, ref_residuals = _step_check(
-            step, seconds, spec, layout, weights, tokens, position, ref_cache, out, moe_layers
+            step, seconds, spec, layout, weights, tokens, positions, ref_cache, out, moe_layers
         )
         checks.append(check)
         if fused:
-            tokens, position = fused.next_rows(check, tokens, out, ref_residuals, ref_cache,
-                                               step, position)  # fmt: skip
+            tokens, positions = fused.next_rows(check, tokens, out, ref_residuals, ref_cache,
+                                                step, positions)  # fmt: skip
         else:
             tokens = expected.reshape(batch, rows).astype(np.int32)
-            position += rows
+            positions = [p + rows for p in positions]
         print(f"{STEP_DONE} {step}", file=sys.stderr, flush=True)
     return {"steps": [asdict(c) for c in checks]}
 
@@ -598,18 +603,16 @@ def _step_check(
     layout: Any,
     weights: Any,
     tokens: Any,
-    position: int,
+    positions: list[int],
     ref_cache: Any,
     out: list[Any],
     moe_layers: list[int],
 ) -> tuple[StepCheck, Any, Any, Any]:
     """(the check of a kernel step's outputs `out` against the reference fed the same
-    `tokens` [batch, rows] at `position`, the reference's cache after it, its greedy
-    tokens, its residual stream after every layer [layers, batch, rows, hidden])."""
+    `tokens` [batch, rows], sequence b at positions[b], the reference's cache after it,
+    its greedy tokens, its residual stream after every layer [layers, batch, rows, hidden])."""
     import jax.numpy as jnp
     import numpy as np
-
-    from mkgen.reference import model as reference
 
     kernel_logits = out[1]
     caches = list(out[layout.outputs_before_caches :])
@@ -619,10 +622,9 @@ def _step_check(
     residuals = residuals[: spec.layers.count]  # a fused drafter's passes: its drafts say
     kernel_routes = dict(zip(moe_layers, routes, strict=True))
     differences: list[RouteDifference] = []
-    ref_logits, ref_cache, ref_residuals = reference.forward_traced(
-        spec, weights, jnp.asarray(tokens), ref_cache, position,
-        _following_near_ties(kernel_routes, differences),
-    )  # fmt: skip
+    ref_logits, ref_cache, ref_residuals = _reference_step(
+        spec, weights, tokens, ref_cache, positions, kernel_routes, differences
+    )
     mismatches = [d for d in differences if not d.near_tie]
     traced = np.asarray(ref_residuals)
     ref_residuals = traced.reshape(len(residuals), layout.tokens, -1)
@@ -641,9 +643,7 @@ def _step_check(
     expected = ref_logits[:, : layout.vocab_used].argmax(axis=1)
     equal = np.asarray(kernel_tokens) == expected
     rows = tokens.shape[1]
-    cache_diff, cache_scale = _compare_caches(
-        spec, layout, caches, ref_cache, [position] * len(tokens), rows
-    )
+    cache_diff, cache_scale = _compare_caches(spec, layout, caches, ref_cache, positions, rows)
     finite = bool(np.isfinite(got).all()) and all(
         bool(jnp.isfinite(c.astype(jnp.float32)).all()) for c in caches
     )
@@ -672,9 +672,65 @@ def _step_check(
     return check, ref_cache, expected, traced
 
 
+def start_positions(batch: int) -> list[int]:
+    """Where each sequence's first verified step writes: sequence b at position b, as after
+    prompts of unequal length, so that a batch's sequences run at positions that differ."""
+    return list(range(batch))
+
+
+def _reference_step(
+    spec: Any,
+    weights: Any,
+    tokens: Any,
+    cache: Any,
+    positions: list[int],
+    kernel_routes: dict[int, Any],
+    differences: list[RouteDifference],
+) -> tuple[Any, Any, Any]:
+    """The reference fed `tokens` [batch, rows], sequence b at positions[b] (the reference
+    model takes one position a call, so the sequences at each position run as one batch):
+    (logits [batch, rows, vocab], the cache after it, the residual stream after every layer
+    [layers, batch, rows, hidden]). Routing differences from the kernel's experts (tokens
+    numbered over the whole batch) are appended to `differences` in layer order."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mkgen.reference import model as reference
+
+    rows = tokens.shape[1]
+    layers, logits, residuals, found = cache["layers"], {}, {}, []
+    for position in sorted(set(positions)):
+        group = np.asarray([b for b, p in enumerate(positions) if p == position])
+        token_ids = (group[:, None] * rows + np.arange(rows)).reshape(-1)
+        routes = {layer: chosen[token_ids] for layer, chosen in kernel_routes.items()}
+        own: list[RouteDifference] = []
+        part = {"length": jnp.asarray(position, jnp.int32),
+                "layers": jax.tree.map(lambda a, g=group: a[g], layers)}  # fmt: skip
+        part_logits, part, traced = reference.forward_traced(
+            spec, weights, jnp.asarray(tokens[group]), part, position,
+            _following_near_ties(routes, own),
+        )  # fmt: skip
+        found += [dataclasses.replace(d, token=int(token_ids[d.token])) for d in own]
+        layers = jax.tree.map(lambda a, new, g=group: a.at[g].set(new), layers, part["layers"])
+        for i, b in enumerate(group):
+            logits[b], residuals[b] = part_logits[i], traced[:, i]
+    differences += sorted(found, key=lambda d: (d.layer, d.token))
+    order = range(len(tokens))
+    new_cache = {"length": jnp.asarray(max(positions) + rows, jnp.int32), "layers": layers}
+    return (
+        jnp.stack([logits[b] for b in order]),
+        new_cache,
+        jnp.stack([residuals[b] for b in order], axis=1),
+    )
+
+
 class _FusedDrafter:
     """A fused drafter's inputs beside the kernel's (its weights drawn beside the target's,
-    as the kernel stores them) and the reference drafter it is held to (batch 1)."""
+    as the kernel stores them) and the reference drafter it is held to, one a sequence (its
+    committed positions are one number)."""
 
     def __init__(
         self, spec: Any, layout: Any, weights: Any, seed: int, batch: int, context: int
@@ -686,17 +742,15 @@ class _FusedDrafter:
         from mkgen.weights import pack
         from mkgen.weights.quantize import stored_draft_weights
 
-        if batch != 1:
-            raise MkgenError(
-                f"batch {batch}: verify holds a fused drafter at batch 1 only (the reference "
-                "runs one position for every sequence); give --batch 1"
-            )
         weights |= stored_draft_weights(spec, seed + 1)  # the caller's too: its stream packs them
         self.spec, self.layout, self.weights = spec, layout, weights
         self.norms = jnp.asarray(pack.pack_draft_norms(weights))
         rows = [pack.pack_embedding(layout, weights, r) for r in range(layout.devices)]
         self.embedding_rows = jnp.asarray(np.stack(rows))  # each core's, after the vectors
-        self.state = init_draft_state(spec, batch, context)
+        empty = init_draft_state(spec, 1, context)
+        self.states = [
+            {**empty, "length": jnp.asarray(p, jnp.int32)} for p in start_positions(batch)
+        ]
 
     def step_inputs(self, fed: Any) -> tuple[Any, Any, Any]:
         """What the kernel takes for its passes beside the verify step's inputs: the fed
@@ -707,50 +761,72 @@ class _FusedDrafter:
 
     def next_rows(
         self, check: StepCheck, fed: Any, out: list[Any], residuals: Any, cache: Any,
-        step: int, position: int,
-    ) -> tuple[Any, int]:  # fmt: skip
-        """The step's drafts checked into `check`; the next step's rows (the bonus and the
-        kernel's drafts, or on every other step rows a random drafter never makes:
-        _mostly_accepted) and position."""
+        step: int, positions: list[int],
+    ) -> tuple[Any, list[int]]:  # fmt: skip
+        """The step's drafts checked into `check`, sequence by sequence; the next step's rows
+        (the bonus and the kernel's drafts, or, for sequence b on every other step from
+        step b, rows a random drafter never makes: _mostly_accepted) and positions."""
         import numpy as np
 
-        kernel_tokens = np.asarray(out[0])[0]  # core 0's (the cores' are checked equal)
+        batch, rows = fed.shape
+        kernel_tokens = np.asarray(out[0])[0, : batch * rows].reshape(batch, rows)  # core 0's
         drafts = np.asarray(out[self.layout.outputs_before_caches - 1])[0]
-        self.state, accepted = _check_drafts(
-            check, self.spec, self.weights, self.state, fed, kernel_tokens, drafts, residuals
-        )
-        rows, position = fed.shape[1], position + accepted
-        bonus = kernel_tokens[accepted - 1]
-        if step % 2 == 0 and rows > 2:
-            return _mostly_accepted(self.spec, self.weights, cache, bonus, position, rows), position
-        return np.asarray([[bonus, *drafts[0, 1:]]], np.int32), position
+        caches = out[self.layout.outputs_before_caches :]
+        next_fed, next_positions = [], []
+        for b, position in enumerate(positions):
+            sequence = f"sequence {b}: " if batch > 1 else ""
+            self.states[b], accepted, agreed = _check_drafts(
+                check, sequence, self.spec, self.weights, self.states[b], fed[b : b + 1],
+                kernel_tokens[b], drafts[b], residuals[:, b : b + 1],
+            )  # fmt: skip
+            if agreed is not None:  # entries from the accepted rows and the drafts alike
+                written = range(position, position + accepted + min(agreed, rows - 2))
+                _check_draft_cache(check, sequence, self.spec, self.layout, caches,
+                                   self.states[b], b, written)  # fmt: skip
+            bonus, position = kernel_tokens[b, accepted - 1], position + accepted
+            if (step + b) % 2 == 0 and rows > 2:
+                sequence_cache = _sequence_cache(cache, b, position)
+                row = _mostly_accepted(self.spec, self.weights, sequence_cache, bonus, rows)
+            else:
+                row = [bonus, *drafts[b, 1:rows]]
+            next_fed.append(row)
+            next_positions.append(position)
+        return np.asarray(next_fed, np.int32), next_positions
 
 
-def _mostly_accepted(
-    spec: Any, weights: Any, cache: Any, bonus: int, position: int, rows: int
-) -> Any:
-    """Rows [1, rows] whose drafts the target accepts but the last: the bonus, the reference's
-    greedy continuation of it, its last token changed. A random twin's drafter never drafts
-    what its target chooses, so every other step of a fused twin is fed these, and its
-    accept rule and roll-back run with rows - 1 accepted."""
+def _sequence_cache(cache: Any, b: int, position: int) -> Any:
+    """Sequence b's part of the reference's cache (a batch of one) at `position`."""
+    import jax
+    import jax.numpy as jnp
+
+    layers = jax.tree.map(lambda a: a[b : b + 1], cache["layers"])
+    return {"length": jnp.asarray(position, jnp.int32), "layers": layers}
+
+
+def _mostly_accepted(spec: Any, weights: Any, cache: Any, bonus: int, rows: int) -> list[int]:
+    """One sequence's rows whose drafts the target accepts but the last: the bonus, the
+    reference's greedy continuation of it from `cache` (a batch of one, at its length), its
+    last token changed. A random twin's drafter never drafts what its target chooses, so a
+    fused twin's sequence is fed these every other step, and its accept rule and roll-back
+    run with rows - 1 accepted."""
     import jax.numpy as jnp
     import numpy as np
 
     from mkgen.reference import model as reference
 
     chosen = [int(bonus)]
-    for offset in range(rows - 1):
+    vocab = spec.dims.vocab_used or spec.dims.vocab
+    for _ in range(rows - 1):
         token = jnp.asarray([[chosen[-1]]], jnp.int32)
-        logits, cache = reference.forward(spec, weights, token, cache, position + offset)[:2]
-        chosen.append(
-            int(np.asarray(logits)[0, -1, : spec.dims.vocab_used or spec.dims.vocab].argmax())
-        )
-    chosen[-1] = (chosen[-1] + 1) % (spec.dims.vocab_used or spec.dims.vocab)
-    return np.asarray([chosen], np.int32)
+        logits, cache = reference.forward(spec, weights, token, cache)[:2]
+        chosen.append(int(np.asarray(logits)[0, -1, :vocab].argmax()))
+    chosen[-1] = (chosen[-1] + 1) % vocab
+    return chosen
 
 
 def _check_drafts(
     check: StepCheck,
+    sequence: str,
     spec: Any,
     weights: Any,
     state: Any,
@@ -758,44 +834,51 @@ def _check_drafts(
     kernel_tokens: Any,
     drafts: Any,
     residuals: Any,
-) -> tuple[Any, int]:
-    """A fused drafter's step (batch 1) into `check`: its accepted rows (`drafts` [1, 1 +
-    passes], lane 0) against the accept rule on the kernel's own greedy tokens of the `fed`
-    rows, and its drafts against the reference drafter's (mkgen.reference.draft.draft_step)
-    after the same accepted rows and bonus, a near tie of the reference's draft logits
-    (DRAFT_TIE_FACTOR) ending the comparison of that chain. Returns (the reference drafter's state, the
-    accepted rows)."""
+) -> tuple[Any, int, int | None]:
+    """One sequence's fused drafting step into `check`: its accepted rows (`drafts` [1 +
+    passes], lane 0) against the accept rule on the kernel's own greedy tokens of its `fed`
+    rows [1, rows], and its drafts against the reference drafter's
+    (mkgen.reference.draft.draft_step) after the same accepted rows and bonus, a near tie of
+    the reference's draft logits (DRAFT_TIE_FACTOR) ending the comparison of that chain.
+    `sequence` prefixes what a failure says. Returns (the reference drafter's state, the
+    accepted rows, how many leading drafts both made alike: None where the accepted rows
+    differ)."""
     import jax.numpy as jnp
     import numpy as np
 
     from mkgen.reference.draft import accept_greedy, draft_step
 
     rows = fed.shape[1]
-    accepted = int(drafts[0, 0])
+    accepted = int(drafts[0])
     by_rule = int(accept_greedy(fed[:, 1:], kernel_tokens[None, :rows])[0][0]) + 1
-    check.accepted = [accepted]
+    check.accepted.append(accepted)
+    check.drafts_total += rows - 1
     if accepted != by_rule:
-        check.accepted_mismatch = (
-            f"the kernel accepted {accepted} row(s) where the accept rule on its own greedy "
-            f"tokens accepts {by_rule}"
+        check.accepted_mismatch = check.accepted_mismatch or (
+            f"{sequence}the kernel accepted {accepted} row(s) where the accept rule on its own "
+            f"greedy tokens accepts {by_rule}"
         )
-        return state, by_rule
+        return state, by_rule, None
     bonus = jnp.asarray(kernel_tokens[accepted - 1 : accepted])
     wanted, logits, state = draft_step(
         spec, weights, state, jnp.asarray(fed[:, :accepted]),
         jnp.asarray(residuals[:, :, :accepted]), bonus, rows,
     )  # fmt: skip
     wanted, logits = np.asarray(wanted)[0], np.asarray(logits)[0]
-    check.drafts_total = rows - 1
-    for j in range(rows - 1):
-        if drafts[0, 1 + j] == wanted[j]:
-            check.drafts_equal += 1
-            continue
-        ranked = np.sort(logits[j])
+    agreed = 0
+    while agreed < rows - 1 and drafts[1 + agreed] == wanted[agreed]:
+        agreed += 1
+    check.drafts_equal += agreed
+    if agreed < rows - 1:
+        ranked = np.sort(logits[agreed])
         if ranked[-1] - ranked[-2] <= DRAFT_TIE_FACTOR * check.max_logit_diff:
-            check.drafts_near_tie += rows - 1 - j  # the chain goes on from the other choice
-        break
-    return state, accepted
+            check.drafts_near_tie += rows - 1 - agreed  # the chain goes on from the other choice
+        else:
+            check.drafts_mismatch = check.drafts_mismatch or (
+                f"{sequence}the fused drafter's drafts differ from the reference drafter's "
+                f"from draft {agreed + 1} on"
+            )
+    return state, accepted, agreed
 
 
 def _core_outputs(layout: Any, out: list[Any], moe_layers: list[int]) -> tuple[bool, list[Any]]:
@@ -868,6 +951,43 @@ def _compare_draft_hidden(
                 f"{wanted.layer}) differs by {diff:.4g} (tolerance {limit:.4g})"
             )
     return worst, first
+
+
+def _check_draft_cache(
+    check: StepCheck,
+    sequence: str,
+    spec: Any,
+    layout: Any,
+    caches: list[Any],
+    state: Any,
+    b: int,
+    written: range,
+) -> None:
+    """Sequence b's entries of the fused drafter's cache (the MTP module's slot, past the
+    target's layers, core by core) at the positions `written` against the reference
+    drafter's `state` (a batch of one) into `check`, within CACHE_RTOL of its largest."""
+    import numpy as np
+
+    arrays = iter(caches)
+    diff, scale = 0.0, 0.0
+    for a in layout.attention:
+        mine = {c.name: next(arrays) for c in a.caches}
+        for slot in [s for s, layer in enumerate(a.layers) if layer >= spec.layers.count]:
+            for rank in range(layout.devices):
+                for name, ref in a.cache_pieces(spec, state["layers"][0], rank).items():
+                    if name in ("state", "conv"):  # a recurrent module's: no positions
+                        continue
+                    ours = np.asarray(mine[name][rank, slot, b], np.float32)[:, written]
+                    theirs = np.asarray(ref[0], np.float32)[:, written]
+                    diff = max(diff, float(np.abs(ours - theirs).max()))
+                    scale = max(scale, float(np.abs(theirs).max()))
+    check.max_draft_cache_diff = max(check.max_draft_cache_diff, diff)
+    limit = CACHE_RTOL * max(scale, 1.0)
+    if check.draft_cache_mismatch is None and not diff <= limit:
+        check.draft_cache_mismatch = (
+            f"{sequence}the fused drafter's cache entries at positions {written.start} to "
+            f"{written.stop - 1} differ by {diff:.4g} (tolerance {limit:.4g})"
+        )
 
 
 def _compare_caches(

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build mixtral-8x7b --topology 2x2x1 --force`` (a
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of mixtral-8x7b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: e32e4d898dcb2d89c5ca666da702955aff941ddb469d48096f17df4db383c2f5 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 797cc5cb7eba25ff550a503ebaafa011a153f6aa69ce0284e0bf10ebdb874c97 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
