@@ -5,7 +5,7 @@ regenerate with `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --draft kimi-k3-m
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Kimi K3: 93 layers, 3 KDA to 1 MLA plus a final MLA layer, latent MoE of 896 experts, top-16"
 Build options: batch 1, rows 8, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 14 refills held for collectives, 5 a round; drafter mtp: 1 module(s), mla + moe layer.
-Inputs sha256: 6803f2b6893f41c0f9f518cd2857ac25d8c7300068d9f86a9c8b2533327e7073 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 27a8963e6eeed420aedc575dd75db3abd8d692c99c16739ec7557bbcd0ee50a1 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -5,7 +5,7 @@ regenerate with `mkgen build mixtral-8x7b --topology 2x2x1 --force` (add -o and 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Imported from the Hugging Face config mixtral-8x7b.json (MixtralForCausalLM, model_type mixtral)."
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 6 refills held for collectives, 5 a round.
-Inputs sha256: 8581ec86dc03747b92a008d992452afe425db27afde46e1f78a09b82a8d2acf3 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 239b624115fd17694ae334548f0a65a1688e2d389b3bfc95e89eda287ba44786 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
@@ -695,6 +695,9 @@ def _attention_gqa(ctx, layer, first_row, x):
     vec = ctx.vectors
     slot = ctx.tables[1, layer]
     h = _rms_norm(x, vec[ATTN_NORM_VEC])
+    _, block_reads = _cache_block_reads_gqa(ctx, slot)
+    for copy in block_reads:  # the cache write waits for them
+        copy.start()
     y = ctx.stream.matmul(h, first_row, GQA_QKV)
     q = y[:, GQA_WQ_COLS]
     k = y[:, GQA_WK_COLS]
@@ -749,15 +752,10 @@ def _cache_block_copy_gqa(ctx, which, slot, b, g, start):
     )
 
 
-def _write_cache_gqa(ctx, slot):
-    """Store the step's cache rows (k, v) at positions [pos, pos + ROWS) of every sequence.
-
-    HBM rows are tiled, so the kernel rewrites the whole aligned CACHE_BLOCK around them:
-    read it, roll the new rows into place, write it back (waited before any tile read).
-    """
-    kv_new = ctx.scratch["gqa"][0]
-    block = ctx.scratch["gqa_block"]
-    cache = ctx.caches["gqa"]
+def _cache_block_reads_gqa(ctx, slot):
+    """Where each sequence's aligned CACHE_BLOCK around its new rows starts, and the copies
+    that read those blocks into VMEM. The layer starts them first (they need only the
+    positions, so they run under its projections); its cache write waits for them."""
     starts = [
         pl.multiple_of(
             jnp.minimum(ctx.positions[b] // CACHE_ALIGN * CACHE_ALIGN, CONTEXT - CACHE_BLOCK),
@@ -771,8 +769,20 @@ def _write_cache_gqa(ctx, slot):
         for b in range(BATCH)
         for g in range(GQA_KV_HEADS)
     ]
-    for copy in reads:
-        copy.start()
+    return starts, reads
+
+
+def _write_cache_gqa(ctx, slot):
+    """Store the step's cache rows (k, v) at positions [pos, pos + ROWS) of every sequence.
+
+    HBM rows are tiled, so the kernel rewrites the whole aligned CACHE_BLOCK around them:
+    wait for its read (started at the layer's start), roll the new rows into place, write
+    it back (waited before any tile read).
+    """
+    kv_new = ctx.scratch["gqa"][0]
+    block = ctx.scratch["gqa_block"]
+    cache = ctx.caches["gqa"]
+    starts, reads = _cache_block_reads_gqa(ctx, slot)
     for copy in reads:
         copy.wait()
     row = jax.lax.broadcasted_iota(jnp.int32, (CACHE_BLOCK, GQA_HEAD_DIM), 0)

@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3.8-27b --topology 2x2x1 --rows 8 --draft qwen3
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Qwen3.8-27B: 64 layers, pattern LLLF (Gated DeltaNet x3, gated GQA), SwiGLU 17408"
 Build options: batch 1, rows 8, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 9 refills held for collectives, 14 a round; drafter block: 5 layers, block_size 16, 5 feature layers.
-Inputs sha256: 1393954485670a07d8c87862456bf36767a1cf6177180308036f7660521353cb (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 74119162626a9a2720e0b7fa363778322cd47acfba024c5bcb710f3d9dc0b3bf (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -723,9 +723,8 @@ def _attention_linear(ctx, layer, first_row, x):
     vec = ctx.vectors
     slot = ctx.tables[1, layer]
     h = _rms_norm(x, vec[ATTN_NORM_VEC])
-    y = ctx.stream.matmul(h, first_row, LINEAR_IN)
-    decay = -jnp.exp(vec[LINEAR_A_LOG_VEC])
-    dt_bias = vec[LINEAR_DT_BIAS_VEC]
+    # The current conv tails and states in, started first: they need only the positions'
+    # slots, so they travel while the core projects; the "state" op waits for them.
     conv_hbm, state_hbm = ctx.caches["linear"]
     conv_vmem, state_vmem, sems = ctx.scratch["linear"]
 
@@ -749,6 +748,9 @@ def _attention_linear(ctx, layer, first_row, x):
     reads = cache_copies(False)
     for copy in reads:
         copy.start()
+    y = ctx.stream.matmul(h, first_row, LINEAR_IN)
+    decay = -jnp.exp(vec[LINEAR_A_LOG_VEC])
+    dt_bias = vec[LINEAR_DT_BIAS_VEC]
     for copy in reads:
         copy.wait()
     taps = jnp.concatenate(
@@ -812,6 +814,9 @@ def _attention_full(ctx, layer, first_row, x):
     vec = ctx.vectors
     slot = ctx.tables[1, layer]
     h = _rms_norm(x, vec[ATTN_NORM_VEC])
+    _, block_reads = _cache_block_reads_full(ctx, slot)
+    for copy in block_reads:  # the cache write waits for them
+        copy.start()
     y = ctx.stream.matmul(h, first_row, FULL_QKV)
     q = y[:, FULL_WQ_COLS]
     k = y[:, FULL_WK_COLS]
@@ -872,15 +877,10 @@ def _cache_block_copy_full(ctx, which, slot, b, g, start):
     )
 
 
-def _write_cache_full(ctx, slot):
-    """Store the step's cache rows (k, v) at positions [pos, pos + ROWS) of every sequence.
-
-    HBM rows are tiled, so the kernel rewrites the whole aligned CACHE_BLOCK around them:
-    read it, roll the new rows into place, write it back (waited before any tile read).
-    """
-    kv_new = ctx.scratch["full"][0]
-    block = ctx.scratch["full_block"]
-    cache = ctx.caches["full"]
+def _cache_block_reads_full(ctx, slot):
+    """Where each sequence's aligned CACHE_BLOCK around its new rows starts, and the copies
+    that read those blocks into VMEM. The layer starts them first (they need only the
+    positions, so they run under its projections); its cache write waits for them."""
     starts = [
         pl.multiple_of(
             jnp.minimum(ctx.positions[b] // CACHE_ALIGN * CACHE_ALIGN, CONTEXT - CACHE_BLOCK),
@@ -894,8 +894,20 @@ def _write_cache_full(ctx, slot):
         for b in range(BATCH)
         for g in range(FULL_KV_HEADS)
     ]
-    for copy in reads:
-        copy.start()
+    return starts, reads
+
+
+def _write_cache_full(ctx, slot):
+    """Store the step's cache rows (k, v) at positions [pos, pos + ROWS) of every sequence.
+
+    HBM rows are tiled, so the kernel rewrites the whole aligned CACHE_BLOCK around them:
+    wait for its read (started at the layer's start), roll the new rows into place, write
+    it back (waited before any tile read).
+    """
+    kv_new = ctx.scratch["full"][0]
+    block = ctx.scratch["full_block"]
+    cache = ctx.caches["full"]
+    starts, reads = _cache_block_reads_full(ctx, slot)
     for copy in reads:
         copy.wait()
     row = jax.lax.broadcasted_iota(jnp.int32, (CACHE_BLOCK, FULL_HEAD_DIM), 0)

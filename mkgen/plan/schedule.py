@@ -938,14 +938,20 @@ class _Builder:
             cache[key] = tuple(f"{name}[{','.join(map(str, i))}]" for i in idx)
         return cache[key]
 
-    def write_block(self, layer: int, name: str, sems: tuple[str, ...], nbytes: int,
-                    new_rows: int) -> int:  # fmt: skip
-        """Read the tile-aligned block around the new rows, merge them, write it back."""
-        cslot = self.cache_slot(layer)
+    def read_block(self, layer: int, name: str, sems: tuple[str, ...], nbytes: int) -> int:
+        """Start reading the tile-aligned block around the new rows (write_block waits)."""
         hbm = f"hbm:{name}.cache"
         rd = self.dma("cache_read", f"L{layer} {name}: cache block read", layer, f"{name}.block",
-                      0, sems, nbytes, count=len(sems), reads=((INIT, hbm, cslot),))  # fmt: skip
+                      0, sems, nbytes, count=len(sems),
+                      reads=((INIT, hbm, self.cache_slot(layer)),))  # fmt: skip
         self.start(rd)
+        return rd
+
+    def write_block(self, layer: int, name: str, sems: tuple[str, ...], nbytes: int,
+                    rd: int, new_rows: int) -> int:  # fmt: skip
+        """Wait for the block read_block started (`rd`), merge the new rows, write it back."""
+        cslot = self.cache_slot(layer)
+        hbm = f"hbm:{name}.cache"
         self.wait(rd)
         m = self.run("vector", f"L{layer} {name}: merge new rows into the block", layer,
                      nbytes // 2, ((rd, f"{name}.block", 0), (new_rows, None, 0)),

@@ -719,6 +719,7 @@ def _reference_step(
             logits[b], residuals[b] = part_logits[i], traced[:, i]
     differences += sorted(found, key=lambda d: (d.layer, d.token))
     order = range(len(tokens))
+    # verify passes every position explicitly; the length says how far the furthest got
     new_cache = {"length": jnp.asarray(max(positions) + rows, jnp.int32), "layers": layers}
     return (
         jnp.stack([logits[b] for b in order]),

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --draft 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of kimi-k3 for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats, expert sharing half; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round; drafter mtp: 1 module(s), mla + moe layer.
-Inputs sha256: 8eff9ed10d421ebc40ca1f563a91d1c5edae195f04b0d1adfe8445a8638a2f01 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 90713d342f0edb43fef6d6768cdae0435f96f63be594505c59ea732458e200e7 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 32 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -937,13 +937,8 @@ def _attention_kda(ctx, layer, first_row, x):
     vec = ctx.vectors
     slot = ctx.tables[1, layer]
     h = _rms_norm(x, vec[ATTN_NORM_VEC])
-    y = ctx.stream.matmul(h, first_row, KDA_IN)
-    # The decay projection is low rank: its second half streams right after.
-    decay_raw = ctx.stream.matmul(y[:, KDA_WF_A_COLS], first_row, KDA_F_B)
-    decay_raw = decay_raw + vec[KDA_DT_BIAS_VEC]
-    gate = y[:, KDA_WG_COLS]
-    gate = _sigmoid(gate)
-    rates = jnp.exp(vec[KDA_A_LOG_VEC])
+    # The current conv tails and states in, started first: they need only the positions'
+    # slots, so they travel while the core projects; the "state" op waits for them.
     conv_hbm, state_hbm = ctx.caches["kda"]
     conv_vmem, state_vmem, sems = ctx.scratch["kda"]
 
@@ -967,6 +962,13 @@ def _attention_kda(ctx, layer, first_row, x):
     reads = cache_copies(False)
     for copy in reads:
         copy.start()
+    y = ctx.stream.matmul(h, first_row, KDA_IN)
+    # The decay projection is low rank: its second half streams right after.
+    decay_raw = ctx.stream.matmul(y[:, KDA_WF_A_COLS], first_row, KDA_F_B)
+    decay_raw = decay_raw + vec[KDA_DT_BIAS_VEC]
+    gate = y[:, KDA_WG_COLS]
+    gate = _sigmoid(gate)
+    rates = jnp.exp(vec[KDA_A_LOG_VEC])
     for copy in reads:
         copy.wait()
     taps = jnp.concatenate(
@@ -1029,6 +1031,9 @@ def _attention_mla(ctx, layer, first_row, x):
     slot = ctx.tables[1, layer]
     nope, rope_d, v_dim = MLA_NOPE, MLA_ROPE, MLA_V_DIM
     h = _rms_norm(x, vec[ATTN_NORM_VEC])
+    _, block_reads = _cache_block_reads_mla(ctx, slot)
+    for copy in block_reads:  # the cache write waits for them
+        copy.start()
     y = ctx.stream.matmul(h, first_row, MLA_DOWN)
     # wq_a and wkv_a are split over the cores: one all-gather joins each one's pieces (in
     # buffer 1, which the FFN writes again only after this layer's all-reduce).
@@ -1099,15 +1104,10 @@ def _cache_block_copy_mla(ctx, which, slot, b, g, start):
     )
 
 
-def _write_cache_mla(ctx, slot):
-    """Store the step's cache rows (latent) at positions [pos, pos + ROWS) of every sequence.
-
-    HBM rows are tiled, so the kernel rewrites the whole aligned CACHE_BLOCK around them:
-    read it, roll the new rows into place, write it back (waited before any tile read).
-    """
-    kv_new = ctx.scratch["mla"][0]
-    block = ctx.scratch["mla_block"]
-    cache = ctx.caches["mla"]
+def _cache_block_reads_mla(ctx, slot):
+    """Where each sequence's aligned CACHE_BLOCK around its new rows starts, and the copies
+    that read those blocks into VMEM. The layer starts them first (they need only the
+    positions, so they run under its projections); its cache write waits for them."""
     starts = [
         pl.multiple_of(
             jnp.minimum(ctx.positions[b] // CACHE_ALIGN * CACHE_ALIGN, CONTEXT - CACHE_BLOCK),
@@ -1121,8 +1121,20 @@ def _write_cache_mla(ctx, slot):
         for b in range(BATCH)
         for g in range(MLA_KV_HEADS)
     ]
-    for copy in reads:
-        copy.start()
+    return starts, reads
+
+
+def _write_cache_mla(ctx, slot):
+    """Store the step's cache rows (latent) at positions [pos, pos + ROWS) of every sequence.
+
+    HBM rows are tiled, so the kernel rewrites the whole aligned CACHE_BLOCK around them:
+    wait for its read (started at the layer's start), roll the new rows into place, write
+    it back (waited before any tile read).
+    """
+    kv_new = ctx.scratch["mla"][0]
+    block = ctx.scratch["mla_block"]
+    cache = ctx.caches["mla"]
+    starts, reads = _cache_block_reads_mla(ctx, slot)
     for copy in reads:
         copy.wait()
     row = jax.lax.broadcasted_iota(jnp.int32, (CACHE_BLOCK, MLA_HEAD_DIM), 0)

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build muse-spark-1.2 --topology 2x2x1 --force`` 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of muse-spark-1.2 for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: ca66563ef5c5a230804c41c35f75f7d07abc0d6d4c61b27d610fe46862fc8057 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 947a99bcd5c42b053326ef479093ab7ca18decb7a23da3699f7f8a99041c03ba (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
@@ -771,6 +771,9 @@ def _attention_local(ctx, layer, first_row, x):
     vec = ctx.vectors
     slot = ctx.tables[1, layer]
     h = _rms_norm(x, vec[ATTN_NORM_VEC])
+    _, block_reads = _cache_block_reads_local(ctx, slot)
+    for copy in block_reads:  # the cache write waits for them
+        copy.start()
     y = ctx.stream.matmul(h, first_row, LOCAL_QKV)
     q = y[:, LOCAL_WQ_COLS]
     k = y[:, LOCAL_WK_COLS]
@@ -830,15 +833,10 @@ def _cache_block_copy_local(ctx, which, slot, b, g, start):
     )
 
 
-def _write_cache_local(ctx, slot):
-    """Store the step's cache rows (k, v) at positions [pos, pos + ROWS) of every sequence.
-
-    HBM rows are tiled, so the kernel rewrites the whole aligned CACHE_BLOCK around them:
-    read it, roll the new rows into place, write it back (waited before any tile read).
-    """
-    kv_new = ctx.scratch["local"][0]
-    block = ctx.scratch["local_block"]
-    cache = ctx.caches["local"]
+def _cache_block_reads_local(ctx, slot):
+    """Where each sequence's aligned CACHE_BLOCK around its new rows starts, and the copies
+    that read those blocks into VMEM. The layer starts them first (they need only the
+    positions, so they run under its projections); its cache write waits for them."""
     starts = [
         pl.multiple_of(
             jnp.minimum(ctx.positions[b] // CACHE_ALIGN * CACHE_ALIGN, CONTEXT - CACHE_BLOCK),
@@ -852,8 +850,20 @@ def _write_cache_local(ctx, slot):
         for b in range(BATCH)
         for g in range(LOCAL_KV_HEADS)
     ]
-    for copy in reads:
-        copy.start()
+    return starts, reads
+
+
+def _write_cache_local(ctx, slot):
+    """Store the step's cache rows (k, v) at positions [pos, pos + ROWS) of every sequence.
+
+    HBM rows are tiled, so the kernel rewrites the whole aligned CACHE_BLOCK around them:
+    wait for its read (started at the layer's start), roll the new rows into place, write
+    it back (waited before any tile read).
+    """
+    kv_new = ctx.scratch["local"][0]
+    block = ctx.scratch["local_block"]
+    cache = ctx.caches["local"]
+    starts, reads = _cache_block_reads_local(ctx, slot)
     for copy in reads:
         copy.wait()
     row = jax.lax.broadcasted_iota(jnp.int32, (CACHE_BLOCK, LOCAL_HEAD_DIM), 0)
@@ -959,6 +969,9 @@ def _attention_global(ctx, layer, first_row, x):
     vec = ctx.vectors
     slot = ctx.tables[1, layer]
     h = _rms_norm(x, vec[ATTN_NORM_VEC])
+    _, block_reads = _cache_block_reads_global(ctx, slot)
+    for copy in block_reads:  # the cache write waits for them
+        copy.start()
     y = ctx.stream.matmul(h, first_row, GLOBAL_QKV)
     q = y[:, GLOBAL_WQ_COLS]
     k = y[:, GLOBAL_WK_COLS]
@@ -1005,15 +1018,10 @@ def _cache_block_copy_global(ctx, which, slot, b, g, start):
     )
 
 
-def _write_cache_global(ctx, slot):
-    """Store the step's cache rows (k, v) at positions [pos, pos + ROWS) of every sequence.
-
-    HBM rows are tiled, so the kernel rewrites the whole aligned CACHE_BLOCK around them:
-    read it, roll the new rows into place, write it back (waited before any tile read).
-    """
-    kv_new = ctx.scratch["global"][0]
-    block = ctx.scratch["global_block"]
-    cache = ctx.caches["global"]
+def _cache_block_reads_global(ctx, slot):
+    """Where each sequence's aligned CACHE_BLOCK around its new rows starts, and the copies
+    that read those blocks into VMEM. The layer starts them first (they need only the
+    positions, so they run under its projections); its cache write waits for them."""
     starts = [
         pl.multiple_of(
             jnp.minimum(ctx.positions[b] // CACHE_ALIGN * CACHE_ALIGN, CONTEXT - CACHE_BLOCK),
@@ -1027,8 +1035,20 @@ def _write_cache_global(ctx, slot):
         for b in range(BATCH)
         for g in range(GLOBAL_KV_HEADS)
     ]
-    for copy in reads:
-        copy.start()
+    return starts, reads
+
+
+def _write_cache_global(ctx, slot):
+    """Store the step's cache rows (k, v) at positions [pos, pos + ROWS) of every sequence.
+
+    HBM rows are tiled, so the kernel rewrites the whole aligned CACHE_BLOCK around them:
+    wait for its read (started at the layer's start), roll the new rows into place, write
+    it back (waited before any tile read).
+    """
+    kv_new = ctx.scratch["global"][0]
+    block = ctx.scratch["global_block"]
+    cache = ctx.caches["global"]
+    starts, reads = _cache_block_reads_global(ctx, slot)
     for copy in reads:
         copy.wait()
     row = jax.lax.broadcasted_iota(jnp.int32, (CACHE_BLOCK, GLOBAL_HEAD_DIM), 0)

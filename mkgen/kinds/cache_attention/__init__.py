@@ -29,14 +29,26 @@ def buffers(
         out.add(f"{name}_sinks_vmem", "attention", (kvh, qr, 128), "f32", why="sink logits")
 
 
-def cache_write(b: Any, layer: int, name: str, caches: int, kv_heads: int, width: int,
-                y: int) -> int:  # fmt: skip
-    """The aligned cache blocks around the new rows: `caches` arrays (GQA k and v, the
-    MLA latent row) of `kv_heads` heads, rows `width` wide."""
+def _cache_blocks(b: Any, name: str, caches: int, kv_heads: int,
+                  width: int) -> tuple[tuple[str, ...], int]:  # fmt: skip
+    """(the semaphores, the bytes) of the aligned cache blocks around the new rows: `caches`
+    arrays (GQA k and v, the MLA latent row) of `kv_heads` heads, rows `width` wide."""
     batch = b.dims.batch
     sems = b.block_sems(f"{name}_write_sems", (caches, batch, kv_heads))
-    nbytes = caches * batch * kv_heads * b.dims.cache_block * width * 2
-    return b.write_block(layer, name, sems, nbytes, y)
+    return sems, caches * batch * kv_heads * b.dims.cache_block * width * 2
+
+
+def cache_read(b: Any, layer: int, name: str, caches: int, kv_heads: int, width: int) -> int:
+    """The layer's first op: start reading the cache blocks (_cache_blocks) its cache write
+    rewrites. They need only the positions, so they run under the layer's projections."""
+    return b.read_block(layer, name, *_cache_blocks(b, name, caches, kv_heads, width))
+
+
+def cache_write(b: Any, layer: int, name: str, caches: int, kv_heads: int, width: int,
+                read: int, y: int) -> int:  # fmt: skip
+    """The cache blocks (_cache_blocks) `read` started, the new rows `y` merged, written."""
+    sems, nbytes = _cache_blocks(b, name, caches, kv_heads, width)
+    return b.write_block(layer, name, sems, nbytes, read, y)
 
 
 def tiles(b: Any, layer: int, name: str, wrote: int, q: int, n: int, tile_bytes: int,

@@ -34,7 +34,7 @@ RECORD = GQALayout
 SEGMENTS = [("qkv", ["attn.wq", "attn.wk", "attn.wv", "attn.wgate"]), ("o", ["attn.wo"])]
 # The layer's ops in the order its kernel function runs them: `program` emits them in this
 # order and the template prints them in it (GQALayout.ops).
-OPS = ["qkv", "heads", "cache_write", "attend", "rows", "o", "combine"]
+OPS = ["cache_read", "qkv", "heads", "cache_write", "attend", "rows", "o", "combine"]
 # The small vectors a GQA layer reads from its slab, in slab order (the VMEM plan counts
 # only these rows; other kinds keep every vector-family tensor in the slab).
 SLAB_VECTORS = ("q_norm", "k_norm", "bq", "bk", "bv", "bo", "sinks")
@@ -150,8 +150,9 @@ def buffers(out: Any, i: BufferInputs) -> None:
 
 
 def program(b: Any, s: Step) -> int:
-    """The layer's ops (OPS): q|k|v, q/k norm and RoPE, cache write, attention over the
-    tiles of every (sequence, kv head), output gate, output projection, all-reduce."""
+    """The layer's ops (OPS): the cache blocks' reads started, q|k|v, q/k norm and RoPE,
+    cache write, attention over the tiles of every (sequence, kv head), output gate, output
+    projection, all-reduce."""
     layer, name, kind, a = s.layer, s.name, s.kind, s.shard
     dims = b.dims
     g = a.kv_heads_per_rank
@@ -162,8 +163,10 @@ def program(b: Any, s: Step) -> int:
         elif op == "heads":
             qkv = y = b.vec(layer, f"{name}: q/k norm, rope, new rows", y, 8 * b.t * dims.hidden,
                             ((s.vectors, None, 0),))  # fmt: skip
+        elif op == "cache_read":
+            read = cache_attention.cache_read(b, layer, name, 2, g, kind.head_dim)
         elif op == "cache_write":
-            wrote = cache_attention.cache_write(b, layer, name, 2, g, kind.head_dim, y)
+            wrote = cache_attention.cache_write(b, layer, name, 2, g, kind.head_dim, read, y)
         elif op == "attend":
             y = _attend(b, s, qkv, wrote)
         elif op == "rows":

@@ -172,12 +172,13 @@ def ops(kind: Any) -> list[str]:
     """The layer's ops in the order its kernel function runs them: `program` emits them in
     this order and the template prints them in it (MLALayout.ops)."""
     q_b = ["q_b"] if kind.q_lora_rank else []
-    return ["down", "latent_norms", *q_b, "uk", "cache_write", "attend", "uv", "o", "combine"]
+    return ["cache_read", "down", "latent_norms", *q_b, "uk", "cache_write", "attend", "uv", "o",
+            "combine"]  # fmt: skip
 
 
 def program(b: Any, s: Step) -> int:
-    """The layer's ops (`ops`): the down projection (q and kv latents), latent norms, q
-    up-projection, q_nope into latent space (uk), cache write, attention over the latent
+    """The layer's ops (`ops`): the cache block's read started, the down projection (q and
+    kv latents), latent norms, q up-projection, q_nope into latent space (uk), cache write, attention over the latent
     cache's tiles, latent -> values (uv), output projection, all-reduce."""
     layer, name, kind = s.layer, s.name, s.kind
     lat = kind.kv_lora_rank + kind.qk_rope_head_dim
@@ -190,8 +191,10 @@ def program(b: Any, s: Step) -> int:
         elif op == "latent_norms":
             y = b.vec(layer, f"{name}: latent norms", y, 5 * b.t * (
                 (kind.q_lora_rank or 0) + kind.kv_lora_rank), ((s.vectors, None, 0),))  # fmt: skip
+        elif op == "cache_read":
+            read = cache_attention.cache_read(b, layer, name, 1, 1, lat)
         elif op == "cache_write":
-            wrote = cache_attention.cache_write(b, layer, name, 1, 1, lat, y)
+            wrote = cache_attention.cache_write(b, layer, name, 1, 1, lat, read, y)
         elif op == "attend":
             y = _attend(b, s, y, wrote)
         else:  # combine

@@ -4,6 +4,7 @@ module gives its per-core head dims and its layout's own fields."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from mkgen.kinds.common import no_cache_geometry, no_rotary_dim, no_views
@@ -48,9 +49,10 @@ def ops(own: list[str]) -> list[str]:
     """A recurrent layer's ops in the order its kernel function runs them, with the kind's
     `own` (its low-rank projections and gates) after the input projection: the program
     emits them in this order and the template prints them in it (RecurrentLayout.ops).
-    The snapshots' copies out are waited only after the output projection
-    ("state_out"), so that they travel while the core projects."""
-    return ["in", *own, "state", "output", "o", "state_out", "combine"]
+    The current conv tails and states are started in first ("state_in") and the snapshots'
+    copies out waited only after the output projection ("state_out"), so that both travel
+    while the core projects."""
+    return ["state_in", "in", *own, "state", "output", "o", "state_out", "combine"]
 
 
 def layout(i: LayoutInputs, dims: dict[str, int], extra: dict[str, Any]) -> RecurrentLayout:
@@ -117,11 +119,11 @@ def buffers(out: Any, i: BufferInputs, state: StateDims) -> None:
 
 
 def program(b: Any, s: Step, state: StateDims, ops: list[str]) -> int:
-    """The layer's `ops`: the input projection (and KDA's low-rank up-projections), conv
-    and gates, the current conv tails and states of every sequence in, the rows in order,
-    the snapshot after every row out, output norm and gate, output projection, the
-    snapshots' copies out waited, all-reduce; `state` is the kind's (state heads, key dim,
-    value dim, conv channels) per core."""
+    """The layer's `ops`: the current conv tails and states in started, the input
+    projection (and KDA's low-rank up-projections), conv and gates, the rows in order (their
+    states in waited), the snapshot after every row out, output norm and gate, output
+    projection, the snapshots' copies out waited, all-reduce; `state` is the kind's (state
+    heads, key dim, value dim, conv channels) per core."""
     layer, name, v = s.layer, s.name, s.vectors
     h = b.dims.hidden
     y = s.x
@@ -129,8 +131,10 @@ def program(b: Any, s: Step, state: StateDims, ops: list[str]) -> int:
     for op in ops:
         if op == "gates":
             y = b.vec(layer, f"{name}: conv, gates", y, 8 * b.t * h, ((v, None, 0),))
+        elif op == "state_in":
+            first_read = _state_in(b, layer, name, s.shard)
         elif op == "state":
-            y, writes = _state_update(b, layer, name, s.shard, y, state)
+            y, writes = _state_update(b, layer, name, s.shard, y, state, first_read)
         elif op == "state_out":
             for wr in writes:
                 b.wait(wr)
@@ -145,22 +149,47 @@ def program(b: Any, s: Step, state: StateDims, ops: list[str]) -> int:
     return y
 
 
-def _state_update(b: Any, layer: int, name: str, a: Any, y: int,
-                  state: StateDims) -> tuple[int, list[int]]:  # fmt: skip
-    """The current conv tail and state of every sequence in, the rows in order, the
-    snapshot after every row started back to HBM; streamed a sequence at a time when the
-    VMEM plan keeps only `state_slots` sequences (_streamed_state_update). Returns the last
-    row's op and the copies out still to wait."""
+def _state_copy(b: Any, layer: int, name: str, a: Any, seq: int | None, out: bool,
+                reads: tuple = ()) -> int:  # fmt: skip
+    """The copy of conv tails and states in (`out` False: each sequence's current one) or
+    of the snapshots after every row out: every sequence's (`seq` None), or sequence
+    `seq`'s through its slot when the VMEM plan streams them a sequence at a time."""
+    batch, slots = b.dims.batch, b.vmem.state_slots
+    nbytes = a.cache.fixed_bytes * (b.dims.rows if out else 1)
+    cat = "state_write" if out else "state_read"
+    res = None if out else f"{name}.state"
+    if seq is None:
+        what = "snapshots after each row out" if out else "conv tails and states in"
+        sems = b.block_sems(f"{name}_cache_sems", (2, batch))
+        return b.dma(cat, f"L{layer} {name}: {what}", layer, res, 0, sems, batch * nbytes,
+                     count=len(sems), reads=reads)  # fmt: skip
+    what = "snapshots after each row out" if out else "conv tail and state in"
+    s = seq % slots
+    sems = b.block_sems(f"{name}_cache_sems", (2, slots))
+    return b.dma(cat, f"L{layer} {name}: sequence {seq} {what}", layer, res, s,
+                 (sems[s], sems[slots + s]), nbytes, count=2, reads=reads)  # fmt: skip
+
+
+def _state_in(b: Any, layer: int, name: str, a: Any) -> int:
+    """The layer's first op: start the conv tails and states in (sequence 0's alone when
+    they are streamed a sequence at a time). They need only the positions' slots, so they
+    travel while the core projects."""
+    rd = _state_copy(b, layer, name, a, 0 if b.vmem.state_slots else None, out=False)
+    b.start(rd)
+    return rd
+
+
+def _state_update(b: Any, layer: int, name: str, a: Any, y: int, state: StateDims,
+                  rd: int) -> tuple[int, list[int]]:  # fmt: skip
+    """The rows in order after the copy in `rd` (_state_in) is waited, the snapshot after
+    every row started back to HBM; streamed a sequence at a time when the VMEM plan keeps
+    only `state_slots` sequences (_streamed_state_update). Returns the last row's op and
+    the copies out still to wait."""
     batch, slots = b.dims.batch, b.vmem.state_slots
     heads, dk, dv = state.heads, state.key_dim, state.value_dim
     res = f"{name}.state"
     if slots:
-        return _streamed_state_update(b, layer, name, a, y, state)
-    sems = b.block_sems(f"{name}_cache_sems", (2, batch))
-    nbytes = batch * a.cache.fixed_bytes
-    rd = b.dma("state_read", f"L{layer} {name}: conv tails and states in", layer, res,
-               0, sems, nbytes, count=len(sems))  # fmt: skip
-    b.start(rd)
+        return _streamed_state_update(b, layer, name, a, y, state, rd)
     b.wait(rd)
     prev = rd
     for seq in range(batch):  # each sequence updates its own part of the buffers
@@ -169,35 +198,23 @@ def _state_update(b: Any, layer: int, name: str, a: Any, y: int,
             8 * b.o.rows * heads * dk * dv, ((prev, res, 0), (y, None, 0)),
             writes=(res, 0),
         )  # fmt: skip
-    wr = b.dma("state_write", f"L{layer} {name}: snapshots after each row out", layer,
-               None, 0, sems, nbytes * b.dims.rows, count=len(sems),
-               reads=((prev, res, 0),))  # fmt: skip
+    wr = _state_copy(b, layer, name, a, None, out=True, reads=((prev, res, 0),))
     b.start(wr)
     return prev, [wr]
 
 
 def _streamed_state_update(b: Any, layer: int, name: str, a: Any, y: int,
-                           state: StateDims) -> tuple[int, list[int]]:  # fmt: skip
-    """The template's streamed order: sequence 0's conv tail and state in; for each
-    sequence, the next one's in once the snapshots of the one before it in its slot are
-    out, its own in waited, its rows, its snapshots out; the copies out still travelling
-    at the end are returned, to be waited after the output projection."""
+                           state: StateDims, first: int) -> tuple[int, list[int]]:  # fmt: skip
+    """The template's streamed order after sequence 0's conv tail and state in (`first`,
+    started by _state_in): for each sequence, the next one's in once the snapshots of the
+    one before it in its slot are out, its own in waited, its rows, its snapshots out; the
+    copies out still travelling at the end are returned, to be waited after the output
+    projection."""
     batch, slots = b.dims.batch, b.vmem.state_slots
     res = f"{name}.state"
-    sems = b.block_sems(f"{name}_cache_sems", (2, slots))
     ops = 8 * b.o.rows * state.heads * state.key_dim * state.value_dim
-
-    def copy(seq: int, out: bool, reads: tuple = ()) -> int:
-        s = seq % slots
-        what = "snapshots after each row out" if out else "conv tail and state in"
-        return b.dma("state_write" if out else "state_read",
-                     f"L{layer} {name}: sequence {seq} {what}", layer, None if out else res, s,
-                     (sems[s], sems[slots + s]),
-                     a.cache.fixed_bytes * (b.dims.rows if out else 1), count=2,
-                     reads=reads)  # fmt: skip
-
-    reads, writes = {0: copy(0, False)}, {}
-    b.start(reads[0])
+    copy = functools.partial(_state_copy, b, layer, name, a)
+    reads, writes = {0: first}, {}
     prev = y
     for seq in range(batch):
         if seq + 1 < batch:
