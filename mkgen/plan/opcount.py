@@ -252,13 +252,13 @@ def measured_tables() -> str:
     )  # fmt: skip
 
 
-# A schedule DMA category -> the phase whose code issues it.
+# A schedule DMA category -> the phase whose code issues it (any other: "vector", the layer
+# functions' own code, which starts the cache blocks' reads and the recurrent states' copies).
 DMA_PHASE = {
     "bank": "stream matmul",
     "expert": "experts",
     "ids": "experts",
     "kv_tile": "attention",
-    "cache_read": "attention",
     "cache_write": "attention",
     "collective": "collectives",
 }
