@@ -5,7 +5,7 @@ regenerate with `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --draft kimi-k3-m
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Kimi K3: 93 layers, 3 KDA to 1 MLA plus a final MLA layer, latent MoE of 896 experts, top-16"
 Build options: batch 1, rows 8, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 14 refills held for collectives, 5 a round; drafter mtp: 1 module(s), mla + moe layer.
-Inputs sha256: 27a8963e6eeed420aedc575dd75db3abd8d692c99c16739ec7557bbcd0ee50a1 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 9aabf6557e23dae501472913c47254187cfaa7f7e49a618c34cbbb6d804bcf40 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -463,7 +463,7 @@ def _run_child(
     import jax.numpy as jnp
     import numpy as np
     from jax.experimental.pallas import tpu as pltpu
-    from jax.sharding import Mesh
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from mkgen.codegen.step_call import decode_step_arguments
     from mkgen.interpret import interpret_mode
@@ -480,9 +480,14 @@ def _run_child(
         _FusedDrafter(spec, layout, weights, seed, batch, context) if layout.draft_passes else None
     )
     packed = _packed_weights(layout, kernel, weights, devices)
-    caches = [jnp.zeros((devices, *shape), dtype) for shape, dtype in kernel.cache_shapes()]
     order = layout.collectives.mesh_order  # stage 1 of the collectives is sibling cores
     mesh = Mesh(np.array(arrange_devices(jax.devices(), topology, order)), (kernel.AXIS,))
+    # Placed as the step returns them, so that its second call reuses the first's compile.
+    sharded = NamedSharding(mesh, PartitionSpec(kernel.AXIS))
+    caches = [
+        jax.device_put(jnp.zeros((devices, *shape), dtype), sharded)
+        for shape, dtype in kernel.cache_shapes()
+    ]
     step_fn = kernel.make_decode_step(mesh)
     tables = jnp.asarray(kernel.LAYER_TABLES, jnp.int32)
     final_norm = jnp.asarray(weights["final_norm"])[None, :]
