@@ -161,15 +161,16 @@ class _Walk:
         return "epilogue" if layer >= self.s.layers else f"L{layer}"
 
     def event(self, engine: str, node: Node, start: float, dur: float, args: dict) -> None:
-        if self.trace:  # every op of the program, also those that take no time
-            layer, name = self.names[node.id]
-            self.events.append(
-                TraceEvent(
-                    engine=engine, name=f"{self.where(layer)} {name}", start=start,  # type: ignore[arg-type]
-                    duration=dur, category=self.category[node.id],
-                    args={**args, "node": node.id},
-                )
-            )  # fmt: skip
+        """Trace one op (callers trace every op of the program when self.trace, also those
+        that take no time; the walk alone builds no arguments)."""
+        layer, name = self.names[node.id]
+        self.events.append(
+            TraceEvent(
+                engine=engine, name=f"{self.where(layer)} {name}", start=start,  # type: ignore[arg-type]
+                duration=dur, category=self.category[node.id],
+                args={**args, "node": node.id},
+            )
+        )  # fmt: skip
 
     def start(self, node: Node) -> None:
         self.issued_at[node.id] = self.t
@@ -180,19 +181,15 @@ class _Walk:
     def serve_until(self, target: int) -> None:
         """Run the DMA engine until `target` is done: each time it is free it takes the
         first DMA of the highest-priority queue that has one issued by then."""
-        nodes = self.s.nodes
+        nodes, queues, head, issued_at = self.s.nodes, self.queues, self.head, self.issued_at
         while self.done[target] is None:
-            heads = [
-                (q, self.queues[q][self.head[q]])
-                for q in QUEUES
-                if self.head[q] < len(self.queues[q])
-            ]
+            heads = [(q, queues[q][head[q]]) for q in QUEUES if head[q] < len(queues[q])]
             if not heads:  # the checks refuse such a program; a forced one cannot be walked
                 raise ScheduleCheckError(
                     f"the program waits for {nodes[target].name!r}, which it never starts"
                 )
-            at = max(self.engine_free, min(self.issued_at[i] for _, i in heads))
-            ready = [(q, i) for q, i in heads if self.issued_at[i] <= at]
+            at = max(self.engine_free, min(issued_at[i] for _, i in heads))
+            ready = [(q, i) for q, i in heads if issued_at[i] <= at]
             queue, i = ready[0]
             last_queue, last = ready[-1]
             # A collective's copies wait for the HBM DMAs issued before them, not for those
@@ -200,16 +197,17 @@ class _Walk:
             earlier = [j for _, j in ready[:-1] if self.order[j] < self.order[last]]
             if last_queue == "collectives" and not earlier:
                 queue, i = last_queue, last
-            self.head[queue] += 1
+            head[queue] += 1
             node = nodes[i]
-            args = {"bytes": node.nbytes * node.repeat, "dmas": node.count * node.repeat,
-                    "queue": queue}  # fmt: skip
             if node.cat == "collective":
                 # The engine issues the sends; the copies travel on the interconnect.
                 dur = self.c.dma_s(0, node.count // 2 * node.repeat)
                 begin = max(at + dur, self.ici_free)
                 self.done[i] = self.ici_free = begin + self.collectives[i] * node.repeat
-                self.event("ici", node, begin, self.done[i] - begin, args)
+                if self.trace:
+                    self.event(
+                        "ici", node, begin, self.done[i] - begin, self._dma_args(node, queue)
+                    )
             else:
                 dur = self.c.dma_s(node.nbytes * node.repeat, node.count * node.repeat)
                 self.done[i] = at + dur
@@ -218,12 +216,20 @@ class _Walk:
             self.log.append((at, at + dur, self.category[i]))
             if node.cat not in NOT_HBM:
                 self.hbm_bytes += node.nbytes * node.repeat
-            if node.cat == "bank":
-                args["bank"] = node.key[1]
-                args["tensors"] = self.tensors[node.key[1]]
-            elif node.cat == "expert":  # numbered in load order: routing picks the ids
-                args["expert"], args["piece"] = node.key[2], node.key[3]
-            self.event("dma", node, at, dur, args)
+            if self.trace:
+                self.event("dma", node, at, dur, self._dma_args(node, queue))
+
+    def _dma_args(self, node: Node, queue: str) -> dict:
+        """A traced DMA's arguments: what it moves, from which queue, and its bank or
+        expert piece."""
+        args = {"bytes": node.nbytes * node.repeat, "dmas": node.count * node.repeat,
+                "queue": queue}  # fmt: skip
+        if node.cat == "bank":
+            args["bank"] = node.key[1]
+            args["tensors"] = self.tensors[node.key[1]]
+        elif node.cat == "expert":  # numbered in load order: routing picks the ids
+            args["expert"], args["piece"] = node.key[2], node.key[3]
+        return args
 
     def drain(self) -> None:
         """Serve what is still queued (every DMA of the program is waited, so nothing
@@ -257,7 +263,8 @@ class _Walk:
         self.t = t1
 
     def run(self, node: Node, seconds: float) -> None:
-        self.event("core", node, self.t, seconds, {"repeat": node.repeat})
+        if self.trace:
+            self.event("core", node, self.t, seconds, {"repeat": node.repeat})
         self.attr[self.category[node.id]] += seconds
         self.core_busy += seconds
         self.t += seconds
@@ -349,12 +356,14 @@ def estimate(
     priced = priced or price_program(program)
     nodes = schedule.nodes
     rates = c.issue_rates
-    bound: dict[int, float] = {}  # nodes of one key share their counts (node_op_counts)
+    # Many nodes have equal counts (nodes of one key share theirs: node_op_counts).
+    bound: dict[tuple[float, ...], float] = {}
 
     def run_s(counts: OpCounts) -> float:
-        if id(counts) not in bound:
-            bound[id(counts)] = 0.0 if rates is None else max(bound_us(counts, rates).values()) * US
-        return bound[id(counts)]
+        key = (counts.vpu, counts.mxu, counts.loads, counts.stores, counts.scalar)
+        if key not in bound:
+            bound[key] = 0.0 if rates is None else max(bound_us(counts, rates).values()) * US
+        return bound[key]
 
     compute_s = [
         run_s(counts) * node.repeat
