@@ -2,6 +2,7 @@
 with one compilation cache for the run. Fixtures shared by several test files."""
 
 import atexit
+import compileall
 import os
 import shutil
 import tempfile
@@ -31,6 +32,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _run_cache
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     atexit.register(shutil.rmtree, _run_cache, True)
+
+# The package's bytecode, written once: the suite's processes run with
+# PYTHONDONTWRITEBYTECODE (so that no build folder gets a __pycache__), which would leave
+# every one of them compiling mkgen's modules from source (about 0.6 s a process that
+# imports the runner, verify and the reference). The checkout's __pycache__ is ignored by
+# git; an installed copy that cannot be written is left as it is.
+if not os.environ.get("PYTEST_XDIST_WORKER"):
+    compileall.compile_dir(Path(__file__).parents[1] / "mkgen", quiet=2)
 
 
 @pytest.fixture(scope="session")

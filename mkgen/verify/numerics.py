@@ -463,11 +463,9 @@ def _run_child(
     import jax.numpy as jnp
     import numpy as np
     from jax.experimental.pallas import tpu as pltpu
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from mkgen.codegen.step_call import decode_step_arguments
     from mkgen.interpret import interpret_mode
-    from mkgen.plan.collectives import arrange_devices
     from mkgen.reference import model as reference
     from mkgen.weights.quantize import stored_random_weights
 
@@ -480,14 +478,7 @@ def _run_child(
         _FusedDrafter(spec, layout, weights, seed, batch, context) if layout.draft_passes else None
     )
     packed = _packed_weights(layout, kernel, weights, devices)
-    order = layout.collectives.mesh_order  # stage 1 of the collectives is sibling cores
-    mesh = Mesh(np.array(arrange_devices(jax.devices(), topology, order)), (kernel.AXIS,))
-    # Placed as the step returns them, so that its second call reuses the first's compile.
-    sharded = NamedSharding(mesh, PartitionSpec(kernel.AXIS))
-    caches = [
-        jax.device_put(jnp.zeros((devices, *shape), dtype), sharded)
-        for shape, dtype in kernel.cache_shapes()
-    ]
+    mesh, caches = _mesh_and_empty_caches(topology, layout, kernel)
     step_fn = kernel.make_decode_step(mesh)
     tables = jnp.asarray(kernel.LAYER_TABLES, jnp.int32)
     final_norm = jnp.asarray(weights["final_norm"])[None, :]
@@ -529,6 +520,26 @@ def _run_child(
             positions = [p + rows for p in positions]
         print(f"{STEP_DONE} {step}", file=sys.stderr, flush=True)
     return {"steps": [asdict(c) for c in checks]}
+
+
+def _mesh_and_empty_caches(topology: Any, layout: Any, kernel: Any) -> tuple[Any, list[Any]]:
+    """The kernel's mesh (stage 1 of the collectives is sibling cores) and its caches, all
+    zero, placed as the step returns them: its second call reuses the first's compile."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from mkgen.plan.collectives import arrange_devices
+
+    order = layout.collectives.mesh_order
+    mesh = Mesh(np.array(arrange_devices(jax.devices(), topology, order)), (kernel.AXIS,))
+    sharded = NamedSharding(mesh, PartitionSpec(kernel.AXIS))
+    caches = [
+        jax.device_put(jnp.zeros((topology.num_devices, *shape), dtype), sharded)
+        for shape, dtype in kernel.cache_shapes()
+    ]
+    return mesh, caches
 
 
 def _child_kernel(
