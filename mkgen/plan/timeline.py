@@ -356,11 +356,12 @@ def estimate(
     priced = priced or price_program(program)
     nodes = schedule.nodes
     rates = c.issue_rates
-    # Many nodes have equal counts (nodes of one key share theirs: node_op_counts).
+    # Many nodes have equal counts (nodes of one key share theirs: node_op_counts); keyed by
+    # every field, so the key stays whole whatever bound_us reads.
     bound: dict[tuple[float, ...], float] = {}
 
     def run_s(counts: OpCounts) -> float:
-        key = (counts.vpu, counts.mxu, counts.loads, counts.stores, counts.scalar)
+        key = (counts.vpu, counts.mxu, counts.loads, counts.stores, counts.dmas, counts.scalar)
         if key not in bound:
             bound[key] = 0.0 if rates is None else max(bound_us(counts, rates).values()) * US
         return bound[key]
