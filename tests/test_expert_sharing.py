@@ -4,6 +4,7 @@ and the kernel against the reference."""
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import random
@@ -16,7 +17,16 @@ from mkgen.kinds import default_registry
 from mkgen.plan import plan_build, plan_sharding
 from mkgen.plan.memory import plan_fitted
 from mkgen.plan.options import BuildOptions
-from mkgen.plan.sharding import _pmf_binomial, expected_max, ring_expected_max, ring_flows
+from mkgen.plan.sharding import (
+    RING_SAMPLES,
+    RING_SEED,
+    _cdf,
+    _pmf_binomial,
+    expected_max,
+    ring_expected_max,
+    ring_first_bound,
+    ring_flows,
+)
 from mkgen.spec.loader import load_spec
 from mkgen.spec.mini import mini_twin
 from mkgen.spec.topology import parse_topology
@@ -55,6 +65,29 @@ def test_the_ring_finds_the_least_worst_load(groups: int) -> None:
         assert all(0 <= f <= t for f, t in zip(flows, tail, strict=True))
         loads = [private[i] + tail[i] - flows[i] + flows[(i + 1) % groups] for i in range(groups)]
         assert max(loads) == worst == _best_worst(private, tail), (private, tail)
+
+
+def _scalar_expectation(per_group: int, shared: int, groups: int, p: float) -> tuple[float, float]:
+    """ring_expected_max's figures from `ring_flows` one routing at a time: the same draws
+    (a group's private count, then its tail count, sample by sample), looked up by bisect."""
+    draws = random.Random(RING_SEED)
+    cdfs = [_cdf(_pmf_binomial(n, p)) for n in (per_group - shared, shared)]
+    worst_sum = bounds_sum = 0
+    for _ in range(RING_SAMPLES):
+        counts = [[bisect.bisect_right(c, draws.random()) for c in cdfs] for _ in range(groups)]
+        private, tail = [a for a, _ in counts], [t for _, t in counts]
+        worst = ring_flows(private, tail)[1]
+        worst_sum += worst
+        bounds_sum += worst - ring_first_bound(private, tail) + 1
+    return worst_sum / RING_SAMPLES, bounds_sum / RING_SAMPLES
+
+
+@pytest.mark.parametrize("case", [(112, 56, 8, KIMI_P), (16, 4, 4, 0.5), (8, 8, 2, 0.9),
+                                  (64, 16, 3, 0.02)])  # fmt: skip
+def test_the_expectation_is_the_scalar_ring_on_every_sample(case: tuple) -> None:
+    """All samples at once (integer arrays) give exactly the figures of `ring_flows` run on
+    each sampled routing in turn."""
+    assert ring_expected_max.__wrapped__(*case) == _scalar_expectation(*case)
 
 
 def _pair_max_pmf(private: list[float], shared: list[float]) -> list[float]:

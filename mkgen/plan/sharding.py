@@ -32,7 +32,6 @@ collectives it needs. Decisions (docs/cost-model.md has the reasoning):
 
 from __future__ import annotations
 
-import bisect
 import math
 import random
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from mkgen.errors import SpecError
@@ -869,23 +869,41 @@ RING_SEED = 0
 def ring_expected_max(per_group: int, shared: int, groups: int, p: float) -> tuple[float, float]:
     """(E[worst core's slices], E[bounds the kernel tries]) with expert sharing around the
     ring (`ring_flows`): each expert active with probability p, a group's private and tail
-    counts drawn from their binomials (inverse CDF) for RING_SAMPLES routings; pure
-    Python, so the figures do not depend on the host's SIMD path."""
+    counts drawn from their binomials (inverse CDF) for RING_SAMPLES routings. The draws
+    come from random.Random and every sample's flows are `ring_flows` in integers
+    (`_ring_worst`, all samples at once), so the figures do not depend on the host's SIMD
+    path."""
     draws = random.Random(RING_SEED)
+    uniforms = np.array([draws.random() for _ in range(RING_SAMPLES * groups * 2)])
+    pairs = uniforms.reshape(RING_SAMPLES, groups, 2)
+    private = np.searchsorted(_cdf(_pmf_binomial(per_group - shared, p)), pairs[..., 0], "right")
+    tail = np.searchsorted(_cdf(_pmf_binomial(shared, p)), pairs[..., 1], "right")
+    first = np.maximum(private.max(axis=1), -(-(private.sum(axis=1) + tail.sum(axis=1)) // groups))
+    worst = _ring_worst(private, tail, first.copy())
+    return int(worst.sum()) / RING_SAMPLES, int((worst - first + 1).sum()) / RING_SAMPLES
 
-    def sampler(n: int):
-        cdf = _cdf(_pmf_binomial(n, p))
-        return lambda: bisect.bisect_right(cdf, draws.random())
 
-    private, tail = sampler(per_group - shared), sampler(shared)
-    worst_sum = bounds_sum = 0
-    for _ in range(RING_SAMPLES):
-        counts = [(private(), tail()) for _ in range(groups)]
-        alone, shares = [a for a, _ in counts], [s for _, s in counts]
-        worst = ring_flows(alone, shares)[1]
-        worst_sum += worst
-        bounds_sum += worst - ring_first_bound(alone, shares) + 1
-    return worst_sum / RING_SAMPLES, bounds_sum / RING_SAMPLES
+def _ring_worst(private: Any, tail: Any, bound: Any) -> Any:
+    """`ring_flows`' worst load of every sample (rows of `private` and `tail`), from the
+    first bound each tries: the samples still over their bound try the next one."""
+    groups = private.shape[1]
+    worst = np.zeros_like(bound)
+    pending = np.ones(bound.shape, dtype=bool)
+    while pending.any():
+        a, t, b = private[pending], tail[pending], bound[pending]
+        flows = np.zeros_like(a)
+        for g in list(range(groups)) * 2:
+            after = (g + 1) % groups
+            flows[:, after] = np.minimum(
+                np.maximum(b - a[:, g] - t[:, g] + flows[:, g], 0), t[:, after]
+            )
+        load = (a + t - flows + np.roll(flows, -1, axis=1)).max(axis=1)
+        done = load <= b
+        index = np.flatnonzero(pending)
+        worst[index[done]] = load[done]
+        bound[index[~done]] += 1
+        pending[index[done]] = False
+    return worst
 
 
 def _sharing_counts(

@@ -239,7 +239,11 @@ def verify_numerics(
     report = NumericsReport(spec_ref, topology, devices, mode, batch, rows)
     returncode, stdout, stderr = _run_streaming(args, env, timeout, on_step)
     if returncode is None:
-        report.error = f"timed out after {timeout:.0f} s (a semaphore never signalled: deadlock?)"
+        # A hang exits sooner by itself (STALL_EXIT): this child was still computing.
+        report.error = (
+            f"timed out after {timeout:.0f} s while still computing (a hang would have "
+            "stopped as stalled); give it more time with --timeout"
+        )
         return report
     if returncode == STALL_EXIT:
         report.error = (

@@ -442,13 +442,14 @@ def _experts(b: Any, layer: int, name: str, kind: Any, f: Any, route: int, x: in
     sems = [tuple(f"{name}_slot_sems[{k},{s}]" for k in range(e.arrays)) for s in range(slots)]
     nodes: dict[int, int] = {}
     outer = b.repeat
+    piece_bytes = e.piece_bytes  # a property: computed once, not per DMA
 
     def fetch(q: int) -> None:
         if q >= units:
             return
         (i, rep), p = kept[q // pieces], q % pieces
         nodes[q] = b.dma("expert", f"L{layer} {name}: expert {i} piece {p}", layer, res,
-                         q % slots, sems[q % slots], e.piece_bytes, count=e.arrays,
+                         q % slots, sems[q % slots], piece_bytes, count=e.arrays,
                          reads=((listing, None, 0),), key=("expert", layer, i, p),
                          repeat=outer * rep)  # fmt: skip
         b.start(nodes[q])
