@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 build: $(STAMP)
-	$(VENV)/bin/mkgen build kimi-k3 --topology 2x2x4 --rows 8 --draft kimi-k3-mtp
+	$(VENV)/bin/mkgen build kimi-k3 --topology 2x2x4 --rows 8 --draft kimi-k3-mtp --fuse-draft
 
 # Two workers: the interpret-mode kernels run one core each, and the machines have two.
 test: $(STAMP)

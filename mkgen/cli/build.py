@@ -156,7 +156,7 @@ def regen_command(measure: bool) -> None:
     """Rebuild every checked-in build listed in generated/BUILDS (with --force)."""
     from mkgen.codegen.build_list import BUILD_LIST, entry_inputs, read_build_list
     from mkgen.codegen.naming import CommandLine, default_build_dir
-    from mkgen.codegen.package import MINI_CONTEXT, make_build
+    from mkgen.codegen.package import make_build
 
     prepare_jax()
     for entry in read_build_list(BUILD_LIST):
@@ -168,12 +168,26 @@ def regen_command(measure: bool) -> None:
         dropped = f"; {_dropped(result.dropped)}" if result.dropped else ""
         click.echo(f"{shown(directory)}: {state} (mkgen build {entry.line}){dropped}")
         if measure:
-            from mkgen.verify import checks
+            _measure(entry, spec, topo, options, directory)
 
-            compile_and_print(spec, topo, options, directory)
-            verify_and_print(
-                entry.spec, options.apply(spec), topo, checks.modes_of("both"), directory,
-                steps=2, batch=options.batch, rows=options.rows, context=MINI_CONTEXT, seed=0,
-                timeout=900.0, quant=tuple(f"{f}={v}" for f, v in options.quant),
-                draft=entry.draft,
-            )  # fmt: skip
+
+def _measure(entry: Any, spec: Any, topo: Any, options: Any, directory: Path) -> None:
+    """`regen --measure` of one build: its full-size compile and its mini twin's verify in
+    both DMA modes, recorded in its REPORT.md. The twin takes the full-size kernel's modes,
+    as `mkgen verify` gives them. A kernel that drafts verifies one step: its passes make a
+    step of Kimi K3's 32-device twin take about 20 minutes. A hang stops by itself
+    (stalled), so the timeout only bounds a slow twin."""
+    from mkgen.codegen.package import MINI_CONTEXT
+    from mkgen.kinds import default_registry
+    from mkgen.plan import full_size_kernel_modes
+    from mkgen.verify import checks
+
+    compile_and_print(spec, topo, options, directory)
+    knobs = {"fuse_draft": True} if options.fuse_draft else {}
+    knobs |= full_size_kernel_modes(options.apply(spec), topo, options, kinds=default_registry())
+    verify_and_print(
+        entry.spec, options.apply(spec), topo, checks.modes_of("both"), directory,
+        steps=1 if options.fuse_draft else 2, batch=options.batch, rows=options.rows,
+        context=MINI_CONTEXT, seed=0, timeout=3600.0,
+        quant=tuple(f"{f}={v}" for f, v in options.quant), draft=entry.draft, knobs=knobs,
+    )  # fmt: skip

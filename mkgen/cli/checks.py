@@ -70,7 +70,11 @@ def _build_dir_for(spec: Any, topo: Any, options: Any, output: Path | None) -> P
     help="DMA execution mode of TPU interpret mode.",
 )
 @click.option(
-    "--timeout", type=float, default=900.0, show_default=True, help="Seconds per mode (a slow twin's limit; a hang stops by itself as stalled)."
+    "--timeout",
+    type=float,
+    default=900.0,
+    show_default=True,
+    help="Seconds per mode (a slow twin's limit; a hang stops by itself as stalled).",
 )
 @draft_option
 @update_report_options
