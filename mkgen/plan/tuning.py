@@ -63,15 +63,17 @@ def write_table(table: Path, what: str, entries: list[dict[str, Any]]) -> None:
 
 
 def _parse_fields(items: list[str]) -> dict[str, Any]:
-    """`rows=8 quant=experts=int4:128` -> BuildOptions fields (ints where they are), and
-    `draft=DRAFT` (main takes it out: a drafter, not a build option)."""
+    """`rows=8 quant=experts=int4:128 fuse_draft=true` -> BuildOptions fields (ints and
+    booleans where they are), and `draft=DRAFT` (main takes it out: a drafter, not a build
+    option)."""
     fields: dict[str, Any] = {}
     for item in items:
         key, _, value = item.partition("=")
         if key == "quant":
             fields.setdefault("quant", []).append(value)
         else:
-            fields[key] = int(value) if value.isdigit() else value
+            booleans = {"true": True, "false": False}
+            fields[key] = int(value) if value.isdigit() else booleans.get(value, value)
     return fields
 
 
