@@ -518,7 +518,7 @@ def _run_child(
         checks.append(check)
         if fused:
             tokens, positions = fused.next_rows(check, tokens, out, ref_residuals, ref_cache,
-                                                step, positions)  # fmt: skip
+                                                step, positions, last=step + 1 == steps)  # fmt: skip
         else:
             tokens = expected.reshape(batch, rows).astype(np.int32)
             positions = [p + rows for p in positions]
@@ -782,11 +782,13 @@ class _FusedDrafter:
 
     def next_rows(
         self, check: StepCheck, fed: Any, out: list[Any], residuals: Any, cache: Any,
-        step: int, positions: list[int],
+        step: int, positions: list[int], last: bool,
     ) -> tuple[Any, list[int]]:  # fmt: skip
         """The step's drafts checked into `check`, sequence by sequence; the next step's rows
         (the bonus and the kernel's drafts, or, for sequence b on every other step from
-        step b, rows a random drafter never makes: _mostly_accepted) and positions."""
+        step b, rows a random drafter never makes: _mostly_accepted; not after the `last`
+        step, whose next rows no step reads: the reference's continuation of 32-device
+        Kimi K3's twin takes minutes) and positions."""
         import numpy as np
 
         batch, rows = fed.shape
@@ -805,7 +807,7 @@ class _FusedDrafter:
                 _check_draft_cache(check, sequence, self.spec, self.layout, caches,
                                    self.states[b], b, written)  # fmt: skip
             bonus, position = kernel_tokens[b, accepted - 1], position + accepted
-            if (step + b) % 2 == 0 and rows > 2:
+            if (step + b) % 2 == 0 and rows > 2 and not last:
                 sequence_cache = _sequence_cache(cache, b, position)
                 row = _mostly_accepted(self.spec, self.weights, sequence_cache, bonus, rows)
             else:
