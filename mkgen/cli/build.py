@@ -175,7 +175,7 @@ def _measure(entry: Any, spec: Any, topo: Any, options: Any, directory: Path) ->
     """`regen --measure` of one build: its full-size compile and its mini twin's verify in
     both DMA modes, recorded in its REPORT.md. The twin takes the full-size kernel's modes,
     as `mkgen verify` gives them. A kernel that drafts verifies one step: its passes make a
-    step of Kimi K3's 32-device twin take about 20 minutes. A hang stops by itself
+    step of Kimi K3's 32-device twin take about 40 minutes. A hang stops by itself
     (stalled), so the timeout only bounds a slow twin."""
     from mkgen.codegen.package import MINI_CONTEXT
     from mkgen.kinds import default_registry
