@@ -5,7 +5,7 @@ regenerate with `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --fuse-draft --dr
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Kimi K3: 93 layers, 3 KDA to 1 MLA plus a final MLA layer, latent MoE of 896 experts, top-16"
 Build options: batch 1, rows 8, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 14 refills held for collectives, 5 a round.
-Inputs sha256: 244c9dbfa2ca4255e76f9b9c6949f93b71057d35442cc7e88eac776e643bbdb5 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 89320e56cabf1dcdecedce7fd9d3c9852b99f09b92575052cbbacbbbed790870 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 32 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -148,24 +148,10 @@ TRACE_RESIDUALS = False  # verification builds return the stream after each laye
 FIRST_PASS = 93
 PASSES = 7
 EH_PROJ = Segment(offset=0, fan_in=14336, fan_out=224, k_chunks=56, col_blocks=1, tail_rows=224)
-EH_PROJ_ROWS = (
-    7072064,
-    7280000,
-    7487936,
-    7695872,
-    7903808,
-    8111744,
-    8319680,
-)  # each pass's eh_proj's first stream row
-HEAD_ROWS = (
-    7136640,
-    7344576,
-    7552512,
-    7760448,
-    7968384,
-    8176320,
-    8384256,
-)  # the LM head's after each pass
+# fmt: off
+EH_PROJ_ROWS = [7072064, 7280000, 7487936, 7695872, 7903808, 8111744, 8319680]  # each pass's eh_proj's first stream row
+HEAD_ROWS = [7136640, 7344576, 7552512, 7760448, 7968384, 8176320, 8384256]  # the LM head's after each pass
+# fmt: on
 MASK_FIRST_EMBEDDING = True  # the token embedding at position 0 is zeroed
 CHAIN_NORMED = False  # a chained pass reads the previous output after the final norm
 EMBEDDING_BUFFER = 0  # the collective buffer of a pass's embedding rows' all-reduce

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --fuse-d
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of kimi-k3 for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats, expert sharing half; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: b89ecdb52a6426e0633df55bf4c8c7d54764f5f8ec389b1044bbf690dc9bd737 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 9528d8d4d7c37a297e9942b65f435c498dc03f56950d09a79adf362e59c965f4 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 32 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -151,24 +151,10 @@ TRACE_RESIDUALS = False  # verification builds return the stream after each laye
 FIRST_PASS = 9
 PASSES = 7
 EH_PROJ = Segment(offset=0, fan_in=512, fan_out=8, k_chunks=2, col_blocks=1, tail_rows=16)
-EH_PROJ_ROWS = (
-    2272,
-    2560,
-    2848,
-    3136,
-    3424,
-    3712,
-    4000,
-)  # each pass's eh_proj's first stream row
-HEAD_ROWS = (
-    2544,
-    2832,
-    3120,
-    3408,
-    3696,
-    3984,
-    4272,
-)  # the LM head's after each pass
+# fmt: off
+EH_PROJ_ROWS = [2272, 2560, 2848, 3136, 3424, 3712, 4000]  # each pass's eh_proj's first stream row
+HEAD_ROWS = [2544, 2832, 3120, 3408, 3696, 3984, 4272]  # the LM head's after each pass
+# fmt: on
 MASK_FIRST_EMBEDDING = True  # the token embedding at position 0 is zeroed
 CHAIN_NORMED = False  # a chained pass reads the previous output after the final norm
 EMBEDDING_BUFFER = 0  # the collective buffer of a pass's embedding rows' all-reduce

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3-32b --topology 2x2x1 --force`` (add 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3-32b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 743c2d6e93da119916a4430d4ad3623ac97c1806fc782102d04f2dee81893edb (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 90589e023a5318ebdf2a66fa5a207e31bff370f1c6c4785a6d9cb4fe84533e0f (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 
