@@ -183,10 +183,11 @@ def _measure(entry: Any, spec: Any, topo: Any, options: Any, directory: Path) ->
     from mkgen.verify import checks
 
     compile_and_print(spec, topo, options, directory)
+    applied = options.apply(spec)
     knobs = {"fuse_draft": True} if options.fuse_draft else {}
-    knobs |= full_size_kernel_modes(options.apply(spec), topo, options, kinds=default_registry())
+    knobs |= full_size_kernel_modes(applied, topo, options, kinds=default_registry())
     verify_and_print(
-        entry.spec, options.apply(spec), topo, checks.modes_of("both"), directory,
+        entry.spec, applied, topo, checks.modes_of("both"), directory,
         steps=1 if options.fuse_draft else 2, batch=options.batch, rows=options.rows,
         context=MINI_CONTEXT, seed=0, timeout=3600.0,
         quant=tuple(f"{f}={v}" for f, v in options.quant), draft=entry.draft, knobs=knobs,

@@ -62,6 +62,9 @@ def write_table(table: Path, what: str, entries: list[dict[str, Any]]) -> None:
     staged.replace(table)
 
 
+_BOOLEANS = {"true": True, "false": False}
+
+
 def _parse_fields(items: list[str]) -> dict[str, Any]:
     """`rows=8 quant=experts=int4:128 fuse_draft=true` -> BuildOptions fields (ints and
     booleans where they are), and `draft=DRAFT` (main takes it out: a drafter, not a build
@@ -72,8 +75,7 @@ def _parse_fields(items: list[str]) -> dict[str, Any]:
         if key == "quant":
             fields.setdefault("quant", []).append(value)
         else:
-            booleans = {"true": True, "false": False}
-            fields[key] = int(value) if value.isdigit() else booleans.get(value, value)
+            fields[key] = int(value) if value.isdigit() else _BOOLEANS.get(value, value)
     return fields
 
 
