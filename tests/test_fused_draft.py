@@ -139,8 +139,8 @@ def test_verify_holds_the_drafts_and_accepted_rows_to_the_reference(
         ),
         (
             (
-                "draft_smem[1, b] = greedy_smem[b * ROWS + draft_smem[0, b] - 1, 0]",
-                "draft_smem[1, b] = greedy_smem[b * ROWS, 0]",
+                "entry = lambda b: jnp.where(p == 0, draft_smem[0, b] - 1, 0)",
+                "entry = lambda b: jnp.where(p == 0, 0, 0)",
             ),
             2,  # step 1 accepts 3 rows: its draft comes from the third
             "step 1: the fused drafter's drafts differ from the reference drafter's from draft 1",

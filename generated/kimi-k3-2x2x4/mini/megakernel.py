@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --fuse-d
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of kimi-k3 for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats, expert sharing half; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 9528d8d4d7c37a297e9942b65f435c498dc03f56950d09a79adf362e59c965f4 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 2d18c105800950459f03a18bd738c708897d3ce9aef6d49cde5b3620f49656df (spec JSON, topology, options, templates, ruff version).
 
 Each of the 32 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -1824,79 +1824,85 @@ def _kernel(
 
         return carry
 
-    jax.lax.fori_loop(0, FIRST_PASS, layer_step, 0)
-    _lm_head(
-        ctx,
-        x_res_vmem[...],
-        final_norm_vmem[...],
-        logits_vmem,
-        tokens_vmem,
-        greedy_vmem,
-        greedy_sems,
-    )
-    _accept(tokens_vmem, greedy_smem, row_tokens_smem, draft_smem, draft_sems.at[0])
     norms = draft_norms_vmem[...]
+    target_rope = ctx.rope
+    pass_rope = {}
+    for b in range(BATCH):
+        pass_positions_smem[b] = positions_smem[b]  # a chained pass moves them on
+    ctx.positions = pass_positions_smem
 
-    def draft_pass(layer, token_of, previous, eh_proj_row, head_row, first=False):
-        """A pass: its rows' embeddings (of `token_of(row)`) and `previous` into the MTP
-        layer (the tables' `layer`), its LM head's greedy tokens copied to SMEM; returns what
-        the next pass chains on."""
-        embedded = _embeddings(ctx, embedding_hbm, embed_vmem, draft_sems.at[1], token_of)
-        if first:  # row 0 of a sequence at position 0 (a chained pass never is)
-            row = jax.lax.broadcasted_iota(jnp.int32, embedded.shape, 0)
+    def chained_rope(p):
+        """A chained pass's RoPE rows: each sequence's entry at the position after its last draft."""
+        offset = lambda b: draft_smem[0, b] + p - 1  # noqa: E731
+        return {
+            name: (_rope_rows(cos, offset), _rope_rows(sin, offset))
+            for name, (cos, sin) in pass_rope.items()
+        }
+
+    def pass_input(p, previous):
+        """Pass p's rows into the MTP layer (the tables' layer FIRST_PASS + p). Pass 0 runs the
+        verify rows' LM head and the accept rule first, then pairs each verify row's
+        final-normed state with its greedy token (the fed token after it, for every accepted
+        row); a chained pass reads each sequence's `previous` entry and its last draft."""
+
+        @pl.when(p == 0)
+        def _():
+            _lm_head(
+                ctx,
+                x_res_vmem[...],
+                final_norm_vmem[...],
+                logits_vmem,
+                tokens_vmem,
+                greedy_vmem,
+                greedy_sems,
+            )
+            _accept(tokens_vmem, greedy_smem, row_tokens_smem, draft_smem, draft_sems.at[0])
+
+        @pl.when(p > 0)
+        def _():
             for b in range(BATCH):
-                embedded = jnp.where((row == b * ROWS) & (positions_smem[b] == 0), 0.0, embedded)
-        x_res_vmem[...] = _pass_input(ctx, embedded, previous, norms, eh_proj_row)
-        layer_step(layer, 0)
+                pass_positions_smem[b] = positions_smem[b] + draft_smem[0, b] + p - 1
+
+        token_of = lambda i: jnp.where(p == 0, greedy_smem[i, 0], draft_smem[p, i // ROWS])  # noqa: E731
+        embedded = _embeddings(ctx, embedding_hbm, embed_vmem, draft_sems.at[1], token_of)
+        row = jax.lax.broadcasted_iota(jnp.int32, embedded.shape, 0)
+        for b in range(BATCH):  # row 0 of a sequence at position 0 (a chained pass's never is)
+            embedded = jnp.where(
+                (p == 0) & (row == b * ROWS) & (positions_smem[b] == 0), 0.0, embedded
+            )
+        hidden = jax.lax.cond(
+            p == 0, lambda: _rms_norm(x_res_vmem[...], final_norm_vmem[...]), lambda: previous
+        )
+        x_res_vmem[...] = _pass_input(ctx, embedded, hidden, norms, _at(EH_PROJ_ROWS, p))
+
+    def pass_output(p):
+        """Pass p's greedy tokens and each sequence's draft: pass 0's at the sequence's last
+        accepted row, a chained pass's at its one entry; returns what the next pass chains on."""
         out = x_res_vmem[...]
         pass_tokens_vmem[...] = _greedy_token(
-            _logits(ctx, out, norms[2:3], head_row), greedy_vmem, greedy_sems
+            _logits(ctx, out, norms[2:3], _at(HEAD_ROWS, p)), greedy_vmem, greedy_sems
         )
         copy = pltpu.make_async_copy(pass_tokens_vmem, greedy_smem, draft_sems.at[0])
         copy.start()
         copy.wait()
-        return _rms_norm(out, norms[2:3]) if CHAIN_NORMED else out
-
-    # Pass 0 over the verify rows: row r pairs its final-normed state with its greedy token
-    # (the fed token after it, for every accepted row); a sequence's draft is its row at
-    # the last accepted one.
-    target = _rms_norm(x_res_vmem[...], final_norm_vmem[...])
-    out = draft_pass(
-        jnp.int32(FIRST_PASS),
-        lambda i: greedy_smem[i, 0],
-        target,
-        EH_PROJ_ROWS[0],
-        HEAD_ROWS[0],
-        first=True,
-    )
-    for b in range(BATCH):
-        draft_smem[1, b] = greedy_smem[b * ROWS + draft_smem[0, b] - 1, 0]
-    previous = _row_of_each_sequence(out, lambda b: draft_smem[0, b] - 1)
-    # Chained passes: one entry a sequence (every row of it repeats the entry), the last
-    # draft at the position after the last, its RoPE from the tables of the next positions.
-    ctx.positions = pass_positions_smem
-    pass_rope = {}
-
-    def chained_pass(p, previous):
+        entry = lambda b: jnp.where(p == 0, draft_smem[0, b] - 1, 0)  # noqa: E731
         for b in range(BATCH):
-            pass_positions_smem[b] = positions_smem[b] + draft_smem[0, b] + p - 1
-        offset = lambda b: draft_smem[0, b] + p - 1  # noqa: E731
-        ctx.rope = {
-            name: (_rope_rows(cos, offset), _rope_rows(sin, offset))
-            for name, (cos, sin) in pass_rope.items()
-        }
-        out = draft_pass(
-            FIRST_PASS + p,
-            lambda i: draft_smem[p, i // ROWS],
-            previous,
-            _at(EH_PROJ_ROWS, p),
-            _at(HEAD_ROWS, p),
-        )
-        for b in range(BATCH):
-            draft_smem[1 + p, b] = greedy_smem[b * ROWS, 0]
-        return _row_of_each_sequence(out, lambda b: 0)
+            draft_smem[1 + p, b] = greedy_smem[b * ROWS + entry(b), 0]
+        return _row_of_each_sequence(_rms_norm(out, norms[2:3]) if CHAIN_NORMED else out, entry)
 
-    jax.lax.fori_loop(1, PASSES, chained_pass, previous)
+    def step(layer, previous):
+        """The target's layers, then the drafter's passes: one traced layer body for all."""
+        p = layer - FIRST_PASS
+        ctx.rope = jax.lax.cond(p > 0, lambda: chained_rope(p), lambda: target_rope)
+
+        @pl.when(p >= 0)
+        def _():
+            pass_input(p, previous)
+
+        layer_step(layer, 0)
+        return jax.lax.cond(p >= 0, lambda: pass_output(p), lambda: previous)
+
+    jax.lax.fori_loop(0, NUM_LAYERS, step, jnp.zeros((TOKENS_PADDED, HIDDEN), jnp.float32))
     drafts_vmem[...] = _drafts_out(draft_smem)
 
 

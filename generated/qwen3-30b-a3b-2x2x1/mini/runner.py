@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3-30b-a3b --topology 2x2x1 --force`` (
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3-30b-a3b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing quarter; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: f06b87318e8917ab3efaace1179c8b97ef44f198dde95d9d0aa3e0832711c445 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 4113ec6a79906799a92dc5bc9d3dac009ba4638eb4c7b01650d7d8bc1adde200 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 
