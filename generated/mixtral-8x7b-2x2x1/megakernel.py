@@ -5,7 +5,7 @@ regenerate with `mkgen build mixtral-8x7b --topology 2x2x1 --force` (add -o and 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Imported from the Hugging Face config mixtral-8x7b.json (MixtralForCausalLM, model_type mixtral)."
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 6 refills held for collectives, 5 a round.
-Inputs sha256: e33bb21ce35a217cab48690b94a31763e5d92099ea772cdf1f0b6bb15ef98057 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 8a54d56091b22f1f285c0ea5218a669bd8fd5b52a4b91e2f11d381d252f824e5 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
@@ -1158,11 +1158,11 @@ def _kernel(
         },
     )
     # The input rows straight into the residual stream (no VMEM copy of their own: 3.5 MiB
-    # at 128 token rows), started before the entry barrier, which hides it; on the second
-    # vector semaphore, free until layer 0 starts layer 1's vector copy.
+    # at 128 token rows), on the second vector semaphore, free until layer 0 starts layer
+    # 1's vector copy. It, the ring's first banks and layer 0's vectors (copies into this
+    # core's own VMEM) start before the entry barrier, which waits for remote cores only.
     x_copy = pltpu.make_async_copy(x_hbm, x_res_vmem, vec_sems.at[1])
     x_copy.start()
-    _barrier()
     ctx.stream.prime()
 
     def vector_copy(layer):
@@ -1171,6 +1171,7 @@ def _kernel(
         )
 
     vector_copy(0).start()
+    _barrier()
     x_copy.wait()
 
     def layer_step(layer, carry):

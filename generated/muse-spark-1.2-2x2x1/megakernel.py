@@ -5,7 +5,7 @@ regenerate with `mkgen build muse-spark-1.2 --topology 2x2x1 --force` (add -o an
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Muse Spark 1.2: 62 layers, SWA(2048)+RoPE with NoPE full attention at l % 4 == 1, MoE 256 top-8"
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 13 refills held for collectives, 5 a round.
-Inputs sha256: 9d680314c1777ef34ec2a4610570b92e09b173b5f912c8baf9f3a2688ebe48b9 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 12e38a13d9eb9f9b11bdb3860cd00725cfa436d78093e1e540236ce4a8fc0f1e (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
@@ -1459,11 +1459,11 @@ def _kernel(
         },
     )
     # The input rows straight into the residual stream (no VMEM copy of their own: 3.5 MiB
-    # at 128 token rows), started before the entry barrier, which hides it; on the second
-    # vector semaphore, free until layer 0 starts layer 1's vector copy.
+    # at 128 token rows), on the second vector semaphore, free until layer 0 starts layer
+    # 1's vector copy. It, the ring's first banks and layer 0's vectors (copies into this
+    # core's own VMEM) start before the entry barrier, which waits for remote cores only.
     x_copy = pltpu.make_async_copy(x_hbm, x_res_vmem, vec_sems.at[1])
     x_copy.start()
-    _barrier()
     ctx.stream.prime()
 
     def vector_copy(layer):
@@ -1472,6 +1472,7 @@ def _kernel(
         )
 
     vector_copy(0).start()
+    _barrier()
     x_copy.wait()
 
     def layer_step(layer, carry):

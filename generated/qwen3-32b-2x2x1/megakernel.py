@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3-32b --topology 2x2x1 --force` (add -o and thi
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Imported from the Hugging Face config qwen3-32b.json (Qwen3ForCausalLM, model_type qwen3)."
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 9 refills held for collectives, 14 a round.
-Inputs sha256: 63f1f1ffeee6545eeeddfd2834be3169a86dd5d26c1ce74b2710052f4af07467 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: f4620789d47d1ac94c409154611b30dd2ebd005fc169d8ba6f19701d64ea556b (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x
@@ -979,11 +979,11 @@ def _kernel(
         },
     )
     # The input rows straight into the residual stream (no VMEM copy of their own: 3.5 MiB
-    # at 128 token rows), started before the entry barrier, which hides it; on the second
-    # vector semaphore, free until layer 0 starts layer 1's vector copy.
+    # at 128 token rows), on the second vector semaphore, free until layer 0 starts layer
+    # 1's vector copy. It, the ring's first banks and layer 0's vectors (copies into this
+    # core's own VMEM) start before the entry barrier, which waits for remote cores only.
     x_copy = pltpu.make_async_copy(x_hbm, x_res_vmem, vec_sems.at[1])
     x_copy.start()
-    _barrier()
     ctx.stream.prime()
 
     def vector_copy(layer):
@@ -992,6 +992,7 @@ def _kernel(
         )
 
     vector_copy(0).start()
+    _barrier()
     x_copy.wait()
 
     def layer_step(layer, carry):

@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3.8-27b --topology 2x2x1 --rows 8 --draft qwen3
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Qwen3.8-27B: 64 layers, pattern LLLF (Gated DeltaNet x3, gated GQA), SwiGLU 17408"
 Build options: batch 1, rows 8, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 9 refills held for collectives, 14 a round; drafter block: 5 layers, block_size 16, 5 feature layers.
-Inputs sha256: 2770e31d04567ff8870486ac47b5270cb54f0046b3d6e5a096f5db6864b9e9fc (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 70143edd7b816942778f8c38183c3b1bba66e7b7c1da61df909c1c1884e2fe78 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -1162,11 +1162,11 @@ def _kernel(
         },
     )
     # The input rows straight into the residual stream (no VMEM copy of their own: 3.5 MiB
-    # at 128 token rows), started before the entry barrier, which hides it; on the second
-    # vector semaphore, free until layer 0 starts layer 1's vector copy.
+    # at 128 token rows), on the second vector semaphore, free until layer 0 starts layer
+    # 1's vector copy. It, the ring's first banks and layer 0's vectors (copies into this
+    # core's own VMEM) start before the entry barrier, which waits for remote cores only.
     x_copy = pltpu.make_async_copy(x_hbm, x_res_vmem, vec_sems.at[1])
     x_copy.start()
-    _barrier()
     ctx.stream.prime()
 
     def vector_copy(layer):
@@ -1175,6 +1175,7 @@ def _kernel(
         )
 
     vector_copy(0).start()
+    _barrier()
     x_copy.wait()
 
     def layer_step(layer, carry):

@@ -676,13 +676,13 @@ class _Builder:
     # --- the step ---
     def build(self) -> Schedule:
         dims, layers = self.dims, len(self.sh.layer_table)
-        # The input rows copied from HBM straight into the residual stream, started before
-        # the barrier, on the second vector semaphore (its first copy starts in layer 0,
-        # after this one is waited)
+        # The input rows copied from HBM straight into the residual stream, on the second
+        # vector semaphore (its first copy starts in layer 0, after this one is waited),
+        # the ring's first banks and layer 0's vectors: copies into the core's own VMEM,
+        # started before the barrier (which waits for the remote cores only).
         x_in = self.dma("vector", "x rows -> residual", -1, None, 0, ("vec_sems[1]",),
                         dims.tokens_padded * dims.hidden * 4, reads=((INIT, "hbm:x", 0),))  # fmt: skip
         self.start(x_in)
-        self.run("sync", "barrier: every core inside the kernel", -1)
         for g in range(min(self.depth, self.total)):
             self.start(self.banks[g])
         slab = dims.vector_rows * dims.vector_width * 4
@@ -700,6 +700,7 @@ class _Builder:
             for layer in range(layers)
         ]
         self.start(vec[0])
+        self.run("sync", "barrier: every core inside the kernel", -1)
         self.wait(x_in)
         self.res = x_in
         ffn_out = ffn_out_buffer(self.sh)

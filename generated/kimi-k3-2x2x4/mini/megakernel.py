@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --fuse-d
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of kimi-k3 for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats, expert sharing half; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 2d18c105800950459f03a18bd738c708897d3ce9aef6d49cde5b3620f49656df (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 153beecd1406da02199c62d572dde502461ea5db340218b6830c0cb8e5d72659 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 32 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -1604,13 +1604,6 @@ def _row_of_each_sequence(values, index_of):
     )
 
 
-def _rope_rows(table, offset_of):
-    """A chained pass's RoPE rows [TOKENS_PADDED, w]: sequence b's rows all at its table row
-    `offset_of(b)` (in [0, 2 ROWS)) of `table` [BATCH, 2 ROWS, w]; only the first row of
-    each sequence is a draft's entry, the rest repeat it."""
-    return _chosen_rows(lambda b, t: table[b, t : t + 1], 2 * ROWS, offset_of, table.shape[2])
-
-
 def _pass_input(ctx, embedded, previous, norms, eh_proj_row):
     """A pass's rows into the MTP layer: the embedding and the previous hidden state, each
     RMS-normed (enorm, hnorm), concatenated, through eh_proj."""
@@ -1772,11 +1765,11 @@ def _kernel(
         },
     )
     # The input rows straight into the residual stream (no VMEM copy of their own: 3.5 MiB
-    # at 128 token rows), started before the entry barrier, which hides it; on the second
-    # vector semaphore, free until layer 0 starts layer 1's vector copy.
+    # at 128 token rows), on the second vector semaphore, free until layer 0 starts layer
+    # 1's vector copy. It, the ring's first banks and layer 0's vectors (copies into this
+    # core's own VMEM) start before the entry barrier, which waits for remote cores only.
     x_copy = pltpu.make_async_copy(x_hbm, x_res_vmem, vec_sems.at[1])
     x_copy.start()
-    _barrier()
     ctx.stream.prime()
 
     def vector_copy(layer):
@@ -1785,6 +1778,7 @@ def _kernel(
         )
 
     vector_copy(0).start()
+    _barrier()
     x_copy.wait()
 
     def layer_step(layer, carry):
@@ -1825,19 +1819,9 @@ def _kernel(
         return carry
 
     norms = draft_norms_vmem[...]
-    target_rope = ctx.rope
-    pass_rope = {}
     for b in range(BATCH):
         pass_positions_smem[b] = positions_smem[b]  # a chained pass moves them on
     ctx.positions = pass_positions_smem
-
-    def chained_rope(p):
-        """A chained pass's RoPE rows: each sequence's entry at the position after its last draft."""
-        offset = lambda b: draft_smem[0, b] + p - 1  # noqa: E731
-        return {
-            name: (_rope_rows(cos, offset), _rope_rows(sin, offset))
-            for name, (cos, sin) in pass_rope.items()
-        }
 
     def pass_input(p, previous):
         """Pass p's rows into the MTP layer (the tables' layer FIRST_PASS + p). Pass 0 runs the
@@ -1893,7 +1877,6 @@ def _kernel(
     def step(layer, previous):
         """The target's layers, then the drafter's passes: one traced layer body for all."""
         p = layer - FIRST_PASS
-        ctx.rope = jax.lax.cond(p > 0, lambda: chained_rope(p), lambda: target_rope)
 
         @pl.when(p >= 0)
         def _():

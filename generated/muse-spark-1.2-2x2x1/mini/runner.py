@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build muse-spark-1.2 --topology 2x2x1 --force`` 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of muse-spark-1.2 for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 7fa5f6045111ab21f06db42baad53fea3aaa6ac4bfad834cd98bc47c5a0b2973 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 4bb2de11e377222d590c5389485b5660e9682177aebe11ba4d84ba78b817884d (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

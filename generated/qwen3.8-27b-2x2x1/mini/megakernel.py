@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3.8-27b --topology 2x2x1 --rows 8 --dr
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3.8-27b for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round; drafter block: 5 layers, block_size 16, 5 feature layers.
-Inputs sha256: 9c33bc125f033b7a8df4405b6c66cc0424a65d3fd45e3b245098206efa7c7e30 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 66548bd5fd2039500bff47d9307033f34a1bab40fcdc6ac446427c969b0eb05d (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 8 row(s) (1 sequence(s) x
@@ -1162,11 +1162,11 @@ def _kernel(
         },
     )
     # The input rows straight into the residual stream (no VMEM copy of their own: 3.5 MiB
-    # at 128 token rows), started before the entry barrier, which hides it; on the second
-    # vector semaphore, free until layer 0 starts layer 1's vector copy.
+    # at 128 token rows), on the second vector semaphore, free until layer 0 starts layer
+    # 1's vector copy. It, the ring's first banks and layer 0's vectors (copies into this
+    # core's own VMEM) start before the entry barrier, which waits for remote cores only.
     x_copy = pltpu.make_async_copy(x_hbm, x_res_vmem, vec_sems.at[1])
     x_copy.start()
-    _barrier()
     ctx.stream.prime()
 
     def vector_copy(layer):
@@ -1175,6 +1175,7 @@ def _kernel(
         )
 
     vector_copy(0).start()
+    _barrier()
     x_copy.wait()
 
     def layer_step(layer, carry):
