@@ -165,9 +165,9 @@ def test_the_ring_policy_is_the_kernels() -> None:
         for read, _, _ in node.reads:
             first_use[read] = min(first_use.get(read, first[node.id]), first[node.id])
             last_use[read] = max(last_use.get(read, -1), first[node.id])
-    # Priming: banks 0..depth-1 start before any layer work (after the input rows' copy
-    # and the entry barrier).
-    assert [schedule.events[i + 2] for i in range(depth)] == [(START, b.id) for b in banks[:depth]]
+    # Priming: banks 0..depth-1 start before any layer work, right after the input rows'
+    # copy (before the entry barrier: copies into the core's own VMEM).
+    assert [schedule.events[i + 1] for i in range(depth)] == [(START, b.id) for b in banks[:depth]]
     for g, bank in enumerate(banks):
         wrap = (f"ring_sems[{depth}]",) if g % depth == 0 else ()
         assert bank.slot == g % depth and bank.sems == (f"ring_sems[{g % depth}]", *wrap)
@@ -262,10 +262,18 @@ def test_describe_prints_one_line_per_node(small) -> None:
     assert len(lines) == 1 + len(step.schedule.nodes)
     assert "bank 0" in lines[1]
     events = step.schedule.describe(limit=50).splitlines()
-    # The input rows' copy starts before the entry barrier, then the ring's first banks.
+    # The input rows' copy, the ring's first banks and layer 0's vectors start before the
+    # entry barrier (copies into the core's own VMEM).
+    depth = small.vmem.ring_depth
     assert len(events) == 51
-    assert [e.split()[1] for e in events[:4]] == ["start", "run", "start", "start"]
-    assert "x rows" in events[0] and "barrier" in events[1] and "bank 0" in events[2]
+    kinds = [e.split()[1] for e in events[: depth + 3]]
+    assert kinds == ["start"] * (depth + 2) + ["run"]
+    assert (
+        "x rows" in events[0]
+        and "bank 0" in events[1]
+        and "vectors of layer 0" in events[depth + 1]
+    )
+    assert "barrier" in events[depth + 2]
 
 
 def test_the_json_has_the_issue_keys() -> None:
