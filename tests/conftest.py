@@ -33,6 +33,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     atexit.register(shutil.rmtree, _run_cache, True)
 
+# The planner's store (mkgen/plan/store.py) the same way: one for the run, shared by its
+# processes, removed at its end, so that no test reads or writes the user's.
+if "MKGEN_CACHE_DIR" not in os.environ:
+    _run_store = tempfile.mkdtemp(prefix="mkgen-store-")
+    os.environ["MKGEN_CACHE_DIR"] = _run_store
+    atexit.register(shutil.rmtree, _run_store, True)
+
 # The package's bytecode, written once: the suite's processes run with
 # PYTHONDONTWRITEBYTECODE (so that no build folder gets a __pycache__), which would leave
 # every one of them compiling mkgen's modules from source (about 0.6 s a process that

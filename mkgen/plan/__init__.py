@@ -57,8 +57,9 @@ from mkgen.plan.program import (
 from mkgen.plan.published import HandWritten, hand_written_for
 from mkgen.plan.schedule import ScheduleSummary
 from mkgen.plan.sharding import ShardingPlan, TensorShard, plan_sharding
+from mkgen.plan.store import entry_key, stored
 from mkgen.plan.stream import StreamPlan
-from mkgen.plan.timeline import ProgramPlan, estimate
+from mkgen.plan.timeline import PricedProgram, ProgramPlan, estimate, price_program
 from mkgen.plan.vmem import VmemPlan
 from mkgen.spec.schema import ModelSpec
 from mkgen.spec.topology import Topology
@@ -96,6 +97,7 @@ class BuildPlan(BaseModel):
     kv_tiles: KvTileChoice | None = None
     _step: Any = PrivateAttr(default=None)
     _program: Any = PrivateAttr(default=None)  # the ProgramPlan the estimate walked
+    _priced: Any = PrivateAttr(default=None)  # its PricedProgram
     _topology: Any = PrivateAttr(default=None)
     _confidence: Any = PrivateAttr(default=None)
 
@@ -116,9 +118,21 @@ class BuildPlan(BaseModel):
         if self.estimate is None:
             return None
         if self._confidence is None:
-            from mkgen.plan.confidence import assess
+            from mkgen.plan.confidence import Confidence, assess
 
-            self._confidence = assess(self._topology, self.options, self._program, self.estimate)
+            def walked() -> Confidence:
+                return assess(
+                    self._topology, self.options, self._program, self.estimate, self._priced
+                )
+
+            # A registry with kinds from outside mkgen (their code is not in the store's
+            # key) walks every time.
+            if all(k.__name__.startswith("mkgen.") for k in self.kinds.kinds.values()):
+                inputs = (self.model_dump_json(), self._program.spec.model_dump_json(),
+                          self._topology.model_dump_json())  # fmt: skip
+                self._confidence = stored(entry_key("confidence", inputs), Confidence, walked)
+            else:
+                self._confidence = walked()
         return self._confidence
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,15 +146,15 @@ class BuildPlan(BaseModel):
 
 
 def _priced(
-    topo: Topology, options: BuildOptions, program: ProgramPlan, checked: bool, trace: bool,
-    drafting: ModelSpec | None,
+    topo: Topology, options: BuildOptions, program: ProgramPlan, priced: PricedProgram,
+    checked: bool, trace: bool, drafting: ModelSpec | None,
 ) -> tuple[Estimate | None, DraftPrice | None]:  # fmt: skip
-    """The program's estimate and, for a `drafting` spec, its drafter's price (the estimate
-    then of verify + draft). A program that fails a check may wait for ever: only a checked
-    one is priced."""
+    """The program's estimate (`priced`: its nodes' op counts) and, for a `drafting` spec,
+    its drafter's price (the estimate then of verify + draft). A program that fails a check
+    may wait for ever: only a checked one is priced."""
     if not checked:
         return None, None
-    walked = estimate(topo, options, program, trace=trace)
+    walked = estimate(topo, options, program, trace=trace, priced=priced)
     if drafting is None:
         return walked, None
     drafter = price_draft(drafting, topo, options, kinds=program.kinds)
@@ -200,7 +214,8 @@ def plan_build(
     step = analyse(schedule, vmem)
     if enforce:
         step.enforce()
-    walked, drafter = _priced(topo, options, program, step.ok, trace, drafting)
+    priced = price_program(program)
+    walked, drafter = _priced(topo, options, program, priced, step.ok, trace, drafting)
     if walked is not None and passes is not None:  # what the draft adds: the verify-only step
         unfused = options.model_copy(update={"fuse_draft": False})
         alone = estimate(topo, unfused, plan_program(base, topo, unfused, **shape))
@@ -222,7 +237,7 @@ def plan_build(
         draft=drafter,
         kv_tiles=program.kv_tiles,
     )
-    plan._step, plan._program, plan._topology = step, program, topo
+    plan._step, plan._program, plan._priced, plan._topology = step, program, priced, topo
     return plan
 
 

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict
 from mkgen.plan.cost import CostConstants, Estimate
 from mkgen.plan.holds import HoldChoice
 from mkgen.plan.options import BuildOptions
-from mkgen.plan.timeline import ProgramPlan, estimate, price_program
+from mkgen.plan.timeline import PricedProgram, ProgramPlan, estimate, price_program
 from mkgen.spec.topology import Topology
 
 # The per-DMA issue cost is derived, not measured (CostConstants.from_chip): its range is
@@ -212,9 +212,11 @@ def calibrated_estimate(
 
 
 def assess(
-    topo: Topology, options: BuildOptions, program: ProgramPlan, est: Estimate
-) -> Confidence:
-    """The confidence of `est`, the walk of `program` (module docstring)."""
+    topo: Topology, options: BuildOptions, program: ProgramPlan, est: Estimate,
+    priced: PricedProgram | None = None,
+) -> Confidence:  # fmt: skip
+    """The confidence of `est`, the walk of `program` (module docstring; `priced`:
+    `price_program(program)` when already done)."""
     from mkgen.plan.calibration import RECORDED
 
     unheld, unheld_est = _unheld(topo, options, program, est)
@@ -232,7 +234,7 @@ def assess(
         uncalibrated=tuple(
             uncalibrated_parts(topo, options, program, est, (unheld_est, calibrated))
         ),
-        sensitivity=tuple(sensitivity(topo, options, program, est)),
+        sensitivity=tuple(sensitivity(topo, options, program, est, priced)),
     )
 
 
@@ -328,13 +330,14 @@ def _attention_part(
 
 
 def sensitivity(
-    topo: Topology, options: BuildOptions, program: ProgramPlan, est: Estimate
-) -> list[SensitivityRow]:
+    topo: Topology, options: BuildOptions, program: ProgramPlan, est: Estimate,
+    priced: PricedProgram | None = None,
+) -> list[SensitivityRow]:  # fmt: skip
     """The program walked at both ends of each unmeasured input (module docstring). An input
     the build does not use is left out: the cross-host figures on one host, the clock where
     the catalog has no issue rates."""
     chip, c = topo.chip_info, est.constants
-    priced = price_program(program)  # every row walks the same program
+    priced = priced or price_program(program)  # every row walks the same program
 
     def walked(constants: CostConstants) -> float:
         """The step at `constants`: `est`'s own where they are the build's (an input's end

@@ -24,6 +24,7 @@ One walk gives the overlap of DMA and compute and the step. A folded runtime loo
 
 from __future__ import annotations
 
+from collections import deque
 from typing import NamedTuple
 
 from mkgen.plan.collectives import round_time_s
@@ -70,6 +71,7 @@ class ProgramPlan(NamedTuple):
 # collectives do not hide under the weight stream) is that they leave the engine only
 # once the HBM DMAs the core issued before them are done; DMAs issued after them wait.
 QUEUES = ("cache", "experts", "ring", "collectives")
+COLLECTIVES = QUEUES.index("collectives")
 DMA_QUEUE = {
     "collective": "collectives",
     "bank": "ring",
@@ -113,24 +115,24 @@ CATEGORY = {
 
 
 class _Walk:
-    """One core's timeline over the schedule's events (see the module docstring)."""
+    """One core's timeline over the schedule's events (see the module docstring).
+
+    Per node it holds what the constants make of it: `seconds` the core's time of a RUN
+    node, the DMA engine's time of a DMA node (a collective's: issuing its sends), and
+    `flight` a collective's time on the interconnect."""
 
     def __init__(
         self,
-        c: CostConstants,
         schedule: Schedule,
-        collectives: dict[int, float],
-        names: list[tuple[int, str]],
-        tensors: list[list[str]],
-        category: list[str],
+        priced: PricedProgram,
+        seconds: list[float],
+        flight: dict[int, float],
         trace: bool,
     ) -> None:
-        self.c = c
         self.s = schedule
-        self.collectives = collectives  # collective DMA node -> its interconnect seconds
-        self.names = names  # node -> (the layer it is traced under, its name there)
-        self.tensors = tensors  # ring bank -> its segment's tensors
-        self.category = category
+        self.p = priced
+        self.seconds = seconds
+        self.flight = flight
         self.t = 0.0
         self.trace = trace
         self.events: list[TraceEvent] = []
@@ -140,8 +142,7 @@ class _Walk:
         self.order = [0] * n  # issue order (DMAs issued at one instant are still ordered)
         self.issued = 0
         self.done: list[float | None] = [None] * n
-        self.queues: dict[str, list[int]] = {q: [] for q in QUEUES}
-        self.head = dict.fromkeys(QUEUES, 0)
+        self.queues: list[deque[int]] = [deque() for _ in QUEUES]  # the DMAs not yet served
         self.engine_free = 0.0
         self.ici_free = 0.0
         self.dma_busy = 0.0
@@ -163,70 +164,65 @@ class _Walk:
     def event(self, engine: str, node: Node, start: float, dur: float, args: dict) -> None:
         """Trace one op (callers trace every op of the program when self.trace, also those
         that take no time; the walk alone builds no arguments)."""
-        layer, name = self.names[node.id]
+        layer, name = self.p.names[node.id]
         self.events.append(
             TraceEvent(
                 engine=engine, name=f"{self.where(layer)} {name}", start=start,  # type: ignore[arg-type]
-                duration=dur, category=self.category[node.id],
+                duration=dur, category=self.p.category[node.id],
                 args={**args, "node": node.id},
             )
         )  # fmt: skip
 
-    def start(self, node: Node) -> None:
-        self.issued_at[node.id] = self.t
-        self.order[node.id] = self.issued
+    def start(self, i: int) -> None:
+        self.issued_at[i] = self.t
+        self.order[i] = self.issued
         self.issued += 1
-        self.queues[DMA_QUEUE[node.cat]].append(node.id)
+        self.queues[self.p.queue[i]].append(i)
 
     def serve_until(self, target: int) -> None:
         """Run the DMA engine until `target` is done: each time it is free it takes the
         first DMA of the highest-priority queue that has one issued by then."""
-        nodes, queues, head, issued_at = self.s.nodes, self.queues, self.head, self.issued_at
-        while self.done[target] is None:
-            heads = [(q, queues[q][head[q]]) for q in QUEUES if head[q] < len(queues[q])]
+        queues, issued_at, order, done = self.queues, self.issued_at, self.order, self.done
+        seconds, flight, log, priced = self.seconds, self.flight, self.log, self.p
+        while done[target] is None:
+            heads = [(q, queue[0]) for q, queue in enumerate(queues) if queue]
             if not heads:  # the checks refuse such a program; a forced one cannot be walked
                 raise ScheduleCheckError(
-                    f"the program waits for {nodes[target].name!r}, which it never starts"
+                    f"the program waits for {self.s.nodes[target].name!r}, which it never starts"
                 )
-            at = max(self.engine_free, min(issued_at[i] for _, i in heads))
+            at = max(self.engine_free, min([issued_at[i] for _, i in heads]))
             ready = [(q, i) for q, i in heads if issued_at[i] <= at]
             queue, i = ready[0]
             last_queue, last = ready[-1]
             # A collective's copies wait for the HBM DMAs issued before them, not for those
             # the core issues after them (the ring's held refills).
-            earlier = [j for _, j in ready[:-1] if self.order[j] < self.order[last]]
-            if last_queue == "collectives" and not earlier:
+            if last_queue == COLLECTIVES and all(order[j] > order[last] for _, j in ready[:-1]):
                 queue, i = last_queue, last
-            head[queue] += 1
-            node = nodes[i]
-            if node.cat == "collective":
-                # The engine issues the sends; the copies travel on the interconnect.
-                dur = self.c.dma_s(0, node.count // 2 * node.repeat)
-                begin = max(at + dur, self.ici_free)
-                self.done[i] = self.ici_free = begin + self.collectives[i] * node.repeat
+            queues[queue].popleft()
+            dur = seconds[i]
+            end = self.engine_free = at + dur
+            if i in flight:  # the engine issues the sends; the copies travel on the ICI
+                begin = max(end, self.ici_free)
+                done[i] = self.ici_free = begin + flight[i]
                 if self.trace:
-                    self.event(
-                        "ici", node, begin, self.done[i] - begin, self._dma_args(node, queue)
-                    )
+                    node = self.s.nodes[i]
+                    self.event("ici", node, begin, done[i] - begin, self._dma_args(node, queue))
             else:
-                dur = self.c.dma_s(node.nbytes * node.repeat, node.count * node.repeat)
-                self.done[i] = at + dur
-            self.engine_free = at + dur
+                done[i] = end
             self.dma_busy += dur
-            self.log.append((at, at + dur, self.category[i]))
-            if node.cat not in NOT_HBM:
-                self.hbm_bytes += node.nbytes * node.repeat
+            log.append((at, end, priced.category[i]))
+            self.hbm_bytes += priced.hbm_bytes[i]
             if self.trace:
-                self.event("dma", node, at, dur, self._dma_args(node, queue))
+                self.event("dma", self.s.nodes[i], at, dur, self._dma_args(self.s.nodes[i], queue))
 
-    def _dma_args(self, node: Node, queue: str) -> dict:
+    def _dma_args(self, node: Node, queue: int) -> dict:
         """A traced DMA's arguments: what it moves, from which queue, and its bank or
         expert piece."""
         args = {"bytes": node.nbytes * node.repeat, "dmas": node.count * node.repeat,
-                "queue": queue}  # fmt: skip
+                "queue": QUEUES[queue]}  # fmt: skip
         if node.cat == "bank":
             args["bank"] = node.key[1]
-            args["tensors"] = self.tensors[node.key[1]]
+            args["tensors"] = self.p.tensors[node.key[1]]
         elif node.cat == "expert":  # numbered in load order: routing picks the ids
             args["expert"], args["piece"] = node.key[2], node.key[3]
         return args
@@ -234,19 +230,19 @@ class _Walk:
     def drain(self) -> None:
         """Serve what is still queued (every DMA of the program is waited, so nothing
         is, unless the program ends on DMAs nobody waits for)."""
-        for q in QUEUES:
-            if self.queues[q]:
-                self.serve_until(self.queues[q][-1])
+        for queue in self.queues:
+            if queue:
+                self.serve_until(queue[-1])
 
-    def wait(self, node: Node) -> None:
-        """The core idles until `node` is done: the time is credited to what the DMA
-        engine moved meanwhile, the rest (the interconnect's flight) to `node`."""
-        if self.done[node.id] is None:
-            self.serve_until(node.id)
-        t0, t1 = self.t, self.done[node.id]
+    def wait(self, i: int) -> None:
+        """The core idles until node `i` is done: the time is credited to what the DMA
+        engine moved meanwhile, the rest (the interconnect's flight) to `i`."""
+        if self.done[i] is None:
+            self.serve_until(i)
+        t0, t1 = self.t, self.done[i]
         if t1 <= t0:
             return
-        log = self.log
+        log, attr = self.log, self.attr
         while self.logged < len(log) and log[self.logged][1] <= t0:
             self.logged += 1
         covered = 0.0
@@ -255,17 +251,19 @@ class _Walk:
                 break
             span = min(end, t1) - max(start, t0)
             if span > 0:
-                self.attr[category] += span
+                attr[category] += span
                 covered += span
-        self.attr[self.category[node.id]] += t1 - t0 - covered
-        if node.collective is not None and node.collective.level == "host":
+        attr[self.p.category[i]] += t1 - t0 - covered
+        if self.p.cross_host[i]:
             self.cross_host_wait += t1 - t0 - covered
         self.t = t1
 
-    def run(self, node: Node, seconds: float) -> None:
+    def run(self, i: int) -> None:
+        seconds = self.seconds[i]
         if self.trace:
+            node = self.s.nodes[i]
             self.event("core", node, self.t, seconds, {"repeat": node.repeat})
-        self.attr[self.category[node.id]] += seconds
+        self.attr[self.p.category[i]] += seconds
         self.core_busy += seconds
         self.t += seconds
 
@@ -298,44 +296,97 @@ def _bank_names(
 
 class PricedProgram(NamedTuple):
     """What a walk needs of a program besides the constants: every node's op counts (the
-    core's time follows from the issue rates), its trace name and breakdown category, and
-    each ring bank's tensors. Priced once, walked at as many constants as asked for."""
+    core's time follows from the issue rates) and what the DMA engine does for it, its
+    trace name and breakdown category, and each ring bank's tensors. Priced once, walked at
+    as many constants as asked for."""
 
-    ops: list[tuple[str, OpCounts]]
     unpriced: tuple[str, ...]
     names: list[tuple[int, str]]
     category: list[str]
     tensors: list[list[str]]
+    # Each node's index into `distinct`, the program's distinct op counts (a walk bounds
+    # each once; nodes of one key share theirs: node_op_counts).
+    counts_index: list[int]
+    distinct: list[OpCounts]
+    queue: list[int]  # a DMA node's queue (its index in QUEUES), -1 for a RUN node
+    # What the DMA engine does for a DMA node, all its repeats: the bytes it moves and the
+    # DMAs it issues (a collective round's: the sends, its copies travel on the ICI).
+    moved: list[int]
+    issued: list[int]
+    hbm_bytes: list[int]  # the HBM bytes a DMA node moves (remote copies move none)
+    cross_host: list[bool]  # a cross-host collective round's copies
+    collectives: list[int]  # the collective rounds' copies (DMA nodes)
+    syncs: list[int]  # the entry barrier
 
 
 def price_program(program: ProgramPlan) -> PricedProgram:
     """The op counts, names and categories of `program`'s nodes (module docstring)."""
-    spec, sharding, stream, vmem, schedule = (
-        program.spec,
-        program.sharding,
-        program.stream,
-        program.vmem,
-        program.schedule,
-    )
+    schedule, stream = program.schedule, program.stream
     nodes, layers = schedule.nodes, schedule.layers
     ops, unpriced = node_op_counts(
-        schedule, stream, vmem, sharding, spec, program.kinds, dict(program.chunk_products)
-    )
-    banks = _bank_names(stream, sharding.layer_table)
+        schedule, stream, program.vmem, program.sharding, program.spec, program.kinds,
+        dict(program.chunk_products),
+    )  # fmt: skip
+    banks = _bank_names(stream, program.sharding.layer_table)
     names = [
         banks[node.key[1]][:2] if node.cat == "bank" else
         (node.layer, node.name.removeprefix(f"L{node.layer} "))
         for node in nodes
     ]  # fmt: skip
-    category = []
-    for node, (layer, _) in zip(nodes, names, strict=True):
-        cat = CATEGORY["vector_slab" if node.is_dma and node.cat == "vector" else node.cat]
+    category = [
+        CATEGORY["vector_slab" if node.op == "dma" and node.cat == "vector" else node.cat]
+        for node in nodes
+    ]
+    for i, (layer, _) in enumerate(names):
         if layer >= layers:
-            cat = "lm_head" if cat == "weights" else "fixed"
+            category[i] = "lm_head" if category[i] == "weights" else "fixed"
         elif layer < 0:
-            cat = "fixed"
-        category.append(cat)
-    return PricedProgram(ops, tuple(unpriced), names, category, [t for _, _, t in banks])
+            category[i] = "fixed"
+    # Keyed by every field, so the key stays whole whatever bound_us reads.
+    keys: dict[tuple[float, ...], int] = {}
+    counts_index = [
+        keys.setdefault((c.vpu, c.mxu, c.loads, c.stores, c.dmas, c.scalar), len(keys))
+        for _, c in ops
+    ]
+    return PricedProgram(
+        tuple(unpriced), names, category, [t for _, _, t in banks], counts_index,
+        distinct=[OpCounts(*key) for key in keys],
+        queue=[QUEUES.index(DMA_QUEUE[n.cat]) if n.op == "dma" else -1 for n in nodes],
+        # (read for DMA nodes only: a collective's combine on the core is a RUN node)
+        moved=[0 if n.cat == "collective" else n.nbytes * n.repeat for n in nodes],
+        issued=[(n.count // 2 if n.cat == "collective" else n.count) * n.repeat for n in nodes],
+        hbm_bytes=[0 if n.cat in NOT_HBM else n.nbytes * n.repeat for n in nodes],
+        cross_host=[n.collective is not None and n.collective.level == "host" for n in nodes],
+        collectives=[n.id for n in nodes if n.op == "dma" and n.cat == "collective"],
+        syncs=[n.id for n in nodes if n.op != "dma" and n.cat == "sync"],
+    )  # fmt: skip
+
+
+def _seconds(
+    topo: Topology, c: CostConstants, schedule: Schedule, priced: PricedProgram
+) -> tuple[list[float], dict[int, float]]:
+    """Each node's seconds at `c` (the core's for a RUN node, the DMA engine's for a DMA
+    node) and each collective round's flight on the interconnect (the walk's `_Walk`)."""
+    rates = c.issue_rates
+    bound = [
+        0.0 if rates is None else max(bound_us(counts, rates).values()) * US
+        for counts in priced.distinct
+    ]
+    bandwidth, per_dma = c.hbm_bandwidth, c.dma_overhead_s
+    seconds = [
+        nbytes / bandwidth + dmas * per_dma if queue >= 0 else bound[index] * node.repeat
+        for node, index, queue, nbytes, dmas in zip(
+            schedule.nodes, priced.counts_index, priced.queue, priced.moved, priced.issued,
+            strict=True,
+        )
+    ]  # fmt: skip
+    for i in priced.syncs:  # the entry barrier: one latency-bound phase
+        seconds[i] = c.collective_phase_s if topo.num_devices > 1 else 0.0
+    flight = {
+        i: round_time_s(schedule.nodes[i].collective, c) * schedule.nodes[i].repeat
+        for i in priced.collectives
+    }
+    return seconds, flight
 
 
 def estimate(
@@ -354,50 +405,28 @@ def estimate(
     schedule = program.schedule
     c = constants or CostConstants.from_chip(topo.chip_info, options)
     priced = priced or price_program(program)
-    nodes = schedule.nodes
-    rates = c.issue_rates
-    # Many nodes have equal counts (nodes of one key share theirs: node_op_counts); keyed by
-    # every field, so the key stays whole whatever bound_us reads.
-    bound: dict[tuple[float, ...], float] = {}
-
-    def run_s(counts: OpCounts) -> float:
-        key = (counts.vpu, counts.mxu, counts.loads, counts.stores, counts.dmas, counts.scalar)
-        if key not in bound:
-            bound[key] = 0.0 if rates is None else max(bound_us(counts, rates).values()) * US
-        return bound[key]
-
-    compute_s = [
-        run_s(counts) * node.repeat
-        for node, (_phase, counts) in zip(nodes, priced.ops, strict=True)
-    ]
-    colls = {
-        node.id: round_time_s(node.collective, c)
-        for node in nodes
-        if node.is_dma and node.collective is not None
-    }
-    walk = _Walk(c, schedule, colls, priced.names, priced.tensors, priced.category, trace)
+    walk = _Walk(schedule, priced, *_seconds(topo, c, schedule, priced), trace)
     # The host dispatches one device call per steps_per_call steps.
     dispatch = c.dispatch_s / c.steps_per_call
     walk.attr["fixed"] += dispatch
     walk.t = walk.engine_free = walk.ici_free = dispatch
     layer_start: dict[int, float] = {}
+    layer = [node.layer for node in schedule.nodes]
+    start, wait, run = walk.start, walk.wait, walk.run
     for op, i in schedule.events:
-        node = nodes[i]
         if op == START:
-            walk.start(node)
+            start(i)
         elif op == WAIT:
-            walk.wait(node)
+            wait(i)
         else:
-            layer_start.setdefault(node.layer, walk.t)
-            seconds = compute_s[i]
-            if node.cat == "sync":  # the entry barrier: one latency-bound phase
-                seconds = c.collective_phase_s if topo.num_devices > 1 else 0.0
-            walk.run(node, seconds)
+            if layer[i] not in layer_start:
+                layer_start[layer[i]] = walk.t
+            run(i)
     walk.drain()
     result = Estimate(
         step_ms=walk.t * 1e3,
         dma_timeline_ms=walk.dma_busy * 1e3,
-        compute_timeline_ms=None if rates is None else walk.core_busy * 1e3,
+        compute_timeline_ms=None if c.issue_rates is None else walk.core_busy * 1e3,
         compute_unpriced_formats=priced.unpriced,
         breakdown_ms={k: v * 1e3 for k, v in walk.attr.items()},
         cross_host_wait_ms=walk.cross_host_wait * 1e3,
