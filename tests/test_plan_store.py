@@ -13,7 +13,7 @@ import pytest
 
 import mkgen.plan.confidence
 import mkgen.plan.store
-from mkgen.kinds import dense, default_registry
+from mkgen.kinds import default_registry, dense
 from mkgen.plan import BuildPlan, KindRegistry, plan_build
 from mkgen.plan.options import BuildOptions
 from mkgen.spec.loader import load_spec
@@ -69,7 +69,7 @@ def test_another_input_or_another_mkgen_is_another_entry(
     assert len(_entries(store)) == 2
     assert one.calibrated_step_ms != two.calibrated_step_ms
     monkeypatch.setattr(mkgen.plan.store, "package_digest", lambda: "another mkgen")
-    _plan().confidence
+    assert _plan().confidence == one
     assert len(_entries(store)) == 3
 
 
