@@ -31,7 +31,7 @@ from mkgen.plan.cost import CostConstants, matmul_cost
 from mkgen.plan.report import collective_latency_note
 from mkgen.plan.schedule import RUN, START
 from mkgen.plan.sharding import plan_sharding
-from mkgen.plan.timeline import estimate
+from mkgen.plan.timeline import estimate, walk_inputs
 from mkgen.spec.loader import load_spec
 from mkgen.spec.topology import parse_topology
 
@@ -493,6 +493,32 @@ def test_a_build_inside_the_calibration_rows_but_for_held_refills() -> None:
     parts = plan.confidence.uncalibrated
     assert [p.what for p in parts] == [f"{plan.stream.held_refills} refills held for collectives"]
     assert plan.confidence.calibrated_step_ms == pytest.approx(plan.estimate.step_ms - parts[0].ms)
+
+
+def test_each_sensitivity_end_is_the_walk_at_its_constants(kimi) -> None:
+    """An end is walked once per distinct walk inputs: where the constants give the walk
+    the catalog's inputs (the catalog's own figure, or host links wide enough that no
+    round is wire-bound) the row takes the build's step, and that is the step a walk at
+    those constants gives; every other end is such a walk."""
+    c = kimi.estimate.constants
+    fields = {
+        "cross-host round latency (us)": ("cross_host_phase_s", 1e-6),
+        "cross-host link bandwidth (GB/s per core)": ("host_bandwidth", 1e9),
+        "core clock (GHz)": ("clock_hz", 1e9),
+        "scalar ops a cycle (the expert listing)": ("scalar_ops_per_cycle", 1),
+        "DMA issue cost (ns per DMA)": ("dma_overhead_s", 1e-9),
+    }
+    program, priced = kimi._program, kimi._priced
+    catalog = walk_inputs(kimi._topology, c, program.schedule, priced)
+    alike = 0
+    for row in kimi.confidence.sensitivity:
+        field, unit = fields[row.input]
+        for end, step in ((row.low, row.step_ms_low), (row.high, row.step_ms_high)):
+            at = c.with_inputs(**{field: end * unit})
+            walked = estimate(kimi._topology, kimi.options, program, constants=at)
+            assert step == walked.step_ms, (row.input, end)
+            alike += walk_inputs(kimi._topology, at, program.schedule, priced) == catalog
+    assert alike == 4  # three catalog figures and the widest host links
 
 
 def test_the_sensitivity_walks_each_unmeasured_input_at_both_ends(kimi) -> None:

@@ -35,7 +35,13 @@ from pydantic import BaseModel, ConfigDict
 from mkgen.plan.cost import CostConstants, Estimate
 from mkgen.plan.holds import HoldChoice
 from mkgen.plan.options import BuildOptions
-from mkgen.plan.timeline import PricedProgram, ProgramPlan, estimate, price_program
+from mkgen.plan.timeline import (
+    PricedProgram,
+    ProgramPlan,
+    estimate,
+    price_program,
+    walk_inputs,
+)
 from mkgen.spec.topology import Topology
 
 # The per-DMA issue cost is derived, not measured (CostConstants.from_chip): its range is
@@ -339,10 +345,13 @@ def sensitivity(
     chip, c = topo.chip_info, est.constants
     priced = priced or price_program(program)  # every row walks the same program
 
+    catalog = walk_inputs(topo, c, program.schedule, priced)
+
     def walked(constants: CostConstants) -> float:
-        """The step at `constants`: `est`'s own where they are the build's (an input's end
-        is often the catalog's figure), else the program walked again."""
-        if constants == c:
+        """The step at `constants`: `est`'s own where the walk reads the same of them as of
+        the build's (an input's end is often the catalog's figure, or moves nothing the
+        walk reads), else the program walked again."""
+        if constants == c or walk_inputs(topo, constants, program.schedule, priced) == catalog:
             return est.step_ms
         return estimate(topo, options, program, constants=constants, priced=priced).step_ms
 

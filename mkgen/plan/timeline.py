@@ -362,11 +362,21 @@ def price_program(program: ProgramPlan) -> PricedProgram:
     )  # fmt: skip
 
 
-def _seconds(
+class WalkInputs(NamedTuple):
+    """What a walk reads of the constants: each node's seconds (the core's for a RUN node,
+    the DMA engine's for a DMA node), each collective round's flight on the interconnect,
+    and the host's dispatch at the step's start. Two constants with equal inputs walk
+    alike (the sensitivity table walks once per distinct inputs)."""
+
+    seconds: list[float]
+    flight: dict[int, float]
+    dispatch: float
+
+
+def walk_inputs(
     topo: Topology, c: CostConstants, schedule: Schedule, priced: PricedProgram
-) -> tuple[list[float], dict[int, float]]:
-    """Each node's seconds at `c` (the core's for a RUN node, the DMA engine's for a DMA
-    node) and each collective round's flight on the interconnect (the walk's `_Walk`)."""
+) -> WalkInputs:
+    """The walk's inputs at constants `c` (WalkInputs)."""
     rates = c.issue_rates
     bound = [
         0.0 if rates is None else max(bound_us(counts, rates).values()) * US
@@ -386,7 +396,8 @@ def _seconds(
         i: round_time_s(schedule.nodes[i].collective, c) * schedule.nodes[i].repeat
         for i in priced.collectives
     }
-    return seconds, flight
+    # The host dispatches one device call per steps_per_call steps.
+    return WalkInputs(seconds, flight, c.dispatch_s / c.steps_per_call)
 
 
 def estimate(
@@ -405,11 +416,10 @@ def estimate(
     schedule = program.schedule
     c = constants or CostConstants.from_chip(topo.chip_info, options)
     priced = priced or price_program(program)
-    walk = _Walk(schedule, priced, *_seconds(topo, c, schedule, priced), trace)
-    # The host dispatches one device call per steps_per_call steps.
-    dispatch = c.dispatch_s / c.steps_per_call
-    walk.attr["fixed"] += dispatch
-    walk.t = walk.engine_free = walk.ici_free = dispatch
+    inputs = walk_inputs(topo, c, schedule, priced)
+    walk = _Walk(schedule, priced, inputs.seconds, inputs.flight, trace)
+    walk.attr["fixed"] += inputs.dispatch
+    walk.t = walk.engine_free = walk.ici_free = inputs.dispatch
     layer_start: dict[int, float] = {}
     layer = [node.layer for node in schedule.nodes]
     start, wait, run = walk.start, walk.wait, walk.run
