@@ -146,13 +146,13 @@ class BuildPlan(BaseModel):
 
 
 def _priced(
-    topo: Topology, options: BuildOptions, program: ProgramPlan, priced: PricedProgram,
-    checked: bool, trace: bool, drafting: ModelSpec | None,
+    topo: Topology, options: BuildOptions, program: ProgramPlan, priced: PricedProgram | None,
+    trace: bool, drafting: ModelSpec | None,
 ) -> tuple[Estimate | None, DraftPrice | None]:  # fmt: skip
     """The program's estimate (`priced`: its nodes' op counts) and, for a `drafting` spec,
     its drafter's price (the estimate then of verify + draft). A program that fails a check
-    may wait for ever: only a checked one is priced."""
-    if not checked:
+    may wait for ever: only a checked one is priced (`priced` None: not checked)."""
+    if priced is None:
         return None, None
     walked = estimate(topo, options, program, trace=trace, priced=priced)
     if drafting is None:
@@ -214,8 +214,8 @@ def plan_build(
     step = analyse(schedule, vmem)
     if enforce:
         step.enforce()
-    priced = price_program(program)
-    walked, drafter = _priced(topo, options, program, priced, step.ok, trace, drafting)
+    priced = price_program(program) if step.ok else None  # a failed check is not priced
+    walked, drafter = _priced(topo, options, program, priced, trace, drafting)
     if walked is not None and passes is not None:  # what the draft adds: the verify-only step
         unfused = options.model_copy(update={"fuse_draft": False})
         alone = estimate(topo, unfused, plan_program(base, topo, unfused, **shape))

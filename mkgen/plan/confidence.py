@@ -179,9 +179,12 @@ class Confidence(_Frozen):
 
 
 def _unheld(
-    topo: Topology, options: BuildOptions, program: ProgramPlan, est: Estimate
-) -> tuple[ProgramPlan, Estimate]:
-    """`program` with no refill held and its walk (`est` itself when none is)."""
+    topo: Topology, options: BuildOptions, program: ProgramPlan, est: Estimate,
+    priced: PricedProgram | None = None,
+) -> tuple[ProgramPlan, Estimate]:  # fmt: skip
+    """`program` with no refill held and its walk (`est` itself when none is). Holding
+    refills moves only when ring banks start, not what a node is (with_held_refills), so
+    the unheld program walks with `program`'s pricing, `priced`, when given."""
     from mkgen.plan.program import with_held_refills
 
     if not program.stream.held_refills:
@@ -189,7 +192,7 @@ def _unheld(
     unheld = program.unheld or with_held_refills(
         program, options, HoldChoice(0, program.stream.refills_per_round)
     )
-    return unheld, estimate(topo, options, unheld)
+    return unheld, estimate(topo, options, unheld, priced=priced)
 
 
 def _unshared(
@@ -225,7 +228,8 @@ def assess(
     `price_program(program)` when already done)."""
     from mkgen.plan.calibration import RECORDED
 
-    unheld, unheld_est = _unheld(topo, options, program, est)
+    priced = priced or price_program(program)
+    unheld, unheld_est = _unheld(topo, options, program, est, priced)
     calibrated = _unshared(topo, options, unheld, unheld_est)
     point = est.point
     if est.draft_ms is not None:
