@@ -95,6 +95,12 @@ def plan_benchmarks() -> list[Row]:
             time_command(args, runs=1, store=store)  # walks once, into the store
             rows.append(time_command(args, target_s=3.0, name=f"{line} (again)", store=store))
         rows.append(time_command([*kimi, "--rows", "8", "--json"], store=store))
+        # make build's build, which drafts in its kernel: two programs (with and without
+        # the drafter's passes); no target
+        fused = [*kimi, "--rows", "8", "--draft", "kimi-k3-mtp", "--fuse-draft"]
+        rows.append(time_command(fused, name="mkgen " + " ".join(fused) + " (first plan)"))
+        time_command(fused, runs=1, store=store)
+        rows.append(time_command(fused, name="mkgen " + " ".join(fused) + " (again)", store=store))
     return rows
 
 

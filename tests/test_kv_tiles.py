@@ -15,6 +15,7 @@ from cli_run import assert_user_error, mkgen_here
 from mkgen.errors import SpecError
 from mkgen.kinds import default_registry
 from mkgen.plan import estimate, plan_build, plan_program, tile_digest
+from mkgen.plan.fused import planned_model
 from mkgen.plan.kvtiles import TABLE, KvTileChoice, choose_program, rescoring
 from mkgen.plan.options import BuildOptions, kv_tile_candidates
 from mkgen.plan.tuning import build_spec
@@ -129,8 +130,11 @@ def test_every_tuned_kv_tile_entry_is_what_the_scorer_chooses() -> None:
         assert tile_digest(spec, topo, options, default_registry()) == entry["digest"], entry[
             "spec"
         ]
+        planned, passes = planned_model(spec, options.fuse_draft, options.rows)
         with rescoring():  # held refills forced: only the tiles are scored
-            program = plan_program(spec, topo, options, held_refills=0, kinds=default_registry())
+            program = plan_program(
+                planned, topo, options, held_refills=0, kinds=default_registry(), passes=passes
+            )
         assert program.kv_tiles == KvTileChoice.model_validate(entry["choice"]), entry["spec"]
 
 

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr
 from mkgen.plan.cost import CostConstants, Estimate, TraceEvent, to_chrome_trace
 from mkgen.plan.draft import DraftPrice, price_draft
 from mkgen.plan.floor import IdealFloor, ideal_floor
-from mkgen.plan.fused import fused_model
+from mkgen.plan.fused import planned_model
 from mkgen.plan.graph import GraphSummary, ScheduleCheckError, analyse
 from mkgen.plan.kernel import build_layout
 from mkgen.plan.kind import KindRegistry
@@ -197,9 +197,7 @@ def plan_build(
 
     drafting = spec if price_drafter and not options.fuse_draft else None
     base = spec.model_copy(update={"draft": None})  # the published kernels draft apart
-    passes = None
-    if options.fuse_draft:
-        spec, passes = fused_model(spec, options.rows)
+    spec, passes = planned_model(spec, options.fuse_draft, options.rows)
     shape = {"kinds": kinds, "bank_rows": bank_rows, "ring_depth": ring_depth,
              "max_piece_chunks": max_piece_chunks, "held_refills": held_refills,
              "refills_per_round": refills_per_round}  # fmt: skip

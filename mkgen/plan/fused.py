@@ -57,6 +57,15 @@ class DraftPasses(BaseModel):
         return MODULE_PREFIX if layer in self.layers else f"layers.{layer}."
 
 
+def planned_model(
+    spec: ModelSpec, fuse_draft: bool, rows: int
+) -> tuple[ModelSpec, DraftPasses | None]:
+    """The model a build plans and its drafter's passes: `spec` itself and none, or with
+    --fuse-draft (`fuse_draft`) `fused_model`'s. Every plan of a build goes through it
+    (plan_build, and the tuned tables' keys and scores, mkgen.plan.program)."""
+    return fused_model(spec, rows) if fuse_draft else (spec, None)
+
+
 def fused_model(spec: ModelSpec, rows: int) -> tuple[ModelSpec, DraftPasses]:
     """`spec` (with an mtp draft section) as the model a fused build plans: its layers, then
     rows - 1 layers of the MTP module's kinds; the draft section dropped (the kernel reads

@@ -15,7 +15,7 @@ from typing import Any
 
 from mkgen.errors import SpecError
 from mkgen.plan.cost import CostConstants
-from mkgen.plan.fused import DraftPasses
+from mkgen.plan.fused import DraftPasses, planned_model
 from mkgen.plan.holds import HoldChoice, hold_digest, known_choice, remember, score_holds
 from mkgen.plan.kind import KindRegistry
 from mkgen.plan.kvtiles import choose_program
@@ -92,7 +92,8 @@ def score_held_refills(
     """What the scorer chooses for a build planned with plan_build's defaults, whatever the
     tuned table says: (the build's digest, the choice, {refills a round: {held: predicted
     step ms}}). The tuned table's entries are this function's answers (tests/test_holds.py)."""
-    base = _unheld_program(spec, topo, options, kinds, DEFAULT_SHAPE, require_fit=True)
+    spec, passes = planned_model(spec, options.fuse_draft, options.rows)
+    base = _unheld_program(spec, topo, options, kinds, DEFAULT_SHAPE, True, passes)
     choice, scores = _score(base, topo, options, {})
     return _digest(spec, topo, options, DEFAULT_SHAPE, base), choice, scores
 
@@ -101,14 +102,16 @@ def build_digest(
     spec: ModelSpec, topo: Topology, options: BuildOptions, kinds: KindRegistry
 ) -> str:
     """The tuned table's key of a build planned with plan_build's defaults (holds.py)."""
-    base = _unheld_program(spec, topo, options, kinds, DEFAULT_SHAPE, require_fit=True)
+    spec, passes = planned_model(spec, options.fuse_draft, options.rows)
+    base = _unheld_program(spec, topo, options, kinds, DEFAULT_SHAPE, True, passes)
     return _digest(spec, topo, options, DEFAULT_SHAPE, base)
 
 
 def tile_digest(spec: ModelSpec, topo: Topology, options: BuildOptions, kinds: KindRegistry) -> str:
     """The KV tile table's key of a build planned with plan_build's defaults (kvtiles.py)."""
+    spec, passes = planned_model(spec, options.fuse_draft, options.rows)
     spec = options.apply(spec)
-    sharding, _ = plan_fitted(spec, topo, options, kinds=kinds)
+    sharding, _ = plan_fitted(spec, topo, options, kinds=kinds, passes=passes)
     return hold_digest(spec, topo, options, _with_sharing(DEFAULT_SHAPE, sharding))
 
 
