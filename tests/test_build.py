@@ -450,14 +450,23 @@ def test_the_verify_table_counts_the_routing_near_ties_it_followed(
         for s in range(3)
     ]
     target = shutil.copytree(build_dir, tmp_path / "build")
-    record = verify_record([report], steps=3, batch=1, rows=1, context=128, seed=0)
+    record = verify_record([report], steps=3, batch=1, rows=1, context=128, seed=7)
     record_measurement(target, "verify", record)
-    assert "| routing near ties |" in (target / "REPORT.md").read_text()
-    assert "| on_wait | pass | 3 |" in (target / "REPORT.md").read_text()
-    row = next(
-        line for line in (target / "REPORT.md").read_text().splitlines() if "| on_wait |" in line
-    )
+    text = (target / "REPORT.md").read_text()
+    assert "| routing near ties | seconds |" in text  # no drafts column: the kernel drafts none
+    assert "context 128, random weights seed 7):" in text
+    assert "| on_wait | pass | 3 |" in text
+    row = next(line for line in text.splitlines() if "| on_wait |" in line)
     assert row.split("|")[-3].strip() == "3"  # 0 + 1 + 2 ties over the three steps
+    # A kernel that drafts: its drafts equal to the reference drafter's, over the steps.
+    report.steps[0].drafts_total, report.steps[0].drafts_equal = 2, 2
+    report.steps[1].drafts_total, report.steps[1].drafts_near_tie = 2, 2
+    record = verify_record([report], steps=3, batch=1, rows=3, context=128, seed=7)
+    record_measurement(target, "verify", record)
+    text = (target / "REPORT.md").read_text()
+    assert "| routing near ties | drafts equal | seconds |" in text
+    row = next(line for line in text.splitlines() if "| on_wait |" in line)
+    assert row.split("|")[-3].strip() == "2/4 (2 after a near tie)"
 
 
 def test_report_says_why_the_router_is_split_or_replicated() -> None:

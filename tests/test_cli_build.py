@@ -230,6 +230,35 @@ def test_regen_rebuilds_every_listed_build(tmp_path: Path, monkeypatch) -> None:
     assert ": unchanged" in third.output
 
 
+def test_regen_measure_verifies_each_build_at_its_recorded_seed(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The seed of a build's recorded verify (Kimi K3's twin: 10, whose drafts are no near
+    ties), else 0; read before the rebuild, which drops a record of another kernel text.
+    The compile and verify are stubbed: what runs is the bookkeeping."""
+    from mkgen import cli
+    from mkgen.cli import build as build_commands
+    from mkgen.codegen import build_list, naming
+    from mkgen.codegen.package import record_measurement
+
+    (tmp_path / "BUILDS").write_text("qwen3-32b --topology 2x2x1\n")
+    monkeypatch.setattr(naming, "GENERATED", tmp_path)
+    monkeypatch.setattr(build_list, "BUILD_LIST", tmp_path / "BUILDS")
+    seeds = []
+    monkeypatch.setattr(build_commands, "compile_and_print", lambda *args: None)
+    monkeypatch.setattr(
+        build_commands, "verify_and_print", lambda *args, seed, **kw: seeds.append(seed)
+    )
+    runner = CliRunner()
+    assert runner.invoke(cli.cli, ["regen", "--measure"]).exit_code == 0
+    record = {"steps_requested": 2, "batch": 1, "rows": 1, "context": 128, "seed": 10,
+              "quant": [], "runs": []}  # fmt: skip
+    record_measurement(tmp_path / "qwen3-32b-2x2x1", "verify", record)
+    result = runner.invoke(cli.cli, ["regen", "--measure"])
+    assert result.exit_code == 0, result.output
+    assert seeds == [0, 10]
+
+
 @pytest.mark.slow
 def test_verify_passes_for_qwen3_32b_on_one_chip() -> None:
     # The CLI around verify_numerics (both DMA modes); 2x2x1 runs in test_codegen_numerics.

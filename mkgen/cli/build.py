@@ -150,11 +150,13 @@ def inspect_command(build: str, layer: int | None) -> None:
 @click.option(
     "--measure",
     is_flag=True,
-    help="Also compile and verify each build and record the results in its REPORT.md.",
+    help="Also compile and verify each build (at the seed of its recorded verify, else 0) and "
+    "record the results in its REPORT.md.",
 )
 def regen_command(measure: bool) -> None:
     """Rebuild every checked-in build listed in generated/BUILDS (with --force)."""
     from mkgen.codegen.build_list import BUILD_LIST, entry_inputs, read_build_list
+    from mkgen.codegen.measurements import read_measurements
     from mkgen.codegen.naming import CommandLine, default_build_dir
     from mkgen.codegen.package import make_build
 
@@ -162,21 +164,25 @@ def regen_command(measure: bool) -> None:
     for entry in read_build_list(BUILD_LIST):
         spec, topo, options = entry_inputs(entry)
         directory = default_build_dir(spec.name, topo)
+        # Read before the rebuild, which drops a record of another kernel text.
+        seed = ((read_measurements(directory) or {}).get("verify") or {}).get("seed", 0)
         line = CommandLine(draft=entry.draft)
         result = make_build(spec, topo, options, output=directory, force=True, line=line)
         state = "rewritten" if result.written else "unchanged"
         dropped = f"; {_dropped(result.dropped)}" if result.dropped else ""
         click.echo(f"{shown(directory)}: {state} (mkgen build {entry.line}){dropped}")
         if measure:
-            _measure(entry, spec, topo, options, directory)
+            _measure(entry, spec, topo, options, directory, seed)
 
 
-def _measure(entry: Any, spec: Any, topo: Any, options: Any, directory: Path) -> None:
+def _measure(entry: Any, spec: Any, topo: Any, options: Any, directory: Path, seed: int) -> None:
     """`regen --measure` of one build: its full-size compile and its mini twin's verify in
-    both DMA modes, recorded in its REPORT.md. The twin takes the full-size kernel's modes,
-    as `mkgen verify` gives them. A kernel that drafts verifies one step: its passes make a
-    step of Kimi K3's 32-device twin take about 40 minutes. A hang stops by itself
-    (stalled), so the timeout only bounds a slow twin."""
+    both DMA modes at random weights `seed` (its last recorded verify's, else 0: a seed at
+    which the reference drafter's first draft is a near tie compares no draft, and Kimi K3's
+    twin verifies at 10, docs/drafting.md), recorded in its REPORT.md. The twin takes the
+    full-size kernel's modes, as `mkgen verify` gives them. A kernel that drafts verifies
+    one step: its passes make a step of Kimi K3's 32-device twin take about 40 minutes. A
+    hang stops by itself (stalled), so the timeout only bounds a slow twin."""
     from mkgen.codegen.package import MINI_CONTEXT
     from mkgen.kinds import default_registry
     from mkgen.plan import full_size_kernel_modes
@@ -189,6 +195,6 @@ def _measure(entry: Any, spec: Any, topo: Any, options: Any, directory: Path) ->
     verify_and_print(
         entry.spec, applied, topo, checks.modes_of("both"), directory,
         steps=1 if options.fuse_draft else 2, batch=options.batch, rows=options.rows,
-        context=MINI_CONTEXT, seed=0, timeout=3600.0,
+        context=MINI_CONTEXT, seed=seed, timeout=3600.0,
         quant=tuple(f"{f}={v}" for f, v in options.quant), draft=entry.draft, knobs=knobs,
     )  # fmt: skip

@@ -57,6 +57,7 @@ def report_context(
     mini twin (None: it has none)."""
     est, mem, stream = plan.estimate, plan.memory, layout.stream
     quant = plan.sharding.quantization
+    verify_runs = _verify_rows(measurements.get("verify"))
     return {
         "header_lines": header.splitlines(),
         "name": name,
@@ -107,7 +108,8 @@ def report_context(
         "measured_compile": measurements.get("compile"),
         "measured_profile": measurements.get("profile"),
         "measured_verify": measurements.get("verify"),
-        "verify_runs": _verify_rows(measurements.get("verify")),
+        "verify_runs": verify_runs,
+        "verify_drafts": any(run["drafts"] for run in verify_runs),
         "mini": mini_name is not None,
         "mini_name": mini_name,
         "devices": topology.num_devices,
@@ -362,10 +364,23 @@ def _verify_rows(verify: Mapping[str, Any] | None) -> list[dict[str, Any]]:
                 else "-",
                 # Near ties the reference followed (verify's tie rule); older records lack them.
                 "route_ties": sum(len(s.get("route_ties", ())) for s in steps),
+                "drafts": _drafts_equal(steps),
                 "seconds": f"{sum(s['seconds'] for s in steps):.1f}",
             }
         )
     return rows
+
+
+def _drafts_equal(steps: list[Mapping[str, Any]]) -> str | None:
+    """A kernel that drafts: its drafts equal to the reference drafter's / all it drafted
+    over the steps (and how many were not compared, after a near tie of the reference
+    drafter's); None without drafts."""
+    total = sum(s.get("drafts_total", 0) for s in steps)
+    if not total:
+        return None
+    equal = sum(s["drafts_equal"] for s in steps)
+    after_ties = sum(s["drafts_near_tie"] for s in steps)
+    return f"{equal}/{total}" + (f" ({after_ties} after a near tie)" if after_ties else "")
 
 
 def _vmem_plan(plan: Any) -> dict[str, Any]:
