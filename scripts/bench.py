@@ -87,20 +87,18 @@ def plan_benchmarks() -> list[Row]:
     import tempfile
 
     kimi = ["plan", "kimi-k3", "--topology", "2x2x4"]
+    rows8 = [*kimi, "--rows", "8"]
+    # make build's build, which drafts in its kernel, plans two programs (with and without
+    # the drafter's passes): no target.
+    fused = [*rows8, "--draft", "kimi-k3-mtp", "--fuse-draft"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="mkgen-bench-store-") as store:
-        for args in (kimi, [*kimi, "--rows", "8"]):
+        for args, target in ((kimi, 3.0), (rows8, 3.0), (fused, None)):
             line = "mkgen " + " ".join(args)
-            rows.append(time_command(args, target_s=3.0, name=f"{line} (first plan)"))
+            rows.append(time_command(args, target_s=target, name=f"{line} (first plan)"))
             time_command(args, runs=1, store=store)  # walks once, into the store
-            rows.append(time_command(args, target_s=3.0, name=f"{line} (again)", store=store))
-        rows.append(time_command([*kimi, "--rows", "8", "--json"], store=store))
-        # make build's build, which drafts in its kernel: two programs (with and without
-        # the drafter's passes); no target
-        fused = [*kimi, "--rows", "8", "--draft", "kimi-k3-mtp", "--fuse-draft"]
-        rows.append(time_command(fused, name="mkgen " + " ".join(fused) + " (first plan)"))
-        time_command(fused, runs=1, store=store)
-        rows.append(time_command(fused, name="mkgen " + " ".join(fused) + " (again)", store=store))
+            rows.append(time_command(args, target_s=target, name=f"{line} (again)", store=store))
+        rows.append(time_command([*rows8, "--json"], store=store))
     return rows
 
 

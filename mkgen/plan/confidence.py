@@ -341,14 +341,12 @@ def _attention_part(
 
 def sensitivity(
     topo: Topology, options: BuildOptions, program: ProgramPlan, est: Estimate,
-    priced: PricedProgram | None = None,
+    priced: PricedProgram,
 ) -> list[SensitivityRow]:  # fmt: skip
-    """The program walked at both ends of each unmeasured input (module docstring). An input
-    the build does not use is left out: the cross-host figures on one host, the clock where
-    the catalog has no issue rates."""
+    """The program (priced as `priced`; every row walks it) walked at both ends of each
+    unmeasured input (module docstring). An input the build does not use is left out: the
+    cross-host figures on one host, the clock where the catalog has no issue rates."""
     chip, c = topo.chip_info, est.constants
-    priced = priced or price_program(program)  # every row walks the same program
-
     catalog = walk_inputs(topo, c, program.schedule, priced)
 
     def walked(constants: CostConstants) -> float:

@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from mkgen.errors import MkgenError
 from mkgen.output import write_atomic
@@ -88,7 +88,7 @@ def _read[Model: BaseModel](path: Path, key: str, model: type[Model]) -> Model |
         entry = json.loads(path.read_text())
         if entry.get("mkgen_store") == STORE_FORMAT and entry.get("key") == key:
             return model.model_validate(entry["value"])
-    except (OSError, ValueError, AttributeError, KeyError, ValidationError):
+    except (OSError, ValueError, AttributeError, KeyError):  # ValidationError is a ValueError
         pass
     return None
 

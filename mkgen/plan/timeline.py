@@ -312,7 +312,7 @@ class PricedProgram(NamedTuple):
     # What the DMA engine does for a DMA node, all its repeats: the bytes it moves and the
     # DMAs it issues (a collective round's: the sends, its copies travel on the ICI).
     moved: list[int]
-    issued: list[int]
+    issued: list[float]
     hbm_bytes: list[int]  # the HBM bytes a DMA node moves (remote copies move none)
     cross_host: list[bool]  # a cross-host collective round's copies
     collectives: list[int]  # the collective rounds' copies (DMA nodes)
@@ -348,16 +348,19 @@ def price_program(program: ProgramPlan) -> PricedProgram:
         keys.setdefault((c.vpu, c.mxu, c.loads, c.stores, c.dmas, c.scalar), len(keys))
         for _, c in ops
     ]
+    queue = [QUEUES.index(DMA_QUEUE[n.cat]) if n.op == "dma" else -1 for n in nodes]
     return PricedProgram(
         tuple(unpriced), names, category, [t for _, _, t in banks], counts_index,
         distinct=[OpCounts(*key) for key in keys],
-        queue=[QUEUES.index(DMA_QUEUE[n.cat]) if n.op == "dma" else -1 for n in nodes],
+        queue=queue,
         # (read for DMA nodes only: a collective's combine on the core is a RUN node)
         moved=[0 if n.cat == "collective" else n.nbytes * n.repeat for n in nodes],
-        issued=[(n.count // 2 if n.cat == "collective" else n.count) * n.repeat for n in nodes],
+        # A DMA node's op counts are the DMAs it issues once (node_op_counts: a collective
+        # round's sends only).
+        issued=[counts.dmas * n.repeat for (_, counts), n in zip(ops, nodes, strict=True)],
         hbm_bytes=[0 if n.cat in NOT_HBM else n.nbytes * n.repeat for n in nodes],
         cross_host=[n.collective is not None and n.collective.level == "host" for n in nodes],
-        collectives=[n.id for n in nodes if n.op == "dma" and n.cat == "collective"],
+        collectives=[i for i, q in enumerate(queue) if q == COLLECTIVES],
         syncs=[n.id for n in nodes if n.op != "dma" and n.cat == "sync"],
     )  # fmt: skip
 
