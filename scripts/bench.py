@@ -180,9 +180,9 @@ def against_the_bar() -> str:
                               "--rows", str(hand.rows), *quant]))  # fmt: skip
     width = max(len(" ".join(args)) for _, args in builds)
     lines = [
-        "Predicted step (cost model, not measured; calib: the same build with no refill held, "
-        "the calibrated regime) against the hand-written kernels (measured on TPU7x) and the "
-        "ideal floor:",
+        "Predicted step (cost model, not measured; calib: the same build with no refill held "
+        "and no expert sharing, the calibrated regime) against the hand-written kernels "
+        "(measured on TPU7x) and the ideal floor:",
         f"{'build':<{width}} {'step ms':>8} {'calib ms':>8} {'hand ms':>8} {'floor ms':>8} "
         f"{'floor/step':>10}",
     ]

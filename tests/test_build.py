@@ -313,6 +313,21 @@ def test_checked_in_builds_regenerate_byte_for_byte(checked_in_renders, tmp_path
         assert not stale, f"{checked_in}: {stale} differ from a fresh build; run `make regen`"
 
 
+def test_every_reports_step_carries_its_calibrated_regime_and_range(checked_in_renders) -> None:
+    """REPORT.md states beside its predicted step the calibrated regime and the lowest and
+    highest step of its sensitivity table (verify + draft where the step is)."""
+    for checked_in, _, rendered in checked_in_renders:
+        confidence = rendered.plan.confidence
+        said = confidence.beside_step()
+        draft = confidence.draft_ms or 0.0
+        steps = [s + draft for r in confidence.sensitivity for s in (r.step_ms_low, r.step_ms_high)]
+        assert said.startswith(f"{confidence.calibrated_step_ms + draft:.3f} ms in the calibrated")
+        assert f"; {min(steps):.3f} to {max(steps):.3f} ms with one unmeasured input" in said
+        report = " ".join(rendered.files["REPORT.md"].split())
+        headline, beside = report.index("tokens/s per user"), report.index(f"Beside it: {said}")
+        assert headline < beside < report.index("How far to trust it"), checked_in
+
+
 def test_measurements_survive_a_rebuild_only_while_inputs_match(
     build_dir: Path, tmp_path: Path
 ) -> None:

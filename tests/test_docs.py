@@ -45,6 +45,15 @@ def test_readme_examples_are_current() -> None:
     assert make_docs.render(readme) == readme, "README.md is stale: run `make docs`"
 
 
+def test_the_readme_states_the_calibration_as_recorded() -> None:
+    """The README's account of the cost model's calibration is the summary every report
+    states (calibration.RECORDED), not figures of an older calibration."""
+    from mkgen.plan.calibration import RECORDED
+
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert RECORDED.describe() in readme
+
+
 def test_an_example_block_is_rewritten_with_masked_build_time() -> None:
     make_docs = _script("make_docs")
     stale = "intro\n<!-- mkgen-example: mkgen --version -->\nold text\n<!-- /mkgen-example -->\n"

@@ -121,6 +121,10 @@ def test_plan_json_gives_verify_draft_and_their_sum() -> None:
     # The calibrated step is verify + draft too, as the estimate's CSV gives it.
     assert est["calibrated_verify_ms"] > est["verify_ms"]
     assert est["calibrated_step_ms"] == pytest.approx(est["calibrated_verify_ms"] + est["draft_ms"])
+    # So are the sensitivity table's steps: the core clock's catalog end (4.4 GHz) is the step.
+    clock = next(r for r in est["sensitivity"] if r["input"] == "core clock (GHz)")
+    assert clock["step_ms_high"] == pytest.approx(est["step_ms"])
+    assert clock["step_ms_low"] > est["step_ms"]
 
 
 def test_plan_text_says_verify_plus_draft_is_predicted_and_not_run() -> None:

@@ -5,7 +5,7 @@ regenerate with `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --fuse-draft --dr
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Kimi K3: 93 layers, 3 KDA to 1 MLA plus a final MLA layer, latent MoE of 896 experts, top-16"
 Build options: batch 1, rows 8, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 14 refills held for collectives, 5 a round.
-Inputs sha256: 8889cababfad536f14ee5d702e49ab6cf6a12a2d1eb2bd4ddc1a815411d95015 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 8436dce739d8c3f0dfde30b73ae3dd4852382a9321e01616777192a6b8d9ba29 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -5,7 +5,7 @@ regenerate with `mkgen build mixtral-8x7b --topology 2x2x1 --force` (add -o and 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Imported from the Hugging Face config mixtral-8x7b.json (MixtralForCausalLM, model_type mixtral)."
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 6 refills held for collectives, 5 a round.
-Inputs sha256: 0fe4b10f65b1b80bc2fef432c2e33e926794fe2c1201b1269c663503c877867b (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 659cdc67b64f4e6d0040fcc11e1aa30a18fc3a737e98b8549e8396397025fbce (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x

@@ -5,7 +5,7 @@ regenerate with `mkgen build muse-spark-1.2 --topology 2x2x1 --force` (add -o an
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Muse Spark 1.2: 62 layers, SWA(2048)+RoPE with NoPE full attention at l % 4 == 1, MoE 256 top-8"
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 13 refills held for collectives, 5 a round.
-Inputs sha256: 04285556fb1a9506c1fce63ebc220bb6121968a1c990b19ed94ef22f1763488a (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 35e7f6007816dc6bccdf640863a65f126eda070d36d74df0985c3dc298c245ba (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x

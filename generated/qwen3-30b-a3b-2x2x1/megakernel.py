@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3-30b-a3b --topology 2x2x1 --force` (add -o and
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Imported from the Hugging Face config qwen3-30b-a3b.json (Qwen3MoeForCausalLM, model_type qwen3_moe)."
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 3 refills held for collectives, 5 a round.
-Inputs sha256: 28b70ef82363304dac298b6b93fe52f0595e13452c1af2e04605e2207710305b (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 4a9f2e22b653351d991524ce27b7ac8f4b3e76ecd0b2afb852329778cb35062e (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x

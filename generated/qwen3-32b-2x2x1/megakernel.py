@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3-32b --topology 2x2x1 --force` (add -o and thi
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Imported from the Hugging Face config qwen3-32b.json (Qwen3ForCausalLM, model_type qwen3)."
 Build options: batch 1, rows 1, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 9 refills held for collectives, 14 a round.
-Inputs sha256: 450c2c4111f9ec0c7a5a3089ebc1f3aa7b98be6ed474721c6dcad98b55f7faf3 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 2490a6bdd0279ff3a026e6be7e0899e2cb1a81983080939ad064c737495ae542 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x

@@ -5,7 +5,7 @@ regenerate with `mkgen build qwen3.8-27b --topology 2x2x1 --rows 8 --draft qwen3
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "Qwen3.8-27B: 64 layers, pattern LLLF (Gated DeltaNet x3, gated GQA), SwiGLU 17408"
 Build options: batch 1, rows 8, acceptance 1, context 4096, quant: spec formats; weight banks of 4096 rows, ring depth 16, 9 refills held for collectives, 14 a round; drafter block: 5 layers, block_size 16, 5 feature layers.
-Inputs sha256: 1e61dfd135bd159c7a20f8bbb6ab4842c2d35f39692997320901361940db9507 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 53bff09a1f67ffb94fea1d2c1b91441e25ed6b3d614532127a6c55731091ae46 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

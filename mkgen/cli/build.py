@@ -112,7 +112,7 @@ def _print_files(r: Any, where: str) -> None:
     click.echo(f"  plan.json      {r.files['plan.json'].count(chr(10)):>5} lines")
     click.echo(
         f"  REPORT.md      {r.files['REPORT.md'].count(chr(10)):>5} lines  {est.headline} "
-        f"({r.plan.confidence.calibrated_step_ms:.3f} in the calibrated regime; "
+        f"({r.plan.confidence.beside_step()}; "
         f"{r.plan.ideal_floor.times(est.step_ms)}), {est.tokens_per_s_per_user:.1f} tokens/s "
         "per user" + (f" at acceptance {est.acceptance:g} (--acceptance)" if est.rows > 1 else "")
     )

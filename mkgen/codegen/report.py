@@ -307,6 +307,8 @@ def _confidence(confidence: Any) -> dict[str, Any] | None:
         return None
     return {
         "step_ms": f"{confidence.step_ms:.3f}",
+        "beside_step": confidence.beside_step(),
+        "sensitivity_of": confidence.sensitivity_of(),
         "calibrated_step_ms": f"{confidence.calibrated_step_ms:.3f}",
         "point": confidence.point,
         "coverage": confidence.coverage.describe(),

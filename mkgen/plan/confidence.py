@@ -146,18 +146,46 @@ class Confidence(_Frozen):
     sensitivity: tuple[SensitivityRow, ...]
 
     def record(self) -> dict[str, object]:
-        """plan.json's keys under "estimate" (beside the full step): with a drafter, the
-        calibrated step is verify + draft, as "step_ms" is, the same draft added to the
-        calibrated verify step (no measurement covers a draft)."""
+        """plan.json's keys under "estimate" (beside the full step): with a drafter priced
+        beside the verify step, the calibrated step and the sensitivity table's steps are
+        verify + draft, as "step_ms" is, the same draft added to each verify step (no
+        measurement covers a draft)."""
+        draft = self.draft_ms or 0.0
         return {
-            "calibrated_step_ms": self.calibrated_step_ms + (self.draft_ms or 0.0),
+            "calibrated_step_ms": self.calibrated_step_ms + draft,
             "calibrated_verify_ms": self.calibrated_step_ms,
             "calibrated_regime": self.coverage.describe(),
             "calibration": self.calibration,
             "uncalibrated": [p.model_dump() for p in self.uncalibrated],
-            "sensitivity": [r.record() for r in self.sensitivity],
+            "sensitivity": [
+                {
+                    **r.record(),
+                    "step_ms_low": r.step_ms_low + draft,
+                    "step_ms_high": r.step_ms_high + draft,
+                }
+                for r in self.sensitivity
+            ],  # fmt: skip
             "sensitivity_sources": {r.input: r.source for r in self.sensitivity},
         }
+
+    def sensitivity_of(self) -> str:
+        """What the sensitivity table's steps are of, where that is not the step itself."""
+        return "; the verify step alone" if self.draft_ms is not None else ""
+
+    def beside_step(self) -> str:
+        """What every output states beside a build's step: its calibrated regime and the
+        range of the sensitivity table, e.g. "7.142 ms in the calibrated regime; 5.224 to
+        8.128 ms with one unmeasured input at either end of its range"; with a drafter
+        priced beside the verify step, both verify + draft, as the step is."""
+        draft = self.draft_ms or 0.0
+        said = f"{self.calibrated_step_ms + draft:.3f} ms in the calibrated regime"
+        if not self.sensitivity:
+            return said
+        steps = [s + draft for r in self.sensitivity for s in (r.step_ms_low, r.step_ms_high)]
+        return (
+            f"{said}; {min(steps):.3f} to {max(steps):.3f} ms with one unmeasured input at "
+            "either end of its range"
+        )
 
     def lines(self) -> list[str]:
         """Human text (`mkgen plan`); REPORT.md shows the same as tables."""
@@ -169,7 +197,10 @@ class Confidence(_Frozen):
         ]
         out += [f"  {p.what}: {p.ms:+.3f} ms ({p.how})" for p in self.uncalibrated]
         if self.sensitivity:
-            out.append("Sensitivity (the same kernel walked at each end of an unmeasured input):")
+            out.append(
+                "Sensitivity (the same kernel walked at each end of an unmeasured input"
+                f"{self.sensitivity_of()}):"
+            )
             out += [
                 f"  {r.input}: {r.low:.3g} -> {r.step_ms_low:.3f} ms, {r.high:.3g} -> "
                 f"{r.step_ms_high:.3f} ms ({r.source})"

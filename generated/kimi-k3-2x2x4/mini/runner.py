@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build kimi-k3 --topology 2x2x4 --rows 8 --fuse-d
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of kimi-k3 for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats, expert sharing half; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: c55b1c0a6f3945be4ad0fc30b717a28c819c2705625eab5ffc4cd45e329d5974 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: ac7d4f323d6da44880e6063fd84a174a0ffe80c6e5bc5d552afdb1c5236eafa1 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

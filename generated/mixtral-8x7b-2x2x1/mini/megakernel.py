@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build mixtral-8x7b --topology 2x2x1 --force`` (a
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of mixtral-8x7b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: e1a79d4bfdeb1ef1e0f853bb53479ac6e49df87ba921abed6ad54aceccd70a24 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: f11d090615c8084842d1dff62eb682068e06189ad5d5853d107b605084f73a59 (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x

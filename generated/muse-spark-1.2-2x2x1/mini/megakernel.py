@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build muse-spark-1.2 --topology 2x2x1 --force`` 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of muse-spark-1.2 for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 52a022a11d26b48ea46979d68cae798325e388325fa47e4c74e21f05ab4c78b1 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: fc2eac9a7fd3e538178ee3c869a999d058ce9df0aea5fc853fa0fd6253cd35de (spec JSON, topology, options, templates, ruff version).
 
 Each of the 8 cores runs the same kernel over its shard (tensor parallel over
 all cores). Per step: the residual stream of 1 row(s) (1 sequence(s) x

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3-30b-a3b --topology 2x2x1 --force`` (
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3-30b-a3b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing quarter; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 04e8baf85c56fd36c0825bfe41f40f3221a3474dd2cc27a7382f0a5c250b2f1b (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: dd95e7aef0027c8fe993f670f8dc6b90ec57a62c1dffd61e64d4484bb7518bf8 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3-32b --topology 2x2x1 --force`` (add 
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3-32b for CPU tests"
 Build options: batch 1, rows 1, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round.
-Inputs sha256: 0a224bec7a6229aca768be1b4113c3105aee66dbf3a3a6944e41ca4bd6d33224 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 3072de403961492dc0d737080a7d96fa89f5ff30ead99f26959ad34a9ed297f0 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 

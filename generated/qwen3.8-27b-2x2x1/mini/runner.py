@@ -5,7 +5,7 @@ regenerate with `part of `mkgen build qwen3.8-27b --topology 2x2x1 --rows 8 --dr
 checkout's generated/; checked-in builds: `mkgen regen`).
 Spec description: "mini twin of qwen3.8-27b for CPU tests"
 Build options: batch 1, rows 8, acceptance 1, context 128, quant: spec formats, expert sharing none; weight banks of 256 rows, ring depth 4, 2 refills held for collectives, 1 a round; drafter block: 5 layers, block_size 16, 5 feature layers.
-Inputs sha256: ccb21dafcadb3b3cf69ab7dda9711331e39c7a63374bab1cf5f413239a2ea618 (spec JSON, topology, options, templates, ruff version).
+Inputs sha256: 0fe3025ae9fead95647ec1b276b5e517fb74c60465537edac0b2ebf625e13988 (spec JSON, topology, options, templates, ruff version).
 
 Run it on a TPU slice of this build's shape, or on CPU in TPU interpret mode:
 
