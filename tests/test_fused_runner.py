@@ -2,13 +2,14 @@
 docs/drafting.md); it decodes with the runner's chunked decoder.
 
 draft-mtp's mini twin (hidden 256) at rows 3, batch 1, on one chip's cores, in TPU
-interpret mode: the engine's XLA prefill fills the MTP module's cache, every device step
-feeds the kernel's drafts of the step before (carried by KernelDrafts), the greedy tokens
+interpret mode: the engine's XLA prefill fills the MTP module's cache and drafts after the
+prompt with the module's chain, the first device step feeds those drafts and every later
+one the kernel's drafts of the step before (carried by KernelDrafts), the greedy tokens
 are the target's, and a second request in the slot the first left gets the same tokens
-and drafts. The kernel's first drafts are the reference drafter's (its draft_step over the
-same committed rows): they rest on the prefilled MTP cache, which a prefill that skipped
-it, or paired the wrong tokens, would not give. `mkgen run` with converted weights:
-tests/test_draft_convert.py.
+and drafts. The prefill's drafts and the kernel's first are the reference drafter's (its
+draft_step over the same committed rows): they rest on the prefilled MTP cache, which a
+prefill that skipped it, or paired the wrong tokens, would not give. `mkgen run` with
+converted weights: tests/test_draft_convert.py.
 """
 
 from __future__ import annotations
@@ -155,26 +156,37 @@ def test_the_server_feeds_the_kernels_drafts_and_keeps_the_greedy_tokens(fused_b
 
     greedy = generate(target, stored_random_weights(target, 0), np.asarray(PROMPT), STEPS)
     assert answer["tokens"] == greedy.tolist()
-    # The second request, in the slot the first left, starts by prompt lookup again.
+    # The second request, in the slot the first left, starts from its own prefill again.
     assert again == answer
-    steps = [count[0] for _, count in answer["made"]]  # the tokens each step gave
+    # The prefill's drafts come first (made[0]: it took the 6 prefilled rows), then each
+    # step's: the tokens it gave (accepted + bonus), then its drafts.
+    prefilled, *made = answer["made"]
+    assert prefilled[1] == [len(PROMPT) - 1] and prefilled[0][0][0] == len(PROMPT) - 1
+    steps = [count[0] for _, count in made]
     assert sum(steps) == STEPS and len(answer["fed"]) == len(steps)
-    # The first step drafts by prompt lookup (nothing before it drafted); every later one
-    # feeds the drafts the kernel wrote the step before, after the rows it took.
-    assert [ok for ok, _ in answer["fed"]] == [[False]] + [[True]] * (len(steps) - 1)
-    for (out, count), (_, drafts) in zip(answer["made"], answer["fed"][1:], strict=False):
+    # Every step feeds the drafts written before it: the first the prefill's (the MTP
+    # module's chain after the prompt), every later one the kernel's of the step before.
+    assert [ok for ok, _ in answer["fed"]] == [[True]] * len(steps)
+    for (out, count), (_, drafts) in zip(answer["made"], answer["fed"], strict=False):
         assert out[0][0] == count[0] and drafts == [out[0][1:]]
+    # The prefill's drafts are the reference drafter's after the prompt.
+    _assert_drafts(prefilled[0][0][1:], *_reference_drafts(twin, PROMPT[:-1], PROMPT[-1]))
     # The kernel's first drafts follow the bonus of step 0, after the prompt and the rows
     # it accepted: the reference drafter's from the same committed tokens.
-    (accepted, *kernel_drafts), taken = answer["made"][0][0][0], steps[0]
+    (accepted, *kernel_drafts), taken = made[0][0][0], steps[0]
     assert accepted == taken
     fed_rows = [PROMPT[-1], *answer["fed"][0][1][0]]
     committed = PROMPT[:-1] + fed_rows[:taken]
-    expected, logits = _reference_drafts(twin, committed, greedy[taken - 1])
-    for j, (mine, theirs) in enumerate(zip(kernel_drafts, expected, strict=True)):
-        if mine != theirs:  # a near tie, after which the chain drafts from another token
+    _assert_drafts(kernel_drafts, *_reference_drafts(twin, committed, greedy[taken - 1]))
+
+
+def _assert_drafts(drafts: list[int], expected: list[int], logits: np.ndarray) -> None:
+    """`drafts` are the reference's `expected` (logits [rows - 1, vocab]) up to the first
+    near tie, after which the chain drafts from another token."""
+    for j, (mine, theirs) in enumerate(zip(drafts, expected, strict=True)):
+        if mine != theirs:
             gap = logits[j][theirs] - logits[j][mine]
-            assert gap <= TIE * np.ptp(logits[j]), (j, kernel_drafts, expected)
+            assert gap <= TIE * np.ptp(logits[j]), (j, drafts, expected)
             break
 
 

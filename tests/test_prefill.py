@@ -5,7 +5,8 @@ attention and FFN kind, the stream's int8 / fp8 segments, int4 / int8 / mxfp4 / 
 fp8 experts, MLA's transposed and de-interleaved views). The sharded prefill on 8 virtual devices
 leaves in the kernel's cache arrays exactly what the reference model's prefill caches
 hold, core by core, and a different prompt does not; prompts go in power-of-two chunks,
-whose layer steps compile once per chunk size. The runner's generation through
+whose layer steps compile once per chunk size. A kernel that drafts gets, after the
+prompt, the reference MTP drafter's chain. The runner's generation through
 the XLA prefill and then the kernel is in tests/test_runner.py.
 """
 
@@ -203,6 +204,9 @@ PREFILL_CASES = [
     "gpt-oss, experts shared",
 ]
 CACHE_RTOL = 2e-2  # bf16 caches; the same f32 computation summed in another order
+# The MTP module's outputs over bf16 caches (the reference's are f32): 8.3e-4 measured; a
+# chained entry one position late gives 0.041.
+MODULE_RTOL = 5e-3
 
 
 def _placed(layout, weights, mesh) -> dict:
@@ -342,6 +346,98 @@ def _dots_child(spec_refs: list[str]) -> dict:
     return results
 
 
+FUSED_ROWS = 4  # three passes: a draft from the module's last prompt entry, two chained
+
+
+def _module_child(spec_refs: list[str]) -> dict:
+    """A kernel that drafts (--fuse-draft at FUSED_ROWS rows) of each spec (with an mtp
+    drafter): after PROMPTS' first 12 tokens, the largest relative difference between
+    what the prefill's draft chain feeds its LM head (the MTP module's output at the
+    prompt's last entry, then at each chained entry) and the reference chain's
+    (mtp_layer, mtp_head), and its drafts beside the reference's."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    import mkgen.runtime.prefill as prefill_module
+    from mkgen.codegen.package import mini_kernel_args
+    from mkgen.plan import plan_build
+    from mkgen.plan.options import BuildOptions
+    from mkgen.reference.draft import (
+        compile_traced,
+        init_draft_state,
+        mtp_head,
+        mtp_layer,
+        target_hidden,
+    )
+    from mkgen.reference.model import greedy_token, init_cache
+    from mkgen.spec.draft_import import load_drafter
+    from mkgen.spec.loader import load_spec
+    from mkgen.spec.mini import mini_twin
+    from mkgen.spec.topology import parse_topology
+    from mkgen.weights.quantize import stored_draft_weights, stored_random_weights
+
+    fed: list[np.ndarray] = []
+    head_step = prefill_module._head_step
+
+    def recording_head(*args):
+        head = head_step(*args)
+
+        def recorded(stream, final_norm, out):
+            fed.append(np.asarray(out))
+            return head(stream, final_norm, out)
+
+        return recorded
+
+    prefill_module._head_step = recording_head
+    results = {}
+    for spec_ref in spec_refs:
+        topology = parse_topology(TOPOLOGY)
+        spec = mini_twin(load_drafter("mtp", load_spec(spec_ref)), topology.num_devices)
+        options = BuildOptions.create(
+            context=CONTEXT, batch=BATCH, rows=FUSED_ROWS, fuse_draft=True
+        )
+        layout = plan_build(
+            spec, topology, options, **mini_kernel_args(), kinds=default_registry()
+        ).kernel
+        weights = stored_random_weights(spec, 0) | stored_draft_weights(spec, 0)
+        mesh = Mesh(np.array(jax.devices()[: layout.devices]), ("cores",))
+        prompts = np.array(PROMPTS, np.int32)
+        tokens, following = prompts[:, :-1], prompts[:, 1:]
+        module = prefill_module.ModuleInputs(
+            {n: v for n, v in weights.items() if n.startswith("draft.")},
+            weights["final_norm"], weights["embedding"], following,
+        )  # fmt: skip
+        drafted: list[tuple[int, jax.Array]] = []
+        fed.clear()
+        prefill_module.prefill(
+            spec, layout, mesh, "cores", _placed(layout, weights, mesh), weights["embedding"],
+            tokens, module=module, drafted=lambda *made: drafted.append(made),  # noqa: B023
+        )  # fmt: skip
+        ((count, drafts),) = drafted
+        # The reference: the module over the prompt's entries, then its greedy chain.
+        w = {n: jnp.asarray(v) for n, v in weights.items()}
+        _, _, hidden = compile_traced(spec)(w, tokens, init_cache(spec, BATCH, CONTEXT))
+        last = target_hidden(spec, w, hidden, spec.layers.count - 1)
+        cache = init_draft_state(spec, BATCH, CONTEXT)["layers"][0]
+        out, cache = mtp_layer(spec, w, cache, following, last, 0)
+        outs, theirs = [out[:, -1:]], []
+        for j in range(FUSED_ROWS - 1):
+            logits, chained = mtp_head(spec, w, outs[-1])
+            theirs.append(greedy_token(spec, logits))
+            if j + 1 < FUSED_ROWS - 1:
+                at = tokens.shape[1] + j
+                out, cache = mtp_layer(spec, w, cache, theirs[-1][:, None], chained, at)
+                outs.append(out)
+        results[spec_ref] = {
+            "count": count,
+            "fed": max(_relative(a, b) for a, b in zip(fed, outs, strict=True)),
+            "drafts": np.asarray(drafts).tolist(),
+            "reference": np.stack(theirs, axis=1).tolist(),
+        }
+    return results
+
+
 def _run_child(modes: list[str], spec_refs: list[str]) -> dict:
     """The results of this file run as a script in each of `modes` over `spec_refs`, one
     after the other in one process of its own with 8 virtual CPU devices, by mode."""
@@ -371,6 +467,19 @@ def test_sharded_prefill_writes_the_reference_caches(run_once) -> None:
     # Chunks of 8, 4, 2 and 1 for the first spec, of 8 and 1 for the others.
     compiles = [[4 if spec_ref == PREFILL_CASES[0] else 2] for spec_ref in PREFILL_CASES]
     assert [results[spec_ref]["compiles"] for spec_ref in PREFILL_CASES] == compiles, results
+
+
+@pytest.mark.timeout(900)
+def test_a_kernel_that_drafts_prefills_the_reference_drafts_after_the_prompt() -> None:
+    """The prefill of a kernel that drafts ends with its first drafts: the MTP module's
+    greedy chain from the prompt's last entry, each chained entry at the position after
+    the one before, as the reference drafter makes them (the LM head's inputs within the
+    bf16 caches' rounding); they follow the token after the 12 prompt tokens prefilled."""
+    result = _run_child(["module"], [str(SPECS / "draft-mtp.yaml")])["module"]
+    (case,) = result.values()
+    assert case["count"] == len(PROMPTS[0]) - 1
+    assert case["fed"] <= MODULE_RTOL, case
+    assert case["drafts"] == case["reference"], case
 
 
 @pytest.mark.timeout(900)
@@ -534,5 +643,5 @@ def test_prompts_go_in_power_of_two_chunks() -> None:
 
 
 if __name__ == "__main__":
-    children = {"caches": _prefill_child, "dots": _dots_child}
+    children = {"caches": _prefill_child, "dots": _dots_child, "module": _module_child}
     print(json.dumps({mode: children[mode](sys.argv[2:]) for mode in sys.argv[1].split(",")}))

@@ -113,10 +113,11 @@ class Generation:
 
 def prefill(
     model: Model, prompts: list[list[int]], where: str
-) -> tuple[list[jax.Array], int, list[tuple[int, jax.Array]]]:
-    """The kernel's caches after the prompts' first tokens, how many tokens they hold and,
-    for a drafter that reads the target's hidden states (an mtp or block drafter), those
-    states of the held tokens as the kernel writes them (DrafterStates.chunks; else []).
+) -> tuple[list[jax.Array], int, list[Observed]]:
+    """The kernel's caches after the prompts' first tokens, how many tokens they hold and
+    what the build's drafter observes of the prefill (DrafterStates.observed: an mtp or
+    block drafter's states of the held tokens as the kernel writes them, a kernel's first
+    drafts; else []).
 
     With --prefill xla (the default), all but the last token of the shortest prompt run
     through the model in XLA over the placed per-core weights (mkgen.runtime.prefill: a
@@ -143,8 +144,9 @@ def prefill(
                 model.weights.embedding, tokens, progress=layer_done,
                 layer_output=states.keep if states.layers else None,
                 module=module_inputs(model, prompts, held),
+                drafted=states.drafted if states.wants_drafts else None,
             )  # fmt: skip
-        return caches, held, states.chunks()
+        return caches, held, states.observed()
     return empty_caches(model, model.build.batch), 0, []
 
 
@@ -158,25 +160,45 @@ def module_inputs(model: Model, prompts: list[list[int]], held: int) -> ModuleIn
     return ModuleInputs(w.draft_module(), w.final_norm, w.embedding, following)
 
 
-class DrafterStates:
-    """The XLA prefill's residual stream after the layers the build's drafter reads (an
-    mtp or block drafter: KernelLayout.draft_hidden), kept as the prefill goes."""
+# What a drafter's observe takes of a prefill: (the first position, the values, how many
+# positions from it they commit), DrafterStates.observed.
+Observed = tuple[int, jax.Array, int]
 
-    def __init__(self, model: Model) -> None:
+
+class DrafterStates:
+    """What the build's drafter observes of an XLA prefill of positions start..: an mtp or
+    block drafter the residual stream after the layers it reads (KernelLayout.draft_hidden),
+    kept as the prefill goes (keep); a kernel that drafts (KernelDrafts) the drafts of its
+    MTP module's chain after the prompt (drafted), which its first step then verifies."""
+
+    def __init__(self, model: Model, start: int = 0) -> None:
         drafting = model.drafting
         reads = drafting is not None and drafting.drafter.observes_steps
-        self.model, self.entries = model, model.layout.draft_hidden if reads else []
+        self.model, self.start = model, start
+        self.entries = model.layout.draft_hidden if reads else []
         self.layers = {entry.layer for entry in self.entries}
         self.kept: dict[int, jax.Array] = {}
+        self.wants_drafts = reads and model.build.fused_draft
+        self.drafts: Observed | None = None
 
     def keep(self, layer: int, stream: list[jax.Array]) -> None:
         if layer in self.layers:
             self.kept[layer] = list(stream)
 
-    def chunks(self) -> list[tuple[int, jax.Array]]:
-        """Per prefill chunk (prompt_chunks' power-of-two sizes, so a drafter's commit
-        compiles for those only), its first position and its states [len(draft_hidden),
-        B, size, HIDDEN], the last layer's final-normed as the kernel writes it."""
+    def drafted(self, count: int, drafts: jax.Array) -> None:
+        """The prefill's drafts [B, rows - 1] after the token that follows its `count`
+        positions, as KernelDrafts.observe takes a step's output: the rows taken, then the
+        drafts."""
+        taken = jnp.full((drafts.shape[0], 1), count, jnp.int32)
+        self.drafts = (self.start, jnp.concatenate([taken, drafts], axis=1), count)
+
+    def observed(self) -> list[Observed]:
+        """What the drafter observes, in order: a kernel's drafts (drafted), or per prefill
+        chunk (prompt_chunks' power-of-two sizes, so a drafter's commit compiles for those
+        only) its states [len(draft_hidden), B, size, HIDDEN], the last layer's
+        final-normed as the kernel writes it."""
+        if self.drafts is not None:
+            return [self.drafts]
         if not self.kept:
             return []
         from mkgen.reference.layers import rms_norm
@@ -184,13 +206,14 @@ class DrafterStates:
         dims = self.model.spec.dims
         final = jnp.asarray(self.model.weights.final_norm, jnp.float32)
         zero_centered = dims.norm_style == "zero_centered"
-        out, offset = [], 0
+        out, offset = [], self.start
         for c, piece in enumerate(self.kept[self.entries[0].layer]):
-            out.append((offset, jnp.stack([
+            states = jnp.stack([
                 rms_norm(self.kept[e.layer][c], final, dims.norm_eps, zero_centered)
                 if e.normed else self.kept[e.layer][c]
                 for e in self.entries
-            ])))  # fmt: skip
+            ])  # fmt: skip
+            out.append((offset, states, piece.shape[1]))
             offset += piece.shape[1]
         return out
 
@@ -234,6 +257,7 @@ def prefill_sequence(
     cached: list[np.ndarray] | None = None,
     layer_output: Callable[[int, list[jax.Array]], None] | None = None,
     next_token: int | None = None,
+    drafted: Callable[[int, jax.Array], None] | None = None,
 ) -> list[jax.Array]:
     """One sequence's kernel cache arrays (batch 1: [devices, layers, 1, ...]) holding
     `prompt_ids` at positions start..start + len - 1, through the XLA prefill, after what
@@ -242,9 +266,9 @@ def prefill_sequence(
     follows them; None when start is 0). Zeros when there are no tokens;
     mkgen.runtime.slots.insert_sequence puts them in a slot of the decode caches. The
     server's engine prefills every admitted prompt through this one function;
-    `layer_output` as mkgen.runtime.prefill.prefill's. A kernel that drafts also needs
-    `next_token`, the token after them (its MTP module's entries pair each position with
-    the token after it: module_inputs)."""
+    `layer_output` and `drafted` as mkgen.runtime.prefill.prefill's. A kernel that drafts
+    also needs `next_token`, the token after them (its MTP module's entries pair each
+    position with the token after it: module_inputs)."""
     from mkgen.runtime.prefill import prefill as xla_prefill
 
     if not prompt_ids:
@@ -257,7 +281,7 @@ def prefill_sequence(
     return xla_prefill(
         model.spec, model.layout, model.mesh, model.kernel.AXIS, model.placed,
         model.weights.embedding, np.asarray([prompt_ids], np.int32), start=start,
-        cached=cached, layer_output=layer_output, module=module,
+        cached=cached, layer_output=layer_output, module=module, drafted=drafted,
     )  # fmt: skip
 
 
@@ -431,7 +455,7 @@ def decode(
     args: Namespace,
     drafter: Drafter,
     stream: Callable[[list[int]], None] | None = None,
-    prefill_states: list[tuple[int, jax.Array]] | None = None,
+    prefill_states: list[Observed] | None = None,
 ) -> Generation:
     """Generation through the megakernel.
 
@@ -455,9 +479,9 @@ def decode(
     observe = None
     if chunked is not None and model.drafting is not None and model.drafting.drafter.observes_steps:
         observe = chunked.observe
-        for offset, states in prefill_states or []:
+        for offset, values, count in prefill_states or []:
             batch = model.build.batch
-            observe(sequences.history, [offset] * batch, states, [states.shape[2]] * batch)
+            observe(sequences.history, [offset] * batch, values, [count] * batch)
     host_step = _HostSteps(model, step_fn, args, drafter, observe)
     mode = interpret_mode() if args.interpret else contextlib.nullcontext()
     with mode:

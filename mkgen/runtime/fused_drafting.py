@@ -5,9 +5,12 @@ the step, so there is nothing to compute between steps, only drafts to carry to 
 After each step the kernel writes, per sequence, the rows its accept rule (greedy) took and
 the R - 1 drafts after the last of them. The runner takes them as the next step's drafts
 where it took as many rows itself: always when greedy (the same rule on the same tokens).
-When sampling, the rejection rule may take other rows, and then the step after drafts by
-the fallback (prompt lookup), as after the prefill, a step outside the device calls or a
-new sequence in the slot; where it takes as many rows but samples another last token than
+The first step after an XLA prefill takes the prefill's drafts, the MTP module's greedy
+chain from the prompt's last entry (mkgen.runtime.prefill), observed as a step that took
+the prefilled rows. When sampling, the rejection rule may take other rows, and then the
+step after drafts by the fallback (prompt lookup), as after a step outside the device
+calls or a prompt restored whole from the server's host cache; where it takes as many
+rows but samples another last token than
 the kernel's greedy one, the kernel's drafts (made after the greedy token) are proposed
 anyway. Drafts are only proposals, verified like any other, so the tokens are exact
 whatever is proposed; the rejection rule inside the kernel is what would draft after the
@@ -36,6 +39,7 @@ class KernelDrafts(DrafterSlots):
     weights (the kernel streams the MTP module's)."""
 
     observes_steps = True  # observe takes each step's drafts (decode.step_reads)
+    observed_batch_axis = 0  # of those, [batch, rows]
 
     def initial_state(self) -> dict[str, Any]:
         return {

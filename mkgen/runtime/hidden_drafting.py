@@ -64,6 +64,7 @@ class HiddenStateDrafter(DrafterSlots):
     spec: ModelSpec
 
     observes_steps = True  # observe takes each step's hidden states (decode.step_reads)
+    observed_batch_axis = 1  # of those states, [len(draft_hidden), batch, n, HIDDEN]
 
     @property
     def mtp(self) -> bool:

@@ -52,7 +52,7 @@ from mkgen.plan.stream import Part
 from mkgen.reference import model as reference
 from mkgen.reference.attention import Cache
 from mkgen.reference.ffn import moe_ffn, shared_mlp
-from mkgen.reference.layers import Project, gated_activation, mm, multiply, rms_norm
+from mkgen.reference.layers import Project, gated_activation, mm, multiply, rms_norm, softcap
 from mkgen.spec.schema import AttentionKind, ModelSpec
 from mkgen.spec.weights import model_weights
 from mkgen.weights import unpack
@@ -416,6 +416,35 @@ def _expert_arrays(layout: KernelLayout, layer: int) -> list[int]:
     return [i for i, (index, _) in enumerate(expert_arrays(layout)) if index == kind]
 
 
+def _head_step(
+    spec: ModelSpec, layout: KernelLayout, passes: DraftPasses, mesh: Mesh, axis: str
+) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """A jitted greedy draft from the MTP module's output, as a pass's head in the kernel:
+    (stream, the module's final norm, out [B, 1, hidden]) -> (token [B], what the next entry
+    chains on [B, 1, hidden]). Each core multiplies by its own columns of the LM head,
+    unpacked from its stream (at lm_head_row), and the cores' logits are gathered in rank
+    order, the vocabulary's order."""
+    segment, first = layout.stream.tail[0], layout.stream.lm_head_row
+    bank_rows, dims = layout.stream.bank_rows, spec.dims
+
+    def body(stream, final_norm, out):
+        rows = stream[0].reshape(-1, stream.shape[-1])[first : first + segment.rows]
+        head = unpack.segment_matrix(segment, rows, bank_rows)
+        normed = rms_norm(out, final_norm, layout.norm_eps, layout.zero_centered)
+        mine = mm(normed[:, 0], head) * dims.logit_multiplier
+        if dims.logit_softcap is not None:
+            mine = softcap(mine, dims.logit_softcap)
+        logits = jax.lax.all_gather(mine, axis, axis=1, tiled=True)
+        return reference.greedy_token(spec, logits), normed if passes.chain_normed else out
+
+    replicated = P()
+    step = jax.shard_map(
+        body, mesh=mesh, in_specs=(P(axis), replicated, replicated),
+        out_specs=(replicated, replicated), check_vma=False,
+    )  # fmt: skip
+    return jax.jit(step)
+
+
 class XlaPrefill:
     """The XLA prefill of one build's layout on one mesh. Its layer steps compile once
     per pair of kinds and chunk size (prompt_chunks) and are kept for later prompts:
@@ -429,6 +458,7 @@ class XlaPrefill:
         self.shapes = {w.name: w.shape for w in model_weights(spec)}
         self.steps: dict[tuple[int, int], Callable[..., tuple[jax.Array, dict]]] = {}
         self.cutters: dict[int, Callable[..., dict[str, jax.Array]]] = {}
+        self.head: Callable[..., tuple[jax.Array, jax.Array]] | None = None  # _head_step
 
     def _step(self, layer: int) -> Callable[..., tuple[jax.Array, dict]]:
         pair = (self.layout.attention_table[layer], self.layout.ffn_table[layer])
@@ -452,6 +482,7 @@ class XlaPrefill:
         cached: Sequence[np.ndarray] | None = None,
         layer_output: Callable[[int, list[jax.Array]], None] | None = None,
         module: ModuleInputs | None = None,
+        drafted: Callable[[int, jax.Array], None] | None = None,
     ) -> list[jax.Array]:
         """prefill's caches of tokens [B, T] at positions start.. (prefill)."""
         spec, layout = self.spec, self.layout
@@ -474,14 +505,19 @@ class XlaPrefill:
                     reference.mix_snapshots(spec, layer, piece, kept, logits)
                     for piece, kept in zip(h, snapshots, strict=True)
                 ]
-            h = run(layer, h)
+            h, _ = run(layer, h)
             if progress is not None:
                 progress(h[-1])
             if layer_output is not None:
                 layer_output(layer, h)
         if passes is not None:  # the MTP module's entries of the prompt, into its cache slot
             assert module is not None, "a kernel that drafts prefills its MTP module's cache"
-            run(passes.first_layer, module.entries(layout, passes, h, chunks, start, replicated))
+            entries = module.entries(layout, passes, h, chunks, start, replicated)
+            out, cache = run(passes.first_layer, entries)
+            if drafted is not None:
+                last = out[-1][:, -1:]
+                at = start + tokens.shape[1]
+                drafted(tokens.shape[1], self._drafts(placed, module, cache, last, at))
         sharded = NamedSharding(self.mesh, P(self.axis))
         caches = []
         for kind in layout.attention:
@@ -494,25 +530,55 @@ class XlaPrefill:
         self, placed: Mapping[str, Any], chunks: list[tuple[int, int]], start: int, batch: int,
         cached: Sequence[np.ndarray] | None, written: dict[tuple[int, str], list[jax.Array]],
         layer: int, h: list[jax.Array],
-    ) -> list[jax.Array]:  # fmt: skip
-        """Layer `layer` over the chunks `h`: its output, its cache cut into `written`."""
-        layout = self.layout
-        step = self._step(layer)
-        experts = tuple(placed["experts"][i] for i in _expert_arrays(layout, layer))
-        stream = layout.stream
-        firsts = (jnp.int32(stream.attention_rows[layer]), jnp.int32(stream.ffn_rows[layer]))
-        cache = _start_cache(self.spec, layout, self.mesh, self.axis, layer, batch, cached)
+    ) -> tuple[list[jax.Array], dict[str, jax.Array]]:  # fmt: skip
+        """Layer `layer` over the chunks `h`: its output and its reference cache holding
+        them, which is also cut into `written`."""
+        cache = _start_cache(self.spec, self.layout, self.mesh, self.axis, layer, batch, cached)
         out = list(h)
         for c, (position, _) in enumerate(chunks):
-            out[c], cache = step(
-                placed["stream"], placed["vectors"], experts, out[c], cache,
-                jnp.int32(start + position),
-                firsts, jnp.int32(layer), jnp.int32(layout.ffn_slot[layer]),
-            )  # fmt: skip
-        kind = layout.attention_table[layer]
+            out[c], cache = self._chunk(placed, layer, out[c], cache, start + position)
+        kind = self.layout.attention_table[layer]
         for name, value in self.cutters[kind](cache).items():
             written.setdefault((kind, name), []).append(value)
-        return out
+        return out, cache
+
+    def _chunk(
+        self, placed: Mapping[str, Any], layer: int, h: jax.Array, cache: dict[str, jax.Array],
+        position: int,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:  # fmt: skip
+        """Layer `layer` over one chunk `h` at `position`: its output and the cache holding
+        it too (`cache` is donated)."""
+        layout, stream = self.layout, self.layout.stream
+        experts = tuple(placed["experts"][i] for i in _expert_arrays(layout, layer))
+        firsts = (jnp.int32(stream.attention_rows[layer]), jnp.int32(stream.ffn_rows[layer]))
+        return self._step(layer)(
+            placed["stream"], placed["vectors"], experts, h, cache, jnp.int32(position),
+            firsts, jnp.int32(layer), jnp.int32(layout.ffn_slot[layer]),
+        )  # fmt: skip
+
+    def _drafts(
+        self, placed: Mapping[str, Any], module: ModuleInputs, cache: dict[str, jax.Array],
+        last: jax.Array, at: int,
+    ) -> jax.Array:  # fmt: skip
+        """The drafts [B, passes] after the prompt's next token, as the kernel's passes make
+        them after a step: the MTP module's greedy chain from its last prompt entry (`last`,
+        its output [B, 1, hidden]) over its prefilled `cache` (donated), chained entry j at
+        position at + j (at: the next token's position)."""
+        passes = self.layout.draft_passes
+        assert passes is not None
+        if self.head is None:
+            self.head = _head_step(self.spec, self.layout, passes, self.mesh, self.axis)
+        final_norm = jnp.asarray(module.tensors[MODULE_PREFIX + "final_norm"])
+        replicated = NamedSharding(self.mesh, P())
+        drafts, out = [], last
+        for j in range(passes.passes):
+            token, chained = self.head(placed["stream"], final_norm, out)
+            drafts.append(token)
+            if j + 1 < passes.passes:
+                h = module.projected(self.layout, passes, np.asarray(token)[:, None], chained,
+                                     at + j, replicated)  # fmt: skip
+                out, cache = self._chunk(placed, passes.first_layer, h, cache, at + j)
+        return jnp.stack(drafts, axis=1)
 
 
 @dataclass(frozen=True)
@@ -534,25 +600,36 @@ class ModuleInputs:
         in the kernel): entry p pairs the final-normed state at p with the token after p,
         each RMS-normed (enorm, hnorm), joined, through eh_proj; the embedding zeroed at
         position 0 where the module masks it."""
-        w = reference.layer_weights(self.tensors, MODULE_PREFIX)
         eps, zero_centered = layout.norm_eps, layout.zero_centered
         out = []
         for (offset, n), state in zip(chunks, h, strict=True):
-            tokens = self.following[:, offset : offset + n]
-            embedded = np.asarray(self.embedding[tokens], np.float32)
-            if passes.mask_first_embedding:
-                at = start + offset + np.arange(n)
-                embedded = np.where((at == 0)[None, :, None], 0.0, embedded)
             previous = rms_norm(state, jnp.asarray(self.final_norm), eps, zero_centered)
-            joined = jnp.concatenate(
-                [
-                    rms_norm(jax.device_put(embedded, to), w["enorm"], eps, zero_centered),
-                    rms_norm(previous, w["hnorm"], eps, zero_centered),
-                ],
-                axis=-1,
-            )
-            out.append(mm(joined, jnp.asarray(w["eh_proj"])))
+            tokens = self.following[:, offset : offset + n]
+            out.append(self.projected(layout, passes, tokens, previous, start + offset, to))
         return out
+
+    def projected(
+        self, layout: KernelLayout, passes: DraftPasses, tokens: np.ndarray,
+        previous: jax.Array, at: int, to: NamedSharding,
+    ) -> jax.Array:  # fmt: skip
+        """The module layer's input for entries at positions at.. pairing `tokens` [B, n]
+        with `previous` [B, n, hidden] (final-normed target states, or a chained output):
+        each RMS-normed (enorm, hnorm), joined, through eh_proj; the embedding zeroed at
+        position 0 where the module masks it."""
+        w = reference.layer_weights(self.tensors, MODULE_PREFIX)
+        eps, zero_centered = layout.norm_eps, layout.zero_centered
+        embedded = np.asarray(self.embedding[tokens], np.float32)
+        if passes.mask_first_embedding:
+            positions = at + np.arange(tokens.shape[1])
+            embedded = np.where((positions == 0)[None, :, None], 0.0, embedded)
+        joined = jnp.concatenate(
+            [
+                rms_norm(jax.device_put(embedded, to), w["enorm"], eps, zero_centered),
+                rms_norm(previous, w["hnorm"], eps, zero_centered),
+            ],
+            axis=-1,
+        )
+        return mm(joined, jnp.asarray(w["eh_proj"]))
 
 
 # prefill_steps' prefills by (id(spec), id(layout), mesh, axis); each entry keeps its spec
@@ -582,6 +659,7 @@ def prefill(
     cached: Sequence[np.ndarray] | None = None,
     layer_output: Callable[[int, list[jax.Array]], None] | None = None,
     module: ModuleInputs | None = None,
+    drafted: Callable[[int, jax.Array], None] | None = None,
 ) -> list[jax.Array]:
     """The kernel's cache arrays (in kernel.cache_shapes() order, [devices, ...] sharded on
     `axis`) holding tokens [B, T] at positions start..start + T - 1 and, before them,
@@ -595,7 +673,10 @@ def prefill(
     Layer by layer, the prompt goes through in chunks (prompt_chunks), each continuing
     the layer's reference cache (empty, or `cached` turned back into it), which is then
     cut into the kernel's layout. A kernel that drafts (layout.draft_passes) also gets its
-    MTP module's cache: the module's layer over the entries of the prompt (`module`)."""
+    MTP module's cache: the module's layer over the entries of the prompt (`module`), and
+    `drafted` gets (T, the drafts [B, passes] after each sequence's next token): the
+    module's greedy chain from the prompt's last entry, which the kernel's first step
+    verifies as it verifies the drafts its passes write for the step after."""
     return prefill_steps(spec, layout, mesh, axis)(
-        placed, embedding, tokens, progress, start, cached, layer_output, module
+        placed, embedding, tokens, progress, start, cached, layer_output, module, drafted
     )

@@ -57,6 +57,7 @@ from mkgen.interpret import interpret_mode
 from mkgen.runtime.decode import (
     DrafterStates,
     Model,
+    Observed,
     SamplingParams,
     chunk_decoder,
     commit_states,
@@ -502,42 +503,45 @@ class Engine:
 
     def _prefilled(
         self, prompt: list[int], hit: CachedPrefix | None
-    ) -> tuple[list[jax.Array], list[tuple[int, jax.Array]]]:
+    ) -> tuple[list[jax.Array], list[Observed]]:
         """A prompt's caches on the decode mesh, holding all its tokens but the last (the
         kernel is fed that one): prefilled, or `hit`'s cached caches restored with the
-        tokens after them prefilled at the positions that follow; and, for an mtp or
-        block drafter, the prefilled states it reads (DrafterStates.chunks: none after a
-        hit, whose first tokens' states are not kept, so that sequence drafts by prompt
-        lookup)."""
+        tokens after them prefilled at the positions that follow; and what the build's
+        drafter observes of the prefill (DrafterStates.observed): an mtp or block
+        drafter's prefilled states (none after a hit, whose first tokens' states are not
+        kept, so that sequence drafts by prompt lookup), a kernel's first drafts (after a
+        hit too: its MTP module's cache is restored with the others)."""
         if hit is not None and hit.length == len(prompt) - 1:
             return restore(hit.caches, self.model), []
         start, cached = (hit.length, hit.caches) if hit is not None else (0, None)
-        states = DrafterStates(self.model)
+        states = DrafterStates(self.model, start)
         keep = states.keep if self._observe is not None and hit is None else None
         sequence = prefill_sequence(
-            self.prefiller, prompt[start:-1], start, cached, keep, next_token=prompt[-1]
-        )
+            self.prefiller, prompt[start:-1], start, cached, keep, next_token=prompt[-1],
+            drafted=states.drafted if states.wants_drafts else None,
+        )  # fmt: skip
         if self.prefiller is not self.model:
             sequence = hand_over(sequence, self.model)
-        return sequence, states.chunks()
+        return sequence, states.observed()
 
-    def _commit_prompt(
-        self, slot: int, prompt: list[int], chunks: list[tuple[int, jax.Array]]
-    ) -> None:
-        """The build's mtp or block drafter commits a prompt prefilled into `slot` from
-        its prefill's states (a commit from position 0 begins the slot afresh)."""
+    def _commit_prompt(self, slot: int, prompt: list[int], observed: list[Observed]) -> None:
+        """The build's drafter observes a prompt prefilled into `slot` (a commit from
+        position 0 begins the slot afresh)."""
         batch = len(self._slots)
         histories: list[list[int]] = [[] for _ in range(batch)]
         histories[slot] = prompt
-        for offset, states in chunks:
-            # On the host: the states may lie on a disaggregated prefill's mesh.
-            hidden = np.zeros(states.shape[:1] + (batch,) + states.shape[2:], np.float32)
-            hidden[:, slot] = host_value(states[:, 0])
+        for offset, values, n in observed:  # only a drafter that observes gets any
+            assert self.model.drafting is not None
+            axis = self.model.drafting.drafter.observed_batch_axis
+            # On the host: the values may lie on a disaggregated prefill's mesh.
+            one = np.moveaxis(host_value(values), axis, 0)
+            slots = np.zeros((batch, *one.shape[1:]), one.dtype)
+            slots[slot] = one[0]
             count = [0] * batch
-            count[slot] = states.shape[2]
+            count[slot] = n
             self._draft_state = commit_states(
                 self.model, self._observe, self._draft_weights, self._draft_state, histories,
-                [offset] * batch, hidden, count,
+                [offset] * batch, np.moveaxis(slots, 0, axis), count,
             )  # fmt: skip
 
     def _decode_call(self) -> None:
