@@ -347,11 +347,15 @@ def _dots_child(spec_refs: list[str]) -> dict:
 
 
 FUSED_ROWS = 4  # three passes: a draft from the module's last prompt entry, two chained
+DRAFT_MTP = str(SPECS / "draft-mtp.yaml")
+# Kernels that draft, by name: (spec with an mtp drafter, its quantization overrides). An
+# int8 LM head is unpacked from whole banks of its stream rows, a bf16 one from its rows.
+MODULE_CASES = {"draft-mtp": (DRAFT_MTP, {}), "int8 LM head": (DRAFT_MTP, {"lm_head": "int8"})}
 
 
-def _module_child(spec_refs: list[str]) -> dict:
-    """A kernel that drafts (--fuse-draft at FUSED_ROWS rows) of each spec (with an mtp
-    drafter): after PROMPTS' first 12 tokens, the largest relative difference between
+def _module_child(cases: list[str]) -> dict:
+    """A kernel that drafts (--fuse-draft at FUSED_ROWS rows) of each of MODULE_CASES:
+    after PROMPTS' first 12 tokens, the largest relative difference between
     what the prefill's draft chain feeds its LM head (the MTP module's output at the
     prompt's last entry, then at each chained entry) and the reference chain's
     (mtp_layer, mtp_head), and its drafts beside the reference's."""
@@ -391,9 +395,13 @@ def _module_child(spec_refs: list[str]) -> dict:
 
     prefill_module._head_step = recording_head
     results = {}
-    for spec_ref in spec_refs:
+    for case in cases:
+        spec_ref, quantization = MODULE_CASES[case]
         topology = parse_topology(TOPOLOGY)
         spec = mini_twin(load_drafter("mtp", load_spec(spec_ref)), topology.num_devices)
+        data = spec.model_dump(mode="json")
+        data["quantization"] |= quantization
+        spec = type(spec).model_validate(data)
         options = BuildOptions.create(
             context=CONTEXT, batch=BATCH, rows=FUSED_ROWS, fuse_draft=True
         )
@@ -429,7 +437,7 @@ def _module_child(spec_refs: list[str]) -> dict:
                 at = tokens.shape[1] + j
                 out, cache = mtp_layer(spec, w, cache, theirs[-1][:, None], chained, at)
                 outs.append(out)
-        results[spec_ref] = {
+        results[case] = {
             "count": count,
             "fed": max(_relative(a, b) for a, b in zip(fed, outs, strict=True)),
             "drafts": np.asarray(drafts).tolist(),
@@ -474,12 +482,13 @@ def test_a_kernel_that_drafts_prefills_the_reference_drafts_after_the_prompt() -
     """The prefill of a kernel that drafts ends with its first drafts: the MTP module's
     greedy chain from the prompt's last entry, each chained entry at the position after
     the one before, as the reference drafter makes them (the LM head's inputs within the
-    bf16 caches' rounding); they follow the token after the 12 prompt tokens prefilled."""
-    result = _run_child(["module"], [str(SPECS / "draft-mtp.yaml")])["module"]
-    (case,) = result.values()
-    assert case["count"] == len(PROMPTS[0]) - 1
-    assert case["fed"] <= MODULE_RTOL, case
-    assert case["drafts"] == case["reference"], case
+    bf16 caches' rounding), with a bf16 or an int8 LM head; they follow the token after the
+    12 prompt tokens prefilled."""
+    results = _run_child(["module"], list(MODULE_CASES))["module"]
+    for name, case in results.items():
+        assert case["count"] == len(PROMPTS[0]) - 1, name
+        assert case["fed"] <= MODULE_RTOL, (name, case)
+        assert case["drafts"] == case["reference"], (name, case)
 
 
 @pytest.mark.timeout(900)
