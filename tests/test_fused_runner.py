@@ -5,8 +5,10 @@ draft-mtp's mini twin (hidden 256) at rows 3, batch 1, on one chip's cores, in T
 interpret mode: the engine's XLA prefill fills the MTP module's cache and drafts after the
 prompt with the module's chain, the first device step feeds those drafts and every later
 one the kernel's drafts of the step before (carried by KernelDrafts), the greedy tokens
-are the target's, and a second request in the slot the first left gets the same tokens
-and drafts. The prefill's drafts and the kernel's first are the reference drafter's (its
+are the target's, a second request in the slot the first left gets the same tokens
+and drafts, and a third, the next turn, continues the first's caches from the host cache
+and starts from its own prefill's drafts. The prefill's drafts and the kernel's first are
+the reference drafter's (its
 draft_step over the same committed rows): they rest on the prefilled MTP cache, which a
 prefill that skipped it, or paired the wrong tokens, would not give. `mkgen run` with
 converted weights: tests/test_draft_convert.py.
@@ -32,6 +34,7 @@ from mkgen.spec.schema import ModelSpec
 SPECS = Path(__file__).parent / "specs"
 ROWS, CONTEXT, STEPS = 3, 32, 6
 PROMPT = [3, 17, 42, 99, 5, 64, 127]  # held 6: two prefill chunks
+TURN = [9, 250, 31]  # the next turn's new tokens, after the first answer
 # A reference draft may differ from the kernel's only where its logits nearly tie: within
 # this fraction of the logits' spread (the kernel multiplies in bf16, the reference in f32).
 TIE = 0.02
@@ -82,23 +85,27 @@ devices.configure(build, True)
 engine, _ = _start_engine(
     build, None, 0, verify=False, meshes=1, draft=True, interpret=True,
     steps_per_call=STEPS_PER_CALL, queue_limit=QUEUE_LIMIT, disaggregate=False,
-    host_cache_mib=0, multi_host=False,
+    host_cache_mib=64, multi_host=False,
 )
 engine.start()
 assert engine.warm.wait(600), engine.failure
-answers = []
-for _ in range(2):
+reused = lambda: engine.metrics.registry.get_sample_value("mkgen_prefix_cache_tokens_reused_total")
+first, answers = json.loads(sys.argv[2]), []
+for request in range(3):
+    # The prompt twice, then the next turn: the first answer and TURN after it.
+    prompt = first if request < 2 else first + answers[0]["tokens"] + json.loads(sys.argv[4])
     fed.clear(), made.clear()
-    tokens, done = [], threading.Event()
+    tokens, done, before = [], threading.Event(), reused()
 
     def deliver(update):
         tokens.extend(update.tokens)
         if update.finish_reason:
             done.set()
 
-    engine.submit(Request(json.loads(sys.argv[2]), GenerationParams(int(sys.argv[3])), deliver))
+    engine.submit(Request(prompt, GenerationParams(int(sys.argv[3])), deliver))
     assert done.wait(600), "no answer"
-    answers.append({"tokens": tokens, "fed": in_order(fed), "made": in_order(made)})
+    answers.append({"prompt": prompt, "tokens": tokens, "fed": in_order(fed),
+                    "made": in_order(made), "reused": reused() - before})
 engine.stop()
 print(json.dumps(answers))
 """
@@ -116,9 +123,10 @@ def _fused_twin(output: Path) -> None:
 
 
 def _answers(mini: Path) -> list[dict]:
-    """RUN's two answers to PROMPT for STEPS tokens from `mini`'s server engine."""
+    """RUN's three answers for STEPS tokens from `mini`'s server engine: to PROMPT twice,
+    then to the next turn (PROMPT, the first answer, TURN)."""
     result = subprocess.run(
-        [sys.executable, "-c", RUN, str(mini), json.dumps(PROMPT), str(STEPS)],
+        [sys.executable, "-c", RUN, str(mini), json.dumps(PROMPT), str(STEPS), json.dumps(TURN)],
         capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
     )  # fmt: skip
@@ -149,15 +157,16 @@ def fused_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_server_feeds_the_kernels_drafts_and_keeps_the_greedy_tokens(fused_build) -> None:
     mini = fused_build / "mini"
-    answer, again = _answers(mini)
+    answer, again, turn = _answers(mini)
     twin = ModelSpec.model_validate(json.loads((mini / "plan.json").read_text())["spec"])
     target = twin.model_copy(update={"draft": None})
     from mkgen.weights.quantize import stored_random_weights
 
     greedy = generate(target, stored_random_weights(target, 0), np.asarray(PROMPT), STEPS)
     assert answer["tokens"] == greedy.tolist()
-    # The second request, in the slot the first left, starts from its own prefill again.
-    assert again == answer
+    # The second request, in the slot the first left, starts from its own prefill again
+    # (no cached sequence is a prefix of its prompt).
+    assert again == answer and answer["reused"] == 0
     # The prefill's drafts come first (made[0]: it took the 6 prefilled rows), then each
     # step's: the tokens it gave (accepted + bonus), then its drafts.
     prefilled, *made = answer["made"]
@@ -178,6 +187,13 @@ def test_the_server_feeds_the_kernels_drafts_and_keeps_the_greedy_tokens(fused_b
     fed_rows = [PROMPT[-1], *answer["fed"][0][1][0]]
     committed = PROMPT[:-1] + fed_rows[:taken]
     _assert_drafts(kernel_drafts, *_reference_drafts(twin, committed, greedy[taken - 1]))
+    # The next turn continues the first sequence's caches from the host cache (its MTP
+    # module's among them) and prefills the rest: its first step feeds the prefill's drafts,
+    # the reference drafter's after its whole prompt.
+    history = turn["prompt"]
+    assert turn["reused"] == len(PROMPT) + STEPS - 1
+    assert turn["fed"][0][0] == [True] and turn["made"][0][1] == [len(history) - 1 - turn["reused"]]
+    _assert_drafts(turn["fed"][0][1][0], *_reference_drafts(twin, history[:-1], history[-1]))
 
 
 def _assert_drafts(drafts: list[int], expected: list[int], logits: np.ndarray) -> None:
