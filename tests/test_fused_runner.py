@@ -2,16 +2,16 @@
 docs/drafting.md); it decodes with the runner's chunked decoder.
 
 draft-mtp's mini twin (hidden 256) at rows 3, batch 1, on one chip's cores, in TPU
-interpret mode: the engine's XLA prefill fills the MTP module's cache and drafts after the
-prompt with the module's chain, the first device step feeds those drafts and every later
-one the kernel's drafts of the step before (carried by KernelDrafts), the greedy tokens
-are the target's, a second request in the slot the first left gets the same tokens
-and drafts, and a third, the next turn, continues the first's caches from the host cache
-and starts from its own prefill's drafts. The prefill's drafts and the kernel's first are
-the reference drafter's (its
-draft_step over the same committed rows): they rest on the prefilled MTP cache, which a
-prefill that skipped it, or paired the wrong tokens, would not give. `mkgen run` with
-converted weights: tests/test_draft_convert.py.
+interpret mode: the engine's XLA prefill fills the MTP module's cache and drafts after
+the prompt with the module's chain, the first device step feeds those drafts and every
+later one the kernel's drafts of the step before (carried by KernelDrafts), the greedy
+tokens are the target's, a second request in the slot the first left gets the same
+tokens and drafts, and a third, the next turn, continues the first's caches from the
+host cache and starts from its own prefill's drafts. The prefill's drafts and the
+kernel's first are the reference drafter's (its draft_step over the same committed
+rows): they rest on the prefilled MTP cache, which a prefill that skipped it, or paired
+the wrong tokens, would not give. `mkgen run` with converted weights:
+tests/test_draft_convert.py.
 """
 
 from __future__ import annotations
