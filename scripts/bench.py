@@ -166,6 +166,12 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _range(est: dict) -> str:
+    """The lowest and highest step of a plan's sensitivity table ("" without one)."""
+    steps = [s for r in est["sensitivity"] for s in (r["step_ms_low"], r["step_ms_high"])]
+    return f"{min(steps):.2f}-{max(steps):.2f}" if steps else ""
+
+
 def against_the_bar() -> str:
     """Each build a hand-written kernel was published for: the cost model's predicted step
     beside the published (measured) one and the ideal floor."""
@@ -181,10 +187,11 @@ def against_the_bar() -> str:
     width = max(len(" ".join(args)) for _, args in builds)
     lines = [
         "Predicted step (cost model, not measured; calib: the same build with no refill held "
-        "and no expert sharing, the calibrated regime) against the hand-written kernels "
+        "and no expert sharing, the calibrated regime; range: the lowest and highest step with "
+        "one unmeasured input at either end of its range) against the hand-written kernels "
         "(measured on TPU7x) and the ideal floor:",
-        f"{'build':<{width}} {'step ms':>8} {'calib ms':>8} {'hand ms':>8} {'floor ms':>8} "
-        f"{'floor/step':>10}",
+        f"{'build':<{width}} {'step ms':>8} {'calib ms':>8} {'range ms':>11} {'hand ms':>8} "
+        f"{'floor ms':>8} {'floor/step':>10}",
     ]
     for hand, args in builds:
         result = subprocess.run(
@@ -197,7 +204,8 @@ def against_the_bar() -> str:
         est = json.loads(result.stdout)["estimate"]
         lines.append(
             f"{' '.join(args):<{width}} {est['step_ms']:>8.3f} {est['calibrated_step_ms']:>8.3f} "
-            f"{hand.step_ms:>8.2f} {est['ideal_floor_ms']:>8.3f} {est['ideal_floor_ratio']:>10.3f}"
+            f"{_range(est):>11} {hand.step_ms:>8.2f} {est['ideal_floor_ms']:>8.3f} "
+            f"{est['ideal_floor_ratio']:>10.3f}"
         )
     return "\n".join(lines)
 
@@ -224,9 +232,10 @@ def drafted_against_the_bar() -> str:
         "Verify + draft (predicted by the cost model, not measured: without --fuse-draft the "
         "draft is priced beside a verify-only kernel; with it, the kernel drafts inside the "
         "step) against the hand-written kernels' published steps, which draft with their own "
-        "drafters (measured on TPU7x), and issue 21's targets:",
-        f"{'build':<{width}} {'verify ms':>9} {'draft ms':>8} {'step ms':>8} {'hand ms':>8} "
-        f"{'target ms':>9}  published drafter",
+        "drafters (measured on TPU7x), and issue 21's targets; calib and range of the step as "
+        "above:",
+        f"{'build':<{width}} {'verify ms':>9} {'draft ms':>8} {'step ms':>8} {'calib ms':>8} "
+        f"{'range ms':>11} {'hand ms':>8} {'target ms':>9}  published drafter",
     ]
     for hand, args in builds:
         result = subprocess.run(
@@ -241,8 +250,8 @@ def drafted_against_the_bar() -> str:
         verdict = "ok" if est["step_ms"] <= target else "OVER TARGET"
         lines.append(
             f"{' '.join(args):<{width}} {est['verify_ms']:>9.3f} {est['draft_ms']:>8.3f} "
-            f"{est['step_ms']:>8.3f} {hand.step_ms:>8.2f} {target:>6.2f} {verdict:<11} "
-            f"{hand.drafter}"
+            f"{est['step_ms']:>8.3f} {est['calibrated_step_ms']:>8.3f} {_range(est):>11} "
+            f"{hand.step_ms:>8.2f} {target:>6.2f} {verdict:<11} {hand.drafter}"
         )
     return "\n".join(lines)
 
