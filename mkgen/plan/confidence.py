@@ -145,26 +145,37 @@ class Confidence(_Frozen):
     uncalibrated: tuple[UncalibratedPart, ...]
     sensitivity: tuple[SensitivityRow, ...]
 
-    def record(self) -> dict[str, object]:
-        """plan.json's keys under "estimate" (beside the full step): with a drafter priced
-        beside the verify step, the calibrated step and the sensitivity table's steps are
-        verify + draft, as "step_ms" is, the same draft added to each verify step (no
-        measurement covers a draft)."""
+    @property
+    def stated_calibrated_ms(self) -> float:
+        """The calibrated step as the build states its step: verify + draft with a drafter
+        priced beside the verify step (the same draft added: no measurement covers one)."""
+        return self.calibrated_step_ms + (self.draft_ms or 0.0)
+
+    def stated_sensitivity(self) -> tuple[SensitivityRow, ...]:
+        """The sensitivity table with its steps as the build states its step (the draft
+        added to each, as to the calibrated step)."""
         draft = self.draft_ms or 0.0
+        return tuple(
+            r.model_copy(
+                update={
+                    "step_ms_low": r.step_ms_low + draft,
+                    "step_ms_high": r.step_ms_high + draft,
+                }
+            )
+            for r in self.sensitivity
+        )
+
+    def record(self) -> dict[str, object]:
+        """plan.json's keys under "estimate" (beside the full step): the calibrated step and
+        the sensitivity table's steps as "step_ms" is (stated_calibrated_ms,
+        stated_sensitivity)."""
         return {
-            "calibrated_step_ms": self.calibrated_step_ms + draft,
+            "calibrated_step_ms": self.stated_calibrated_ms,
             "calibrated_verify_ms": self.calibrated_step_ms,
             "calibrated_regime": self.coverage.describe(),
             "calibration": self.calibration,
             "uncalibrated": [p.model_dump() for p in self.uncalibrated],
-            "sensitivity": [
-                {
-                    **r.record(),
-                    "step_ms_low": r.step_ms_low + draft,
-                    "step_ms_high": r.step_ms_high + draft,
-                }
-                for r in self.sensitivity
-            ],  # fmt: skip
+            "sensitivity": [r.record() for r in self.stated_sensitivity()],
             "sensitivity_sources": {r.input: r.source for r in self.sensitivity},
         }
 
@@ -175,13 +186,13 @@ class Confidence(_Frozen):
     def beside_step(self) -> str:
         """What every output states beside a build's step: its calibrated regime and the
         range of the sensitivity table, e.g. "7.142 ms in the calibrated regime; 5.224 to
-        8.128 ms with one unmeasured input at either end of its range"; with a drafter
-        priced beside the verify step, both verify + draft, as the step is."""
-        draft = self.draft_ms or 0.0
-        said = f"{self.calibrated_step_ms + draft:.3f} ms in the calibrated regime"
-        if not self.sensitivity:
+        8.128 ms with one unmeasured input at either end of its range"; both as the step is
+        (verify + draft with a drafter priced beside the verify step)."""
+        said = f"{self.stated_calibrated_ms:.3f} ms in the calibrated regime"
+        rows = self.stated_sensitivity()
+        if not rows:
             return said
-        steps = [s + draft for r in self.sensitivity for s in (r.step_ms_low, r.step_ms_high)]
+        steps = [s for r in rows for s in (r.step_ms_low, r.step_ms_high)]
         return (
             f"{said}; {min(steps):.3f} to {max(steps):.3f} ms with one unmeasured input at "
             "either end of its range"
